@@ -1,0 +1,253 @@
+//! Tensor operations of the fusion IR.
+//!
+//! Axis arguments are indices into the input's *visible* axes (reduction axes excluded),
+//! which is how users count axes.
+
+use super::{ScalarId, TensorId};
+
+/// Elementwise functions of one operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Relu,
+    /// Exact GELU, `x * Φ(x)` with the error function.
+    Gelu,
+    Exp,
+    Tanh,
+    Sigmoid,
+    Abs,
+    Sqrt,
+}
+
+impl UnaryOp {
+    /// Every unary op, for tables and tests.
+    pub const ALL: [UnaryOp; 8] = [
+        UnaryOp::Neg,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::Exp,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Abs,
+        UnaryOp::Sqrt,
+    ];
+
+    /// DSL and dump name.
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Sqrt => "sqrt",
+        }
+    }
+
+    /// Reference implementation in f64 (the CPU backend and tests use it).
+    pub fn apply_f64(self, x: f64) -> f64 {
+        match self {
+            UnaryOp::Neg => -x,
+            UnaryOp::Relu => x.max(0.0),
+            UnaryOp::Gelu => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
+            UnaryOp::Exp => x.exp(),
+            UnaryOp::Tanh => x.tanh(),
+            UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+            UnaryOp::Abs => x.abs(),
+            UnaryOp::Sqrt => x.sqrt(),
+        }
+    }
+}
+
+/// The error function, to within 1.2e-7 (Numerical Recipes' erfc Chebyshev fit).
+fn erf(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98
+                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let erfc = t * poly.exp();
+    if x >= 0.0 {
+        1.0 - erfc
+    } else {
+        erfc - 1.0
+    }
+}
+
+/// Elementwise functions of two operands (with broadcasting).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Max,
+    Min,
+}
+
+impl BinaryOp {
+    /// Every binary op, for tables and tests.
+    pub const ALL: [BinaryOp; 6] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Max,
+        BinaryOp::Min,
+    ];
+
+    /// DSL function name.
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Max => "maximum",
+            BinaryOp::Min => "minimum",
+        }
+    }
+
+    /// Infix symbol for dumps, where the op has one.
+    pub fn infix(self) -> Option<&'static str> {
+        match self {
+            BinaryOp::Add => Some("+"),
+            BinaryOp::Sub => Some("-"),
+            BinaryOp::Mul => Some("*"),
+            BinaryOp::Div => Some("/"),
+            BinaryOp::Max | BinaryOp::Min => None,
+        }
+    }
+
+    /// Reference implementation in f64.
+    pub fn apply_f64(self, a: f64, b: f64) -> f64 {
+        match self {
+            BinaryOp::Add => a + b,
+            BinaryOp::Sub => a - b,
+            BinaryOp::Mul => a * b,
+            BinaryOp::Div => a / b,
+            BinaryOp::Max => a.max(b),
+            BinaryOp::Min => a.min(b),
+        }
+    }
+}
+
+/// Reductions over an axis; also the reduce op of Allreduce/ReduceScatter/Reduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+impl ReduceOp {
+    /// DSL and dump name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+        }
+    }
+
+    /// Identity element.
+    pub fn init(self) -> f64 {
+        match self {
+            ReduceOp::Sum => 0.0,
+            ReduceOp::Max => f64::NEG_INFINITY,
+        }
+    }
+
+    /// Combines two partial results.
+    pub fn combine(self, a: f64, b: f64) -> f64 {
+        match self {
+            ReduceOp::Sum => a + b,
+            ReduceOp::Max => a.max(b),
+        }
+    }
+}
+
+/// What an expression computes. Its inputs and output are in [`Expr`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Copy (a resharding when input and output are distributed differently).
+    Set,
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// Conversion to the output's dtype.
+    Cast,
+    /// Reduces the listed visible input axes; they stay in the output as reduction axes.
+    Reduction { op: ReduceOp, axes: Vec<usize> },
+    /// Inserts size-1 broadcast axes where `flags` (over output axes) is true.
+    Broadcast { flags: Vec<bool> },
+    /// Batched matrix product with torch broadcasting; output `[batch.., M, N, rK]`.
+    Matmul,
+    /// `x @ w^T (+ bias)`: x `[.., K]`, w `[N, K]`, bias `[N]`; output `[.., N, rK]`.
+    Linear,
+    /// Picks one index of an axis, removing it.
+    Select { axis: usize, index: ScalarId },
+    /// Keeps `start..stop` of an axis.
+    Slice {
+        axis: usize,
+        start: ScalarId,
+        stop: ScalarId,
+    },
+    /// Splits an axis of extent `n` into `[outer, n / outer]`.
+    Split { axis: usize, outer: ScalarId },
+}
+
+impl Op {
+    /// Short name for messages and dumps.
+    pub fn name(&self) -> String {
+        match self {
+            Op::Set => "set".into(),
+            Op::Unary(u) => u.name().into(),
+            Op::Binary(b) => b.name().into(),
+            Op::Cast => "cast".into(),
+            Op::Reduction { op, .. } => op.name().into(),
+            Op::Broadcast { .. } => "broadcast".into(),
+            Op::Matmul => "matmul".into(),
+            Op::Linear => "linear".into(),
+            Op::Select { .. } => "select".into(),
+            Op::Slice { .. } => "slice".into(),
+            Op::Split { .. } => "split".into(),
+        }
+    }
+
+    /// True for ops whose output is a view of the input (no data is moved).
+    pub fn is_view(&self) -> bool {
+        matches!(
+            self,
+            Op::Select { .. } | Op::Slice { .. } | Op::Split { .. } | Op::Broadcast { .. }
+        )
+    }
+
+    /// True for pointwise ops a fused elementwise kernel can compute.
+    pub fn is_elementwise(&self) -> bool {
+        matches!(self, Op::Set | Op::Unary(_) | Op::Binary(_) | Op::Cast)
+    }
+}
+
+/// Index of an expression in its fusion's arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExprId(pub(crate) u32);
+
+impl ExprId {
+    /// Position in the arena.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// One operation: `output = op(inputs)`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Expr {
+    pub op: Op,
+    pub inputs: Vec<TensorId>,
+    pub output: TensorId,
+}

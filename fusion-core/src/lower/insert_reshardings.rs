@@ -1,0 +1,206 @@
+//! Makes every expression either local compute or a pure resharding.
+//!
+//! For a compute op whose inputs are distributed unlike its output, a `set` to the
+//! output's distribution is inserted before it (e.g. the allgather in front of a matmul).
+//! A reduction that both reduces locally and across devices is split into a local
+//! reduction followed by the cross-device one; a reduction whose output is distributed
+//! unlike its input gets a `set` after it.
+
+use super::resharding::{classify, describe, MeshContext, Resharding};
+use crate::error::{Error, Result};
+use crate::ir::{
+    axis_map, Expr, ExprId, Fusion, IterDomain, IterKind, Op, ParallelType,
+};
+
+/// Rewrites `f` (and the schedule `order`) so that classification never answers
+/// `ReshardInputs` or `SplitReduction`.
+pub fn insert_reshardings(f: &mut Fusion, order: &mut Vec<ExprId>, ctx: MeshContext) -> Result<()> {
+    let mut i = 0;
+    while i < order.len() {
+        let id = order[i];
+        let e = f.expr(id).clone();
+        match classify(f, &e, ctx)? {
+            Resharding::ReshardInputs(inputs) => {
+                for k in inputs {
+                    let set = reshard_input(f, id, k)?;
+                    order.insert(i, set);
+                    i += 1;
+                }
+            }
+            Resharding::SplitReduction => {
+                let extra = split_reduction(f, id, ctx)?;
+                // Re-examine the rewritten reduction (and what follows) from here.
+                match extra {
+                    Split::Before(local) => {
+                        order.insert(i, local);
+                        continue;
+                    }
+                    Split::After(set) => order.insert(i + 1, set),
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
+/// Inserts `t' = set(input k)` with the consumer's distribution; returns the set's id.
+fn reshard_input(f: &mut Fusion, consumer: ExprId, k: usize) -> Result<ExprId> {
+    let e = f.expr(consumer).clone();
+    let x = e.inputs[k];
+    let out = e.output;
+    let map = axis_map(f, &e);
+    let out_didx = f.find_parallel_axis(out, ParallelType::DIDx);
+    let out_stream = f.find_parallel_axis(out, ParallelType::Stream);
+    let want_didx = out_didx.and_then(|c| map.producer_axis(k, c));
+    let want_stream = out_stream.and_then(|s| map.producer_axis(k, s));
+    let domains: Vec<IterDomain> = f
+        .visible_axes(x)
+        .into_iter()
+        .map(|q| {
+            let mut d = f.axis(x, q).clone();
+            let broadcast = d.kind == IterKind::Broadcast || f.const_value(d.extent) == Some(1);
+            d.parallel = if Some(q) == want_didx && !broadcast {
+                ParallelType::DIDx
+            } else if Some(q) == want_stream && !broadcast {
+                ParallelType::Stream
+            } else {
+                ParallelType::Serial
+            };
+            d
+        })
+        .collect();
+    let dtype = f.tensor(x).dtype;
+    let mesh = f.tensor(out).mesh.clone();
+    let name = f.tensor(x).name.as_ref().map(|n| format!("{n}_resharded"));
+    let y = f.new_tensor(name, dtype, domains, mesh);
+    let set = f.add_expr(Expr {
+        op: Op::Set,
+        inputs: vec![x],
+        output: y,
+    });
+    let set_expr = f.expr(set).clone();
+    if let Err(err) = classify(f, &set_expr, MeshContext { world_size: None }) {
+        let reason = match err {
+            Error::Resharding { reason, .. } => reason,
+            other => other.to_string(),
+        };
+        return Err(Error::Resharding {
+            expr: describe(f, &e),
+            reason: format!("input `{}` would need a resharding that {reason}", f.tensor_name(x)),
+        });
+    }
+    f.expr_mut(consumer).inputs[k] = y;
+    Ok(set)
+}
+
+enum Split {
+    /// A local reduction was inserted before the expression.
+    Before(ExprId),
+    /// A resharding set was inserted after the expression.
+    After(ExprId),
+}
+
+fn split_reduction(f: &mut Fusion, id: ExprId, ctx: MeshContext) -> Result<Split> {
+    let e = f.expr(id).clone();
+    let Op::Reduction { op, axes } = e.op.clone() else {
+        unreachable!("only reductions are split")
+    };
+    let (x, y) = (e.inputs[0], e.output);
+    let vis = f.visible_axes(x);
+    let p = f.find_parallel_axis(x, ParallelType::DIDx);
+    let sharded_vis = p.and_then(|p| vis.iter().position(|&q| q == p));
+    match sharded_vis {
+        Some(ps) if axes.contains(&ps) && axes.len() > 1 => {
+            // Reduce the other axes locally first; then only the sharded axis crosses devices.
+            let local_axes: Vec<usize> = axes.iter().copied().filter(|&a| a != ps).collect();
+            let domains: Vec<IterDomain> = vis
+                .iter()
+                .enumerate()
+                .map(|(i, &q)| {
+                    let mut d = f.axis(x, q).clone();
+                    if local_axes.contains(&i) {
+                        d.kind = IterKind::Reduction;
+                        d.parallel = ParallelType::Serial;
+                    } else if d.parallel == ParallelType::Stream {
+                        d.parallel = ParallelType::Serial;
+                    }
+                    d
+                })
+                .collect();
+            let mesh = f.tensor(x).mesh.clone();
+            let dtype = f.tensor(x).dtype;
+            let local = f.new_tensor(None, dtype, domains, mesh);
+            let local_expr = f.add_expr(Expr {
+                op: Op::Reduction {
+                    op,
+                    axes: local_axes.clone(),
+                },
+                inputs: vec![x],
+                output: local,
+            });
+            // The original output keeps one reduction axis: the sharded one.
+            let drop: Vec<_> = local_axes.iter().map(|&a| f.tensor(y).axes[a]).collect();
+            f.tensor_mut(y).axes.retain(|d| !drop.contains(d));
+            let new_index = ps - local_axes.iter().filter(|&&a| a < ps).count();
+            let ex = f.expr_mut(id);
+            ex.inputs[0] = local;
+            ex.op = Op::Reduction {
+                op,
+                axes: vec![new_index],
+            };
+            Ok(Split::Before(local_expr))
+        }
+        _ => {
+            // A local reduction whose output is distributed differently: reduce into a
+            // tensor distributed like the input, then reshard with a set.
+            let map = axis_map(f, &e);
+            let in_didx = p;
+            let domains: Vec<IterDomain> = f
+                .tensor(y)
+                .axes
+                .clone()
+                .into_iter()
+                .enumerate()
+                .map(|(j, d)| {
+                    let mut d = f.iter_domain(d).clone();
+                    if d.kind != IterKind::Reduction {
+                        d.parallel = if in_didx.is_some() && map.producer_axis(0, j) == in_didx {
+                            ParallelType::DIDx
+                        } else {
+                            ParallelType::Serial
+                        };
+                    }
+                    d
+                })
+                .collect();
+            let mesh = f.tensor(x).mesh.clone();
+            let dtype = f.tensor(y).dtype;
+            let tmp = f.new_tensor(None, dtype, domains, mesh);
+            f.expr_mut(id).output = tmp;
+            f.set_definition(tmp, id);
+            // `y` is now a set's output: it stores the same axes but reduces none.
+            let kept: Vec<_> = f
+                .tensor(y)
+                .axes
+                .iter()
+                .copied()
+                .filter(|&d| !f.iter_domain(d).is_reduction())
+                .collect();
+            f.tensor_mut(y).axes = kept;
+            let set = f.add_expr(Expr {
+                op: Op::Set,
+                inputs: vec![tmp],
+                output: y,
+            });
+            let set_expr = f.expr(set).clone();
+            classify(f, &set_expr, ctx).map_err(|err| Error::Resharding {
+                expr: describe(f, &e),
+                reason: err.to_string(),
+            })?;
+            Ok(Split::After(set))
+        }
+    }
+}
+

@@ -1,0 +1,146 @@
+//! Lowering: fusion IR -> host program.
+//!
+//! 1. Resolve meshes for the world size and drop expressions no output needs.
+//! 2. Insert reshardings, so that every expression is either local compute or a pure
+//!    resharding `set`/reduction (segmentation at resharding boundaries).
+//! 3. Emit one top-level node per expression.
+//! 4. Run the pass pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
+//!    `FuseElementwise`, `InsertDeallocations` (each can be disabled by name).
+//! 5. Verify that nothing left in the program still needs a communication.
+
+mod insert_reshardings;
+pub mod resharding;
+
+use std::collections::{BTreeSet, HashSet};
+
+use crate::error::{Error, Result};
+use crate::hir::{for_each_node, CommBackend, HostProgram, Node};
+use crate::ir::{DeviceMesh, ExprId, Fusion, Op};
+use crate::pass::{PassContext, PassDump, PassManager};
+
+pub use insert_reshardings::insert_reshardings;
+pub use resharding::{classify, CommSpec, MeshContext, Resharding};
+
+/// Choices that change the lowered program; part of the executor's cache key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct LowerOptions {
+    /// Names of passes to skip (see [`PassManager::standard`]).
+    pub disabled_passes: BTreeSet<String>,
+    /// Transport for the P2P pipeline's sends and receives.
+    pub p2p_backend: CommBackend,
+    /// Record the program after every pass (`FUSION_DUMP=host_ir_passes`).
+    pub dump_passes: bool,
+}
+
+impl LowerOptions {
+    /// Options with the named pass disabled.
+    pub fn without_pass(mut self, name: &str) -> Self {
+        self.disabled_passes.insert(name.to_string());
+        self
+    }
+}
+
+/// A lowered program and the dumps recorded while lowering it.
+#[derive(Clone, Debug)]
+pub struct Lowered {
+    pub program: HostProgram,
+    pub dumps: Vec<PassDump>,
+}
+
+/// Lowers `fusion` for a world of `world_size` devices.
+pub fn lower(fusion: &Fusion, world_size: usize, options: &LowerOptions) -> Result<Lowered> {
+    if world_size == 0 {
+        return Err(Error::Invalid("the world has no devices".into()));
+    }
+    crate::builder::validate(fusion)?;
+    check_meshes(fusion, world_size)?;
+    let mut f = fusion.clone();
+    f.resolve_meshes(world_size);
+    let mut order = live_exprs(&f);
+    let ctx = MeshContext {
+        world_size: Some(world_size),
+    };
+    insert_reshardings(&mut f, &mut order, ctx)?;
+    let mut program = HostProgram::new(f, world_size);
+    program.body = order
+        .iter()
+        .map(|&e| Node::Compute(program.ir.expr(e).clone()))
+        .collect();
+    let manager = PassManager::standard();
+    manager.check_names(&options.disabled_passes)?;
+    let pctx = PassContext::new(world_size, options.clone());
+    let dumps = manager.run(&mut program, &pctx)?;
+    verify(&program)?;
+    Ok(Lowered { program, dumps })
+}
+
+fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
+    for i in 0..f.tensor_count() {
+        let t = crate::ir::TensorId(i as u32);
+        if let DeviceMesh::Devices(d) = &f.tensor(t).mesh {
+            if let Some(&bad) = d.iter().find(|&&x| x >= world_size) {
+                return Err(Error::Parallelization {
+                    tensor: f.tensor_name(t),
+                    axis: None,
+                    reason: format!(
+                        "its mesh {} names device {bad}, but the world has {world_size} devices",
+                        f.tensor(t).mesh
+                    ),
+                });
+            }
+            let unique: HashSet<_> = d.iter().collect();
+            if unique.len() != d.len() || d.is_empty() {
+                return Err(Error::Parallelization {
+                    tensor: f.tensor_name(t),
+                    axis: None,
+                    reason: format!("mesh {} must list distinct devices", f.tensor(t).mesh),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Expressions some output depends on, in topological (creation) order.
+fn live_exprs(f: &Fusion) -> Vec<ExprId> {
+    let mut live = vec![false; f.exprs().len()];
+    let mut stack: Vec<_> = f.outputs().to_vec();
+    let mut seen = HashSet::new();
+    while let Some(t) = stack.pop() {
+        if !seen.insert(t) {
+            continue;
+        }
+        if let Some(e) = f.definition(t) {
+            live[e.index()] = true;
+            stack.extend(f.expr(e).inputs.iter().copied());
+        }
+    }
+    f.expr_ids().filter(|e| live[e.index()]).collect()
+}
+
+/// Every remaining compute node must be local; otherwise a needed pass was disabled.
+fn verify(p: &HostProgram) -> Result<()> {
+    let ctx = MeshContext {
+        world_size: Some(p.world_size),
+    };
+    let mut err = None;
+    for_each_node(&p.body, &mut |n| {
+        if let Node::Compute(e) = n {
+            if err.is_none() && matches!(e.op, Op::Set | Op::Reduction { .. }) {
+                match classify(&p.ir, e, ctx) {
+                    Ok(Resharding::Local) => {}
+                    Ok(_) | Err(_) => {
+                        err = Some(Error::Resharding {
+                            expr: resharding::describe(&p.ir, e),
+                            reason: "it still needs a communication; is the \
+                                     ConvertOpToCommunication or StreamParallelType pass \
+                                     disabled?"
+                                .into(),
+                        })
+                    }
+                }
+            }
+        }
+    });
+    err.map_or(Ok(()), Err)
+}

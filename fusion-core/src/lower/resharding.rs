@@ -1,0 +1,378 @@
+//! Classifies how an expression redistributes data (DESIGN.md section 4).
+//!
+//! `Set` and `Reduction` are the only expressions that may change distribution; lowering
+//! first rewrites every other op so that its inputs already match its output
+//! ([`super::insert_reshardings`]). This module decides, for one expression, whether it is
+//! local, which communications implement it, or why it cannot be lowered.
+
+use crate::error::{Error, Result};
+use crate::hir::CommunicationKind;
+use crate::ir::{axis_map, DeviceMesh, Expr, Fusion, IterKind, Op, ParallelType, ReduceOp, TensorId};
+
+/// One communication a resharding needs; the conversion pass turns it into a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommSpec {
+    pub kind: CommunicationKind,
+    pub team: Vec<usize>,
+    pub mesh: Vec<usize>,
+    pub root: Option<usize>,
+    pub reduce_op: Option<ReduceOp>,
+    pub in_sharded_axis: Option<usize>,
+    pub in_scatter_axis: Option<usize>,
+    pub out_sharded_axis: Option<usize>,
+    pub receiver: Option<usize>,
+}
+
+/// How an expression relates its inputs' distribution to its output's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resharding {
+    /// Every device computes its part from data it holds.
+    Local,
+    /// These communications implement the expression (`Set`/`Reduction` only).
+    Communications(Vec<CommSpec>),
+    /// A `Set` turning a DIDx axis into a Stream axis: the P2P pipeline of seed 001.
+    /// Positions index the tensors' `axes`.
+    DidxToStream { in_axis: usize, out_axis: usize },
+    /// A reduction mixing local and cross-device work; lowering splits it first.
+    SplitReduction,
+    /// A compute op whose listed inputs must be resharded (a `set` inserted) first.
+    ReshardInputs(Vec<usize>),
+}
+
+/// Context for classification: the world size, once known (meshes resolved).
+#[derive(Clone, Copy, Debug)]
+pub struct MeshContext {
+    pub world_size: Option<usize>,
+}
+
+impl MeshContext {
+    fn devices(&self, mesh: &DeviceMesh) -> Option<Vec<usize>> {
+        match (mesh, self.world_size) {
+            (DeviceMesh::Devices(d), _) => Some(d.clone()),
+            (DeviceMesh::World, Some(n)) => Some((0..n).collect()),
+            (DeviceMesh::World, None) => None,
+        }
+    }
+
+    fn same_mesh(&self, a: &DeviceMesh, b: &DeviceMesh) -> bool {
+        match (self.devices(a), self.devices(b)) {
+            (Some(x), Some(y)) => x == y,
+            _ => a == b,
+        }
+    }
+
+    fn size(&self, mesh: &DeviceMesh) -> Option<usize> {
+        self.devices(mesh).map(|d| d.len())
+    }
+}
+
+/// Position of the tensor's DIDx axis if it is effectively sharded (mesh of 2+ devices).
+fn sharded_axis(f: &Fusion, ctx: MeshContext, t: TensorId) -> Option<usize> {
+    let p = f.find_parallel_axis(t, ParallelType::DIDx)?;
+    match ctx.size(&f.tensor(t).mesh) {
+        Some(1) => None,
+        _ => Some(p),
+    }
+}
+
+/// Index of axis position `pos` among the tensor's stored (visible) axes.
+pub(crate) fn stored_index(f: &Fusion, t: TensorId, pos: usize) -> usize {
+    f.visible_axes(t)
+        .iter()
+        .position(|&q| q == pos)
+        .expect("axis is stored")
+}
+
+/// Describes an expression for error messages: `T3 = set(a)`.
+pub(crate) fn describe(f: &Fusion, e: &Expr) -> String {
+    let ins: Vec<String> = e.inputs.iter().map(|&t| f.tensor_name(t)).collect();
+    format!("{} = {}({})", f.tensor_name(e.output), e.op.name(), ins.join(", "))
+}
+
+/// Classifies expression `e` of fusion `f`.
+pub fn classify(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
+    match &e.op {
+        Op::Set => classify_set(f, e, ctx),
+        Op::Reduction { op, axes } => classify_reduction(f, e, *op, axes, ctx),
+        _ => Ok(match inconsistent_inputs(f, e, ctx) {
+            v if v.is_empty() => Resharding::Local,
+            v => Resharding::ReshardInputs(v),
+        }),
+    }
+}
+
+/// Inputs of `e` not distributed like its output (axis for axis, and mesh).
+pub fn inconsistent_inputs(f: &Fusion, e: &Expr, ctx: MeshContext) -> Vec<usize> {
+    let map = axis_map(f, e);
+    let out = e.output;
+    let out_mesh = &f.tensor(out).mesh;
+    let c = sharded_axis(f, ctx, out);
+    let out_stream = f.find_parallel_axis(out, ParallelType::Stream);
+    let mut bad = Vec::new();
+    for (i, &t) in e.inputs.iter().enumerate() {
+        let p = sharded_axis(f, ctx, t);
+        let ok_mesh = ctx.same_mesh(&f.tensor(t).mesh, out_mesh);
+        let consistent = match (p, c) {
+            (None, None) => true,
+            (Some(p), Some(c)) => map.producer_axis(i, c) == Some(p),
+            (Some(_), None) => false,
+            (None, Some(c)) => match map.producer_axis(i, c) {
+                None => true,
+                Some(q) => {
+                    let d = f.axis(t, q);
+                    d.kind == IterKind::Broadcast || f.const_value(d.extent) == Some(1)
+                }
+            },
+        };
+        // An input's DIDx axis feeding the output's Stream axis needs the P2P pipeline,
+        // which only a `set` expresses.
+        let feeds_stream = matches!((p, out_stream), (Some(p), Some(s)) if map.producer_axis(i, s) == Some(p));
+        if !consistent || !ok_mesh || feeds_stream {
+            bad.push(i);
+        }
+    }
+    bad
+}
+
+fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
+    let (x, y) = (e.inputs[0], e.output);
+    let map = axis_map(f, e);
+    let (p, c) = (sharded_axis(f, ctx, x), sharded_axis(f, ctx, y));
+    let (in_mesh, out_mesh) = (&f.tensor(x).mesh, &f.tensor(y).mesh);
+    let same = ctx.same_mesh(in_mesh, out_mesh);
+    if let (Some(p), Some(s)) = (p, f.find_parallel_axis(y, ParallelType::Stream)) {
+        if map.producer_axis(0, s) == Some(p) {
+            if !same {
+                return Err(Error::Resharding {
+                    expr: describe(f, e),
+                    reason: "the DIDx→Stream pipeline needs input and output on the same mesh"
+                        .into(),
+                });
+            }
+            return Ok(Resharding::DidxToStream {
+                in_axis: p,
+                out_axis: s,
+            });
+        }
+    }
+    let devices = |m: &DeviceMesh| {
+        ctx.devices(m).ok_or_else(|| Error::Resharding {
+            expr: describe(f, e),
+            reason: "the world size is needed to lower a resharding between meshes".into(),
+        })
+    };
+    let spec = |kind| CommSpec {
+        kind,
+        team: vec![],
+        mesh: vec![],
+        root: None,
+        reduce_op: None,
+        in_sharded_axis: None,
+        in_scatter_axis: None,
+        out_sharded_axis: None,
+        receiver: None,
+    };
+    match (p, c) {
+        (None, None) if same => Ok(Resharding::Local),
+        (None, None) => {
+            let (src, dst) = (devices(in_mesh)?, devices(out_mesh)?);
+            let root = src[0];
+            Ok(Resharding::Communications(vec![CommSpec {
+                team: with_root(&dst, root),
+                mesh: dst,
+                root: Some(root),
+                ..spec(CommunicationKind::Broadcast)
+            }]))
+        }
+        (Some(p), None) => {
+            let src = devices(in_mesh)?;
+            let in_axis = stored_index(f, x, p);
+            let out_axis = map
+                .consumer_axes(0, p)
+                .first()
+                .map(|&j| stored_index(f, y, j));
+            if same {
+                return Ok(Resharding::Communications(vec![CommSpec {
+                    team: src.clone(),
+                    mesh: src,
+                    in_sharded_axis: Some(in_axis),
+                    out_sharded_axis: out_axis,
+                    ..spec(CommunicationKind::Allgather)
+                }]));
+            }
+            let dst = devices(out_mesh)?;
+            Ok(Resharding::Communications(
+                dst.iter()
+                    .map(|&root| CommSpec {
+                        team: with_root(&src, root),
+                        mesh: src.clone(),
+                        root: Some(root),
+                        in_sharded_axis: Some(in_axis),
+                        out_sharded_axis: out_axis,
+                        ..spec(CommunicationKind::Gather)
+                    })
+                    .collect(),
+            ))
+        }
+        (None, Some(c)) => {
+            let q = map.producer_axis(0, c).ok_or_else(|| Error::Resharding {
+                expr: describe(f, e),
+                reason: "the output's DIDx axis does not come from the input".into(),
+            })?;
+            let (src, dst) = (devices(in_mesh)?, devices(out_mesh)?);
+            let root = src[0];
+            Ok(Resharding::Communications(vec![CommSpec {
+                team: with_root(&dst, root),
+                mesh: dst,
+                root: Some(root),
+                in_scatter_axis: Some(stored_index(f, x, q)),
+                out_sharded_axis: Some(stored_index(f, y, c)),
+                ..spec(CommunicationKind::Scatter)
+            }]))
+        }
+        (Some(p), Some(c)) => {
+            if map.producer_axis(0, c) != Some(p) {
+                return Err(Error::Resharding {
+                    expr: describe(f, e),
+                    reason: format!(
+                        "two shardings change at once: `{}` is sharded on axis {} but `{}` on \
+                         axis {} (an all-to-all); reshard through an unsharded tensor",
+                        f.tensor_name(x),
+                        stored_index(f, x, p),
+                        f.tensor_name(y),
+                        stored_index(f, y, c)
+                    ),
+                });
+            }
+            if same {
+                return Ok(Resharding::Local);
+            }
+            let (src, dst) = (devices(in_mesh)?, devices(out_mesh)?);
+            if src.len() != dst.len() {
+                return Err(Error::Resharding {
+                    expr: describe(f, e),
+                    reason: format!(
+                        "sharded on meshes of different sizes ({} and {} devices)",
+                        src.len(),
+                        dst.len()
+                    ),
+                });
+            }
+            Ok(Resharding::Communications(
+                src.iter()
+                    .zip(&dst)
+                    .map(|(&s, &r)| CommSpec {
+                        team: vec![s, r],
+                        mesh: vec![s],
+                        root: Some(s),
+                        receiver: Some(r),
+                        in_sharded_axis: Some(stored_index(f, x, p)),
+                        out_sharded_axis: Some(stored_index(f, y, c)),
+                        ..spec(CommunicationKind::SendRecv)
+                    })
+                    .collect(),
+            ))
+        }
+    }
+}
+
+fn classify_reduction(
+    f: &Fusion,
+    e: &Expr,
+    op: ReduceOp,
+    axes: &[usize],
+    ctx: MeshContext,
+) -> Result<Resharding> {
+    let (x, y) = (e.inputs[0], e.output);
+    let vis = f.visible_axes(x);
+    let p = sharded_axis(f, ctx, x);
+    let reduces_sharded = p.is_some_and(|p| axes.iter().any(|&a| vis[a] == p));
+    if !reduces_sharded {
+        return Ok(if inconsistent_inputs(f, e, ctx).is_empty() {
+            Resharding::Local
+        } else {
+            Resharding::SplitReduction
+        });
+    }
+    if axes.len() > 1 {
+        return Ok(Resharding::SplitReduction);
+    }
+    let p = p.expect("reduces_sharded");
+    let (in_mesh, out_mesh) = (&f.tensor(x).mesh, &f.tensor(y).mesh);
+    let same = ctx.same_mesh(in_mesh, out_mesh);
+    let src = ctx.devices(in_mesh).ok_or_else(|| Error::Resharding {
+        expr: describe(f, e),
+        reason: "the world size is needed to lower this reduction".into(),
+    })?;
+    let base = CommSpec {
+        kind: CommunicationKind::Allreduce,
+        team: src.clone(),
+        mesh: src.clone(),
+        root: None,
+        reduce_op: Some(op),
+        in_sharded_axis: Some(stored_index(f, x, p)),
+        in_scatter_axis: None,
+        out_sharded_axis: None,
+        receiver: None,
+    };
+    match sharded_axis(f, ctx, y) {
+        Some(c) => {
+            if !same {
+                return Err(Error::Resharding {
+                    expr: describe(f, e),
+                    reason: "a ReduceScatter needs input and output on the same mesh; insert a \
+                             `set` before or after the reduction"
+                        .into(),
+                });
+            }
+            let map = axis_map(f, e);
+            let q = map.producer_axis(0, c).expect("reduction maps every axis");
+            Ok(Resharding::Communications(vec![CommSpec {
+                kind: CommunicationKind::ReduceScatter,
+                in_scatter_axis: Some(stored_index(f, x, q)),
+                out_sharded_axis: Some(stored_index(f, y, c)),
+                ..base
+            }]))
+        }
+        None if same => Ok(Resharding::Communications(vec![base])),
+        None => {
+            let dst = ctx.devices(out_mesh).ok_or_else(|| Error::Resharding {
+                expr: describe(f, e),
+                reason: "the world size is needed to lower this reduction".into(),
+            })?;
+            Ok(Resharding::Communications(
+                dst.iter()
+                    .map(|&root| CommSpec {
+                        kind: CommunicationKind::Reduce,
+                        team: with_root(&src, root),
+                        root: Some(root),
+                        ..base.clone()
+                    })
+                    .collect(),
+            ))
+        }
+    }
+}
+
+fn with_root(mesh: &[usize], root: usize) -> Vec<usize> {
+    let mut team = mesh.to_vec();
+    if !team.contains(&root) {
+        team.push(root);
+    }
+    team
+}
+
+/// Checks, before the world size is known, that every resharding can be lowered.
+pub fn check_reshardings(f: &Fusion) -> Result<()> {
+    let ctx = MeshContext { world_size: None };
+    for e in f.exprs() {
+        if matches!(e.op, Op::Set | Op::Reduction { .. }) {
+            match classify(f, e, ctx) {
+                Ok(_) => {}
+                Err(Error::Resharding { reason, .. }) if reason.contains("world size") => {}
+                Err(err) => return Err(err),
+            }
+        }
+    }
+    Ok(())
+}

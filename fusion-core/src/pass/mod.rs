@@ -1,0 +1,119 @@
+//! Host-IR passes and the manager that runs them.
+//!
+//! Each pass rewrites a [`HostProgram`] in place. Whether a pass runs is decided by the
+//! [`PassContext`] handed to the manager (no global flags), so two fusions lowered at the
+//! same time can use different settings. With dumping on, the program is recorded after
+//! every pass.
+
+mod convert_to_communication;
+mod fuse_elementwise;
+mod insert_deallocations;
+mod stream_parallel_type;
+
+use std::collections::BTreeSet;
+
+pub use convert_to_communication::ConvertOpToCommunication;
+pub use fuse_elementwise::FuseElementwise;
+pub use insert_deallocations::InsertDeallocations;
+pub use stream_parallel_type::StreamParallelType;
+
+use crate::error::{Error, Result};
+use crate::hir::HostProgram;
+use crate::lower::LowerOptions;
+
+/// A host-IR to host-IR transformation.
+pub trait Pass: Send + Sync {
+    /// Name used to enable/disable the pass and in dumps.
+    fn name(&self) -> &'static str;
+    /// Rewrites `program`.
+    fn run(&self, program: &mut HostProgram, ctx: &PassContext) -> Result<()>;
+}
+
+/// What passes may consult: the world size and the lowering options (which passes are
+/// disabled, which transports to use).
+#[derive(Clone, Debug)]
+pub struct PassContext {
+    pub world_size: usize,
+    pub options: LowerOptions,
+}
+
+impl PassContext {
+    /// A context for `world_size` devices.
+    pub fn new(world_size: usize, options: LowerOptions) -> Self {
+        PassContext {
+            world_size,
+            options,
+        }
+    }
+
+    /// False when the pass named `name` is disabled.
+    pub fn is_enabled(&self, name: &str) -> bool {
+        !self.options.disabled_passes.contains(name)
+    }
+}
+
+/// The program as printed after one pass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PassDump {
+    pub pass: &'static str,
+    pub program: String,
+}
+
+/// Runs passes in order, skipping disabled ones and recording dumps.
+pub struct PassManager {
+    passes: Vec<Box<dyn Pass>>,
+}
+
+impl PassManager {
+    /// A manager running `passes` in order.
+    pub fn new(passes: Vec<Box<dyn Pass>>) -> Self {
+        PassManager { passes }
+    }
+
+    /// The standard pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
+    /// `FuseElementwise`, `InsertDeallocations`.
+    pub fn standard() -> Self {
+        PassManager::new(vec![
+            Box::new(StreamParallelType),
+            Box::new(ConvertOpToCommunication),
+            Box::new(FuseElementwise),
+            Box::new(InsertDeallocations),
+        ])
+    }
+
+    /// Names of the passes, in order.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.passes.iter().map(|p| p.name()).collect()
+    }
+
+    /// Fails on a name no pass has (a typo would otherwise disable nothing silently).
+    pub fn check_names(&self, names: &BTreeSet<String>) -> Result<()> {
+        let known = self.names();
+        for n in names {
+            if !known.contains(&n.as_str()) {
+                return Err(Error::UnknownPass(n.clone(), known.join(", ")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs every enabled pass; returns the dumps recorded after each one that ran.
+    pub fn run(&self, program: &mut HostProgram, ctx: &PassContext) -> Result<Vec<PassDump>> {
+        let mut dumps = Vec::new();
+        for pass in &self.passes {
+            if !ctx.is_enabled(pass.name()) {
+                tracing::debug!(pass = pass.name(), "pass disabled");
+                continue;
+            }
+            pass.run(program, ctx)?;
+            tracing::debug!(pass = pass.name(), nodes = program.node_count(), "pass done");
+            if ctx.options.dump_passes {
+                dumps.push(PassDump {
+                    pass: pass.name(),
+                    program: program.to_string(),
+                });
+            }
+        }
+        Ok(dumps)
+    }
+}

@@ -1,0 +1,1 @@
+//! CPU backend: simulated devices on host memory (being written).

@@ -1,0 +1,119 @@
+//! Device backends: what the evaluator needs from a device.
+//!
+//! A [`Device`] allocates tensors, owns a pool of streams, orders streams against each
+//! other with events, and runs a small set of [`Kernel`]s. The evaluator lowers every
+//! compute node of a host program to these kernels, so a backend implements only them.
+
+pub mod cpu;
+
+use fusion_core::ir::{BinaryOp, ReduceOp, UnaryOp};
+use fusion_core::DType;
+
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Which kind of backend a device is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// Simulated devices: threads of this process, host memory.
+    Cpu,
+    /// NVIDIA GPUs through CUDA.
+    Cuda,
+}
+
+impl BackendKind {
+    /// `cpu` or `cuda`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// A stream of a device: 0 is the stream current when a call starts (the caller's);
+/// `1..=n` are the worker pool.
+pub type StreamHandle = usize;
+
+/// One instruction of a [`PointwiseProgram`]. Registers `0..inputs.len()` hold the inputs;
+/// instruction `i` writes register `inputs.len() + i`. Values are f32 in registers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PointwiseInstr {
+    Unary(UnaryOp, usize),
+    Binary(BinaryOp, usize, usize),
+    /// Rounds a register to `DType` (a cast inside a fused chain).
+    Round(DType, usize),
+}
+
+/// A fused elementwise computation over one iteration shape.
+#[derive(Clone, Debug)]
+pub struct PointwiseProgram {
+    /// The iteration shape (every output's shape).
+    pub shape: Vec<usize>,
+    /// Input views, already broadcast to `shape` (stride 0 on broadcast axes).
+    pub inputs: Vec<Tensor>,
+    pub instrs: Vec<PointwiseInstr>,
+    /// Output views of shape `shape`, each with the register it stores.
+    pub outputs: Vec<(Tensor, usize)>,
+}
+
+impl PointwiseProgram {
+    /// Evaluates the program for one element given its inputs (reference semantics).
+    pub fn eval_element(&self, regs: &mut Vec<f32>) {
+        for ins in &self.instrs {
+            let v = match *ins {
+                PointwiseInstr::Unary(op, a) => op.apply_f64(regs[a] as f64) as f32,
+                PointwiseInstr::Binary(op, a, b) => op.apply_f64(regs[a] as f64, regs[b] as f64) as f32,
+                PointwiseInstr::Round(dt, a) => crate::tensor::round_to(dt, regs[a]),
+            };
+            regs.push(v);
+        }
+    }
+}
+
+/// The operations a backend executes on a stream.
+#[derive(Clone, Copy, Debug)]
+pub enum Kernel<'a> {
+    /// `dst = src` elementwise (same shape; dtypes may differ).
+    Copy { src: &'a Tensor, dst: &'a Tensor },
+    /// A fused elementwise program.
+    Pointwise(&'a PointwiseProgram),
+    /// `dst` = `src` reduced over `axes` (dst's shape is src's without those axes).
+    Reduce {
+        op: ReduceOp,
+        src: &'a Tensor,
+        dst: &'a Tensor,
+        axes: &'a [usize],
+    },
+    /// Batched `dst = a @ b (+ bias)`: a `[B.., M, K]`, b `[B.., K, N]`, dst `[B.., M, N]`,
+    /// bias `[N]`; all of one rank >= 2, batch axes already broadcast (stride 0), any
+    /// strides. Accumulates in f32.
+    Gemm {
+        a: &'a Tensor,
+        b: &'a Tensor,
+        bias: Option<&'a Tensor>,
+        dst: &'a Tensor,
+    },
+}
+
+/// A device as the evaluator sees it. Methods are called from the owning rank's thread.
+pub trait Device: Send + Sync {
+    /// The backend kind.
+    fn kind(&self) -> BackendKind;
+    /// The device ordinal (the rank on a local world).
+    fn ordinal(&self) -> usize;
+    /// Makes sure the worker pool has at least `n` streams.
+    fn ensure_streams(&self, n: usize) -> Result<()>;
+    /// A new uninitialized contiguous tensor, ordered on `stream`.
+    fn allocate(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    /// `waiter` waits for the work enqueued so far on `waitee` (no host blocking).
+    fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()>;
+    /// Enqueues `kernel` on `stream`.
+    fn execute(&self, stream: StreamHandle, kernel: Kernel<'_>) -> Result<()>;
+    /// Copies a host tensor to this device (a no-op clone on the CPU backend).
+    fn upload(&self, t: &Tensor) -> Result<Tensor>;
+    /// Copies a tensor of this device to the host (waits for it).
+    fn download(&self, t: &Tensor) -> Result<Tensor>;
+    /// Blocks the host until all streams are idle.
+    fn synchronize(&self) -> Result<()>;
+}

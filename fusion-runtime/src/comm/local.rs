@@ -1,0 +1,1 @@
+//! In-process communicator for simulated devices (being written).

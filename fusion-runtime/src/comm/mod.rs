@@ -1,0 +1,57 @@
+//! Communicators: collectives and point-to-point transfers between the ranks of a world.
+//!
+//! One trait for every transport: the in-process communicator of the CPU backend, NCCL,
+//! and copy-engine peer copies. Calls enqueue on the given stream; the evaluator orders
+//! streams itself.
+//!
+//! ## Shapes (per rank; axes index the tensors' stored axes)
+//!
+//! With `D = comm.mesh.len()`, mesh index `r` of a device, `a = in_sharded_axis`,
+//! `s = in_scatter_axis`, `o = out_sharded_axis`:
+//!
+//! | kind | input (contributors) | output (receivers) |
+//! | --- | --- | --- |
+//! | Allgather | size 1 at `a` | size D at `o`: block `r` is member `r`'s input |
+//! | Gather | size 1 at `a` (mesh members) | root: like Allgather |
+//! | Allreduce | size 1 at `a` | input without `a`, reduced over members |
+//! | Reduce | size 1 at `a` (mesh members) | root: like Allreduce |
+//! | ReduceScatter | size 1 at `a`, size D at `s` | reduced, without `a`, size 1 at `o`: block `r` |
+//! | Scatter | root: size D at `s` | size 1 at `o`: block `r` of root's input |
+//! | Broadcast | root | a copy of root's input |
+//! | SendRecv | root (the sender) | `receiver`: a copy of the sender's input |
+
+pub mod local;
+
+use fusion_core::hir::Communication;
+
+use crate::backend::StreamHandle;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// A rank's endpoint to the other ranks of its world.
+pub trait Communicator: Send + Sync {
+    /// This rank's index in the world.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the world.
+    fn world_size(&self) -> usize;
+    /// Runs `comm` (see the module table). `input` is `None` when this rank contributes no
+    /// data (e.g. a non-root of a Broadcast), `output` when it receives none. Ranks outside
+    /// `comm.team` never call.
+    fn collective(
+        &self,
+        stream: StreamHandle,
+        comm: &Communication,
+        input: Option<&Tensor>,
+        output: Option<&Tensor>,
+    ) -> Result<()>;
+    /// Sends `buf` to `peer` (buffered: never waits for the matching receive).
+    fn send(&self, stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()>;
+    /// Receives from `peer` into `buf`; messages between a pair arrive in send order.
+    fn recv(&self, stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()>;
+    /// Starts a group: sends and receives until `group_end` are issued together.
+    fn group_start(&self) -> Result<()>;
+    /// Ends a group, issuing its transfers.
+    fn group_end(&self) -> Result<()>;
+    /// Marks the world as failed by this rank, so peers stop waiting with an error.
+    fn abort(&self, reason: &str);
+}

@@ -1,0 +1,83 @@
+//! Runtime errors: bad inputs at call time, backend failures, communication failures.
+
+use thiserror::Error;
+
+/// Result type of the runtime (and of the `fusion` facade).
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// What went wrong while running a fusion.
+#[derive(Debug, Clone, Error)]
+pub enum Error {
+    /// Building or lowering the fusion failed.
+    #[error(transparent)]
+    Core(#[from] fusion_core::Error),
+    /// A tensor given at call time does not fit the fusion (shape, dtype, rank, shard).
+    #[error("{tensor}{}: {reason}", axis_suffix(*.axis))]
+    BadTensor {
+        tensor: String,
+        axis: Option<usize>,
+        reason: String,
+    },
+    /// Wrong number of inputs or outputs.
+    #[error("{what}: expected {expected}, got {actual}")]
+    Arity {
+        what: String,
+        expected: usize,
+        actual: usize,
+    },
+    /// A tensor operation outside a fusion (views, conversions) was misused.
+    #[error("{0}")]
+    Tensor(String),
+    /// The device backend failed (allocation, kernel launch, library call).
+    #[error("{backend} backend: {reason}")]
+    Backend {
+        backend: &'static str,
+        reason: String,
+    },
+    /// A required library could not be loaded; `hint` says how to fix it.
+    #[error("cannot load {library}: {hint}")]
+    MissingLibrary { library: String, hint: String },
+    /// A communication failed on this rank.
+    #[error("rank {rank}: {reason}")]
+    Communication { rank: usize, reason: String },
+    /// Another rank failed, so this rank's communication was abandoned.
+    #[error("rank {rank}: abandoned because rank {failed_rank} failed: {reason}")]
+    PeerFailed {
+        rank: usize,
+        failed_rank: usize,
+        reason: String,
+    },
+    /// A communication waited longer than the world's timeout.
+    #[error("rank {rank}: {what} timed out after {seconds:.1} s (a peer may have stopped participating)")]
+    Timeout {
+        rank: usize,
+        what: String,
+        seconds: f64,
+    },
+    /// The world or a rank was set up wrongly (world size, device count, environment).
+    #[error("world: {0}")]
+    World(String),
+    /// A rank's closure panicked.
+    #[error("rank {rank} panicked: {message}")]
+    Panic { rank: usize, message: String },
+}
+
+fn axis_suffix(axis: Option<usize>) -> String {
+    axis.map(|a| format!(" axis {a}")).unwrap_or_default()
+}
+
+impl Error {
+    /// True for errors caused by another rank's failure (not the root cause).
+    pub fn is_secondary(&self) -> bool {
+        matches!(self, Error::PeerFailed { .. })
+    }
+
+    /// A `BadTensor` error.
+    pub fn bad_tensor(tensor: impl Into<String>, axis: Option<usize>, reason: impl Into<String>) -> Self {
+        Error::BadTensor {
+            tensor: tensor.into(),
+            axis,
+            reason: reason.into(),
+        }
+    }
+}
