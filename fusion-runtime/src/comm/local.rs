@@ -1,1 +1,0 @@
-//! In-process communicator for simulated devices (being written).

@@ -1,0 +1,245 @@
+//! The meeting point of one world's ranks: rendezvous slots for collectives, FIFO
+//! mailboxes for point-to-point messages, and the world's failure flag.
+//!
+//! One mutex guards all of it and one condvar wakes every waiter on any change, so a
+//! failure reaches each blocked rank at once. Data is copied outside the lock.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::LocalCommunicator;
+use crate::error::{Error, Result};
+
+/// A tensor's values in row-major order, as f32, with its shape.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Block {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// What one rank leaves in a collective's slot.
+#[derive(Debug, Clone)]
+pub(super) struct Deposit {
+    /// The collective as this rank sees it; every member must agree.
+    pub signature: String,
+    /// Its input (`None` when it contributes none), or why it could not give one.
+    pub contribution: std::result::Result<Option<Arc<Block>>, String>,
+}
+
+/// Identifies one collective: its team and the callers' sequence number on that team.
+pub(super) type SlotKey = (Vec<usize>, u64);
+
+#[derive(Default)]
+struct Slot {
+    deposits: BTreeMap<usize, Deposit>,
+    left: usize,
+}
+
+#[derive(Default)]
+struct State {
+    failed: Option<(usize, String)>,
+    slots: HashMap<SlotKey, Slot>,
+    mailboxes: HashMap<(usize, usize), VecDeque<Arc<Block>>>,
+}
+
+/// Why a wait ended without its condition.
+enum Stop {
+    Failed(usize, String),
+    TimedOut,
+}
+
+/// Shared by all ranks of one world run: where their communicators meet.
+pub struct LocalFabric {
+    world_size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl std::fmt::Debug for LocalFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalFabric")
+            .field("world_size", &self.world_size)
+            .field("timeout", &self.timeout)
+            .field("failure", &self.failure())
+            .finish()
+    }
+}
+
+impl LocalFabric {
+    /// A fabric for `world_size` ranks; any wait longer than `timeout` fails with
+    /// [`Error::Timeout`] instead of hanging.
+    pub fn new(world_size: usize, timeout: Duration) -> Arc<LocalFabric> {
+        Arc::new(LocalFabric {
+            world_size,
+            timeout,
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// The endpoint of rank `rank` (a rank outside the world gets one whose calls fail).
+    pub fn communicator(self: &Arc<Self>, rank: usize) -> LocalCommunicator {
+        LocalCommunicator::new(Arc::clone(self), rank)
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// How long a wait may last.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Marks the world as failed by `rank`; every pending and later wait returns
+    /// [`Error::PeerFailed`]. The first failure is kept.
+    pub fn fail(&self, rank: usize, reason: &str) {
+        let mut st = self.lock();
+        if st.failed.is_none() {
+            st.failed = Some((rank, reason.to_string()));
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// The rank that failed the world and why, if one did.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.lock().failed.clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits (releasing the lock) until `ready` yields, the world fails or time runs out.
+    /// A failure wins over a ready condition, so every wait after a failure reports it.
+    fn wait_until<'a, T>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        mut ready: impl FnMut(&mut State) -> Option<T>,
+    ) -> (MutexGuard<'a, State>, std::result::Result<T, Stop>) {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some((rank, reason)) = &st.failed {
+                let stop = Stop::Failed(*rank, reason.clone());
+                return (st, Err(stop));
+            }
+            if let Some(t) = ready(&mut st) {
+                return (st, Ok(t));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return (st, Err(Stop::TimedOut));
+            }
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    fn stop_error(&self, rank: usize, stop: Stop, what: String) -> Error {
+        match stop {
+            Stop::Failed(failed_rank, reason) => Error::PeerFailed {
+                rank,
+                failed_rank,
+                reason,
+            },
+            Stop::TimedOut => Error::Timeout {
+                rank,
+                what,
+                seconds: self.timeout.as_secs_f64(),
+            },
+        }
+    }
+
+    /// Deposits `rank`'s part of collective `key` among `members` (distinct ranks) and
+    /// waits for all of them; returns every member's deposit in `members` order. The rank
+    /// leaves the slot on return (whatever the outcome); the last to leave frees it.
+    pub(super) fn rendezvous(
+        &self,
+        rank: usize,
+        key: &SlotKey,
+        members: &[usize],
+        deposit: Deposit,
+        what: &str,
+    ) -> Result<Vec<(usize, Deposit)>> {
+        let mut st = self.lock();
+        let slot = st.slots.entry(key.clone()).or_default();
+        if slot.deposits.insert(rank, deposit).is_some() {
+            return Err(Error::Communication {
+                rank,
+                reason: format!("{what}: this rank joined the same collective twice"),
+            });
+        }
+        self.changed.notify_all();
+        let (mut st, outcome) = self.wait_until(st, |st| {
+            let slot = st.slots.get(key)?;
+            (slot.deposits.len() == members.len()).then(|| {
+                members
+                    .iter()
+                    .filter_map(|m| Some((*m, slot.deposits.get(m)?.clone())))
+                    .collect::<Vec<_>>()
+            })
+        });
+        let missing: Vec<usize> = match st.slots.get(key) {
+            Some(slot) => members
+                .iter()
+                .copied()
+                .filter(|m| !slot.deposits.contains_key(m))
+                .collect(),
+            None => Vec::new(),
+        };
+        Self::leave(&mut st, key, members.len());
+        drop(st);
+        outcome.map_err(|stop| {
+            self.stop_error(rank, stop, format!("{what} waiting for ranks {missing:?}"))
+        })
+    }
+
+    fn leave(st: &mut State, key: &SlotKey, members: usize) {
+        if let Some(slot) = st.slots.get_mut(key) {
+            slot.left += 1;
+            if slot.left >= members {
+                st.slots.remove(key);
+            }
+        }
+    }
+
+    /// Queues `block` from `from` to `to` and returns at once.
+    pub(super) fn post(&self, from: usize, to: usize, block: Block) -> Result<()> {
+        let mut st = self.lock();
+        if let Some((failed_rank, reason)) = &st.failed {
+            return Err(Error::PeerFailed {
+                rank: from,
+                failed_rank: *failed_rank,
+                reason: reason.clone(),
+            });
+        }
+        st.mailboxes
+            .entry((from, to))
+            .or_default()
+            .push_back(Arc::new(block));
+        drop(st);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Takes the oldest message from `from` to `to`, waiting for one to arrive.
+    pub(super) fn take(&self, from: usize, to: usize) -> Result<Arc<Block>> {
+        let st = self.lock();
+        let (_st, outcome) =
+            self.wait_until(st, |st| st.mailboxes.get_mut(&(from, to))?.pop_front());
+        outcome.map_err(|stop| self.stop_error(to, stop, format!("recv from rank {from}")))
+    }
+
+    /// Number of collectives some member has not left yet (tests check slots are freed).
+    #[cfg(test)]
+    pub(super) fn open_slots(&self) -> usize {
+        self.lock().slots.len()
+    }
+}
