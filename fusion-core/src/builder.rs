@@ -8,8 +8,8 @@ use std::collections::HashSet;
 
 use crate::error::{AxisRef, Error, Result};
 use crate::ir::{
-    axis_map, BinaryOp, DeviceMesh, Expr, Fusion, IterDomain, IterKind, Op, ParallelType,
-    ReduceOp, ScalarId, ScalarOp, TensorId, UnaryOp,
+    axis_map, BinaryOp, DeviceMesh, Expr, Fusion, IterDomain, IterKind, Op, ParallelType, ReduceOp,
+    ScalarId, ScalarOp, TensorId, UnaryOp,
 };
 use crate::DType;
 
@@ -105,7 +105,9 @@ impl FusionBuilder {
                 kind: IterKind::Iteration,
             })
             .collect();
-        let t = self.f.new_tensor(Some(name.to_string()), dtype, domains, mesh);
+        let t = self
+            .f
+            .new_tensor(Some(name.to_string()), dtype, domains, mesh);
         self.check_annotations(t)?;
         if let Some(ax) = self.f.find_parallel_axis(t, ParallelType::Stream) {
             return Err(Error::Parallelization {
@@ -240,7 +242,8 @@ impl FusionBuilder {
                 .zip(self.f.visible_axes(input))
                 .all(|(&p, q)| {
                     let (x, y) = (self.f.axis(out, p), self.f.axis(input, q));
-                    x.extent == y.extent && (x.parallel == ParallelType::DIDx) == (y.parallel == ParallelType::DIDx)
+                    x.extent == y.extent
+                        && (x.parallel == ParallelType::DIDx) == (y.parallel == ParallelType::DIDx)
                 });
         if !same_layout {
             return Err(Error::Invalid(format!(
@@ -416,10 +419,22 @@ impl FusionBuilder {
             }
         }
         let a_k = *va.last().expect("non-empty");
-        let b_k = if vb.len() >= 2 { vb[vb.len() - 2] } else { vb[0] };
+        let b_k = if vb.len() >= 2 {
+            vb[vb.len() - 2]
+        } else {
+            vb[0]
+        };
         self.check_extents("matmul", (a, a_k), (b, b_k))?;
-        let a_batch = if va.len() >= 2 { &va[..va.len() - 2] } else { &va[..0] };
-        let b_batch = if vb.len() >= 2 { &vb[..vb.len() - 2] } else { &vb[..0] };
+        let a_batch = if va.len() >= 2 {
+            &va[..va.len() - 2]
+        } else {
+            &va[..0]
+        };
+        let b_batch = if vb.len() >= 2 {
+            &vb[..vb.len() - 2]
+        } else {
+            &vb[..0]
+        };
         let nb = a_batch.len().max(b_batch.len());
         let mut domains = Vec::new();
         for j in 0..nb {
@@ -633,7 +648,10 @@ impl FusionBuilder {
 
     fn pointwise(&mut self, op: Op, inputs: &[TensorId], dtype: DType) -> Result<TensorId> {
         let name = op.name();
-        let ranks: Vec<usize> = inputs.iter().map(|&t| self.f.visible_axes(t).len()).collect();
+        let ranks: Vec<usize> = inputs
+            .iter()
+            .map(|&t| self.f.visible_axes(t).len())
+            .collect();
         let out_rank = *ranks.iter().max().expect("at least one input");
         let mut domains = Vec::with_capacity(out_rank);
         for j in 0..out_rank {
@@ -673,7 +691,12 @@ impl FusionBuilder {
         Ok(out)
     }
 
-    fn new_like(&mut self, like: TensorId, dtype: Option<DType>, domains: Vec<IterDomain>) -> TensorId {
+    fn new_like(
+        &mut self,
+        like: TensorId,
+        dtype: Option<DType>,
+        domains: Vec<IterDomain>,
+    ) -> TensorId {
         let t = self.f.tensor(like);
         let dtype = dtype.unwrap_or(t.dtype);
         let mesh = t.mesh.clone();
@@ -691,7 +714,10 @@ impl FusionBuilder {
 
     /// An output axis is DIDx when an input axis it comes from is DIDx.
     fn propagate_didx(&mut self, out: TensorId) {
-        let e = self.f.expr(self.f.definition(out).expect("just defined")).clone();
+        let e = self
+            .f
+            .expr(self.f.definition(out).expect("just defined"))
+            .clone();
         let map = axis_map(&self.f, &e);
         let axes = self.f.tensor(out).axes.clone();
         for (j, &d) in axes.iter().enumerate() {

@@ -81,7 +81,11 @@ pub struct AxisRef {
 
 impl std::fmt::Display for AxisRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "`{}` axis {} has extent {}", self.tensor, self.axis, self.extent)
+        write!(
+            f,
+            "`{}` axis {} has extent {}",
+            self.tensor, self.axis, self.extent
+        )
     }
 }
 

@@ -25,7 +25,12 @@ pub fn tensor_string(f: &Fusion, t: TensorId) -> String {
         .iter()
         .map(|&d| {
             let dom = f.iter_domain(d);
-            format!("{}{}{{{}}}", dom.prefix(), d.index(), f.display_scalar(dom.extent))
+            format!(
+                "{}{}{{{}}}",
+                dom.prefix(),
+                d.index(),
+                f.display_scalar(dom.extent)
+            )
         })
         .collect();
     format!(
@@ -84,8 +89,15 @@ fn expr_string(f: &Fusion, e: &Expr, indent: &str) -> String {
             op.init()
         ),
         Op::Broadcast { flags } => {
-            let fl: Vec<&str> = flags.iter().map(|&b| if b { "true" } else { "false" }).collect();
-            format!("broadcast( {}, flags = {{{}}} )", t(e.inputs[0]), fl.join(", "))
+            let fl: Vec<&str> = flags
+                .iter()
+                .map(|&b| if b { "true" } else { "false" })
+                .collect();
+            format!(
+                "broadcast( {}, flags = {{{}}} )",
+                t(e.inputs[0]),
+                fl.join(", ")
+            )
         }
         Op::Matmul => format!(
             "matmul({},\n{indent}            {})",
@@ -93,7 +105,11 @@ fn expr_string(f: &Fusion, e: &Expr, indent: &str) -> String {
             t(e.inputs[1])
         ),
         Op::Linear => {
-            let mut s = format!("linear({},\n{indent}            {}", t(e.inputs[0]), t(e.inputs[1]));
+            let mut s = format!(
+                "linear({},\n{indent}            {}",
+                t(e.inputs[0]),
+                t(e.inputs[1])
+            );
             if let Some(&b) = e.inputs.get(2) {
                 let _ = write!(s, ",\n{indent}            {}", t(b));
             }
@@ -206,10 +222,18 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
                 }
             }
             Node::GetCurrentStream { stream } => {
-                let _ = writeln!(out, "{indent}GetCurrentStream into {}", stream_string(p, *stream));
+                let _ = writeln!(
+                    out,
+                    "{indent}GetCurrentStream into {}",
+                    stream_string(p, *stream)
+                );
             }
             Node::SetCurrentStream { stream } => {
-                let _ = writeln!(out, "{indent}SetCurrentStream to {}", stream_string(p, *stream));
+                let _ = writeln!(
+                    out,
+                    "{indent}SetCurrentStream to {}",
+                    stream_string(p, *stream)
+                );
             }
             Node::Synchronize { stream } => {
                 let _ = writeln!(out, "{indent}Synchronize {}", stream_string(p, *stream));
@@ -257,7 +281,9 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
                 outputs,
             } => {
                 let list = |ts: &[TensorId]| -> String {
-                    ts.iter().map(|&t| format!("{}, ", tensor_string(f, t))).collect()
+                    ts.iter()
+                        .map(|&t| format!("{}, ", tensor_string(f, t)))
+                        .collect()
                 };
                 let _ = writeln!(
                     out,
@@ -296,13 +322,25 @@ impl fmt::Display for HostProgram {
 
 impl fmt::Display for Fusion {
     fn fmt(&self, fmt: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let ins: Vec<String> = self.inputs().iter().map(|&t| tensor_string(self, t)).collect();
-        let outs: Vec<String> = self.outputs().iter().map(|&t| tensor_string(self, t)).collect();
-        writeln!(fmt, "%Fusion {{ ({}) -> ({}) :", ins.join(", "), outs.join(", "))?;
+        let ins: Vec<String> = self
+            .inputs()
+            .iter()
+            .map(|&t| tensor_string(self, t))
+            .collect();
+        let outs: Vec<String> = self
+            .outputs()
+            .iter()
+            .map(|&t| tensor_string(self, t))
+            .collect();
+        writeln!(
+            fmt,
+            "%Fusion {{ ({}) -> ({}) :",
+            ins.join(", "),
+            outs.join(", ")
+        )?;
         for e in self.exprs() {
             writeln!(fmt, "  {}", expr_string(self, e, "  "))?;
         }
         writeln!(fmt, "}} // %Fusion")
     }
 }
-

@@ -73,7 +73,11 @@ impl Error {
     }
 
     /// A `BadTensor` error.
-    pub fn bad_tensor(tensor: impl Into<String>, axis: Option<usize>, reason: impl Into<String>) -> Self {
+    pub fn bad_tensor(
+        tensor: impl Into<String>,
+        axis: Option<usize>,
+        reason: impl Into<String>,
+    ) -> Self {
         Error::BadTensor {
             tensor: tensor.into(),
             axis,

@@ -6,7 +6,13 @@
 pub mod backend;
 pub mod comm;
 mod error;
+pub mod eval;
+pub mod executor;
 pub mod tensor;
+pub mod world;
 
+pub use backend::BackendKind;
 pub use error::{Error, Result};
+pub use executor::{ExecOptions, FusionExecutor, RunReport};
 pub use tensor::{ShardTag, Tensor};
+pub use world::{concat, Rank, World};

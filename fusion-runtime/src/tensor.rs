@@ -69,7 +69,9 @@ impl Storage {
     fn same(&self, other: &Storage) -> bool {
         match (self, other) {
             (Storage::Host(a), Storage::Host(b)) => Arc::ptr_eq(a, b),
-            (Storage::Device(a), Storage::Device(b)) => a.ptr() == b.ptr() && a.device() == b.device(),
+            (Storage::Device(a), Storage::Device(b)) => {
+                a.ptr() == b.ptr() && a.device() == b.device()
+            }
             _ => false,
         }
     }
@@ -120,7 +122,12 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
 }
 
 /// Calls `f` with the element offset of every index of a strided view, in row-major order.
-pub fn for_each_offset(shape: &[usize], strides: &[isize], offset: usize, mut f: impl FnMut(usize)) {
+pub fn for_each_offset(
+    shape: &[usize],
+    strides: &[isize],
+    offset: usize,
+    mut f: impl FnMut(usize),
+) {
     if shape.contains(&0) {
         return;
     }
@@ -161,7 +168,9 @@ pub fn for_each_offset(shape: &[usize], strides: &[isize], offset: usize, mut f:
 pub fn read_elem(bytes: &[u8], i: usize, dtype: DType) -> f32 {
     match dtype {
         DType::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes")),
-        DType::BF16 => bf16::from_bits(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])).to_f32(),
+        DType::BF16 => {
+            bf16::from_bits(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])).to_f32()
+        }
         DType::F16 => f16::from_bits(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])).to_f32(),
     }
 }
@@ -170,8 +179,12 @@ pub fn read_elem(bytes: &[u8], i: usize, dtype: DType) -> f32 {
 pub fn write_elem(bytes: &mut [u8], i: usize, dtype: DType, v: f32) {
     match dtype {
         DType::F32 => bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
-        DType::BF16 => bytes[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes()),
-        DType::F16 => bytes[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes()),
+        DType::BF16 => {
+            bytes[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes())
+        }
+        DType::F16 => {
+            bytes[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes())
+        }
     }
 }
 
@@ -573,7 +586,11 @@ impl Tensor {
     /// Reorders axes: result axis `i` is axis `perm[i]` of `self`.
     pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
         let mut seen = vec![false; self.rank()];
-        if perm.len() != self.rank() || perm.iter().any(|&p| p >= self.rank() || std::mem::replace(&mut seen[p], true)) {
+        if perm.len() != self.rank()
+            || perm
+                .iter()
+                .any(|&p| p >= self.rank() || std::mem::replace(&mut seen[p], true))
+        {
             return Err(Error::Tensor(format!(
                 "permute: {perm:?} is not a permutation of {} axes",
                 self.rank()
@@ -642,15 +659,33 @@ mod tests {
 
     #[test]
     fn split_expand_shard() {
-        let t = Tensor::from_f32(&[4, 2], &(0..8).map(|x| x as f32).collect::<Vec<_>>(), DType::F32).unwrap();
+        let t = Tensor::from_f32(
+            &[4, 2],
+            &(0..8).map(|x| x as f32).collect::<Vec<_>>(),
+            DType::F32,
+        )
+        .unwrap();
         let s = t.split_axis(0, 2).unwrap();
         assert_eq!(s.shape(), &[2, 2, 2]);
-        assert_eq!(s.select(0, 1).unwrap().to_f32_vec().unwrap(), vec![4., 5., 6., 7.]);
+        assert_eq!(
+            s.select(0, 1).unwrap().to_f32_vec().unwrap(),
+            vec![4., 5., 6., 7.]
+        );
         let b = Tensor::from_f32(&[1, 2], &[1., 2.], DType::F32).unwrap();
-        assert_eq!(b.expand(&[3, 2]).unwrap().to_f32_vec().unwrap(), vec![1., 2., 1., 2., 1., 2.]);
+        assert_eq!(
+            b.expand(&[3, 2]).unwrap().to_f32_vec().unwrap(),
+            vec![1., 2., 1., 2., 1., 2.]
+        );
         let sh = s.shard(0, 1, 2).unwrap();
         assert_eq!(sh.shape(), &[1, 2, 2]);
-        assert_eq!(sh.shard_tag(), Some(ShardTag { axis: 0, index: 1, count: 2 }));
+        assert_eq!(
+            sh.shard_tag(),
+            Some(ShardTag {
+                axis: 0,
+                index: 1,
+                count: 2
+            })
+        );
         assert!(t.shard(0, 0, 3).is_err());
         assert!(t.split_axis(0, 3).is_err());
     }
@@ -664,6 +699,9 @@ mod tests {
         let r = Tensor::randn(&[1000], DType::F32, 7).to_f32_vec().unwrap();
         let mean: f32 = r.iter().sum::<f32>() / 1000.0;
         let var: f32 = r.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / 1000.0;
-        assert!(mean.abs() < 0.1 && (var - 1.0).abs() < 0.15, "mean {mean} var {var}");
+        assert!(
+            mean.abs() < 0.1 && (var - 1.0).abs() < 0.15,
+            "mean {mean} var {var}"
+        );
     }
 }

@@ -10,9 +10,7 @@ mod walk;
 
 pub use walk::{for_each_node, for_each_node_mut};
 
-use crate::ir::{
-    DeviceMesh, Expr, Fusion, IterDomainId, ReduceOp, ScalarId, TensorId,
-};
+use crate::ir::{DeviceMesh, Expr, Fusion, IterDomainId, ReduceOp, ScalarId, TensorId};
 
 /// Index of a stream value of a host program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -173,9 +171,13 @@ pub struct Segment {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Node {
     /// Binds a fresh buffer to `tensor`, unless it is already bound (then a no-op).
-    Allocate { tensor: TensorId },
+    Allocate {
+        tensor: TensorId,
+    },
     /// Releases `tensor`'s buffer.
-    Deallocate { tensor: TensorId },
+    Deallocate {
+        tensor: TensorId,
+    },
     ForLoop(ForLoop),
     /// Runs `then_body` when `cond` evaluates to non-zero, else `else_body`.
     IfThenElse {
@@ -184,12 +186,18 @@ pub enum Node {
         else_body: Vec<Node>,
     },
     /// Captures the current stream into `stream`.
-    GetCurrentStream { stream: StreamId },
+    GetCurrentStream {
+        stream: StreamId,
+    },
     /// Makes `stream` current: later nodes enqueue on it.
-    SetCurrentStream { stream: StreamId },
+    SetCurrentStream {
+        stream: StreamId,
+    },
     /// The current stream waits for the work enqueued so far on `stream` (event record +
     /// wait; the host does not block).
-    Synchronize { stream: StreamId },
+    Synchronize {
+        stream: StreamId,
+    },
     /// `output` is a view of `input` at `index` along axis `axis` (an index into `input`'s
     /// `axes`), without that axis.
     AliasSelect {
@@ -203,9 +211,13 @@ pub enum Node {
     /// Opens a group of P2P transfers that start together (`ncclGroupStart`).
     StartCoalescing,
     /// Closes the group; `id` names it for `Wait`.
-    EndCoalescing { id: CommId },
+    EndCoalescing {
+        id: CommId,
+    },
     /// The current stream waits for communication (or group) `comm`.
-    Wait { comm: CommId },
+    Wait {
+        comm: CommId,
+    },
     /// A compute op on the current stream.
     Compute(Expr),
     /// A fused segment on the current stream.

@@ -93,7 +93,10 @@ impl Fusion {
         loop {
             let name = format!("i{}", self.next_anonymous);
             self.next_anonymous += 1;
-            if !self.scalar_index.contains_key(&Scalar::Symbol(name.clone())) {
+            if !self
+                .scalar_index
+                .contains_key(&Scalar::Symbol(name.clone()))
+            {
                 return self.symbol(&name);
             }
         }

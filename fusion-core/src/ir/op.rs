@@ -182,15 +182,23 @@ pub enum Op {
     /// Conversion to the output's dtype.
     Cast,
     /// Reduces the listed visible input axes; they stay in the output as reduction axes.
-    Reduction { op: ReduceOp, axes: Vec<usize> },
+    Reduction {
+        op: ReduceOp,
+        axes: Vec<usize>,
+    },
     /// Inserts size-1 broadcast axes where `flags` (over output axes) is true.
-    Broadcast { flags: Vec<bool> },
+    Broadcast {
+        flags: Vec<bool>,
+    },
     /// Batched matrix product with torch broadcasting; output `[batch.., M, N, rK]`.
     Matmul,
     /// `x @ w^T (+ bias)`: x `[.., K]`, w `[N, K]`, bias `[N]`; output `[.., N, rK]`.
     Linear,
     /// Picks one index of an axis, removing it.
-    Select { axis: usize, index: ScalarId },
+    Select {
+        axis: usize,
+        index: ScalarId,
+    },
     /// Keeps `start..stop` of an axis.
     Slice {
         axis: usize,
@@ -198,7 +206,10 @@ pub enum Op {
         stop: ScalarId,
     },
     /// Splits an axis of extent `n` into `[outer, n / outer]`.
-    Split { axis: usize, outer: ScalarId },
+    Split {
+        axis: usize,
+        outer: ScalarId,
+    },
 }
 
 impl Op {

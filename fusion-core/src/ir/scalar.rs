@@ -14,6 +14,11 @@ impl ScalarId {
     pub fn index(self) -> usize {
         self.0 as usize
     }
+
+    /// The id at arena position `i` (for tables indexed by scalar).
+    pub fn from_index(i: usize) -> Self {
+        ScalarId(i as u32)
+    }
 }
 
 /// Scalars whose value the runtime supplies, not the inputs' shapes.

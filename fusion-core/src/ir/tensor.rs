@@ -12,6 +12,11 @@ impl TensorId {
     pub fn index(self) -> usize {
         self.0 as usize
     }
+
+    /// The id at arena position `i` (for tables indexed by tensor).
+    pub fn from_index(i: usize) -> Self {
+        TensorId(i as u32)
+    }
 }
 
 /// Where a host-IR tensor's storage comes from.

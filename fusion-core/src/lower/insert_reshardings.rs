@@ -8,9 +8,7 @@
 
 use super::resharding::{classify, describe, MeshContext, Resharding};
 use crate::error::{Error, Result};
-use crate::ir::{
-    axis_map, Expr, ExprId, Fusion, IterDomain, IterKind, Op, ParallelType,
-};
+use crate::ir::{axis_map, Expr, ExprId, Fusion, IterDomain, IterKind, Op, ParallelType};
 
 /// Rewrites `f` (and the schedule `order`) so that classification never answers
 /// `ReshardInputs` or `SplitReduction`.
@@ -88,7 +86,10 @@ fn reshard_input(f: &mut Fusion, consumer: ExprId, k: usize) -> Result<ExprId> {
         };
         return Err(Error::Resharding {
             expr: describe(f, &e),
-            reason: format!("input `{}` would need a resharding that {reason}", f.tensor_name(x)),
+            reason: format!(
+                "input `{}` would need a resharding that {reason}",
+                f.tensor_name(x)
+            ),
         });
     }
     f.expr_mut(consumer).inputs[k] = y;
@@ -203,4 +204,3 @@ fn split_reduction(f: &mut Fusion, id: ExprId, ctx: MeshContext) -> Result<Split
         }
     }
 }
-

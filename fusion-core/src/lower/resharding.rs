@@ -7,7 +7,9 @@
 
 use crate::error::{Error, Result};
 use crate::hir::CommunicationKind;
-use crate::ir::{axis_map, DeviceMesh, Expr, Fusion, IterKind, Op, ParallelType, ReduceOp, TensorId};
+use crate::ir::{
+    axis_map, DeviceMesh, Expr, Fusion, IterKind, Op, ParallelType, ReduceOp, TensorId,
+};
 
 /// One communication a resharding needs; the conversion pass turns it into a node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,7 +88,12 @@ pub(crate) fn stored_index(f: &Fusion, t: TensorId, pos: usize) -> usize {
 /// Describes an expression for error messages: `T3 = set(a)`.
 pub(crate) fn describe(f: &Fusion, e: &Expr) -> String {
     let ins: Vec<String> = e.inputs.iter().map(|&t| f.tensor_name(t)).collect();
-    format!("{} = {}({})", f.tensor_name(e.output), e.op.name(), ins.join(", "))
+    format!(
+        "{} = {}({})",
+        f.tensor_name(e.output),
+        e.op.name(),
+        ins.join(", ")
+    )
 }
 
 /// Classifies expression `e` of fusion `f`.
@@ -126,7 +133,8 @@ pub fn inconsistent_inputs(f: &Fusion, e: &Expr, ctx: MeshContext) -> Vec<usize>
         };
         // An input's DIDx axis feeding the output's Stream axis needs the P2P pipeline,
         // which only a `set` expresses.
-        let feeds_stream = matches!((p, out_stream), (Some(p), Some(s)) if map.producer_axis(i, s) == Some(p));
+        let feeds_stream =
+            matches!((p, out_stream), (Some(p), Some(s)) if map.producer_axis(i, s) == Some(p));
         if !consistent || !ok_mesh || feeds_stream {
             bad.push(i);
         }

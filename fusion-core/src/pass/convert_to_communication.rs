@@ -3,7 +3,9 @@
 
 use super::{Pass, PassContext};
 use crate::error::{Error, Result};
-use crate::hir::{for_each_node_mut, CommBackend, Communication, CommunicationKind, HostProgram, Node};
+use crate::hir::{
+    for_each_node_mut, CommBackend, Communication, CommunicationKind, HostProgram, Node,
+};
 use crate::ir::{axis_map, Expr, Op};
 use crate::lower::resharding::{describe, stored_index};
 use crate::lower::{classify, CommSpec, MeshContext, Resharding};

@@ -57,9 +57,7 @@ impl Pass for FuseElementwise {
             let produced: Vec<TensorId> = seg.exprs.iter().map(|e| e.output).collect();
             seg.outputs = produced
                 .into_iter()
-                .filter(|t| {
-                    pinned.contains(t) || reads.iter().any(|&(s, r)| s != i && r == *t)
-                })
+                .filter(|t| pinned.contains(t) || reads.iter().any(|&(s, r)| s != i && r == *t))
                 .collect();
             let id = p.add_segment(seg);
             debug_assert_eq!(id.index(), i);

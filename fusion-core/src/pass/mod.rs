@@ -106,7 +106,11 @@ impl PassManager {
                 continue;
             }
             pass.run(program, ctx)?;
-            tracing::debug!(pass = pass.name(), nodes = program.node_count(), "pass done");
+            tracing::debug!(
+                pass = pass.name(),
+                nodes = program.node_count(),
+                "pass done"
+            );
             if ctx.options.dump_passes {
                 dumps.push(PassDump {
                     pass: pass.name(),

@@ -87,7 +87,12 @@ impl LoopGroup {
     fn new(f: &Fusion, e: &Expr, s: usize) -> Result<Self> {
         let d = f.axis(e.output, s);
         if d.kind == IterKind::Broadcast {
-            return Err(stream_error(f, e.output, s, "a broadcast axis cannot be Stream-parallel"));
+            return Err(stream_error(
+                f,
+                e.output,
+                s,
+                "a broadcast axis cannot be Stream-parallel",
+            ));
         }
         Ok(LoopGroup {
             axis: f.tensor(e.output).axes[s],
@@ -181,7 +186,13 @@ struct Slicer {
 }
 
 impl Slicer {
-    fn slice(&mut self, p: &mut HostProgram, t: TensorId, pos: usize, body: &mut Vec<Node>) -> TensorId {
+    fn slice(
+        &mut self,
+        p: &mut HostProgram,
+        t: TensorId,
+        pos: usize,
+        body: &mut Vec<Node>,
+    ) -> TensorId {
         if let Some(&s) = self.cache.get(&(t, pos)) {
             return s;
         }
@@ -246,7 +257,7 @@ fn emit_body_expr(
         match map.producer_axis(i, s) {
             None => inputs.push(t),
             Some(q) => {
-                if p.ir.axis(t, q).parallel == ParallelType::DIDx {
+                if p.ir.axis(t, q).parallel == ParallelType::DIDx && p.mesh_of(t).len() > 1 {
                     return Err(stream_error(
                         &p.ir,
                         t,
@@ -342,7 +353,10 @@ fn op_without_stream_axis(f: &Fusion, e: &Expr, s: usize, removed: &[Option<usiz
                 .expect("a reduction maps every axis");
             Op::Reduction {
                 op: *op,
-                axes: axes.iter().map(|&a| if a > qv { a - 1 } else { a }).collect(),
+                axes: axes
+                    .iter()
+                    .map(|&a| if a > qv { a - 1 } else { a })
+                    .collect(),
             }
         }
         Op::Broadcast { flags } => {
@@ -355,7 +369,8 @@ fn op_without_stream_axis(f: &Fusion, e: &Expr, s: usize, removed: &[Option<usiz
                 f.visible_axes(e.inputs[0]).len(),
                 f.visible_axes(e.inputs[1]).len(),
             );
-            let nb = f.tensor(e.output).axes.len() - 1 - usize::from(ra >= 2) - usize::from(rb >= 2);
+            let nb =
+                f.tensor(e.output).axes.len() - 1 - usize::from(ra >= 2) - usize::from(rb >= 2);
             let streams_m = ra >= 2 && s == nb;
             let streams_n = rb >= 2 && s == nb + usize::from(ra >= 2);
             if (streams_m && rb > 2) || (streams_n && rb != 2) {
@@ -396,8 +411,11 @@ fn op_without_stream_axis(f: &Fusion, e: &Expr, s: usize, removed: &[Option<usiz
 fn stream_error(f: &Fusion, t: TensorId, pos: usize, reason: &str) -> Error {
     Error::StreamLowering {
         tensor: f.tensor_name(t),
-        axis: f.visible_axes(t).iter().position(|&q| q == pos).or(Some(pos)),
+        axis: f
+            .visible_axes(t)
+            .iter()
+            .position(|&q| q == pos)
+            .or(Some(pos)),
         reason: reason.to_string(),
     }
 }
-

@@ -63,7 +63,9 @@ impl PointwiseProgram {
         for ins in &self.instrs {
             let v = match *ins {
                 PointwiseInstr::Unary(op, a) => op.apply_f64(regs[a] as f64) as f32,
-                PointwiseInstr::Binary(op, a, b) => op.apply_f64(regs[a] as f64, regs[b] as f64) as f32,
+                PointwiseInstr::Binary(op, a, b) => {
+                    op.apply_f64(regs[a] as f64, regs[b] as f64) as f32
+                }
                 PointwiseInstr::Round(dt, a) => crate::tensor::round_to(dt, regs[a]),
             };
             regs.push(v);
@@ -116,4 +118,13 @@ pub trait Device: Send + Sync {
     fn download(&self, t: &Tensor) -> Result<Tensor>;
     /// Blocks the host until all streams are idle.
     fn synchronize(&self) -> Result<()>;
+    /// True when `t` lives where this device's kernels can read it.
+    fn is_resident(&self, t: &Tensor) -> bool {
+        match self.kind() {
+            BackendKind::Cpu => t.is_host(),
+            BackendKind::Cuda => t
+                .device_buffer()
+                .is_some_and(|b| b.device() == self.ordinal()),
+        }
+    }
 }

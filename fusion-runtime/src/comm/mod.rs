@@ -54,4 +54,8 @@ pub trait Communicator: Send + Sync {
     fn group_end(&self) -> Result<()>;
     /// Marks the world as failed by this rank, so peers stop waiting with an error.
     fn abort(&self, reason: &str);
+    /// Host-side allgather of small integer vectors among all ranks of the world (call
+    /// metadata such as extents); returns every rank's vector in rank order. Every rank
+    /// must call it at the same point of its program.
+    fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>>;
 }

@@ -230,4 +230,43 @@ impl Communicator for LocalCommunicator {
     fn abort(&self, reason: &str) {
         self.fabric.fail(self.rank, reason);
     }
+
+    fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>> {
+        self.check_rank()?;
+        // Exchanges meet on their own key space (the empty team), in call order.
+        let seq = self.next_sequence(&[]);
+        let what = format!("metadata exchange #{seq}");
+        let members: Vec<usize> = (0..self.fabric.world_size()).collect();
+        // Each i64 travels as four exact 16-bit chunks.
+        let data: Vec<f32> = values
+            .iter()
+            .flat_map(|&v| (0..4).map(move |i| ((v as u64 >> (16 * i)) & 0xFFFF) as f32))
+            .collect();
+        let deposit = Deposit {
+            signature: "exchange".into(),
+            contribution: Ok(Some(Arc::new(Block {
+                shape: vec![data.len()],
+                data,
+            }))),
+        };
+        let deposits =
+            self.fabric
+                .rendezvous(self.rank, &(Vec::new(), seq), &members, deposit, &what)?;
+        deposits
+            .into_iter()
+            .map(|(r, d)| match d.contribution {
+                Ok(Some(block)) => Ok(block
+                    .data
+                    .chunks(4)
+                    .map(|c| {
+                        c.iter()
+                            .enumerate()
+                            .fold(0u64, |acc, (i, &x)| acc | ((x as u64) << (16 * i)))
+                            as i64
+                    })
+                    .collect()),
+                _ => Err(self.error(format!("{what}: rank {r} sent no values"))),
+            })
+            .collect()
+    }
 }

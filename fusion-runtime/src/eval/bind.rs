@@ -1,0 +1,206 @@
+//! Binding a call's tensors to the program: dtype, rank and extent checks, symbol values.
+
+use std::collections::HashMap;
+
+use fusion_core::ir::{Fusion, ParallelType, Scalar, ScalarId, TensorId};
+
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Values of the dimension symbols of one call, and who bound each (for messages).
+#[derive(Debug, Default, Clone)]
+pub struct SymbolBindings {
+    values: HashMap<ScalarId, (i64, String)>,
+    deferred: Vec<(ScalarId, i64, String)>,
+}
+
+impl SymbolBindings {
+    /// The bound value of a symbol.
+    pub fn get(&self, s: ScalarId) -> Option<i64> {
+        self.values.get(&s).map(|v| v.0)
+    }
+
+    /// Every bound symbol with its value, in id order (a rank-independent cache key).
+    pub fn entries(&self) -> Vec<(usize, i64)> {
+        let mut v: Vec<(usize, i64)> = self
+            .values
+            .iter()
+            .map(|(s, (x, _))| (s.index(), *x))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Adds the bindings another rank made (from [`SymbolBindings::entries`]); a symbol
+    /// bound to different values on two ranks is an error naming it.
+    pub fn merge(&mut self, f: &Fusion, from_rank: usize, entries: &[(usize, i64)]) -> Result<()> {
+        for &(i, v) in entries {
+            let s = ScalarId::from_index(i);
+            match self.values.get(&s) {
+                Some((mine, by)) if *mine != v => {
+                    return Err(Error::BadTensor {
+                        tensor: by.clone(),
+                        axis: None,
+                        reason: format!(
+                            "gives {} = {mine}, but rank {from_rank}'s inputs give {v}",
+                            f.display_scalar(s)
+                        ),
+                    })
+                }
+                Some(_) => {}
+                None => {
+                    self.values
+                        .insert(s, (v, format!("rank {from_rank}'s inputs")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Binds extent `s` to `value`, or checks it against an earlier binding.
+    fn bind(
+        &mut self,
+        f: &Fusion,
+        s: ScalarId,
+        value: i64,
+        tensor: &str,
+        axis: usize,
+    ) -> Result<()> {
+        let who = format!("`{tensor}` axis {axis}");
+        match f.scalar_node(s) {
+            Scalar::Const(c) if *c != value => Err(Error::bad_tensor(
+                tensor,
+                Some(axis),
+                format!("has extent {value}, but the fusion declares it as {c}"),
+            )),
+            Scalar::Const(_) => Ok(()),
+            Scalar::Symbol(name) => match self.values.get(&s) {
+                Some((v, _)) if *v == value => Ok(()),
+                Some((v, by)) => Err(Error::bad_tensor(
+                    tensor,
+                    Some(axis),
+                    format!("has extent {value}, but `{name}` is {v} (bound by {by})"),
+                )),
+                None => {
+                    self.values.insert(s, (value, who));
+                    Ok(())
+                }
+            },
+            _ => {
+                self.deferred.push((s, value, who));
+                Ok(())
+            }
+        }
+    }
+
+    /// Checks extents that are expressions of symbols, once every symbol is bound.
+    fn check_deferred(&self, f: &Fusion) -> Result<()> {
+        for (s, value, who) in &self.deferred {
+            let expected = f.evaluate(*s, &|leaf| self.get(leaf));
+            if expected != Some(*value) {
+                return Err(Error::BadTensor {
+                    tensor: who.clone(),
+                    axis: None,
+                    reason: format!(
+                        "has extent {value}, but the fusion declares {} = {}",
+                        f.display_scalar(*s),
+                        expected.map_or("an unbound value".into(), |v| v.to_string())
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Devices of a tensor's mesh (explicit after lowering; `World` resolved for `world_size`).
+pub fn mesh_devices(f: &Fusion, t: TensorId, world_size: usize) -> Vec<usize> {
+    f.tensor(t).mesh.resolve(world_size)
+}
+
+/// Checks the inputs given at call time against the fusion and binds dimension symbols.
+/// `rank` is the calling device; inputs on meshes without it are not checked.
+pub fn bind_inputs(
+    f: &Fusion,
+    inputs: &[TensorId],
+    given: &[&Tensor],
+    rank: usize,
+    world_size: usize,
+) -> Result<SymbolBindings> {
+    if given.len() != inputs.len() {
+        let names: Vec<String> = inputs.iter().map(|&t| f.tensor_name(t)).collect();
+        return Err(Error::Arity {
+            what: format!("inputs ({})", names.join(", ")),
+            expected: inputs.len(),
+            actual: given.len(),
+        });
+    }
+    let mut b = SymbolBindings::default();
+    for (&tid, t) in inputs.iter().zip(given) {
+        let mesh = mesh_devices(f, tid, world_size);
+        let Some(mesh_index) = mesh.iter().position(|&d| d == rank) else {
+            continue;
+        };
+        let name = f.tensor_name(tid);
+        let tv = f.tensor(tid);
+        if t.dtype() != tv.dtype {
+            return Err(Error::bad_tensor(
+                &name,
+                None,
+                format!("expected dtype {}, got {}", tv.dtype, t.dtype()),
+            ));
+        }
+        let stored = f.visible_axes(tid);
+        if t.rank() != stored.len() {
+            return Err(Error::bad_tensor(
+                &name,
+                None,
+                format!(
+                    "expected rank {}, got rank {} (shape {:?})",
+                    stored.len(),
+                    t.rank(),
+                    t.shape()
+                ),
+            ));
+        }
+        for (ax, &pos) in stored.iter().enumerate() {
+            let d = f.axis(tid, pos);
+            let actual = t.shape()[ax];
+            if d.parallel == ParallelType::DIDx {
+                if actual != 1 {
+                    return Err(Error::bad_tensor(
+                        &name,
+                        Some(ax),
+                        format!(
+                            "is DIDx-sharded over {} devices, so each rank holds one index \
+                             (extent 1), but got extent {actual}; pass this rank's shard \
+                             (Rank::shard)",
+                            mesh.len()
+                        ),
+                    ));
+                }
+                b.bind(f, d.extent, mesh.len() as i64, &name, ax)?;
+                if let Some(tag) = t.shard_tag() {
+                    if tag.axis != ax || tag.count != mesh.len() || tag.index != mesh_index {
+                        return Err(Error::bad_tensor(
+                            &name,
+                            Some(ax),
+                            format!(
+                                "rank {rank} was given shard {} of {} along axis {}, but it \
+                                 holds shard {mesh_index} of {} along axis {ax}",
+                                tag.index,
+                                tag.count,
+                                tag.axis,
+                                mesh.len()
+                            ),
+                        ));
+                    }
+                }
+            } else {
+                b.bind(f, d.extent, actual as i64, &name, ax)?;
+            }
+        }
+    }
+    b.check_deferred(f)?;
+    Ok(b)
+}

@@ -1,0 +1,284 @@
+//! Compute nodes: views, pointwise programs, reductions and GEMMs.
+
+use fusion_core::hir::SegmentId;
+use fusion_core::ir::{Expr, Op, TensorId};
+use fusion_core::DType;
+
+use super::Evaluator;
+use crate::backend::{Kernel, PointwiseInstr, PointwiseProgram};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+impl Evaluator<'_> {
+    pub(crate) fn compute(&mut self, e: &Expr) -> Result<()> {
+        if !self.in_mesh[e.output.index()] {
+            return Ok(());
+        }
+        match &e.op {
+            Op::Select { axis, index } => {
+                let i = self.eval(*index)?;
+                let n = self.get(e.inputs[0])?.shape()[*axis];
+                if i < 0 || i as usize >= n {
+                    return Err(self.op_error(e, format!("select index {i} outside 0..{n}")));
+                }
+                let v = self.get(e.inputs[0])?.select(*axis, i as usize)?;
+                self.bind_view(e.output, v)
+            }
+            Op::Slice { axis, start, stop } => {
+                let (s, t) = (self.eval(*start)?, self.eval(*stop)?);
+                let n = self.get(e.inputs[0])?.shape()[*axis] as i64;
+                if s < 0 || t < s || t > n {
+                    return Err(self.op_error(e, format!("slice {s}..{t} outside 0..{n}")));
+                }
+                let v = self
+                    .get(e.inputs[0])?
+                    .narrow(*axis, s as usize, (t - s) as usize)?;
+                self.bind_view(e.output, v)
+            }
+            Op::Split { axis, outer } => {
+                let o = self.eval(*outer)?;
+                let x = self.get(e.inputs[0])?;
+                let v = x
+                    .split_axis(*axis, o.max(0) as usize)
+                    .map_err(|err| self.op_error(e, err.to_string()))?;
+                self.bind_view(e.output, v)
+            }
+            Op::Broadcast { flags } => {
+                let mut v = self.get(e.inputs[0])?.clone();
+                for (i, &is_new) in flags.iter().enumerate() {
+                    if is_new {
+                        v = v.unsqueeze(i)?;
+                    }
+                }
+                self.bind_view(e.output, v)
+            }
+            Op::Set => {
+                let src = self.get(e.inputs[0])?.clone();
+                let dst = self.get_or_allocate(e.output)?;
+                if src.shape() != dst.shape() {
+                    return Err(self.op_error(
+                        e,
+                        format!("copy from {:?} into {:?}", src.shape(), dst.shape()),
+                    ));
+                }
+                self.ctx.device.execute(
+                    self.current,
+                    Kernel::Copy {
+                        src: &src,
+                        dst: &dst,
+                    },
+                )
+            }
+            Op::Unary(_) | Op::Binary(_) | Op::Cast => {
+                let prog = self.pointwise_program(std::slice::from_ref(e), &[e.output])?;
+                self.ctx
+                    .device
+                    .execute(self.current, Kernel::Pointwise(&prog))
+            }
+            Op::Reduction { op, axes } => {
+                let src = self.get(e.inputs[0])?.clone();
+                let dst = self.get_or_allocate(e.output)?;
+                self.ctx.device.execute(
+                    self.current,
+                    Kernel::Reduce {
+                        op: *op,
+                        src: &src,
+                        dst: &dst,
+                        axes,
+                    },
+                )
+            }
+            Op::Matmul => self.matmul(e),
+            Op::Linear => self.linear(e),
+        }
+    }
+
+    fn bind_view(&mut self, t: TensorId, v: Tensor) -> Result<()> {
+        if let Some(bound) = &self.tensors[t.index()] {
+            // A preallocated output that is a view of an input: copy into it.
+            let dst = bound.clone();
+            return self
+                .ctx
+                .device
+                .execute(self.current, Kernel::Copy { src: &v, dst: &dst });
+        }
+        self.tensors[t.index()] = Some(v);
+        Ok(())
+    }
+
+    fn op_error(&self, e: &Expr, reason: String) -> Error {
+        Error::bad_tensor(
+            self.p.ir.tensor_name(e.output),
+            None,
+            format!("{} on rank {}: {reason}", e.op.name(), self.ctx.rank),
+        )
+    }
+
+    pub(crate) fn launch(&mut self, segment: SegmentId, outputs: &[TensorId]) -> Result<()> {
+        let seg = &self.p.segments[segment.index()];
+        let Some(&first) = outputs.first() else {
+            return Ok(());
+        };
+        if !self.in_mesh[first.index()] {
+            return Ok(());
+        }
+        let prog = self.pointwise_program(&seg.exprs, outputs)?;
+        self.ctx
+            .device
+            .execute(self.current, Kernel::Pointwise(&prog))
+    }
+
+    /// Builds the pointwise program of elementwise `exprs` writing `outputs`. Each value is
+    /// rounded to its tensor's dtype, as if every op stored its result.
+    fn pointwise_program(
+        &mut self,
+        exprs: &[Expr],
+        outputs: &[TensorId],
+    ) -> Result<PointwiseProgram> {
+        let shape = self.local_shape(exprs.last().expect("non-empty").output)?;
+        let mut regs: Vec<(TensorId, usize)> = Vec::new();
+        let mut inputs: Vec<Tensor> = Vec::new();
+        let mut instrs: Vec<PointwiseInstr> = Vec::new();
+        let produced: Vec<TensorId> = exprs.iter().map(|e| e.output).collect();
+        // Registers 0..n: the inputs, broadcast to the iteration shape.
+        for e in exprs {
+            for &t in &e.inputs {
+                if produced.contains(&t) || regs.iter().any(|r| r.0 == t) {
+                    continue;
+                }
+                let v = self
+                    .get(t)?
+                    .expand(&shape)
+                    .map_err(|err| self.op_error(e, err.to_string()))?;
+                regs.push((t, inputs.len()));
+                inputs.push(v);
+            }
+        }
+        let reg_of = |regs: &[(TensorId, usize)], t: TensorId| {
+            regs.iter()
+                .rev()
+                .find(|r| r.0 == t)
+                .map(|r| r.1)
+                .expect("defined earlier")
+        };
+        let n_in = inputs.len();
+        for e in exprs {
+            let a = reg_of(&regs, e.inputs[0]);
+            let out_dtype = self.p.ir.tensor(e.output).dtype;
+            let ins = match e.op {
+                Op::Set => None,
+                Op::Cast => Some(PointwiseInstr::Round(out_dtype, a)),
+                Op::Unary(u) => Some(PointwiseInstr::Unary(u, a)),
+                Op::Binary(b) => Some(PointwiseInstr::Binary(b, a, reg_of(&regs, e.inputs[1]))),
+                _ => return Err(self.op_error(e, "not an elementwise op".into())),
+            };
+            let mut reg = a;
+            if let Some(i) = ins {
+                instrs.push(i);
+                reg = n_in + instrs.len() - 1;
+            }
+            if out_dtype != DType::F32 && !matches!(e.op, Op::Cast | Op::Set) {
+                instrs.push(PointwiseInstr::Round(out_dtype, reg));
+                reg = n_in + instrs.len() - 1;
+            }
+            regs.push((e.output, reg));
+        }
+        let mut outs = Vec::with_capacity(outputs.len());
+        for &t in outputs {
+            let v = self.get_or_allocate(t)?;
+            if v.shape() != shape.as_slice() {
+                return Err(Error::Backend {
+                    backend: "evaluator",
+                    reason: format!(
+                        "fused output {} has shape {:?}, the segment iterates {:?}",
+                        self.p.ir.tensor_name(t),
+                        v.shape(),
+                        shape
+                    ),
+                });
+            }
+            outs.push((v, reg_of(&regs, t)));
+        }
+        Ok(PointwiseProgram {
+            shape,
+            inputs,
+            instrs,
+            outputs: outs,
+        })
+    }
+
+    /// torch.matmul semantics, normalized to one batched GEMM.
+    fn matmul(&mut self, e: &Expr) -> Result<()> {
+        let a0 = self.get(e.inputs[0])?.clone();
+        let b0 = self.get(e.inputs[1])?.clone();
+        let dst0 = self.get_or_allocate(e.output)?;
+        let (ra, rb) = (a0.rank(), b0.rank());
+        let a = if ra == 1 { a0.unsqueeze(0)? } else { a0 };
+        let b = if rb == 1 { b0.unsqueeze(1)? } else { b0 };
+        let mut dst = dst0;
+        if ra == 1 {
+            let pos = dst.rank() - usize::from(rb >= 2);
+            dst = dst.unsqueeze(pos)?;
+        }
+        if rb == 1 {
+            dst = dst.unsqueeze(dst.rank())?;
+        }
+        let r = dst.rank();
+        let batch = &dst.shape()[..r - 2];
+        let (m, n, k) = (
+            dst.shape()[r - 2],
+            dst.shape()[r - 1],
+            a.shape()[a.rank() - 1],
+        );
+        let expand = |t: &Tensor, rows: usize, cols: usize| {
+            let mut s = batch.to_vec();
+            s.extend([rows, cols]);
+            t.expand(&s)
+        };
+        let a = expand(&a, m, k).map_err(|err| self.op_error(e, err.to_string()))?;
+        let b = expand(&b, k, n).map_err(|err| self.op_error(e, err.to_string()))?;
+        self.ctx.device.execute(
+            self.current,
+            Kernel::Gemm {
+                a: &a,
+                b: &b,
+                bias: None,
+                dst: &dst,
+            },
+        )
+    }
+
+    /// `x @ w^T + bias`, normalized to one batched GEMM.
+    fn linear(&mut self, e: &Expr) -> Result<()> {
+        let x = self.get(e.inputs[0])?.clone();
+        let w = self.get(e.inputs[1])?.clone();
+        let bias = match e.inputs.get(2) {
+            Some(&t) => Some(self.get(t)?.clone()),
+            None => None,
+        };
+        let mut dst = self.get_or_allocate(e.output)?;
+        let a = if x.rank() == 1 {
+            dst = dst.unsqueeze(0)?;
+            x.unsqueeze(0)?
+        } else {
+            x
+        };
+        let r = a.rank();
+        let (k, n) = (a.shape()[r - 1], w.shape()[0]);
+        let mut bs = a.shape()[..r - 2].to_vec();
+        bs.extend([k, n]);
+        let b = w
+            .permute(&[1, 0])?
+            .expand(&bs)
+            .map_err(|err| self.op_error(e, err.to_string()))?;
+        self.ctx.device.execute(
+            self.current,
+            Kernel::Gemm {
+                a: &a,
+                b: &b,
+                bias: bias.as_ref(),
+                dst: &dst,
+            },
+        )
+    }
+}

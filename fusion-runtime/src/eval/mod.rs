@@ -1,0 +1,428 @@
+//! The host-IR interpreter: runs a [`HostProgram`] for one rank.
+//!
+//! Binds inputs (and preallocated outputs), evaluates scalars (extents, loop indices, the
+//! rank, the stream count), and walks the nodes: allocations, stream switches and waits,
+//! views, communications, and compute lowered to backend [`Kernel`]s.
+
+mod bind;
+mod compute;
+
+use std::collections::HashMap;
+
+use fusion_core::hir::{CommId, Communication, HostProgram, Node, P2PDirection, StreamDef, P2P};
+use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
+
+pub use bind::{bind_inputs, mesh_devices, SymbolBindings};
+
+use crate::backend::{Device, StreamHandle};
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// What one call did: allocations and memory high-water mark (bytes of buffers the call
+/// allocated and had not yet released).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecStats {
+    pub allocations: usize,
+    pub allocated_bytes: usize,
+    pub peak_live_bytes: usize,
+    pub nodes_executed: usize,
+}
+
+/// Everything a call needs besides the program.
+pub struct CallContext<'a> {
+    pub device: &'a dyn Device,
+    pub comm: &'a dyn Communicator,
+    pub rank: usize,
+    pub number_of_streams: usize,
+}
+
+/// Runs `program` on one rank with the symbol values bound from the inputs
+/// ([`bind_inputs`]). `outputs`, when given, are written in place.
+pub fn execute(
+    program: &HostProgram,
+    ctx: &CallContext<'_>,
+    symbols: &SymbolBindings,
+    inputs: &[&Tensor],
+    outputs: Option<&[&Tensor]>,
+) -> Result<(Vec<Tensor>, ExecStats)> {
+    if ctx.number_of_streams == 0 {
+        return Err(Error::World("number_of_streams must be at least 1".into()));
+    }
+    if inputs.len() != program.inputs.len() {
+        return Err(Error::Arity {
+            what: "inputs".into(),
+            expected: program.inputs.len(),
+            actual: inputs.len(),
+        });
+    }
+    ctx.device.ensure_streams(ctx.number_of_streams)?;
+    let mut ev = Evaluator::new(program, ctx, symbols);
+    for (&tid, t) in program.inputs.iter().zip(inputs) {
+        let t = if ev.in_mesh[tid.index()] && !ctx.device.is_resident(t) {
+            ctx.device.upload(t)?
+        } else {
+            (*t).clone()
+        };
+        ev.tensors[tid.index()] = Some(t);
+    }
+    if let Some(outs) = outputs {
+        ev.bind_outputs(outs)?;
+    }
+    for &(out, input) in &program.aliases {
+        if ev.in_mesh[out.index()] {
+            if ev.tensors[out.index()].is_some() {
+                return Err(Error::bad_tensor(
+                    program.ir.tensor_name(out),
+                    None,
+                    "is written in place into an input; do not also pass it preallocated",
+                ));
+            }
+            ev.tensors[out.index()] = ev.tensors[input.index()].clone();
+        }
+    }
+    ev.run_nodes(&program.body)?;
+    let mut result = Vec::with_capacity(program.outputs.len());
+    for &t in &program.outputs {
+        if ev.in_mesh[t.index()] {
+            let v = ev.tensors[t.index()]
+                .clone()
+                .ok_or_else(|| Error::Backend {
+                    backend: "evaluator",
+                    reason: format!("output {} was never produced", program.ir.tensor_name(t)),
+                })?;
+            result.push(v);
+        } else {
+            result.push(Tensor::placeholder(program.ir.tensor(t).dtype));
+        }
+    }
+    Ok((result, ev.stats))
+}
+
+/// Interpreter state for one call on one rank.
+pub(crate) struct Evaluator<'a> {
+    pub(crate) p: &'a HostProgram,
+    pub(crate) ctx: &'a CallContext<'a>,
+    pub(crate) tensors: Vec<Option<Tensor>>,
+    owned_bytes: Vec<usize>,
+    pub(crate) in_mesh: Vec<bool>,
+    leaves: Vec<Option<i64>>,
+    streams: Vec<Option<StreamHandle>>,
+    pub(crate) current: StreamHandle,
+    comm_streams: HashMap<CommId, StreamHandle>,
+    pub(crate) stats: ExecStats,
+    live_bytes: usize,
+}
+
+impl<'a> Evaluator<'a> {
+    fn new(p: &'a HostProgram, ctx: &'a CallContext<'a>, symbols: &SymbolBindings) -> Self {
+        let n = p.ir.tensor_count();
+        let in_mesh = (0..n)
+            .map(|i| {
+                let t = TensorId::from_index(i);
+                mesh_devices(&p.ir, t, p.world_size).contains(&ctx.rank)
+            })
+            .collect();
+        let mut leaves = vec![None; p.ir.scalar_count()];
+        for (i, slot) in leaves.iter_mut().enumerate() {
+            let s = ScalarId::from_index(i);
+            *slot = match p.ir.scalar_node(s) {
+                Scalar::Symbol(_) => symbols.get(s),
+                Scalar::Named(NamedScalar::Rank) => Some(ctx.rank as i64),
+                Scalar::Named(NamedScalar::NumberOfStreams) => Some(ctx.number_of_streams as i64),
+                _ => None,
+            };
+        }
+        Evaluator {
+            p,
+            ctx,
+            tensors: vec![None; n],
+            owned_bytes: vec![0; n],
+            in_mesh,
+            leaves,
+            streams: vec![None; p.streams.len()],
+            current: 0,
+            comm_streams: HashMap::new(),
+            stats: ExecStats::default(),
+            live_bytes: 0,
+        }
+    }
+
+    /// Evaluates a scalar; an unbound symbol is an error naming it.
+    pub(crate) fn eval(&self, s: ScalarId) -> Result<i64> {
+        self.p
+            .ir
+            .evaluate(s, &|leaf| self.leaves[leaf.index()])
+            .ok_or_else(|| Error::Backend {
+                backend: "evaluator",
+                reason: format!(
+                    "cannot evaluate {} on rank {} (an extent no input of this rank binds, or \
+                     a division by zero)",
+                    self.p.ir.display_scalar(s),
+                    self.ctx.rank
+                ),
+            })
+    }
+
+    /// The shape this rank stores for `t`: DIDx and broadcast axes have extent 1.
+    pub(crate) fn local_shape(&self, t: TensorId) -> Result<Vec<usize>> {
+        let f = &self.p.ir;
+        f.visible_axes(t)
+            .into_iter()
+            .map(|pos| {
+                let d = f.axis(t, pos);
+                if d.parallel == ParallelType::DIDx || d.kind == IterKind::Broadcast {
+                    return Ok(1);
+                }
+                let v = self.eval(d.extent)?;
+                usize::try_from(v).map_err(|_| {
+                    Error::bad_tensor(f.tensor_name(t), Some(pos), format!("negative extent {v}"))
+                })
+            })
+            .collect()
+    }
+
+    fn bind_outputs(&mut self, outs: &[&Tensor]) -> Result<()> {
+        let p = self.p;
+        if outs.len() != p.outputs.len() {
+            return Err(Error::Arity {
+                what: "preallocated outputs".into(),
+                expected: p.outputs.len(),
+                actual: outs.len(),
+            });
+        }
+        for (&tid, t) in p.outputs.iter().zip(outs) {
+            if !self.in_mesh[tid.index()] {
+                continue;
+            }
+            let name = p.ir.tensor_name(tid);
+            let dtype = p.ir.tensor(tid).dtype;
+            let shape = self.local_shape(tid)?;
+            if t.dtype() != dtype || t.shape() != shape.as_slice() {
+                return Err(Error::bad_tensor(
+                    name,
+                    None,
+                    format!(
+                        "preallocated output must be {dtype} {shape:?} on this rank, got {} {:?}",
+                        t.dtype(),
+                        t.shape()
+                    ),
+                ));
+            }
+            if !self.ctx.device.is_resident(t) {
+                return Err(Error::bad_tensor(
+                    name,
+                    None,
+                    "preallocated output must live on this rank's device",
+                ));
+            }
+            self.tensors[tid.index()] = Some((*t).clone());
+        }
+        Ok(())
+    }
+
+    /// The tensor bound to `t`, or an error if nothing bound it.
+    pub(crate) fn get(&self, t: TensorId) -> Result<&Tensor> {
+        self.tensors[t.index()]
+            .as_ref()
+            .ok_or_else(|| Error::Backend {
+                backend: "evaluator",
+                reason: format!(
+                    "{} is used on rank {} before it is defined",
+                    self.p.ir.tensor_name(t),
+                    self.ctx.rank
+                ),
+            })
+    }
+
+    /// The buffer bound to `t`, allocating it (local shape) if nothing is bound yet.
+    pub(crate) fn get_or_allocate(&mut self, t: TensorId) -> Result<Tensor> {
+        if let Some(x) = &self.tensors[t.index()] {
+            return Ok(x.clone());
+        }
+        let shape = self.local_shape(t)?;
+        let dtype = self.p.ir.tensor(t).dtype;
+        let x = self.ctx.device.allocate(self.current, dtype, &shape)?;
+        let bytes = x.nbytes();
+        self.stats.allocations += 1;
+        self.stats.allocated_bytes += bytes;
+        self.live_bytes += bytes;
+        self.stats.peak_live_bytes = self.stats.peak_live_bytes.max(self.live_bytes);
+        self.owned_bytes[t.index()] = bytes;
+        self.tensors[t.index()] = Some(x.clone());
+        Ok(x)
+    }
+
+    fn stream_of(&self, s: fusion_core::hir::StreamId) -> Result<StreamHandle> {
+        match &self.p.streams[s.index()] {
+            StreamDef::Captured => self.streams[s.index()].ok_or_else(|| Error::Backend {
+                backend: "evaluator",
+                reason: format!("Stream {} used before GetCurrentStream", s.index()),
+            }),
+            StreamDef::Pool(i) => {
+                let v = self.eval(*i)?;
+                if v < 0 || v as usize >= self.ctx.number_of_streams {
+                    return Err(Error::Backend {
+                        backend: "evaluator",
+                        reason: format!(
+                            "stream index {v} outside the pool of {}",
+                            self.ctx.number_of_streams
+                        ),
+                    });
+                }
+                Ok(1 + v as usize)
+            }
+        }
+    }
+
+    fn run_nodes(&mut self, nodes: &[Node]) -> Result<()> {
+        for n in nodes {
+            self.run_node(n)?;
+        }
+        Ok(())
+    }
+
+    fn run_node(&mut self, n: &Node) -> Result<()> {
+        self.stats.nodes_executed += 1;
+        match n {
+            Node::Allocate { tensor } => {
+                if self.in_mesh[tensor.index()] {
+                    self.get_or_allocate(*tensor)?;
+                }
+            }
+            Node::Deallocate { tensor } => {
+                self.tensors[tensor.index()] = None;
+                self.live_bytes -= std::mem::take(&mut self.owned_bytes[tensor.index()]);
+            }
+            Node::ForLoop(l) => {
+                let (start, stop) = (self.eval(l.start)?, self.eval(l.stop)?);
+                for i in start..stop {
+                    self.leaves[l.index.index()] = Some(i);
+                    self.run_nodes(&l.body)?;
+                }
+                self.leaves[l.index.index()] = None;
+            }
+            Node::IfThenElse {
+                cond,
+                then_body,
+                else_body,
+            } => {
+                if self.eval(*cond)? != 0 {
+                    self.run_nodes(then_body)?;
+                } else {
+                    self.run_nodes(else_body)?;
+                }
+            }
+            Node::GetCurrentStream { stream } => {
+                self.streams[stream.index()] = Some(self.current);
+            }
+            Node::SetCurrentStream { stream } => {
+                self.current = self.stream_of(*stream)?;
+            }
+            Node::Synchronize { stream } => {
+                let s = self.stream_of(*stream)?;
+                if s != self.current {
+                    self.ctx.device.stream_wait(self.current, s)?;
+                }
+            }
+            Node::AliasSelect {
+                input,
+                output,
+                axis,
+                index,
+            } => {
+                if self.in_mesh[input.index()] {
+                    let stored = self.stored_axis(*input, *axis)?;
+                    let i = self.eval(*index)?;
+                    let v = self.get(*input)?.select(stored, i as usize)?;
+                    self.tensors[output.index()] = Some(v);
+                }
+            }
+            Node::Communication(c) => self.communication(c)?,
+            Node::P2P(x) => self.p2p(x)?,
+            Node::StartCoalescing => self.ctx.comm.group_start()?,
+            Node::EndCoalescing { id } => {
+                self.ctx.comm.group_end()?;
+                self.comm_streams.insert(*id, self.current);
+            }
+            Node::Wait { comm } => {
+                if let Some(&s) = self.comm_streams.get(comm) {
+                    if s != self.current {
+                        self.ctx.device.stream_wait(self.current, s)?;
+                    }
+                }
+            }
+            Node::Compute(e) => self.compute(e)?,
+            Node::Launch {
+                segment,
+                inputs: _,
+                outputs,
+            } => self.launch(*segment, outputs)?,
+        }
+        Ok(())
+    }
+
+    /// Index among stored axes of axis position `pos` of `t`.
+    pub(crate) fn stored_axis(&self, t: TensorId, pos: usize) -> Result<usize> {
+        self.p
+            .ir
+            .visible_axes(t)
+            .iter()
+            .position(|&q| q == pos)
+            .ok_or_else(|| Error::Backend {
+                backend: "evaluator",
+                reason: format!(
+                    "axis {pos} of {} is a reduction axis and is not stored",
+                    self.p.ir.tensor_name(t)
+                ),
+            })
+    }
+
+    fn communication(&mut self, c: &Communication) -> Result<()> {
+        let rank = self.ctx.rank;
+        if !c.team.contains(&rank) {
+            return Ok(());
+        }
+        let input = if self.in_mesh[c.input.index()] {
+            Some(self.get(c.input)?.clone())
+        } else {
+            None
+        };
+        let output = if self.in_mesh[c.output.index()] {
+            Some(self.get_or_allocate(c.output)?)
+        } else {
+            None
+        };
+        self.ctx
+            .comm
+            .collective(self.current, c, input.as_ref(), output.as_ref())?;
+        self.comm_streams.insert(c.id, self.current);
+        Ok(())
+    }
+
+    fn p2p(&mut self, x: &P2P) -> Result<()> {
+        let peer = self.eval(x.peer)?;
+        if peer < 0 || peer as usize >= self.p.world_size {
+            return Err(Error::Communication {
+                rank: self.ctx.rank,
+                reason: format!(
+                    "P2P peer {peer} is outside the world of {}",
+                    self.p.world_size
+                ),
+            });
+        }
+        let peer = peer as usize;
+        match x.direction {
+            P2PDirection::Send => {
+                let buf = self.get(x.buffer)?.clone();
+                self.ctx.comm.send(self.current, peer, &buf)?;
+            }
+            P2PDirection::Recv => {
+                let buf = self.get_or_allocate(x.buffer)?;
+                self.ctx.comm.recv(self.current, peer, &buf)?;
+            }
+        }
+        self.comm_streams.insert(x.id, self.current);
+        Ok(())
+    }
+}

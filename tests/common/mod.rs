@@ -1,0 +1,180 @@
+//! Shared helpers of the integration tests: run a fusion on a simulated world with full
+//! inputs sharded per rank, gather the outputs back, and inspect program structure.
+#![allow(dead_code)]
+
+pub mod reference;
+
+use std::sync::Arc;
+
+use fusion::core::hir::{HostProgram, Node, NodeKind};
+use fusion::core::ir::Fusion;
+use fusion::runtime::eval::ExecStats;
+use fusion::{concat, ExecOptions, FusionExecutor, Tensor, World};
+
+pub use reference::RefArray;
+
+/// The simulated device counts every conformance case tries (where shapes divide).
+pub const DEVICE_COUNTS: [usize; 5] = [1, 2, 3, 4, 8];
+
+/// How a full input reaches each rank.
+#[derive(Clone, Debug)]
+pub enum Give {
+    /// Every rank gets the whole tensor.
+    Whole,
+    /// Each rank gets its shard along this (DIDx) axis.
+    Shard(usize),
+    /// Only these ranks hold it (a tensor on a sub-mesh); others pass a placeholder.
+    OnlyOn(Vec<usize>),
+    /// These ranks hold shards along `axis`, in mesh order.
+    ShardOn(Vec<usize>, usize),
+}
+
+/// How the ranks' outputs are assembled for comparison.
+#[derive(Clone, Debug)]
+pub enum Take {
+    /// Every rank holds the same full result.
+    Replicated,
+    /// Ranks hold shards along this axis, in rank order.
+    Sharded(usize),
+    /// Only these ranks hold it, each the full result.
+    On(Vec<usize>),
+    /// These ranks hold shards along `axis`, in mesh order.
+    ShardedOn(Vec<usize>, usize),
+}
+
+/// What one run produced.
+pub struct Run {
+    pub outputs: Vec<Tensor>,
+    pub program: Arc<HostProgram>,
+    pub stats: Vec<ExecStats>,
+    pub lowerings: usize,
+}
+
+/// Runs `fusion` on `d` simulated devices and assembles the outputs.
+pub fn run(
+    fusion: &Fusion,
+    d: usize,
+    inputs: &[(Tensor, Give)],
+    takes: &[Take],
+    options: &ExecOptions,
+) -> Run {
+    try_run(fusion, d, inputs, takes, options)
+        .unwrap_or_else(|e| panic!("run on {d} devices failed: {e}"))
+}
+
+/// Like [`run`], returning the error instead of panicking.
+pub fn try_run(
+    fusion: &Fusion,
+    d: usize,
+    inputs: &[(Tensor, Give)],
+    takes: &[Take],
+    options: &ExecOptions,
+) -> fusion::Result<Run> {
+    let world = World::local(d)?;
+    let exec = FusionExecutor::new(fusion.clone());
+    let per_rank = world.run(|rank| {
+        let r = rank.index();
+        let mut local = Vec::new();
+        for (full, give) in inputs {
+            local.push(match give {
+                Give::Whole => rank.to_device(full)?,
+                Give::Shard(a) => rank.shard(full, *a)?,
+                Give::OnlyOn(mesh) if mesh.contains(&r) => rank.to_device(full)?,
+                Give::ShardOn(mesh, a) if mesh.contains(&r) => {
+                    let i = mesh.iter().position(|&x| x == r).unwrap();
+                    rank.to_device(&full.shard(*a, i, mesh.len())?)?
+                }
+                _ => Tensor::placeholder(full.dtype()),
+            });
+        }
+        let refs: Vec<&Tensor> = local.iter().collect();
+        let report = exec.run_with(rank, &refs, None, options)?;
+        let program = exec.program(rank, &refs, options)?;
+        let outs = report
+            .outputs
+            .iter()
+            .map(|t| rank.to_host(t))
+            .collect::<fusion::Result<Vec<_>>>()?;
+        Ok((outs, report.stats, program))
+    })?;
+    let program = per_rank[0].2.clone();
+    let stats = per_rank.iter().map(|x| x.1).collect();
+    let outputs = takes
+        .iter()
+        .enumerate()
+        .map(|(i, take)| {
+            assemble(
+                &per_rank.iter().map(|x| x.0[i].clone()).collect::<Vec<_>>(),
+                take,
+            )
+        })
+        .collect();
+    Ok(Run {
+        outputs,
+        program,
+        stats,
+        lowerings: exec.lowering_count(),
+    })
+}
+
+fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
+    assert_eq!(a.shape(), b.shape(), "{what}: shapes differ");
+    assert_eq!(
+        a.to_f32_vec().unwrap(),
+        b.to_f32_vec().unwrap(),
+        "{what}: values differ"
+    );
+}
+
+fn assemble(parts: &[Tensor], take: &Take) -> Tensor {
+    match take {
+        Take::Replicated => {
+            for (r, p) in parts.iter().enumerate() {
+                assert_same(p, &parts[0], &format!("replicated output on rank {r}"));
+            }
+            parts[0].clone()
+        }
+        Take::Sharded(a) => concat(parts, *a).unwrap(),
+        Take::On(mesh) => {
+            for (r, p) in parts.iter().enumerate() {
+                if mesh.contains(&r) {
+                    assert_same(p, &parts[mesh[0]], &format!("output on rank {r}"));
+                } else {
+                    assert_eq!(
+                        p.numel(),
+                        0,
+                        "rank {r} is outside the mesh and gets a placeholder"
+                    );
+                }
+            }
+            parts[mesh[0]].clone()
+        }
+        Take::ShardedOn(mesh, a) => {
+            let held: Vec<Tensor> = mesh.iter().map(|&r| parts[r].clone()).collect();
+            concat(&held, *a).unwrap()
+        }
+    }
+}
+
+/// Kinds of a node list.
+pub fn kinds(nodes: &[Node]) -> Vec<NodeKind> {
+    nodes.iter().map(Node::kind).collect()
+}
+
+/// Body of the last top-level for-loop (the main stream loop).
+pub fn main_loop_body(p: &HostProgram) -> Vec<NodeKind> {
+    p.body
+        .iter()
+        .rev()
+        .find_map(|n| match n {
+            Node::ForLoop(l) => Some(kinds(&l.body)),
+            _ => None,
+        })
+        .expect("the program has a for-loop")
+}
+
+/// Asserts `got` is within `tol` relative Frobenius error of `expected`.
+pub fn assert_close(expected: &RefArray, got: &Tensor, tol: f64, what: &str) {
+    let e = expected.rel_error(got);
+    assert!(e < tol, "{what}: relative error {e:.3e} >= {tol:.1e}");
+}
