@@ -57,6 +57,12 @@ impl World {
     /// CUDA is usable, else [`DEFAULT_CPU_DEVICES`] simulated devices (`FUSION_DEVICES`
     /// overrides the count).
     pub fn local_default() -> Result<World> {
+        World::auto(None)
+    }
+
+    /// Like [`World::local_default`], with `devices` devices when given (examples'
+    /// `--devices`).
+    pub fn auto(devices: Option<usize>) -> Result<World> {
         let n_env = match std::env::var("FUSION_DEVICES") {
             Ok(v) => Some(v.parse::<usize>().map_err(|_| {
                 Error::World(format!("FUSION_DEVICES={v} is not a number of devices"))
@@ -64,7 +70,7 @@ impl World {
             Err(_) => None,
         };
         match std::env::var("FUSION_BACKEND").as_deref() {
-            Ok("cpu") | Err(_) => World::local(n_env.unwrap_or(DEFAULT_CPU_DEVICES)),
+            Ok("cpu") | Err(_) => World::local(devices.or(n_env).unwrap_or(DEFAULT_CPU_DEVICES)),
             Ok(other) => Err(Error::World(format!(
                 "FUSION_BACKEND={other}: expected `cpu` or `cuda`"
             ))),
