@@ -10,9 +10,6 @@ use fusion::core::hir::NodeKind::{self, *};
 use fusion::core::ir::{DeviceMesh, Fusion, ParallelType};
 use fusion::{DType, ExecOptions, Tensor};
 
-const F32: DType = DType::F32;
-const TOL: f64 = 1e-5;
-
 fn opts() -> ExecOptions {
     ExecOptions::default()
 }
@@ -40,7 +37,7 @@ const SYNC_LOOP_TOP: [NodeKind; 4] = [Allocate, GetCurrentStream, ForLoop, ForLo
 fn single_set_op() -> Fusion {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let t1 = b.set(t0).unwrap();
     b.parallelize(t1, 0, St).unwrap();
     b.output(t1).unwrap();
@@ -50,8 +47,8 @@ fn single_set_op() -> Fusion {
 #[test]
 fn single_set_op_case() {
     let f = single_set_op();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[5, 3], F32, seed(d, 1));
+    for d in device_counts() {
+        let x = Tensor::randn(&[5, 3], test_dtype(), seed(d, 1));
         let r = run(
             &f,
             d,
@@ -74,7 +71,7 @@ fn single_set_op_case() {
         assert_close(
             &RefArray::from_tensor(&x),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "SingleSetOp",
         );
     }
@@ -84,15 +81,15 @@ fn single_set_op_case() {
 fn two_set_ops_merge_loops() {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let t1 = b.set(t0).unwrap();
     b.parallelize(t1, 0, St).unwrap();
     let t2 = b.set(t1).unwrap();
     b.parallelize(t2, 0, St).unwrap();
     b.output(t2).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[4, 6], F32, seed(d, 2));
+    for d in device_counts() {
+        let x = Tensor::randn(&[4, 6], test_dtype(), seed(d, 2));
         let r = run(
             &f,
             d,
@@ -124,7 +121,12 @@ fn two_set_ops_merge_loops() {
                 Synchronize
             ]
         );
-        assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "TwoSetOps");
+        assert_close(
+            &RefArray::from_tensor(&x),
+            &r.outputs[0],
+            tolerance(),
+            "TwoSetOps",
+        );
     }
 }
 
@@ -132,7 +134,7 @@ fn two_set_ops_merge_loops() {
 fn three_set_ops_with_disjoint_for_loops() {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let t1 = b.set(t0).unwrap();
     b.parallelize(t1, 0, St).unwrap();
     let t2 = b.set(t1).unwrap();
@@ -140,8 +142,8 @@ fn three_set_ops_with_disjoint_for_loops() {
     b.parallelize(t3, 0, St).unwrap();
     b.output(t3).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[3, 7], F32, seed(d, 3));
+    for d in device_counts() {
+        let x = Tensor::randn(&[3, 7], test_dtype(), seed(d, 3));
         let r = run(
             &f,
             d,
@@ -168,7 +170,7 @@ fn three_set_ops_with_disjoint_for_loops() {
         assert_close(
             &RefArray::from_tensor(&x),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "ThreeSetOps",
         );
     }
@@ -178,16 +180,16 @@ fn three_set_ops_with_disjoint_for_loops() {
 fn single_binary_op() {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.input("t1", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
+    let t1 = b.input("t1", test_dtype(), &a).unwrap();
     let t2 = b.add(t0, t1).unwrap();
     b.parallelize(t2, 0, St).unwrap();
     b.output(t2).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
+    for d in device_counts() {
         let (x, y) = (
-            Tensor::randn(&[4, 5], F32, seed(d, 4)),
-            Tensor::randn(&[4, 5], F32, seed(d, 5)),
+            Tensor::randn(&[4, 5], test_dtype(), seed(d, 4)),
+            Tensor::randn(&[4, 5], test_dtype(), seed(d, 5)),
         );
         let r = run(
             &f,
@@ -210,7 +212,7 @@ fn single_binary_op() {
             ]
         );
         let expected = RefArray::from_tensor(&x).zip(&RefArray::from_tensor(&y), |a, b| a + b);
-        assert_close(&expected, &r.outputs[0], TOL, "SingleBinaryOp");
+        assert_close(&expected, &r.outputs[0], tolerance(), "SingleBinaryOp");
     }
 }
 
@@ -218,13 +220,13 @@ fn single_binary_op() {
 fn reduction() {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let t1 = b.sum(t0, &[1]).unwrap();
     b.parallelize(t1, 0, St).unwrap();
     b.output(t1).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[6, 9], F32, seed(d, 6));
+    for d in device_counts() {
+        let x = Tensor::randn(&[6, 9], test_dtype(), seed(d, 6));
         let r = run(
             &f,
             d,
@@ -247,7 +249,7 @@ fn reduction() {
         assert_close(
             &RefArray::from_tensor(&x).sum(1),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "Reduction",
         );
     }
@@ -258,16 +260,16 @@ fn matmul_m() {
     let mut b = FusionBuilder::new();
     let ta = axes(&mut b, &[("m", S), ("k", S)]);
     let tb = axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
+    let x = b.input("a", test_dtype(), &ta).unwrap();
+    let w = b.input("b", test_dtype(), &tb).unwrap();
     let c = b.matmul(x, w).unwrap();
     b.parallelize(c, 0, St).unwrap();
     b.output(c).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
+    for d in device_counts() {
         let (x, y) = (
-            Tensor::randn(&[5, 4], F32, seed(d, 7)),
-            Tensor::randn(&[4, 3], F32, seed(d, 8)),
+            Tensor::randn(&[5, 4], test_dtype(), seed(d, 7)),
+            Tensor::randn(&[4, 3], test_dtype(), seed(d, 8)),
         );
         let r = run(
             &f,
@@ -289,7 +291,7 @@ fn matmul_m() {
             ]
         );
         let expected = RefArray::from_tensor(&x).matmul(&RefArray::from_tensor(&y));
-        assert_close(&expected, &r.outputs[0], TOL, "Matmul_M");
+        assert_close(&expected, &r.outputs[0], tolerance(), "Matmul_M");
     }
 }
 
@@ -310,14 +312,14 @@ const COLLECTIVE_BODY: [NodeKind; 8] = [
 fn stream_parallel_allgather() {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("s", S), ("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let t1 = b.set(t0).unwrap();
     let o = axes(&mut b, &[("s", St), ("d", S), ("m", S)]);
-    let t1 = b.declare(t1, F32, &o).unwrap();
+    let t1 = b.declare(t1, test_dtype(), &o).unwrap();
     b.output(t1).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[3, d, 4], F32, seed(d, 10));
+    for d in device_counts() {
+        let x = Tensor::randn(&[3, d, 4], test_dtype(), seed(d, 10));
         let r = run(
             &f,
             d,
@@ -329,7 +331,12 @@ fn stream_parallel_allgather() {
         if d > 1 {
             assert_eq!(main_loop_body(&r.program), COLLECTIVE_BODY);
         }
-        assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "Allgather");
+        assert_close(
+            &RefArray::from_tensor(&x),
+            &r.outputs[0],
+            tolerance(),
+            "Allgather",
+        );
     }
 }
 
@@ -337,14 +344,14 @@ fn stream_parallel_allgather() {
 fn stream_parallel_allreduce() {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("s", S), ("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let t1 = b.sum(t0, &[1]).unwrap();
     let o = axes(&mut b, &[("s", St), ("m", S)]);
-    let t1 = b.declare(t1, F32, &o).unwrap();
+    let t1 = b.declare(t1, test_dtype(), &o).unwrap();
     b.output(t1).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[3, d, 5], F32, seed(d, 11));
+    for d in device_counts() {
+        let x = Tensor::randn(&[3, d, 5], test_dtype(), seed(d, 11));
         let r = run(
             &f,
             d,
@@ -359,7 +366,7 @@ fn stream_parallel_allreduce() {
         assert_close(
             &RefArray::from_tensor(&x).sum(1),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "Allreduce",
         );
     }
@@ -369,14 +376,14 @@ fn stream_parallel_allreduce() {
 fn stream_parallel_reduce_scatter() {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("s", S), ("d", Dx), ("d", S), ("m", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let t1 = b.sum(t0, &[1]).unwrap();
     let o = axes(&mut b, &[("s", St), ("d", Dx), ("m", S)]);
-    let t1 = b.declare(t1, F32, &o).unwrap();
+    let t1 = b.declare(t1, test_dtype(), &o).unwrap();
     b.output(t1).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[2, d, d, 3], F32, seed(d, 12));
+    for d in device_counts() {
+        let x = Tensor::randn(&[2, d, d, 3], test_dtype(), seed(d, 12));
         let r = run(
             &f,
             d,
@@ -391,7 +398,7 @@ fn stream_parallel_reduce_scatter() {
         assert_close(
             &RefArray::from_tensor(&x).sum(1),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "ReduceScatter",
         );
     }
@@ -401,11 +408,11 @@ fn ag_matmul() -> Fusion {
     let mut b = FusionBuilder::new();
     let ta = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
     let tb = axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
+    let x = b.input("a", test_dtype(), &ta).unwrap();
+    let w = b.input("b", test_dtype(), &tb).unwrap();
     let c = b.matmul(x, w).unwrap();
     let o = axes(&mut b, &[("s", St), ("d", S), ("m", S), ("n", S)]);
-    let c = b.declare(c, F32, &o).unwrap();
+    let c = b.declare(c, test_dtype(), &o).unwrap();
     b.output(c).unwrap();
     b.build().unwrap()
 }
@@ -413,9 +420,9 @@ fn ag_matmul() -> Fusion {
 #[test]
 fn ag_matmul_collective_pipeline() {
     let f = ag_matmul();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[2, d, 3, 8], F32, seed(d, 13));
-        let y = Tensor::randn(&[8, 5], F32, seed(d, 14));
+    for d in device_counts() {
+        let x = Tensor::randn(&[2, d, 3, 8], test_dtype(), seed(d, 13));
+        let y = Tensor::randn(&[8, 5], test_dtype(), seed(d, 14));
         let r = run(
             &f,
             d,
@@ -455,7 +462,7 @@ fn ag_matmul_collective_pipeline() {
             assert_eq!(kinds(&r.program.body), SYNC_LOOP_TOP);
         }
         let expected = RefArray::from_tensor(&x).matmul(&RefArray::from_tensor(&y));
-        assert_close(&expected, &r.outputs[0], TOL, "AG_matmul");
+        assert_close(&expected, &r.outputs[0], tolerance(), "AG_matmul");
     }
 }
 
@@ -464,19 +471,19 @@ fn matmul_ar() {
     let mut b = FusionBuilder::new();
     let ta = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
     let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
+    let x = b.input("a", test_dtype(), &ta).unwrap();
+    let w = b.input("b", test_dtype(), &tb).unwrap();
     let p = b.matmul(x, w).unwrap();
     let po = axes(&mut b, &[("s", St), ("d", Dx), ("m", S), ("n", S)]);
-    let p = b.declare(p, F32, &po).unwrap();
+    let p = b.declare(p, test_dtype(), &po).unwrap();
     let r = b.sum(p, &[1]).unwrap();
     let ro = axes(&mut b, &[("s", St), ("m", S), ("n", S)]);
-    let r = b.declare(r, F32, &ro).unwrap();
+    let r = b.declare(r, test_dtype(), &ro).unwrap();
     b.output(r).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[3, d, 2, 4], F32, seed(d, 15));
-        let y = Tensor::randn(&[d, 4, 5], F32, seed(d, 16));
+    for d in device_counts() {
+        let x = Tensor::randn(&[3, d, 2, 4], test_dtype(), seed(d, 15));
+        let y = Tensor::randn(&[d, 4, 5], test_dtype(), seed(d, 16));
         let r = run(
             &f,
             d,
@@ -515,7 +522,7 @@ fn matmul_ar() {
         let expected = RefArray::from_tensor(&x)
             .matmul(&RefArray::from_tensor(&y))
             .sum(1);
-        assert_close(&expected, &r.outputs[0], TOL, "matmul_AR");
+        assert_close(&expected, &r.outputs[0], tolerance(), "matmul_AR");
     }
 }
 
@@ -524,23 +531,23 @@ fn matmul_rs_through_broadcast() {
     let mut b = FusionBuilder::new();
     let ta = axes(&mut b, &[("d", Dx), ("s", S), ("d", S), ("m", S), ("k", S)]);
     let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
+    let x = b.input("a", test_dtype(), &ta).unwrap();
+    let w = b.input("b", test_dtype(), &tb).unwrap();
     let wb = b.broadcast(w, &[false, true, true, false, false]).unwrap();
     let p = b.matmul(x, wb).unwrap();
     let po = axes(
         &mut b,
         &[("d", Dx), ("s", St), ("d", S), ("m", S), ("n", S)],
     );
-    let p = b.declare(p, F32, &po).unwrap();
+    let p = b.declare(p, test_dtype(), &po).unwrap();
     let r = b.sum(p, &[0]).unwrap();
     let ro = axes(&mut b, &[("s", St), ("d", Dx), ("m", S), ("n", S)]);
-    let r = b.declare(r, F32, &ro).unwrap();
+    let r = b.declare(r, test_dtype(), &ro).unwrap();
     b.output(r).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[d, 2, d, 3, 4], F32, seed(d, 17));
-        let y = Tensor::randn(&[d, 4, 5], F32, seed(d, 18));
+    for d in device_counts() {
+        let x = Tensor::randn(&[d, 2, d, 3, 4], test_dtype(), seed(d, 17));
+        let y = Tensor::randn(&[d, 4, 5], test_dtype(), seed(d, 18));
         let r = run(
             &f,
             d,
@@ -580,7 +587,12 @@ fn matmul_rs_through_broadcast() {
         }
         let yb = RefArray::from_tensor(&y).unsqueeze(1).unsqueeze(1);
         let expected = RefArray::from_tensor(&x).matmul(&yb).sum(0);
-        assert_close(&expected, &r.outputs[0], TOL, "matmul_RS_through_bcast");
+        assert_close(
+            &expected,
+            &r.outputs[0],
+            tolerance(),
+            "matmul_RS_through_bcast",
+        );
     }
 }
 
@@ -590,18 +602,18 @@ fn ag_linear_with_bias() {
     let tx = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
     let tw = axes(&mut b, &[("n", S), ("k", S)]);
     let tbias = axes(&mut b, &[("n", S)]);
-    let x = b.input("x", F32, &tx).unwrap();
-    let w = b.input("w", F32, &tw).unwrap();
-    let bias = b.input("bias", F32, &tbias).unwrap();
+    let x = b.input("x", test_dtype(), &tx).unwrap();
+    let w = b.input("w", test_dtype(), &tw).unwrap();
+    let bias = b.input("bias", test_dtype(), &tbias).unwrap();
     let y = b.linear(x, w, Some(bias)).unwrap();
     let o = axes(&mut b, &[("s", St), ("d", S), ("m", S), ("n", S)]);
-    let y = b.declare(y, F32, &o).unwrap();
+    let y = b.declare(y, test_dtype(), &o).unwrap();
     b.output(y).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[2, d, 3, 6], F32, seed(d, 19));
-        let w = Tensor::randn(&[4, 6], F32, seed(d, 20));
-        let bias = Tensor::randn(&[4], F32, seed(d, 21));
+    for d in device_counts() {
+        let x = Tensor::randn(&[2, d, 3, 6], test_dtype(), seed(d, 19));
+        let w = Tensor::randn(&[4, 6], test_dtype(), seed(d, 20));
+        let bias = Tensor::randn(&[4], test_dtype(), seed(d, 21));
         let r = run(
             &f,
             d,
@@ -633,7 +645,7 @@ fn ag_linear_with_bias() {
         let expected = RefArray::from_tensor(&x)
             .matmul(&RefArray::from_tensor(&w).transpose_last())
             .zip(&RefArray::from_tensor(&bias), |a, b| a + b);
-        assert_close(&expected, &r.outputs[0], TOL, "AG_linear");
+        assert_close(&expected, &r.outputs[0], tolerance(), "AG_linear");
     }
 }
 
@@ -643,14 +655,14 @@ fn ag_linear_with_bias() {
 fn allgather_p2p() {
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let t1 = b.set(t0).unwrap();
     let o = axes(&mut b, &[("d", St), ("m", S)]);
-    let t1 = b.declare(t1, F32, &o).unwrap();
+    let t1 = b.declare(t1, test_dtype(), &o).unwrap();
     b.output(t1).unwrap();
     let f = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let x = Tensor::randn(&[d, 6], F32, seed(d, 22));
+    for d in device_counts() {
+        let x = Tensor::randn(&[d, 6], test_dtype(), seed(d, 22));
         let r = run(
             &f,
             d,
@@ -674,7 +686,7 @@ fn allgather_p2p() {
         assert_close(
             &RefArray::from_tensor(&x),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "AllgatherP2p",
         );
     }
@@ -695,9 +707,9 @@ fn ag_matmul_p2p(dtype: DType) -> Fusion {
 
 #[test]
 fn ag_matmul_p2p_case() {
-    for dtype in [DType::F32, DType::BF16] {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
         let f = ag_matmul_p2p(dtype);
-        for d in DEVICE_COUNTS {
+        for d in device_counts() {
             let x = Tensor::randn(&[d, 4, 8], dtype, seed(d, 23));
             let y = Tensor::randn(&[8, 3], dtype, seed(d, 24));
             let r = run(
@@ -733,7 +745,11 @@ fn ag_matmul_p2p_case() {
                 );
             }
             let expected = RefArray::from_tensor(&x).matmul(&RefArray::from_tensor(&y));
-            let tol = if dtype == DType::F32 { TOL } else { 1e-2 };
+            let tol = if dtype == DType::F32 {
+                tolerance()
+            } else {
+                1e-2
+            };
             assert_close(&expected, &r.outputs[0], tol, "AG_matmul_P2p");
         }
     }
@@ -743,29 +759,31 @@ fn ag_matmul_p2p_case() {
 
 #[test]
 fn preallocated_outputs_are_written_in_place() {
-    let f = ag_matmul_p2p(F32);
-    for d in DEVICE_COUNTS {
-        let world = fusion::World::local(d).unwrap();
+    let f = ag_matmul_p2p(test_dtype());
+    for d in device_counts() {
+        let world = world(d);
         let exec = fusion::FusionExecutor::new(f.clone());
-        let x = Tensor::randn(&[d, 4, 8], F32, seed(d, 25));
-        let y = Tensor::randn(&[8, 3], F32, seed(d, 26));
+        let x = Tensor::randn(&[d, 4, 8], test_dtype(), seed(d, 25));
+        let y = Tensor::randn(&[8, 3], test_dtype(), seed(d, 26));
         let expected = RefArray::from_tensor(&x).matmul(&RefArray::from_tensor(&y));
         let res = world
             .run(|rank| {
                 let a = rank.shard(&x, 0)?;
-                let plain = exec.run_with(rank, &[&a, &y], None, &opts())?;
-                let out = Tensor::full(&[d, 4, 3], F32, f32::NAN);
-                let pre = exec.run_with(rank, &[&a, &y], Some(&[&out]), &opts())?;
+                let b = rank.to_device(&y)?;
+                let plain = exec.run_with(rank, &[&a, &b], None, &opts())?;
+                // Poisoned: every element must be written.
+                let out = rank.to_device(&Tensor::full(&[d, 4, 3], test_dtype(), f32::NAN))?;
+                let pre = exec.run_with(rank, &[&a, &b], Some(&[&out]), &opts())?;
                 assert!(
                     pre.outputs[0].shares_storage(&out),
                     "the output is the given buffer"
                 );
                 assert_eq!(pre.stats.allocations + 1, plain.stats.allocations);
-                Ok(out)
+                rank.to_host(&out)
             })
             .unwrap();
         for out in res {
-            assert_close(&expected, &out, TOL, "preallocated output");
+            assert_close(&expected, &out, tolerance(), "preallocated output");
         }
     }
 }
@@ -775,7 +793,7 @@ fn outputs_alias_inputs_without_copies() {
     // An output that is a view of an input (a select) is returned as that view.
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
+    let t0 = b.input("t0", test_dtype(), &a).unwrap();
     let one = b.constant(1);
     let row = b.select(t0, 0, one).unwrap();
     b.output(row).unwrap();
@@ -783,32 +801,37 @@ fn outputs_alias_inputs_without_copies() {
     // An in-place update: t0 += t1, written into t0's buffer.
     let mut b = FusionBuilder::new();
     let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let u0 = b.input("t0", F32, &a).unwrap();
-    let u1 = b.input("t1", F32, &a).unwrap();
+    let u0 = b.input("t0", test_dtype(), &a).unwrap();
+    let u1 = b.input("t1", test_dtype(), &a).unwrap();
     let sum = b.add(u0, u1).unwrap();
     let sum = b.output(sum).unwrap();
     b.alias_output_to_input(sum, u0).unwrap();
     let g = b.build().unwrap();
-    for d in DEVICE_COUNTS {
-        let world = fusion::World::local(d).unwrap();
+    for d in device_counts() {
+        let world = world(d);
         let (ef, eg) = (
             fusion::FusionExecutor::new(f.clone()),
             fusion::FusionExecutor::new(g.clone()),
         );
         world
             .run(|rank| {
-                let x = Tensor::randn(&[3, 4], F32, seed(d, 27 + rank.index() as u64));
+                let xh = Tensor::randn(&[3, 4], test_dtype(), seed(d, 27 + rank.index() as u64));
+                let x = rank.to_device(&xh)?;
                 let rep = ef.run_with(rank, &[&x], None, &opts())?;
                 assert!(rep.outputs[0].shares_storage(&x));
                 assert_eq!(rep.stats.allocations, 0);
-                assert_eq!(rep.outputs[0].to_f32_vec()?, x.select(0, 1)?.to_f32_vec()?);
-                let y = Tensor::randn(&[3, 4], F32, 99);
+                assert_eq!(
+                    rank.to_host(&rep.outputs[0])?.to_f32_vec()?,
+                    xh.select(0, 1)?.to_f32_vec()?
+                );
+                let yh = Tensor::randn(&[3, 4], test_dtype(), 99);
+                let y = rank.to_device(&yh)?;
                 let before =
-                    RefArray::from_tensor(&x).zip(&RefArray::from_tensor(&y), |a, b| a + b);
+                    RefArray::from_tensor(&xh).zip(&RefArray::from_tensor(&yh), |a, b| a + b);
                 let rep = eg.run_with(rank, &[&x, &y], None, &opts())?;
                 assert!(rep.outputs[0].shares_storage(&x));
                 assert_eq!(rep.stats.allocations, 0);
-                assert_close(&before, &x, TOL, "in-place update");
+                assert_close(&before, &rank.to_host(&x)?, tolerance(), "in-place update");
                 Ok(())
             })
             .unwrap();
@@ -833,16 +856,16 @@ fn comm_kind(r: &Run) -> fusion::core::hir::CommunicationKind {
 #[test]
 fn reshard_allgather_allreduce_reduce_scatter_scatter() {
     use fusion::core::hir::CommunicationKind as K;
-    for d in DEVICE_COUNTS.into_iter().filter(|&d| d > 1) {
+    for d in device_counts().into_iter().filter(|&d| d > 1) {
         // Allgather
         let mut b = FusionBuilder::new();
         let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
+        let t0 = b.input("t0", test_dtype(), &a).unwrap();
         let t1 = b.set(t0).unwrap();
         let o = axes(&mut b, &[("d", S), ("m", S)]);
-        let t1 = b.declare(t1, F32, &o).unwrap();
+        let t1 = b.declare(t1, test_dtype(), &o).unwrap();
         b.output(t1).unwrap();
-        let x = Tensor::randn(&[d, 5], F32, seed(d, 30));
+        let x = Tensor::randn(&[d, 5], test_dtype(), seed(d, 30));
         let r = run(
             &b.build().unwrap(),
             d,
@@ -854,15 +877,20 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
             (kinds(&r.program.body), comm_kind(&r)),
             (RESHARD_TOP.to_vec(), K::Allgather)
         );
-        assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "Allgather");
+        assert_close(
+            &RefArray::from_tensor(&x),
+            &r.outputs[0],
+            tolerance(),
+            "Allgather",
+        );
 
         // Allreduce
         let mut b = FusionBuilder::new();
         let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
+        let t0 = b.input("t0", test_dtype(), &a).unwrap();
         let t1 = b.sum(t0, &[0]).unwrap();
         b.output(t1).unwrap();
-        let x = Tensor::randn(&[d, 5], F32, seed(d, 31));
+        let x = Tensor::randn(&[d, 5], test_dtype(), seed(d, 31));
         let r = run(
             &b.build().unwrap(),
             d,
@@ -877,19 +905,19 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
         assert_close(
             &RefArray::from_tensor(&x).sum(0),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "Allreduce",
         );
 
         // ReduceScatter
         let mut b = FusionBuilder::new();
         let a = axes(&mut b, &[("d", Dx), ("d", S), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
+        let t0 = b.input("t0", test_dtype(), &a).unwrap();
         let t1 = b.sum(t0, &[0]).unwrap();
         let o = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t1 = b.declare(t1, F32, &o).unwrap();
+        let t1 = b.declare(t1, test_dtype(), &o).unwrap();
         b.output(t1).unwrap();
-        let x = Tensor::randn(&[d, d, 3], F32, seed(d, 32));
+        let x = Tensor::randn(&[d, d, 3], test_dtype(), seed(d, 32));
         let r = run(
             &b.build().unwrap(),
             d,
@@ -904,19 +932,19 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
         assert_close(
             &RefArray::from_tensor(&x).sum(0),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "ReduceScatter",
         );
 
         // Scatter (from device 0, the first of the input's mesh)
         let mut b = FusionBuilder::new();
         let a = axes(&mut b, &[("d", S), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
+        let t0 = b.input("t0", test_dtype(), &a).unwrap();
         let t1 = b.set(t0).unwrap();
         let o = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t1 = b.declare(t1, F32, &o).unwrap();
+        let t1 = b.declare(t1, test_dtype(), &o).unwrap();
         b.output(t1).unwrap();
-        let x = Tensor::randn(&[d, 4], F32, seed(d, 33));
+        let x = Tensor::randn(&[d, 4], test_dtype(), seed(d, 33));
         let r = run(
             &b.build().unwrap(),
             d,
@@ -928,25 +956,30 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
             (kinds(&r.program.body), comm_kind(&r)),
             (RESHARD_TOP.to_vec(), K::Scatter)
         );
-        assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "Scatter");
+        assert_close(
+            &RefArray::from_tensor(&x),
+            &r.outputs[0],
+            tolerance(),
+            "Scatter",
+        );
     }
 }
 
 #[test]
 fn reshard_gather_broadcast_reduce_sendrecv() {
     use fusion::core::hir::CommunicationKind as K;
-    for d in DEVICE_COUNTS.into_iter().filter(|&d| d > 1) {
+    for d in device_counts().into_iter().filter(|&d| d > 1) {
         let all: Vec<usize> = (0..d).collect();
         // Gather to device 0
         let mut b = FusionBuilder::new();
         let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
+        let t0 = b.input("t0", test_dtype(), &a).unwrap();
         let t1 = b.set(t0).unwrap();
         let o = axes(&mut b, &[("d", S), ("m", S)]);
-        let t1 = b.declare(t1, F32, &o).unwrap();
+        let t1 = b.declare(t1, test_dtype(), &o).unwrap();
         b.set_mesh(t1, DeviceMesh::devices([0]));
         b.output(t1).unwrap();
-        let x = Tensor::randn(&[d, 5], F32, seed(d, 34));
+        let x = Tensor::randn(&[d, 5], test_dtype(), seed(d, 34));
         let r = run(
             &b.build().unwrap(),
             d,
@@ -958,18 +991,23 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
             (kinds(&r.program.body), comm_kind(&r)),
             (RESHARD_TOP.to_vec(), K::Gather)
         );
-        assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "Gather");
+        assert_close(
+            &RefArray::from_tensor(&x),
+            &r.outputs[0],
+            tolerance(),
+            "Gather",
+        );
 
         // Broadcast from the last device to all
         let mut b = FusionBuilder::new();
         let a = axes(&mut b, &[("m", S), ("n", S)]);
         let t0 = b
-            .input_on("t0", F32, &a, DeviceMesh::devices([d - 1]))
+            .input_on("t0", test_dtype(), &a, DeviceMesh::devices([d - 1]))
             .unwrap();
         let t1 = b.set(t0).unwrap();
         b.set_mesh(t1, DeviceMesh::World);
         b.output(t1).unwrap();
-        let x = Tensor::randn(&[3, 4], F32, seed(d, 35));
+        let x = Tensor::randn(&[3, 4], test_dtype(), seed(d, 35));
         let r = run(
             &b.build().unwrap(),
             d,
@@ -981,16 +1019,21 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
             (kinds(&r.program.body), comm_kind(&r)),
             (RESHARD_TOP.to_vec(), K::Broadcast)
         );
-        assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "Broadcast");
+        assert_close(
+            &RefArray::from_tensor(&x),
+            &r.outputs[0],
+            tolerance(),
+            "Broadcast",
+        );
 
         // Reduce to device 0
         let mut b = FusionBuilder::new();
         let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
+        let t0 = b.input("t0", test_dtype(), &a).unwrap();
         let t1 = b.sum(t0, &[0]).unwrap();
         b.set_mesh(t1, DeviceMesh::devices([0]));
         b.output(t1).unwrap();
-        let x = Tensor::randn(&[d, 6], F32, seed(d, 36));
+        let x = Tensor::randn(&[d, 6], test_dtype(), seed(d, 36));
         let r = run(
             &b.build().unwrap(),
             d,
@@ -1005,7 +1048,7 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
         assert_close(
             &RefArray::from_tensor(&x).sum(0),
             &r.outputs[0],
-            TOL,
+            tolerance(),
             "Reduce",
         );
 
@@ -1017,12 +1060,12 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
             let mut b = FusionBuilder::new();
             let a = axes(&mut b, &[("h", Dx), ("m", S)]);
             let t0 = b
-                .input_on("t0", F32, &a, DeviceMesh::devices(m1.clone()))
+                .input_on("t0", test_dtype(), &a, DeviceMesh::devices(m1.clone()))
                 .unwrap();
             let t1 = b.set(t0).unwrap();
             b.set_mesh(t1, DeviceMesh::devices(m2.clone()));
             b.output(t1).unwrap();
-            let x = Tensor::randn(&[h, 5], F32, seed(d, 37));
+            let x = Tensor::randn(&[h, 5], test_dtype(), seed(d, 37));
             let r = run(
                 &b.build().unwrap(),
                 d,
@@ -1038,7 +1081,12 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
                 (kinds(&r.program.body), comm_kind(&r)),
                 (expected_top, K::SendRecv)
             );
-            assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "SendRecv");
+            assert_close(
+                &RefArray::from_tensor(&x),
+                &r.outputs[0],
+                tolerance(),
+                "SendRecv",
+            );
         }
     }
 }

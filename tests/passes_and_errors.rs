@@ -9,7 +9,7 @@ use fusion::core::builder::{Axis, FusionBuilder};
 use fusion::core::hir::{for_each_node, Node, NodeKind};
 use fusion::core::ir::{Fusion, ParallelType};
 use fusion::core::lower::{lower, LowerOptions};
-use fusion::{DType, Error, ExecOptions, FusionExecutor, Tensor, World};
+use fusion::{DType, Error, ExecOptions, FusionExecutor, Tensor};
 
 const F32: DType = DType::F32;
 
@@ -62,7 +62,7 @@ fn disabling_stream_parallel_type_gives_the_non_overlapped_program_and_the_same_
         lower: LowerOptions::default().without_pass("StreamParallelType"),
         ..ExecOptions::default()
     };
-    for d in DEVICE_COUNTS {
+    for d in device_counts() {
         // P2P pipeline without streams: one allgather, then one matmul.
         let x = Tensor::randn(&[d, 3, 4], F32, 40 + d as u64);
         let y = Tensor::randn(&[4, 5], F32, 41);
@@ -84,10 +84,12 @@ fn disabling_stream_parallel_type_gives_the_non_overlapped_program_and_the_same_
             vec![NodeKind::Matmul]
         };
         assert_eq!(kinds(&without.program.body), expected_top);
-        assert_eq!(
-            with.outputs[0].to_f32_vec().unwrap(),
-            without.outputs[0].to_f32_vec().unwrap(),
-            "same numbers with and without stream lowering on {d} devices"
+        // Bit-equal on the CPU; the GPU may pick other GEMM algorithms per shape.
+        assert_close(
+            &RefArray::from_tensor(&without.outputs[0]),
+            &with.outputs[0],
+            1e-6,
+            "same numbers with and without stream lowering",
         );
         // Collective pipeline without streams.
         let x = Tensor::randn(&[2, d, 3, 4], F32, 42 + d as u64);
@@ -176,7 +178,7 @@ fn insert_deallocations_lowers_peak_memory_and_never_frees_outputs() {
         lower: unfused,
         ..ExecOptions::default()
     };
-    for d in DEVICE_COUNTS {
+    for d in device_counts() {
         let x = Tensor::randn(&[64, 32], F32, 50 + d as u64);
         let with = run(
             &f,
@@ -235,7 +237,7 @@ fn insert_deallocations_lowers_peak_memory_and_never_frees_outputs() {
 fn the_second_call_with_the_same_shapes_does_not_lower_again() {
     let f = ag_matmul_p2p();
     for d in [2, 4] {
-        let world = World::local(d).unwrap();
+        let world = world(d);
         let exec = FusionExecutor::new(f.clone());
         world
             .run(|rank| {
@@ -341,9 +343,7 @@ fn call_error(
     d: usize,
     make: impl Fn(&fusion::Rank) -> fusion::Result<Vec<Tensor>> + Sync,
 ) -> Error {
-    let world = World::local(d)
-        .unwrap()
-        .with_timeout(Duration::from_secs(20));
+    let world = world(d);
     let exec = FusionExecutor::new(ag_matmul_p2p());
     let start = Instant::now();
     let err = world
@@ -424,7 +424,7 @@ fn bad_inputs_name_the_tensor_and_axis() {
 
 #[test]
 fn a_world_size_that_does_not_divide_a_sharded_extent_is_an_error() {
-    let world = World::local(4).unwrap();
+    let world = world(4);
     let full = Tensor::randn(&[10, 3], F32, 62);
     let err = world.run(|rank| rank.shard_split(&full, 0)).unwrap_err();
     assert!(
@@ -461,9 +461,7 @@ fn an_error_on_one_rank_makes_the_others_return_instead_of_waiting() {
 #[test]
 fn a_panicking_rank_is_reported_and_does_not_hang_the_others() {
     let d = 3;
-    let world = World::local(d)
-        .unwrap()
-        .with_timeout(Duration::from_secs(20));
+    let world = world(d);
     let exec = FusionExecutor::new(ag_matmul_p2p());
     let x = Tensor::randn(&[d, 3, 4], F32, 65);
     let y = Tensor::randn(&[4, 5], F32, 66);
@@ -486,7 +484,7 @@ fn a_panicking_rank_is_reported_and_does_not_hang_the_others() {
 #[test]
 fn wrong_preallocated_output_is_an_error() {
     let d = 2;
-    let world = World::local(d).unwrap();
+    let world = world(d);
     let exec = FusionExecutor::new(ag_matmul_p2p());
     let x = Tensor::randn(&[d, 3, 4], F32, 67);
     let y = Tensor::randn(&[4, 5], F32, 68);

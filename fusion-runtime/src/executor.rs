@@ -16,7 +16,7 @@ use fusion_core::lower::{lower, LowerOptions};
 
 use crate::backend::BackendKind;
 use crate::error::Result;
-use crate::eval::{bind_inputs, execute, CallContext, ExecStats, SymbolBindings};
+use crate::eval::{bind_inputs, execute, CallContext, ExecStats, SymbolBindings, TraceEvent};
 use crate::tensor::Tensor;
 use crate::world::Rank;
 
@@ -26,6 +26,9 @@ pub struct ExecOptions {
     /// Size of the worker stream pool (`numberOfStreams`).
     pub number_of_streams: usize,
     pub lower: LowerOptions,
+    /// Record a timeline of communications and kernels ([`RunReport::trace`]); the call
+    /// then waits for the device at its end.
+    pub trace: bool,
 }
 
 impl Default for ExecOptions {
@@ -33,6 +36,7 @@ impl Default for ExecOptions {
         ExecOptions {
             number_of_streams: 4,
             lower: LowerOptions::default(),
+            trace: false,
         }
     }
 }
@@ -65,7 +69,8 @@ struct CacheKey {
     symbols: Vec<(usize, i64)>,
     world_size: usize,
     backend: BackendKind,
-    options: ExecOptions,
+    number_of_streams: usize,
+    lower: LowerOptions,
 }
 
 /// The result of one call with its statistics.
@@ -74,6 +79,8 @@ pub struct RunReport {
     /// Outputs in order; ranks outside an output's mesh get a zero-element placeholder.
     pub outputs: Vec<Tensor>,
     pub stats: ExecStats,
+    /// The call's timeline on this rank's device, when `ExecOptions::trace` is set.
+    pub trace: Option<Vec<TraceEvent>>,
 }
 
 /// A fusion plus its cache of lowered programs.
@@ -131,9 +138,14 @@ impl FusionExecutor {
             comm: rank.communicator(),
             rank: rank.index(),
             number_of_streams: options.number_of_streams,
+            trace: options.trace,
         };
-        let (outputs, stats) = execute(&program, &ctx, &symbols, inputs, outputs)?;
-        Ok(RunReport { outputs, stats })
+        let ex = execute(&program, &ctx, &symbols, inputs, outputs)?;
+        Ok(RunReport {
+            outputs: ex.outputs,
+            stats: ex.stats,
+            trace: ex.trace,
+        })
     }
 
     /// The host program for these inputs and options, lowering it if needed.
@@ -185,7 +197,8 @@ impl FusionExecutor {
             symbols: symbols.entries(),
             world_size: rank.world_size(),
             backend: rank.backend(),
-            options: options.clone(),
+            number_of_streams: options.number_of_streams,
+            lower: options.lower.clone(),
         };
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = cache.get(&key) {

@@ -9,6 +9,7 @@ mod error;
 pub mod eval;
 pub mod executor;
 pub mod tensor;
+pub mod trace;
 pub mod world;
 
 pub use backend::BackendKind;

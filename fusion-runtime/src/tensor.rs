@@ -216,6 +216,22 @@ impl Tensor {
         Ok(Tensor::from_host_bytes(dtype, shape, bytes))
     }
 
+    /// A contiguous host tensor over raw little-endian element bytes (checked length).
+    pub fn from_host_bytes_checked(
+        dtype: DType,
+        shape: &[usize],
+        bytes: Vec<u8>,
+    ) -> Result<Tensor> {
+        let expected = shape.iter().product::<usize>() * dtype.size_bytes();
+        if bytes.len() != expected {
+            return Err(Error::Tensor(format!(
+                "{} bytes do not hold a {dtype} tensor of shape {shape:?} ({expected} bytes)",
+                bytes.len()
+            )));
+        }
+        Ok(Tensor::from_host_bytes(dtype, shape, bytes))
+    }
+
     fn from_host_bytes(dtype: DType, shape: &[usize], bytes: Vec<u8>) -> Tensor {
         Tensor {
             dtype,

@@ -22,11 +22,22 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Default number of simulated devices when no GPU is available.
 pub const DEFAULT_CPU_DEVICES: usize = 4;
 
+/// Makes the communicators of one run for a device backend.
+pub(crate) trait RunComms: Send + Sync {
+    /// One communicator per rank; `host` is the run's in-process fabric (for host-side
+    /// metadata exchange and failure notification).
+    fn for_run(
+        &self,
+        host: &Arc<LocalFabric>,
+        timeout: Duration,
+    ) -> Result<Vec<Arc<dyn Communicator>>>;
+}
+
 enum CommProvider {
-    /// A fresh in-process fabric for every run.
+    /// The in-process communicator over a fresh fabric for every run (CPU backend).
     Local,
-    /// Long-lived communicators, one per rank (NCCL or copy engine).
-    Fixed(Vec<Arc<dyn Communicator>>),
+    /// A device backend's communicators (NCCL, copy engine).
+    Device(Box<dyn RunComms>),
 }
 
 /// A set of devices, one rank each, that run fusions together.
@@ -69,24 +80,29 @@ impl World {
             })?),
             Err(_) => None,
         };
+        let n = devices.or(n_env);
         match std::env::var("FUSION_BACKEND").as_deref() {
-            Ok("cpu") | Err(_) => World::local(devices.or(n_env).unwrap_or(DEFAULT_CPU_DEVICES)),
+            Ok("cpu") => World::local(n.unwrap_or(DEFAULT_CPU_DEVICES)),
+            Ok("cuda") => crate::backend::cuda::cuda_world(n),
+            Err(_) if crate::backend::cuda::device_count() > 0 => {
+                crate::backend::cuda::cuda_world(n)
+            }
+            Err(_) => World::local(n.unwrap_or(DEFAULT_CPU_DEVICES)),
             Ok(other) => Err(Error::World(format!(
                 "FUSION_BACKEND={other}: expected `cpu` or `cuda`"
             ))),
         }
     }
 
-    /// Builds a world from devices and long-lived communicators (device backends).
-    #[allow(dead_code)]
+    /// Builds a world from a device backend's devices and communicator factory.
     pub(crate) fn from_parts(
         kind: BackendKind,
         devices: Vec<Arc<dyn Device>>,
-        comms: Vec<Arc<dyn Communicator>>,
+        comms: Box<dyn RunComms>,
     ) -> World {
         World {
             devices,
-            comms: CommProvider::Fixed(comms),
+            comms: CommProvider::Device(comms),
             kind,
             timeout: DEFAULT_TIMEOUT,
         }
@@ -116,14 +132,12 @@ impl World {
         F: Fn(&Rank) -> Result<T> + Sync,
     {
         let n = self.size();
+        let fabric = LocalFabric::new(n, self.timeout);
         let comms: Vec<Arc<dyn Communicator>> = match &self.comms {
-            CommProvider::Local => {
-                let fabric = LocalFabric::new(n, self.timeout);
-                (0..n)
-                    .map(|r| Arc::new(fabric.communicator(r)) as Arc<dyn Communicator>)
-                    .collect()
-            }
-            CommProvider::Fixed(c) => c.clone(),
+            CommProvider::Local => (0..n)
+                .map(|r| Arc::new(fabric.communicator(r)) as Arc<dyn Communicator>)
+                .collect(),
+            CommProvider::Device(factory) => factory.for_run(&fabric, self.timeout)?,
         };
         let results: Vec<Result<T>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..n)
@@ -136,16 +150,21 @@ impl World {
                         comm: comms[r].clone(),
                     };
                     let f = &f;
-                    s.spawn(move || match catch_unwind(AssertUnwindSafe(|| f(&rank))) {
-                        Ok(Ok(v)) => Ok(v),
-                        Ok(Err(e)) => {
-                            rank.comm.abort(&e.to_string());
-                            Err(e)
-                        }
-                        Err(payload) => {
-                            let message = panic_message(payload.as_ref());
-                            rank.comm.abort(&format!("panicked: {message}"));
-                            Err(Error::Panic { rank: r, message })
+                    s.spawn(move || {
+                        match catch_unwind(AssertUnwindSafe(|| {
+                            rank.device.bind_thread()?;
+                            f(&rank)
+                        })) {
+                            Ok(Ok(v)) => Ok(v),
+                            Ok(Err(e)) => {
+                                rank.comm.abort(&e.to_string());
+                                Err(e)
+                            }
+                            Err(payload) => {
+                                let message = panic_message(payload.as_ref());
+                                rank.comm.abort(&format!("panicked: {message}"));
+                                Err(Error::Panic { rank: r, message })
+                            }
                         }
                     })
                 })

@@ -9,12 +9,48 @@ use std::sync::Arc;
 use fusion::core::hir::{HostProgram, Node, NodeKind};
 use fusion::core::ir::Fusion;
 use fusion::runtime::eval::ExecStats;
-use fusion::{concat, ExecOptions, FusionExecutor, Tensor, World};
+use fusion::{concat, DType, ExecOptions, FusionExecutor, Tensor, World};
 
 pub use reference::RefArray;
 
-/// The simulated device counts every conformance case tries (where shapes divide).
+/// The device counts every conformance case tries (where shapes divide).
 pub const DEVICE_COUNTS: [usize; 5] = [1, 2, 3, 4, 8];
+
+/// [`DEVICE_COUNTS`] that this machine can run: all of them on simulated devices; on GPUs
+/// (`FUSION_BACKEND=cuda`) those up to the number of visible GPUs.
+pub fn device_counts() -> Vec<usize> {
+    if std::env::var("FUSION_BACKEND").as_deref() != Ok("cuda") {
+        return DEVICE_COUNTS.to_vec();
+    }
+    let gpus = fusion::runtime::backend::cuda::device_count();
+    let (run, skip): (Vec<usize>, Vec<usize>) = DEVICE_COUNTS.iter().partition(|&&d| d <= gpus);
+    if !skip.is_empty() {
+        eprintln!("skipping device counts {skip:?}: {gpus} GPUs visible");
+    }
+    run
+}
+
+/// The dtype of the conformance cases: `FUSION_TEST_DTYPE` (`f32`, `bf16`, `f16`), f32
+/// by default.
+pub fn test_dtype() -> DType {
+    match std::env::var("FUSION_TEST_DTYPE") {
+        Ok(v) => DType::from_name(&v)
+            .unwrap_or_else(|| panic!("FUSION_TEST_DTYPE={v}: expected f32, bf16 or f16")),
+        Err(_) => DType::F32,
+    }
+}
+
+/// Relative-error tolerance for [`test_dtype`]: f32 1e-5, bf16/f16 1e-2.
+pub fn tolerance() -> f64 {
+    match test_dtype() {
+        DType::F32 => 1e-5,
+        DType::BF16 | DType::F16 => 1e-2,
+    }
+}
+
+thread_local! {
+    static CONTEXT: std::cell::RefCell<(usize, String)> = const { std::cell::RefCell::new((0, String::new())) };
+}
 
 /// How a full input reaches each rank.
 #[derive(Clone, Debug)]
@@ -40,6 +76,28 @@ pub enum Take {
     On(Vec<usize>),
     /// These ranks hold shards along `axis`, in mesh order.
     ShardedOn(Vec<usize>, usize),
+}
+
+/// A world of `d` devices: fresh simulated devices on the CPU; on GPUs one cached world
+/// per device count, since opening GPUs and NCCL costs about a second (run GPU tests with
+/// `--test-threads=1`).
+pub fn world(d: usize) -> Arc<World> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    if std::env::var("FUSION_BACKEND").as_deref() != Ok("cuda") {
+        return Arc::new(World::auto(Some(d)).unwrap_or_else(|e| panic!("world of {d}: {e}")));
+    }
+    static WORLDS: OnceLock<Mutex<HashMap<usize, Arc<World>>>> = OnceLock::new();
+    let mut worlds = WORLDS
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    worlds
+        .entry(d)
+        .or_insert_with(|| {
+            Arc::new(World::auto(Some(d)).unwrap_or_else(|e| panic!("world of {d}: {e}")))
+        })
+        .clone()
 }
 
 /// What one run produced.
@@ -70,7 +128,8 @@ pub fn try_run(
     takes: &[Take],
     options: &ExecOptions,
 ) -> fusion::Result<Run> {
-    let world = World::local(d)?;
+    let world = world(d);
+    CONTEXT.with(|c| *c.borrow_mut() = (d, world.backend().name().to_string()));
     let exec = FusionExecutor::new(fusion.clone());
     let per_rank = world.run(|rank| {
         let r = rank.index();
@@ -173,8 +232,25 @@ pub fn main_loop_body(p: &HostProgram) -> Vec<NodeKind> {
         .expect("the program has a for-loop")
 }
 
-/// Asserts `got` is within `tol` relative Frobenius error of `expected`.
+/// Asserts `got` is within `tol` relative Frobenius error of `expected`. With
+/// `FUSION_RESULTS=path`, also appends a JSON line (case, devices, dtype, backend, error).
 pub fn assert_close(expected: &RefArray, got: &Tensor, tol: f64, what: &str) {
     let e = expected.rel_error(got);
+    if let Ok(path) = std::env::var("FUSION_RESULTS") {
+        use std::io::Write;
+        let (d, backend) = CONTEXT.with(|c| c.borrow().clone());
+        let line = format!(
+            "{{\"case\": \"{what}\", \"devices\": {d}, \"dtype\": \"{}\", \"backend\": \"{backend}\", \"rel_error\": {e:e}, \"tolerance\": {tol:e}, \"pass\": {}}}\n",
+            got.dtype(),
+            e < tol
+        );
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = f.write_all(line.as_bytes());
+        }
+    }
     assert!(e < tol, "{what}: relative error {e:.3e} >= {tol:.1e}");
 }

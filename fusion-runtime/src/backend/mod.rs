@@ -5,6 +5,7 @@
 //! compute node of a host program to these kernels, so a backend implements only them.
 
 pub mod cpu;
+pub mod cuda;
 
 use fusion_core::ir::{BinaryOp, ReduceOp, UnaryOp};
 use fusion_core::DType;
@@ -104,6 +105,11 @@ pub trait Device: Send + Sync {
     fn kind(&self) -> BackendKind;
     /// The device ordinal (the rank on a local world).
     fn ordinal(&self) -> usize;
+    /// Prepares the calling thread to drive this device (e.g. makes a CUDA context
+    /// current); called once per rank thread.
+    fn bind_thread(&self) -> Result<()> {
+        Ok(())
+    }
     /// Makes sure the worker pool has at least `n` streams.
     fn ensure_streams(&self, n: usize) -> Result<()>;
     /// A new uninitialized contiguous tensor, ordered on `stream`.
@@ -118,6 +124,12 @@ pub trait Device: Send + Sync {
     fn download(&self, t: &Tensor) -> Result<Tensor>;
     /// Blocks the host until all streams are idle.
     fn synchronize(&self) -> Result<()>;
+    /// Records a timing marker on `stream` (for traces); returns its id.
+    fn record_marker(&self, stream: StreamHandle) -> Result<usize>;
+    /// Milliseconds from marker `start` to marker `end` (waits for both).
+    fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64>;
+    /// Forgets every marker (call after reading a trace).
+    fn clear_markers(&self);
     /// True when `t` lives where this device's kernels can read it.
     fn is_resident(&self, t: &Tensor) -> bool {
         match self.kind() {

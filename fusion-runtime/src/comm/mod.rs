@@ -21,6 +21,7 @@
 //! | SendRecv | root (the sender) | `receiver`: a copy of the sender's input |
 
 pub mod local;
+pub mod nccl;
 
 use fusion_core::hir::Communication;
 

@@ -35,6 +35,38 @@ pub struct CallContext<'a> {
     pub comm: &'a dyn Communicator,
     pub rank: usize,
     pub number_of_streams: usize,
+    /// Record a timeline of communications and kernels (synchronizes at the end).
+    pub trace: bool,
+}
+
+/// One interval of a traced call, in milliseconds from the call's start on this device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceEvent {
+    /// What ran: `Allgather`, `P2P group`, `Matmul`, ...
+    pub name: String,
+    /// Whether it moved data between devices (versus computing).
+    pub communication: bool,
+    pub stream: StreamHandle,
+    /// The stream-loop index it belonged to, if any.
+    pub chunk: Option<i64>,
+    pub start_ms: f64,
+    pub end_ms: f64,
+}
+
+struct PendingEvent {
+    name: String,
+    communication: bool,
+    stream: StreamHandle,
+    chunk: Option<i64>,
+    start: usize,
+    end: usize,
+}
+
+/// What one call returns: outputs, statistics, and the timeline when traced.
+pub struct Execution {
+    pub outputs: Vec<Tensor>,
+    pub stats: ExecStats,
+    pub trace: Option<Vec<TraceEvent>>,
 }
 
 /// Runs `program` on one rank with the symbol values bound from the inputs
@@ -45,7 +77,7 @@ pub fn execute(
     symbols: &SymbolBindings,
     inputs: &[&Tensor],
     outputs: Option<&[&Tensor]>,
-) -> Result<(Vec<Tensor>, ExecStats)> {
+) -> Result<Execution> {
     if ctx.number_of_streams == 0 {
         return Err(Error::World("number_of_streams must be at least 1".into()));
     }
@@ -58,6 +90,10 @@ pub fn execute(
     }
     ctx.device.ensure_streams(ctx.number_of_streams)?;
     let mut ev = Evaluator::new(program, ctx, symbols);
+    if ctx.trace {
+        ctx.device.clear_markers();
+        ev.origin = Some(ctx.device.record_marker(0)?);
+    }
     for (&tid, t) in program.inputs.iter().zip(inputs) {
         let t = if ev.in_mesh[tid.index()] && !ctx.device.is_resident(t) {
             ctx.device.upload(t)?
@@ -96,7 +132,29 @@ pub fn execute(
             result.push(Tensor::placeholder(program.ir.tensor(t).dtype));
         }
     }
-    Ok((result, ev.stats))
+    let trace = match ev.origin {
+        Some(origin) => {
+            let mut events = Vec::with_capacity(ev.pending.len());
+            for p in &ev.pending {
+                events.push(TraceEvent {
+                    name: p.name.clone(),
+                    communication: p.communication,
+                    stream: p.stream,
+                    chunk: p.chunk,
+                    start_ms: ctx.device.marker_elapsed_ms(origin, p.start)?,
+                    end_ms: ctx.device.marker_elapsed_ms(origin, p.end)?,
+                });
+            }
+            ctx.device.clear_markers();
+            Some(events)
+        }
+        None => None,
+    };
+    Ok(Execution {
+        outputs: result,
+        stats: ev.stats,
+        trace,
+    })
 }
 
 /// Interpreter state for one call on one rank.
@@ -112,6 +170,10 @@ pub(crate) struct Evaluator<'a> {
     comm_streams: HashMap<CommId, StreamHandle>,
     pub(crate) stats: ExecStats,
     live_bytes: usize,
+    origin: Option<usize>,
+    pending: Vec<PendingEvent>,
+    group_start: Option<usize>,
+    chunk: Option<i64>,
 }
 
 impl<'a> Evaluator<'a> {
@@ -145,7 +207,40 @@ impl<'a> Evaluator<'a> {
             comm_streams: HashMap::new(),
             stats: ExecStats::default(),
             live_bytes: 0,
+            origin: None,
+            pending: Vec::new(),
+            group_start: None,
+            chunk: None,
         }
+    }
+
+    /// A trace marker on the current stream, when tracing.
+    pub(crate) fn mark(&self) -> Result<Option<usize>> {
+        match self.origin {
+            Some(_) => Ok(Some(self.ctx.device.record_marker(self.current)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Records a traced interval that started at `start`, ending now.
+    pub(crate) fn traced(
+        &mut self,
+        start: Option<usize>,
+        name: &str,
+        communication: bool,
+    ) -> Result<()> {
+        if let Some(start) = start {
+            let end = self.ctx.device.record_marker(self.current)?;
+            self.pending.push(PendingEvent {
+                name: name.to_string(),
+                communication,
+                stream: self.current,
+                chunk: self.chunk,
+                start,
+                end,
+            });
+        }
+        Ok(())
     }
 
     /// Evaluates a scalar; an unbound symbol is an error naming it.
@@ -298,9 +393,11 @@ impl<'a> Evaluator<'a> {
                 let (start, stop) = (self.eval(l.start)?, self.eval(l.stop)?);
                 for i in start..stop {
                     self.leaves[l.index.index()] = Some(i);
+                    self.chunk = Some(i);
                     self.run_nodes(&l.body)?;
                 }
                 self.leaves[l.index.index()] = None;
+                self.chunk = None;
             }
             Node::IfThenElse {
                 cond,
@@ -340,9 +437,14 @@ impl<'a> Evaluator<'a> {
             }
             Node::Communication(c) => self.communication(c)?,
             Node::P2P(x) => self.p2p(x)?,
-            Node::StartCoalescing => self.ctx.comm.group_start()?,
+            Node::StartCoalescing => {
+                self.group_start = self.mark()?;
+                self.ctx.comm.group_start()?;
+            }
             Node::EndCoalescing { id } => {
                 self.ctx.comm.group_end()?;
+                let start = self.group_start.take();
+                self.traced(start, "P2P group", true)?;
                 self.comm_streams.insert(*id, self.current);
             }
             Node::Wait { comm } => {
@@ -352,12 +454,21 @@ impl<'a> Evaluator<'a> {
                     }
                 }
             }
-            Node::Compute(e) => self.compute(e)?,
+            Node::Compute(e) => {
+                let start = if e.op.is_view() { None } else { self.mark()? };
+                self.compute(e)?;
+                let name = e.op.name();
+                self.traced(start, &name, false)?;
+            }
             Node::Launch {
                 segment,
                 inputs: _,
                 outputs,
-            } => self.launch(*segment, outputs)?,
+            } => {
+                let start = self.mark()?;
+                self.launch(*segment, outputs)?;
+                self.traced(start, "fused kernel", false)?;
+            }
         }
         Ok(())
     }
@@ -393,9 +504,11 @@ impl<'a> Evaluator<'a> {
         } else {
             None
         };
+        let start = self.mark()?;
         self.ctx
             .comm
             .collective(self.current, c, input.as_ref(), output.as_ref())?;
+        self.traced(start, c.kind.name(), true)?;
         self.comm_streams.insert(c.id, self.current);
         Ok(())
     }
@@ -412,6 +525,8 @@ impl<'a> Evaluator<'a> {
             });
         }
         let peer = peer as usize;
+        let in_group = self.group_start.is_some();
+        let start = if in_group { None } else { self.mark()? };
         match x.direction {
             P2PDirection::Send => {
                 let buf = self.get(x.buffer)?.clone();
@@ -422,6 +537,11 @@ impl<'a> Evaluator<'a> {
                 self.ctx.comm.recv(self.current, peer, &buf)?;
             }
         }
+        let name = match x.direction {
+            P2PDirection::Send => "send",
+            P2PDirection::Recv => "recv",
+        };
+        self.traced(start, name, true)?;
         self.comm_streams.insert(x.id, self.current);
         Ok(())
     }

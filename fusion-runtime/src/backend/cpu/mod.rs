@@ -11,6 +11,8 @@ mod reduce;
 mod testutil;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Instant;
 
 use fusion_core::DType;
 
@@ -43,6 +45,8 @@ pub struct CpuDevice {
     ordinal: usize,
     /// Size of the worker stream pool (handles `1..=streams` are valid; 0 always is).
     streams: AtomicUsize,
+    /// Trace markers: host times (work runs synchronously, so the host clock is exact).
+    markers: Mutex<Vec<Instant>>,
 }
 
 impl CpuDevice {
@@ -51,6 +55,7 @@ impl CpuDevice {
         CpuDevice {
             ordinal,
             streams: AtomicUsize::new(0),
+            markers: Mutex::new(Vec::new()),
         }
     }
 
@@ -74,6 +79,29 @@ const POISON: f32 = f32::NAN;
 impl Device for CpuDevice {
     fn kind(&self) -> BackendKind {
         BackendKind::Cpu
+    }
+
+    fn record_marker(&self, stream: StreamHandle) -> Result<usize> {
+        self.check_stream(stream)?;
+        let mut m = self.markers.lock().unwrap_or_else(PoisonError::into_inner);
+        m.push(Instant::now());
+        Ok(m.len() - 1)
+    }
+
+    fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64> {
+        let m = self.markers.lock().unwrap_or_else(PoisonError::into_inner);
+        match (m.get(start), m.get(end)) {
+            (Some(a), Some(b)) => Ok(b.saturating_duration_since(*a).as_secs_f64() * 1e3
+                - a.saturating_duration_since(*b).as_secs_f64() * 1e3),
+            _ => Err(cpu_err(format!("no markers {start} and {end}"))),
+        }
+    }
+
+    fn clear_markers(&self) {
+        self.markers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 
     fn ordinal(&self) -> usize {

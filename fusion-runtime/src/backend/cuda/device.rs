@@ -1,0 +1,416 @@
+//! One GPU as a [`Device`]: its context, a main stream and a pool of worker streams, one
+//! event per stream for cross-stream waits, and one cuBLAS handle per stream.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use cudarc::cublas::sys::cublasHandle_t;
+use cudarc::driver::{result, sys, CudaContext};
+use fusion_core::DType;
+
+use super::kernels::KernelCache;
+use super::libs::driver_err;
+use super::memory::{CudaBuffer, RawStream};
+use super::{gemm, health::WorldHealth};
+use crate::backend::{BackendKind, Device, Kernel, StreamHandle};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// What buffers of a device need after the device object is gone: its context.
+#[derive(Debug)]
+pub(crate) struct DeviceShared {
+    pub ordinal: usize,
+    pub ctx: Arc<CudaContext>,
+}
+
+impl DeviceShared {
+    /// Makes this device's context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err(&format!("binding device {}", self.ordinal), e))
+    }
+}
+
+struct StreamSlot {
+    stream: RawStream,
+    event: RawEvent,
+    blas: BlasHandle,
+}
+
+#[derive(Clone, Copy)]
+struct RawEvent(sys::CUevent);
+// SAFETY: event handles are driver handles usable from any thread with the context current.
+unsafe impl Send for RawEvent {}
+
+#[derive(Clone, Copy)]
+pub(crate) struct BlasHandle(pub cublasHandle_t);
+// SAFETY: used only from the rank thread that owns the device, one call at a time.
+unsafe impl Send for BlasHandle {}
+
+/// A CUDA device driven by one rank thread.
+pub struct CudaDevice {
+    shared: Arc<DeviceShared>,
+    streams: Mutex<Vec<StreamSlot>>,
+    /// Timing events for traces: recorded ones, and spares to reuse.
+    markers: Mutex<(Vec<RawEvent>, Vec<RawEvent>)>,
+    pub(crate) kernels: KernelCache,
+    poison: bool,
+    health: Arc<WorldHealth>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaDevice({})", self.shared.ordinal)
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` (primary context, a main stream). `FUSION_POISON=1` fills
+    /// every allocation with NaN bytes so unwritten outputs show up in tests.
+    pub(crate) fn new(ordinal: usize, health: Arc<WorldHealth>) -> Result<CudaDevice> {
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| driver_err(&format!("opening device {ordinal}"), e))?;
+        // The host program orders streams itself; cudarc's per-buffer tracking would add
+        // hidden waits that serialize the overlap.
+        // SAFETY: we never use cudarc's tracked CudaSlice across streams.
+        unsafe { ctx.disable_event_tracking() };
+        let shared = Arc::new(DeviceShared { ordinal, ctx });
+        let dev = CudaDevice {
+            shared,
+            streams: Mutex::new(Vec::new()),
+            markers: Mutex::new((Vec::new(), Vec::new())),
+            kernels: KernelCache::new(ordinal),
+            poison: std::env::var("FUSION_POISON").is_ok_and(|v| v == "1"),
+            health,
+        };
+        dev.shared.bind()?;
+        configure_pool(ordinal)?;
+        dev.ensure_streams(0)?;
+        Ok(dev)
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<DeviceShared> {
+        &self.shared
+    }
+
+    /// The raw stream behind a handle.
+    pub(crate) fn raw_stream(&self, s: StreamHandle) -> Result<RawStream> {
+        let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        streams
+            .get(s)
+            .map(|x| x.stream)
+            .ok_or_else(|| Error::Backend {
+                backend: "cuda",
+                reason: format!("stream {s} does not exist (pool of {})", streams.len() - 1),
+            })
+    }
+
+    pub(crate) fn blas(&self, s: StreamHandle) -> Result<BlasHandle> {
+        let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        streams
+            .get(s)
+            .map(|x| x.blas)
+            .ok_or_else(|| Error::Backend {
+                backend: "cuda",
+                reason: format!("stream {s} does not exist"),
+            })
+    }
+
+    /// Allocates a contiguous tensor on `stream` (poisoned when `FUSION_POISON=1`).
+    pub(crate) fn alloc_tensor(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        let bytes = numel * dtype.size_bytes();
+        let raw = self.raw_stream(stream)?;
+        let buf = CudaBuffer::alloc(&self.shared, raw, bytes)?;
+        if self.poison && bytes > 0 {
+            // SAFETY: the buffer was just allocated on `raw` with `bytes` bytes.
+            unsafe { result::memset_d8_async(buf_ptr(&buf), 0xFF, bytes, raw.0) }
+                .map_err(|e| driver_err("poisoning an allocation", e))?;
+        }
+        Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
+    }
+
+    /// Blocks until `stream` is idle, polling so that a failed world or a timeout ends
+    /// the wait with an error instead of a hang.
+    pub(crate) fn wait_stream(&self, stream: RawStream, what: &str) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            // SAFETY: querying a stream of the current context.
+            match unsafe { sys::cuStreamQuery(stream.0) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => {
+                    return Err(Error::Backend {
+                        backend: "cuda",
+                        reason: format!("{what} on device {}: {other:?}", self.shared.ordinal),
+                    })
+                }
+            }
+            self.health.check(self.shared.ordinal)?;
+            let waited = start.elapsed();
+            if waited > self.health.timeout() {
+                return Err(Error::Timeout {
+                    rank: self.shared.ordinal,
+                    what: what.to_string(),
+                    seconds: waited.as_secs_f64(),
+                });
+            }
+            if waited < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+}
+
+pub(crate) fn buf_ptr(b: &CudaBuffer) -> sys::CUdeviceptr {
+    use crate::tensor::DeviceBuffer;
+    b.ptr()
+}
+
+/// Keeps freed memory in the device's default pool instead of returning it to the driver.
+fn configure_pool(ordinal: usize) -> Result<()> {
+    let dev = result::device::get(ordinal as i32).map_err(|e| driver_err("cuDeviceGet", e))?;
+    // SAFETY: the default pool of a valid device; the attribute takes a u64.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(dev)
+            .map_err(|e| driver_err("default memory pool", e))?;
+        let mut threshold: u64 = u64::MAX;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .map_err(|e| driver_err("memory pool release threshold", e))?;
+    }
+    Ok(())
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.shared.bind().is_err() {
+            return;
+        }
+        let (used, spare) =
+            std::mem::take(&mut *self.markers.lock().unwrap_or_else(PoisonError::into_inner));
+        for e in used.into_iter().chain(spare) {
+            // SAFETY: events created by this device, destroyed once.
+            unsafe {
+                let _ = result::event::destroy(e.0);
+            }
+        }
+        let streams =
+            std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner));
+        for s in streams {
+            // SAFETY: handles created by this device, destroyed once.
+            unsafe {
+                let _ = sys::cuStreamSynchronize(s.stream.0);
+                let _ = cudarc::cublas::result::destroy_handle(s.blas.0);
+                let _ = result::event::destroy(s.event.0);
+                let _ = result::stream::destroy(s.stream.0);
+            }
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn record_marker(&self, stream: StreamHandle) -> Result<usize> {
+        let raw = self.raw_stream(stream)?;
+        let mut m = self.markers.lock().unwrap_or_else(PoisonError::into_inner);
+        let ev = match m.1.pop() {
+            Some(e) => e,
+            None => RawEvent(
+                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                    .map_err(|e| driver_err("creating a timing event", e))?,
+            ),
+        };
+        // SAFETY: an event and a stream of this device's context.
+        unsafe { result::event::record(ev.0, raw.0) }
+            .map_err(|e| driver_err("cuEventRecord", e))?;
+        m.0.push(ev);
+        Ok(m.0.len() - 1)
+    }
+
+    fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64> {
+        let (a, b) = {
+            let m = self.markers.lock().unwrap_or_else(PoisonError::into_inner);
+            match (m.0.get(start), m.0.get(end)) {
+                (Some(a), Some(b)) => (*a, *b),
+                _ => {
+                    return Err(Error::Backend {
+                        backend: "cuda",
+                        reason: format!("no markers {start} and {end}"),
+                    })
+                }
+            }
+        };
+        // SAFETY: recorded timing events of this context.
+        unsafe {
+            result::event::synchronize(a.0).map_err(|e| driver_err("cuEventSynchronize", e))?;
+            result::event::synchronize(b.0).map_err(|e| driver_err("cuEventSynchronize", e))?;
+            result::event::elapsed(a.0, b.0)
+        }
+        .map(f64::from)
+        .map_err(|e| driver_err("cuEventElapsedTime", e))
+    }
+
+    fn clear_markers(&self) {
+        let mut m = self.markers.lock().unwrap_or_else(PoisonError::into_inner);
+        let used = std::mem::take(&mut m.0);
+        m.1.extend(used);
+    }
+
+    fn ordinal(&self) -> usize {
+        self.shared.ordinal
+    }
+
+    fn bind_thread(&self) -> Result<()> {
+        self.shared.bind()
+    }
+
+    fn ensure_streams(&self, n: usize) -> Result<()> {
+        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        if streams.len() > n {
+            return Ok(());
+        }
+        self.shared.bind()?;
+        while streams.len() <= n {
+            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(|e| driver_err("creating a stream", e))?;
+            let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| driver_err("creating an event", e))?;
+            let blas = cudarc::cublas::result::create_handle().map_err(|e| Error::Backend {
+                backend: "cuda",
+                reason: format!("creating a cuBLAS handle: {e:?}"),
+            })?;
+            // SAFETY: a fresh handle bound to a stream of the current context.
+            unsafe { cudarc::cublas::result::set_stream(blas, stream as _) }.map_err(|e| {
+                Error::Backend {
+                    backend: "cuda",
+                    reason: format!("cublasSetStream: {e:?}"),
+                }
+            })?;
+            streams.push(StreamSlot {
+                stream: RawStream(stream),
+                event: RawEvent(event),
+                blas: BlasHandle(blas),
+            });
+        }
+        Ok(())
+    }
+
+    fn allocate(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        self.alloc_tensor(stream, dtype, shape)
+    }
+
+    fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()> {
+        let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        let (Some(a), Some(b)) = (streams.get(waiter), streams.get(waitee)) else {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: format!("stream_wait({waiter}, {waitee}): no such stream"),
+            });
+        };
+        // SAFETY: event and streams belong to this device's context.
+        unsafe {
+            result::event::record(b.event.0, b.stream.0)
+                .map_err(|e| driver_err("cuEventRecord", e))?;
+            result::stream::wait_event(
+                a.stream.0,
+                b.event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .map_err(|e| driver_err("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
+    }
+
+    fn execute(&self, stream: StreamHandle, kernel: Kernel<'_>) -> Result<()> {
+        let raw = self.raw_stream(stream)?;
+        match kernel {
+            Kernel::Copy { src, dst } => self.kernels.copy(self, raw, src, dst),
+            Kernel::Pointwise(p) => self.kernels.pointwise(self, raw, p),
+            Kernel::Reduce { op, src, dst, axes } => {
+                self.kernels.reduce(self, raw, op, src, dst, axes)
+            }
+            Kernel::Gemm { a, b, bias, dst } => gemm::gemm(self, stream, a, b, bias, dst),
+        }
+    }
+
+    fn upload(&self, t: &Tensor) -> Result<Tensor> {
+        let host = if t.is_contiguous() && t.is_host() {
+            t.clone()
+        } else {
+            t.contiguous_copy()?
+        };
+        let out = self.alloc_tensor(0, host.dtype(), host.shape())?;
+        let raw = self.raw_stream(0)?;
+        let bytes = host.nbytes();
+        if bytes > 0 {
+            let dst = out.device_ptr().expect("device tensor");
+            let offset = host.offset() * host.dtype().size_bytes();
+            let crate::tensor::Storage::Host(h) = host.storage() else {
+                unreachable!("checked host above")
+            };
+            h.with(|src| {
+                // SAFETY: `src[offset..offset + bytes]` is the contiguous view; the copy
+                // from pageable memory completes staging before returning.
+                unsafe { result::memcpy_htod_async(dst, &src[offset..offset + bytes], raw.0) }
+                    .map_err(|e| driver_err("copying to the device", e))
+            })?;
+            // Pageable copies may return before the DMA finishes: wait so the host
+            // buffer can be released.
+            self.wait_stream(raw, "upload")?;
+        }
+        Ok(out)
+    }
+
+    fn download(&self, t: &Tensor) -> Result<Tensor> {
+        if t.is_host() {
+            return t.contiguous_copy();
+        }
+        let src = if t.is_contiguous() {
+            t.clone()
+        } else {
+            let c = self.alloc_tensor(0, t.dtype(), t.shape())?;
+            self.execute(0, Kernel::Copy { src: t, dst: &c })?;
+            c
+        };
+        let raw = self.raw_stream(0)?;
+        self.wait_stream(raw, "download")?;
+        let mut bytes = vec![0u8; src.nbytes()];
+        if !bytes.is_empty() {
+            // SAFETY: the device range is the contiguous view, the stream is idle.
+            unsafe {
+                result::memcpy_dtoh_sync(&mut bytes, src.device_ptr().expect("device tensor"))
+            }
+            .map_err(|e| driver_err("copying to the host", e))?;
+        }
+        Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let streams: Vec<RawStream> = self
+            .streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|s| s.stream)
+            .collect();
+        for s in streams {
+            self.wait_stream(s, "synchronize")?;
+        }
+        Ok(())
+    }
+}

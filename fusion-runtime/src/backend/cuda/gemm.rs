@@ -1,0 +1,292 @@
+//! Batched GEMM on cuBLAS (`cublasGemmStridedBatchedEx`, f32 accumulation).
+//!
+//! Tensors are row-major strided views; cuBLAS is column-major. A row-major matrix with a
+//! unit column stride is, to cuBLAS, its transpose with leading dimension = row stride;
+//! one with a unit row stride is itself with leading dimension = column stride. When the
+//! output has unit column stride we compute `Cᵀ = Bᵀ Aᵀ`, otherwise `C = A B`. Operands
+//! with neither stride 1 are first copied to contiguous buffers. The last batch axis goes
+//! to cuBLAS as the strided batch; outer batch axes are looped on the host.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use fusion_core::DType;
+
+use super::device::CudaDevice;
+use crate::backend::{Device, Kernel, StreamHandle};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// How a row-major `rows x cols` matrix appears to cuBLAS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// Unit column stride: cuBLAS sees the transpose, leading dimension `ld`.
+    RowMajor { ld: i64 },
+    /// Unit row stride: cuBLAS sees the matrix itself, leading dimension `ld`.
+    ColMajor { ld: i64 },
+}
+
+fn layout(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<Layout> {
+    let (rows, cols) = (rows as i64, cols as i64);
+    let (rs, cs) = (rs as i64, cs as i64);
+    if cs == 1 || cols == 1 {
+        let ld = if rows == 1 { cols.max(1) } else { rs };
+        if ld >= cols.max(1) {
+            return Some(Layout::RowMajor { ld });
+        }
+    }
+    if rs == 1 || rows == 1 {
+        let ld = if cols == 1 { rows.max(1) } else { cs };
+        if ld >= rows.max(1) {
+            return Some(Layout::ColMajor { ld });
+        }
+    }
+    None
+}
+
+fn data_type(dt: DType) -> cudaDataType {
+    match dt {
+        DType::F32 => cudaDataType::CUDA_R_32F,
+        DType::BF16 => cudaDataType::CUDA_R_16BF,
+        DType::F16 => cudaDataType::CUDA_R_16F,
+    }
+}
+
+fn err(reason: String) -> Error {
+    Error::Backend {
+        backend: "cuda",
+        reason,
+    }
+}
+
+/// The matrix layout of the last two axes, copying to a contiguous buffer if needed.
+fn matrix(dev: &CudaDevice, stream: StreamHandle, t: &Tensor) -> Result<(Tensor, Layout)> {
+    let r = t.rank();
+    let (rows, cols) = (t.shape()[r - 2], t.shape()[r - 1]);
+    if let Some(l) = layout(rows, cols, t.strides()[r - 2], t.strides()[r - 1]) {
+        return Ok((t.clone(), l));
+    }
+    let c = dev.alloc_tensor(stream, t.dtype(), t.shape())?;
+    dev.execute(stream, Kernel::Copy { src: t, dst: &c })?;
+    let l = layout(rows, cols, c.strides()[r - 2], c.strides()[r - 1]).expect("contiguous");
+    Ok((c, l))
+}
+
+/// `dst = a @ b (+ bias)`, see [`Kernel::Gemm`].
+pub(crate) fn gemm(
+    dev: &CudaDevice,
+    stream: StreamHandle,
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    dst: &Tensor,
+) -> Result<()> {
+    let r = dst.rank();
+    if r < 2 || a.rank() != r || b.rank() != r {
+        return Err(err(format!(
+            "gemm: a {:?}, b {:?} and dst {:?} must share one rank >= 2",
+            a.shape(),
+            b.shape(),
+            dst.shape()
+        )));
+    }
+    let (m, n, k) = (dst.shape()[r - 2], dst.shape()[r - 1], a.shape()[r - 1]);
+    if a.shape()[r - 2] != m
+        || b.shape()[r - 2] != k
+        || b.shape()[r - 1] != n
+        || a.shape()[..r - 2] != dst.shape()[..r - 2]
+        || b.shape()[..r - 2] != dst.shape()[..r - 2]
+    {
+        return Err(err(format!(
+            "gemm: a {:?} @ b {:?} does not give dst {:?}",
+            a.shape(),
+            b.shape(),
+            dst.shape()
+        )));
+    }
+    if a.dtype() != b.dtype() || a.dtype() != dst.dtype() {
+        return Err(err(format!(
+            "gemm: dtypes {} @ {} -> {} must agree",
+            a.dtype(),
+            b.dtype(),
+            dst.dtype()
+        )));
+    }
+    if dst.numel() == 0 {
+        return Ok(());
+    }
+    // Bias: prefill the output and accumulate onto it.
+    let beta: f32 = match bias {
+        Some(bias) => {
+            let full = bias
+                .expand(dst.shape())
+                .map_err(|e| err(format!("gemm bias: {e}")))?;
+            dev.execute(stream, Kernel::Copy { src: &full, dst })?;
+            1.0
+        }
+        None => 0.0,
+    };
+    if k == 0 {
+        // An empty contraction is all zeros (plus the bias already written).
+        if bias.is_none() {
+            fill_zero(dev, stream, dst)?;
+        }
+        return Ok(());
+    }
+    let (a, la) = matrix(dev, stream, a)?;
+    let (b, lb) = matrix(dev, stream, b)?;
+    let (c, lc) = match layout(m, n, dst.strides()[r - 2], dst.strides()[r - 1]) {
+        Some(l) => (dst.clone(), l),
+        None => {
+            let c = dev.alloc_tensor(stream, dst.dtype(), dst.shape())?;
+            if beta != 0.0 {
+                dev.execute(stream, Kernel::Copy { src: dst, dst: &c })?;
+            }
+            let l = layout(m, n, c.strides()[r - 2], c.strides()[r - 1]).expect("contiguous");
+            (c, l)
+        }
+    };
+    // Column-major problem: C' (m2 x n2) = op(A') op(B').
+    use cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
+    let (m2, n2, ldc, x, lx, y, ly) = match lc {
+        Layout::RowMajor { ld } => (n, m, ld, &b, lb, &a, la), // Cᵀ = Bᵀ Aᵀ
+        Layout::ColMajor { ld } => (m, n, ld, &a, la, &b, lb), // C = A B
+    };
+    // op(A') must be (m2 x k): for Cᵀ that is Bᵀ, for C it is A.
+    let transposed = matches!(lc, Layout::RowMajor { .. });
+    let op_ld = |l: Layout, want_transpose_view: bool| -> (cublasOperation_t, i64) {
+        match (l, want_transpose_view) {
+            (Layout::RowMajor { ld }, true) | (Layout::ColMajor { ld }, false) => (N, ld),
+            (Layout::RowMajor { ld }, false) | (Layout::ColMajor { ld }, true) => (T, ld),
+        }
+    };
+    let (opa, lda) = op_ld(lx, transposed);
+    let (opb, ldb) = op_ld(ly, transposed);
+    let es = dst.dtype().size_bytes() as u64;
+    // Batch axes: the last one is cuBLAS's strided batch, the others loop here.
+    let nb = r - 2;
+    let (batch, sx, sy, sc) = if nb == 0 {
+        (1usize, 0i64, 0i64, 0i64)
+    } else {
+        (
+            c.shape()[nb - 1],
+            x.strides()[nb - 1] as i64,
+            y.strides()[nb - 1] as i64,
+            c.strides()[nb - 1] as i64,
+        )
+    };
+    let outer: Vec<usize> = c.shape()[..nb.saturating_sub(1)].to_vec();
+    let n_outer: usize = outer.iter().product();
+    let blas = dev.blas(stream)?;
+    let (alpha, beta) = (1.0f32, beta);
+    let check = |v: i64, what: &str| -> Result<i32> {
+        i32::try_from(v)
+            .map_err(|_| err(format!("gemm: {what} = {v} exceeds cuBLAS's 32-bit limit")))
+    };
+    let (m2, n2, k2) = (
+        check(m2 as i64, "m")?,
+        check(n2 as i64, "n")?,
+        check(k as i64, "k")?,
+    );
+    let (lda, ldb, ldc) = (check(lda, "lda")?, check(ldb, "ldb")?, check(ldc, "ldc")?);
+    let batch_i = check(batch as i64, "batch")?;
+    let ptr = |t: &Tensor| t.device_ptr().expect("device tensor");
+    for o in 0..n_outer {
+        // Offset of outer batch index `o` in each operand.
+        let (mut ox, mut oy, mut oc) = (0i64, 0i64, 0i64);
+        let mut rem = o;
+        for d in (0..outer.len()).rev() {
+            let i = (rem % outer[d]) as i64;
+            rem /= outer[d];
+            ox += i * x.strides()[d] as i64;
+            oy += i * y.strides()[d] as i64;
+            oc += i * c.strides()[d] as i64;
+        }
+        let (px, py, pc) = (
+            ptr(x) + (ox as u64).wrapping_mul(es),
+            ptr(y) + (oy as u64).wrapping_mul(es),
+            ptr(&c) + (oc as u64).wrapping_mul(es),
+        );
+        dev.shared().bind()?;
+        // SAFETY: pointers, leading dimensions and strides describe the operands' views
+        // (checked above); the handle is bound to this stream.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                blas.0,
+                opa,
+                opb,
+                m2,
+                n2,
+                k2,
+                &alpha as *const f32 as *const c_void,
+                px as *const c_void,
+                data_type(x.dtype()),
+                lda,
+                sx,
+                py as *const c_void,
+                data_type(y.dtype()),
+                ldb,
+                sy,
+                &beta as *const f32 as *const c_void,
+                pc as *mut c_void,
+                data_type(c.dtype()),
+                ldc,
+                sc,
+                batch_i,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| err(format!("cublasGemmStridedBatchedEx: {e:?}")))?;
+    }
+    if !c.shares_storage(dst) {
+        dev.execute(stream, Kernel::Copy { src: &c, dst })?;
+    }
+    Ok(())
+}
+
+/// Writes zeros into `t` (zero bits are 0.0 in every dtype).
+fn fill_zero(dev: &CudaDevice, stream: StreamHandle, t: &Tensor) -> Result<()> {
+    let target = if t.is_contiguous() {
+        t.clone()
+    } else {
+        dev.alloc_tensor(stream, t.dtype(), t.shape())?
+    };
+    let raw = dev.raw_stream(stream)?;
+    // SAFETY: `target` is a contiguous device view of `nbytes` bytes.
+    unsafe {
+        cudarc::driver::result::memset_d8_async(
+            target.device_ptr().expect("device tensor"),
+            0,
+            target.nbytes(),
+            raw.0,
+        )
+    }
+    .map_err(|e| err(format!("cuMemsetD8Async: {e:?}")))?;
+    if !target.shares_storage(t) {
+        dev.execute(
+            stream,
+            Kernel::Copy {
+                src: &target,
+                dst: t,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts() {
+        assert_eq!(layout(4, 3, 3, 1), Some(Layout::RowMajor { ld: 3 }));
+        assert_eq!(layout(4, 3, 1, 4), Some(Layout::ColMajor { ld: 4 }));
+        assert_eq!(layout(4, 3, 6, 1), Some(Layout::RowMajor { ld: 6 }));
+        assert_eq!(layout(1, 3, 0, 1), Some(Layout::RowMajor { ld: 3 }));
+        assert_eq!(layout(4, 1, 1, 0), Some(Layout::RowMajor { ld: 1 }));
+        assert_eq!(layout(4, 3, 6, 2), None);
+        assert_eq!(layout(4, 3, 0, 1), None, "broadcast rows need a copy");
+    }
+}

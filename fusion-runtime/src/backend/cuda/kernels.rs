@@ -1,0 +1,320 @@
+//! Compiling (NVRTC, once per process per source) and launching the generated kernels.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use cudarc::driver::{result, sys};
+use fusion_core::ir::ReduceOp;
+
+use super::codegen::{pointwise_source, reduce_source, PointwiseSignature, MAX_RANK};
+use super::device::CudaDevice;
+use super::libs::driver_err;
+use super::memory::RawStream;
+use crate::backend::PointwiseProgram;
+use crate::error::{Error, Result};
+use crate::tensor::{contiguous_strides, Tensor};
+
+const BLOCK: u32 = 256;
+const MAX_GRID: usize = 132 * 32;
+
+#[derive(Clone, Copy)]
+struct RawFunction(sys::CUfunction);
+// SAFETY: function handles are driver handles, valid in their context from any thread.
+unsafe impl Send for RawFunction {}
+
+/// PTX by source, shared by every device of the process.
+fn ptx_cache() -> &'static Mutex<HashMap<String, Arc<CString>>> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<CString>>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn arch_option(cc: (i32, i32)) -> Option<&'static str> {
+    Some(match cc {
+        (7, 0) => "compute_70",
+        (7, 5) => "compute_75",
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 9) => "compute_89",
+        (9, 0) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        _ => return None,
+    })
+}
+
+/// Compiled kernels of one device, by source.
+pub(crate) struct KernelCache {
+    ordinal: usize,
+    functions: Mutex<HashMap<String, RawFunction>>,
+}
+
+impl KernelCache {
+    pub(crate) fn new(ordinal: usize) -> Self {
+        KernelCache {
+            ordinal,
+            functions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The kernel `name` of `source`, compiled and loaded on first use.
+    fn function(&self, dev: &CudaDevice, source: &str, name: &str) -> Result<RawFunction> {
+        if let Some(f) = self
+            .functions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(source)
+        {
+            return Ok(*f);
+        }
+        let ptx = {
+            let mut cache = ptx_cache().lock().unwrap_or_else(PoisonError::into_inner);
+            match cache.get(source) {
+                Some(p) => p.clone(),
+                None => {
+                    let cc = dev
+                        .shared()
+                        .ctx
+                        .compute_capability()
+                        .map_err(|e| driver_err("compute capability", e))?;
+                    let opts = cudarc::nvrtc::CompileOptions {
+                        arch: arch_option(cc),
+                        ..Default::default()
+                    };
+                    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| {
+                        Error::Backend {
+                            backend: "cuda",
+                            reason: format!(
+                                "NVRTC failed to compile a generated kernel: {e:?}\n{source}"
+                            ),
+                        }
+                    })?;
+                    let text = CString::new(ptx.to_src()).map_err(|_| Error::Backend {
+                        backend: "cuda",
+                        reason: "NVRTC produced PTX with a NUL byte".into(),
+                    })?;
+                    let text = Arc::new(text);
+                    cache.insert(source.to_string(), text.clone());
+                    text
+                }
+            }
+        };
+        dev.shared().bind()?;
+        // SAFETY: loading NUL-terminated PTX text into the current context; the module
+        // lives as long as the process (kernels are cached for reuse).
+        let f = unsafe {
+            let module = result::module::load_data(ptx.as_ptr() as *const c_void).map_err(|e| {
+                driver_err(&format!("loading a kernel on device {}", self.ordinal), e)
+            })?;
+            let cname = CString::new(name).expect("kernel names have no NUL");
+            result::module::get_function(module, cname)
+                .map_err(|e| driver_err("cuModuleGetFunction", e))?
+        };
+        let f = RawFunction(f);
+        self.functions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(source.to_string(), f);
+        Ok(f)
+    }
+
+    /// `dst = src` (same shape): a memcpy when both are contiguous of one dtype.
+    pub(crate) fn copy(
+        &self,
+        dev: &CudaDevice,
+        stream: RawStream,
+        src: &Tensor,
+        dst: &Tensor,
+    ) -> Result<()> {
+        if src.shape() != dst.shape() {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: format!("copy from {:?} into {:?}", src.shape(), dst.shape()),
+            });
+        }
+        let (s, d) = (self.device_ptr(src)?, self.device_ptr(dst)?);
+        if src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous() {
+            if src.nbytes() > 0 && s != d {
+                // SAFETY: both ranges are contiguous device views of `nbytes` bytes.
+                unsafe { result::memcpy_dtod_async(d, s, src.nbytes(), stream.0) }
+                    .map_err(|e| driver_err("cuMemcpyDtoDAsync", e))?;
+            }
+            return Ok(());
+        }
+        let prog = PointwiseProgram {
+            shape: dst.shape().to_vec(),
+            inputs: vec![src.clone()],
+            instrs: vec![],
+            outputs: vec![(dst.clone(), 0)],
+        };
+        self.pointwise(dev, stream, &prog)
+    }
+
+    fn device_ptr(&self, t: &Tensor) -> Result<u64> {
+        match t.device_buffer() {
+            Some(b) if b.device() == self.ordinal => Ok(t.device_ptr().expect("device tensor")),
+            Some(b) => Err(Error::Backend {
+                backend: "cuda",
+                reason: format!(
+                    "a tensor of device {} was passed to device {}",
+                    b.device(),
+                    self.ordinal
+                ),
+            }),
+            None => Err(Error::Backend {
+                backend: "cuda",
+                reason: format!(
+                    "a host tensor {:?} was passed to device {}; copy it with Rank::to_device",
+                    t.shape(),
+                    self.ordinal
+                ),
+            }),
+        }
+    }
+
+    /// Runs a fused elementwise program.
+    pub(crate) fn pointwise(
+        &self,
+        dev: &CudaDevice,
+        stream: RawStream,
+        p: &PointwiseProgram,
+    ) -> Result<()> {
+        let rank = p.shape.len();
+        if rank > MAX_RANK {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: format!(
+                    "pointwise kernels index at most {MAX_RANK} dimensions, got {rank}"
+                ),
+            });
+        }
+        for t in p.inputs.iter().chain(p.outputs.iter().map(|o| &o.0)) {
+            if t.shape() != p.shape.as_slice() {
+                return Err(Error::Backend {
+                    backend: "cuda",
+                    reason: format!(
+                        "pointwise operand {:?} does not match the iteration shape {:?}",
+                        t.shape(),
+                        p.shape
+                    ),
+                });
+            }
+        }
+        let numel: usize = p.shape.iter().product();
+        if numel == 0 {
+            return Ok(());
+        }
+        let dense = contiguous_strides(&p.shape);
+        let contiguous = p
+            .inputs
+            .iter()
+            .chain(p.outputs.iter().map(|o| &o.0))
+            .all(|t| t.strides() == dense.as_slice() || t.is_contiguous());
+        let sig = PointwiseSignature {
+            inputs: p.inputs.iter().map(|t| t.dtype()).collect(),
+            outputs: p.outputs.iter().map(|(t, r)| (t.dtype(), *r)).collect(),
+            instrs: &p.instrs,
+            contiguous,
+        };
+        let f = self.function(dev, &pointwise_source(&sig), "fusion_pointwise")?;
+        let mut params: Vec<i64> = vec![numel as i64, rank as i64];
+        params.extend(pad(p.shape.iter().map(|&x| x as i64)));
+        for t in p.inputs.iter().chain(p.outputs.iter().map(|o| &o.0)) {
+            params.extend(pad(t.strides().iter().map(|&x| x as i64)));
+        }
+        let mut ptrs: Vec<u64> = Vec::new();
+        for t in p.inputs.iter().chain(p.outputs.iter().map(|o| &o.0)) {
+            ptrs.push(self.device_ptr(t)?);
+        }
+        let grid = numel.div_ceil(BLOCK as usize).clamp(1, MAX_GRID) as u32;
+        launch(dev, f, grid, stream, &mut ptrs, &mut params)
+    }
+
+    /// Reduces `src` over `axes` into `dst` (src's shape without those axes).
+    pub(crate) fn reduce(
+        &self,
+        dev: &CudaDevice,
+        stream: RawStream,
+        op: ReduceOp,
+        src: &Tensor,
+        dst: &Tensor,
+        axes: &[usize],
+    ) -> Result<()> {
+        let r = src.rank();
+        let mut sorted = axes.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != axes.len() || sorted.iter().any(|&a| a >= r) {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: format!("reduce axes {axes:?} invalid for rank {r}"),
+            });
+        }
+        let out_dims: Vec<usize> = (0..r).filter(|d| !sorted.contains(d)).collect();
+        let out_shape: Vec<usize> = out_dims.iter().map(|&d| src.shape()[d]).collect();
+        if dst.shape() != out_shape.as_slice()
+            || out_dims.len() > MAX_RANK
+            || sorted.len() > MAX_RANK
+        {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: format!(
+                    "reduce of {:?} over {axes:?} into {:?} (expected {out_shape:?}, at most {MAX_RANK} dims)",
+                    src.shape(),
+                    dst.shape()
+                ),
+            });
+        }
+        let n_out: usize = out_shape.iter().product();
+        if n_out == 0 {
+            return Ok(());
+        }
+        let n_red: usize = sorted.iter().map(|&d| src.shape()[d]).product();
+        let f = self.function(
+            dev,
+            &reduce_source(src.dtype(), dst.dtype(), op),
+            "fusion_reduce",
+        )?;
+        let mut params: Vec<i64> = vec![
+            n_out as i64,
+            n_red as i64,
+            out_dims.len() as i64,
+            sorted.len() as i64,
+        ];
+        params.extend(pad(out_shape.iter().map(|&x| x as i64)));
+        params.extend(pad(out_dims.iter().map(|&d| src.strides()[d] as i64)));
+        params.extend(pad(dst.strides().iter().map(|&x| x as i64)));
+        params.extend(pad(sorted.iter().map(|&d| src.shape()[d] as i64)));
+        params.extend(pad(sorted.iter().map(|&d| src.strides()[d] as i64)));
+        let mut ptrs = vec![self.device_ptr(src)?, self.device_ptr(dst)?];
+        let grid = n_out.clamp(1, MAX_GRID) as u32;
+        launch(dev, f, grid, stream, &mut ptrs, &mut params)
+    }
+}
+
+fn pad(it: impl Iterator<Item = i64>) -> Vec<i64> {
+    let mut v: Vec<i64> = it.collect();
+    v.resize(MAX_RANK, 0);
+    v
+}
+
+/// Launches `f` with the device pointers `ptrs` then the parameter block `params`.
+fn launch(
+    dev: &CudaDevice,
+    f: RawFunction,
+    grid: u32,
+    stream: RawStream,
+    ptrs: &mut [u64],
+    params: &mut [i64],
+) -> Result<()> {
+    let mut args: Vec<*mut c_void> = ptrs
+        .iter_mut()
+        .map(|p| p as *mut u64 as *mut c_void)
+        .collect();
+    args.push(params.as_mut_ptr() as *mut c_void);
+    dev.shared().bind()?;
+    // SAFETY: the argument list matches the generated kernel's signature (device
+    // pointers, then a struct of i64s of exactly this length).
+    unsafe { result::launch_kernel(f.0, (grid, 1, 1), (BLOCK, 1, 1), 0, stream.0, &mut args) }
+        .map_err(|e| driver_err("launching a generated kernel", e))
+}

@@ -1,0 +1,81 @@
+//! Device buffers from the stream-ordered allocator.
+//!
+//! A buffer is freed on the stream it was allocated on, after the work enqueued there;
+//! the host program joins worker streams into the main stream before top-level frees, so
+//! work on other streams is ordered before the free as well. The device's memory pool keeps
+//! freed memory cached (release threshold = all), so repeated calls do not hit the driver.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys};
+
+use super::device::DeviceShared;
+use crate::tensor::DeviceBuffer;
+
+/// A raw stream handle that may cross threads (the driver allows it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RawStream(pub sys::CUstream);
+// SAFETY: CUstream handles are plain driver handles, usable from any thread with the
+// context current.
+unsafe impl Send for RawStream {}
+unsafe impl Sync for RawStream {}
+
+/// Device memory owned by one device's allocator.
+#[derive(Debug)]
+pub(crate) struct CudaBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    stream: RawStream,
+    shared: Arc<DeviceShared>,
+}
+
+impl CudaBuffer {
+    /// Allocates `bytes` (at least 1) on `stream`.
+    pub(crate) fn alloc(
+        shared: &Arc<DeviceShared>,
+        stream: RawStream,
+        bytes: usize,
+    ) -> crate::Result<CudaBuffer> {
+        shared.bind()?;
+        // SAFETY: the stream belongs to this device's context, which is current.
+        let ptr = unsafe { result::malloc_async(stream.0, bytes.max(1)) }.map_err(|e| {
+            super::libs::driver_err(
+                &format!("allocating {bytes} bytes on device {}", shared.ordinal),
+                e,
+            )
+        })?;
+        Ok(CudaBuffer {
+            ptr,
+            bytes,
+            stream,
+            shared: shared.clone(),
+        })
+    }
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        if self.shared.bind().is_ok() {
+            // SAFETY: the pointer came from malloc_async on this device and is freed once.
+            unsafe {
+                let _ = result::free_async(self.ptr, self.stream.0);
+            }
+        }
+    }
+}
+
+impl DeviceBuffer for CudaBuffer {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len_bytes(&self) -> usize {
+        self.bytes
+    }
+    fn device(&self) -> usize {
+        self.shared.ordinal
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

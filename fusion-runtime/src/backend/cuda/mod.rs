@@ -1,0 +1,22 @@
+//! CUDA backend: GPUs through cudarc (driver, cuBLAS, NVRTC), loaded at run time so that
+//! machines without CUDA build and test everything else.
+//!
+//! One [`CudaDevice`] per GPU, driven by one rank thread; kernels for elementwise ops,
+//! reductions and copies are generated, compiled with NVRTC once per process and cached;
+//! matmul and linear go to cuBLAS with f32 accumulation. NCCL communication lives in
+//! `comm::nccl`.
+
+mod codegen;
+mod device;
+mod gemm;
+pub(crate) mod health;
+mod kernels;
+mod libs;
+mod memory;
+mod world;
+
+pub use device::CudaDevice;
+pub use libs::{check_libraries, device_count, driver_present};
+pub use world::cuda_world;
+
+pub(crate) use health::WorldHealth;

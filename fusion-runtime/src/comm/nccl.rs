@@ -1,0 +1,809 @@
+//! NCCL communicator for the CUDA backend (one thread per GPU in this process).
+//!
+//! Every call enqueues on the stream the host program chose. The world communicator comes
+//! from `ncclCommInitAll`; a team that is not the whole world gets its own communicator the
+//! first time it is used, from a unique id its members share through this process.
+//! NCCL needs contiguous buffers laid out block by block, so views that are not get a
+//! staging buffer and a copy kernel on the same stream. Scatter and Gather, which NCCL
+//! lacks, are grouped sends and receives.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::nccl::result as nccl;
+use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use fusion_core::hir::{Communication, CommunicationKind};
+use fusion_core::ir::ReduceOp;
+use fusion_core::DType;
+
+use super::local::LocalCommunicator;
+use super::Communicator;
+use crate::backend::cuda::{CudaDevice, WorldHealth};
+use crate::backend::{Device, Kernel, StreamHandle};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawComm(pub ncclComm_t);
+// SAFETY: NCCL communicators may be used from any thread, one call at a time (each rank's
+// communicators are only used by its own thread).
+unsafe impl Send for RawComm {}
+unsafe impl Sync for RawComm {}
+
+/// Unique ids of team communicators, shared by the ranks of one world.
+#[derive(Default)]
+pub(crate) struct TeamRegistry {
+    ids: Mutex<HashMap<Vec<usize>, ncclUniqueId>>,
+}
+
+// SAFETY: a unique id is plain bytes.
+unsafe impl Send for TeamRegistry {}
+unsafe impl Sync for TeamRegistry {}
+
+/// A rank's long-lived NCCL state (kept across `World::run` calls).
+pub(crate) struct NcclRankState {
+    pub world: Mutex<Option<RawComm>>,
+    pub teams: Mutex<HashMap<Vec<usize>, RawComm>>,
+}
+
+impl NcclRankState {
+    pub(crate) fn new(world: RawComm) -> Self {
+        NcclRankState {
+            world: Mutex::new(Some(world)),
+            teams: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Aborts every communicator of this rank (pending operations fail instead of hanging).
+    pub(crate) fn abort_all(&self) {
+        if let Some(c) = self
+            .world
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            // SAFETY: aborting a communicator we own; it is not used afterwards.
+            unsafe {
+                let _ = nccl::comm_abort(c.0);
+            }
+        }
+        for (_, c) in self
+            .teams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+        {
+            // SAFETY: as above.
+            unsafe {
+                let _ = nccl::comm_abort(c.0);
+            }
+        }
+    }
+
+    /// True once aborted (the world must build new communicators).
+    pub(crate) fn is_aborted(&self) -> bool {
+        self.world
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+    }
+}
+
+/// Creates one world communicator per device `0..n` (call from any one thread).
+pub(crate) fn init_world(n: usize) -> Result<Vec<RawComm>> {
+    let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); n];
+    let devs: Vec<i32> = (0..n as i32).collect();
+    // SAFETY: `comms` has room for `n` communicators, `devs` lists `n` devices.
+    unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n as i32, devs.as_ptr()) }.map_err(|e| {
+        Error::Backend {
+            backend: "nccl",
+            reason: format!("ncclCommInitAll over {n} devices: {e:?}"),
+        }
+    })?;
+    Ok(comms.into_iter().map(RawComm).collect())
+}
+
+fn nccl_dtype(dt: DType) -> ncclDataType_t {
+    match dt {
+        DType::F32 => ncclDataType_t::ncclFloat32,
+        DType::BF16 => ncclDataType_t::ncclBfloat16,
+        DType::F16 => ncclDataType_t::ncclFloat16,
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+    }
+}
+
+/// `t` with axis `axis` moved to the front.
+fn axis_first(t: &Tensor, axis: usize) -> Result<Tensor> {
+    let mut perm = vec![axis];
+    perm.extend((0..t.rank()).filter(|&d| d != axis));
+    t.permute(&perm)
+}
+
+/// One rank's NCCL endpoint for one `World::run`.
+pub struct NcclCommunicator {
+    rank: usize,
+    world_size: usize,
+    device: Arc<CudaDevice>,
+    state: Arc<NcclRankState>,
+    registry: Arc<TeamRegistry>,
+    host: LocalCommunicator,
+    health: Arc<WorldHealth>,
+    group: Mutex<Option<Group>>,
+}
+
+/// Work that must happen after a group's transfers are issued.
+#[derive(Default)]
+struct Group {
+    /// (stream, staging buffer, destination view): copies after receives.
+    after: Vec<(StreamHandle, Tensor, Tensor)>,
+    /// Buffers that must stay alive until the group is issued.
+    keep: Vec<Tensor>,
+}
+
+impl NcclCommunicator {
+    pub(crate) fn new(
+        rank: usize,
+        world_size: usize,
+        device: Arc<CudaDevice>,
+        state: Arc<NcclRankState>,
+        registry: Arc<TeamRegistry>,
+        host: LocalCommunicator,
+        health: Arc<WorldHealth>,
+    ) -> Self {
+        NcclCommunicator {
+            rank,
+            world_size,
+            device,
+            state,
+            registry,
+            host,
+            health,
+            group: Mutex::new(None),
+        }
+    }
+
+    fn err(&self, reason: String) -> Error {
+        Error::Communication {
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    fn nccl_err(&self, what: &str, e: impl std::fmt::Debug) -> Error {
+        self.err(format!("{what}: {e:?}"))
+    }
+
+    /// The communicator of `team` (the world's when the team is every device in order).
+    fn comm(&self, team: &[usize]) -> Result<(RawComm, usize)> {
+        self.health.check(self.rank)?;
+        let index = team
+            .iter()
+            .position(|&r| r == self.rank)
+            .ok_or_else(|| self.err(format!("rank {} is not in team {team:?}", self.rank)))?;
+        if team.iter().copied().eq(0..self.world_size) {
+            let c = self
+                .state
+                .world
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .ok_or_else(|| self.err("the NCCL communicator was aborted".into()))?;
+            return Ok((c, index));
+        }
+        if let Some(&c) = self
+            .state
+            .teams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(team)
+        {
+            return Ok((c, index));
+        }
+        let id = {
+            let mut ids = self
+                .registry
+                .ids
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match ids.get(team) {
+                Some(id) => *id,
+                None => {
+                    let id =
+                        nccl::get_uniqueid().map_err(|e| self.nccl_err("ncclGetUniqueId", e))?;
+                    ids.insert(team.to_vec(), id);
+                    id
+                }
+            }
+        };
+        self.device.bind_thread()?;
+        let mut c: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: every member of `team` calls this with the same id and its own index.
+        unsafe { nccl::comm_init_rank(&mut c, team.len() as i32, id, index as i32) }
+            .map_err(|e| self.nccl_err(&format!("ncclCommInitRank for team {team:?}"), e))?;
+        let c = RawComm(c);
+        self.state
+            .teams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(team.to_vec(), c);
+        Ok((c, index))
+    }
+
+    fn stream(&self, s: StreamHandle) -> Result<cudarc::nccl::sys::cudaStream_t> {
+        Ok(self.device.raw_stream(s)?.0 as cudarc::nccl::sys::cudaStream_t)
+    }
+
+    /// `t` if contiguous, else a contiguous copy enqueued on `s`.
+    fn contiguous(&self, s: StreamHandle, t: &Tensor) -> Result<Tensor> {
+        if t.is_contiguous() {
+            return Ok(t.clone());
+        }
+        let c = self.device.allocate(s, t.dtype(), t.shape())?;
+        self.device.execute(s, Kernel::Copy { src: t, dst: &c })?;
+        Ok(c)
+    }
+
+    /// A contiguous buffer to receive into for `dst`, and whether it must be copied back.
+    fn receive_buffer(&self, s: StreamHandle, dst: &Tensor) -> Result<(Tensor, bool)> {
+        if dst.is_contiguous() {
+            return Ok((dst.clone(), false));
+        }
+        Ok((self.device.allocate(s, dst.dtype(), dst.shape())?, true))
+    }
+
+    fn copy_back(&self, s: StreamHandle, staged: &Tensor, dst: &Tensor) -> Result<()> {
+        self.device.execute(s, Kernel::Copy { src: staged, dst })
+    }
+
+    fn ptr(t: &Tensor) -> *mut c_void {
+        t.device_ptr()
+            .map_or(std::ptr::null_mut(), |p| p as *mut c_void)
+    }
+
+    fn squeeze(&self, t: &Tensor, axis: Option<usize>, what: &str) -> Result<Tensor> {
+        match axis {
+            Some(a) => t.squeeze(a).map_err(|e| self.err(format!("{what}: {e}"))),
+            None => Ok(t.clone()),
+        }
+    }
+
+    fn run_collective(
+        &self,
+        s: StreamHandle,
+        c: &Communication,
+        input: Option<&Tensor>,
+        output: Option<&Tensor>,
+    ) -> Result<()> {
+        let kind = c.kind.name();
+        let need = |t: Option<&Tensor>, what: &str| -> Result<Tensor> {
+            t.cloned()
+                .ok_or_else(|| self.err(format!("{kind}: this rank has no {what}")))
+        };
+        let (comm, _) = self.comm(&c.team)?;
+        let stream = self.stream(s)?;
+        let in_mesh = c.mesh.contains(&self.rank);
+        match c.kind {
+            CommunicationKind::Allgather => {
+                let x = self.contiguous(
+                    s,
+                    &self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?,
+                )?;
+                let out = need(output, "output")?;
+                let o = c.out_sharded_axis.or(c.in_sharded_axis).unwrap_or(0);
+                let view = axis_first(&out, o)?;
+                let (buf, back) = self.receive_buffer(s, &view)?;
+                // SAFETY: `x` has `numel` elements, `buf` D times as many, both contiguous.
+                unsafe {
+                    nccl::all_gather(
+                        Self::ptr(&x),
+                        Self::ptr(&buf),
+                        x.numel(),
+                        nccl_dtype(x.dtype()),
+                        comm.0,
+                        stream,
+                    )
+                }
+                .map_err(|e| self.nccl_err("ncclAllGather", e))?;
+                if back {
+                    self.copy_back(s, &buf, &view)?;
+                }
+            }
+            CommunicationKind::Allreduce | CommunicationKind::Reduce => {
+                let op = c
+                    .reduce_op
+                    .ok_or_else(|| self.err(format!("{kind} without a reduce op")))?;
+                let out = output.cloned();
+                let x = if in_mesh {
+                    self.contiguous(
+                        s,
+                        &self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?,
+                    )?
+                } else {
+                    // A root outside the mesh contributes the identity.
+                    let like = out
+                        .clone()
+                        .ok_or_else(|| self.err(format!("{kind}: root without output")))?;
+                    self.identity(s, &like, op)?
+                };
+                let (buf, back) = match &out {
+                    Some(o) => self.receive_buffer(s, o)?,
+                    None => (self.device.allocate(s, x.dtype(), x.shape())?, false),
+                };
+                if buf.numel() != x.numel() {
+                    return Err(self.err(format!(
+                        "{kind}: input {:?} and output {:?} differ",
+                        x.shape(),
+                        buf.shape()
+                    )));
+                }
+                // SAFETY: contiguous buffers of `numel` elements each.
+                unsafe {
+                    if c.kind == CommunicationKind::Allreduce {
+                        nccl::all_reduce(
+                            Self::ptr(&x),
+                            Self::ptr(&buf),
+                            x.numel(),
+                            nccl_dtype(x.dtype()),
+                            nccl_op(op),
+                            comm.0,
+                            stream,
+                        )
+                    } else {
+                        let root = c.team.iter().position(|&r| Some(r) == c.root).unwrap_or(0);
+                        nccl::reduce(
+                            Self::ptr(&x),
+                            Self::ptr(&buf),
+                            x.numel(),
+                            nccl_dtype(x.dtype()),
+                            nccl_op(op),
+                            root as i32,
+                            comm.0,
+                            stream,
+                        )
+                    }
+                }
+                .map_err(|e| self.nccl_err(&format!("nccl {kind}"), e))?;
+                if let (true, Some(o)) = (back, &out) {
+                    self.copy_back(s, &buf, o)?;
+                }
+            }
+            CommunicationKind::ReduceScatter => {
+                let op = c
+                    .reduce_op
+                    .ok_or_else(|| self.err("ReduceScatter without a reduce op".into()))?;
+                let x = self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?;
+                let sa = c
+                    .in_scatter_axis
+                    .ok_or_else(|| self.err("ReduceScatter without a scatter axis".into()))?;
+                let sa = match c.in_sharded_axis {
+                    Some(a) if sa > a => sa - 1,
+                    _ => sa,
+                };
+                let x = self.contiguous(s, &axis_first(&x, sa)?)?;
+                let out = need(output, "output")?;
+                let o = self.squeeze(&out, c.out_sharded_axis, kind)?;
+                let (buf, back) = self.receive_buffer(s, &o)?;
+                // SAFETY: `x` holds D blocks of `buf.numel()` elements, contiguous.
+                unsafe {
+                    nccl::reduce_scatter(
+                        Self::ptr(&x),
+                        Self::ptr(&buf),
+                        buf.numel(),
+                        nccl_dtype(x.dtype()),
+                        nccl_op(op),
+                        comm.0,
+                        stream,
+                    )
+                }
+                .map_err(|e| self.nccl_err("ncclReduceScatter", e))?;
+                if back {
+                    self.copy_back(s, &buf, &o)?;
+                }
+            }
+            CommunicationKind::Broadcast => {
+                let root = c.team.iter().position(|&r| Some(r) == c.root).unwrap_or(0);
+                let is_root = c.root == Some(self.rank);
+                let x = if is_root {
+                    Some(self.contiguous(s, &need(input, "input")?)?)
+                } else {
+                    None
+                };
+                let (buf, back) = match (output, &x) {
+                    (Some(o), _) => self.receive_buffer(s, o)?,
+                    (None, Some(x)) => (x.clone(), false),
+                    (None, None) => {
+                        return Err(self.err("Broadcast: a non-root rank without output".into()))
+                    }
+                };
+                let send = x.as_ref().map_or(Self::ptr(&buf), Self::ptr);
+                // SAFETY: contiguous buffers of `buf.numel()` elements.
+                unsafe {
+                    nccl::broadcast(
+                        send,
+                        Self::ptr(&buf),
+                        buf.numel(),
+                        nccl_dtype(buf.dtype()),
+                        root as i32,
+                        comm.0,
+                        stream,
+                    )
+                }
+                .map_err(|e| self.nccl_err("ncclBroadcast", e))?;
+                if let (true, Some(o)) = (back, output) {
+                    self.copy_back(s, &buf, o)?;
+                }
+            }
+            CommunicationKind::Scatter => self.scatter(s, c, comm, stream, input, output)?,
+            CommunicationKind::Gather => self.gather(s, c, comm, stream, input, output)?,
+            CommunicationKind::SendRecv => {
+                let (sender, receiver) = (
+                    c.root.unwrap_or(usize::MAX),
+                    c.receiver.unwrap_or(usize::MAX),
+                );
+                if sender == receiver {
+                    if let (Some(i), Some(o)) = (input, output) {
+                        let src = self.contiguous(s, i)?.reshape(o.shape())?;
+                        self.device.execute(s, Kernel::Copy { src: &src, dst: o })?;
+                    }
+                    return Ok(());
+                }
+                let peer = |r: usize| c.team.iter().position(|&x| x == r).unwrap_or(0) as i32;
+                if self.rank == sender {
+                    let x = self.contiguous(s, &need(input, "input")?)?;
+                    // SAFETY: contiguous send buffer.
+                    unsafe {
+                        nccl::send(
+                            Self::ptr(&x),
+                            x.numel(),
+                            nccl_dtype(x.dtype()),
+                            peer(receiver),
+                            comm.0,
+                            stream,
+                        )
+                    }
+                    .map_err(|e| self.nccl_err("ncclSend", e))?;
+                } else if self.rank == receiver {
+                    let o = need(output, "output")?;
+                    let (buf, back) = self.receive_buffer(s, &o)?;
+                    // SAFETY: contiguous receive buffer.
+                    unsafe {
+                        nccl::recv(
+                            Self::ptr(&buf),
+                            buf.numel(),
+                            nccl_dtype(buf.dtype()),
+                            peer(sender),
+                            comm.0,
+                            stream,
+                        )
+                    }
+                    .map_err(|e| self.nccl_err("ncclRecv", e))?;
+                    if back {
+                        self.copy_back(s, &buf, &o)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A buffer shaped like `like` filled with the reduction's identity.
+    fn identity(&self, s: StreamHandle, like: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let t = self.device.allocate(s, like.dtype(), like.shape())?;
+        let value = match op {
+            ReduceOp::Sum => 0.0,
+            ReduceOp::Max => f32::NEG_INFINITY,
+        };
+        let host = Tensor::full(&[1], like.dtype(), value);
+        let one = self.device.upload(&host)?;
+        let src = one.reshape(&[])?.expand(like.shape())?;
+        self.device
+            .execute(s, Kernel::Copy { src: &src, dst: &t })?;
+        Ok(t)
+    }
+
+    fn scatter(
+        &self,
+        s: StreamHandle,
+        c: &Communication,
+        comm: RawComm,
+        stream: cudarc::nccl::sys::cudaStream_t,
+        input: Option<&Tensor>,
+        output: Option<&Tensor>,
+    ) -> Result<()> {
+        let root = c
+            .root
+            .ok_or_else(|| self.err("Scatter without a root".into()))?;
+        let peer = |r: usize| c.team.iter().position(|&x| x == r).unwrap_or(0) as i32;
+        let dt = |t: &Tensor| nccl_dtype(t.dtype());
+        let mut after = Vec::new();
+        let mut keep = Vec::new();
+        nccl::group_start().map_err(|e| self.nccl_err("ncclGroupStart", e))?;
+        if self.rank == root {
+            let x = input.ok_or_else(|| self.err("Scatter: the root has no input".into()))?;
+            let sa = c.in_scatter_axis.unwrap_or(0);
+            let blocks = self.contiguous(s, &axis_first(x, sa)?)?;
+            for (i, &r) in c.mesh.iter().enumerate() {
+                let block = blocks.select(0, i)?;
+                if r == self.rank {
+                    continue;
+                }
+                // SAFETY: a contiguous block of the staged input.
+                unsafe {
+                    nccl::send(
+                        Self::ptr(&block),
+                        block.numel(),
+                        dt(&block),
+                        peer(r),
+                        comm.0,
+                        stream,
+                    )
+                }
+                .map_err(|e| self.nccl_err("ncclSend (scatter)", e))?;
+            }
+            keep.push(blocks);
+        }
+        if c.mesh.contains(&self.rank) && self.rank != root {
+            let o = self.squeeze(
+                output.ok_or_else(|| self.err("Scatter: no output".into()))?,
+                c.out_sharded_axis,
+                "Scatter",
+            )?;
+            let (buf, back) = self.receive_buffer(s, &o)?;
+            // SAFETY: a contiguous receive buffer.
+            unsafe {
+                nccl::recv(
+                    Self::ptr(&buf),
+                    buf.numel(),
+                    dt(&buf),
+                    peer(root),
+                    comm.0,
+                    stream,
+                )
+            }
+            .map_err(|e| self.nccl_err("ncclRecv (scatter)", e))?;
+            if back {
+                after.push((buf, o));
+            } else {
+                keep.push(buf);
+            }
+        }
+        nccl::group_end().map_err(|e| self.nccl_err("ncclGroupEnd", e))?;
+        if self.rank == root && c.mesh.contains(&root) {
+            let blocks = &keep[0];
+            let i = c
+                .mesh
+                .iter()
+                .position(|&r| r == root)
+                .expect("root in mesh");
+            let o = self.squeeze(
+                output.ok_or_else(|| self.err("Scatter: no output".into()))?,
+                c.out_sharded_axis,
+                "Scatter",
+            )?;
+            self.device.execute(
+                s,
+                Kernel::Copy {
+                    src: &blocks.select(0, i)?,
+                    dst: &o,
+                },
+            )?;
+        }
+        for (buf, o) in after {
+            self.copy_back(s, &buf, &o)?;
+        }
+        Ok(())
+    }
+
+    fn gather(
+        &self,
+        s: StreamHandle,
+        c: &Communication,
+        comm: RawComm,
+        stream: cudarc::nccl::sys::cudaStream_t,
+        input: Option<&Tensor>,
+        output: Option<&Tensor>,
+    ) -> Result<()> {
+        let root = c
+            .root
+            .ok_or_else(|| self.err("Gather without a root".into()))?;
+        let peer = |r: usize| c.team.iter().position(|&x| x == r).unwrap_or(0) as i32;
+        let mut keep = Vec::new();
+        let staged = if self.rank == root {
+            let out = output.ok_or_else(|| self.err("Gather: the root has no output".into()))?;
+            let o = c.out_sharded_axis.or(c.in_sharded_axis).unwrap_or(0);
+            let view = axis_first(out, o)?;
+            Some((self.receive_buffer(s, &view)?, view))
+        } else {
+            None
+        };
+        let x = if c.mesh.contains(&self.rank) {
+            Some(self.contiguous(
+                s,
+                &self.squeeze(
+                    input.ok_or_else(|| self.err("Gather: no input".into()))?,
+                    c.in_sharded_axis,
+                    "Gather",
+                )?,
+            )?)
+        } else {
+            None
+        };
+        nccl::group_start().map_err(|e| self.nccl_err("ncclGroupStart", e))?;
+        if let Some(((buf, _), _)) = &staged {
+            for (i, &r) in c.mesh.iter().enumerate() {
+                if r == self.rank {
+                    continue;
+                }
+                let block = buf.select(0, i)?;
+                // SAFETY: a contiguous block of the receive buffer.
+                unsafe {
+                    nccl::recv(
+                        Self::ptr(&block),
+                        block.numel(),
+                        nccl_dtype(block.dtype()),
+                        peer(r),
+                        comm.0,
+                        stream,
+                    )
+                }
+                .map_err(|e| self.nccl_err("ncclRecv (gather)", e))?;
+            }
+        }
+        if let (Some(x), false) = (&x, self.rank == root) {
+            // SAFETY: a contiguous send buffer.
+            unsafe {
+                nccl::send(
+                    Self::ptr(x),
+                    x.numel(),
+                    nccl_dtype(x.dtype()),
+                    peer(root),
+                    comm.0,
+                    stream,
+                )
+            }
+            .map_err(|e| self.nccl_err("ncclSend (gather)", e))?;
+            keep.push(x.clone());
+        }
+        nccl::group_end().map_err(|e| self.nccl_err("ncclGroupEnd", e))?;
+        if let Some(((buf, back), view)) = staged {
+            if let Some(x) = &x {
+                let i = c
+                    .mesh
+                    .iter()
+                    .position(|&r| r == root)
+                    .expect("root in mesh");
+                self.device.execute(
+                    s,
+                    Kernel::Copy {
+                        src: x,
+                        dst: &buf.select(0, i)?,
+                    },
+                )?;
+            }
+            if back {
+                self.copy_back(s, &buf, &view)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn collective(
+        &self,
+        stream: StreamHandle,
+        comm: &Communication,
+        input: Option<&Tensor>,
+        output: Option<&Tensor>,
+    ) -> Result<()> {
+        self.run_collective(stream, comm, input, output)
+    }
+
+    fn send(&self, stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()> {
+        if peer == self.rank || peer >= self.world_size {
+            return Err(self.err(format!("send to rank {peer}: not a peer")));
+        }
+        let (comm, _) = self.comm(&(0..self.world_size).collect::<Vec<_>>())?;
+        let x = self.contiguous(stream, buf)?;
+        let s = self.stream(stream)?;
+        // SAFETY: a contiguous send buffer, kept alive until the group is issued.
+        unsafe {
+            nccl::send(
+                Self::ptr(&x),
+                x.numel(),
+                nccl_dtype(x.dtype()),
+                peer as i32,
+                comm.0,
+                s,
+            )
+        }
+        .map_err(|e| self.nccl_err("ncclSend", e))?;
+        if let Some(g) = self
+            .group
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+        {
+            g.keep.push(x);
+        }
+        Ok(())
+    }
+
+    fn recv(&self, stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()> {
+        if peer == self.rank || peer >= self.world_size {
+            return Err(self.err(format!("recv from rank {peer}: not a peer")));
+        }
+        let (comm, _) = self.comm(&(0..self.world_size).collect::<Vec<_>>())?;
+        let (staged, back) = self.receive_buffer(stream, buf)?;
+        let s = self.stream(stream)?;
+        // SAFETY: a contiguous receive buffer, kept alive until the group is issued.
+        unsafe {
+            nccl::recv(
+                Self::ptr(&staged),
+                staged.numel(),
+                nccl_dtype(staged.dtype()),
+                peer as i32,
+                comm.0,
+                s,
+            )
+        }
+        .map_err(|e| self.nccl_err("ncclRecv", e))?;
+        let mut group = self.group.lock().unwrap_or_else(PoisonError::into_inner);
+        match (group.as_mut(), back) {
+            (Some(g), true) => g.after.push((stream, staged, buf.clone())),
+            (Some(g), false) => g.keep.push(staged),
+            (None, true) => self.copy_back(stream, &staged, buf)?,
+            (None, false) => {}
+        }
+        Ok(())
+    }
+
+    fn group_start(&self) -> Result<()> {
+        let mut group = self.group.lock().unwrap_or_else(PoisonError::into_inner);
+        if group.is_some() {
+            return Err(self.err("nested coalescing groups".into()));
+        }
+        nccl::group_start().map_err(|e| self.nccl_err("ncclGroupStart", e))?;
+        *group = Some(Group::default());
+        Ok(())
+    }
+
+    fn group_end(&self) -> Result<()> {
+        let g = self
+            .group
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| self.err("EndCoalescing without StartCoalescing".into()))?;
+        nccl::group_end().map_err(|e| self.nccl_err("ncclGroupEnd", e))?;
+        for (s, staged, dst) in g.after {
+            self.copy_back(s, &staged, &dst)?;
+        }
+        drop(g.keep);
+        Ok(())
+    }
+
+    fn abort(&self, reason: &str) {
+        self.health.fail(self.rank, reason);
+        self.host.abort(reason);
+        self.state.abort_all();
+    }
+
+    fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>> {
+        self.host.exchange(values)
+    }
+}

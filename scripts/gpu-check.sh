@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs on a lent GPU machine (binaries staged by scripts/stage-gpu.sh into .gpu/bin):
+# the conformance suite on the CUDA backend in f32, bf16 and f16 (outputs poisoned), the
+# pass/error tests, the examples, and the overlap trace. Logs go to $OUT; a short table
+# is printed last.  Usage: scripts/gpu-check.sh [dtypes...]   (default: f32 bf16 f16)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fusion-gpu-out}
+mkdir -p "$OUT"
+source scripts/gpu-env.sh
+export FUSION_BACKEND=cuda FUSION_POISON=1 RUST_BACKTRACE=1
+BIN=.gpu/bin
+DTYPES=${*:-f32 bf16 f16}
+summary=()
+step() { # name timeout command...
+    local name=$1 t=$2; shift 2
+    local start=$SECONDS
+    timeout "$t" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-28s rc=%-4s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E 'test result|FAILED|Error|error:' "$OUT/$name.log" | tail -1 | cut -c1-90)")")
+}
+{
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+    nvidia-smi topo -m 2>/dev/null | head -8
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>/dev/null
+} >"$OUT/machine.txt" 2>&1
+export FUSION_RESULTS="$OUT/conformance.jsonl"
+for dt in $DTYPES; do
+    FUSION_TEST_DTYPE=$dt step "conformance-$dt" 240 $BIN/test-conformance --test-threads=1
+done
+unset FUSION_RESULTS
+step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1
+for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p; do
+    [ -x "$BIN/$ex" ] && step "example-$ex" 120 $BIN/$ex
+done
+step overlap_trace 120 $BIN/overlap_trace --trace-out "$OUT/overlap_trace.json"
+cat "$OUT/machine.txt"
+grep -h "rank 0" "$OUT/overlap_trace.log" 2>/dev/null
+printf '%s\n' "${summary[@]}"
