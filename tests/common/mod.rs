@@ -84,7 +84,13 @@ pub enum Take {
 pub fn world(d: usize) -> Arc<World> {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
-    if std::env::var("FUSION_BACKEND").as_deref() != Ok("cuda") {
+    let backend = if std::env::var("FUSION_BACKEND").as_deref() == Ok("cuda") {
+        "cuda"
+    } else {
+        "cpu"
+    };
+    CONTEXT.with(|c| *c.borrow_mut() = (d, backend.to_string()));
+    if backend != "cuda" {
         return Arc::new(World::auto(Some(d)).unwrap_or_else(|e| panic!("world of {d}: {e}")));
     }
     static WORLDS: OnceLock<Mutex<HashMap<usize, Arc<World>>>> = OnceLock::new();
@@ -129,7 +135,6 @@ pub fn try_run(
     options: &ExecOptions,
 ) -> fusion::Result<Run> {
     let world = world(d);
-    CONTEXT.with(|c| *c.borrow_mut() = (d, world.backend().name().to_string()));
     let exec = FusionExecutor::new(fusion.clone());
     let per_rank = world.run(|rank| {
         let r = rank.index();
