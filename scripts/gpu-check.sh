@@ -31,6 +31,10 @@ for dt in $DTYPES; do
 done
 unset FUSION_RESULTS
 step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1
+step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
+# What a machine without `libnccl.so` reports (gpu-env.sh's symlink directory left out).
+LD_LIBRARY_PATH=/usr/local/cuda/lib64 timeout 60 $BIN/overlap_trace -m 64 -k 64 -n 64 >"$OUT/missing-nccl.log" 2>&1
+summary+=("missing-nccl message: $(grep -o 'cannot load libnccl.so[^"]*LD_LIBRARY_PATH' "$OUT/missing-nccl.log" | head -1 | cut -c1-60)")
 for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p; do
     [ -x "$BIN/$ex" ] && step "example-$ex" 120 $BIN/$ex
 done

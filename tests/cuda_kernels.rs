@@ -1,0 +1,152 @@
+//! The CUDA backend's kernels against the CPU backend's, on strided views and every dtype.
+//!
+//! These need a GPU, so they are `#[ignore]`d (shown as ignored, not passed, where there is
+//! none); `scripts/gpu-check.sh` runs them with `--ignored`.
+
+use fusion::core::ir::{BinaryOp, ReduceOp, UnaryOp};
+use fusion::runtime::backend::cpu::CpuDevice;
+use fusion::runtime::backend::cuda::{check_libraries, cuda_world, device_count, driver_present};
+use fusion::runtime::backend::{Device, Kernel, PointwiseInstr, PointwiseProgram};
+use fusion::{DType, Error, Rank, Result, Tensor};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+fn tol(dt: DType) -> f64 {
+    if dt == DType::F32 {
+        1e-5
+    } else {
+        1e-2
+    }
+}
+
+/// Runs `build` on the CPU device and on GPU 0 and compares the named outputs.
+fn compare(
+    rank: &Rank,
+    what: &str,
+    dt: DType,
+    build: &dyn Fn(&dyn Device, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Vec<Tensor>>,
+) -> Result<()> {
+    let cpu = CpuDevice::new(0);
+    let on_cpu = build(&cpu, &|t| Ok(t.clone()))?;
+    let on_gpu = build(rank.device(), &|t| rank.to_device(t))?;
+    for (c, g) in on_cpu.iter().zip(&on_gpu) {
+        let g = rank.to_host(g)?;
+        let e = g.rel_error(c)?;
+        assert!(e < tol(dt), "{what} ({dt}): relative error {e:.3e}");
+    }
+    Ok(())
+}
+
+fn gpu_rank_run(f: impl Fn(&Rank) -> Result<()> + Sync) {
+    assert!(device_count() > 0, "no CUDA GPU is visible: these tests need one");
+    cuda_world(Some(1)).unwrap().run(f).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn copy_and_pointwise_match_the_cpu_backend() {
+    gpu_rank_run(|rank| {
+        for dt in DTYPES {
+            let x = Tensor::randn(&[6, 5, 7], dt, 1);
+            compare(rank, "transposed copy with dtype change", dt, &|dev, up| {
+                let src = up(&x)?.permute(&[2, 0, 1])?;
+                let dst = dev.allocate(0, DType::F32, src.shape())?;
+                dev.execute(0, Kernel::Copy { src: &src, dst: &dst })?;
+                Ok(vec![dst])
+            })?;
+            let y = Tensor::randn(&[1, 5, 1], dt, 2);
+            compare(rank, "fused pointwise with broadcast", dt, &|dev, up| {
+                let a = up(&x)?;
+                let b = up(&y)?.expand(&[6, 5, 7])?;
+                let o1 = dev.allocate(0, dt, &[6, 5, 7])?;
+                let o2 = dev.allocate(0, DType::F32, &[6, 5, 7])?;
+                let prog = PointwiseProgram {
+                    shape: vec![6, 5, 7],
+                    inputs: vec![a, b],
+                    instrs: vec![
+                        PointwiseInstr::Binary(BinaryOp::Add, 0, 1),
+                        PointwiseInstr::Unary(UnaryOp::Gelu, 2),
+                        PointwiseInstr::Round(DType::BF16, 3),
+                        PointwiseInstr::Binary(BinaryOp::Max, 4, 1),
+                        PointwiseInstr::Unary(UnaryOp::Sigmoid, 5),
+                    ],
+                    outputs: vec![(o1.clone(), 5), (o2.clone(), 6)],
+                };
+                dev.execute(0, Kernel::Pointwise(&prog))?;
+                Ok(vec![o1, o2])
+            })?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn reductions_match_the_cpu_backend() {
+    gpu_rank_run(|rank| {
+        for dt in DTYPES {
+            let x = Tensor::randn(&[5, 7, 9], dt, 3);
+            for (op, axes) in [(ReduceOp::Sum, vec![0, 2]), (ReduceOp::Max, vec![1]), (ReduceOp::Sum, vec![0, 1, 2])] {
+                compare(rank, "reduce", dt, &|dev, up| {
+                    let src = up(&x)?.permute(&[1, 0, 2])?;
+                    let shape: Vec<usize> = (0..3).filter(|d| !axes.contains(d)).map(|d| src.shape()[d]).collect();
+                    let dst = dev.allocate(0, dt, &shape)?;
+                    dev.execute(0, Kernel::Reduce { op, src: &src, dst: &dst, axes: &axes })?;
+                    Ok(vec![dst])
+                })?;
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn gemms_match_the_cpu_backend() {
+    gpu_rank_run(|rank| {
+        for dt in DTYPES {
+            let a = Tensor::randn(&[3, 33, 17], dt, 4);
+            let bt = Tensor::randn(&[3, 29, 17], dt, 5);
+            let b1 = Tensor::randn(&[17, 29], dt, 6);
+            let bias = Tensor::randn(&[29], dt, 7);
+            compare(rank, "batched gemm, transposed b, bias, strided dst", dt, &|dev, up| {
+                let a = up(&a)?;
+                let b = up(&bt)?.permute(&[0, 2, 1])?;
+                let big = dev.allocate(0, dt, &[2, 3, 33, 29])?;
+                let dst = big.select(0, 1)?;
+                let bias = up(&bias)?;
+                dev.execute(0, Kernel::Gemm { a: &a, b: &b, bias: Some(&bias), dst: &dst })?;
+                Ok(vec![dst])
+            })?;
+            compare(rank, "gemm with a broadcast batch operand", dt, &|dev, up| {
+                let a = up(&a)?;
+                let b = up(&b1)?.expand(&[3, 17, 29])?;
+                let dst = dev.allocate(0, dt, &[3, 33, 29])?;
+                dev.execute(0, Kernel::Gemm { a: &a, b: &b, bias: None, dst: &dst })?;
+                Ok(vec![dst])
+            })?;
+            compare(rank, "gemm with a transposed, non-unit-stride a", dt, &|dev, up| {
+                let big = up(&Tensor::randn(&[17, 66], dt, 8))?;
+                let a = big.narrow(1, 0, 33)?.permute(&[1, 0])?;
+                let b = up(&b1)?;
+                let dst = dev.allocate(0, dt, &[33, 29])?;
+                dev.execute(0, Kernel::Gemm { a: &a, b: &b, bias: None, dst: &dst })?;
+                Ok(vec![dst])
+            })?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn missing_cuda_libraries_are_reported_with_a_fix() {
+    if driver_present() {
+        eprintln!("skipping: a CUDA driver is present (this checks the no-driver message)");
+        return;
+    }
+    let err = check_libraries(true).unwrap_err();
+    assert!(matches!(&err, Error::MissingLibrary { library, .. } if library.contains("libcuda")), "{err}");
+    assert!(err.to_string().contains("FUSION_BACKEND=cpu"), "{err}");
+    let err = cuda_world(Some(1)).err().expect("no CUDA world without a driver");
+    assert!(matches!(err, Error::MissingLibrary { .. }), "{err}");
+}
