@@ -1090,3 +1090,124 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
         }
     }
 }
+
+// ---------------------------------------------------------------- P2P reduce-scatter, schedules, stream buffers
+
+/// GEMM + ReduceScatter as a P2P pipeline: each device's partial product, chunked by
+/// destination along a Stream axis, summed over the DIDx axis into a DIDx-sharded result.
+fn matmul_rs_p2p() -> Fusion {
+    let dt = test_dtype();
+    let mut b = FusionBuilder::new();
+    let ta = axes(&mut b, &[("d", Dx), ("d", S), ("m", S), ("k", S)]);
+    let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
+    let x = b.input("a", dt, &ta).unwrap();
+    let w = b.input("b", dt, &tb).unwrap();
+    let wb = b.broadcast(w, &[false, true, false, false]).unwrap();
+    let p = b.matmul(x, wb).unwrap();
+    let po = axes(&mut b, &[("d", Dx), ("d", St), ("m", S), ("n", S)]);
+    let p = b.declare(p, dt, &po).unwrap();
+    let r = b.sum(p, &[0]).unwrap();
+    let ro = axes(&mut b, &[("d", Dx), ("m", S), ("n", S)]);
+    let r = b.declare(r, dt, &ro).unwrap();
+    b.output(r).unwrap();
+    b.build().unwrap()
+}
+
+#[test]
+fn matmul_rs_p2p_pipeline() {
+    let f = matmul_rs_p2p();
+    for d in device_counts() {
+        let x = Tensor::randn(&[d, d, 3, 4], test_dtype(), seed(d, 40));
+        let y = Tensor::randn(&[d, 4, 5], test_dtype(), seed(d, 41));
+        let r = run(
+            &f,
+            d,
+            &[(x.clone(), Give::Shard(0)), (y.clone(), Give::Shard(0))],
+            &[Take::Sharded(0)],
+            &opts(),
+        );
+        if d > 1 {
+            let main = main_loop_body(&r.program);
+            assert_eq!(
+                main,
+                [
+                    SetCurrentStream,
+                    AliasSelect,
+                    AliasSelect,
+                    AliasSelect,
+                    Matmul,
+                    AliasSelect,
+                    IfThenElse,
+                    SetCurrentStream,
+                    Synchronize
+                ]
+            );
+            let top = kinds(&r.program.body);
+            assert!(
+                top.contains(&Reduction),
+                "the local sum follows the loop: {top:?}"
+            );
+            assert!(!top.contains(&Communication), "no collective: {top:?}");
+        }
+        let expected = RefArray::from_tensor(&x)
+            .matmul(&RefArray::from_tensor(&y).unsqueeze(1))
+            .sum(0);
+        assert_close(&expected, &r.outputs[0], tolerance(), "matmul_RS_P2p");
+    }
+}
+
+#[test]
+fn seed_schedule_and_full_buffers_give_the_same_numbers() {
+    let f = ag_matmul_p2p(test_dtype());
+    let seed_opts = ExecOptions {
+        lower: fusion::core::lower::LowerOptions::seed_compatible(),
+        ..ExecOptions::default()
+    };
+    for d in device_counts() {
+        let x = Tensor::randn(&[d, 4, 8], test_dtype(), seed(d, 42));
+        let y = Tensor::randn(&[8, 3], test_dtype(), seed(d, 43));
+        let inputs = [(x.clone(), Give::Shard(0)), (y.clone(), Give::Whole)];
+        let ring = run(&f, d, &inputs, &[Take::Replicated], &opts());
+        let seeded = run(&f, d, &inputs, &[Take::Replicated], &seed_opts);
+        let expected = RefArray::from_tensor(&x).matmul(&RefArray::from_tensor(&y));
+        assert_close(&expected, &ring.outputs[0], tolerance(), "ring schedule");
+        assert_close(&expected, &seeded.outputs[0], tolerance(), "seed schedule");
+    }
+}
+
+#[test]
+fn stream_buffers_use_less_memory() {
+    let f = ag_matmul();
+    let full = ExecOptions {
+        number_of_streams: 2,
+        lower: fusion::core::lower::LowerOptions {
+            stream_buffers: false,
+            ..Default::default()
+        },
+        ..ExecOptions::default()
+    };
+    let slots = ExecOptions {
+        number_of_streams: 2,
+        ..ExecOptions::default()
+    };
+    for d in device_counts().into_iter().filter(|&d| d > 1) {
+        let x = Tensor::randn(&[8, d, 2, 16], test_dtype(), seed(d, 44));
+        let y = Tensor::randn(&[16, 4], test_dtype(), seed(d, 45));
+        let inputs = [(x.clone(), Give::Shard(1)), (y.clone(), Give::Whole)];
+        let a = run(&f, d, &inputs, &[Take::Replicated], &full);
+        let b = run(&f, d, &inputs, &[Take::Replicated], &slots);
+        assert!(
+            b.stats[0].peak_live_bytes < a.stats[0].peak_live_bytes,
+            "{} slots vs {} full",
+            b.stats[0].peak_live_bytes,
+            a.stats[0].peak_live_bytes
+        );
+        let expected = RefArray::from_tensor(&x).matmul(&RefArray::from_tensor(&y));
+        assert_close(
+            &expected,
+            &b.outputs[0],
+            tolerance(),
+            "AG_matmul with stream buffers",
+        );
+    }
+}

@@ -38,7 +38,10 @@ fn compare(
 }
 
 fn gpu_rank_run(f: impl Fn(&Rank) -> Result<()> + Sync) {
-    assert!(device_count() > 0, "no CUDA GPU is visible: these tests need one");
+    assert!(
+        device_count() > 0,
+        "no CUDA GPU is visible: these tests need one"
+    );
     cuda_world(Some(1)).unwrap().run(f).unwrap();
 }
 
@@ -51,7 +54,13 @@ fn copy_and_pointwise_match_the_cpu_backend() {
             compare(rank, "transposed copy with dtype change", dt, &|dev, up| {
                 let src = up(&x)?.permute(&[2, 0, 1])?;
                 let dst = dev.allocate(0, DType::F32, src.shape())?;
-                dev.execute(0, Kernel::Copy { src: &src, dst: &dst })?;
+                dev.execute(
+                    0,
+                    Kernel::Copy {
+                        src: &src,
+                        dst: &dst,
+                    },
+                )?;
                 Ok(vec![dst])
             })?;
             let y = Tensor::randn(&[1, 5, 1], dt, 2);
@@ -86,12 +95,27 @@ fn reductions_match_the_cpu_backend() {
     gpu_rank_run(|rank| {
         for dt in DTYPES {
             let x = Tensor::randn(&[5, 7, 9], dt, 3);
-            for (op, axes) in [(ReduceOp::Sum, vec![0, 2]), (ReduceOp::Max, vec![1]), (ReduceOp::Sum, vec![0, 1, 2])] {
+            for (op, axes) in [
+                (ReduceOp::Sum, vec![0, 2]),
+                (ReduceOp::Max, vec![1]),
+                (ReduceOp::Sum, vec![0, 1, 2]),
+            ] {
                 compare(rank, "reduce", dt, &|dev, up| {
                     let src = up(&x)?.permute(&[1, 0, 2])?;
-                    let shape: Vec<usize> = (0..3).filter(|d| !axes.contains(d)).map(|d| src.shape()[d]).collect();
+                    let shape: Vec<usize> = (0..3)
+                        .filter(|d| !axes.contains(d))
+                        .map(|d| src.shape()[d])
+                        .collect();
                     let dst = dev.allocate(0, dt, &shape)?;
-                    dev.execute(0, Kernel::Reduce { op, src: &src, dst: &dst, axes: &axes })?;
+                    dev.execute(
+                        0,
+                        Kernel::Reduce {
+                            op,
+                            src: &src,
+                            dst: &dst,
+                            axes: &axes,
+                        },
+                    )?;
                     Ok(vec![dst])
                 })?;
             }
@@ -109,30 +133,69 @@ fn gemms_match_the_cpu_backend() {
             let bt = Tensor::randn(&[3, 29, 17], dt, 5);
             let b1 = Tensor::randn(&[17, 29], dt, 6);
             let bias = Tensor::randn(&[29], dt, 7);
-            compare(rank, "batched gemm, transposed b, bias, strided dst", dt, &|dev, up| {
-                let a = up(&a)?;
-                let b = up(&bt)?.permute(&[0, 2, 1])?;
-                let big = dev.allocate(0, dt, &[2, 3, 33, 29])?;
-                let dst = big.select(0, 1)?;
-                let bias = up(&bias)?;
-                dev.execute(0, Kernel::Gemm { a: &a, b: &b, bias: Some(&bias), dst: &dst })?;
-                Ok(vec![dst])
-            })?;
-            compare(rank, "gemm with a broadcast batch operand", dt, &|dev, up| {
-                let a = up(&a)?;
-                let b = up(&b1)?.expand(&[3, 17, 29])?;
-                let dst = dev.allocate(0, dt, &[3, 33, 29])?;
-                dev.execute(0, Kernel::Gemm { a: &a, b: &b, bias: None, dst: &dst })?;
-                Ok(vec![dst])
-            })?;
-            compare(rank, "gemm with a transposed, non-unit-stride a", dt, &|dev, up| {
-                let big = up(&Tensor::randn(&[17, 66], dt, 8))?;
-                let a = big.narrow(1, 0, 33)?.permute(&[1, 0])?;
-                let b = up(&b1)?;
-                let dst = dev.allocate(0, dt, &[33, 29])?;
-                dev.execute(0, Kernel::Gemm { a: &a, b: &b, bias: None, dst: &dst })?;
-                Ok(vec![dst])
-            })?;
+            compare(
+                rank,
+                "batched gemm, transposed b, bias, strided dst",
+                dt,
+                &|dev, up| {
+                    let a = up(&a)?;
+                    let b = up(&bt)?.permute(&[0, 2, 1])?;
+                    let big = dev.allocate(0, dt, &[2, 3, 33, 29])?;
+                    let dst = big.select(0, 1)?;
+                    let bias = up(&bias)?;
+                    dev.execute(
+                        0,
+                        Kernel::Gemm {
+                            a: &a,
+                            b: &b,
+                            bias: Some(&bias),
+                            dst: &dst,
+                        },
+                    )?;
+                    Ok(vec![dst])
+                },
+            )?;
+            compare(
+                rank,
+                "gemm with a broadcast batch operand",
+                dt,
+                &|dev, up| {
+                    let a = up(&a)?;
+                    let b = up(&b1)?.expand(&[3, 17, 29])?;
+                    let dst = dev.allocate(0, dt, &[3, 33, 29])?;
+                    dev.execute(
+                        0,
+                        Kernel::Gemm {
+                            a: &a,
+                            b: &b,
+                            bias: None,
+                            dst: &dst,
+                        },
+                    )?;
+                    Ok(vec![dst])
+                },
+            )?;
+            compare(
+                rank,
+                "gemm with a transposed, non-unit-stride a",
+                dt,
+                &|dev, up| {
+                    let big = up(&Tensor::randn(&[17, 66], dt, 8))?;
+                    let a = big.narrow(1, 0, 33)?.permute(&[1, 0])?;
+                    let b = up(&b1)?;
+                    let dst = dev.allocate(0, dt, &[33, 29])?;
+                    dev.execute(
+                        0,
+                        Kernel::Gemm {
+                            a: &a,
+                            b: &b,
+                            bias: None,
+                            dst: &dst,
+                        },
+                    )?;
+                    Ok(vec![dst])
+                },
+            )?;
         }
         Ok(())
     });
@@ -145,8 +208,13 @@ fn missing_cuda_libraries_are_reported_with_a_fix() {
         return;
     }
     let err = check_libraries(true).unwrap_err();
-    assert!(matches!(&err, Error::MissingLibrary { library, .. } if library.contains("libcuda")), "{err}");
+    assert!(
+        matches!(&err, Error::MissingLibrary { library, .. } if library.contains("libcuda")),
+        "{err}"
+    );
     assert!(err.to_string().contains("FUSION_BACKEND=cpu"), "{err}");
-    let err = cuda_world(Some(1)).err().expect("no CUDA world without a driver");
+    let err = cuda_world(Some(1))
+        .err()
+        .expect("no CUDA world without a driver");
     assert!(matches!(err, Error::MissingLibrary { .. }), "{err}");
 }

@@ -41,7 +41,7 @@ impl Seeds {
 }
 
 fn program(f: &Fusion) -> HostProgram {
-    let opts = LowerOptions::default().without_pass("InsertDeallocations");
+    let opts = LowerOptions::seed_compatible().without_pass("InsertDeallocations");
     lower(f, WORLD, &opts).unwrap().program
 }
 

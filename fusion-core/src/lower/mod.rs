@@ -21,8 +21,19 @@ use crate::pass::{PassContext, PassDump, PassManager};
 pub use insert_reshardings::insert_reshardings;
 pub use resharding::{classify, CommSpec, MeshContext, Resharding};
 
+/// Order in which a P2P pipeline visits the chunks of its stream loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum P2pSchedule {
+    /// Iteration `i` handles this device's chunk first, then receives from `rank - i` and
+    /// sends to `rank + i` (a ring): communication starts at once and pairs always match.
+    #[default]
+    Ring,
+    /// Iteration `i` exchanges chunk `i` with device `i`, as in the seeds (seed 001).
+    Seed,
+}
+
 /// Choices that change the lowered program; part of the executor's cache key.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct LowerOptions {
     /// Names of passes to skip (see [`PassManager::standard`]).
     pub disabled_passes: BTreeSet<String>,
@@ -30,9 +41,35 @@ pub struct LowerOptions {
     pub p2p_backend: CommBackend,
     /// Record the program after every pass (`FUSION_DUMP=host_ir_passes`).
     pub dump_passes: bool,
+    /// Chunk order of P2P pipelines.
+    pub p2p_schedule: P2pSchedule,
+    /// Give stream-loop intermediates `numberOfStreams` slots instead of the full stream
+    /// extent (a slot is reused by every `numberOfStreams`-th iteration, on the same stream).
+    pub stream_buffers: bool,
+}
+
+impl Default for LowerOptions {
+    fn default() -> Self {
+        LowerOptions {
+            disabled_passes: BTreeSet::new(),
+            p2p_backend: CommBackend::Nccl,
+            dump_passes: false,
+            p2p_schedule: P2pSchedule::Ring,
+            stream_buffers: true,
+        }
+    }
 }
 
 impl LowerOptions {
+    /// The programs of the seeds: seed-ordered P2P chunks, full-size stream buffers.
+    pub fn seed_compatible() -> Self {
+        LowerOptions {
+            p2p_schedule: P2pSchedule::Seed,
+            stream_buffers: false,
+            ..LowerOptions::default()
+        }
+    }
+
     /// Options with the named pass disabled.
     pub fn without_pass(mut self, name: &str) -> Self {
         self.disabled_passes.insert(name.to_string());

@@ -4,7 +4,7 @@
 //! any other expression in between closes it. For each loop (seeds 000-002):
 //!
 //! ```text
-//! Allocate every output of the loop's expressions (full size)
+//! Allocate every output of the loop's expressions
 //! GetCurrentStream into S
 //! FOR i: SetCurrentStream(Stream(i % numberOfStreams)); Synchronize S
 //! FOR i: SetCurrentStream(Stream(i % numberOfStreams))
@@ -12,22 +12,38 @@
 //!        SetCurrentStream(S); Synchronize Stream(i % numberOfStreams)
 //! ```
 //!
-//! A `set` turning a DIDx axis into the Stream axis becomes the P2P pipeline of seed 001:
-//! `IF i == rank` a local copy, `ELSE` a coalesced receive from and send to device `i`.
+//! Two resharding patterns become P2P pipelines inside the loop:
+//! - a `set` turning a DIDx axis into the Stream axis (an allgather, seed 001): the
+//!   device's own chunk is a local copy, every other chunk a coalesced receive + send;
+//! - a sum over the DIDx axis whose output is sharded along the loop's Stream axis (a
+//!   reduce-scatter): each iteration sends the partial result chunk to the device that
+//!   owns it and receives that device's partial for this one; a local sum follows the loop.
+//!
+//! With [`P2pSchedule::Ring`] iteration `i` works on the chunk of device `rank ± i`, so
+//! the local chunk comes first and every send meets its receive in the same iteration.
+//! With stream buffers on, intermediates produced and consumed inside one loop get
+//! `numberOfStreams` slots instead of the full extent.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::{Pass, PassContext};
 use crate::error::{Error, Result};
-use crate::hir::{CommBackend, ForLoop, HostProgram, Node, P2PDirection, StreamDef, P2P};
-use crate::ir::{
-    axis_map, Expr, Fusion, IterDomainId, IterKind, MemoryType, NamedScalar, Op, ParallelType,
-    ScalarId, ScalarOp, TensorId, TensorView,
+use crate::hir::{
+    for_each_node, CommBackend, ForLoop, HostProgram, Node, P2PDirection, StreamDef, P2P,
 };
-use crate::lower::{classify, MeshContext, Resharding};
+use crate::ir::{
+    axis_map, Expr, Fusion, IterDomain, IterDomainId, IterKind, MemoryType, NamedScalar, Op,
+    ParallelType, ScalarId, ScalarOp, TensorId, TensorView,
+};
+use crate::lower::{classify, MeshContext, P2pSchedule, Resharding};
 
 /// The stream-lowering pass.
 pub struct StreamParallelType;
+
+enum Item {
+    Node(Node),
+    Loop(LoopGroup),
+}
 
 impl Pass for StreamParallelType {
     fn name(&self) -> &'static str {
@@ -35,43 +51,159 @@ impl Pass for StreamParallelType {
     }
 
     fn run(&self, p: &mut HostProgram, ctx: &PassContext) -> Result<()> {
-        let backend = ctx.options.p2p_backend;
         let body = std::mem::take(&mut p.body);
-        let mut out = Vec::with_capacity(body.len());
-        let mut group: Option<LoopGroup> = None;
-        for node in body {
-            let stream = match &node {
-                Node::Compute(e) => p.ir.find_parallel_axis(e.output, ParallelType::Stream),
-                _ => None,
-            };
-            let Some(s) = stream else {
-                if let Some(g) = group.take() {
-                    out.extend(g.emit(p, backend)?);
-                }
-                out.push(node);
-                continue;
-            };
-            let Node::Compute(e) = node else {
-                unreachable!("stream axes come from compute nodes")
-            };
-            match group.as_mut() {
-                Some(g) if g.accepts(&p.ir, &e, s)? => g.push(&p.ir, e, s),
-                _ => {
-                    if let Some(g) = group.take() {
-                        out.extend(g.emit(p, backend)?);
-                    }
-                    let mut g = LoopGroup::new(&p.ir, &e, s)?;
-                    g.push(&p.ir, e, s);
-                    group = Some(g);
-                }
+        let mut items = group_loops(p, body)?;
+        fold_reduce_scatters(p, &mut items)?;
+        let internal = if ctx.options.stream_buffers {
+            loop_internal_tensors(p, &items)
+        } else {
+            HashSet::new()
+        };
+        let mut out = Vec::new();
+        for item in items {
+            match item {
+                Item::Node(n) => out.push(n),
+                Item::Loop(g) => out.extend(g.emit(p, ctx, &internal)?),
             }
-        }
-        if let Some(g) = group.take() {
-            out.extend(g.emit(p, backend)?);
         }
         p.body = out;
         Ok(())
     }
+}
+
+fn group_loops(p: &HostProgram, body: Vec<Node>) -> Result<Vec<Item>> {
+    let mut items: Vec<Item> = Vec::new();
+    for node in body {
+        let stream = match &node {
+            Node::Compute(e) => p.ir.find_parallel_axis(e.output, ParallelType::Stream),
+            _ => None,
+        };
+        let Some(s) = stream else {
+            items.push(Item::Node(node));
+            continue;
+        };
+        let Node::Compute(e) = node else {
+            unreachable!("stream axes come from compute nodes")
+        };
+        if let Some(Item::Loop(g)) = items.last_mut() {
+            if g.accepts(&p.ir, &e, s)? {
+                g.push(e, s);
+                continue;
+            }
+        }
+        let mut g = LoopGroup::new(&p.ir, &e, s)?;
+        g.push(e, s);
+        items.push(Item::Loop(g));
+    }
+    Ok(items)
+}
+
+/// A reduce-scatter folded into the loop that produces its input.
+struct ReduceScatterFold {
+    expr: Expr,
+    /// Position of the reduced DIDx axis in the input.
+    didx: usize,
+    /// Position of the output's DIDx axis (the one the loop's Stream axis becomes).
+    out_didx: usize,
+}
+
+/// Folds `sum` over DIDx right after a loop, sharding the loop's Stream axis, into it.
+fn fold_reduce_scatters(p: &HostProgram, items: &mut Vec<Item>) -> Result<()> {
+    let mut i = 0;
+    while i + 1 < items.len() {
+        let fold = match (&items[i], &items[i + 1]) {
+            (Item::Loop(g), Item::Node(Node::Compute(e))) => reduce_scatter_pattern(p, g, e)?,
+            _ => None,
+        };
+        if let Some(f) = fold {
+            items.remove(i + 1);
+            if let Item::Loop(g) = &mut items[i] {
+                g.reduce_scatter = Some(f);
+            }
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
+fn reduce_scatter_pattern(
+    p: &HostProgram,
+    g: &LoopGroup,
+    e: &Expr,
+) -> Result<Option<ReduceScatterFold>> {
+    let Op::Reduction { axes, .. } = &e.op else {
+        return Ok(None);
+    };
+    let x = e.inputs[0];
+    let (Some(&s), [a]) = (g.produced.get(&x), axes.as_slice()) else {
+        return Ok(None);
+    };
+    let f = &p.ir;
+    let didx = f.visible_axes(x)[*a];
+    let world: Vec<usize> = (0..p.world_size).collect();
+    if f.axis(x, didx).parallel != ParallelType::DIDx
+        || p.mesh_of(x) != world
+        || p.mesh_of(e.output) != world
+    {
+        return Ok(None);
+    }
+    let map = axis_map(f, e);
+    let Some(out_didx) = f.find_parallel_axis(e.output, ParallelType::DIDx) else {
+        return Ok(None);
+    };
+    if map.producer_axis(0, out_didx) != Some(s)
+        || f.find_parallel_axis(e.output, ParallelType::Stream)
+            .is_some()
+    {
+        return Ok(None);
+    }
+    Ok(Some(ReduceScatterFold {
+        expr: e.clone(),
+        didx,
+        out_didx,
+    }))
+}
+
+/// Tensors a loop produces and only that loop uses (not outputs or aliases).
+fn loop_internal_tensors(p: &HostProgram, items: &[Item]) -> HashSet<TensorId> {
+    let mut used_by: HashMap<TensorId, HashSet<usize>> = HashMap::new();
+    for (k, item) in items.iter().enumerate() {
+        let mut touch = |t: TensorId| {
+            used_by.entry(t).or_default().insert(k);
+        };
+        match item {
+            Item::Node(n) => for_each_node(std::slice::from_ref(n), &mut |m| {
+                m.tensors().into_iter().for_each(&mut touch)
+            }),
+            Item::Loop(g) => {
+                for (e, _) in &g.exprs {
+                    e.inputs.iter().copied().for_each(&mut touch);
+                }
+                if let Some(rs) = &g.reduce_scatter {
+                    touch(rs.expr.inputs[0]);
+                }
+            }
+        }
+    }
+    let pinned: HashSet<TensorId> = p
+        .outputs
+        .iter()
+        .copied()
+        .chain(p.aliases.iter().flat_map(|&(o, i)| [o, i]))
+        .collect();
+    let mut internal = HashSet::new();
+    for (k, item) in items.iter().enumerate() {
+        if let Item::Loop(g) = item {
+            for (e, _) in &g.exprs {
+                let t = e.output;
+                let users = used_by.get(&t);
+                if !pinned.contains(&t) && users.is_none_or(|u| u.iter().all(|&x| x == k)) {
+                    internal.insert(t);
+                }
+            }
+        }
+    }
+    internal
 }
 
 /// Expressions that will share one stream loop.
@@ -81,6 +213,7 @@ struct LoopGroup {
     exprs: Vec<(Expr, usize)>,
     /// Tensors produced in the loop -> position of their Stream axis.
     produced: HashMap<TensorId, usize>,
+    reduce_scatter: Option<ReduceScatterFold>,
 }
 
 impl LoopGroup {
@@ -99,10 +232,11 @@ impl LoopGroup {
             extent: d.extent,
             exprs: Vec::new(),
             produced: HashMap::new(),
+            reduce_scatter: None,
         })
     }
 
-    fn push(&mut self, _f: &Fusion, e: Expr, s: usize) {
+    fn push(&mut self, e: Expr, s: usize) {
         self.produced.insert(e.output, s);
         self.exprs.push((e, s));
     }
@@ -133,18 +267,70 @@ impl LoopGroup {
         Ok(linked && f.axis(e.output, s).extent == self.extent)
     }
 
-    fn emit(self, p: &mut HostProgram, backend: CommBackend) -> Result<Vec<Node>> {
-        let mut nodes: Vec<Node> = self
-            .exprs
-            .iter()
-            .map(|(e, _)| Node::Allocate { tensor: e.output })
-            .collect();
-        let original = p.new_stream(StreamDef::Captured);
+    fn emit(
+        self,
+        p: &mut HostProgram,
+        ctx: &PassContext,
+        internal: &HashSet<TensorId>,
+    ) -> Result<Vec<Node>> {
+        let mesh_ctx = MeshContext {
+            world_size: Some(p.world_size),
+        };
+        let mut has_allgather = false;
+        for (e, _) in &self.exprs {
+            has_allgather |= matches!(
+                classify(&p.ir, e, mesh_ctx)?,
+                Resharding::DidxToStream { .. }
+            );
+        }
+        if has_allgather && self.reduce_scatter.is_some() {
+            return Err(stream_error(
+                &p.ir,
+                self.exprs[0].0.output,
+                self.exprs[0].1,
+                "one stream loop cannot host both a P2P allgather and a P2P reduce-scatter; \
+                 split them with an unpipelined op",
+            ));
+        }
         let index = p.ir.loop_index("StreamIdx");
         let n = p.ir.named(NamedScalar::NumberOfStreams);
         let pool_index = p.ir.binary(ScalarOp::Mod, index, n);
+        let sched = Schedule::new(
+            p,
+            ctx.options.p2p_schedule,
+            index,
+            self.extent,
+            has_allgather,
+            self.reduce_scatter.is_some(),
+        );
+        let original = p.new_stream(StreamDef::Captured);
         let worker = p.new_stream(StreamDef::Pool(pool_index));
         let zero = p.ir.constant(0);
+
+        // Buffers: full size, or `numberOfStreams` slots for loop-internal intermediates.
+        let mut nodes = Vec::new();
+        let mut small = HashMap::new();
+        for (e, s) in &self.exprs {
+            let t = if internal.contains(&e.output) {
+                let b = with_axis_extent(&mut p.ir, e.output, *s, n);
+                small.insert(e.output, b);
+                b
+            } else {
+                e.output
+            };
+            nodes.push(Node::Allocate { tensor: t });
+        }
+        let rs_buffers = match &self.reduce_scatter {
+            Some(rs) => {
+                let slots = reduce_scatter_slots(&mut p.ir, rs, self.extent);
+                nodes.push(Node::Allocate { tensor: slots });
+                nodes.push(Node::Allocate {
+                    tensor: rs.expr.output,
+                });
+                Some(slots)
+            }
+            None => None,
+        };
         nodes.push(Node::GetCurrentStream { stream: original });
         nodes.push(Node::ForLoop(ForLoop {
             index,
@@ -158,12 +344,18 @@ impl LoopGroup {
         }));
         let mut body = vec![Node::SetCurrentStream { stream: worker }];
         let mut slicer = Slicer {
-            index,
+            chunk: sched.chunk,
+            pool_index,
             zero,
+            small,
             cache: HashMap::new(),
         };
+        let backend = ctx.options.p2p_backend;
         for (e, s) in &self.exprs {
-            emit_body_expr(p, &mut slicer, e, *s, backend, &mut body)?;
+            emit_body_expr(p, &mut slicer, &sched, e, *s, backend, &mut body)?;
+        }
+        if let (Some(rs), Some(slots)) = (&self.reduce_scatter, rs_buffers) {
+            emit_reduce_scatter_step(p, &mut slicer, &sched, rs, slots, backend, &mut body)?;
         }
         body.push(Node::SetCurrentStream { stream: original });
         body.push(Node::Synchronize { stream: worker });
@@ -174,14 +366,98 @@ impl LoopGroup {
             stop: self.extent,
             body,
         }));
+        if let (Some(rs), Some(slots)) = (&self.reduce_scatter, rs_buffers) {
+            // The partials of this device's chunk, one per source, summed locally.
+            let out = rs.expr.output;
+            let view = slice_tensor(&mut p.ir, out, rs.out_didx);
+            nodes.push(Node::AliasSelect {
+                input: out,
+                output: view,
+                axis: rs.out_didx,
+                index: zero,
+            });
+            let Op::Reduction { op, .. } = rs.expr.op else {
+                unreachable!("folded reductions are reductions")
+            };
+            let red_axis = slot_axis(&p.ir, view);
+            nodes.push(Node::Compute(Expr {
+                op: Op::Reduction {
+                    op,
+                    axes: vec![red_axis],
+                },
+                inputs: vec![slots],
+                output: view,
+            }));
+        }
         Ok(nodes)
+    }
+}
+
+/// Which chunk an iteration handles and which peers it talks to.
+struct Schedule {
+    /// The chunk index (along the stream axis) of iteration `i`.
+    chunk: ScalarId,
+    /// Peer that iteration `i` receives from / sends to.
+    recv_peer: ScalarId,
+    send_peer: ScalarId,
+    rank: ScalarId,
+}
+
+impl Schedule {
+    fn new(
+        p: &mut HostProgram,
+        kind: P2pSchedule,
+        index: ScalarId,
+        extent: ScalarId,
+        allgather: bool,
+        reduce_scatter: bool,
+    ) -> Self {
+        let rank = p.ir.named(NamedScalar::Rank);
+        let ring = reduce_scatter || (allgather && kind == P2pSchedule::Ring);
+        if !ring {
+            return Schedule {
+                chunk: index,
+                recv_peer: index,
+                send_peer: index,
+                rank,
+            };
+        }
+        // up = (rank + i) % D, down = (rank + D - i) % D.
+        let f = &mut p.ir;
+        let r_plus_i = f.binary(ScalarOp::Add, rank, index);
+        let up = f.binary(ScalarOp::Mod, r_plus_i, extent);
+        let r_plus_d = f.binary(ScalarOp::Add, rank, extent);
+        let r_plus_d_minus_i = f.binary(ScalarOp::Sub, r_plus_d, index);
+        let down = f.binary(ScalarOp::Mod, r_plus_d_minus_i, extent);
+        if reduce_scatter {
+            // Iteration i computes the partial chunk of device `up` and sends it there; it
+            // receives device `down`'s partial of this device's chunk.
+            Schedule {
+                chunk: up,
+                recv_peer: down,
+                send_peer: up,
+                rank,
+            }
+        } else {
+            // Iteration i gathers the chunk of device `down` from it, and sends this
+            // device's chunk to `up`, which gathers it in the same iteration.
+            Schedule {
+                chunk: down,
+                recv_peer: down,
+                send_peer: up,
+                rank,
+            }
+        }
     }
 }
 
 /// Creates (once per tensor and axis) the stream slice of a tensor.
 struct Slicer {
-    index: ScalarId,
+    chunk: ScalarId,
+    pool_index: ScalarId,
     zero: ScalarId,
+    /// Loop-internal tensors -> their `numberOfStreams`-slot buffers.
+    small: HashMap<TensorId, TensorId>,
     cache: HashMap<(TensorId, usize), TensorId>,
 }
 
@@ -196,15 +472,18 @@ impl Slicer {
         if let Some(&s) = self.cache.get(&(t, pos)) {
             return s;
         }
-        let d = p.ir.axis(t, pos);
-        let index = if d.kind == IterKind::Broadcast || p.ir.const_value(d.extent) == Some(1) {
-            self.zero
-        } else {
-            self.index
+        let (source, index) = match self.small.get(&t) {
+            Some(&b) => (b, self.pool_index),
+            None => {
+                let d = p.ir.axis(t, pos);
+                let broadcast =
+                    d.kind == IterKind::Broadcast || p.ir.const_value(d.extent) == Some(1);
+                (t, if broadcast { self.zero } else { self.chunk })
+            }
         };
-        let s = slice_tensor(&mut p.ir, t, pos);
+        let s = slice_tensor(&mut p.ir, source, pos);
         body.push(Node::AliasSelect {
-            input: t,
+            input: source,
             output: s,
             axis: pos,
             index,
@@ -236,9 +515,68 @@ pub(crate) fn slice_tensor(f: &mut Fusion, t: TensorId, pos: usize) -> TensorId 
     })
 }
 
+/// A new buffer like `t` whose axis `pos` has extent `extent`.
+fn with_axis_extent(f: &mut Fusion, t: TensorId, pos: usize, extent: ScalarId) -> TensorId {
+    let src = f.tensor(t).clone();
+    let axes = src
+        .axes
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| {
+            let mut dom = f.iter_domain(d).clone();
+            if i == pos {
+                dom.extent = extent;
+            }
+            f.add_iter_domain(dom)
+        })
+        .collect();
+    f.add_tensor(TensorView {
+        name: src.name.map(|n| format!("{n}_slots")),
+        dtype: src.dtype,
+        axes,
+        mesh: src.mesh,
+        memory: MemoryType::Global,
+    })
+}
+
+/// The receive buffer of a folded reduce-scatter: one slot per source device, holding a
+/// chunk of the partial result; laid out like the output's local view with the slot axis
+/// where the output has its reduction axis.
+fn reduce_scatter_slots(f: &mut Fusion, rs: &ReduceScatterFold, extent: ScalarId) -> TensorId {
+    let out = rs.expr.output;
+    let x = rs.expr.inputs[0];
+    let mut axes = Vec::new();
+    for (i, &d) in f.tensor(out).axes.iter().enumerate() {
+        if i == rs.out_didx {
+            continue;
+        }
+        let mut dom = f.iter_domain(d).clone();
+        if dom.kind == IterKind::Reduction {
+            dom = IterDomain::new(extent);
+        }
+        dom.parallel = ParallelType::Serial;
+        axes.push(dom);
+    }
+    let dtype = f.tensor(x).dtype;
+    let mesh = f.tensor(out).mesh.clone();
+    let name = f.tensor(out).name.as_ref().map(|n| format!("{n}_partials"));
+    f.new_tensor(name, dtype, axes, mesh)
+}
+
+/// Position of the slot axis in a reduce-scatter's slot buffer: where the output's local
+/// view has its reduction axis.
+fn slot_axis(f: &Fusion, view: TensorId) -> usize {
+    f.tensor(view)
+        .axes
+        .iter()
+        .position(|&d| f.iter_domain(d).is_reduction())
+        .unwrap_or(0)
+}
+
 fn emit_body_expr(
     p: &mut HostProgram,
     slicer: &mut Slicer,
+    sched: &Schedule,
     e: &Expr,
     s: usize,
     backend: CommBackend,
@@ -248,7 +586,7 @@ fn emit_body_expr(
         world_size: Some(p.world_size),
     };
     if let Resharding::DidxToStream { in_axis, .. } = classify(&p.ir, e, ctx)? {
-        return emit_p2p_pipeline(p, slicer, e, s, in_axis, backend, body);
+        return emit_allgather_step(p, slicer, sched, e, s, in_axis, backend, body);
     }
     let map = axis_map(&p.ir, e);
     let mut inputs = Vec::with_capacity(e.inputs.len());
@@ -276,10 +614,58 @@ fn emit_body_expr(
     Ok(())
 }
 
-/// Seed 001: `IF i == rank` copy the local shard, `ELSE` coalesced recv from / send to `i`.
-fn emit_p2p_pipeline(
+/// Requires the tensor on every device of the world, in order (peers are ranks).
+fn require_world_mesh(p: &HostProgram, t: TensorId, axis: usize) -> Result<()> {
+    if p.mesh_of(t) != (0..p.world_size).collect::<Vec<_>>() {
+        return Err(stream_error(
+            &p.ir,
+            t,
+            axis,
+            "a P2P pipeline needs the tensor on every device of the world, in order",
+        ));
+    }
+    Ok(())
+}
+
+fn coalesced_exchange(
+    p: &mut HostProgram,
+    recv: TensorId,
+    recv_peer: ScalarId,
+    send: TensorId,
+    send_peer: ScalarId,
+    backend: CommBackend,
+) -> Vec<Node> {
+    let r = p.new_comm_id();
+    let s = p.new_comm_id();
+    let group = p.new_comm_id();
+    vec![
+        Node::StartCoalescing,
+        Node::P2P(P2P {
+            id: r,
+            direction: P2PDirection::Recv,
+            buffer: recv,
+            peer: recv_peer,
+            backend,
+        }),
+        Node::P2P(P2P {
+            id: s,
+            direction: P2PDirection::Send,
+            buffer: send,
+            peer: send_peer,
+            backend,
+        }),
+        Node::EndCoalescing { id: group },
+        Node::Wait { comm: group },
+    ]
+}
+
+/// Allgather step: `IF chunk == rank` copy the local shard, `ELSE` receive the chunk from
+/// its owner and send the local shard to the device that gathers it now.
+#[allow(clippy::too_many_arguments)]
+fn emit_allgather_step(
     p: &mut HostProgram,
     slicer: &mut Slicer,
+    sched: &Schedule,
     e: &Expr,
     s: usize,
     in_axis: usize,
@@ -287,18 +673,9 @@ fn emit_p2p_pipeline(
     body: &mut Vec<Node>,
 ) -> Result<()> {
     let x = e.inputs[0];
-    let mesh = p.mesh_of(x);
-    if mesh != (0..p.world_size).collect::<Vec<_>>() {
-        return Err(stream_error(
-            &p.ir,
-            x,
-            in_axis,
-            "the DIDx→Stream P2P pipeline needs the tensor on every device of the world, in order",
-        ));
-    }
+    require_world_mesh(p, x, in_axis)?;
     let out_slice = slicer.slice(p, e.output, s, body);
-    let rank = p.ir.named(NamedScalar::Rank);
-    let cond = p.ir.binary(ScalarOp::Eq, slicer.index, rank);
+    let cond = p.ir.binary(ScalarOp::Eq, sched.chunk, sched.rank);
     let local = slice_tensor(&mut p.ir, x, in_axis);
     let then_body = vec![
         Node::AliasSelect {
@@ -313,28 +690,89 @@ fn emit_p2p_pipeline(
             output: out_slice,
         }),
     ];
-    let recv = p.new_comm_id();
-    let send = p.new_comm_id();
-    let group = p.new_comm_id();
-    let else_body = vec![
-        Node::StartCoalescing,
-        Node::P2P(P2P {
-            id: recv,
-            direction: P2PDirection::Recv,
-            buffer: out_slice,
-            peer: slicer.index,
-            backend,
+    let else_body = coalesced_exchange(p, out_slice, sched.recv_peer, x, sched.send_peer, backend);
+    body.push(Node::IfThenElse {
+        cond,
+        then_body,
+        else_body,
+    });
+    Ok(())
+}
+
+/// Reduce-scatter step: the iteration's partial chunk goes to its owner (or, for this
+/// device's own chunk, into its slot), and this device receives a partial of its chunk.
+fn emit_reduce_scatter_step(
+    p: &mut HostProgram,
+    slicer: &mut Slicer,
+    sched: &Schedule,
+    rs: &ReduceScatterFold,
+    slots: TensorId,
+    backend: CommBackend,
+    body: &mut Vec<Node>,
+) -> Result<()> {
+    let x = rs.expr.inputs[0];
+    require_world_mesh(p, x, rs.didx)?;
+    let s =
+        p.ir.find_parallel_axis(x, ParallelType::Stream)
+            .ok_or_else(|| {
+                stream_error(&p.ir, x, rs.didx, "the reduced tensor lost its Stream axis")
+            })?;
+    let chunk = slicer.slice(p, x, s, body);
+    // Drop the (local, extent 1) DIDx axis: the partial of one chunk.
+    let didx_in_chunk = if rs.didx < s { rs.didx } else { rs.didx - 1 };
+    let partial = slice_tensor(&mut p.ir, chunk, didx_in_chunk);
+    body.push(Node::AliasSelect {
+        input: chunk,
+        output: partial,
+        axis: didx_in_chunk,
+        index: slicer.zero,
+    });
+    // The slot axis sits where the output's local view has its reduction axis.
+    let slot_pos = {
+        let out = rs.expr.output;
+        let view_axes: Vec<_> =
+            p.ir.tensor(out)
+                .axes
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != rs.out_didx)
+                .map(|(_, &d)| d)
+                .collect();
+        view_axes
+            .iter()
+            .position(|&d| p.ir.iter_domain(d).is_reduction())
+            .unwrap_or(0)
+    };
+    let own = slice_tensor(&mut p.ir, slots, slot_pos);
+    let then_body = vec![
+        Node::AliasSelect {
+            input: slots,
+            output: own,
+            axis: slot_pos,
+            index: sched.rank,
+        },
+        Node::Compute(Expr {
+            op: Op::Set,
+            inputs: vec![partial],
+            output: own,
         }),
-        Node::P2P(P2P {
-            id: send,
-            direction: P2PDirection::Send,
-            buffer: x,
-            peer: slicer.index,
-            backend,
-        }),
-        Node::EndCoalescing { id: group },
-        Node::Wait { comm: group },
     ];
+    let incoming = slice_tensor(&mut p.ir, slots, slot_pos);
+    let mut else_body = vec![Node::AliasSelect {
+        input: slots,
+        output: incoming,
+        axis: slot_pos,
+        index: sched.recv_peer,
+    }];
+    else_body.extend(coalesced_exchange(
+        p,
+        incoming,
+        sched.recv_peer,
+        partial,
+        sched.send_peer,
+        backend,
+    ));
+    let cond = p.ir.binary(ScalarOp::Eq, sched.chunk, sched.rank);
     body.push(Node::IfThenElse {
         cond,
         then_body,
