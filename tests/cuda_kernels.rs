@@ -19,13 +19,13 @@ fn tol(dt: DType) -> f64 {
     }
 }
 
+/// Moves a host tensor to the device under test.
+type Upload<'a> = &'a dyn Fn(&Tensor) -> Result<Tensor>;
+/// Builds and runs kernels on a device; returns the tensors to compare.
+type Build<'a> = &'a dyn Fn(&dyn Device, Upload<'_>) -> Result<Vec<Tensor>>;
+
 /// Runs `build` on the CPU device and on GPU 0 and compares the named outputs.
-fn compare(
-    rank: &Rank,
-    what: &str,
-    dt: DType,
-    build: &dyn Fn(&dyn Device, &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Vec<Tensor>>,
-) -> Result<()> {
+fn compare(rank: &Rank, what: &str, dt: DType, build: Build<'_>) -> Result<()> {
     let cpu = CpuDevice::new(0);
     let on_cpu = build(&cpu, &|t| Ok(t.clone()))?;
     let on_gpu = build(rank.device(), &|t| rank.to_device(t))?;
