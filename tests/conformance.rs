@@ -1211,3 +1211,57 @@ fn stream_buffers_use_less_memory() {
         );
     }
 }
+
+#[test]
+fn copy_engine_p2p_pipelines() {
+    // The copy-engine transport moves the same bytes as NCCL's send/recv; on the CPU
+    // backend the in-process communicator carries both.
+    let ce = ExecOptions {
+        lower: fusion::core::lower::LowerOptions {
+            p2p_backend: fusion::core::hir::CommBackend::CopyEngine,
+            ..Default::default()
+        },
+        ..ExecOptions::default()
+    };
+    let ag = ag_matmul_p2p(test_dtype());
+    let rs = matmul_rs_p2p();
+    for d in device_counts() {
+        let x = Tensor::randn(&[d, 4, 8], test_dtype(), seed(d, 46));
+        let y = Tensor::randn(&[8, 3], test_dtype(), seed(d, 47));
+        let r = run(
+            &ag,
+            d,
+            &[(x.clone(), Give::Shard(0)), (y.clone(), Give::Whole)],
+            &[Take::Replicated],
+            &ce,
+        );
+        if d > 1 {
+            assert!(r.program.to_string().contains("backend=CUDA"));
+        }
+        let expected = RefArray::from_tensor(&x).matmul(&RefArray::from_tensor(&y));
+        assert_close(
+            &expected,
+            &r.outputs[0],
+            tolerance(),
+            "AG_matmul_P2p over the copy engine",
+        );
+        let x = Tensor::randn(&[d, d, 3, 4], test_dtype(), seed(d, 48));
+        let y = Tensor::randn(&[d, 4, 5], test_dtype(), seed(d, 49));
+        let r = run(
+            &rs,
+            d,
+            &[(x.clone(), Give::Shard(0)), (y.clone(), Give::Shard(0))],
+            &[Take::Sharded(0)],
+            &ce,
+        );
+        let expected = RefArray::from_tensor(&x)
+            .matmul(&RefArray::from_tensor(&y).unsqueeze(1))
+            .sum(0);
+        assert_close(
+            &expected,
+            &r.outputs[0],
+            tolerance(),
+            "matmul_RS_P2p over the copy engine",
+        );
+    }
+}

@@ -20,10 +20,11 @@
 //! | Broadcast | root | a copy of root's input |
 //! | SendRecv | root (the sender) | `receiver`: a copy of the sender's input |
 
+pub(crate) mod copy_engine;
 pub mod local;
 pub mod nccl;
 
-use fusion_core::hir::Communication;
+use fusion_core::hir::{CommBackend, Communication};
 
 use crate::backend::StreamHandle;
 use crate::error::Result;
@@ -45,10 +46,23 @@ pub trait Communicator: Send + Sync {
         input: Option<&Tensor>,
         output: Option<&Tensor>,
     ) -> Result<()>;
-    /// Sends `buf` to `peer` (buffered: never waits for the matching receive).
-    fn send(&self, stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()>;
-    /// Receives from `peer` into `buf`; messages between a pair arrive in send order.
-    fn recv(&self, stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()>;
+    /// Sends `buf` to `peer` over `backend` (in a group, the transfer may only be issued at
+    /// `group_end`). Messages between a pair arrive in send order.
+    fn send(
+        &self,
+        stream: StreamHandle,
+        peer: usize,
+        buf: &Tensor,
+        backend: CommBackend,
+    ) -> Result<()>;
+    /// Receives from `peer` into `buf` over `backend`.
+    fn recv(
+        &self,
+        stream: StreamHandle,
+        peer: usize,
+        buf: &Tensor,
+        backend: CommBackend,
+    ) -> Result<()>;
     /// Starts a group: sends and receives until `group_end` are issued together.
     fn group_start(&self) -> Result<()>;
     /// Ends a group, issuing its transfers.

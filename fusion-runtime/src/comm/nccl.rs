@@ -13,10 +13,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
-use fusion_core::hir::{Communication, CommunicationKind};
+use fusion_core::hir::{CommBackend, Communication, CommunicationKind};
 use fusion_core::ir::ReduceOp;
 use fusion_core::DType;
 
+use super::copy_engine::{CopyEngine, Transfer};
 use super::local::LocalCommunicator;
 use super::Communicator;
 use crate::backend::cuda::{CudaDevice, WorldHealth};
@@ -135,6 +136,7 @@ pub struct NcclCommunicator {
     registry: Arc<TeamRegistry>,
     host: LocalCommunicator,
     health: Arc<WorldHealth>,
+    copy_engine: CopyEngine,
     group: Mutex<Option<Group>>,
 }
 
@@ -145,9 +147,12 @@ struct Group {
     after: Vec<(StreamHandle, Tensor, Tensor)>,
     /// Buffers that must stay alive until the group is issued.
     keep: Vec<Tensor>,
+    /// Copy-engine transfers, issued at the group's end.
+    copies: Vec<Transfer>,
 }
 
 impl NcclCommunicator {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         rank: usize,
         world_size: usize,
@@ -156,6 +161,7 @@ impl NcclCommunicator {
         registry: Arc<TeamRegistry>,
         host: LocalCommunicator,
         health: Arc<WorldHealth>,
+        copy_engine: CopyEngine,
     ) -> Self {
         NcclCommunicator {
             rank,
@@ -165,7 +171,33 @@ impl NcclCommunicator {
             registry,
             host,
             health,
+            copy_engine,
             group: Mutex::new(None),
+        }
+    }
+
+    /// A copy-engine transfer: deferred to the group's end, or issued now.
+    fn copy_transfer(
+        &self,
+        stream: StreamHandle,
+        peer: usize,
+        buf: &Tensor,
+        sending: bool,
+    ) -> Result<()> {
+        if peer == self.rank || peer >= self.world_size {
+            return Err(self.err(format!("copy-engine transfer with rank {peer}: not a peer")));
+        }
+        let t = self.copy_engine.transfer(stream, peer, buf, sending)?;
+        let mut group = self.group.lock().unwrap_or_else(PoisonError::into_inner);
+        match group.as_mut() {
+            Some(g) => {
+                g.copies.push(t);
+                Ok(())
+            }
+            None => {
+                drop(group);
+                self.copy_engine.run_group(&[t])
+            }
         }
     }
 
@@ -713,7 +745,16 @@ impl Communicator for NcclCommunicator {
         self.run_collective(stream, comm, input, output)
     }
 
-    fn send(&self, stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()> {
+    fn send(
+        &self,
+        stream: StreamHandle,
+        peer: usize,
+        buf: &Tensor,
+        backend: CommBackend,
+    ) -> Result<()> {
+        if backend == CommBackend::CopyEngine {
+            return self.copy_transfer(stream, peer, buf, true);
+        }
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("send to rank {peer}: not a peer")));
         }
@@ -743,7 +784,16 @@ impl Communicator for NcclCommunicator {
         Ok(())
     }
 
-    fn recv(&self, stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()> {
+    fn recv(
+        &self,
+        stream: StreamHandle,
+        peer: usize,
+        buf: &Tensor,
+        backend: CommBackend,
+    ) -> Result<()> {
+        if backend == CommBackend::CopyEngine {
+            return self.copy_transfer(stream, peer, buf, false);
+        }
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("recv from rank {peer}: not a peer")));
         }
@@ -794,7 +844,7 @@ impl Communicator for NcclCommunicator {
             self.copy_back(s, &staged, &dst)?;
         }
         drop(g.keep);
-        Ok(())
+        self.copy_engine.run_group(&g.copies)
     }
 
     fn abort(&self, reason: &str) {

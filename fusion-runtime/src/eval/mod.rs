@@ -530,11 +530,11 @@ impl<'a> Evaluator<'a> {
         match x.direction {
             P2PDirection::Send => {
                 let buf = self.get(x.buffer)?.clone();
-                self.ctx.comm.send(self.current, peer, &buf)?;
+                self.ctx.comm.send(self.current, peer, &buf, x.backend)?;
             }
             P2PDirection::Recv => {
                 let buf = self.get_or_allocate(x.buffer)?;
-                self.ctx.comm.recv(self.current, peer, &buf)?;
+                self.ctx.comm.recv(self.current, peer, &buf, x.backend)?;
             }
         }
         let name = match x.direction {

@@ -54,6 +54,8 @@ pub struct CudaDevice {
     streams: Mutex<Vec<StreamSlot>>,
     /// Timing events for traces: recorded ones, and spares to reuse.
     markers: Mutex<(Vec<RawEvent>, Vec<RawEvent>)>,
+    /// A stream outside the pool, for copy-engine transfers issued one after another.
+    copy_stream: Mutex<Option<RawStream>>,
     pub(crate) kernels: KernelCache,
     poison: bool,
     health: Arc<WorldHealth>,
@@ -80,6 +82,7 @@ impl CudaDevice {
             shared,
             streams: Mutex::new(Vec::new()),
             markers: Mutex::new((Vec::new(), Vec::new())),
+            copy_stream: Mutex::new(None),
             kernels: KernelCache::new(ordinal),
             poison: std::env::var("FUSION_POISON").is_ok_and(|v| v == "1"),
             health,
@@ -104,6 +107,24 @@ impl CudaDevice {
                 backend: "cuda",
                 reason: format!("stream {s} does not exist (pool of {})", streams.len() - 1),
             })
+    }
+
+    /// The device's dedicated copy stream (created on first use).
+    pub(crate) fn copy_stream(&self) -> Result<RawStream> {
+        let mut cs = self
+            .copy_stream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = *cs {
+            return Ok(s);
+        }
+        self.shared.bind()?;
+        let s = RawStream(
+            result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(|e| driver_err("creating the copy stream", e))?,
+        );
+        *cs = Some(s);
+        Ok(s)
     }
 
     pub(crate) fn blas(&self, s: StreamHandle) -> Result<BlasHandle> {

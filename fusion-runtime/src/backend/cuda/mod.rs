@@ -20,3 +20,4 @@ pub use libs::{check_libraries, device_count, driver_present};
 pub use world::cuda_world;
 
 pub(crate) use health::WorldHealth;
+pub(crate) use memory::RawStream;

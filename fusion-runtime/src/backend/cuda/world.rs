@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::{check_libraries, device_count, CudaDevice, WorldHealth};
 use crate::backend::{BackendKind, Device};
+use crate::comm::copy_engine::{enable_peer_access, CopyEngine, CopyMode, CopyRegistry};
 use crate::comm::local::LocalFabric;
 use crate::comm::nccl::{init_world, NcclCommunicator, NcclRankState, TeamRegistry};
 use crate::comm::Communicator;
@@ -61,6 +62,14 @@ impl RunComms for CudaComms {
         self.health.set_timeout(timeout);
         let n = self.devices.len();
         let (ranks, registry) = self.ensure_nccl()?;
+        let copies = Arc::new(CopyRegistry::new(
+            self.devices
+                .iter()
+                .map(|d| d.shared().ctx.cu_ctx())
+                .collect(),
+            self.health.clone(),
+            CopyMode::from_env(),
+        ));
         Ok((0..n)
             .map(|r| {
                 Arc::new(NcclCommunicator::new(
@@ -71,6 +80,7 @@ impl RunComms for CudaComms {
                     registry.clone(),
                     fabric.communicator(r),
                     self.health.clone(),
+                    CopyEngine::new(r, self.devices[r].clone(), copies.clone()),
                 )) as Arc<dyn Communicator>
             })
             .collect())
@@ -91,6 +101,9 @@ pub fn cuda_world(devices: Option<usize>) -> Result<World> {
     let devices: Vec<Arc<CudaDevice>> = (0..n)
         .map(|i| CudaDevice::new(i, health.clone()).map(Arc::new))
         .collect::<Result<_>>()?;
+    if n > 1 {
+        enable_peer_access(&devices)?;
+    }
     let comms = CudaComms {
         devices: devices.clone(),
         nccl: Mutex::new(None),

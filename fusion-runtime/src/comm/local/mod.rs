@@ -23,7 +23,7 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use fusion_core::hir::Communication;
+use fusion_core::hir::{CommBackend, Communication};
 
 pub use fabric::LocalFabric;
 
@@ -182,7 +182,13 @@ impl Communicator for LocalCommunicator {
         output.write_f32(&data).map_err(|e| fail(e.to_string()))
     }
 
-    fn send(&self, _stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()> {
+    fn send(
+        &self,
+        _stream: StreamHandle,
+        peer: usize,
+        buf: &Tensor,
+        _backend: CommBackend,
+    ) -> Result<()> {
         self.check_peer(peer, "send")?;
         let data = buf
             .to_f32_vec()
@@ -194,7 +200,13 @@ impl Communicator for LocalCommunicator {
         self.fabric.post(self.rank, peer, block)
     }
 
-    fn recv(&self, _stream: StreamHandle, peer: usize, buf: &Tensor) -> Result<()> {
+    fn recv(
+        &self,
+        _stream: StreamHandle,
+        peer: usize,
+        buf: &Tensor,
+        _backend: CommBackend,
+    ) -> Result<()> {
         self.check_peer(peer, "recv")?;
         let mut group = self.group.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(pending) = group.as_mut() {

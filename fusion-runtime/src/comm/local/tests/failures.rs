@@ -1,5 +1,6 @@
 //! Failures, timeouts and mismatches end every wait with an error, never a hang.
 
+use fusion_core::hir::CommBackend;
 use std::time::{Duration, Instant};
 
 use fusion_core::hir::{Communication, CommunicationKind as K};
@@ -33,10 +34,10 @@ fn a_failed_rank_releases_every_waiter_quickly() {
             let y = Tensor::zeros(&[2], DType::F32);
             let first = cm.collective(0, &c, Some(&Tensor::zeros(&[1, 2], DType::F32)), Some(&y));
             // Later waits fail at once too.
-            let later = cm.recv(0, 2, &y);
+            let later = cm.recv(0, 2, &y, CommBackend::Nccl);
             vec![first, later]
         }
-        _ => vec![cm.recv(0, 0, &Tensor::zeros(&[2], DType::F32))],
+        _ => vec![cm.recv(0, 0, &Tensor::zeros(&[2], DType::F32), CommBackend::Nccl)],
     });
     assert!(
         start.elapsed() < Duration::from_secs(5),
@@ -67,7 +68,7 @@ fn a_missing_rank_times_out() {
         let y = Tensor::zeros(&[2], DType::F32);
         vec![
             cm.collective(0, &c, Some(&Tensor::zeros(&[1, 2], DType::F32)), Some(&y)),
-            cm.recv(0, 1, &y),
+            cm.recv(0, 1, &y, CommBackend::Nccl),
         ]
     });
     let elapsed = start.elapsed();
@@ -201,5 +202,7 @@ fn a_rank_outside_the_team_or_world_is_refused() {
     assert!(outs[2]);
     let fabric = crate::comm::local::LocalFabric::new(2, SHORT);
     let stray = fabric.communicator(5);
-    assert!(stray.send(0, 0, &Tensor::zeros(&[1], DType::F32)).is_err());
+    assert!(stray
+        .send(0, 0, &Tensor::zeros(&[1], DType::F32), CommBackend::Nccl)
+        .is_err());
 }

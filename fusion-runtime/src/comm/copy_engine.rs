@@ -1,0 +1,360 @@
+//! Copy-engine transfers between the GPUs of this process: peer-to-peer memcpys, which run
+//! on the copy engines and leave every SM to the GEMMs.
+//!
+//! A transfer is matched by (source, destination, sequence number per pair, counted in
+//! program order on both sides) in a registry shared by the ranks of one `World::run`.
+//! One side *posts* its buffer (device address + an event after which it is ready), the
+//! other *performs* the copy on its own stream after waiting for that event, then posts a
+//! *done* event, which the poster's stream waits for before it reuses the buffer. In pull
+//! mode the sender posts and the receiver copies (reads over NVLink); in push mode the
+//! receiver posts and the sender copies (writes over NVLink). No host thread ever waits for
+//! device work: they wait only for each other's posts.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::Instant;
+
+use cudarc::driver::{result, sys};
+
+use crate::backend::cuda::{CudaDevice, WorldHealth};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Which side of a transfer moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyMode {
+    /// The receiver copies from the sender's buffer.
+    Pull,
+    /// The sender copies into the receiver's buffer.
+    Push,
+}
+
+impl CopyMode {
+    /// `FUSION_CE_MODE=push|pull` (pull by default).
+    pub fn from_env() -> CopyMode {
+        match std::env::var("FUSION_CE_MODE").as_deref() {
+            Ok("push") => CopyMode::Push,
+            _ => CopyMode::Pull,
+        }
+    }
+}
+
+/// `FUSION_CE_STREAM=serial` issues every copy of a device on one dedicated copy stream,
+/// in program order (one transfer at a time at full bandwidth); by default (`iteration`)
+/// a copy runs on the stream of the loop iteration that needs it, concurrently with others.
+fn serial_copies() -> bool {
+    std::env::var("FUSION_CE_STREAM").as_deref() == Ok("serial")
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Event(sys::CUevent);
+// SAFETY: event handles may be used from any thread; cross-device waits are allowed.
+unsafe impl Send for Event {}
+
+#[derive(Clone, Copy, Debug)]
+struct Ctx(sys::CUcontext);
+// SAFETY: context handles are process-wide.
+unsafe impl Send for Ctx {}
+unsafe impl Sync for Ctx {}
+
+#[derive(Clone, Copy, Debug)]
+struct Post {
+    ptr: u64,
+    bytes: usize,
+    ready: Event,
+}
+
+#[derive(Default)]
+struct Slot {
+    post: Option<Post>,
+    done: Option<Event>,
+}
+
+type Key = (usize, usize, u64);
+
+/// Shared by the ranks of one run: posts and done events of every transfer.
+pub(crate) struct CopyRegistry {
+    slots: Mutex<HashMap<Key, Slot>>,
+    changed: Condvar,
+    contexts: Vec<Ctx>,
+    health: Arc<WorldHealth>,
+    mode: CopyMode,
+    serial: bool,
+}
+
+impl CopyRegistry {
+    pub(crate) fn new(
+        contexts: Vec<sys::CUcontext>,
+        health: Arc<WorldHealth>,
+        mode: CopyMode,
+    ) -> Self {
+        CopyRegistry {
+            slots: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
+            contexts: contexts.into_iter().map(Ctx).collect(),
+            health,
+            mode,
+            serial: serial_copies(),
+        }
+    }
+
+    fn update(&self, key: Key, f: impl FnOnce(&mut Slot)) {
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        f(slots.entry(key).or_default());
+        self.changed.notify_all();
+    }
+
+    /// Waits (host) until `get` finds something in slot `key`.
+    fn wait_for<T>(
+        &self,
+        rank: usize,
+        key: Key,
+        what: &str,
+        get: impl Fn(&mut Slot) -> Option<T>,
+    ) -> Result<T> {
+        let start = Instant::now();
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if let Some(v) = get(slots.entry(key).or_default()) {
+                return Ok(v);
+            }
+            self.health.check(rank)?;
+            let waited = start.elapsed();
+            let limit = self.health.timeout();
+            if waited > limit {
+                return Err(Error::Timeout {
+                    rank,
+                    what: format!(
+                        "{what} of copy-engine transfer {} -> {} #{}",
+                        key.0, key.1, key.2
+                    ),
+                    seconds: waited.as_secs_f64(),
+                });
+            }
+            let step = (limit - waited).min(std::time::Duration::from_millis(20));
+            slots = self
+                .changed
+                .wait_timeout(slots, step)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    fn remove(&self, key: Key) {
+        self.slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key);
+    }
+}
+
+/// One transfer of a coalesced group, as this rank sees it.
+#[derive(Clone, Debug)]
+pub(crate) struct Transfer {
+    pub key: Key,
+    pub stream: crate::backend::StreamHandle,
+    pub buf: Tensor,
+    pub sending: bool,
+}
+
+/// A rank's copy-engine endpoint.
+pub(crate) struct CopyEngine {
+    rank: usize,
+    device: Arc<CudaDevice>,
+    registry: Arc<CopyRegistry>,
+    sequences: Mutex<HashMap<(usize, usize), u64>>,
+}
+
+impl CopyEngine {
+    pub(crate) fn new(rank: usize, device: Arc<CudaDevice>, registry: Arc<CopyRegistry>) -> Self {
+        CopyEngine {
+            rank,
+            device,
+            registry,
+            sequences: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn err(&self, reason: String) -> Error {
+        Error::Communication {
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    /// A transfer of `buf` with `peer` (sending when `sending`), numbered in program order.
+    pub(crate) fn transfer(
+        &self,
+        stream: crate::backend::StreamHandle,
+        peer: usize,
+        buf: &Tensor,
+        sending: bool,
+    ) -> Result<Transfer> {
+        if !buf.is_contiguous() || buf.device_ptr().is_none() {
+            return Err(self.err(format!(
+                "copy-engine transfers need contiguous device buffers, got {:?} with strides {:?}",
+                buf.shape(),
+                buf.strides()
+            )));
+        }
+        let (src, dst) = if sending {
+            (self.rank, peer)
+        } else {
+            (peer, self.rank)
+        };
+        let mut seqs = self
+            .sequences
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let seq = seqs.entry((src, dst)).or_insert(0);
+        *seq += 1;
+        Ok(Transfer {
+            key: (src, dst, *seq - 1),
+            stream,
+            buf: buf.clone(),
+            sending,
+        })
+    }
+
+    fn posts(&self, t: &Transfer) -> bool {
+        t.sending == (self.registry.mode == CopyMode::Pull)
+    }
+
+    fn new_event(&self) -> Result<Event> {
+        self.device.shared().bind()?;
+        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map(Event)
+            .map_err(|e| self.err(format!("creating a transfer event: {e:?}")))
+    }
+
+    fn record(&self, t: &Transfer) -> Result<Event> {
+        let raw = self.device.raw_stream(t.stream)?;
+        self.record_on(raw)
+    }
+
+    fn record_on(&self, raw: crate::backend::cuda::RawStream) -> Result<Event> {
+        let ev = self.new_event()?;
+        // SAFETY: an event and a stream of this device's context.
+        unsafe { result::event::record(ev.0, raw.0) }
+            .map_err(|e| self.err(format!("cuEventRecord: {e:?}")))?;
+        Ok(ev)
+    }
+
+    fn stream_wait(&self, t: &Transfer, ev: Event) -> Result<()> {
+        let raw = self.device.raw_stream(t.stream)?;
+        self.wait_on(raw, ev)
+    }
+
+    fn wait_on(&self, raw: crate::backend::cuda::RawStream, ev: Event) -> Result<()> {
+        // SAFETY: waiting on an event of any device of this process is allowed.
+        unsafe {
+            result::stream::wait_event(raw.0, ev.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                .map_err(|e| self.err(format!("cuStreamWaitEvent: {e:?}")))?;
+            let _ = result::event::destroy(ev.0);
+        }
+        Ok(())
+    }
+
+    /// Runs a group of transfers: posts first, then copies, then waits for the copies of
+    /// this rank's posted buffers.
+    pub(crate) fn run_group(&self, group: &[Transfer]) -> Result<()> {
+        for t in group.iter().filter(|t| self.posts(t)) {
+            let ready = self.record(t)?;
+            let post = Post {
+                ptr: t.buf.device_ptr().expect("checked"),
+                bytes: t.buf.nbytes(),
+                ready,
+            };
+            self.registry.update(t.key, |s| s.post = Some(post));
+        }
+        for t in group.iter().filter(|t| !self.posts(t)) {
+            let post = self
+                .registry
+                .wait_for(self.rank, t.key, "the peer's buffer", |s| s.post)?;
+            if post.bytes != t.buf.nbytes() {
+                return Err(self.err(format!(
+                    "copy-engine transfer {:?}: the peer's buffer has {} bytes, this one {}",
+                    t.key,
+                    post.bytes,
+                    t.buf.nbytes()
+                )));
+            }
+            // The copy runs on the iteration's stream, or on the dedicated copy stream
+            // after the work the iteration's stream has queued so far.
+            let own = self.device.raw_stream(t.stream)?;
+            let raw = if self.registry.serial {
+                let cs = self.device.copy_stream()?;
+                let before = self.record(t)?;
+                self.wait_on(cs, before)?;
+                cs
+            } else {
+                own
+            };
+            self.wait_on(raw, post.ready)?;
+            let mine = t.buf.device_ptr().expect("checked");
+            let (src_rank, dst_rank) = (t.key.0, t.key.1);
+            let (src, dst) = if t.sending {
+                (mine, post.ptr)
+            } else {
+                (post.ptr, mine)
+            };
+            if post.bytes > 0 {
+                // SAFETY: both ranges hold `bytes` bytes of live buffers (the poster keeps its
+                // buffer until `done`); peer access is enabled between the devices.
+                unsafe {
+                    result::memcpy_peer_async(
+                        self.registry.contexts[dst_rank].0,
+                        dst,
+                        self.registry.contexts[src_rank].0,
+                        src,
+                        post.bytes,
+                        raw.0,
+                    )
+                }
+                .map_err(|e| self.err(format!("cuMemcpyPeerAsync: {e:?}")))?;
+            }
+            let done = self.record_on(raw)?;
+            if raw != own {
+                let back = self.record_on(raw)?;
+                self.wait_on(own, back)?;
+            }
+            self.registry.update(t.key, |s| s.done = Some(done));
+        }
+        for t in group.iter().filter(|t| self.posts(t)) {
+            let done = self
+                .registry
+                .wait_for(self.rank, t.key, "the peer's copy", |s| s.done)?;
+            self.stream_wait(t, done)?;
+            self.registry.remove(t.key);
+        }
+        Ok(())
+    }
+}
+
+/// Enables peer access between every pair of the given devices (idempotent).
+pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
+    for a in devices {
+        a.shared().bind()?;
+        for b in devices {
+            if Arc::ptr_eq(a, b) {
+                continue;
+            }
+            // SAFETY: contexts of two live devices; the current context is `a`'s.
+            let r = unsafe { sys::cuCtxEnablePeerAccess(b.shared().ctx.cu_ctx(), 0) };
+            match r {
+                sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+                other => {
+                    return Err(Error::Backend {
+                        backend: "cuda",
+                        reason: format!(
+                            "enabling peer access from device {} to {}: {other:?} (copy-engine transfers need NVLink or PCIe peer access)",
+                            a.shared().ordinal,
+                            b.shared().ordinal
+                        ),
+                    })
+                }
+            }
+        }
+    }
+    Ok(())
+}
