@@ -74,7 +74,8 @@ fn recv_into_a_strided_view() {
             return None;
         }
         let base = Tensor::zeros(&[2, 3], DType::F32);
-        cm.recv(0, 0, &base.permute(&[1, 0]).unwrap()).unwrap();
+        cm.recv(0, 0, &base.permute(&[1, 0]).unwrap(), CommBackend::Nccl)
+            .unwrap();
         Some(base.permute(&[1, 0]).unwrap().to_f32_vec().unwrap())
     });
     assert_eq!(outs[1], Some(input(21, 0, &[3, 2]).to_f32_vec().unwrap()));
