@@ -1,0 +1,433 @@
+//! Overlap benchmark: AllGather+GEMM and GEMM+ReduceScatter on every device of the world,
+//! timing communication alone, GEMM alone, the sequential program and each of our
+//! lowerings (collective pipeline, NCCL P2P pipeline, copy-engine P2P pipeline in pull and
+//! push mode, copies per iteration stream or on one copy stream), in one process and run.
+//! Every variant's result is checked against the sequential result of the same run.
+//!
+//! ```sh
+//! cargo run --release --example overlap_bench -- --json out.json
+//! ```
+//!
+//! Times are medians over `--iters` calls (device events around each call, all ranks
+//! released together), the maximum over ranks; "bound" is max(NCCL collective alone, GEMM
+//! alone) measured in the same run.
+
+mod fusions;
+mod measure;
+mod report;
+
+use std::sync::Arc;
+
+use clap::Parser;
+use fusion::core::hir::CommBackend;
+use fusion::core::lower::LowerOptions;
+use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
+
+use measure::{device_ms, host_us, random};
+use report::Row;
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Devices (default: every GPU, else 4 simulated devices).
+    #[arg(long)]
+    devices: Option<usize>,
+    /// Shapes as M,K,N separated by `;`.
+    #[arg(long, default_value = "16384,8192,2048;8192,8192,8192;16384,8192,8192")]
+    shapes: String,
+    /// `ag`, `rs` or both.
+    #[arg(long, default_value = "ag,rs")]
+    ops: String,
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Chunk counts of the collective pipelines.
+    #[arg(long, default_value = "2,4,8")]
+    chunks: String,
+    /// Stream counts.
+    #[arg(long, default_value = "2,4")]
+    streams: String,
+    /// Copy-engine transports to try, as mode/stream (`pull`|`push` / `iteration`|`serial`).
+    #[arg(
+        long,
+        default_value = "pull/iteration,push/iteration,pull/serial,push/serial"
+    )]
+    transports: String,
+    /// Write every measurement as JSON lines here.
+    #[arg(long)]
+    json: Option<String>,
+    /// Small shapes for a quick run on simulated devices.
+    #[arg(long)]
+    quick: bool,
+}
+
+fn list(s: &str) -> Vec<usize> {
+    s.split(',').filter_map(|x| x.trim().parse().ok()).collect()
+}
+
+/// What one rank measured for one variant.
+#[derive(Clone, Debug, Default)]
+struct Sample {
+    ms: f64,
+    relerr: f64,
+    peak_bytes: usize,
+    nodes: usize,
+}
+
+type Samples = Vec<(String, Sample)>;
+
+fn opts(
+    streams: usize,
+    backend: CommBackend,
+    stream_lowering: bool,
+    stream_buffers: bool,
+) -> ExecOptions {
+    let mut lower = LowerOptions {
+        p2p_backend: backend,
+        stream_buffers,
+        ..LowerOptions::default()
+    };
+    if !stream_lowering {
+        lower = lower.without_pass("StreamParallelType");
+    }
+    ExecOptions {
+        number_of_streams: streams,
+        lower,
+        trace: false,
+    }
+}
+
+/// Relative Frobenius error of `x` against `y` (same shape, up to 4-D) on the device.
+fn rel_error(rank: &Rank, exec: &FusionExecutor, x: &Tensor, y: &Tensor) -> Result<f64> {
+    let four = |t: &Tensor| -> Result<Tensor> {
+        let mut t = t.clone();
+        while t.rank() < 4 {
+            t = t.unsqueeze(0)?;
+        }
+        Ok(t)
+    };
+    let (x, y) = (four(x)?, four(y)?);
+    let out = exec.run(rank, &[&x, &y])?;
+    let num = rank.to_host(&out[0])?.to_f32_vec()?[0] as f64;
+    let den = rank.to_host(&out[1])?.to_f32_vec()?[0] as f64;
+    Ok(if den > 0.0 {
+        (num / den).sqrt()
+    } else {
+        num.sqrt()
+    })
+}
+
+/// Times `exec` on `inputs`, checks its output (viewed by `as_ref`) against `reference`.
+#[allow(clippy::too_many_arguments)]
+fn variant(
+    rank: &Rank,
+    a: &Args,
+    exec: &FusionExecutor,
+    inputs: &[&Tensor],
+    o: &ExecOptions,
+    check: Option<(&FusionExecutor, &Tensor, &dyn Fn(&Tensor) -> Result<Tensor>)>,
+) -> Result<(Sample, Tensor)> {
+    let ms = device_ms(rank, a.iters, a.warmup, || {
+        exec.run_with(rank, inputs, None, o).map(|_| ())
+    })?;
+    let report = exec.run_with(rank, inputs, None, o)?;
+    let out = report.outputs[0].clone();
+    let relerr = match check {
+        Some((err_exec, reference, view)) => rel_error(rank, err_exec, &view(&out)?, reference)?,
+        None => 0.0,
+    };
+    Ok((
+        Sample {
+            ms,
+            relerr,
+            peak_bytes: report.stats.peak_live_bytes,
+            nodes: report.stats.nodes_executed,
+        },
+        out,
+    ))
+}
+
+struct Execs {
+    allgather: FusionExecutor,
+    gemm: FusionExecutor,
+    ag_p2p: FusionExecutor,
+    ag_coll: FusionExecutor,
+    reduce_scatter: FusionExecutor,
+    rs_p2p: FusionExecutor,
+    rs_coll: FusionExecutor,
+    err: FusionExecutor,
+}
+
+/// AG+GEMM variants on one rank. `transport` is `None` for the NCCL and baseline group.
+fn run_ag(
+    rank: &Rank,
+    a: &Args,
+    e: &Execs,
+    host: &[Tensor; 2],
+    shape: (usize, usize, usize),
+    transport: Option<&str>,
+) -> Result<Samples> {
+    let d = rank.world_size();
+    let (m, _k, n) = shape;
+    let _ = &n;
+    let r = rank.index();
+    let a_local = rank.to_device(&host[0].shard(0, r, d)?)?; // [1, m/d, k]
+    let b = rank.to_device(&host[1])?; // [k, n]
+    let mut out: Samples = Vec::new();
+    let nccl_seq = opts(d, CommBackend::Nccl, false, true);
+    let (_, seq) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &nccl_seq, None)?;
+    let same = |t: &Tensor| Ok(t.clone());
+    let check = Some((&e.err, &seq, &same as &dyn Fn(&Tensor) -> Result<Tensor>));
+    if let Some(t) = transport {
+        let o = opts(d, CommBackend::CopyEngine, true, true);
+        let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
+        out.push((format!("p2p_ce_{}_n{d}", t.replace('/', "_")), s));
+        return Ok(out);
+    }
+    let (s, gathered) = variant(rank, a, &e.allgather, &[&a_local], &nccl_seq, None)?;
+    out.push(("comm_alone".into(), s));
+    // One [m, k] @ [k, n] GEMM (the bound's GEMM), on the gathered rows.
+    let full = gathered.reshape(&[1, m, gathered.shape()[2]])?;
+    let (s, _) = variant(rank, a, &e.gemm, &[&full, &b], &nccl_seq, None)?;
+    out.push(("gemm_alone".into(), s));
+    let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &nccl_seq, check)?;
+    out.push(("sequential".into(), s));
+    for &ns in &list(&a.streams) {
+        for &c in &list(&a.chunks) {
+            if (m / d) % c != 0 {
+                continue;
+            }
+            // Chunk c of this rank's rows: [c, 1, m/(d c), k] (a view).
+            let chunked = a_local.squeeze(0)?.split_axis(0, c)?.unsqueeze(1)?;
+            // Output [c, d, m/(d c), n] viewed in the sequential order [d, c, m/(d c), n].
+            let seq_c = seq.reshape(&[d, c, m / (d * c), n])?;
+            let to_seq = |t: &Tensor| -> Result<Tensor> { Ok(t.permute(&[1, 0, 2, 3])?) };
+            let check_c = Some((
+                &e.err,
+                &seq_c,
+                &to_seq as &dyn Fn(&Tensor) -> Result<Tensor>,
+            ));
+            for buffers in [true, false] {
+                if !buffers && !(c == 8 && ns == 2) {
+                    continue;
+                }
+                let o = opts(ns, CommBackend::Nccl, true, buffers);
+                let (s, _) = variant(rank, a, &e.ag_coll, &[&chunked, &b], &o, check_c)?;
+                let tag = if buffers { "" } else { "_fullbuf" };
+                out.push((format!("collective_s{c}_n{ns}{tag}"), s));
+            }
+        }
+    }
+    for ns in [2, d] {
+        let o = opts(ns, CommBackend::Nccl, true, true);
+        let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
+        out.push((format!("p2p_nccl_n{ns}"), s));
+        if ns == d {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// GEMM+RS variants on one rank.
+fn run_rs(
+    rank: &Rank,
+    a: &Args,
+    e: &Execs,
+    host: &[Tensor; 2],
+    shape: (usize, usize, usize),
+    transport: Option<&str>,
+) -> Result<Samples> {
+    let d = rank.world_size();
+    let (m, k, n) = shape;
+    let r = rank.index();
+    // A: this rank's [m, k/d] columns as [1, d, m/d, k/d]; B: its [k/d, n] rows as [1, k/d, n].
+    let a_local = rank.to_device(&host[0].shard(0, r, d)?)?;
+    let a4 = a_local.squeeze(0)?.split_axis(0, d)?.unsqueeze(0)?;
+    let b_local = rank.to_device(&host[1].shard(0, r, d)?)?;
+    let mut out: Samples = Vec::new();
+    let seq_o = opts(d, CommBackend::Nccl, false, true);
+    let (_, seq) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &seq_o, None)?;
+    let same = |t: &Tensor| Ok(t.clone());
+    let check = Some((&e.err, &seq, &same as &dyn Fn(&Tensor) -> Result<Tensor>));
+    if let Some(t) = transport {
+        let o = opts(d, CommBackend::CopyEngine, true, true);
+        let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
+        out.push((format!("p2p_ce_{}_n{d}", t.replace('/', "_")), s));
+        return Ok(out);
+    }
+    // One [m, k/d] @ [k/d, n] GEMM, then its result reduce-scattered.
+    let (s, partial) = variant(
+        rank,
+        a,
+        &e.gemm,
+        &[&a_local, &b_local.squeeze(0)?],
+        &seq_o,
+        None,
+    )?;
+    out.push(("gemm_alone".into(), s));
+    let partial = partial.reshape(&[1, d, m / d, n])?;
+    let (s, _) = variant(rank, a, &e.reduce_scatter, &[&partial], &seq_o, None)?;
+    out.push(("comm_alone".into(), s));
+    let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &seq_o, check)?;
+    out.push(("sequential".into(), s));
+    for &c in &list(&a.chunks) {
+        if (m / d) % c != 0 {
+            continue;
+        }
+        // Rows j*(m/d) + s*(m/(d c)) + i as [1, c, d, m/(d c), k/d]: each chunk's result
+        // rows are then a block of the sequential result.
+        let chunked = a_local
+            .squeeze(0)?
+            .split_axis(0, d)?
+            .split_axis(1, c)?
+            .permute(&[1, 0, 2, 3])?
+            .unsqueeze(0)?;
+        let mc = m / (d * c);
+        let to_seq = move |t: &Tensor| -> Result<Tensor> {
+            // [c, 1, m/(d c), n] -> [1, m/d, n] (chunks are consecutive row blocks).
+            Ok(t.reshape(&[1, c * mc, n])?)
+        };
+        let check_c = Some((&e.err, &seq, &to_seq as &dyn Fn(&Tensor) -> Result<Tensor>));
+        let o = opts(2, CommBackend::Nccl, true, true);
+        let (s, _) = variant(rank, a, &e.rs_coll, &[&chunked, &b_local], &o, check_c)?;
+        out.push((format!("collective_s{c}_n2"), s));
+    }
+    let o = opts(d, CommBackend::Nccl, true, true);
+    let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
+    out.push((format!("p2p_nccl_n{d}"), s));
+    let _ = k;
+    Ok(out)
+}
+
+/// Host cost of a tiny AllGather+GEMM P2P pipeline: per call and per host-IR node.
+fn host_overhead(world: &World, dt: DType) -> Result<(f64, usize)> {
+    let exec = FusionExecutor::new(fusions::ag_matmul_p2p(dt)?);
+    let d = world.size();
+    let host_a = random(&[d, 8, 8], dt, 99)?;
+    let host_b = random(&[8, 8], dt, 98)?;
+    let per_rank = world.run(|rank| {
+        let a = rank.shard(&host_a, 0)?;
+        let b = rank.to_device(&host_b)?;
+        let o = ExecOptions::default();
+        let us = host_us(rank, 200, || {
+            exec.run_with(rank, &[&a, &b], None, &o).map(|_| ())
+        })?;
+        let nodes = exec
+            .run_with(rank, &[&a, &b], None, &o)?
+            .stats
+            .nodes_executed;
+        rank.synchronize()?;
+        Ok((us, nodes))
+    })?;
+    Ok(per_rank
+        .into_iter()
+        .fold((0.0, 0), |acc, x| (acc.0.max(x.0), x.1)))
+}
+
+fn main() -> Result<()> {
+    let mut a = Args::parse();
+    if a.quick {
+        a.shapes = "64,32,16;32,32,32".into();
+        a.iters = 3;
+        a.warmup = 1;
+    }
+    let dt = DType::from_name(&a.dtype)
+        .ok_or_else(|| fusion::Error::World(format!("unknown dtype {}", a.dtype)))?;
+    let world = World::auto(a.devices)?;
+    let d = world.size();
+    println!(
+        "overlap_bench: backend {} devices {d} dtype {dt}",
+        world.backend().name()
+    );
+    let execs = Execs {
+        allgather: FusionExecutor::new(fusions::allgather(dt)?),
+        gemm: FusionExecutor::new(fusions::gemm(dt)?),
+        ag_p2p: FusionExecutor::new(fusions::ag_matmul_p2p(dt)?),
+        ag_coll: FusionExecutor::new(fusions::ag_matmul_collective(dt)?),
+        reduce_scatter: FusionExecutor::new(fusions::reduce_scatter(dt)?),
+        rs_p2p: FusionExecutor::new(fusions::matmul_rs_p2p(dt)?),
+        rs_coll: FusionExecutor::new(fusions::matmul_rs_collective(dt)?),
+        err: FusionExecutor::new(fusions::squared_error(dt)?),
+    };
+    let mut rows: Vec<Row> = Vec::new();
+    let transports: Vec<String> = a
+        .transports
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    for shape_s in a.shapes.split(';') {
+        let v = list(shape_s);
+        let (m, k, n) = (v[0], v[1], v[2]);
+        for op in a.ops.split(',') {
+            let host: Arc<[Tensor; 2]> = Arc::new(match op {
+                "ag" => [random(&[d, m / d, k], dt, 1)?, random(&[k, n], dt, 2)?],
+                "rs" => [
+                    random(&[d, m, k / d], dt, 3)?,
+                    random(&[d, k / d, n], dt, 4)?,
+                ],
+                other => return Err(fusion::Error::World(format!("unknown op {other}"))),
+            });
+            let groups: Vec<Option<String>> = std::iter::once(None)
+                .chain(transports.iter().cloned().map(Some))
+                .collect();
+            for g in groups {
+                if let Some(t) = &g {
+                    let (mode, stream) = t.split_once('/').unwrap_or((t.as_str(), "iteration"));
+                    // Read by the copy-engine transport when the run starts (no rank thread
+                    // is alive here).
+                    std::env::set_var("FUSION_CE_MODE", mode);
+                    std::env::set_var("FUSION_CE_STREAM", stream);
+                }
+                let per_rank = world.run(|rank| match op {
+                    "ag" => run_ag(rank, &a, &execs, &host, (m, k, n), g.as_deref()),
+                    _ => run_rs(rank, &a, &execs, &host, (m, k, n), g.as_deref()),
+                })?;
+                for (i, (name, _)) in per_rank[0].iter().enumerate() {
+                    let samples: Vec<&Sample> = per_rank.iter().map(|r| &r[i].1).collect();
+                    rows.push(Row {
+                        op: if op == "ag" { "AG+GEMM" } else { "GEMM+RS" }.into(),
+                        m,
+                        k,
+                        n,
+                        devices: d,
+                        dtype: dt.name().into(),
+                        variant: name.clone(),
+                        ms: samples.iter().map(|s| s.ms).fold(0.0, f64::max),
+                        rank_ms: samples.iter().map(|s| s.ms).collect(),
+                        relerr: samples.iter().map(|s| s.relerr).fold(0.0, f64::max),
+                        peak_bytes: samples[0].peak_bytes,
+                        nodes: samples[0].nodes,
+                    });
+                    let r = rows.last().expect("pushed");
+                    println!(
+                        "{:8} {m:>6} {k:>6} {n:>6} {:<28} {:8.3} ms  relerr {:.2e}",
+                        r.op, r.variant, r.ms, r.relerr
+                    );
+                }
+            }
+            std::env::remove_var("FUSION_CE_MODE");
+            std::env::remove_var("FUSION_CE_STREAM");
+        }
+    }
+    let (us, nodes) = host_overhead(&world, dt)?;
+    println!("host overhead: tiny AG+GEMM P2P pipeline {us:.1} us per call, {nodes} host-IR nodes, {:.2} us per node", us / nodes as f64);
+    if let Some(path) = &a.json {
+        let mut text = String::new();
+        for r in &rows {
+            text.push_str(&r.json());
+            text.push('\n');
+        }
+        text.push_str(&format!(
+            "{{\"case\": \"host_overhead\", \"devices\": {d}, \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"us_per_node\": {:.4}}}\n",
+            us / nodes as f64
+        ));
+        std::fs::write(path, text)
+            .map_err(|e| fusion::Error::World(format!("writing {path}: {e}")))?;
+    }
+    report::print_table(&rows);
+    Ok(())
+}
