@@ -4,10 +4,11 @@
 
 mod common;
 
+use common::cases::{self, axes, single_set_op};
 use common::*;
-use fusion::core::builder::{Axis, FusionBuilder};
+use fusion::core::builder::FusionBuilder;
 use fusion::core::hir::NodeKind::{self, *};
-use fusion::core::ir::{DeviceMesh, Fusion, ParallelType};
+use fusion::core::ir::ParallelType;
 use fusion::{DType, ExecOptions, Tensor};
 
 const F32: DType = DType::F32;
@@ -21,31 +22,11 @@ fn seed(d: usize, salt: u64) -> u64 {
     d as u64 * 1000 + salt
 }
 
-/// A `[d @ DIDx, ...]` axis list helper: the mesh symbol first.
-fn axes(b: &mut FusionBuilder, spec: &[(&str, ParallelType)]) -> Vec<Axis> {
-    spec.iter()
-        .map(|&(s, p)| Axis {
-            extent: b.symbol(s),
-            parallel: p,
-        })
-        .collect()
-}
-
-use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
+use ParallelType::Serial as S;
 
 const SYNC_LOOP_TOP: [NodeKind; 4] = [Allocate, GetCurrentStream, ForLoop, ForLoop];
 
 // ---------------------------------------------------------------- single-device stream lowering
-
-fn single_set_op() -> Fusion {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    b.parallelize(t1, 0, St).unwrap();
-    b.output(t1).unwrap();
-    b.build().unwrap()
-}
 
 #[test]
 fn single_set_op_case() {
@@ -82,15 +63,7 @@ fn single_set_op_case() {
 
 #[test]
 fn two_set_ops_merge_loops() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    b.parallelize(t1, 0, St).unwrap();
-    let t2 = b.set(t1).unwrap();
-    b.parallelize(t2, 0, St).unwrap();
-    b.output(t2).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::two_set_ops();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[4, 6], F32, seed(d, 2));
         let r = run(
@@ -130,16 +103,7 @@ fn two_set_ops_merge_loops() {
 
 #[test]
 fn three_set_ops_with_disjoint_for_loops() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    b.parallelize(t1, 0, St).unwrap();
-    let t2 = b.set(t1).unwrap();
-    let t3 = b.set(t2).unwrap();
-    b.parallelize(t3, 0, St).unwrap();
-    b.output(t3).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::three_set_ops_with_disjoint_for_loops();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[3, 7], F32, seed(d, 3));
         let r = run(
@@ -176,14 +140,7 @@ fn three_set_ops_with_disjoint_for_loops() {
 
 #[test]
 fn single_binary_op() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.input("t1", F32, &a).unwrap();
-    let t2 = b.add(t0, t1).unwrap();
-    b.parallelize(t2, 0, St).unwrap();
-    b.output(t2).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::single_binary_op();
     for d in DEVICE_COUNTS {
         let (x, y) = (
             Tensor::randn(&[4, 5], F32, seed(d, 4)),
@@ -216,13 +173,7 @@ fn single_binary_op() {
 
 #[test]
 fn reduction() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.sum(t0, &[1]).unwrap();
-    b.parallelize(t1, 0, St).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::reduction();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[6, 9], F32, seed(d, 6));
         let r = run(
@@ -255,15 +206,7 @@ fn reduction() {
 
 #[test]
 fn matmul_m() {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
-    let c = b.matmul(x, w).unwrap();
-    b.parallelize(c, 0, St).unwrap();
-    b.output(c).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::matmul_m();
     for d in DEVICE_COUNTS {
         let (x, y) = (
             Tensor::randn(&[5, 4], F32, seed(d, 7)),
@@ -308,14 +251,7 @@ const COLLECTIVE_BODY: [NodeKind; 8] = [
 
 #[test]
 fn stream_parallel_allgather() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("s", S), ("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    let o = axes(&mut b, &[("s", St), ("d", S), ("m", S)]);
-    let t1 = b.declare(t1, F32, &o).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::stream_parallel_allgather();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[3, d, 4], F32, seed(d, 10));
         let r = run(
@@ -335,14 +271,7 @@ fn stream_parallel_allgather() {
 
 #[test]
 fn stream_parallel_allreduce() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("s", S), ("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.sum(t0, &[1]).unwrap();
-    let o = axes(&mut b, &[("s", St), ("m", S)]);
-    let t1 = b.declare(t1, F32, &o).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::stream_parallel_allreduce();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[3, d, 5], F32, seed(d, 11));
         let r = run(
@@ -367,14 +296,7 @@ fn stream_parallel_allreduce() {
 
 #[test]
 fn stream_parallel_reduce_scatter() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("s", S), ("d", Dx), ("d", S), ("m", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.sum(t0, &[1]).unwrap();
-    let o = axes(&mut b, &[("s", St), ("d", Dx), ("m", S)]);
-    let t1 = b.declare(t1, F32, &o).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::stream_parallel_reduce_scatter();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[2, d, d, 3], F32, seed(d, 12));
         let r = run(
@@ -397,22 +319,9 @@ fn stream_parallel_reduce_scatter() {
     }
 }
 
-fn ag_matmul() -> Fusion {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
-    let c = b.matmul(x, w).unwrap();
-    let o = axes(&mut b, &[("s", St), ("d", S), ("m", S), ("n", S)]);
-    let c = b.declare(c, F32, &o).unwrap();
-    b.output(c).unwrap();
-    b.build().unwrap()
-}
-
 #[test]
 fn ag_matmul_collective_pipeline() {
-    let f = ag_matmul();
+    let f = cases::ag_matmul();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[2, d, 3, 8], F32, seed(d, 13));
         let y = Tensor::randn(&[8, 5], F32, seed(d, 14));
@@ -461,19 +370,7 @@ fn ag_matmul_collective_pipeline() {
 
 #[test]
 fn matmul_ar() {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
-    let p = b.matmul(x, w).unwrap();
-    let po = axes(&mut b, &[("s", St), ("d", Dx), ("m", S), ("n", S)]);
-    let p = b.declare(p, F32, &po).unwrap();
-    let r = b.sum(p, &[1]).unwrap();
-    let ro = axes(&mut b, &[("s", St), ("m", S), ("n", S)]);
-    let r = b.declare(r, F32, &ro).unwrap();
-    b.output(r).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::matmul_ar();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[3, d, 2, 4], F32, seed(d, 15));
         let y = Tensor::randn(&[d, 4, 5], F32, seed(d, 16));
@@ -521,23 +418,7 @@ fn matmul_ar() {
 
 #[test]
 fn matmul_rs_through_broadcast() {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("d", Dx), ("s", S), ("d", S), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
-    let wb = b.broadcast(w, &[false, true, true, false, false]).unwrap();
-    let p = b.matmul(x, wb).unwrap();
-    let po = axes(
-        &mut b,
-        &[("d", Dx), ("s", St), ("d", S), ("m", S), ("n", S)],
-    );
-    let p = b.declare(p, F32, &po).unwrap();
-    let r = b.sum(p, &[0]).unwrap();
-    let ro = axes(&mut b, &[("s", St), ("d", Dx), ("m", S), ("n", S)]);
-    let r = b.declare(r, F32, &ro).unwrap();
-    b.output(r).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::matmul_rs_through_broadcast();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[d, 2, d, 3, 4], F32, seed(d, 17));
         let y = Tensor::randn(&[d, 4, 5], F32, seed(d, 18));
@@ -586,18 +467,7 @@ fn matmul_rs_through_broadcast() {
 
 #[test]
 fn ag_linear_with_bias() {
-    let mut b = FusionBuilder::new();
-    let tx = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
-    let tw = axes(&mut b, &[("n", S), ("k", S)]);
-    let tbias = axes(&mut b, &[("n", S)]);
-    let x = b.input("x", F32, &tx).unwrap();
-    let w = b.input("w", F32, &tw).unwrap();
-    let bias = b.input("bias", F32, &tbias).unwrap();
-    let y = b.linear(x, w, Some(bias)).unwrap();
-    let o = axes(&mut b, &[("s", St), ("d", S), ("m", S), ("n", S)]);
-    let y = b.declare(y, F32, &o).unwrap();
-    b.output(y).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::ag_linear_with_bias();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[2, d, 3, 6], F32, seed(d, 19));
         let w = Tensor::randn(&[4, 6], F32, seed(d, 20));
@@ -641,14 +511,7 @@ fn ag_linear_with_bias() {
 
 #[test]
 fn allgather_p2p() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", F32, &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    let o = axes(&mut b, &[("d", St), ("m", S)]);
-    let t1 = b.declare(t1, F32, &o).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::allgather_p2p();
     for d in DEVICE_COUNTS {
         let x = Tensor::randn(&[d, 6], F32, seed(d, 22));
         let r = run(
@@ -680,23 +543,10 @@ fn allgather_p2p() {
     }
 }
 
-fn ag_matmul_p2p(dtype: DType) -> Fusion {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("d", Dx), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", dtype, &ta).unwrap();
-    let w = b.input("b", dtype, &tb).unwrap();
-    let c = b.matmul(x, w).unwrap();
-    let o = axes(&mut b, &[("d", St), ("m", S), ("n", S)]);
-    let c = b.declare(c, dtype, &o).unwrap();
-    b.output(c).unwrap();
-    b.build().unwrap()
-}
-
 #[test]
 fn ag_matmul_p2p_case() {
     for dtype in [DType::F32, DType::BF16] {
-        let f = ag_matmul_p2p(dtype);
+        let f = cases::ag_matmul_p2p(dtype);
         for d in DEVICE_COUNTS {
             let x = Tensor::randn(&[d, 4, 8], dtype, seed(d, 23));
             let y = Tensor::randn(&[8, 3], dtype, seed(d, 24));
@@ -743,7 +593,7 @@ fn ag_matmul_p2p_case() {
 
 #[test]
 fn preallocated_outputs_are_written_in_place() {
-    let f = ag_matmul_p2p(F32);
+    let f = cases::ag_matmul_p2p(F32);
     for d in DEVICE_COUNTS {
         let world = fusion::World::local(d).unwrap();
         let exec = fusion::FusionExecutor::new(f.clone());
@@ -835,16 +685,10 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
     use fusion::core::hir::CommunicationKind as K;
     for d in DEVICE_COUNTS.into_iter().filter(|&d| d > 1) {
         // Allgather
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
-        let t1 = b.set(t0).unwrap();
-        let o = axes(&mut b, &[("d", S), ("m", S)]);
-        let t1 = b.declare(t1, F32, &o).unwrap();
-        b.output(t1).unwrap();
+        let f = cases::reshard_allgather();
         let x = Tensor::randn(&[d, 5], F32, seed(d, 30));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::Replicated],
@@ -857,14 +701,10 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
         assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "Allgather");
 
         // Allreduce
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
-        let t1 = b.sum(t0, &[0]).unwrap();
-        b.output(t1).unwrap();
+        let f = cases::reshard_allreduce();
         let x = Tensor::randn(&[d, 5], F32, seed(d, 31));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::Replicated],
@@ -882,16 +722,10 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
         );
 
         // ReduceScatter
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("d", S), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
-        let t1 = b.sum(t0, &[0]).unwrap();
-        let o = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t1 = b.declare(t1, F32, &o).unwrap();
-        b.output(t1).unwrap();
+        let f = cases::reshard_reduce_scatter();
         let x = Tensor::randn(&[d, d, 3], F32, seed(d, 32));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::Sharded(0)],
@@ -909,16 +743,10 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
         );
 
         // Scatter (from device 0, the first of the input's mesh)
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", S), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
-        let t1 = b.set(t0).unwrap();
-        let o = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t1 = b.declare(t1, F32, &o).unwrap();
-        b.output(t1).unwrap();
+        let f = cases::reshard_scatter();
         let x = Tensor::randn(&[d, 4], F32, seed(d, 33));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Whole)],
             &[Take::Sharded(0)],
@@ -938,17 +766,10 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
     for d in DEVICE_COUNTS.into_iter().filter(|&d| d > 1) {
         let all: Vec<usize> = (0..d).collect();
         // Gather to device 0
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
-        let t1 = b.set(t0).unwrap();
-        let o = axes(&mut b, &[("d", S), ("m", S)]);
-        let t1 = b.declare(t1, F32, &o).unwrap();
-        b.set_mesh(t1, DeviceMesh::devices([0]));
-        b.output(t1).unwrap();
+        let f = cases::reshard_gather();
         let x = Tensor::randn(&[d, 5], F32, seed(d, 34));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::On(vec![0])],
@@ -961,17 +782,10 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
         assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "Gather");
 
         // Broadcast from the last device to all
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("m", S), ("n", S)]);
-        let t0 = b
-            .input_on("t0", F32, &a, DeviceMesh::devices([d - 1]))
-            .unwrap();
-        let t1 = b.set(t0).unwrap();
-        b.set_mesh(t1, DeviceMesh::World);
-        b.output(t1).unwrap();
+        let f = cases::reshard_broadcast(d - 1);
         let x = Tensor::randn(&[3, 4], F32, seed(d, 35));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::OnlyOn(vec![d - 1]))],
             &[Take::Replicated],
@@ -984,15 +798,10 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
         assert_close(&RefArray::from_tensor(&x), &r.outputs[0], TOL, "Broadcast");
 
         // Reduce to device 0
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", F32, &a).unwrap();
-        let t1 = b.sum(t0, &[0]).unwrap();
-        b.set_mesh(t1, DeviceMesh::devices([0]));
-        b.output(t1).unwrap();
+        let f = cases::reshard_reduce();
         let x = Tensor::randn(&[d, 6], F32, seed(d, 36));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::On(vec![0])],
@@ -1014,17 +823,10 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
         if d % 2 == 0 && d >= 4 {
             let h = d / 2;
             let (m1, m2): (Vec<usize>, Vec<usize>) = (all[..h].to_vec(), all[h..].to_vec());
-            let mut b = FusionBuilder::new();
-            let a = axes(&mut b, &[("h", Dx), ("m", S)]);
-            let t0 = b
-                .input_on("t0", F32, &a, DeviceMesh::devices(m1.clone()))
-                .unwrap();
-            let t1 = b.set(t0).unwrap();
-            b.set_mesh(t1, DeviceMesh::devices(m2.clone()));
-            b.output(t1).unwrap();
+            let f = cases::reshard_send_recv(&m1, &m2);
             let x = Tensor::randn(&[h, 5], F32, seed(d, 37));
             let r = run(
-                &b.build().unwrap(),
+                &f,
                 d,
                 &[(x.clone(), Give::ShardOn(m1, 0))],
                 &[Take::ShardedOn(m2, 0)],

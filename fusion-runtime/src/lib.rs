@@ -8,11 +8,13 @@ pub mod comm;
 mod error;
 pub mod eval;
 pub mod executor;
+mod ranked;
 pub mod tensor;
 pub mod world;
 
 pub use backend::BackendKind;
 pub use error::{Error, Result};
 pub use executor::{ExecOptions, FusionExecutor, RunReport};
+pub use ranked::{Ranked, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6};
 pub use tensor::{ShardTag, Tensor};
 pub use world::{concat, Rank, World};
