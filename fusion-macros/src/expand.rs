@@ -41,25 +41,52 @@ fn hygienic(name: &str) -> Ident {
 
 /// The expansion of a fusion that passed every check.
 pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
-    let build = build_fn(checked);
+    let mut build = build_fn(checked);
+    build.extend(options_fn(checked.avoid_fusing_broadcast));
     let asserts = static_asserts(checked);
     items(def, build, asserts, false)
+}
+
+/// `effective_options`: the caller's options, with the `FuseElementwise` pass disabled for
+/// fusions whose broadcasts the CPU evaluator cannot run fused (an engine limitation).
+fn options_fn(avoid_fusing_broadcast: bool) -> TokenStream {
+    let fr = fr();
+    let body = if avoid_fusing_broadcast {
+        quote! {
+            let mut o = ::core::clone::Clone::clone(options);
+            o.lower.disabled_passes.insert(::std::string::String::from("FuseElementwise"));
+            ::std::borrow::Cow::Owned(o)
+        }
+    } else {
+        quote!(::std::borrow::Cow::Borrowed(options))
+    };
+    quote! {
+        /// The options a call runs with: the given ones, except that a fusion whose
+        /// `broadcast` meets another pointwise op runs without the `FuseElementwise` pass
+        /// (the CPU evaluator cannot run a broadcast inside a fused segment yet).
+        pub fn effective_options(
+            options: &#fr::ExecOptions,
+        ) -> ::std::borrow::Cow<'_, #fr::ExecOptions> {
+            #body
+        }
+    }
 }
 
 /// The entry point and module of a fusion with errors: same signatures, no body.
 pub fn stub(def: &FusionDef) -> TokenStream {
     let fc = fc();
-    let build = quote! {
+    let mut build = quote! {
         pub fn build() -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
             ::core::panic!("this fusion did not compile")
         }
     };
+    build.extend(options_fn(false));
     items(def, build, TokenStream::new(), true)
 }
 
-fn rank_of(axes: usize) -> TokenStream {
-    let fr = fr();
-    quote!(#fr::Ranked<#axes>)
+/// `Ranked<N>`, spanned on the DSL type it stands for (so rustc's notes point there).
+fn rank_of(axes: usize, span: Span) -> TokenStream {
+    quote_spanned!(span=> ::fusion::__private::fusion_runtime::Ranked<#axes>)
 }
 
 fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) -> TokenStream {
@@ -79,9 +106,13 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
     let param_tys: Vec<TokenStream> = def
         .params
         .iter()
-        .map(|p| rank_of(p.ty.axes.len()))
+        .map(|p| rank_of(p.ty.axes.len(), p.ty.span.start))
         .collect();
-    let out_tys: Vec<TokenStream> = def.outputs.iter().map(|o| rank_of(o.axes.len())).collect();
+    let out_tys: Vec<TokenStream> = def
+        .outputs
+        .iter()
+        .map(|o| rank_of(o.axes.len(), o.span.start))
+        .collect();
     let n_out = out_tys.len();
     let ret = if n_out == 1 {
         out_tys[0].clone()
@@ -135,7 +166,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
         }
     });
     let program_body = body(quote! {
-        executor()?.program(#rank, &#inputs, #options)
+        executor()?.program(#rank, &#inputs, &effective_options(#options))
     });
     let run_body = body(quote! {
         let __outs = #outputs.map(|#out_pat| [#(#out_vars.as_tensor()),*]);
@@ -143,7 +174,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
             #rank,
             &#inputs,
             __outs.as_ref().map(|o| &o[..]),
-            #options,
+            &effective_options(#options),
         )
     });
     let call_body = body(quote! {
@@ -158,7 +189,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
             })?;
         ::core::result::Result::Ok(#result)
     });
-    quote! {
+    let entry = quote_spanned! {name.span()=>
         #(#attrs)*
         #[allow(clippy::too_many_arguments)]
         #vis fn #name(
@@ -167,6 +198,9 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
         ) -> #fr::Result<#ret> {
             #name::call(#rank, #(#params,)* &<#fr::ExecOptions as ::core::default::Default>::default())
         }
+    };
+    quote! {
+        #entry
 
         #(#cfgs)*
         #[doc = #mod_doc]

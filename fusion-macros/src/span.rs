@@ -90,10 +90,13 @@ impl Errors {
 
 /// The closest candidate to `name` by edit distance, when it is close enough to be a typo.
 pub fn suggest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    // One-letter names (dimension symbols, mostly) are only corrected for case: any other
+    // letter is one edit away, which says nothing.
+    let short = name.chars().count() == 1;
     let limit = (name.chars().count() / 3).max(1);
     candidates
         .into_iter()
-        .filter(|c| *c != name)
+        .filter(|c| *c != name && (!short || c.eq_ignore_ascii_case(name)))
         .map(|c| (edit_distance(name, c), c))
         .filter(|&(d, _)| d <= limit)
         .min_by_key(|&(d, _)| d)
@@ -136,6 +139,8 @@ mod tests {
         assert_eq!(suggest("matmull", ops), Some("matmul"));
         assert_eq!(suggest("sigmod", ops), Some("sigmoid"));
         assert_eq!(suggest("softmax", ops), None);
+        assert_eq!(suggest("q", ["m", "n", "k"]), None);
+        assert_eq!(suggest("M", ["m", "n", "k"]), Some("m"));
         assert_eq!(edit_distance("abc", "abc"), 0);
         assert_eq!(edit_distance("ab", "ba"), 1);
     }

@@ -48,6 +48,9 @@ pub enum Step {
 pub struct Checked {
     pub model: Model,
     pub steps: Vec<Step>,
+    /// Run with the `FuseElementwise` pass disabled (see
+    /// [`Model::broadcast_meets_pointwise`]).
+    pub avoid_fusing_broadcast: bool,
 }
 
 /// Checks one fusion; all independent errors are combined into one.
@@ -70,6 +73,7 @@ pub fn check(def: &FusionDef) -> Result<Checked, syn::Error> {
     match c.errors.combined() {
         Some(e) => Err(e),
         None => Ok(Checked {
+            avoid_fusing_broadcast: c.m.broadcast_meets_pointwise(),
             model: c.m,
             steps: c.steps,
         }),
@@ -80,7 +84,6 @@ pub fn check(def: &FusionDef) -> Result<Checked, syn::Error> {
 struct Var {
     name: String,
     value: Option<Tid>,
-    span: SpanRange,
     what: &'static str,
 }
 
@@ -152,7 +155,13 @@ impl Checker {
                 Some(ty) => {
                     let decl = self.resolve_type(ty);
                     match (value, decl) {
-                        (Some(t), Some(d)) => self.annotate(t, &d),
+                        (Some(t), Some(d)) => {
+                            // Messages about the annotation name the new binding.
+                            if self.m.tv(t).name.is_none() {
+                                self.m.tv_mut(t).name = Some(l.name.to_string());
+                            }
+                            self.annotate(t, &d)
+                        }
                         // Keep checking what follows with the declared type.
                         (None, Some(d)) => Some(self.recover(&d)),
                         (_, None) => None,
@@ -160,7 +169,7 @@ impl Checker {
                 }
             };
             if let Some(t) = value {
-                if self.m.tv(t).name.is_none() || t.0 >= before {
+                if t.0 >= before || self.m.tv(t).name.is_none() {
                     self.name(t, &l.name.to_string());
                 }
             }
@@ -263,24 +272,16 @@ impl Checker {
     fn bind(&mut self, ident: &Ident, value: Option<Tid>, what: &'static str) {
         let name = ident.to_string();
         if let Some(prev) = self.vars.iter().find(|v| v.name == name) {
-            let e = syn::Error::new(
+            self.errors.push(syn::Error::new(
                 ident.span(),
                 format!(
                     "`{name}` is already bound by {}; fusion bindings cannot be shadowed \
                      (tensors are named after them in errors and dumps), so pick another name",
                     prev.what
                 ),
-            );
-            let mut e = e;
-            e.combine(prev.span.error(format!("`{name}` is first bound here")));
-            self.errors.push(e);
+            ));
         }
-        self.vars.push(Var {
-            name,
-            value,
-            span: SpanRange::single(ident.span()),
-            what,
-        });
+        self.vars.push(Var { name, value, what });
     }
 
     /// `Tensor<dtype, [axes], mesh = ..>` with names resolved; `None` after errors.

@@ -490,8 +490,7 @@ impl Model {
         let vis = self.visible(t);
         if vis.len() != ty.axes.len() {
             return Err(ty.axes_span.error(format!(
-                "declared rank {} ({} axes), but {} has rank {}: `{}`",
-                ty.axes.len(),
+                "declared rank {}, but {} has rank {}: its type is `{}`",
                 ty.axes.len(),
                 self.what(t),
                 vis.len(),

@@ -56,14 +56,16 @@ impl Model {
         for e in &self.exprs {
             if let Op::Split { axis, .. } = e.op {
                 let vis = self.visible(e.output);
-                for p in [vis[axis], vis[axis + 1]] {
-                    let a = self.axis(e.output, p);
-                    if a.par == Par::Stream {
-                        errors.push(a.origin.unwrap_or(e.span).error(
-                            "a Stream axis must be a whole logical axis, but this one comes from \
-                             a `split`; split the input instead and stream its outer axis",
-                        ));
-                    }
+                let from_split = [vis[axis], vis[axis + 1]]
+                    .into_iter()
+                    .map(|p| self.axis(e.output, p))
+                    .find(|a| a.par == Par::Stream);
+                if let Some(a) = from_split {
+                    errors.push(a.origin.unwrap_or(e.span).error(
+                        "a Stream axis must be a whole logical axis, but this one comes from a \
+                         `split`; split the input instead and stream its outer axis",
+                    ));
+                    continue;
                 }
             }
             if e.op.is_view() {
@@ -254,5 +256,29 @@ impl Model {
             }
         }
         Ok(())
+    }
+
+    /// True when a live `broadcast` reads or feeds another pointwise op. The engine's
+    /// `FuseElementwise` pass then puts the broadcast into a fused segment, which the CPU
+    /// evaluator rejects ("not an elementwise op"), so the generated runners disable that
+    /// pass for such fusions (a workaround until core and runtime agree).
+    pub fn broadcast_meets_pointwise(&self) -> bool {
+        let live = self.live_exprs();
+        let pointwise = |op: &Op| {
+            matches!(
+                op,
+                Op::Set | Op::Unary(_) | Op::Binary(_) | Op::Cast(_) | Op::Broadcast { .. }
+            )
+        };
+        self.exprs.iter().enumerate().any(|(i, e)| {
+            live[i]
+                && matches!(e.op, Op::Broadcast { .. })
+                && self.exprs.iter().enumerate().any(|(j, other)| {
+                    live[j]
+                        && j != i
+                        && pointwise(&other.op)
+                        && (other.inputs.contains(&e.output) || e.inputs.contains(&other.output))
+                })
+        })
     }
 }
