@@ -102,6 +102,8 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
     let rank = hygienic("rank");
     let options = hygienic("options");
     let outputs = hygienic("outputs");
+    let outs_arr = hygienic("__outs");
+    let report = hygienic("__report");
     let params: Vec<&Ident> = def.params.iter().map(|p| &p.name).collect();
     let param_tys: Vec<TokenStream> = def
         .params
@@ -158,7 +160,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
         static EXECUTOR: ::std::sync::OnceLock<
             ::core::result::Result<#fr::FusionExecutor, #fc::Error>,
         > = ::std::sync::OnceLock::new();
-        match EXECUTOR.get_or_init(|| build().map(#fr::FusionExecutor::new)) {
+        match EXECUTOR.get_or_init(|| self::build().map(#fr::FusionExecutor::new)) {
             ::core::result::Result::Ok(e) => ::core::result::Result::Ok(e),
             ::core::result::Result::Err(e) => {
                 ::core::result::Result::Err(#fr::Error::Core(::core::clone::Clone::clone(e)))
@@ -166,21 +168,21 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
         }
     });
     let program_body = body(quote! {
-        executor()?.program(#rank, &#inputs, &effective_options(#options))
+        self::executor()?.program(#rank, &#inputs, &self::effective_options(#options))
     });
     let run_body = body(quote! {
-        let __outs = #outputs.map(|#out_pat| [#(#out_vars.as_tensor()),*]);
-        executor()?.run_with(
+        let #outs_arr = #outputs.map(|#out_pat| [#(#out_vars.as_tensor()),*]);
+        self::executor()?.run_with(
             #rank,
             &#inputs,
-            __outs.as_ref().map(|o| &o[..]),
-            &effective_options(#options),
+            #outs_arr.as_ref().map(|o| &o[..]),
+            &self::effective_options(#options),
         )
     });
     let call_body = body(quote! {
-        let __report = run_with(#rank, #(#params,)* ::core::option::Option::None, #options)?;
+        let #report = self::run_with(#rank, #(#params,)* ::core::option::Option::None, #options)?;
         let [#(#out_vars),*]: [#fr::Tensor; #n_out] =
-            __report.outputs.try_into().map_err(|v: ::std::vec::Vec<#fr::Tensor>| {
+            #report.outputs.try_into().map_err(|v: ::std::vec::Vec<#fr::Tensor>| {
                 #fr::Error::Arity {
                     what: ::std::format!("outputs of `{}`", #fusion_name),
                     expected: #n_out,
@@ -220,7 +222,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
 
             /// How many programs the executor has lowered so far.
             pub fn lowering_count() -> usize {
-                executor().map_or(0, |e| e.lowering_count())
+                self::executor().map_or(0, |e| e.lowering_count())
             }
 
             /// The host program for these inputs and options (lowered if needed).
