@@ -6,6 +6,32 @@
 //! that communication hides behind computation. The same program runs on simulated CPU
 //! devices, which is how everything is tested without a GPU.
 //!
+//! Fusions are written with the [`fusion!`] macro, which checks shapes and sharding at
+//! compile time and generates a typed entry point per fusion:
+//!
+//! ```
+//! use fusion::prelude::*;
+//!
+//! fusion! {
+//!     /// A row-parallel layer: each device multiplies its block of `k`; an Allreduce sums.
+//!     fn row_parallel<d, m, k, n>(
+//!         x: Tensor<f32, [d @ DIDx, m, k]>,
+//!         w: Tensor<f32, [d @ DIDx, k, n]>,
+//!     ) -> Tensor<f32, [m, n]> {
+//!         sum(matmul(x, w), 0)
+//!     }
+//! }
+//!
+//! let world = World::local(2)?;
+//! let (x, w) = (Tensor::randn(&[2, 3, 4], DType::F32, 1), Tensor::randn(&[2, 4, 5], DType::F32, 2));
+//! let outs = world.run(|rank| {
+//!     let y = row_parallel(rank, &rank.shard(&x, 0)?.try_into()?, &rank.shard(&w, 0)?.try_into()?)?;
+//!     rank.to_host(&y)
+//! })?;
+//! assert_eq!(outs[1].shape(), &[3, 5]);
+//! # Ok::<(), fusion::Error>(())
+//! ```
+//!
 //! This crate re-exports [`fusion_core`] (IR, builder, lowering, passes) and
 //! [`fusion_runtime`] (tensors, evaluator, backends, worlds); most users only need the
 //! [`prelude`].

@@ -13,9 +13,9 @@ use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::Ident;
 
+use crate::check::annotate::{Declared, Fact};
 use crate::check::dims::{DimId, DimNode};
 use crate::check::model::{Binary, DType, Mesh, Op, Par, Reduce, Tid, Unary};
-use crate::check::ops::{Declared, Fact};
 use crate::check::{Checked, Step};
 use crate::parse::{DimOp, FusionDef};
 
@@ -104,7 +104,20 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
     let outputs = hygienic("outputs");
     let outs_arr = hygienic("__outs");
     let report = hygienic("__report");
-    let params: Vec<&Ident> = def.params.iter().map(|p| &p.name).collect();
+    // A repeated parameter name is reported by the checker; the stub renames the repeats
+    // so that its signature adds no error of its own.
+    let params: Vec<Ident> = def
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if def.params[..i].iter().any(|q| q.name == p.name) {
+                format_ident!("__repeated{}", i, span = Span::mixed_site())
+            } else {
+                p.name.clone()
+            }
+        })
+        .collect();
     let param_tys: Vec<TokenStream> = def
         .params
         .iter()

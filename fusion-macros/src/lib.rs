@@ -38,7 +38,16 @@ pub fn fusion(input: TokenStream) -> TokenStream {
         Err(e) => return e.to_compile_error().into(),
     };
     let mut out = proc_macro2::TokenStream::new();
-    for def in &block.fusions {
+    for (i, def) in block.fusions.iter().enumerate() {
+        if block.fusions[..i].iter().any(|f| f.name == def.name) {
+            let msg = format!(
+                "a fusion named `{}` is already defined in this block; each fusion defines \
+                 a function and a module of its name",
+                def.name
+            );
+            out.extend(syn::Error::new(def.name.span(), msg).to_compile_error());
+            continue;
+        }
         match check::check(def) {
             Ok(checked) => out.extend(expand::expand(def, &checked)),
             Err(e) => {

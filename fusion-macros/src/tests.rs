@@ -271,3 +271,22 @@ fn expansion_calls_the_builder_in_order() {
     assert!(x.contains("pub fn f ("), "{x}");
     assert!(x.contains("pub mod f"), "{x}");
 }
+
+#[test]
+fn signature_mistakes() {
+    let e = one_error("fn f<m>(a: Tensor<f32, [m]>) -> () { a }");
+    assert!(e.contains("returns nothing"), "{e}");
+    let e =
+        errors("fn f<m, m>(a: Tensor<f32, [m]>, a: Tensor<f32, [m]>) -> Tensor<f32, [m]> { a }");
+    assert!(e[0].contains("dimension `m` is declared twice"), "{e:?}");
+    assert!(
+        e[1].contains("`a` is already bound by a parameter"),
+        "{e:?}"
+    );
+    let stub = crate::expand::stub(
+        &block("fn f<m>(a: Tensor<f32, [m]>, a: Tensor<f32, [m]>) -> Tensor<f32, [m]> { a }")
+            .fusions[0],
+    )
+    .to_string();
+    assert!(stub.contains("__repeated1"), "{stub}");
+}

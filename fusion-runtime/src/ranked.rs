@@ -45,7 +45,8 @@ impl<const R: usize> Ranked<R> {
     }
 
     /// A zero-element stand-in of rank `R`, passed for an input that lives on a sub-mesh
-    /// this rank is not part of (the fusion does not read it there).
+    /// this rank is not part of (the fusion does not read it there). For `R = 0` it is a
+    /// single zero, as a rank-0 tensor always holds one element.
     pub fn placeholder(dtype: DType) -> Self {
         Ranked(Tensor::zeros(&[0; R], dtype))
     }

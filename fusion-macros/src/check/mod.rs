@@ -4,6 +4,7 @@
 //! Errors are collected, not returned at the first: a failing expression yields no tensor
 //! and everything depending on it stays quiet, so independent mistakes are all reported.
 
+pub mod annotate;
 mod body;
 pub mod dims;
 pub mod model;
@@ -16,9 +17,9 @@ use syn::Ident;
 
 use crate::parse::{Dim, FusionDef, TensorType};
 use crate::span::{suggest, Errors, SpanRange};
+use annotate::Declared;
 use dims::DimId;
 use model::{DType, Mesh, Model, Op, Par, Tid};
-use ops::Declared;
 
 /// One builder call of the generated `build()`.
 #[derive(Clone, Debug)]
@@ -100,6 +101,15 @@ struct Checker {
 
 impl Checker {
     fn run(&mut self, def: &FusionDef) {
+        if def.outputs.is_empty() {
+            self.errors.push(syn::Error::new(
+                def.name.span(),
+                format!(
+                    "fusion `{}` returns nothing; a fusion returns at least one tensor",
+                    def.name
+                ),
+            ));
+        }
         for d in &def.dims {
             let name = d.to_string();
             if self.dims.contains_key(&name) {
@@ -187,6 +197,9 @@ impl Checker {
         let values: Vec<Option<Tid>> = elems.iter().map(|e| self.eval(e)).collect();
         let decls: Vec<Option<Declared>> =
             def.outputs.iter().map(|ty| self.resolve_type(ty)).collect();
+        if decls.is_empty() {
+            return; // reported: a fusion returns at least one tensor
+        }
         if values.len() != decls.len() {
             self.errors.push(SpanRange::of(tail).error(format!(
                 "this returns {} tensor(s), but the return type of `{}` declares {}",

@@ -1,8 +1,8 @@
 //! The checker's picture of a fusion: tensors with axes, meshes and expressions, laid out
 //! like `fusion_core`'s arena so the checker can apply the builder's rules one for one.
 
+use super::annotate::Fact;
 use super::dims::{DimId, Dims};
-use super::ops::Fact;
 use crate::span::SpanRange;
 
 /// Index of a tensor; also the order in which the generated code creates it.
