@@ -4,10 +4,11 @@
 
 mod common;
 
+use common::cases::{self, axes, single_set_op};
 use common::*;
-use fusion::core::builder::{Axis, FusionBuilder};
+use fusion::core::builder::FusionBuilder;
 use fusion::core::hir::NodeKind::{self, *};
-use fusion::core::ir::{DeviceMesh, Fusion, ParallelType};
+use fusion::core::ir::ParallelType;
 use fusion::{DType, ExecOptions, Tensor};
 
 fn opts() -> ExecOptions {
@@ -18,31 +19,11 @@ fn seed(d: usize, salt: u64) -> u64 {
     d as u64 * 1000 + salt
 }
 
-/// A `[d @ DIDx, ...]` axis list helper: the mesh symbol first.
-fn axes(b: &mut FusionBuilder, spec: &[(&str, ParallelType)]) -> Vec<Axis> {
-    spec.iter()
-        .map(|&(s, p)| Axis {
-            extent: b.symbol(s),
-            parallel: p,
-        })
-        .collect()
-}
-
-use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
+use ParallelType::Serial as S;
 
 const SYNC_LOOP_TOP: [NodeKind; 4] = [Allocate, GetCurrentStream, ForLoop, ForLoop];
 
 // ---------------------------------------------------------------- single-device stream lowering
-
-fn single_set_op() -> Fusion {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    b.parallelize(t1, 0, St).unwrap();
-    b.output(t1).unwrap();
-    b.build().unwrap()
-}
 
 #[test]
 fn single_set_op_case() {
@@ -79,15 +60,7 @@ fn single_set_op_case() {
 
 #[test]
 fn two_set_ops_merge_loops() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    b.parallelize(t1, 0, St).unwrap();
-    let t2 = b.set(t1).unwrap();
-    b.parallelize(t2, 0, St).unwrap();
-    b.output(t2).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::two_set_ops();
     for d in device_counts() {
         let x = Tensor::randn(&[4, 6], test_dtype(), seed(d, 2));
         let r = run(
@@ -132,16 +105,7 @@ fn two_set_ops_merge_loops() {
 
 #[test]
 fn three_set_ops_with_disjoint_for_loops() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    b.parallelize(t1, 0, St).unwrap();
-    let t2 = b.set(t1).unwrap();
-    let t3 = b.set(t2).unwrap();
-    b.parallelize(t3, 0, St).unwrap();
-    b.output(t3).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::three_set_ops_with_disjoint_for_loops();
     for d in device_counts() {
         let x = Tensor::randn(&[3, 7], test_dtype(), seed(d, 3));
         let r = run(
@@ -178,14 +142,7 @@ fn three_set_ops_with_disjoint_for_loops() {
 
 #[test]
 fn single_binary_op() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.input("t1", test_dtype(), &a).unwrap();
-    let t2 = b.add(t0, t1).unwrap();
-    b.parallelize(t2, 0, St).unwrap();
-    b.output(t2).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::single_binary_op();
     for d in device_counts() {
         let (x, y) = (
             Tensor::randn(&[4, 5], test_dtype(), seed(d, 4)),
@@ -218,13 +175,7 @@ fn single_binary_op() {
 
 #[test]
 fn reduction() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("m", S), ("n", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.sum(t0, &[1]).unwrap();
-    b.parallelize(t1, 0, St).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::reduction();
     for d in device_counts() {
         let x = Tensor::randn(&[6, 9], test_dtype(), seed(d, 6));
         let r = run(
@@ -257,15 +208,7 @@ fn reduction() {
 
 #[test]
 fn matmul_m() {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", test_dtype(), &ta).unwrap();
-    let w = b.input("b", test_dtype(), &tb).unwrap();
-    let c = b.matmul(x, w).unwrap();
-    b.parallelize(c, 0, St).unwrap();
-    b.output(c).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::matmul_m();
     for d in device_counts() {
         let (x, y) = (
             Tensor::randn(&[5, 4], test_dtype(), seed(d, 7)),
@@ -310,14 +253,7 @@ const COLLECTIVE_BODY: [NodeKind; 8] = [
 
 #[test]
 fn stream_parallel_allgather() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("s", S), ("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    let o = axes(&mut b, &[("s", St), ("d", S), ("m", S)]);
-    let t1 = b.declare(t1, test_dtype(), &o).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::stream_parallel_allgather();
     for d in device_counts() {
         let x = Tensor::randn(&[3, d, 4], test_dtype(), seed(d, 10));
         let r = run(
@@ -342,14 +278,7 @@ fn stream_parallel_allgather() {
 
 #[test]
 fn stream_parallel_allreduce() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("s", S), ("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.sum(t0, &[1]).unwrap();
-    let o = axes(&mut b, &[("s", St), ("m", S)]);
-    let t1 = b.declare(t1, test_dtype(), &o).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::stream_parallel_allreduce();
     for d in device_counts() {
         let x = Tensor::randn(&[3, d, 5], test_dtype(), seed(d, 11));
         let r = run(
@@ -374,14 +303,7 @@ fn stream_parallel_allreduce() {
 
 #[test]
 fn stream_parallel_reduce_scatter() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("s", S), ("d", Dx), ("d", S), ("m", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.sum(t0, &[1]).unwrap();
-    let o = axes(&mut b, &[("s", St), ("d", Dx), ("m", S)]);
-    let t1 = b.declare(t1, test_dtype(), &o).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::stream_parallel_reduce_scatter();
     for d in device_counts() {
         let x = Tensor::randn(&[2, d, d, 3], test_dtype(), seed(d, 12));
         let r = run(
@@ -404,22 +326,9 @@ fn stream_parallel_reduce_scatter() {
     }
 }
 
-fn ag_matmul() -> Fusion {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", test_dtype(), &ta).unwrap();
-    let w = b.input("b", test_dtype(), &tb).unwrap();
-    let c = b.matmul(x, w).unwrap();
-    let o = axes(&mut b, &[("s", St), ("d", S), ("m", S), ("n", S)]);
-    let c = b.declare(c, test_dtype(), &o).unwrap();
-    b.output(c).unwrap();
-    b.build().unwrap()
-}
-
 #[test]
 fn ag_matmul_collective_pipeline() {
-    let f = ag_matmul();
+    let f = cases::ag_matmul();
     for d in device_counts() {
         let x = Tensor::randn(&[2, d, 3, 8], test_dtype(), seed(d, 13));
         let y = Tensor::randn(&[8, 5], test_dtype(), seed(d, 14));
@@ -468,19 +377,7 @@ fn ag_matmul_collective_pipeline() {
 
 #[test]
 fn matmul_ar() {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
-    let x = b.input("a", test_dtype(), &ta).unwrap();
-    let w = b.input("b", test_dtype(), &tb).unwrap();
-    let p = b.matmul(x, w).unwrap();
-    let po = axes(&mut b, &[("s", St), ("d", Dx), ("m", S), ("n", S)]);
-    let p = b.declare(p, test_dtype(), &po).unwrap();
-    let r = b.sum(p, &[1]).unwrap();
-    let ro = axes(&mut b, &[("s", St), ("m", S), ("n", S)]);
-    let r = b.declare(r, test_dtype(), &ro).unwrap();
-    b.output(r).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::matmul_ar();
     for d in device_counts() {
         let x = Tensor::randn(&[3, d, 2, 4], test_dtype(), seed(d, 15));
         let y = Tensor::randn(&[d, 4, 5], test_dtype(), seed(d, 16));
@@ -528,23 +425,7 @@ fn matmul_ar() {
 
 #[test]
 fn matmul_rs_through_broadcast() {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("d", Dx), ("s", S), ("d", S), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
-    let x = b.input("a", test_dtype(), &ta).unwrap();
-    let w = b.input("b", test_dtype(), &tb).unwrap();
-    let wb = b.broadcast(w, &[false, true, true, false, false]).unwrap();
-    let p = b.matmul(x, wb).unwrap();
-    let po = axes(
-        &mut b,
-        &[("d", Dx), ("s", St), ("d", S), ("m", S), ("n", S)],
-    );
-    let p = b.declare(p, test_dtype(), &po).unwrap();
-    let r = b.sum(p, &[0]).unwrap();
-    let ro = axes(&mut b, &[("s", St), ("d", Dx), ("m", S), ("n", S)]);
-    let r = b.declare(r, test_dtype(), &ro).unwrap();
-    b.output(r).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::matmul_rs_through_broadcast();
     for d in device_counts() {
         let x = Tensor::randn(&[d, 2, d, 3, 4], test_dtype(), seed(d, 17));
         let y = Tensor::randn(&[d, 4, 5], test_dtype(), seed(d, 18));
@@ -598,18 +479,7 @@ fn matmul_rs_through_broadcast() {
 
 #[test]
 fn ag_linear_with_bias() {
-    let mut b = FusionBuilder::new();
-    let tx = axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
-    let tw = axes(&mut b, &[("n", S), ("k", S)]);
-    let tbias = axes(&mut b, &[("n", S)]);
-    let x = b.input("x", test_dtype(), &tx).unwrap();
-    let w = b.input("w", test_dtype(), &tw).unwrap();
-    let bias = b.input("bias", test_dtype(), &tbias).unwrap();
-    let y = b.linear(x, w, Some(bias)).unwrap();
-    let o = axes(&mut b, &[("s", St), ("d", S), ("m", S), ("n", S)]);
-    let y = b.declare(y, test_dtype(), &o).unwrap();
-    b.output(y).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::ag_linear_with_bias();
     for d in device_counts() {
         let x = Tensor::randn(&[2, d, 3, 6], test_dtype(), seed(d, 19));
         let w = Tensor::randn(&[4, 6], test_dtype(), seed(d, 20));
@@ -653,14 +523,7 @@ fn ag_linear_with_bias() {
 
 #[test]
 fn allgather_p2p() {
-    let mut b = FusionBuilder::new();
-    let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-    let t0 = b.input("t0", test_dtype(), &a).unwrap();
-    let t1 = b.set(t0).unwrap();
-    let o = axes(&mut b, &[("d", St), ("m", S)]);
-    let t1 = b.declare(t1, test_dtype(), &o).unwrap();
-    b.output(t1).unwrap();
-    let f = b.build().unwrap();
+    let f = cases::allgather_p2p();
     for d in device_counts() {
         let x = Tensor::randn(&[d, 6], test_dtype(), seed(d, 22));
         let r = run(
@@ -692,23 +555,10 @@ fn allgather_p2p() {
     }
 }
 
-fn ag_matmul_p2p(dtype: DType) -> Fusion {
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("d", Dx), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", dtype, &ta).unwrap();
-    let w = b.input("b", dtype, &tb).unwrap();
-    let c = b.matmul(x, w).unwrap();
-    let o = axes(&mut b, &[("d", St), ("m", S), ("n", S)]);
-    let c = b.declare(c, dtype, &o).unwrap();
-    b.output(c).unwrap();
-    b.build().unwrap()
-}
-
 #[test]
 fn ag_matmul_p2p_case() {
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let f = ag_matmul_p2p(dtype);
+    for dtype in [DType::F32, DType::BF16] {
+        let f = cases::ag_matmul_p2p(dtype);
         for d in device_counts() {
             let x = Tensor::randn(&[d, 4, 8], dtype, seed(d, 23));
             let y = Tensor::randn(&[8, 3], dtype, seed(d, 24));
@@ -759,7 +609,7 @@ fn ag_matmul_p2p_case() {
 
 #[test]
 fn preallocated_outputs_are_written_in_place() {
-    let f = ag_matmul_p2p(test_dtype());
+    let f = cases::ag_matmul_p2p(test_dtype());
     for d in device_counts() {
         let world = world(d);
         let exec = fusion::FusionExecutor::new(f.clone());
@@ -858,16 +708,10 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
     use fusion::core::hir::CommunicationKind as K;
     for d in device_counts().into_iter().filter(|&d| d > 1) {
         // Allgather
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", test_dtype(), &a).unwrap();
-        let t1 = b.set(t0).unwrap();
-        let o = axes(&mut b, &[("d", S), ("m", S)]);
-        let t1 = b.declare(t1, test_dtype(), &o).unwrap();
-        b.output(t1).unwrap();
+        let f = cases::reshard_allgather();
         let x = Tensor::randn(&[d, 5], test_dtype(), seed(d, 30));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::Replicated],
@@ -885,14 +729,10 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
         );
 
         // Allreduce
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", test_dtype(), &a).unwrap();
-        let t1 = b.sum(t0, &[0]).unwrap();
-        b.output(t1).unwrap();
+        let f = cases::reshard_allreduce();
         let x = Tensor::randn(&[d, 5], test_dtype(), seed(d, 31));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::Replicated],
@@ -910,16 +750,10 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
         );
 
         // ReduceScatter
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("d", S), ("m", S)]);
-        let t0 = b.input("t0", test_dtype(), &a).unwrap();
-        let t1 = b.sum(t0, &[0]).unwrap();
-        let o = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t1 = b.declare(t1, test_dtype(), &o).unwrap();
-        b.output(t1).unwrap();
+        let f = cases::reshard_reduce_scatter();
         let x = Tensor::randn(&[d, d, 3], test_dtype(), seed(d, 32));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::Sharded(0)],
@@ -937,16 +771,10 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
         );
 
         // Scatter (from device 0, the first of the input's mesh)
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", S), ("m", S)]);
-        let t0 = b.input("t0", test_dtype(), &a).unwrap();
-        let t1 = b.set(t0).unwrap();
-        let o = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t1 = b.declare(t1, test_dtype(), &o).unwrap();
-        b.output(t1).unwrap();
+        let f = cases::reshard_scatter();
         let x = Tensor::randn(&[d, 4], test_dtype(), seed(d, 33));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Whole)],
             &[Take::Sharded(0)],
@@ -971,17 +799,10 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
     for d in device_counts().into_iter().filter(|&d| d > 1) {
         let all: Vec<usize> = (0..d).collect();
         // Gather to device 0
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", test_dtype(), &a).unwrap();
-        let t1 = b.set(t0).unwrap();
-        let o = axes(&mut b, &[("d", S), ("m", S)]);
-        let t1 = b.declare(t1, test_dtype(), &o).unwrap();
-        b.set_mesh(t1, DeviceMesh::devices([0]));
-        b.output(t1).unwrap();
+        let f = cases::reshard_gather();
         let x = Tensor::randn(&[d, 5], test_dtype(), seed(d, 34));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::On(vec![0])],
@@ -999,17 +820,10 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
         );
 
         // Broadcast from the last device to all
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("m", S), ("n", S)]);
-        let t0 = b
-            .input_on("t0", test_dtype(), &a, DeviceMesh::devices([d - 1]))
-            .unwrap();
-        let t1 = b.set(t0).unwrap();
-        b.set_mesh(t1, DeviceMesh::World);
-        b.output(t1).unwrap();
+        let f = cases::reshard_broadcast(d - 1);
         let x = Tensor::randn(&[3, 4], test_dtype(), seed(d, 35));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::OnlyOn(vec![d - 1]))],
             &[Take::Replicated],
@@ -1027,15 +841,10 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
         );
 
         // Reduce to device 0
-        let mut b = FusionBuilder::new();
-        let a = axes(&mut b, &[("d", Dx), ("m", S)]);
-        let t0 = b.input("t0", test_dtype(), &a).unwrap();
-        let t1 = b.sum(t0, &[0]).unwrap();
-        b.set_mesh(t1, DeviceMesh::devices([0]));
-        b.output(t1).unwrap();
+        let f = cases::reshard_reduce();
         let x = Tensor::randn(&[d, 6], test_dtype(), seed(d, 36));
         let r = run(
-            &b.build().unwrap(),
+            &f,
             d,
             &[(x.clone(), Give::Shard(0))],
             &[Take::On(vec![0])],
@@ -1057,17 +866,10 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
         if d % 2 == 0 && d >= 4 {
             let h = d / 2;
             let (m1, m2): (Vec<usize>, Vec<usize>) = (all[..h].to_vec(), all[h..].to_vec());
-            let mut b = FusionBuilder::new();
-            let a = axes(&mut b, &[("h", Dx), ("m", S)]);
-            let t0 = b
-                .input_on("t0", test_dtype(), &a, DeviceMesh::devices(m1.clone()))
-                .unwrap();
-            let t1 = b.set(t0).unwrap();
-            b.set_mesh(t1, DeviceMesh::devices(m2.clone()));
-            b.output(t1).unwrap();
+            let f = cases::reshard_send_recv(&m1, &m2);
             let x = Tensor::randn(&[h, 5], test_dtype(), seed(d, 37));
             let r = run(
-                &b.build().unwrap(),
+                &f,
                 d,
                 &[(x.clone(), Give::ShardOn(m1, 0))],
                 &[Take::ShardedOn(m2, 0)],
@@ -1093,29 +895,9 @@ fn reshard_gather_broadcast_reduce_sendrecv() {
 
 // ---------------------------------------------------------------- P2P reduce-scatter, schedules, stream buffers
 
-/// GEMM + ReduceScatter as a P2P pipeline: each device's partial product, chunked by
-/// destination along a Stream axis, summed over the DIDx axis into a DIDx-sharded result.
-fn matmul_rs_p2p() -> Fusion {
-    let dt = test_dtype();
-    let mut b = FusionBuilder::new();
-    let ta = axes(&mut b, &[("d", Dx), ("d", S), ("m", S), ("k", S)]);
-    let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
-    let x = b.input("a", dt, &ta).unwrap();
-    let w = b.input("b", dt, &tb).unwrap();
-    let wb = b.broadcast(w, &[false, true, false, false]).unwrap();
-    let p = b.matmul(x, wb).unwrap();
-    let po = axes(&mut b, &[("d", Dx), ("d", St), ("m", S), ("n", S)]);
-    let p = b.declare(p, dt, &po).unwrap();
-    let r = b.sum(p, &[0]).unwrap();
-    let ro = axes(&mut b, &[("d", Dx), ("m", S), ("n", S)]);
-    let r = b.declare(r, dt, &ro).unwrap();
-    b.output(r).unwrap();
-    b.build().unwrap()
-}
-
 #[test]
 fn matmul_rs_p2p_pipeline() {
-    let f = matmul_rs_p2p();
+    let f = cases::matmul_rs_p2p();
     for d in device_counts() {
         let x = Tensor::randn(&[d, d, 3, 4], test_dtype(), seed(d, 40));
         let y = Tensor::randn(&[d, 4, 5], test_dtype(), seed(d, 41));
@@ -1158,7 +940,7 @@ fn matmul_rs_p2p_pipeline() {
 
 #[test]
 fn seed_schedule_and_full_buffers_give_the_same_numbers() {
-    let f = ag_matmul_p2p(test_dtype());
+    let f = cases::ag_matmul_p2p(test_dtype());
     let seed_opts = ExecOptions {
         lower: fusion::core::lower::LowerOptions::seed_compatible(),
         ..ExecOptions::default()
@@ -1177,7 +959,7 @@ fn seed_schedule_and_full_buffers_give_the_same_numbers() {
 
 #[test]
 fn stream_buffers_use_less_memory() {
-    let f = ag_matmul();
+    let f = cases::ag_matmul();
     let full = ExecOptions {
         number_of_streams: 2,
         lower: fusion::core::lower::LowerOptions {
@@ -1223,8 +1005,8 @@ fn copy_engine_p2p_pipelines() {
         },
         ..ExecOptions::default()
     };
-    let ag = ag_matmul_p2p(test_dtype());
-    let rs = matmul_rs_p2p();
+    let ag = cases::ag_matmul_p2p(test_dtype());
+    let rs = cases::matmul_rs_p2p();
     for d in device_counts() {
         let x = Tensor::randn(&[d, 4, 8], test_dtype(), seed(d, 46));
         let y = Tensor::randn(&[8, 3], test_dtype(), seed(d, 47));

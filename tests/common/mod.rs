@@ -2,6 +2,7 @@
 //! inputs sharded per rank, gather the outputs back, and inspect program structure.
 #![allow(dead_code)]
 
+pub mod cases;
 pub mod reference;
 
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use fusion::core::hir::{HostProgram, Node, NodeKind};
 use fusion::core::ir::Fusion;
 use fusion::runtime::eval::ExecStats;
-use fusion::{concat, DType, ExecOptions, FusionExecutor, Tensor, World};
+use fusion::{concat, DType, ExecOptions, FusionExecutor, Rank, Tensor, World};
 
 pub use reference::RefArray;
 
@@ -137,20 +138,7 @@ pub fn try_run(
     let world = world(d);
     let exec = FusionExecutor::new(fusion.clone());
     let per_rank = world.run(|rank| {
-        let r = rank.index();
-        let mut local = Vec::new();
-        for (full, give) in inputs {
-            local.push(match give {
-                Give::Whole => rank.to_device(full)?,
-                Give::Shard(a) => rank.shard(full, *a)?,
-                Give::OnlyOn(mesh) if mesh.contains(&r) => rank.to_device(full)?,
-                Give::ShardOn(mesh, a) if mesh.contains(&r) => {
-                    let i = mesh.iter().position(|&x| x == r).unwrap();
-                    rank.to_device(&full.shard(*a, i, mesh.len())?)?
-                }
-                _ => Tensor::placeholder(full.dtype()),
-            });
-        }
+        let local = distribute(rank, inputs)?;
         let refs: Vec<&Tensor> = local.iter().collect();
         let report = exec.run_with(rank, &refs, None, options)?;
         let program = exec.program(rank, &refs, options)?;
@@ -181,6 +169,25 @@ pub fn try_run(
     })
 }
 
+/// This rank's part of each full input, on its device.
+pub fn distribute(rank: &Rank, inputs: &[(Tensor, Give)]) -> fusion::Result<Vec<Tensor>> {
+    let r = rank.index();
+    let mut local = Vec::new();
+    for (full, give) in inputs {
+        local.push(match give {
+            Give::Whole => rank.to_device(full)?,
+            Give::Shard(a) => rank.shard(full, *a)?,
+            Give::OnlyOn(mesh) if mesh.contains(&r) => rank.to_device(full)?,
+            Give::ShardOn(mesh, a) if mesh.contains(&r) => {
+                let i = mesh.iter().position(|&x| x == r).unwrap();
+                rank.to_device(&full.shard(*a, i, mesh.len())?)?
+            }
+            _ => Tensor::placeholder(full.dtype()),
+        });
+    }
+    Ok(local)
+}
+
 fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
     assert_eq!(a.shape(), b.shape(), "{what}: shapes differ");
     assert_eq!(
@@ -190,7 +197,8 @@ fn assert_same(a: &Tensor, b: &Tensor, what: &str) {
     );
 }
 
-fn assemble(parts: &[Tensor], take: &Take) -> Tensor {
+/// Assembles one output from every rank's part.
+pub fn assemble(parts: &[Tensor], take: &Take) -> Tensor {
     match take {
         Take::Replicated => {
             for (r, p) in parts.iter().enumerate() {

@@ -1,8 +1,9 @@
 //! `FuseElementwise`: groups runs of dependent elementwise ops into one `Launch` segment.
 //!
 //! A run is a maximal sequence of consecutive pointwise compute nodes (local `set`, unary,
-//! binary, cast, broadcast) in one node list, each reading something an earlier node of
-//! the run wrote. Values used only inside the run become segment-internal: a fusing
+//! binary, cast) in one node list, each reading something an earlier node of the run
+//! wrote. Broadcasts are views (no kernel) and stay outside segments; segment inputs are
+//! broadcast to the iteration shape when the segment runs. Values used only inside the run become segment-internal: a fusing
 //! backend keeps them in registers instead of memory.
 
 use std::collections::HashSet;
@@ -10,13 +11,13 @@ use std::collections::HashSet;
 use super::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{for_each_node, for_each_node_mut, HostProgram, Node, Segment, SegmentId};
-use crate::ir::{Expr, Op, TensorId};
+use crate::ir::{Expr, TensorId};
 
 /// The fusion pass.
 pub struct FuseElementwise;
 
 fn fusible(e: &Expr) -> bool {
-    e.op.is_elementwise() || matches!(e.op, Op::Broadcast { .. })
+    e.op.is_elementwise()
 }
 
 impl Pass for FuseElementwise {

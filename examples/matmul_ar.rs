@@ -1,0 +1,121 @@
+//! Matmul + AllReduce, pipelined over stream chunks (row-parallel linear layer): each
+//! device holds one block of the contracted dimension of `a` and `b`, multiplies its
+//! blocks chunk by chunk, and the partial products are summed across devices with an
+//! Allreduce per chunk, overlapping the next chunk's matmul.
+//!
+//! ```sh
+//! cargo run --release --example matmul_ar -- --devices 4 -s 4 -m 128 -k 256 -n 256
+//! ```
+
+#[macro_use]
+#[path = "common/mod.rs"]
+mod common;
+
+use std::sync::Arc;
+
+use clap::Parser;
+use common::*;
+use fusion::core::hir::HostProgram;
+use fusion::prelude::*;
+
+macro_rules! matmul_ar_in {
+    ($dt:ident) => {
+        use fusion::prelude::*;
+        fusion! {
+            /// `c = sum over devices of a[:, d] @ b[d]`, an Allreduce per chunk of `s`.
+            #[allow(dead_code)] // `main` calls `matmul_ar::call`, which takes options
+            pub fn matmul_ar<s, d, m, k, n>(
+                a: Tensor<$dt, [s, d @ DIDx, m, k]>,
+                b: Tensor<$dt, [d @ DIDx, k, n]>,
+            ) -> Tensor<$dt, [s @ Stream, m, n]> {
+                let partial: Tensor<$dt, [s @ Stream, d @ DIDx, m, n]> = matmul(a, b);
+                sum(partial, 1)
+            }
+        }
+    };
+}
+per_dtype!(matmul_ar_in);
+
+type Call = fn(&Rank, &Ranked<4>, &Ranked<3>, &ExecOptions) -> fusion::Result<Ranked<3>>;
+type Program = fn(&Rank, &Ranked<4>, &Ranked<3>, &ExecOptions) -> fusion::Result<Arc<HostProgram>>;
+
+/// Matmul + AllReduce pipelined over stream chunks, checked against a host reference.
+#[derive(Parser, Debug)]
+struct Cli {
+    /// Chunks (the Stream axis)
+    #[arg(short, default_value_t = 4)]
+    s: usize,
+    /// Rows per chunk
+    #[arg(short, default_value_t = 128)]
+    m: usize,
+    /// Contracted dimension per device
+    #[arg(short, default_value_t = 256)]
+    k: usize,
+    /// Columns of the result
+    #[arg(short, default_value_t = 256)]
+    n: usize,
+    #[command(flatten)]
+    common: Common,
+}
+
+fn main() -> fusion::Result<()> {
+    let cli = Cli::parse();
+    let call: Call = pick!(cli.common.dtype, matmul_ar::call);
+    let program: Program = pick!(cli.common.dtype, matmul_ar::program);
+    let lowerings: fn() -> usize = pick!(cli.common.dtype, matmul_ar::lowering_count);
+    let world = cli.common.world()?;
+    let (s, d, m, k, n) = (cli.s, world.size(), cli.m, cli.k, cli.n);
+    let dtype = cli.common.dtype.dtype();
+    let a = randn(&[s, d, m, k], dtype, 1);
+    let b = randn(&[d, k, n], dtype, 2);
+    let opts = cli.common.options();
+    let timed = run_timed(
+        &world,
+        cli.common.iters,
+        cli.common.dump,
+        |rank| -> fusion::Result<(Ranked<4>, Ranked<3>)> {
+            Ok((
+                rank.shard(&a, 1)?.try_into()?,
+                rank.shard(&b, 0)?.try_into()?,
+            ))
+        },
+        |rank, (a, b)| Ok(call(rank, a, b, &opts)?.into_inner()),
+        |rank, (a, b)| Ok(program(rank, a, b, &opts)?.to_string()),
+    )?;
+    let macs = (s * d * m * k * n) as f64;
+    let error = if macs <= REFERENCE_LIMIT {
+        let (av, bv) = (to_f64(&a)?, to_f64(&b)?);
+        let mut expected = vec![0.0; s * m * n];
+        for si in 0..s {
+            for di in 0..d {
+                let block = &av[(si * d + di) * m * k..][..m * k];
+                let part = matmul_ref(block, &bv[di * k * n..][..k * n], 1, m, k, n);
+                for (e, p) in expected[si * m * n..][..m * n].iter_mut().zip(part) {
+                    *e += p;
+                }
+            }
+        }
+        Some(worst_error(&timed.outputs, &expected)?)
+    } else {
+        None
+    };
+    let ok = Summary {
+        name: "matmul_ar",
+        what: "matmul + AllReduce, pipelined over stream chunks",
+        world: &world,
+        common: &cli.common,
+        shapes: format!(
+            "a {:?} sharded on axis 1, b {:?} sharded on axis 0 -> c [{s}, {m}, {n}] on every \
+             device",
+            a.shape(),
+            b.shape()
+        ),
+        error,
+        timed: &timed,
+        flops_per_device: Some(2.0 * macs / d as f64),
+        lowerings: lowerings(),
+    }
+    .print();
+    exit_on_failure(ok);
+    Ok(())
+}

@@ -1,0 +1,475 @@
+//! Expansion: a checked fusion becomes
+//!
+//! - `fn name(rank, a: &Ranked<RA>, ..) -> Result<Ranked<RO>>`, the typed entry point, and
+//! - `mod name { build, executor, program, run_with, call, lowering_count, INPUTS }`, the
+//!   builder code and the options-taking runners; its executor is a `static` built at the
+//!   first call, which lowers once per input shapes (and world, backend, options).
+//!
+//! Literal-dim facts are re-checked with `static_assertions::const_assert!`. On errors,
+//! [`stub`] emits the same items with the declared signature, so the caller type-checks and
+//! only the real mistakes are reported.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
+use syn::Ident;
+
+use crate::check::annotate::{Declared, Fact};
+use crate::check::dims::{DimId, DimNode};
+use crate::check::model::{Binary, DType, Mesh, Op, Par, Reduce, Tid, Unary};
+use crate::check::{Checked, Step};
+use crate::parse::{DimOp, FusionDef};
+
+fn fc() -> TokenStream {
+    quote!(::fusion::__private::fusion_core)
+}
+
+fn fr() -> TokenStream {
+    quote!(::fusion::__private::fusion_runtime)
+}
+
+fn t_ident(t: Tid) -> Ident {
+    format_ident!("__t{}", t.0, span = Span::mixed_site())
+}
+
+fn d_ident(d: DimId) -> Ident {
+    format_ident!("__d{}", d.0, span = Span::mixed_site())
+}
+
+fn hygienic(name: &str) -> Ident {
+    Ident::new(name, Span::mixed_site())
+}
+
+/// The expansion of a fusion that passed every check.
+pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
+    let build = build_fn(checked);
+    let asserts = static_asserts(checked);
+    items(def, build, asserts, false)
+}
+
+/// The entry point and module of a fusion with errors: same signatures, no body.
+pub fn stub(def: &FusionDef) -> TokenStream {
+    let fc = fc();
+    let build = quote! {
+        pub fn build() -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
+            ::core::panic!("this fusion did not compile")
+        }
+    };
+    items(def, build, TokenStream::new(), true)
+}
+
+/// `Ranked<N>`, spanned on the DSL type it stands for (so rustc's notes point there).
+fn rank_of(axes: usize, span: Span) -> TokenStream {
+    quote_spanned!(span=> ::fusion::__private::fusion_runtime::Ranked<#axes>)
+}
+
+fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) -> TokenStream {
+    let (fc, fr) = (fc(), fr());
+    let name = &def.name;
+    let vis = &def.vis;
+    let attrs = &def.attrs;
+    let cfgs: Vec<_> = def
+        .attrs
+        .iter()
+        .filter(|a| a.path().is_ident("cfg"))
+        .collect();
+    let rank = hygienic("rank");
+    let options = hygienic("options");
+    let outputs = hygienic("outputs");
+    let outs_arr = hygienic("__outs");
+    let report = hygienic("__report");
+    // A repeated parameter name is reported by the checker; the stub renames the repeats
+    // so that its signature adds no error of its own.
+    let params: Vec<Ident> = def
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            if def.params[..i].iter().any(|q| q.name == p.name) {
+                format_ident!("__repeated{}", i, span = Span::mixed_site())
+            } else {
+                p.name.clone()
+            }
+        })
+        .collect();
+    let param_tys: Vec<TokenStream> = def
+        .params
+        .iter()
+        .map(|p| rank_of(p.ty.axes.len(), p.ty.span.start))
+        .collect();
+    let out_tys: Vec<TokenStream> = def
+        .outputs
+        .iter()
+        .map(|o| rank_of(o.axes.len(), o.span.start))
+        .collect();
+    let n_out = out_tys.len();
+    let ret = if n_out == 1 {
+        out_tys[0].clone()
+    } else {
+        quote!((#(#out_tys),*))
+    };
+    let outs_param = if n_out == 1 {
+        let t = &out_tys[0];
+        quote!(::core::option::Option<&#t>)
+    } else {
+        quote!(::core::option::Option<(#(&#out_tys),*)>)
+    };
+    let input_names: Vec<String> = params.iter().map(|p| p.to_string()).collect();
+    let n_in = input_names.len();
+    let out_vars: Vec<Ident> = (0..n_out)
+        .map(|i| format_ident!("__o{}", i, span = Span::mixed_site()))
+        .collect();
+    let out_pat = if n_out == 1 {
+        let o = &out_vars[0];
+        quote!(#o)
+    } else {
+        quote!((#(#out_vars),*))
+    };
+    let result = if n_out == 1 {
+        let o = &out_vars[0];
+        quote!(#fr::Ranked::from_output(#o)?)
+    } else {
+        quote!((#(#fr::Ranked::from_output(#out_vars)?),*))
+    };
+    let inputs = quote!([#(#params.as_tensor()),*]);
+    let mod_doc = format!(
+        "The builder, executor and option-taking runners of the fusion [`{name}`](fn@{name})."
+    );
+    let fusion_name = name.to_string();
+    let body = |real: TokenStream| {
+        if stub {
+            quote!(::core::panic!("this fusion did not compile"))
+        } else {
+            real
+        }
+    };
+    let executor_body = body(quote! {
+        static EXECUTOR: ::std::sync::OnceLock<
+            ::core::result::Result<#fr::FusionExecutor, #fc::Error>,
+        > = ::std::sync::OnceLock::new();
+        match EXECUTOR.get_or_init(|| self::build().map(#fr::FusionExecutor::new)) {
+            ::core::result::Result::Ok(e) => ::core::result::Result::Ok(e),
+            ::core::result::Result::Err(e) => {
+                ::core::result::Result::Err(#fr::Error::Core(::core::clone::Clone::clone(e)))
+            }
+        }
+    });
+    let program_body = body(quote! {
+        self::executor()?.program(#rank, &#inputs, #options)
+    });
+    let run_body = body(quote! {
+        let #outs_arr = #outputs.map(|#out_pat| [#(#out_vars.as_tensor()),*]);
+        self::executor()?.run_with(
+            #rank,
+            &#inputs,
+            #outs_arr.as_ref().map(|o| &o[..]),
+            #options,
+        )
+    });
+    let call_body = body(quote! {
+        let #report = self::run_with(#rank, #(#params,)* ::core::option::Option::None, #options)?;
+        let [#(#out_vars),*]: [#fr::Tensor; #n_out] =
+            #report.outputs.try_into().map_err(|v: ::std::vec::Vec<#fr::Tensor>| {
+                #fr::Error::Arity {
+                    what: ::std::format!("outputs of `{}`", #fusion_name),
+                    expected: #n_out,
+                    actual: v.len(),
+                }
+            })?;
+        ::core::result::Result::Ok(#result)
+    });
+    let entry = quote_spanned! {name.span()=>
+        #(#attrs)*
+        #[allow(clippy::too_many_arguments)]
+        #vis fn #name(
+            #rank: &#fr::Rank,
+            #(#params: &#param_tys,)*
+        ) -> #fr::Result<#ret> {
+            #name::call(#rank, #(#params,)* &<#fr::ExecOptions as ::core::default::Default>::default())
+        }
+    };
+    quote! {
+        #entry
+
+        #(#cfgs)*
+        #[doc = #mod_doc]
+        #[allow(dead_code, unused_variables, unreachable_code, clippy::all)]
+        #vis mod #name {
+            /// Builds the fusion with the builder API, which checks every rule again.
+            #build
+
+            /// The input names, in call order.
+            pub const INPUTS: [&str; #n_in] = [#(#input_names),*];
+
+            /// The shared executor, built at the first call; it caches one lowered program
+            /// per input shapes, world size, backend and options.
+            pub fn executor() -> #fr::Result<&'static #fr::FusionExecutor> {
+                #executor_body
+            }
+
+            /// How many programs the executor has lowered so far.
+            pub fn lowering_count() -> usize {
+                self::executor().map_or(0, |e| e.lowering_count())
+            }
+
+            /// The host program for these inputs and options (lowered if needed).
+            pub fn program(
+                #rank: &#fr::Rank,
+                #(#params: &#param_tys,)*
+                #options: &#fr::ExecOptions,
+            ) -> #fr::Result<::std::sync::Arc<#fc::hir::HostProgram>> {
+                #program_body
+            }
+
+            /// Runs with options, optionally into preallocated outputs; returns the
+            /// outputs and statistics.
+            pub fn run_with(
+                #rank: &#fr::Rank,
+                #(#params: &#param_tys,)*
+                #outputs: #outs_param,
+                #options: &#fr::ExecOptions,
+            ) -> #fr::Result<#fr::RunReport> {
+                #run_body
+            }
+
+            /// Runs with options and returns the typed outputs.
+            pub fn call(
+                #rank: &#fr::Rank,
+                #(#params: &#param_tys,)*
+                #options: &#fr::ExecOptions,
+            ) -> #fr::Result<#ret> {
+                #call_body
+            }
+
+            #asserts
+        }
+    }
+}
+
+fn dtype(d: DType) -> TokenStream {
+    let fc = fc();
+    match d {
+        DType::F32 => quote!(#fc::DType::F32),
+        DType::BF16 => quote!(#fc::DType::BF16),
+        DType::F16 => quote!(#fc::DType::F16),
+    }
+}
+
+fn axes(decl: &Declared) -> TokenStream {
+    let fc = fc();
+    let list = decl.axes.iter().map(|&(e, p, _)| {
+        let d = d_ident(e);
+        match p {
+            Par::Serial => quote!(#fc::builder::Axis::serial(#d)),
+            Par::DIDx => quote!(#fc::builder::Axis::didx(#d)),
+            Par::Stream => quote!(#fc::builder::Axis::stream(#d)),
+        }
+    });
+    quote!(&[#(#list),*])
+}
+
+fn mesh(m: &Mesh) -> TokenStream {
+    let fc = fc();
+    match m {
+        Mesh::World => quote!(#fc::ir::DeviceMesh::World),
+        Mesh::Devices(d) => quote!(#fc::ir::DeviceMesh::devices([#(#d),*])),
+    }
+}
+
+/// The extents the steps use, with everything they are built from, in arena order.
+fn used_dims(checked: &Checked) -> Vec<DimId> {
+    let dims = &checked.model.dims;
+    let mut used = vec![false; dims.len()];
+    let mut stack = Vec::new();
+    for s in &checked.steps {
+        match s {
+            Step::Input { decl, .. } | Step::Declare { decl, .. } => {
+                stack.extend(decl.axes.iter().map(|a| a.0));
+            }
+            Step::Op { op, .. } => match op {
+                Op::Select { index, .. } => stack.push(*index),
+                Op::Slice { start, stop, .. } => stack.extend([*start, *stop]),
+                Op::Split { outer, .. } => stack.push(*outer),
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+    while let Some(d) = stack.pop() {
+        if std::mem::replace(&mut used[d.0 as usize], true) {
+            continue;
+        }
+        if let DimNode::Bin(_, a, b) = dims.node(d) {
+            stack.extend([*a, *b]);
+        }
+    }
+    (0..dims.len() as u32)
+        .map(DimId)
+        .filter(|d| used[d.0 as usize])
+        .collect()
+}
+
+fn build_fn(checked: &Checked) -> TokenStream {
+    let fc = fc();
+    let b = hygienic("__builder");
+    let dims = &checked.model.dims;
+    let dim_lets = used_dims(checked).into_iter().map(|d| {
+        let id = d_ident(d);
+        let value = match dims.node(d) {
+            DimNode::Const(v) => quote!(#b.constant(#v)),
+            DimNode::Sym(s) => quote!(#b.symbol(#s)),
+            DimNode::Bin(op, x, y) => {
+                let op = match op {
+                    DimOp::Add => quote!(Add),
+                    DimOp::Sub => quote!(Sub),
+                    DimOp::Mul => quote!(Mul),
+                    DimOp::Div => quote!(Div),
+                };
+                let (x, y) = (d_ident(*x), d_ident(*y));
+                quote!(#b.scalar_op(#fc::ir::ScalarOp::#op, #x, #y))
+            }
+        };
+        quote!(let #id = #value;)
+    });
+    let steps = checked.steps.iter().map(|s| step(&b, s));
+    quote! {
+        pub fn build() -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
+            let mut #b = #fc::builder::FusionBuilder::new();
+            #(#dim_lets)*
+            #(#steps)*
+            #b.build()
+        }
+    }
+}
+
+fn step(b: &Ident, s: &Step) -> TokenStream {
+    let fc = fc();
+    match s {
+        Step::Input { out, name, decl } => {
+            let (t, dt, ax) = (t_ident(*out), dtype(decl.dtype), axes(decl));
+            match decl.mesh {
+                Mesh::World => quote!(let #t = #b.input(#name, #dt, #ax)?;),
+                ref m => {
+                    let m = mesh(m);
+                    quote!(let #t = #b.input_on(#name, #dt, #ax, #m)?;)
+                }
+            }
+        }
+        Step::Op { out, op, inputs } => {
+            let t = t_ident(*out);
+            let ins: Vec<Ident> = inputs.iter().map(|&i| t_ident(i)).collect();
+            let x = &ins[0];
+            let call = match op {
+                Op::Set => quote!(#b.set(#x)),
+                Op::Unary(u) => {
+                    let u = match u {
+                        Unary::Neg => quote!(Neg),
+                        Unary::Relu => quote!(Relu),
+                        Unary::Gelu => quote!(Gelu),
+                        Unary::Exp => quote!(Exp),
+                        Unary::Tanh => quote!(Tanh),
+                        Unary::Sigmoid => quote!(Sigmoid),
+                        Unary::Abs => quote!(Abs),
+                        Unary::Sqrt => quote!(Sqrt),
+                    };
+                    quote!(#b.unary(#fc::ir::UnaryOp::#u, #x))
+                }
+                Op::Cast(d) => {
+                    let d = dtype(*d);
+                    quote!(#b.cast(#x, #d))
+                }
+                Op::Binary(op) => {
+                    let op = match op {
+                        Binary::Add => quote!(Add),
+                        Binary::Sub => quote!(Sub),
+                        Binary::Mul => quote!(Mul),
+                        Binary::Div => quote!(Div),
+                        Binary::Max => quote!(Max),
+                        Binary::Min => quote!(Min),
+                    };
+                    let y = &ins[1];
+                    quote!(#b.binary(#fc::ir::BinaryOp::#op, #x, #y))
+                }
+                Op::Reduce { op, axes } => {
+                    let op = match op {
+                        Reduce::Sum => quote!(Sum),
+                        Reduce::Max => quote!(Max),
+                    };
+                    quote!(#b.reduce(#fc::ir::ReduceOp::#op, #x, &[#(#axes),*]))
+                }
+                Op::Broadcast { flags } => quote!(#b.broadcast(#x, &[#(#flags),*])),
+                Op::Matmul => {
+                    let y = &ins[1];
+                    quote!(#b.matmul(#x, #y))
+                }
+                Op::Linear => {
+                    let w = &ins[1];
+                    match ins.get(2) {
+                        Some(bias) => {
+                            quote!(#b.linear(#x, #w, ::core::option::Option::Some(#bias)))
+                        }
+                        None => quote!(#b.linear(#x, #w, ::core::option::Option::None)),
+                    }
+                }
+                Op::Select { axis, index } => {
+                    let i = d_ident(*index);
+                    quote!(#b.select(#x, #axis, #i))
+                }
+                Op::Slice { axis, start, stop } => {
+                    let (s, e) = (d_ident(*start), d_ident(*stop));
+                    quote!(#b.slice(#x, #axis, #s, #e))
+                }
+                Op::Split { axis, outer } => {
+                    let o = d_ident(*outer);
+                    quote!(#b.split(#x, #axis, #o))
+                }
+            };
+            quote!(let #t = #call?;)
+        }
+        Step::Declare {
+            out,
+            src,
+            decl,
+            set_mesh,
+        } => {
+            let (t, s, dt, ax) = (t_ident(*out), t_ident(*src), dtype(decl.dtype), axes(decl));
+            let m = set_mesh.then(|| {
+                let m = mesh(&decl.mesh);
+                quote!(#b.set_mesh(#t, #m);)
+            });
+            quote! {
+                let #t = #b.declare(#s, #dt, #ax)?;
+                #m
+            }
+        }
+        Step::Name { t, name } => {
+            let t = t_ident(*t);
+            quote!(#b.name(#t, #name);)
+        }
+        Step::Output { out, src } => {
+            let (t, s) = (t_ident(*out), t_ident(*src));
+            quote!(let #t = #b.output(#s)?;)
+        }
+    }
+}
+
+fn static_asserts(checked: &Checked) -> TokenStream {
+    let mut seen: Vec<String> = Vec::new();
+    let mut out = TokenStream::new();
+    for (fact, span) in &checked.model.facts {
+        let cond = match *fact {
+            Fact::Eq(a, b) => quote!(#a == #b),
+            Fact::Divides { n, by } => quote!(#by > 0 && #n % #by == 0),
+            Fact::Lt(a, b) => quote!(#a < #b),
+            Fact::Le(a, b) => quote!(#a <= #b),
+        };
+        let key = cond.to_string();
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        out.extend(quote_spanned! {span.start=>
+            ::fusion::__private::static_assertions::const_assert!(#cond);
+        });
+    }
+    out
+}

@@ -1,0 +1,506 @@
+//! Parsing: `fusion! { ... }` tokens into a small AST.
+//!
+//! ```text
+//! block   := fusion*
+//! fusion  := attr* vis `fn` name (`<` dim,* `>`)? `(` (name `:` type),* `)` `->` ret `{` body `}`
+//! ret     := type | `(` type,* `)`
+//! type    := `Tensor` `<` dtype `,` `[` axis,* `]` (`,` `mesh` `=` `[` int,* `]`)? `>`
+//! axis    := dim (`@` parallel)?
+//! dim     := symbol | int | dim (`+`|`-`|`*`|`/`) dim | `(` dim `)`
+//! body    := (`let` name (`:` type)? `=` expr `;`)* expr
+//! ```
+//!
+//! Body expressions stay `syn::Expr`; the checker interprets them. A fusion's body is
+//! parsed on its own, so a syntax error there still leaves the signature for the stub
+//! entry point that keeps follow-on errors away.
+
+use proc_macro2::{Span, TokenStream};
+use syn::parse::{Parse, ParseStream};
+use syn::{bracketed, parenthesized, Attribute, Ident, LitInt, Token, Visibility};
+
+use crate::span::SpanRange;
+
+/// Everything inside `fusion! { ... }`.
+pub struct Block {
+    pub fusions: Vec<FusionDef>,
+}
+
+/// One `fn` of the block.
+pub struct FusionDef {
+    /// Outer attributes, doc comments included (carried to the entry point).
+    pub attrs: Vec<Attribute>,
+    pub vis: Visibility,
+    pub name: Ident,
+    /// The generic parameters: dimension symbols.
+    pub dims: Vec<Ident>,
+    pub params: Vec<Param>,
+    /// The declared output types (one, or a tuple).
+    pub outputs: Vec<TensorType>,
+    /// The body, parsed separately so that a syntax error there keeps the signature.
+    pub body: syn::Result<Body>,
+}
+
+/// One input: `name: Tensor<..>`.
+pub struct Param {
+    pub name: Ident,
+    pub ty: TensorType,
+}
+
+/// `Tensor<dtype, [axes], mesh = [devices]>`.
+#[derive(Clone)]
+pub struct TensorType {
+    pub dtype: Ident,
+    pub axes: Vec<AxisSpec>,
+    /// The `[...]` axis list.
+    pub axes_span: SpanRange,
+    pub mesh: Option<MeshSpec>,
+    /// From `Tensor` to the closing `>`.
+    pub span: SpanRange,
+}
+
+/// One axis: an extent and an optional `@ Parallel`.
+#[derive(Clone)]
+pub struct AxisSpec {
+    pub dim: Dim,
+    pub parallel: Option<Ident>,
+    pub span: SpanRange,
+}
+
+/// An extent expression.
+#[derive(Clone)]
+pub enum Dim {
+    /// A dimension symbol (a generic parameter).
+    Sym(Ident),
+    /// A literal extent.
+    Lit { value: i64, span: Span },
+    /// `lhs op rhs`.
+    Bin {
+        op: DimOp,
+        lhs: Box<Dim>,
+        rhs: Box<Dim>,
+        span: SpanRange,
+    },
+}
+
+/// Arithmetic on extents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DimOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+impl Dim {
+    /// The source range of the whole expression.
+    pub fn span(&self) -> SpanRange {
+        match self {
+            Dim::Sym(i) => SpanRange::single(i.span()),
+            Dim::Lit { span, .. } => SpanRange::single(*span),
+            Dim::Bin { span, .. } => *span,
+        }
+    }
+}
+
+/// `mesh = [0, 1]`: the devices a tensor lives on.
+#[derive(Clone)]
+pub struct MeshSpec {
+    pub devices: Vec<(usize, Span)>,
+    pub span: SpanRange,
+}
+
+/// `let` statements and the returned expression.
+pub struct Body {
+    pub lets: Vec<Let>,
+    pub tail: syn::Expr,
+}
+
+/// `let name: Type = expr;`
+pub struct Let {
+    pub name: Ident,
+    pub ty: Option<TensorType>,
+    pub expr: syn::Expr,
+    /// The closing `;`.
+    pub semi: Span,
+}
+
+impl Parse for Block {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let mut fusions = Vec::new();
+        while !input.is_empty() {
+            fusions.push(input.parse()?);
+        }
+        Ok(Block { fusions })
+    }
+}
+
+impl Parse for FusionDef {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let attrs = input.call(Attribute::parse_outer)?;
+        let vis: Visibility = input.parse()?;
+        if !input.peek(Token![fn]) {
+            return Err(input.error(
+                "expected `fn`: a `fusion!` block holds fusions written as \
+                 `fn name<dims>(inputs) -> outputs { body }`",
+            ));
+        }
+        input.parse::<Token![fn]>()?;
+        let name: Ident = input.parse()?;
+        let dims = parse_dims(input)?;
+        let content;
+        parenthesized!(content in input);
+        let mut params = Vec::new();
+        while !content.is_empty() {
+            let name: Ident = content.parse()?;
+            content.parse::<Token![:]>()?;
+            let ty: TensorType = content.parse()?;
+            params.push(Param { name, ty });
+            if content.is_empty() {
+                break;
+            }
+            content.parse::<Token![,]>()?;
+        }
+        if !input.peek(Token![->]) {
+            return Err(syn::Error::new(
+                name.span(),
+                format!(
+                    "fusion `{name}` needs a return type: `-> Tensor<dtype, [axes]>`, or a tuple \
+                     of them for several outputs"
+                ),
+            ));
+        }
+        input.parse::<Token![->]>()?;
+        let outputs = if input.peek(syn::token::Paren) {
+            let content;
+            parenthesized!(content in input);
+            let list = content.parse_terminated(TensorType::parse, Token![,])?;
+            list.into_iter().collect()
+        } else {
+            vec![input.parse()?]
+        };
+        let content;
+        let brace = syn::braced!(content in input);
+        let tokens: TokenStream = content.parse()?;
+        let body = if tokens.is_empty() {
+            Err(syn::Error::new(
+                brace.span.join(),
+                "a fusion's body ends with the expression it returns (a tensor, or a tuple of \
+                 tensors)",
+            ))
+        } else {
+            syn::parse2::<Body>(tokens)
+        };
+        Ok(FusionDef {
+            attrs,
+            vis,
+            name,
+            dims,
+            params,
+            outputs,
+            body,
+        })
+    }
+}
+
+/// `<d, m, k>`: dimension symbols.
+fn parse_dims(input: ParseStream) -> syn::Result<Vec<Ident>> {
+    let mut dims = Vec::new();
+    if !input.peek(Token![<]) {
+        return Ok(dims);
+    }
+    input.parse::<Token![<]>()?;
+    while !input.peek(Token![>]) {
+        if input.peek(syn::Lifetime) || input.peek(Token![const]) {
+            return Err(input.error(
+                "the generic parameters of a fusion are dimension symbols, plain names like \
+                 `<m, n, k>`",
+            ));
+        }
+        let d: Ident = input.parse().map_err(|e| {
+            syn::Error::new(
+                e.span(),
+                "expected a dimension symbol: the generic parameters of a fusion are plain \
+                 names like `<m, n, k>`",
+            )
+        })?;
+        dims.push(d);
+        if input.peek(Token![>]) {
+            break;
+        }
+        input.parse::<Token![,]>()?;
+    }
+    input.parse::<Token![>]>()?;
+    Ok(dims)
+}
+
+impl Parse for TensorType {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let kw: Ident = input.parse().map_err(|e| {
+            syn::Error::new(e.span(), "expected a tensor type `Tensor<dtype, [axes]>`")
+        })?;
+        if kw != "Tensor" {
+            return Err(syn::Error::new(
+                kw.span(),
+                format!("expected a tensor type `Tensor<dtype, [axes]>`, found `{kw}`"),
+            ));
+        }
+        input.parse::<Token![<]>()?;
+        let dtype: Ident = input.parse().map_err(|e| {
+            syn::Error::new(e.span(), "expected an element type: `f32`, `bf16` or `f16`")
+        })?;
+        input.parse::<Token![,]>()?;
+        let content;
+        let bracket = bracketed!(content in input);
+        let axes_span = SpanRange::single(bracket.span.join());
+        let mut axes = Vec::new();
+        while !content.is_empty() {
+            axes.push(parse_axis(&content)?);
+            if content.is_empty() {
+                break;
+            }
+            content.parse::<Token![,]>()?;
+        }
+        let mut mesh = None;
+        if input.peek(Token![,]) {
+            input.parse::<Token![,]>()?;
+            if !input.peek(Token![>]) {
+                mesh = Some(parse_mesh(input)?);
+                if input.peek(Token![,]) {
+                    input.parse::<Token![,]>()?;
+                }
+            }
+        }
+        let close: Token![>] = input.parse()?;
+        Ok(TensorType {
+            dtype,
+            axes,
+            axes_span,
+            mesh,
+            span: SpanRange {
+                start: kw.span(),
+                end: close.span,
+            },
+        })
+    }
+}
+
+fn parse_mesh(input: ParseStream) -> syn::Result<MeshSpec> {
+    let kw: Ident = input.parse()?;
+    if kw != "mesh" {
+        return Err(syn::Error::new(
+            kw.span(),
+            format!("expected `mesh = [devices]` after the axes, found `{kw}`"),
+        ));
+    }
+    input.parse::<Token![=]>()?;
+    let content;
+    let bracket = bracketed!(content in input);
+    let list = content.parse_terminated(LitInt::parse, Token![,])?;
+    let mut devices = Vec::new();
+    for lit in list {
+        devices.push((lit.base10_parse::<usize>()?, lit.span()));
+    }
+    Ok(MeshSpec {
+        devices,
+        span: SpanRange::single(kw.span()).to(SpanRange::single(bracket.span.join())),
+    })
+}
+
+fn parse_axis(input: ParseStream) -> syn::Result<AxisSpec> {
+    let dim = parse_dim(input)?;
+    let mut span = dim.span();
+    let parallel = if input.peek(Token![@]) {
+        input.parse::<Token![@]>()?;
+        let p: Ident = input.parse().map_err(|e| {
+            syn::Error::new(
+                e.span(),
+                "expected a parallel type after `@`: `DIDx` or `Stream`",
+            )
+        })?;
+        span = span.to(SpanRange::single(p.span()));
+        Some(p)
+    } else {
+        None
+    };
+    Ok(AxisSpec {
+        dim,
+        parallel,
+        span,
+    })
+}
+
+/// `dim := term ((+|-) term)*`
+pub fn parse_dim(input: ParseStream) -> syn::Result<Dim> {
+    let mut lhs = parse_term(input)?;
+    loop {
+        let op = if input.peek(Token![+]) && !input.peek(Token![+=]) {
+            input.parse::<Token![+]>()?;
+            DimOp::Add
+        } else if input.peek(Token![-]) && !input.peek(Token![->]) && !input.peek(Token![-=]) {
+            input.parse::<Token![-]>()?;
+            DimOp::Sub
+        } else {
+            return Ok(lhs);
+        };
+        let rhs = parse_term(input)?;
+        lhs = bin(op, lhs, rhs);
+    }
+}
+
+fn parse_term(input: ParseStream) -> syn::Result<Dim> {
+    let mut lhs = parse_atom(input)?;
+    loop {
+        let op = if input.peek(Token![*]) && !input.peek(Token![*=]) {
+            input.parse::<Token![*]>()?;
+            DimOp::Mul
+        } else if input.peek(Token![/]) && !input.peek(Token![/=]) {
+            input.parse::<Token![/]>()?;
+            DimOp::Div
+        } else {
+            return Ok(lhs);
+        };
+        let rhs = parse_atom(input)?;
+        lhs = bin(op, lhs, rhs);
+    }
+}
+
+fn bin(op: DimOp, lhs: Dim, rhs: Dim) -> Dim {
+    let span = lhs.span().to(rhs.span());
+    Dim::Bin {
+        op,
+        lhs: Box::new(lhs),
+        rhs: Box::new(rhs),
+        span,
+    }
+}
+
+fn parse_atom(input: ParseStream) -> syn::Result<Dim> {
+    if input.peek(syn::token::Paren) {
+        let content;
+        parenthesized!(content in input);
+        let d = parse_dim(&content)?;
+        if !content.is_empty() {
+            return Err(content.error("expected `)` after the dimension"));
+        }
+        return Ok(d);
+    }
+    if input.peek(LitInt) {
+        let lit: LitInt = input.parse()?;
+        let value = lit.base10_parse::<i64>()?;
+        return Ok(Dim::Lit {
+            value,
+            span: lit.span(),
+        });
+    }
+    if input.peek(Ident) {
+        return Ok(Dim::Sym(input.parse()?));
+    }
+    Err(input.error(
+        "expected a dimension: a symbol from the fusion's generics (`m`), an integer \
+         (`1024`), or `+ - * /` of them",
+    ))
+}
+
+/// Converts an op argument (`s`, `4`, `k / 2`) to a dimension expression.
+pub fn dim_from_expr(e: &syn::Expr) -> syn::Result<Dim> {
+    use syn::{BinOp, Expr, Lit};
+    match e {
+        Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
+            Ok(Dim::Sym(p.path.get_ident().expect("checked").clone()))
+        }
+        Expr::Lit(l) => match &l.lit {
+            Lit::Int(i) => Ok(Dim::Lit {
+                value: i.base10_parse()?,
+                span: i.span(),
+            }),
+            _ => Err(SpanRange::of(e).error("expected an integer extent or index")),
+        },
+        Expr::Paren(p) => dim_from_expr(&p.expr),
+        Expr::Group(g) => dim_from_expr(&g.expr),
+        Expr::Binary(b) => {
+            let op = match b.op {
+                BinOp::Add(_) => DimOp::Add,
+                BinOp::Sub(_) => DimOp::Sub,
+                BinOp::Mul(_) => DimOp::Mul,
+                BinOp::Div(_) => DimOp::Div,
+                _ => {
+                    return Err(SpanRange::of(&b.op)
+                        .error("extents combine with `+`, `-`, `*` and `/` only"))
+                }
+            };
+            Ok(Dim::Bin {
+                op,
+                lhs: Box::new(dim_from_expr(&b.left)?),
+                rhs: Box::new(dim_from_expr(&b.right)?),
+                span: SpanRange::of(e),
+            })
+        }
+        _ => Err(SpanRange::of(e).error(
+            "expected a dimension: a symbol from the fusion's generics, an integer, or `+ - * /` \
+             of them",
+        )),
+    }
+}
+
+impl Parse for Body {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let mut lets = Vec::new();
+        loop {
+            if input.peek(Token![let]) {
+                lets.push(input.parse()?);
+                continue;
+            }
+            if input.is_empty() {
+                let at = lets.last().map_or_else(Span::call_site, |l: &Let| l.semi);
+                return Err(syn::Error::new(
+                    at,
+                    "a fusion's body ends with the expression it returns (a tensor, or a tuple \
+                     of tensors); add it after the last `let`",
+                ));
+            }
+            let tail: syn::Expr = input.parse()?;
+            if input.peek(Token![;]) {
+                let semi: Token![;] = input.parse()?;
+                let msg = if input.is_empty() {
+                    "remove this `;`: the last expression of a fusion is what it returns"
+                } else {
+                    "only `let` statements come before the returned expression"
+                };
+                return Err(syn::Error::new(semi.span, msg));
+            }
+            if !input.is_empty() {
+                return Err(input
+                    .error("expected the end of the fusion: the returned expression comes last"));
+            }
+            return Ok(Body { lets, tail });
+        }
+    }
+}
+
+impl Parse for Let {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        input.parse::<Token![let]>()?;
+        if input.peek(Token![mut]) {
+            return Err(input.error("fusion bindings are immutable: remove `mut`"));
+        }
+        if !input.peek(Ident) {
+            return Err(input.error("expected a name: each `let` binds one tensor"));
+        }
+        let name: Ident = input.parse()?;
+        let ty = if input.peek(Token![:]) {
+            input.parse::<Token![:]>()?;
+            Some(input.parse()?)
+        } else {
+            None
+        };
+        input.parse::<Token![=]>()?;
+        let expr: syn::Expr = input.parse()?;
+        let semi: Token![;] = input.parse()?;
+        Ok(Let {
+            name,
+            ty,
+            expr,
+            semi: semi.span,
+        })
+    }
+}
