@@ -188,9 +188,28 @@ fn run_ag(
     let same = |t: &Tensor| Ok(t.clone());
     let check = Some((&e.err, &seq, &same as &dyn Fn(&Tensor) -> Result<Tensor>));
     if let Some(t) = transport {
+        let tag = t.replace('/', "_");
         let o = opts(d, CommBackend::CopyEngine, true, true);
         let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
-        out.push((format!("p2p_ce_{}_n{d}", t.replace('/', "_")), s));
+        out.push((format!("p2p_ce_{tag}_n{d}"), s));
+        for &ns in &list(&a.streams) {
+            for &c in &list(&a.chunks) {
+                if (m / d) % c != 0 {
+                    continue;
+                }
+                let chunked = a_local.squeeze(0)?.split_axis(0, c)?.unsqueeze(1)?;
+                let seq_c = seq.reshape(&[d, c, m / (d * c), n])?;
+                let to_seq = |t: &Tensor| -> Result<Tensor> { t.permute(&[1, 0, 2, 3]) };
+                let check_c = Some((
+                    &e.err,
+                    &seq_c,
+                    &to_seq as &dyn Fn(&Tensor) -> Result<Tensor>,
+                ));
+                let o = opts(ns, CommBackend::CopyEngine, true, true);
+                let (s, _) = variant(rank, a, &e.ag_coll, &[&chunked, &b], &o, check_c)?;
+                out.push((format!("collective_ce_{tag}_s{c}_n{ns}"), s));
+            }
+        }
         return Ok(out);
     }
     let (s, gathered) = variant(rank, a, &e.allgather, &[&a_local], &nccl_seq, None)?;
@@ -260,9 +279,20 @@ fn run_rs(
     let same = |t: &Tensor| Ok(t.clone());
     let check = Some((&e.err, &seq, &same as &dyn Fn(&Tensor) -> Result<Tensor>));
     if let Some(t) = transport {
+        let tag = t.replace('/', "_");
         let o = opts(d, CommBackend::CopyEngine, true, true);
         let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
-        out.push((format!("p2p_ce_{}_n{d}", t.replace('/', "_")), s));
+        out.push((format!("p2p_ce_{tag}_n{d}"), s));
+        for &c in &list(&a.chunks) {
+            if (m / d) % c != 0 {
+                continue;
+            }
+            let (chunked, to_seq) = rs_chunked(&a_local, d, c, m, n)?;
+            let check_c = Some((&e.err, &seq, &*to_seq as &dyn Fn(&Tensor) -> Result<Tensor>));
+            let o = opts(2, CommBackend::CopyEngine, true, true);
+            let (s, _) = variant(rank, a, &e.rs_coll, &[&chunked, &b_local], &o, check_c)?;
+            out.push((format!("collective_ce_{tag}_s{c}_n2"), s));
+        }
         return Ok(out);
     }
     // One [m, k/d] @ [k/d, n] GEMM, then its result reduce-scattered.
@@ -284,20 +314,8 @@ fn run_rs(
         if (m / d) % c != 0 {
             continue;
         }
-        // Rows j*(m/d) + s*(m/(d c)) + i as [1, c, d, m/(d c), k/d]: each chunk's result
-        // rows are then a block of the sequential result.
-        let chunked = a_local
-            .squeeze(0)?
-            .split_axis(0, d)?
-            .split_axis(1, c)?
-            .permute(&[1, 0, 2, 3])?
-            .unsqueeze(0)?;
-        let mc = m / (d * c);
-        let to_seq = move |t: &Tensor| -> Result<Tensor> {
-            // [c, 1, m/(d c), n] -> [1, m/d, n] (chunks are consecutive row blocks).
-            t.reshape(&[1, c * mc, n])
-        };
-        let check_c = Some((&e.err, &seq, &to_seq as &dyn Fn(&Tensor) -> Result<Tensor>));
+        let (chunked, to_seq) = rs_chunked(&a_local, d, c, m, n)?;
+        let check_c = Some((&e.err, &seq, &*to_seq as &dyn Fn(&Tensor) -> Result<Tensor>));
         let o = opts(2, CommBackend::Nccl, true, true);
         let (s, _) = variant(rank, a, &e.rs_coll, &[&chunked, &b_local], &o, check_c)?;
         out.push((format!("collective_s{c}_n2"), s));
@@ -307,6 +325,31 @@ fn run_rs(
     out.push((format!("p2p_nccl_n{d}"), s));
     let _ = k;
     Ok(out)
+}
+
+/// The collective GEMM+RS pipeline's input: rows `j*(m/d) + s*(m/(d c)) + i` of this
+/// rank's `[m, k/d]` columns as `[1, c, d, m/(d c), k/d]` (a view), so that each chunk's
+/// result rows form a block of the sequential result; and the view of the pipeline's
+/// `[c, 1, m/(d c), n]` output in the sequential `[1, m/d, n]` layout.
+#[allow(clippy::type_complexity)]
+fn rs_chunked(
+    a_local: &Tensor,
+    d: usize,
+    c: usize,
+    m: usize,
+    n: usize,
+) -> Result<(Tensor, Box<dyn Fn(&Tensor) -> Result<Tensor>>)> {
+    let chunked = a_local
+        .squeeze(0)?
+        .split_axis(0, d)?
+        .split_axis(1, c)?
+        .permute(&[1, 0, 2, 3])?
+        .unsqueeze(0)?;
+    let mc = m / (d * c);
+    Ok((
+        chunked,
+        Box::new(move |t: &Tensor| t.reshape(&[1, c * mc, n])),
+    ))
 }
 
 /// Host cost of a tiny AllGather+GEMM P2P pipeline: per call and per host-IR node.

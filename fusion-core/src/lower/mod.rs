@@ -39,6 +39,9 @@ pub struct LowerOptions {
     pub disabled_passes: BTreeSet<String>,
     /// Transport for the P2P pipeline's sends and receives.
     pub p2p_backend: CommBackend,
+    /// Transport for Allgather and ReduceScatter (NCCL, or copy-engine transfers plus a
+    /// local sum for ReduceScatter).
+    pub collective_backend: CommBackend,
     /// Record the program after every pass (`FUSION_DUMP=host_ir_passes`).
     pub dump_passes: bool,
     /// Chunk order of P2P pipelines.
@@ -53,6 +56,7 @@ impl Default for LowerOptions {
         LowerOptions {
             disabled_passes: BTreeSet::new(),
             p2p_backend: CommBackend::Nccl,
+            collective_backend: CommBackend::Nccl,
             dump_passes: false,
             p2p_schedule: P2pSchedule::Ring,
             stream_buffers: true,

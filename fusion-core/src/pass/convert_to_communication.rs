@@ -18,7 +18,8 @@ impl Pass for ConvertOpToCommunication {
         "ConvertOpToCommunication"
     }
 
-    fn run(&self, p: &mut HostProgram, _ctx: &PassContext) -> Result<()> {
+    fn run(&self, p: &mut HostProgram, ctx: &PassContext) -> Result<()> {
+        let collective_backend = ctx.options.collective_backend;
         let mut body = std::mem::take(&mut p.body);
         let result = for_each_node_mut(&mut body, &mut |list| {
             let old = std::mem::take(list);
@@ -40,7 +41,13 @@ impl Pass for ConvertOpToCommunication {
                                         input: e.inputs[0],
                                         output: e.output,
                                         reduce_op: spec.reduce_op,
-                                        backend: CommBackend::Nccl,
+                                        backend: match spec.kind {
+                                            CommunicationKind::Allgather
+                                            | CommunicationKind::ReduceScatter => {
+                                                collective_backend
+                                            }
+                                            _ => CommBackend::Nccl,
+                                        },
                                         in_sharded_axis: spec.in_sharded_axis,
                                         in_scatter_axis: spec.in_scatter_axis,
                                         out_sharded_axis: spec.out_sharded_axis,

@@ -331,10 +331,46 @@ impl CopyEngine {
     }
 }
 
-/// Enables peer access between every pair of the given devices (idempotent).
+/// Enables peer access between every pair of the given devices (idempotent), for the
+/// contexts and for each device's memory pool: our buffers come from the stream-ordered
+/// allocator, whose pool memory peers can only reach after `cuMemPoolSetAccess` (without
+/// it the driver silently stages peer copies through the host).
 pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
     for a in devices {
         a.shared().bind()?;
+        let ordinal = a.shared().ordinal;
+        let peers: Vec<sys::CUmemAccessDesc> = devices
+            .iter()
+            .filter(|b| !Arc::ptr_eq(a, b))
+            .map(|b| sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: b.shared().ordinal as i32,
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            })
+            .collect();
+        let cu_dev = result::device::get(ordinal as i32).map_err(|e| Error::Backend {
+            backend: "cuda",
+            reason: format!("cuDeviceGet({ordinal}): {e:?}"),
+        })?;
+        // SAFETY: the default pool of a live device; `peers` lists valid devices.
+        unsafe {
+            let pool =
+                result::device::get_default_mem_pool(cu_dev).map_err(|e| Error::Backend {
+                    backend: "cuda",
+                    reason: format!("default memory pool of device {ordinal}: {e:?}"),
+                })?;
+            let r = sys::cuMemPoolSetAccess(pool, peers.as_ptr(), peers.len());
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(Error::Backend {
+                    backend: "cuda",
+                    reason: format!(
+                        "granting peers access to device {ordinal}'s memory pool: {r:?}"
+                    ),
+                });
+            }
+        }
         for b in devices {
             if Arc::ptr_eq(a, b) {
                 continue;

@@ -305,6 +305,109 @@ impl NcclCommunicator {
         }
     }
 
+    /// Allgather over the copy engines: this rank's block is copied locally; every other
+    /// block is a peer-to-peer transfer with its owner.
+    fn ce_allgather(
+        &self,
+        s: StreamHandle,
+        c: &Communication,
+        input: &Tensor,
+        output: &Tensor,
+    ) -> Result<()> {
+        let x = self.contiguous(s, &self.squeeze(input, c.in_sharded_axis, "Allgather")?)?;
+        let o = c.out_sharded_axis.or(c.in_sharded_axis).unwrap_or(0);
+        let view = axis_first(output, o)?;
+        let (buf, back) = self.receive_buffer(s, &view)?;
+        let me = c
+            .team
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("in team");
+        self.device.execute(
+            s,
+            Kernel::Copy {
+                src: &x.reshape(buf.select(0, me)?.shape())?,
+                dst: &buf.select(0, me)?,
+            },
+        )?;
+        let mut transfers = Vec::new();
+        for (i, &peer) in c.team.iter().enumerate() {
+            if peer != self.rank {
+                transfers.push(self.copy_engine.transfer(s, peer, &x, true)?);
+                transfers.push(
+                    self.copy_engine
+                        .transfer(s, peer, &buf.select(0, i)?, false)?,
+                );
+            }
+        }
+        self.copy_engine.run_group(&transfers)?;
+        if back {
+            self.copy_back(s, &buf, &view)?;
+        }
+        Ok(())
+    }
+
+    /// ReduceScatter over the copy engines: each block goes to its owner, which sums the
+    /// blocks it received with its own.
+    fn ce_reduce_scatter(
+        &self,
+        s: StreamHandle,
+        c: &Communication,
+        input: &Tensor,
+        output: &Tensor,
+    ) -> Result<()> {
+        let op = c
+            .reduce_op
+            .ok_or_else(|| self.err("ReduceScatter without a reduce op".into()))?;
+        let x = self.squeeze(input, c.in_sharded_axis, "ReduceScatter")?;
+        let sa = c
+            .in_scatter_axis
+            .ok_or_else(|| self.err("ReduceScatter without a scatter axis".into()))?;
+        let sa = match c.in_sharded_axis {
+            Some(a) if sa > a => sa - 1,
+            _ => sa,
+        };
+        let blocks = self.contiguous(s, &axis_first(&x, sa)?)?;
+        let me = c
+            .team
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("in team");
+        let slots = self.device.allocate(s, blocks.dtype(), blocks.shape())?;
+        self.device.execute(
+            s,
+            Kernel::Copy {
+                src: &blocks.select(0, me)?,
+                dst: &slots.select(0, me)?,
+            },
+        )?;
+        let mut transfers = Vec::new();
+        for (i, &peer) in c.team.iter().enumerate() {
+            if peer != self.rank {
+                transfers.push(
+                    self.copy_engine
+                        .transfer(s, peer, &blocks.select(0, i)?, true)?,
+                );
+                transfers.push(
+                    self.copy_engine
+                        .transfer(s, peer, &slots.select(0, i)?, false)?,
+                );
+            }
+        }
+        self.copy_engine.run_group(&transfers)?;
+        // The squeezed output has one block's shape; the sum reads every slot.
+        let out = self.squeeze(output, c.out_sharded_axis, "ReduceScatter")?;
+        self.device.execute(
+            s,
+            Kernel::Reduce {
+                op,
+                src: &slots,
+                dst: &out,
+                axes: &[0],
+            },
+        )
+    }
+
     fn run_collective(
         &self,
         s: StreamHandle,
@@ -313,6 +416,18 @@ impl NcclCommunicator {
         output: Option<&Tensor>,
     ) -> Result<()> {
         let kind = c.kind.name();
+        if c.backend == CommBackend::CopyEngine {
+            let (Some(i), Some(o)) = (input, output) else {
+                return Err(self.err(format!(
+                    "{kind} over the copy engines needs an input and an output on every rank"
+                )));
+            };
+            match c.kind {
+                CommunicationKind::Allgather => return self.ce_allgather(s, c, i, o),
+                CommunicationKind::ReduceScatter => return self.ce_reduce_scatter(s, c, i, o),
+                _ => {}
+            }
+        }
         let need = |t: Option<&Tensor>, what: &str| -> Result<Tensor> {
             t.cloned()
                 .ok_or_else(|| self.err(format!("{kind}: this rank has no {what}")))

@@ -156,7 +156,9 @@ pub(crate) fn pointwise_source(sig: &PointwiseSignature<'_>) -> String {
     s
 }
 
-/// Reduction: one block of 256 threads per output element (grid-stride over outputs).
+/// Reduction kernels, both with the parameters below: `fusion_reduce` uses one block of
+/// 256 threads per output element (long reductions); `fusion_reduce_short` one thread per
+/// output element (many outputs, few reduced elements each: coalesced across threads).
 /// Parameters: n_out, n_red, out_rank, red_rank, then 8 each of out shape, out source
 /// strides, out destination strides, reduced shape, reduced source strides.
 pub(crate) fn reduce_source(src: DType, dst: DType, op: ReduceOp) -> String {
@@ -203,6 +205,32 @@ extern "C" __global__ void fusion_reduce(const {st}* __restrict__ src, {dt}* __r
     __syncthreads();
   }}
 }}
+extern "C" __global__ void fusion_reduce_short(const {st}* __restrict__ src, {dt}* __restrict__ dst, P p) {{
+  const long long n_out = p.v[0], n_red = p.v[1];
+  const int out_rank = (int)p.v[2], red_rank = (int)p.v[3];
+  const long long* out_shape = p.v + 4;
+  const long long* out_src = p.v + {o1};
+  const long long* out_dst = p.v + {o2};
+  const long long* red_shape = p.v + {o3};
+  const long long* red_src = p.v + {o4};
+  for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < n_out; o += (long long)gridDim.x * blockDim.x) {{
+    long long rem = o, base = 0, doff = 0;
+    for (int d = out_rank - 1; d >= 0; --d) {{
+      const long long c = rem % out_shape[d]; rem /= out_shape[d];
+      base += c * out_src[d]; doff += c * out_dst[d];
+    }}
+    float acc = {init};
+    for (long long j = 0; j < n_red; ++j) {{
+      long long r = j, off = base;
+      for (int d = red_rank - 1; d >= 0; --d) {{
+        const long long c = r % red_shape[d]; r /= red_shape[d];
+        off += c * red_src[d];
+      }}
+      acc = combine(acc, {ld});
+    }}
+    dst[doff] = {stout};
+  }}
+}}
 "#,
         n = 4 + 5 * MAX_RANK,
         o1 = 4 + MAX_RANK,
@@ -213,6 +241,7 @@ extern "C" __global__ void fusion_reduce(const {st}* __restrict__ src, {dt}* __r
         dt = ctype(dst),
         ld = load(src, "src[off]"),
         stv = store(dst, "buf[0]"),
+        stout = store(dst, "acc"),
     );
     s
 }

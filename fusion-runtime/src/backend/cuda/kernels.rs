@@ -16,6 +16,8 @@ use crate::error::{Error, Result};
 use crate::tensor::{contiguous_strides, Tensor};
 
 const BLOCK: u32 = 256;
+/// Reductions of at most this many elements per output run one thread per output.
+const SHORT_REDUCTION: usize = 64;
 const MAX_GRID: usize = 132 * 32;
 
 #[derive(Clone, Copy)]
@@ -59,11 +61,12 @@ impl KernelCache {
 
     /// The kernel `name` of `source`, compiled and loaded on first use.
     fn function(&self, dev: &CudaDevice, source: &str, name: &str) -> Result<RawFunction> {
+        let key = format!("{name}\n{source}");
         if let Some(f) = self
             .functions
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .get(source)
+            .get(&key)
         {
             return Ok(*f);
         }
@@ -114,7 +117,7 @@ impl KernelCache {
         self.functions
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(source.to_string(), f);
+            .insert(key, f);
         Ok(f)
     }
 
@@ -270,11 +273,14 @@ impl KernelCache {
             return Ok(());
         }
         let n_red: usize = sorted.iter().map(|&d| src.shape()[d]).product();
-        let f = self.function(
-            dev,
-            &reduce_source(src.dtype(), dst.dtype(), op),
-            "fusion_reduce",
-        )?;
+        // Few elements per output: a thread each; long reductions: a block each.
+        let short = n_red <= SHORT_REDUCTION;
+        let name = if short {
+            "fusion_reduce_short"
+        } else {
+            "fusion_reduce"
+        };
+        let f = self.function(dev, &reduce_source(src.dtype(), dst.dtype(), op), name)?;
         let mut params: Vec<i64> = vec![
             n_out as i64,
             n_red as i64,
@@ -287,7 +293,11 @@ impl KernelCache {
         params.extend(pad(sorted.iter().map(|&d| src.shape()[d] as i64)));
         params.extend(pad(sorted.iter().map(|&d| src.strides()[d] as i64)));
         let mut ptrs = vec![self.device_ptr(src)?, self.device_ptr(dst)?];
-        let grid = n_out.clamp(1, MAX_GRID) as u32;
+        let grid = if short {
+            n_out.div_ceil(BLOCK as usize).clamp(1, MAX_GRID) as u32
+        } else {
+            n_out.clamp(1, MAX_GRID) as u32
+        };
         launch(dev, f, grid, stream, &mut ptrs, &mut params)
     }
 }
