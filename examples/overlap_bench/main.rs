@@ -49,12 +49,14 @@ struct Args {
     /// Stream counts.
     #[arg(long, default_value = "2,4")]
     streams: String,
-    /// Copy-engine transports to try, as mode/stream (`pull`|`push` / `iteration`|`serial`).
-    #[arg(
-        long,
-        default_value = "pull/iteration,push/iteration,pull/serial,push/serial"
-    )]
+    /// Copy-engine transports to try, as mode/stream (`pull`|`push` /
+    /// `peer`|`iteration`|`serial`).
+    #[arg(long, default_value = "pull/peer,push/peer,pull/serial,push/iteration")]
     transports: String,
+    /// Variants (names as printed) to run once more with a trace; rank 0's timeline is
+    /// printed.
+    #[arg(long, default_value = "")]
+    trace: String,
     /// Write every measurement as JSON lines here.
     #[arg(long)]
     json: Option<String>,
@@ -74,6 +76,8 @@ struct Sample {
     relerr: f64,
     peak_bytes: usize,
     nodes: usize,
+    /// The timeline of one traced call, when this variant was asked for.
+    trace: Option<Vec<fusion::runtime::trace::TraceEvent>>,
 }
 
 type Samples = Vec<(String, Sample)>;
@@ -139,7 +143,16 @@ fn variant(
     let ms = device_ms(rank, a.iters, a.warmup, || {
         exec.run_with(rank, inputs, None, o).map(|_| ())
     })?;
-    let report = exec.run_with(rank, inputs, None, o)?;
+    let traced = ExecOptions {
+        trace: true,
+        ..o.clone()
+    };
+    let report = exec.run_with(
+        rank,
+        inputs,
+        None,
+        if a.trace.is_empty() { o } else { &traced },
+    )?;
     let out = report.outputs[0].clone();
     let relerr = match check {
         Some((err_exec, reference, view)) => rel_error(rank, err_exec, &view(&out)?, reference)?,
@@ -151,6 +164,7 @@ fn variant(
             relerr,
             peak_bytes: report.stats.peak_live_bytes,
             nodes: report.stats.nodes_executed,
+            trace: report.trace,
         },
         out,
     ))
@@ -352,6 +366,31 @@ fn rs_chunked(
     ))
 }
 
+/// Rank 0's timeline of a traced call: each communication and kernel with its stream,
+/// chunk and interval.
+fn print_trace(s: &Sample) {
+    let Some(events) = &s.trace else {
+        return;
+    };
+    use fusion::runtime::trace::{busy_ms, overlaps};
+    println!(
+        "    trace (rank 0): comm busy {:.3} ms, compute busy {:.3} ms, {} comm/compute overlaps",
+        busy_ms(events, true),
+        busy_ms(events, false),
+        overlaps(events).len()
+    );
+    for e in events {
+        println!(
+            "    {:>8.3} {:>8.3}  stream {:<2} chunk {:<4} {}",
+            e.start_ms,
+            e.end_ms,
+            e.stream,
+            e.chunk.map_or("-".into(), |c| c.to_string()),
+            e.name
+        );
+    }
+}
+
 /// Host cost of a tiny AllGather+GEMM P2P pipeline: per call and per host-IR node.
 fn host_overhead(world: &World, dt: DType) -> Result<(f64, usize)> {
     let exec = FusionExecutor::new(fusions::ag_matmul_p2p(dt)?);
@@ -457,6 +496,9 @@ fn main() -> Result<()> {
                         "{:8} {m:>6} {k:>6} {n:>6} {:<28} {:8.3} ms  relerr {:.2e}",
                         r.op, r.variant, r.ms, r.relerr
                     );
+                    if a.trace.split(',').any(|t| t == name) {
+                        print_trace(&per_rank[0][i].1);
+                    }
                 }
             }
             std::env::remove_var("FUSION_CE_MODE");

@@ -39,11 +39,28 @@ impl CopyMode {
     }
 }
 
-/// `FUSION_CE_STREAM=serial` issues every copy of a device on one dedicated copy stream,
-/// in program order (one transfer at a time at full bandwidth); by default (`iteration`)
-/// a copy runs on the stream of the loop iteration that needs it, concurrently with others.
-fn serial_copies() -> bool {
-    std::env::var("FUSION_CE_STREAM").as_deref() == Ok("serial")
+/// Which stream a copy runs on (`FUSION_CE_STREAM`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyStreams {
+    /// One copy stream per peer (default): transfers with different peers, e.g. the
+    /// blocks of one collective, run on several copy engines at once.
+    PerPeer,
+    /// The stream of the loop iteration that needs the data (`iteration`).
+    Iteration,
+    /// One copy stream for the device: transfers one after another, in program order
+    /// (`serial`).
+    Serial,
+}
+
+impl CopyStreams {
+    /// `FUSION_CE_STREAM=peer|iteration|serial` (peer by default).
+    pub fn from_env() -> CopyStreams {
+        match std::env::var("FUSION_CE_STREAM").as_deref() {
+            Ok("iteration") => CopyStreams::Iteration,
+            Ok("serial") => CopyStreams::Serial,
+            _ => CopyStreams::PerPeer,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -79,7 +96,7 @@ pub(crate) struct CopyRegistry {
     contexts: Vec<Ctx>,
     health: Arc<WorldHealth>,
     mode: CopyMode,
-    serial: bool,
+    streams: CopyStreams,
 }
 
 impl CopyRegistry {
@@ -94,7 +111,7 @@ impl CopyRegistry {
             contexts: contexts.into_iter().map(Ctx).collect(),
             health,
             mode,
-            serial: serial_copies(),
+            streams: CopyStreams::from_env(),
         }
     }
 
@@ -279,16 +296,27 @@ impl CopyEngine {
                     t.buf.nbytes()
                 )));
             }
-            // The copy runs on the iteration's stream, or on the dedicated copy stream
-            // after the work the iteration's stream has queued so far.
+            // The copy runs on the iteration's stream, or on a copy stream after the work
+            // the iteration's stream has queued so far.
             let own = self.device.raw_stream(t.stream)?;
-            let raw = if self.registry.serial {
-                let cs = self.device.copy_stream()?;
-                let before = self.record(t)?;
-                self.wait_on(cs, before)?;
-                cs
+            let peer = if t.key.0 == self.rank {
+                t.key.1
             } else {
-                own
+                t.key.0
+            };
+            let copy_key = match self.registry.streams {
+                CopyStreams::Iteration => None,
+                CopyStreams::Serial => Some(usize::MAX),
+                CopyStreams::PerPeer => Some(peer),
+            };
+            let raw = match copy_key {
+                Some(key) => {
+                    let cs = self.device.copy_stream(key)?;
+                    let before = self.record(t)?;
+                    self.wait_on(cs, before)?;
+                    cs
+                }
+                None => own,
             };
             self.wait_on(raw, post.ready)?;
             let mine = t.buf.device_ptr().expect("checked");

@@ -54,8 +54,8 @@ pub struct CudaDevice {
     streams: Mutex<Vec<StreamSlot>>,
     /// Timing events for traces: recorded ones, and spares to reuse.
     markers: Mutex<(Vec<RawEvent>, Vec<RawEvent>)>,
-    /// A stream outside the pool, for copy-engine transfers issued one after another.
-    copy_stream: Mutex<Option<RawStream>>,
+    /// Streams outside the pool for copy-engine transfers, by key (a peer, or one shared).
+    copy_streams: Mutex<std::collections::HashMap<usize, RawStream>>,
     pub(crate) kernels: KernelCache,
     poison: bool,
     health: Arc<WorldHealth>,
@@ -82,7 +82,7 @@ impl CudaDevice {
             shared,
             streams: Mutex::new(Vec::new()),
             markers: Mutex::new((Vec::new(), Vec::new())),
-            copy_stream: Mutex::new(None),
+            copy_streams: Mutex::new(std::collections::HashMap::new()),
             kernels: KernelCache::new(ordinal),
             poison: std::env::var("FUSION_POISON").is_ok_and(|v| v == "1"),
             health,
@@ -109,21 +109,22 @@ impl CudaDevice {
             })
     }
 
-    /// The device's dedicated copy stream (created on first use).
-    pub(crate) fn copy_stream(&self) -> Result<RawStream> {
+    /// The device's copy stream `key` (created on first use): transfers on one copy
+    /// stream run one after another, on different ones concurrently.
+    pub(crate) fn copy_stream(&self, key: usize) -> Result<RawStream> {
         let mut cs = self
-            .copy_stream
+            .copy_streams
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(s) = *cs {
+        if let Some(&s) = cs.get(&key) {
             return Ok(s);
         }
         self.shared.bind()?;
         let s = RawStream(
             result::stream::create(result::stream::StreamKind::NonBlocking)
-                .map_err(|e| driver_err("creating the copy stream", e))?,
+                .map_err(|e| driver_err("creating a copy stream", e))?,
         );
-        *cs = Some(s);
+        cs.insert(key, s);
         Ok(s)
     }
 
