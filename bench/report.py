@@ -66,9 +66,20 @@ def main(paths):
             print(f"- {k[0]} {k[1]}x{k[2]}x{k[3]} D={k[4]}: {a['peak_bytes'] / 2**20:.0f} MiB with "
                   f"{b['peak_bytes'] / 2**20:.0f} MiB full ({a['ms']:.3f} ms vs {b['ms']:.3f} ms)")
     print()
-    print("Host overhead (tiny AG+GEMM P2P pipeline, enqueue time per call):")
-    for path, r in host:
-        print(f"- {path}: {json.dumps(r)}")
+    print("Host overhead of a tiny AG+GEMM P2P ring (8x8 blocks), median host time per call; an "
+          "instruction is one host-IR node for us, one eager operation (stream switch or join, "
+          "copy, P2P batch, wait, matmul) for PyTorch:")
+    print()
+    print("| D | who | transport | us per call | instructions | us per instruction |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for _, r in sorted(host, key=lambda x: (x[1].get("devices", x[1].get("D", 0)), "D" in x[1])):
+        if r.get("case") == "host_overhead":
+            print(f"| {r['devices']} | ours | {r.get('transport', '-')} | {r['us_per_call']:.1f} | "
+                  f"{r['nodes']} | {r['us_per_node']:.2f} |")
+        elif r.get("case") == "host_overhead_us_per_call":
+            ops = r.get("ops")
+            per = f"{r['us_per_op']:.2f}" if ops else "-"
+            print(f"| {r['D']} | PyTorch eager | NCCL | {r['us']:.1f} | {ops or '-'} | {per} |")
     worst = max((r.get("relerr", 0) for rs in ours.values() for r in rs), default=0)
     print()
     print(f"Largest relative error of any variant against the sequential result: {worst:.2e}")

@@ -158,21 +158,30 @@ def gemm_rs(b, emit, rank, world, m, k, n, dtype, streams, symm):
 
 
 def host_overhead(emit, rank, world, dtype, streams):
-    """Host time of one tiny AG+GEMM P2P ring step in eager PyTorch (enqueue only)."""
+    """Host time of one tiny AG+GEMM P2P ring in eager PyTorch (enqueue only), per call and
+    per host-side operation (each stream switch or join, copy, P2P batch, wait, matmul)."""
     shard = torch.randn(8, 8, device="cuda", dtype=dtype)
     w = torch.randn(8, 8, device="cuda", dtype=dtype)
     blocks = torch.empty(world, 8, 8, device="cuda", dtype=dtype)
     result = torch.empty(world, 8, 8, device="cuda", dtype=dtype)
+    ops = [0]
 
     def step_all():
         def step(i):
             src, dst = (rank - i) % world, (rank + i) % world
+            ops[0] += 2  # entering and leaving the iteration's stream
             if i == 0:
                 blocks[rank].copy_(shard, non_blocking=True)
+                ops[0] += 1
             else:
-                for req in dist.batch_isend_irecv([dist.P2POp(dist.irecv, blocks[src], src), dist.P2POp(dist.isend, shard, dst)]):
+                reqs = dist.batch_isend_irecv([dist.P2POp(dist.irecv, blocks[src], src), dist.P2POp(dist.isend, shard, dst)])
+                ops[0] += 1
+                for req in reqs:
                     req.wait()
+                    ops[0] += 1
             torch.matmul(blocks[src], w, out=result[src])
+            ops[0] += 1
+        ops[0] += 2 * min(len(streams), world)  # the fork and join of the streams
         over_streams(streams[:world], world, step)
 
     for _ in range(5):
@@ -181,11 +190,12 @@ def host_overhead(emit, rank, world, dtype, streams):
     for _ in range(200):
         torch.cuda.synchronize()
         dist.barrier()
+        ops[0] = 0
         t = time.perf_counter()
         step_all()
         samples.append((time.perf_counter() - t) * 1e6)
     torch.cuda.synchronize()
-    emit("host_overhead_us_per_call", statistics.median(samples))
+    emit("host_overhead_us_per_call", statistics.median(samples), ops[0])
 
 
 def worker(rank, world, args):
@@ -225,7 +235,8 @@ def worker(rank, world, args):
                 if rank == 0:
                     lines[-1]["error"] = repr(err)[:300]
             torch.cuda.empty_cache()
-    host_overhead(lambda case, us: lines.append({"case": case, "D": world, "us": us}) if rank == 0 else None,
+    host_overhead(lambda case, us, ops: lines.append({"case": case, "D": world, "us": us, "ops": ops,
+                                                      "us_per_op": us / ops}) if rank == 0 else None,
                   rank, world, dtype, streams)
     if rank == 0 and args.out:
         with open(args.out, "w") as f:

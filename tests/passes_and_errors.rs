@@ -236,7 +236,7 @@ fn insert_deallocations_lowers_peak_memory_and_never_frees_outputs() {
 #[test]
 fn the_second_call_with_the_same_shapes_does_not_lower_again() {
     let f = ag_matmul_p2p();
-    for d in [2, 4] {
+    for d in [2, 4].into_iter().filter(|&d| runnable(d)) {
         let world = world(d);
         let exec = FusionExecutor::new(f.clone());
         world
@@ -363,6 +363,9 @@ fn call_error(
 #[test]
 fn bad_inputs_name_the_tensor_and_axis() {
     let d = 4;
+    if !runnable(d) {
+        return;
+    }
     let x = Tensor::randn(&[d, 3, 4], F32, 60);
     let y = Tensor::randn(&[4, 5], F32, 61);
     // wrong extent of `b` axis 0 (k = 4 from `a`)
@@ -424,6 +427,9 @@ fn bad_inputs_name_the_tensor_and_axis() {
 
 #[test]
 fn a_world_size_that_does_not_divide_a_sharded_extent_is_an_error() {
+    if !runnable(4) {
+        return;
+    }
     let world = world(4);
     let full = Tensor::randn(&[10, 3], F32, 62);
     let err = world.run(|rank| rank.shard_split(&full, 0)).unwrap_err();
@@ -441,6 +447,9 @@ fn a_world_size_that_does_not_divide_a_sharded_extent_is_an_error() {
 #[test]
 fn an_error_on_one_rank_makes_the_others_return_instead_of_waiting() {
     let d = 4;
+    if !runnable(d) {
+        return;
+    }
     let x = Tensor::randn(&[d, 3, 4], F32, 63);
     let y = Tensor::randn(&[4, 5], F32, 64);
     // Rank 2 passes a bad `b`; the other ranks enter the P2P pipeline and would wait for it.
@@ -461,6 +470,9 @@ fn an_error_on_one_rank_makes_the_others_return_instead_of_waiting() {
 #[test]
 fn a_panicking_rank_is_reported_and_does_not_hang_the_others() {
     let d = 3;
+    if !runnable(d) {
+        return;
+    }
     let world = world(d);
     let exec = FusionExecutor::new(ag_matmul_p2p());
     let x = Tensor::randn(&[d, 3, 4], F32, 65);
@@ -484,6 +496,9 @@ fn a_panicking_rank_is_reported_and_does_not_hang_the_others() {
 #[test]
 fn wrong_preallocated_output_is_an_error() {
     let d = 2;
+    if !runnable(d) {
+        return;
+    }
     let world = world(d);
     let exec = FusionExecutor::new(ag_matmul_p2p());
     let x = Tensor::randn(&[d, 3, 4], F32, 67);

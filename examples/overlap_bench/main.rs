@@ -51,7 +51,10 @@ struct Args {
     streams: String,
     /// Copy-engine transports to try, as mode/stream (`pull`|`push` /
     /// `peer`|`iteration`|`serial`).
-    #[arg(long, default_value = "pull/peer,push/peer,pull/serial,push/iteration")]
+    #[arg(
+        long,
+        default_value = "push/peer,pull/peer,push/serial,pull/serial,push/iteration"
+    )]
     transports: String,
     /// Variants (names as printed) to run once more with a trace; rank 0's timeline is
     /// printed.
@@ -90,6 +93,7 @@ fn opts(
 ) -> ExecOptions {
     let mut lower = LowerOptions {
         p2p_backend: backend,
+        collective_backend: backend,
         stream_buffers,
         ..LowerOptions::default()
     };
@@ -294,9 +298,16 @@ fn run_rs(
     let check = Some((&e.err, &seq, &same as &dyn Fn(&Tensor) -> Result<Tensor>));
     if let Some(t) = transport {
         let tag = t.replace('/', "_");
-        let o = opts(d, CommBackend::CopyEngine, true, true);
+        let mut o = opts(d, CommBackend::CopyEngine, true, true);
         let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
         out.push((format!("p2p_ce_{tag}_n{d}"), s));
+        if t == "push/peer" {
+            // The same pipeline with every iteration's GEMM and transfer on one pool
+            // stream (the seeds' layout): the GEMMs of all iterations then run together.
+            o.lower.compute_first_streams = false;
+            let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
+            out.push((format!("p2p_ce_{tag}_n{d}_one_stream"), s));
+        }
         for &c in &list(&a.chunks) {
             if (m / d) % c != 0 {
                 continue;
@@ -391,16 +402,17 @@ fn print_trace(s: &Sample) {
     }
 }
 
-/// Host cost of a tiny AllGather+GEMM P2P pipeline: per call and per host-IR node.
-fn host_overhead(world: &World, dt: DType) -> Result<(f64, usize)> {
+/// Host cost of a tiny AllGather+GEMM P2P pipeline over `backend`: per call and the
+/// number of host-IR nodes it runs.
+fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64, usize)> {
     let exec = FusionExecutor::new(fusions::ag_matmul_p2p(dt)?);
     let d = world.size();
     let host_a = random(&[d, 8, 8], dt, 99)?;
     let host_b = random(&[8, 8], dt, 98)?;
+    let o = opts(4, backend, true, true);
     let per_rank = world.run(|rank| {
         let a = rank.shard(&host_a, 0)?;
         let b = rank.to_device(&host_b)?;
-        let o = ExecOptions::default();
         let us = host_us(rank, 200, || {
             exec.run_with(rank, &[&a, &b], None, &o).map(|_| ())
         })?;
@@ -505,18 +517,25 @@ fn main() -> Result<()> {
             std::env::remove_var("FUSION_CE_STREAM");
         }
     }
-    let (us, nodes) = host_overhead(&world, dt)?;
-    println!("host overhead: tiny AG+GEMM P2P pipeline {us:.1} us per call, {nodes} host-IR nodes, {:.2} us per node", us / nodes as f64);
+    let mut host_lines = String::new();
+    for (backend, transport) in [
+        (CommBackend::CopyEngine, "copy_engine"),
+        (CommBackend::Nccl, "nccl"),
+    ] {
+        let (us, nodes) = host_overhead(&world, dt, backend)?;
+        let per = us / nodes as f64;
+        println!("host overhead ({transport}): tiny AG+GEMM P2P pipeline {us:.1} us per call, {nodes} host-IR nodes, {per:.2} us per node");
+        host_lines.push_str(&format!(
+            "{{\"case\": \"host_overhead\", \"transport\": \"{transport}\", \"devices\": {d}, \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"us_per_node\": {per:.4}}}\n"
+        ));
+    }
     if let Some(path) = &a.json {
         let mut text = String::new();
         for r in &rows {
             text.push_str(&r.json());
             text.push('\n');
         }
-        text.push_str(&format!(
-            "{{\"case\": \"host_overhead\", \"devices\": {d}, \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"us_per_node\": {:.4}}}\n",
-            us / nodes as f64
-        ));
+        text.push_str(&host_lines);
         std::fs::write(path, text)
             .map_err(|e| fusion::Error::World(format!("writing {path}: {e}")))?;
     }

@@ -57,6 +57,8 @@ pub fn host_us(rank: &Rank, iters: usize, mut call: impl FnMut() -> Result<()>) 
     }
     let mut samples = Vec::with_capacity(iters);
     for _ in 0..iters {
+        // Like the PyTorch baseline: an idle device and all ranks at the start line.
+        rank.synchronize()?;
         barrier(rank)?;
         let t = Instant::now();
         call()?;

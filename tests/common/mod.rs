@@ -17,18 +17,27 @@ pub use reference::RefArray;
 /// The device counts every conformance case tries (where shapes divide).
 pub const DEVICE_COUNTS: [usize; 5] = [1, 2, 3, 4, 8];
 
-/// [`DEVICE_COUNTS`] that this machine can run: all of them on simulated devices; on GPUs
-/// (`FUSION_BACKEND=cuda`) those up to the number of visible GPUs.
-pub fn device_counts() -> Vec<usize> {
+/// Whether this machine can run a world of `d` devices: always on simulated devices; on
+/// GPUs (`FUSION_BACKEND=cuda`) when at least `d` are visible. Prints why when it cannot,
+/// so a skipped case is visible in the test output.
+pub fn runnable(d: usize) -> bool {
     if std::env::var("FUSION_BACKEND").as_deref() != Ok("cuda") {
-        return DEVICE_COUNTS.to_vec();
+        return true;
     }
     let gpus = fusion::runtime::backend::cuda::device_count();
-    let (run, skip): (Vec<usize>, Vec<usize>) = DEVICE_COUNTS.iter().partition(|&&d| d <= gpus);
-    if !skip.is_empty() {
-        eprintln!("skipping device counts {skip:?}: {gpus} GPUs visible");
+    if d > gpus {
+        eprintln!("skipping a world of {d} devices: {gpus} GPUs visible");
     }
-    run
+    d <= gpus
+}
+
+/// [`DEVICE_COUNTS`] that this machine can run (see [`runnable`]).
+pub fn device_counts() -> Vec<usize> {
+    DEVICE_COUNTS
+        .iter()
+        .copied()
+        .filter(|&d| runnable(d))
+        .collect()
 }
 
 /// The dtype of the conformance cases: `FUSION_TEST_DTYPE` (`f32`, `bf16`, `f16`), f32
@@ -52,6 +61,10 @@ pub fn tolerance() -> f64 {
 thread_local! {
     static CONTEXT: std::cell::RefCell<(usize, String)> = const { std::cell::RefCell::new((0, String::new())) };
 }
+
+/// The world most recently opened by any thread: the context of checks made inside rank
+/// threads, which have no [`CONTEXT`] of their own (GPU runs use one test thread).
+static LAST_WORLD: std::sync::Mutex<(usize, String)> = std::sync::Mutex::new((0, String::new()));
 
 /// How a full input reaches each rank.
 #[derive(Clone, Debug)]
@@ -91,6 +104,7 @@ pub fn world(d: usize) -> Arc<World> {
         "cpu"
     };
     CONTEXT.with(|c| *c.borrow_mut() = (d, backend.to_string()));
+    *LAST_WORLD.lock().unwrap_or_else(|p| p.into_inner()) = (d, backend.to_string());
     if backend != "cuda" {
         return Arc::new(World::auto(Some(d)).unwrap_or_else(|e| panic!("world of {d}: {e}")));
     }
@@ -233,16 +247,39 @@ pub fn kinds(nodes: &[Node]) -> Vec<NodeKind> {
     nodes.iter().map(Node::kind).collect()
 }
 
-/// Body of the last top-level for-loop (the main stream loop).
+/// Body of the longest top-level for-loop (the main stream loop; the others only set up
+/// or join streams).
 pub fn main_loop_body(p: &HostProgram) -> Vec<NodeKind> {
     p.body
         .iter()
-        .rev()
-        .find_map(|n| match n {
+        .filter_map(|n| match n {
             Node::ForLoop(l) => Some(kinds(&l.body)),
             _ => None,
         })
+        .rev()
+        .max_by_key(|k| k.len())
         .expect("the program has a for-loop")
+}
+
+/// The then-branch (this device's own chunk) of the first `IfThenElse` in the main loop.
+pub fn local_chunk_branch(p: &HostProgram) -> Vec<NodeKind> {
+    let main = p
+        .body
+        .iter()
+        .filter_map(|n| match n {
+            Node::ForLoop(l) => Some(l),
+            _ => None,
+        })
+        .rev()
+        .max_by_key(|l| l.body.len())
+        .expect("the program has a for-loop");
+    main.body
+        .iter()
+        .find_map(|n| match n {
+            Node::IfThenElse { then_body, .. } => Some(kinds(then_body)),
+            _ => None,
+        })
+        .expect("the main loop branches on the local chunk")
 }
 
 /// Asserts `got` is within `tol` relative Frobenius error of `expected`. With
@@ -251,7 +288,10 @@ pub fn assert_close(expected: &RefArray, got: &Tensor, tol: f64, what: &str) {
     let e = expected.rel_error(got);
     if let Ok(path) = std::env::var("FUSION_RESULTS") {
         use std::io::Write;
-        let (d, backend) = CONTEXT.with(|c| c.borrow().clone());
+        let (d, backend) = match CONTEXT.with(|c| c.borrow().clone()) {
+            (0, _) => LAST_WORLD.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            here => here,
+        };
         let line = format!(
             "{{\"case\": \"{what}\", \"devices\": {d}, \"dtype\": \"{}\", \"backend\": \"{backend}\", \"rel_error\": {e:e}, \"tolerance\": {tol:e}, \"pass\": {}}}\n",
             got.dtype(),

@@ -37,7 +37,10 @@ pub enum P2pSchedule {
 pub struct LowerOptions {
     /// Names of passes to skip (see [`PassManager::standard`]).
     pub disabled_passes: BTreeSet<String>,
-    /// Transport for the P2P pipeline's sends and receives.
+    /// Transport for the P2P pipeline's sends and receives. Copy engines by default: they
+    /// use no SMs, so transfers do not slow the GEMMs they overlap, and every multi-GPU
+    /// CUDA world of the runtime is one process with peer access between its devices
+    /// (creating the world enables it, or fails). The CPU backend ignores the choice.
     pub p2p_backend: CommBackend,
     /// Transport for Allgather and ReduceScatter (NCCL, or copy-engine transfers plus a
     /// local sum for ReduceScatter).
@@ -49,27 +52,36 @@ pub struct LowerOptions {
     /// Give stream-loop intermediates `numberOfStreams` slots instead of the full stream
     /// extent (a slot is reused by every `numberOfStreams`-th iteration, on the same stream).
     pub stream_buffers: bool,
+    /// In stream loops that compute and then communicate (GEMM + ReduceScatter), run the
+    /// compute of every iteration in order on the caller's stream and only the
+    /// communication on the pool stream: iteration `i`'s transfer then overlaps iteration
+    /// `i + 1`'s GEMM, instead of all iterations' GEMMs contending for the SMs at once.
+    pub compute_first_streams: bool,
 }
 
 impl Default for LowerOptions {
     fn default() -> Self {
         LowerOptions {
             disabled_passes: BTreeSet::new(),
-            p2p_backend: CommBackend::Nccl,
+            p2p_backend: CommBackend::CopyEngine,
             collective_backend: CommBackend::Nccl,
             dump_passes: false,
             p2p_schedule: P2pSchedule::Ring,
             stream_buffers: true,
+            compute_first_streams: true,
         }
     }
 }
 
 impl LowerOptions {
-    /// The programs of the seeds: seed-ordered P2P chunks, full-size stream buffers.
+    /// The programs of the seeds: seed-ordered P2P chunks over NCCL, full-size stream
+    /// buffers, every iteration of a stream loop on one pool stream.
     pub fn seed_compatible() -> Self {
         LowerOptions {
             p2p_schedule: P2pSchedule::Seed,
+            p2p_backend: CommBackend::Nccl,
             stream_buffers: false,
+            compute_first_streams: false,
             ..LowerOptions::default()
         }
     }

@@ -2,8 +2,11 @@
 //!
 //! Works on the top-level node list. A buffer's uses include uses of every view of it
 //! (slices, selects, splits, broadcasts), and a use anywhere inside a loop or branch counts
-//! as a use by that top-level node. Inputs, outputs, and buffers an output views or
-//! aliases are never freed.
+//! as a use by that top-level node. A buffer used by pool streams is freed only after the
+//! join that makes the caller's stream wait for them (the stream-sync nodes right after
+//! the last use), so the stream-ordered free cannot hand its memory to new work while a
+//! transfer still reads it. Inputs, outputs, and buffers an output views or aliases are
+//! never freed.
 
 use std::collections::{HashMap, HashSet};
 
@@ -63,7 +66,11 @@ impl Pass for InsertDeallocations {
                 continue;
             }
             if let Some(&i) = last_use.get(&r) {
-                inserts.push((i, r));
+                let mut at = i;
+                while p.body.get(at + 1).is_some_and(is_stream_join) {
+                    at += 1;
+                }
+                inserts.push((at, r));
             }
         }
         inserts.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
@@ -71,6 +78,18 @@ impl Pass for InsertDeallocations {
             p.body.insert(i + 1, Node::Deallocate { tensor: t });
         }
         Ok(())
+    }
+}
+
+/// A node that only orders streams: a `Synchronize`, or a loop of nothing else.
+fn is_stream_join(n: &Node) -> bool {
+    match n {
+        Node::Synchronize { .. } => true,
+        Node::ForLoop(l) => l
+            .body
+            .iter()
+            .all(|m| matches!(m, Node::Synchronize { .. } | Node::SetCurrentStream { .. })),
+        _ => false,
     }
 }
 

@@ -14,13 +14,21 @@
 //!
 //! Two resharding patterns become P2P pipelines inside the loop:
 //! - a `set` turning a DIDx axis into the Stream axis (an allgather, seed 001): the
-//!   device's own chunk is a local copy, every other chunk a coalesced receive + send;
+//!   device's own chunk is a local copy (or, when only the loop reads the gathered stream
+//!   buffer, the local shard itself), every other chunk a coalesced receive + send;
 //! - a sum over the DIDx axis whose output is sharded along the loop's Stream axis (a
 //!   reduce-scatter): each iteration sends the partial result chunk to the device that
 //!   owns it and receives that device's partial for this one; a local sum follows the loop.
 //!
-//! With [`P2pSchedule::Ring`] iteration `i` works on the chunk of device `rank ± i`, so
-//! the local chunk comes first and every send meets its receive in the same iteration.
+//! With [`P2pSchedule::Ring`] an allgather's iteration `i` gathers the chunk of device
+//! `rank - i`, so the local chunk comes first; a reduce-scatter's iteration `i` computes
+//! the partial of device `rank + i + 1`, so the local chunk comes last. Either way every
+//! send meets its receive in the same iteration.
+//!
+//! With `compute_first_streams` (the default), a loop whose local compute precedes its
+//! communication runs that compute on the caller's stream `S`, in order, and only the
+//! communication on the pool stream, which waits for `S`; a join loop after it makes `S`
+//! wait for every pool stream.
 //! With stream buffers on, intermediates produced and consumed inside one loop get
 //! `numberOfStreams` slots instead of the full extent.
 
@@ -267,6 +275,20 @@ impl LoopGroup {
         Ok(linked && f.axis(e.output, s).extent == self.extent)
     }
 
+    /// How many leading exprs are local compute, when communication follows them in the
+    /// loop (0 otherwise: nothing to run ahead of the communication).
+    fn compute_prefix_len(&self, p: &HostProgram, ctx: MeshContext) -> Result<usize> {
+        let mut prefix = 0;
+        for (e, _) in &self.exprs {
+            if !matches!(classify(&p.ir, e, ctx)?, Resharding::Local) {
+                break;
+            }
+            prefix += 1;
+        }
+        let communicates = prefix < self.exprs.len() || self.reduce_scatter.is_some();
+        Ok(if communicates { prefix } else { 0 })
+    }
+
     fn emit(
         self,
         p: &mut HostProgram,
@@ -342,7 +364,23 @@ impl LoopGroup {
                 Node::Synchronize { stream: original },
             ],
         }));
-        let mut body = vec![Node::SetCurrentStream { stream: worker }];
+        // Compute-first: the leading local exprs run on the caller's stream, in order; the
+        // pool stream takes over at the first communication (the folded reduce-scatter
+        // included). The slot a prefix writes was last read by the communication of
+        // iteration `i - numberOfStreams`, on this same pool stream: wait for it first.
+        let prefix = if ctx.options.compute_first_streams {
+            self.compute_prefix_len(p, mesh_ctx)?
+        } else {
+            0
+        };
+        let mut body = if prefix > 0 {
+            vec![
+                Node::SetCurrentStream { stream: original },
+                Node::Synchronize { stream: worker },
+            ]
+        } else {
+            vec![Node::SetCurrentStream { stream: worker }]
+        };
         let mut slicer = Slicer {
             chunk: sched.chunk,
             pool_index,
@@ -351,14 +389,24 @@ impl LoopGroup {
             cache: HashMap::new(),
         };
         let backend = ctx.options.p2p_backend;
-        for (e, s) in &self.exprs {
+        for (k, (e, s)) in self.exprs.iter().enumerate() {
+            if prefix > 0 && k == prefix {
+                body.push(Node::SetCurrentStream { stream: worker });
+                body.push(Node::Synchronize { stream: original });
+            }
             emit_body_expr(p, &mut slicer, &sched, e, *s, backend, &mut body)?;
         }
         if let (Some(rs), Some(slots)) = (&self.reduce_scatter, rs_buffers) {
+            if prefix == self.exprs.len() {
+                body.push(Node::SetCurrentStream { stream: worker });
+                body.push(Node::Synchronize { stream: original });
+            }
             emit_reduce_scatter_step(p, &mut slicer, &sched, rs, slots, backend, &mut body)?;
         }
         body.push(Node::SetCurrentStream { stream: original });
-        body.push(Node::Synchronize { stream: worker });
+        if prefix == 0 {
+            body.push(Node::Synchronize { stream: worker });
+        }
         nodes.push(Node::ForLoop(ForLoop {
             index,
             axis: self.axis,
@@ -366,6 +414,16 @@ impl LoopGroup {
             stop: self.extent,
             body,
         }));
+        if prefix > 0 {
+            // Join: the caller's stream waits for every pool stream's communication.
+            nodes.push(Node::ForLoop(ForLoop {
+                index,
+                axis: self.axis,
+                start: zero,
+                stop: self.extent,
+                body: vec![Node::Synchronize { stream: worker }],
+            }));
+        }
         if let (Some(rs), Some(slots)) = (&self.reduce_scatter, rs_buffers) {
             // The partials of this device's chunk, one per source, summed locally.
             let out = rs.expr.output;
@@ -422,25 +480,31 @@ impl Schedule {
                 rank,
             };
         }
-        // up = (rank + i) % D, down = (rank + D - i) % D.
         let f = &mut p.ir;
         let r_plus_i = f.binary(ScalarOp::Add, rank, index);
-        let up = f.binary(ScalarOp::Mod, r_plus_i, extent);
         let r_plus_d = f.binary(ScalarOp::Add, rank, extent);
-        let r_plus_d_minus_i = f.binary(ScalarOp::Sub, r_plus_d, index);
-        let down = f.binary(ScalarOp::Mod, r_plus_d_minus_i, extent);
         if reduce_scatter {
-            // Iteration i computes the partial chunk of device `up` and sends it there; it
-            // receives device `down`'s partial of this device's chunk.
+            // Iteration i computes the partial chunk of device (rank + i + 1) % D and sends
+            // it there; it receives device (rank + D - 1 - i) % D's partial of this device's
+            // chunk. The local chunk comes last, so no transfer is left after the compute.
+            let one = f.constant(1);
+            let r_plus_i_plus_1 = f.binary(ScalarOp::Add, r_plus_i, one);
+            let to = f.binary(ScalarOp::Mod, r_plus_i_plus_1, extent);
+            let r_plus_d_minus_1 = f.binary(ScalarOp::Sub, r_plus_d, one);
+            let r_plus_d_minus_1_minus_i = f.binary(ScalarOp::Sub, r_plus_d_minus_1, index);
+            let from = f.binary(ScalarOp::Mod, r_plus_d_minus_1_minus_i, extent);
             Schedule {
-                chunk: up,
-                recv_peer: down,
-                send_peer: up,
+                chunk: to,
+                recv_peer: from,
+                send_peer: to,
                 rank,
             }
         } else {
-            // Iteration i gathers the chunk of device `down` from it, and sends this
-            // device's chunk to `up`, which gathers it in the same iteration.
+            // Iteration i gathers the chunk of device down = (rank + D - i) % D from it, and
+            // sends this device's chunk to up = (rank + i) % D, which gathers it now.
+            let up = f.binary(ScalarOp::Mod, r_plus_i, extent);
+            let r_plus_d_minus_i = f.binary(ScalarOp::Sub, r_plus_d, index);
+            let down = f.binary(ScalarOp::Mod, r_plus_d_minus_i, extent);
             Schedule {
                 chunk: down,
                 recv_peer: down,
@@ -674,8 +738,40 @@ fn emit_allgather_step(
 ) -> Result<()> {
     let x = e.inputs[0];
     require_world_mesh(p, x, in_axis)?;
-    let out_slice = slicer.slice(p, e.output, s, body);
     let cond = p.ir.binary(ScalarOp::Eq, sched.chunk, sched.rank);
+    if let Some(&buffer) = slicer.small.get(&e.output) {
+        // Only this loop reads the gathered chunks: the local one needs no copy (the
+        // iteration's slice is the local shard itself); the others land in a slot.
+        let out_slice = slice_tensor(&mut p.ir, buffer, s);
+        slicer.cache.insert((e.output, s), out_slice);
+        let then_body = vec![Node::AliasSelect {
+            input: x,
+            output: out_slice,
+            axis: in_axis,
+            index: slicer.zero,
+        }];
+        let mut else_body = vec![Node::AliasSelect {
+            input: buffer,
+            output: out_slice,
+            axis: s,
+            index: slicer.pool_index,
+        }];
+        else_body.extend(coalesced_exchange(
+            p,
+            out_slice,
+            sched.recv_peer,
+            x,
+            sched.send_peer,
+            backend,
+        ));
+        body.push(Node::IfThenElse {
+            cond,
+            then_body,
+            else_body,
+        });
+        return Ok(());
+    }
+    let out_slice = slicer.slice(p, e.output, s, body);
     let local = slice_tensor(&mut p.ir, x, in_axis);
     let then_body = vec![
         Node::AliasSelect {

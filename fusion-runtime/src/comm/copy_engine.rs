@@ -6,9 +6,11 @@
 //! One side *posts* its buffer (device address + an event after which it is ready), the
 //! other *performs* the copy on its own stream after waiting for that event, then posts a
 //! *done* event, which the poster's stream waits for before it reuses the buffer. In pull
-//! mode the sender posts and the receiver copies (reads over NVLink); in push mode the
-//! receiver posts and the sender copies (writes over NVLink). No host thread ever waits for
-//! device work: they wait only for each other's posts.
+//! mode the sender posts and the receiver copies (reads over NVLink); in push mode (the
+//! default) the receiver posts and the sender copies (writes over NVLink). No host thread
+//! ever waits for device work: they wait only for each other's posts, spinning briefly
+//! before sleeping, since the peer is usually a few microseconds away. Events are pooled
+//! per device and re-recorded once every wait on them has been enqueued.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -30,11 +32,13 @@ pub enum CopyMode {
 }
 
 impl CopyMode {
-    /// `FUSION_CE_MODE=push|pull` (pull by default).
+    /// `FUSION_CE_MODE=push|pull` (push by default: on the H200 NVLink fabric pushed
+    /// GEMM+ReduceScatter pipelines ran 1.7x faster than pulled ones, and AllGather+GEMM
+    /// within a few percent either way; see docs/PERFORMANCE.md).
     pub fn from_env() -> CopyMode {
         match std::env::var("FUSION_CE_MODE").as_deref() {
-            Ok("push") => CopyMode::Push,
-            _ => CopyMode::Pull,
+            Ok("pull") => CopyMode::Pull,
+            _ => CopyMode::Push,
         }
     }
 }
@@ -63,8 +67,12 @@ impl CopyStreams {
     }
 }
 
+/// A pooled event of rank `owner`'s context.
 #[derive(Clone, Copy, Debug)]
-struct Event(sys::CUevent);
+struct Event {
+    raw: sys::CUevent,
+    owner: usize,
+}
 // SAFETY: event handles may be used from any thread; cross-device waits are allowed.
 unsafe impl Send for Event {}
 
@@ -97,7 +105,13 @@ pub(crate) struct CopyRegistry {
     health: Arc<WorldHealth>,
     mode: CopyMode,
     streams: CopyStreams,
+    /// Idle events per rank, ready to be recorded again.
+    events: Vec<Mutex<Vec<Event>>>,
 }
+
+/// How long a host thread spins for a peer's post before sleeping on the condition
+/// variable (a wake-up costs tens of microseconds; a peer is usually closer than that).
+const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 impl CopyRegistry {
     pub(crate) fn new(
@@ -105,6 +119,7 @@ impl CopyRegistry {
         health: Arc<WorldHealth>,
         mode: CopyMode,
     ) -> Self {
+        let events = contexts.iter().map(|_| Mutex::new(Vec::new())).collect();
         CopyRegistry {
             slots: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
@@ -112,7 +127,23 @@ impl CopyRegistry {
             health,
             mode,
             streams: CopyStreams::from_env(),
+            events,
         }
+    }
+
+    fn take_event(&self, owner: usize) -> Option<Event> {
+        self.events[owner]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+    }
+
+    /// Returns an event whose waits have all been enqueued.
+    fn give_event(&self, ev: Event) {
+        self.events[ev.owner]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(ev);
     }
 
     fn update(&self, key: Key, f: impl FnOnce(&mut Slot)) {
@@ -130,6 +161,16 @@ impl CopyRegistry {
         get: impl Fn(&mut Slot) -> Option<T>,
     ) -> Result<T> {
         let start = Instant::now();
+        while start.elapsed() < SPIN {
+            {
+                let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some(v) = get(slots.entry(key).or_default()) {
+                    return Ok(v);
+                }
+            }
+            std::hint::spin_loop();
+            std::thread::yield_now();
+        }
         let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             if let Some(v) = get(slots.entry(key).or_default()) {
@@ -162,6 +203,21 @@ impl CopyRegistry {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&key);
+    }
+}
+
+impl Drop for CopyRegistry {
+    fn drop(&mut self) {
+        for pool in &self.events {
+            for ev in pool
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .drain(..)
+            {
+                // SAFETY: pooled events have no pending record the process still needs.
+                let _ = unsafe { result::event::destroy(ev.raw) };
+            }
+        }
     }
 }
 
@@ -238,9 +294,15 @@ impl CopyEngine {
     }
 
     fn new_event(&self) -> Result<Event> {
+        if let Some(ev) = self.registry.take_event(self.rank) {
+            return Ok(ev);
+        }
         self.device.shared().bind()?;
         result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map(Event)
+            .map(|raw| Event {
+                raw,
+                owner: self.rank,
+            })
             .map_err(|e| self.err(format!("creating a transfer event: {e:?}")))
     }
 
@@ -252,7 +314,7 @@ impl CopyEngine {
     fn record_on(&self, raw: crate::backend::cuda::RawStream) -> Result<Event> {
         let ev = self.new_event()?;
         // SAFETY: an event and a stream of this device's context.
-        unsafe { result::event::record(ev.0, raw.0) }
+        unsafe { result::event::record(ev.raw, raw.0) }
             .map_err(|e| self.err(format!("cuEventRecord: {e:?}")))?;
         Ok(ev)
     }
@@ -265,10 +327,15 @@ impl CopyEngine {
     fn wait_on(&self, raw: crate::backend::cuda::RawStream, ev: Event) -> Result<()> {
         // SAFETY: waiting on an event of any device of this process is allowed.
         unsafe {
-            result::stream::wait_event(raw.0, ev.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                .map_err(|e| self.err(format!("cuStreamWaitEvent: {e:?}")))?;
-            let _ = result::event::destroy(ev.0);
+            result::stream::wait_event(
+                raw.0,
+                ev.raw,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
         }
+        .map_err(|e| self.err(format!("cuStreamWaitEvent: {e:?}")))?;
+        // The wait captured the event's last record: it may be recorded again.
+        self.registry.give_event(ev);
         Ok(())
     }
 

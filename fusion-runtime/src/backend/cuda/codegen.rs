@@ -77,17 +77,71 @@ pub(crate) struct PointwiseSignature<'a> {
     pub inputs: Vec<DType>,
     pub outputs: Vec<(DType, usize)>,
     pub instrs: &'a [PointwiseInstr],
-    /// Every operand is contiguous in the iteration shape: offsets are the linear index.
-    pub contiguous: bool,
+    /// Rank of the coalesced iteration space (see `layout::Layout`), at least 1.
+    pub rank: usize,
+    /// 64-bit index arithmetic (some index or offset exceeds `i32`).
+    pub wide: bool,
 }
 
-/// Parameters: `v[0]` = element count, `v[1]` = rank, `v[2..10]` = shape, then 8 strides
-/// per operand (inputs, then outputs).
+fn index_type(wide: bool) -> &'static str {
+    if wide {
+        "typedef long long idx;\n"
+    } else {
+        "typedef int idx;\n"
+    }
+}
+
+/// Code adding, for linear index `lin` over the extents `shape`, `coordinate * stride` to
+/// each offset variable; the innermost dimension varies fastest, the outermost needs no
+/// division.
+fn decompose(indent: &str, lin: &str, shape: &[String], offsets: &[(&str, Vec<String>)]) -> String {
+    let rank = shape.len();
+    let mut s = String::new();
+    if rank == 1 {
+        for (var, st) in offsets {
+            let _ = writeln!(s, "{indent}{var} += {lin} * {};", st[0]);
+        }
+        return s;
+    }
+    let _ = writeln!(s, "{indent}{{");
+    let _ = writeln!(s, "{indent}  idx rem = {lin};");
+    for d in (1..rank).rev() {
+        let _ = writeln!(
+            s,
+            "{indent}  {{ const idx c = rem % {sh}; rem /= {sh};",
+            sh = shape[d]
+        );
+        for (var, st) in offsets {
+            let _ = writeln!(s, "{indent}    {var} += c * {};", st[d]);
+        }
+        let _ = writeln!(s, "{indent}  }}");
+    }
+    for (var, st) in offsets {
+        let _ = writeln!(s, "{indent}  {var} += rem * {};", st[0]);
+    }
+    let _ = writeln!(s, "{indent}}}");
+    s
+}
+
+/// Declares `const idx {prefix}{d} = (idx)p.v[first + d]` for `d < n`; returns the names.
+fn params(s: &mut String, prefix: &str, first: usize, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|d| {
+            let name = format!("{prefix}{d}");
+            let _ = writeln!(s, "  const idx {name} = (idx)p.v[{}];", first + d);
+            name
+        })
+        .collect()
+}
+
+/// Parameters: `v[0]` = element count, `v[1..1+R]` = the coalesced shape, then `R`
+/// strides per operand (inputs, then outputs).
 pub(crate) fn pointwise_source(sig: &PointwiseSignature<'_>) -> String {
+    let r = sig.rank.max(1);
     let nops = sig.inputs.len() + sig.outputs.len();
-    let nparams = 2 + MAX_RANK + MAX_RANK * nops;
     let mut s = String::from(PRELUDE);
-    let _ = writeln!(s, "struct P {{ long long v[{nparams}]; }};");
+    s.push_str(index_type(sig.wide));
+    let _ = writeln!(s, "struct P {{ long long v[{}]; }};", 1 + r + r * nops);
     let mut args: Vec<String> = sig
         .inputs
         .iter()
@@ -106,27 +160,27 @@ pub(crate) fn pointwise_source(sig: &PointwiseSignature<'_>) -> String {
         "extern \"C\" __global__ void fusion_pointwise({}) {{",
         args.join(", ")
     );
-    s.push_str("  const long long n = p.v[0];\n  const int rank = (int)p.v[1];\n");
-    s.push_str("  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {\n");
-    if sig.contiguous {
-        for k in 0..nops {
-            let _ = writeln!(s, "    const long long o{k} = i;");
-        }
-    } else {
-        for k in 0..nops {
-            let _ = writeln!(s, "    long long o{k} = 0;");
-        }
-        s.push_str("    long long rem = i;\n    for (int d = rank - 1; d >= 0; --d) {\n");
-        s.push_str("      const long long c = rem % p.v[2 + d]; rem /= p.v[2 + d];\n");
-        for k in 0..nops {
-            let _ = writeln!(
-                s,
-                "      o{k} += c * p.v[{} + d];",
-                2 + MAX_RANK + MAX_RANK * k
-            );
-        }
-        s.push_str("    }\n");
-    }
+    s.push_str("  const idx n = (idx)p.v[0];\n");
+    let shape = params(&mut s, "sh", 1, r);
+    let strides: Vec<Vec<String>> = (0..nops)
+        .map(|k| params(&mut s, &format!("st{k}_"), 1 + r + r * k, r))
+        .collect();
+    s.push_str("  for (idx i = (idx)blockIdx.x * (idx)blockDim.x + (idx)threadIdx.x; i < n; i += (idx)gridDim.x * (idx)blockDim.x) {\n");
+    let vars: Vec<String> = (0..nops).map(|k| format!("o{k}")).collect();
+    let _ = writeln!(
+        s,
+        "    idx {};",
+        vars.iter()
+            .map(|v| format!("{v} = 0"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let offsets: Vec<(&str, Vec<String>)> = vars
+        .iter()
+        .zip(&strides)
+        .map(|(v, st)| (v.as_str(), st.clone()))
+        .collect();
+    s.push_str(&decompose("    ", "i", &shape, &offsets));
     let n_in = sig.inputs.len();
     for (i, &dt) in sig.inputs.iter().enumerate() {
         let _ = writeln!(
@@ -156,93 +210,85 @@ pub(crate) fn pointwise_source(sig: &PointwiseSignature<'_>) -> String {
     s
 }
 
+/// What a reduction kernel is specialized on.
+pub(crate) struct ReduceSignature {
+    pub src: DType,
+    pub dst: DType,
+    pub op: ReduceOp,
+    /// Ranks of the coalesced output and reduced iteration spaces, each at least 1.
+    pub out_rank: usize,
+    pub red_rank: usize,
+    pub wide: bool,
+}
+
 /// Reduction kernels, both with the parameters below: `fusion_reduce` uses one block of
 /// 256 threads per output element (long reductions); `fusion_reduce_short` one thread per
 /// output element (many outputs, few reduced elements each: coalesced across threads).
-/// Parameters: n_out, n_red, out_rank, red_rank, then 8 each of out shape, out source
-/// strides, out destination strides, reduced shape, reduced source strides.
-pub(crate) fn reduce_source(src: DType, dst: DType, op: ReduceOp) -> String {
-    let (init, combine) = match op {
+/// Parameters: n_out, n_red, then the output extents, their source strides, their
+/// destination strides (`out_rank` each), the reduced extents and their source strides
+/// (`red_rank` each).
+pub(crate) fn reduce_source(sig: &ReduceSignature) -> String {
+    let (ro, rr) = (sig.out_rank.max(1), sig.red_rank.max(1));
+    let (init, combine) = match sig.op {
         ReduceOp::Sum => ("0.0f", "a + b"),
         ReduceOp::Max => ("-__int_as_float(0x7f800000)", "fmaxf(a, b)"),
     };
+    let (st, dt) = (ctype(sig.src), ctype(sig.dst));
     let mut s = String::from(PRELUDE);
-    let _ = write!(
+    s.push_str(index_type(sig.wide));
+    let _ = writeln!(s, "struct P {{ long long v[{}]; }};", 2 + 3 * ro + 2 * rr);
+    let _ = writeln!(
         s,
-        r#"struct P {{ long long v[{n}]; }};
-__device__ __forceinline__ float combine(float a, float b) {{ return {combine}; }}
-extern "C" __global__ void fusion_reduce(const {st}* __restrict__ src, {dt}* __restrict__ dst, P p) {{
-  __shared__ float buf[256];
-  const long long n_out = p.v[0], n_red = p.v[1];
-  const int out_rank = (int)p.v[2], red_rank = (int)p.v[3];
-  const long long* out_shape = p.v + 4;
-  const long long* out_src = p.v + {o1};
-  const long long* out_dst = p.v + {o2};
-  const long long* red_shape = p.v + {o3};
-  const long long* red_src = p.v + {o4};
-  for (long long o = blockIdx.x; o < n_out; o += gridDim.x) {{
-    long long rem = o, base = 0, doff = 0;
-    for (int d = out_rank - 1; d >= 0; --d) {{
-      const long long c = rem % out_shape[d]; rem /= out_shape[d];
-      base += c * out_src[d]; doff += c * out_dst[d];
-    }}
-    float acc = {init};
-    for (long long j = threadIdx.x; j < n_red; j += blockDim.x) {{
-      long long r = j, off = base;
-      for (int d = red_rank - 1; d >= 0; --d) {{
-        const long long c = r % red_shape[d]; r /= red_shape[d];
-        off += c * red_src[d];
-      }}
-      acc = combine(acc, {ld});
-    }}
-    buf[threadIdx.x] = acc;
-    __syncthreads();
-    for (int w = blockDim.x / 2; w > 0; w >>= 1) {{
-      if (threadIdx.x < w) buf[threadIdx.x] = combine(buf[threadIdx.x], buf[threadIdx.x + w]);
-      __syncthreads();
-    }}
-    if (threadIdx.x == 0) dst[doff] = {stv};
-    __syncthreads();
-  }}
-}}
-extern "C" __global__ void fusion_reduce_short(const {st}* __restrict__ src, {dt}* __restrict__ dst, P p) {{
-  const long long n_out = p.v[0], n_red = p.v[1];
-  const int out_rank = (int)p.v[2], red_rank = (int)p.v[3];
-  const long long* out_shape = p.v + 4;
-  const long long* out_src = p.v + {o1};
-  const long long* out_dst = p.v + {o2};
-  const long long* red_shape = p.v + {o3};
-  const long long* red_src = p.v + {o4};
-  for (long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x; o < n_out; o += (long long)gridDim.x * blockDim.x) {{
-    long long rem = o, base = 0, doff = 0;
-    for (int d = out_rank - 1; d >= 0; --d) {{
-      const long long c = rem % out_shape[d]; rem /= out_shape[d];
-      base += c * out_src[d]; doff += c * out_dst[d];
-    }}
-    float acc = {init};
-    for (long long j = 0; j < n_red; ++j) {{
-      long long r = j, off = base;
-      for (int d = red_rank - 1; d >= 0; --d) {{
-        const long long c = r % red_shape[d]; r /= red_shape[d];
-        off += c * red_src[d];
-      }}
-      acc = combine(acc, {ld});
-    }}
-    dst[doff] = {stout};
-  }}
-}}
-"#,
-        n = 4 + 5 * MAX_RANK,
-        o1 = 4 + MAX_RANK,
-        o2 = 4 + 2 * MAX_RANK,
-        o3 = 4 + 3 * MAX_RANK,
-        o4 = 4 + 4 * MAX_RANK,
-        st = ctype(src),
-        dt = ctype(dst),
-        ld = load(src, "src[off]"),
-        stv = store(dst, "buf[0]"),
-        stout = store(dst, "acc"),
+        "__device__ __forceinline__ float combine(float a, float b) {{ return {combine}; }}"
     );
+    let ld = load(sig.src, "src[off]");
+    for (name, short) in [("fusion_reduce", false), ("fusion_reduce_short", true)] {
+        let _ = writeln!(
+            s,
+            "extern \"C\" __global__ void {name}(const {st}* __restrict__ src, {dt}* __restrict__ dst, P p) {{"
+        );
+        if !short {
+            s.push_str("  __shared__ float buf[256];\n");
+        }
+        s.push_str("  const idx n_out = (idx)p.v[0], n_red = (idx)p.v[1];\n");
+        let osh = params(&mut s, "osh", 2, ro);
+        let osrc = params(&mut s, "osrc", 2 + ro, ro);
+        let odst = params(&mut s, "odst", 2 + 2 * ro, ro);
+        let rsh = params(&mut s, "rsh", 2 + 3 * ro, rr);
+        let rsrc = params(&mut s, "rsrc", 2 + 3 * ro + rr, rr);
+        let out_offsets = [("base", osrc), ("doff", odst)];
+        let red_offsets = [("off", rsrc)];
+        if short {
+            s.push_str("  for (idx o = (idx)blockIdx.x * (idx)blockDim.x + (idx)threadIdx.x; o < n_out; o += (idx)gridDim.x * (idx)blockDim.x) {\n");
+        } else {
+            s.push_str("  for (idx o = blockIdx.x; o < n_out; o += gridDim.x) {\n");
+        }
+        s.push_str("    idx base = 0, doff = 0;\n");
+        s.push_str(&decompose("    ", "o", &osh, &out_offsets));
+        let _ = writeln!(s, "    float acc = {init};");
+        if short {
+            s.push_str("    for (idx j = 0; j < n_red; ++j) {\n");
+        } else {
+            s.push_str("    for (idx j = threadIdx.x; j < n_red; j += blockDim.x) {\n");
+        }
+        s.push_str("      idx off = base;\n");
+        s.push_str(&decompose("      ", "j", &rsh, &red_offsets));
+        let _ = writeln!(s, "      acc = combine(acc, {ld});");
+        s.push_str("    }\n");
+        if short {
+            let _ = writeln!(s, "    dst[doff] = {};", store(sig.dst, "acc"));
+        } else {
+            s.push_str(
+                "    buf[threadIdx.x] = acc;\n    __syncthreads();\n    for (int w = blockDim.x / 2; w > 0; w >>= 1) {\n      if (threadIdx.x < w) buf[threadIdx.x] = combine(buf[threadIdx.x], buf[threadIdx.x + w]);\n      __syncthreads();\n    }\n",
+            );
+            let _ = writeln!(
+                s,
+                "    if (threadIdx.x == 0) dst[doff] = {};\n    __syncthreads();",
+                store(sig.dst, "buf[0]")
+            );
+        }
+        s.push_str("  }\n}\n");
+    }
     s
 }
 
@@ -264,7 +310,8 @@ mod tests {
             inputs: vec![DType::F32, DType::BF16],
             outputs: vec![(DType::F16, 5), (DType::F32, 3)],
             instrs: &instrs,
-            contiguous: false,
+            rank: 3,
+            wide: false,
         };
         let src = pointwise_source(&sig);
         for needle in [
@@ -274,12 +321,60 @@ mod tests {
             "ld_bf16(in1[o1])",
             "st_f16(r5)",
             "out1[o3] = r3",
+            "typedef int idx;",
+            "long long v[16]",
+            "rem % sh2",
+            "o3 += rem * st3_0",
         ] {
             assert!(src.contains(needle), "missing {needle} in\n{src}");
         }
         assert_eq!(src.matches('{').count(), src.matches('}').count());
-        let red = reduce_source(DType::BF16, DType::F32, ReduceOp::Max);
-        assert!(red.contains("fmaxf(a, b)") && red.contains("ld_bf16(src[off])"));
+    }
+
+    #[test]
+    fn rank_one_kernels_do_no_division() {
+        let sig = PointwiseSignature {
+            inputs: vec![DType::BF16],
+            outputs: vec![(DType::BF16, 0)],
+            instrs: &[],
+            rank: 1,
+            wide: true,
+        };
+        let src = pointwise_source(&sig);
+        assert!(src.contains("typedef long long idx;"));
+        assert!(!src.contains("rem") && !src.contains("/="), "{src}");
+        let red = reduce_source(&ReduceSignature {
+            src: DType::BF16,
+            dst: DType::BF16,
+            op: ReduceOp::Sum,
+            out_rank: 1,
+            red_rank: 1,
+            wide: false,
+        });
+        assert!(!red.contains("rem") && !red.contains("/="), "{red}");
+    }
+
+    #[test]
+    fn reduce_source_has_both_kernels_and_balanced_braces() {
+        let red = reduce_source(&ReduceSignature {
+            src: DType::BF16,
+            dst: DType::F32,
+            op: ReduceOp::Max,
+            out_rank: 2,
+            red_rank: 3,
+            wide: false,
+        });
+        for needle in [
+            "fmaxf(a, b)",
+            "ld_bf16(src[off])",
+            "fusion_reduce(",
+            "fusion_reduce_short(",
+            "long long v[14]",
+            "rem % rsh2",
+            "rem % osh1",
+        ] {
+            assert!(red.contains(needle), "missing {needle} in\n{red}");
+        }
         assert_eq!(red.matches('{').count(), red.matches('}').count());
     }
 }

@@ -7,13 +7,16 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::{result, sys};
 use fusion_core::ir::ReduceOp;
 
-use super::codegen::{pointwise_source, reduce_source, PointwiseSignature, MAX_RANK};
+use super::codegen::{
+    pointwise_source, reduce_source, PointwiseSignature, ReduceSignature, MAX_RANK,
+};
 use super::device::CudaDevice;
+use super::layout::{needs_wide_index, Layout};
 use super::libs::driver_err;
 use super::memory::RawStream;
 use crate::backend::PointwiseProgram;
 use crate::error::{Error, Result};
-use crate::tensor::{contiguous_strides, Tensor};
+use crate::tensor::Tensor;
 
 const BLOCK: u32 = 256;
 /// Reductions of at most this many elements per output run one thread per output.
@@ -207,29 +210,34 @@ impl KernelCache {
         if numel == 0 {
             return Ok(());
         }
-        let dense = contiguous_strides(&p.shape);
-        let contiguous = p
+        let operands: Vec<&Tensor> = p
             .inputs
             .iter()
             .chain(p.outputs.iter().map(|o| &o.0))
-            .all(|t| t.strides() == dense.as_slice() || t.is_contiguous());
+            .collect();
+        let strides: Vec<&[isize]> = operands.iter().map(|t| t.strides()).collect();
+        let layout = Layout::coalesced(&p.shape, &strides);
+        let grid = numel.div_ceil(BLOCK as usize).clamp(1, MAX_GRID) as u32;
         let sig = PointwiseSignature {
             inputs: p.inputs.iter().map(|t| t.dtype()).collect(),
             outputs: p.outputs.iter().map(|(t, r)| (t.dtype(), *r)).collect(),
             instrs: &p.instrs,
-            contiguous,
+            rank: layout.rank(),
+            wide: needs_wide_index(
+                numel.max(layout.max_offset() + 1),
+                grid as usize * BLOCK as usize,
+            ),
         };
         let f = self.function(dev, &pointwise_source(&sig), "fusion_pointwise")?;
-        let mut params: Vec<i64> = vec![numel as i64, rank as i64];
-        params.extend(pad(p.shape.iter().map(|&x| x as i64)));
-        for t in p.inputs.iter().chain(p.outputs.iter().map(|o| &o.0)) {
-            params.extend(pad(t.strides().iter().map(|&x| x as i64)));
+        let mut params: Vec<i64> = vec![numel as i64];
+        params.extend(layout.shape.iter().map(|&x| x as i64));
+        for st in &layout.strides {
+            params.extend(st.iter().map(|&x| x as i64));
         }
         let mut ptrs: Vec<u64> = Vec::new();
-        for t in p.inputs.iter().chain(p.outputs.iter().map(|o| &o.0)) {
+        for t in operands {
             ptrs.push(self.device_ptr(t)?);
         }
-        let grid = numel.div_ceil(BLOCK as usize).clamp(1, MAX_GRID) as u32;
         launch(dev, f, grid, stream, &mut ptrs, &mut params)
     }
 
@@ -273,6 +281,11 @@ impl KernelCache {
             return Ok(());
         }
         let n_red: usize = sorted.iter().map(|&d| src.shape()[d]).product();
+        let out_src: Vec<isize> = out_dims.iter().map(|&d| src.strides()[d]).collect();
+        let out = Layout::coalesced(&out_shape, &[&out_src, dst.strides()]);
+        let red_shape: Vec<usize> = sorted.iter().map(|&d| src.shape()[d]).collect();
+        let red_src: Vec<isize> = sorted.iter().map(|&d| src.strides()[d]).collect();
+        let red = Layout::coalesced(&red_shape, &[&red_src]);
         // Few elements per output: a thread each; long reductions: a block each.
         let short = n_red <= SHORT_REDUCTION;
         let name = if short {
@@ -280,32 +293,40 @@ impl KernelCache {
         } else {
             "fusion_reduce"
         };
-        let f = self.function(dev, &reduce_source(src.dtype(), dst.dtype(), op), name)?;
-        let mut params: Vec<i64> = vec![
-            n_out as i64,
-            n_red as i64,
-            out_dims.len() as i64,
-            sorted.len() as i64,
-        ];
-        params.extend(pad(out_shape.iter().map(|&x| x as i64)));
-        params.extend(pad(out_dims.iter().map(|&d| src.strides()[d] as i64)));
-        params.extend(pad(dst.strides().iter().map(|&x| x as i64)));
-        params.extend(pad(sorted.iter().map(|&d| src.shape()[d] as i64)));
-        params.extend(pad(sorted.iter().map(|&d| src.strides()[d] as i64)));
-        let mut ptrs = vec![self.device_ptr(src)?, self.device_ptr(dst)?];
         let grid = if short {
             n_out.div_ceil(BLOCK as usize).clamp(1, MAX_GRID) as u32
         } else {
             n_out.clamp(1, MAX_GRID) as u32
         };
+        let src_reach = out.strides[0]
+            .iter()
+            .zip(&out.shape)
+            .map(|(&st, &n)| st.unsigned_abs() * (n - 1))
+            .sum::<usize>()
+            + red.max_offset();
+        let bound = n_out
+            .max(n_red)
+            .max(src_reach + 1)
+            .max(out.max_offset() + 1);
+        let sig = ReduceSignature {
+            src: src.dtype(),
+            dst: dst.dtype(),
+            op,
+            out_rank: out.rank(),
+            red_rank: red.rank(),
+            wide: needs_wide_index(bound, grid as usize * BLOCK as usize),
+        };
+        let f = self.function(dev, &reduce_source(&sig), name)?;
+        let mut params: Vec<i64> = vec![n_out as i64, n_red as i64];
+        params.extend(out.shape.iter().map(|&x| x as i64));
+        for st in &out.strides {
+            params.extend(st.iter().map(|&x| x as i64));
+        }
+        params.extend(red.shape.iter().map(|&x| x as i64));
+        params.extend(red.strides[0].iter().map(|&x| x as i64));
+        let mut ptrs = vec![self.device_ptr(src)?, self.device_ptr(dst)?];
         launch(dev, f, grid, stream, &mut ptrs, &mut params)
     }
-}
-
-fn pad(it: impl Iterator<Item = i64>) -> Vec<i64> {
-    let mut v: Vec<i64> = it.collect();
-    v.resize(MAX_RANK, 0);
-    v
 }
 
 /// Launches `f` with the device pointers `ptrs` then the parameter block `params`.

@@ -11,6 +11,7 @@ mod device;
 mod gemm;
 pub(crate) mod health;
 mod kernels;
+mod layout;
 mod libs;
 mod memory;
 mod world;
