@@ -28,10 +28,10 @@ step() { # name timeout command...
 } >"$OUT/machine.txt" 2>&1
 export FUSION_RESULTS="$OUT/conformance.jsonl"
 for dt in $DTYPES; do
-    FUSION_TEST_DTYPE=$dt step "conformance-$dt" 240 $BIN/test-conformance --test-threads=1
+    FUSION_TEST_DTYPE=$dt step "conformance-$dt" 240 $BIN/test-conformance --test-threads=1 --nocapture
 done
 unset FUSION_RESULTS
-step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1
+step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1 --nocapture
 step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
 # What a machine without `libnccl.so` reports (gpu-env.sh's symlink directory left out).
 # Only meaningful when the system loader cannot find a libnccl.so of its own.
