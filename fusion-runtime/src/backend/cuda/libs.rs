@@ -26,37 +26,54 @@ pub fn device_count() -> usize {
 /// `with_nccl`), naming what is missing and how to make it loadable.
 pub fn check_libraries(with_nccl: bool) -> Result<()> {
     // SAFETY (all): presence checks only dlopen candidate names.
-    if !driver_present() {
-        return Err(Error::MissingLibrary {
-            library: "libcuda.so (the NVIDIA driver)".into(),
-            hint: "install the NVIDIA driver, or run on the CPU backend (FUSION_BACKEND=cpu)"
-                .into(),
-        });
+    let found = Presence {
+        driver: driver_present(),
+        cublas: unsafe { cudarc::cublas::sys::is_culib_present() },
+        nvrtc: unsafe { cudarc::nvrtc::sys::is_culib_present() },
+        nccl: !with_nccl || unsafe { cudarc::nccl::sys::is_culib_present() },
+    };
+    match first_missing(found) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
-    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-        return Err(Error::MissingLibrary {
-            library: "libcublas.so".into(),
-            hint: "put the CUDA toolkit's lib64 directory (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH"
-                .into(),
-        });
-    }
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(Error::MissingLibrary {
-            library: "libnvrtc.so".into(),
-            hint: "put the CUDA toolkit's lib64 directory (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH"
-                .into(),
-        });
-    }
-    if with_nccl && !unsafe { cudarc::nccl::sys::is_culib_present() } {
-        return Err(Error::MissingLibrary {
-            library: "libnccl.so".into(),
-            hint: "cudarc loads NCCL as `libnccl.so`, but NCCL's Python wheel ships only \
-                   `libnccl.so.2`: run `source scripts/gpu-env.sh`, or make a directory holding a \
-                   symlink `libnccl.so -> /path/to/libnccl.so.2` and put it on LD_LIBRARY_PATH"
-                .into(),
-        });
-    }
-    Ok(())
+}
+
+/// Which of the CUDA libraries could be loaded.
+#[derive(Clone, Copy, Debug)]
+struct Presence {
+    driver: bool,
+    cublas: bool,
+    nvrtc: bool,
+    nccl: bool,
+}
+
+/// The error for the first library that is missing, with its fix.
+fn first_missing(found: Presence) -> Option<Error> {
+    let toolkit =
+        "put the CUDA toolkit's lib64 directory (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH";
+    let (library, hint) = if !found.driver {
+        (
+            "libcuda.so (the NVIDIA driver)",
+            "install the NVIDIA driver, or run on the CPU backend (FUSION_BACKEND=cpu)",
+        )
+    } else if !found.cublas {
+        ("libcublas.so", toolkit)
+    } else if !found.nvrtc {
+        ("libnvrtc.so", toolkit)
+    } else if !found.nccl {
+        (
+            "libnccl.so",
+            "cudarc loads NCCL as `libnccl.so`, but NCCL's Python wheel ships only \
+             `libnccl.so.2`: run `source scripts/gpu-env.sh`, or make a directory holding a \
+             symlink `libnccl.so -> /path/to/libnccl.so.2` and put it on LD_LIBRARY_PATH",
+        )
+    } else {
+        return None;
+    };
+    Some(Error::MissingLibrary {
+        library: library.into(),
+        hint: hint.into(),
+    })
 }
 
 /// A driver error as a backend error.
@@ -64,5 +81,55 @@ pub(crate) fn driver_err(what: &str, e: cudarc::driver::DriverError) -> Error {
     Error::Backend {
         backend: "cuda",
         reason: format!("{what}: {e:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: Presence = Presence {
+        driver: true,
+        cublas: true,
+        nvrtc: true,
+        nccl: true,
+    };
+
+    #[test]
+    fn a_missing_nccl_says_what_to_put_on_the_library_path() {
+        let err = first_missing(Presence { nccl: false, ..ALL }).expect("NCCL is missing");
+        let text = err.to_string();
+        assert!(text.starts_with("cannot load libnccl.so:"), "{text}");
+        for needle in ["LD_LIBRARY_PATH", "libnccl.so.2", "scripts/gpu-env.sh"] {
+            assert!(text.contains(needle), "missing {needle}: {text}");
+        }
+    }
+
+    #[test]
+    fn the_first_missing_library_is_reported() {
+        assert!(first_missing(ALL).is_none());
+        let none = Presence {
+            driver: false,
+            cublas: false,
+            nvrtc: false,
+            nccl: false,
+        };
+        let err = first_missing(none)
+            .expect("everything is missing")
+            .to_string();
+        assert!(
+            err.contains("libcuda.so") && err.contains("FUSION_BACKEND=cpu"),
+            "{err}"
+        );
+        let err = first_missing(Presence {
+            nvrtc: false,
+            ..ALL
+        })
+        .expect("NVRTC is missing")
+        .to_string();
+        assert!(
+            err.contains("libnvrtc.so") && err.contains("LD_LIBRARY_PATH"),
+            "{err}"
+        );
     }
 }
