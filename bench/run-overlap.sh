@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: our overlap benchmark and the PyTorch baseline on the same shapes, on
-# all GPUs (D = 4 on nvidia-h200-x4) and on two of them (D = 2), then the comparison table.
+# all GPUs (D = 4 on nvidia-h200-x4, 8 on nvidia-h200-x8) and on the first 4 and 2 of them,
+# then the comparison table.
 # Binaries come from scripts/stage-gpu.sh (.gpu/bin). Logs and JSON lines go to $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -16,13 +17,19 @@ ARGS=${BENCH_ARGS:-}
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
 } >"$OUT/machine.txt" 2>&1
 n=$(nvidia-smi -L | wc -l)
-timeout 300 $BIN/overlap_bench --json "$OUT/ours-d$n.jsonl" $ARGS >"$OUT/ours-d$n.log" 2>&1; echo "ours D=$n rc=$?"
-timeout 300 python3 bench/torch_baseline.py --out "$OUT/torch-d$n.jsonl" >"$OUT/torch-d$n.log" 2>&1; echo "torch D=$n rc=$?"
-if [ "$n" -gt 2 ] && [ -z "${SKIP_D2:-}" ]; then
-    timeout 200 $BIN/overlap_bench --devices 2 --json "$OUT/ours-d2.jsonl" $ARGS >"$OUT/ours-d2.log" 2>&1; echo "ours D=2 rc=$?"
-    CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 bench/torch_baseline.py --port 29534 --out "$OUT/torch-d2.jsonl" >"$OUT/torch-d2.log" 2>&1; echo "torch D=2 rc=$?"
+# D = all GPUs, then 4 and 2 on the first GPUs where there are more (SKIP_D2=1: all only).
+counts=("$n")
+if [ -z "${SKIP_D2:-}" ]; then
+    for d in 4 2; do [ "$d" -lt "$n" ] && counts+=("$d"); done
 fi
-files=("$OUT/ours-d$n.jsonl" "$OUT/torch-d$n.jsonl")
-[ -f "$OUT/ours-d2.jsonl" ] && files+=("$OUT/ours-d2.jsonl" "$OUT/torch-d2.jsonl")
+files=()
+port=29530
+for d in "${counts[@]}"; do
+    visible=$(seq -s, 0 $((d - 1)))
+    timeout 300 $BIN/overlap_bench --devices "$d" --json "$OUT/ours-d$d.jsonl" $ARGS >"$OUT/ours-d$d.log" 2>&1; echo "ours D=$d rc=$?"
+    port=$((port + 1))
+    CUDA_VISIBLE_DEVICES=$visible timeout 300 python3 bench/torch_baseline.py --port $port --out "$OUT/torch-d$d.jsonl" >"$OUT/torch-d$d.log" 2>&1; echo "torch D=$d rc=$?"
+    files+=("$OUT/ours-d$d.jsonl" "$OUT/torch-d$d.jsonl")
+done
 python3 bench/report.py "${files[@]}" | tee "$OUT/table.md"
 tail -3 "$OUT/ours-d$n.log"
