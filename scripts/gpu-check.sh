@@ -26,6 +26,9 @@ step() { # name timeout command...
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>/dev/null
     echo "libnccl known to the loader: $(ldconfig -p 2>/dev/null | grep -c libnccl) entries"; ldconfig -p 2>/dev/null | grep libnccl
 } >"$OUT/machine.txt" 2>&1
+# Fresh inputs every run (the suite's seeds are shifted by this; rerun with the same value).
+export FUSION_TEST_SEED=${FUSION_TEST_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
+echo "FUSION_TEST_SEED=$FUSION_TEST_SEED" >>"$OUT/machine.txt"
 export FUSION_RESULTS="$OUT/conformance.jsonl"
 for dt in $DTYPES; do
     FUSION_TEST_DTYPE=$dt step "conformance-$dt" 240 $BIN/test-conformance --test-threads=1 --nocapture
@@ -46,6 +49,10 @@ for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p; do
     [ -x "$BIN/$ex" ] && step "example-$ex" 120 $BIN/$ex
 done
 step overlap_trace 120 $BIN/overlap_trace --trace-out "$OUT/overlap_trace.json"
+# Host time of enqueuing a GEMM, a stream wait and a copy kernel (what paces fine pipelines).
+step host_costs 60 $BIN/host_costs --devices 1
+step host_costs_large 60 $BIN/host_costs --devices 1 -m 2048 -k 2048 -n 8192
 cat "$OUT/machine.txt"
 grep -h "rank 0" "$OUT/overlap_trace.log" 2>/dev/null
+cat "$OUT/host_costs.log" "$OUT/host_costs_large.log" 2>/dev/null
 printf '%s\n' "${summary[@]}"

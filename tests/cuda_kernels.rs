@@ -149,6 +149,7 @@ fn gemms_match_the_cpu_backend() {
                             a: &a,
                             b: &b,
                             bias: Some(&bias),
+                            accumulate: false,
                             dst: &dst,
                         },
                     )?;
@@ -169,6 +170,7 @@ fn gemms_match_the_cpu_backend() {
                             a: &a,
                             b: &b,
                             bias: None,
+                            accumulate: false,
                             dst: &dst,
                         },
                     )?;
@@ -190,6 +192,7 @@ fn gemms_match_the_cpu_backend() {
                             a: &a,
                             b: &b,
                             bias: None,
+                            accumulate: false,
                             dst: &dst,
                         },
                     )?;

@@ -1,7 +1,15 @@
-//! Every conformance case of the engine written with `fusion!`: the macro's fusion lowers to
-//! the same printed host program as the builder's (`tests/common/cases.rs`) on every world
-//! size where the case applies, and running it through the typed entry point gives the
-//! same numbers, bit for bit.
+//! Every case of `tests/common/cases.rs` (the fusions of `tests/conformance.rs`) written
+//! with `fusion!`: the macro's fusion lowers to the same printed host program as the
+//! builder's on every world size where the case applies, and running it through the typed
+//! entry point gives the same numbers, bit for bit. Preallocated outputs are checked through
+//! the generated `run_with` too: the buffer passed in is the one written, with the builder's
+//! numbers.
+//!
+//! Not covered here: output aliasing (`alias_output_to_input`, in
+//! `outputs_alias_inputs_without_copies` of the conformance suite) has no `fusion!` syntax
+//! and stays builder-only; the conformance tests that only vary options, schedules or
+//! transports of these fusions are not repeated; and the fusions are f32 (plus bf16 for
+//! AG_matmul_P2p) whatever `FUSION_TEST_DTYPE` says.
 
 mod common;
 
@@ -9,6 +17,7 @@ use common::{assemble, cases, distribute, run, Give, Take, DEVICE_COUNTS};
 use fusion::core::ir::Fusion;
 use fusion::core::lower::{lower, LowerOptions};
 use fusion::prelude::*;
+use fusion::RunReport;
 
 fusion! {
     fn single_set_op<m, n>(t0: Tensor<f32, [m, n]>) -> Tensor<f32, [m @ Stream, n]> {
@@ -107,6 +116,15 @@ fusion! {
         b: Tensor<bf16, [k, n]>,
     ) -> Tensor<bf16, [d @ Stream, m, n]> {
         matmul(a, b)
+    }
+
+    fn matmul_rs_p2p<d, m, k, n>(
+        a: Tensor<f32, [d @ DIDx, d, m, k]>,
+        b: Tensor<f32, [d @ DIDx, k, n]>,
+    ) -> Tensor<f32, [d @ DIDx, m, n]> {
+        let partial: Tensor<f32, [d @ DIDx, d @ Stream, m, n]> =
+            matmul(a, broadcast(b, [false, true, false, false]));
+        sum(partial, 0)
     }
 
     /// Returning an input with another layout copies it: here, an Allgather.
@@ -409,12 +427,7 @@ fn p2p_pipelines() {
         builder: cases::ag_matmul_p2p(DType::F32),
         from_macro: ag_matmul_p2p_f32::build(),
         entry: &entry!(ag_matmul_p2p_f32; 0, 1),
-        inputs: &|d| {
-            vec![
-                (randn(&[d, 4, 8], d as u64), Give::Shard(0)),
-                (randn(&[8, 3], 100 + d as u64), Give::Whole),
-            ]
-        },
+        inputs: &ag_matmul_p2p_inputs,
         take: &|_| Take::Replicated,
         devices: ALL,
     });
@@ -438,6 +451,123 @@ fn p2p_pipelines() {
         take: &|_| Take::Replicated,
         devices: ALL,
     });
+    check(Case {
+        name: "matmul_RS_P2p",
+        builder: cases::matmul_rs_p2p(),
+        from_macro: matmul_rs_p2p::build(),
+        entry: &entry!(matmul_rs_p2p; 0, 1),
+        inputs: &matmul_rs_p2p_inputs,
+        take: &|_| Take::Sharded(0),
+        devices: ALL,
+    });
+}
+
+fn ag_matmul_p2p_inputs(d: usize) -> Vec<(Tensor, Give)> {
+    vec![
+        (randn(&[d, 4, 8], d as u64), Give::Shard(0)),
+        (randn(&[8, 3], 100 + d as u64), Give::Whole),
+    ]
+}
+
+fn matmul_rs_p2p_inputs(d: usize) -> Vec<(Tensor, Give)> {
+    vec![
+        (randn(&[d, d, 3, 4], d as u64), Give::Shard(0)),
+        (randn(&[d, 4, 5], 100 + d as u64), Give::Shard(0)),
+    ]
+}
+
+/// Calls a generated `run_with` with this rank's inputs and, when given, a preallocated
+/// output, each typed by the entry's signature.
+macro_rules! entry_into {
+    ($f:ident; $($i:tt),*) => {
+        |rank: &Rank, ins: &[Tensor], out: Option<&Tensor>| -> fusion::Result<RunReport> {
+            let out = out.map(ranked).transpose()?;
+            $f::run_with(
+                rank,
+                $(&ranked(&ins[$i])?,)*
+                out.as_ref(),
+                &ExecOptions::default(),
+            )
+        }
+    };
+}
+
+type EntryInto<'a> =
+    &'a (dyn Fn(&Rank, &[Tensor], Option<&Tensor>) -> fusion::Result<RunReport> + Sync);
+
+/// Runs the macro's fusion into a NaN-filled output allocated on each rank: the report's
+/// output is that buffer, one allocation fewer than without it, and the buffer holds the
+/// builder's numbers (bit for bit) once assembled.
+fn check_preallocated(
+    name: &str,
+    builder: &Fusion,
+    entry: EntryInto,
+    inputs: &dyn Fn(usize) -> Vec<(Tensor, Give)>,
+    take: &dyn Fn(usize) -> Take,
+    devices: &[usize],
+) {
+    let opts = ExecOptions::default();
+    for &d in devices {
+        let inputs = inputs(d);
+        let take = take(d);
+        let by_builder = run(builder, d, &inputs, std::slice::from_ref(&take), &opts);
+        let world = World::local(d).unwrap();
+        let parts = world
+            .run(|rank| {
+                let local = distribute(rank, &inputs)?;
+                let plain = entry(rank, &local, None)?;
+                let shape = plain.outputs[0].shape().to_vec();
+                let out = rank.to_device(&Tensor::full(&shape, F32, f32::NAN))?;
+                let pre = entry(rank, &local, Some(&out))?;
+                assert!(
+                    pre.outputs[0].shares_storage(&out),
+                    "{name} on {d} devices, rank {}: the output is the given buffer",
+                    rank.index()
+                );
+                assert_eq!(
+                    pre.stats.allocations + 1,
+                    plain.stats.allocations,
+                    "{name} on {d} devices, rank {}: the output is not allocated again",
+                    rank.index()
+                );
+                assert_eq!(
+                    rank.to_host(&plain.outputs[0])?.to_f32_vec()?,
+                    rank.to_host(&out)?.to_f32_vec()?,
+                    "{name} on {d} devices, rank {}: the buffer holds what a plain run returns",
+                    rank.index()
+                );
+                rank.to_host(&out)
+            })
+            .unwrap_or_else(|e| panic!("{name} on {d} devices: {e}"));
+        let by_macro = assemble(&parts, &take);
+        let expected = &by_builder.outputs[0];
+        assert_eq!(by_macro.shape(), expected.shape(), "{name} on {d}");
+        assert_eq!(
+            by_macro.to_f32_vec().unwrap(),
+            expected.to_f32_vec().unwrap(),
+            "{name} on {d} devices: the preallocated output holds other numbers",
+        );
+    }
+}
+
+#[test]
+fn preallocated_outputs_through_run_with() {
+    check_preallocated(
+        "AG_matmul_P2p (f32)",
+        &cases::ag_matmul_p2p(DType::F32),
+        &entry_into!(ag_matmul_p2p_f32; 0, 1),
+        &ag_matmul_p2p_inputs,
+        &|_| Take::Replicated,
+        ALL,
+    );
+    check_preallocated(
+        "matmul_RS_P2p",
+        &cases::matmul_rs_p2p(),
+        &entry_into!(matmul_rs_p2p; 0, 1),
+        &matmul_rs_p2p_inputs,
+        &|_| Take::Sharded(0),
+        ALL,
+    );
 }
 
 #[test]

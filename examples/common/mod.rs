@@ -227,8 +227,8 @@ impl Summary<'_> {
         let c = self.common;
         println!("{}: {}", self.name, self.what);
         println!(
-            "  backend {:?}, {} devices, dtype {}, {} streams",
-            self.world.backend(),
+            "  backend {}, {} devices, dtype {}, {} streams",
+            self.world.backend().name(),
             self.world.size(),
             c.dtype.dtype(),
             c.streams

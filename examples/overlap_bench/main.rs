@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use fusion::core::hir::CommBackend;
-use fusion::core::lower::LowerOptions;
+use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
 use measure::{device_ms, host_us, random};
@@ -50,12 +50,16 @@ struct Args {
     #[arg(long, default_value = "2,4")]
     streams: String,
     /// Copy-engine transports to try, as mode/stream (`pull`|`push` /
-    /// `peer`|`iteration`|`serial`).
+    /// `peer`|`iteration`|`serial`); `push/peer` is the default transport.
     #[arg(
         long,
         default_value = "push/peer,pull/peer,push/serial,pull/serial,push/iteration"
     )]
     transports: String,
+    /// Row sub-chunks per device block of the copy-engine GEMM+RS pipeline to try besides
+    /// the default (`LowerOptions::reduce_scatter_subchunks`), with the push/peer transport.
+    #[arg(long, default_value = "1,2,4")]
+    rs_subchunks: String,
     /// Variants (names as printed) to run once more with a trace; rank 0's timeline is
     /// printed.
     #[arg(long, default_value = "")]
@@ -63,6 +67,10 @@ struct Args {
     /// Write every measurement as JSON lines here.
     #[arg(long)]
     json: Option<String>,
+    /// Seed of the random inputs (default: drawn from the clock, so every run gets fresh
+    /// inputs; printed for a rerun).
+    #[arg(long)]
+    seed: Option<u64>,
     /// Small shapes for a quick run on simulated devices.
     #[arg(long)]
     quick: bool,
@@ -81,6 +89,8 @@ struct Sample {
     nodes: usize,
     /// The timeline of one traced call, when this variant was asked for.
     trace: Option<Vec<fusion::runtime::trace::TraceEvent>>,
+    /// Host time per node kind of that call: (kind, count, microseconds).
+    host: Vec<(String, u32, f64)>,
 }
 
 type Samples = Vec<(String, Sample)>;
@@ -147,16 +157,18 @@ fn variant(
     let ms = device_ms(rank, a.iters, a.warmup, || {
         exec.run_with(rank, inputs, None, o).map(|_| ())
     })?;
-    let traced = ExecOptions {
-        trace: true,
-        ..o.clone()
+    // One more call for the output, memory and host profile (untraced: trace markers
+    // would add host time), and one traced call when traces were asked for.
+    let report = exec.run_with(rank, inputs, None, o)?;
+    let trace = if a.trace.is_empty() {
+        None
+    } else {
+        let traced = ExecOptions {
+            trace: true,
+            ..o.clone()
+        };
+        exec.run_with(rank, inputs, None, &traced)?.trace
     };
-    let report = exec.run_with(
-        rank,
-        inputs,
-        None,
-        if a.trace.is_empty() { o } else { &traced },
-    )?;
     let out = report.outputs[0].clone();
     let relerr = match check {
         Some((err_exec, reference, view)) => rel_error(rank, err_exec, &view(&out)?, reference)?,
@@ -168,7 +180,13 @@ fn variant(
             relerr,
             peak_bytes: report.stats.peak_live_bytes,
             nodes: report.stats.nodes_executed,
-            trace: report.trace,
+            trace,
+            host: report
+                .stats
+                .host_profile()
+                .into_iter()
+                .map(|(k, h)| (format!("{k:?}"), h.count, h.nanos as f64 / 1e3))
+                .collect(),
         },
         out,
     ))
@@ -302,6 +320,24 @@ fn run_rs(
         let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
         out.push((format!("p2p_ce_{tag}_n{d}"), s));
         if t == "push/peer" {
+            // Both pipelines with each block in `c` row ranges: direct (partials sent to
+            // their owner, summed round by round) and the ring (running sums added in the
+            // GEMM epilogue); what the defaults already give is not run twice.
+            for (pipeline, name) in [
+                (ReduceScatterPipeline::Direct, "sub"),
+                (ReduceScatterPipeline::Ring, "ring"),
+            ] {
+                for c in list(&a.rs_subchunks) {
+                    let mut oc = o.clone();
+                    oc.lower.reduce_scatter_subchunks = Some(c);
+                    oc.lower.reduce_scatter_pipeline = pipeline;
+                    if oc.lower.reduce_scatter_plan(d) == o.lower.reduce_scatter_plan(d) {
+                        continue;
+                    }
+                    let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &oc, check)?;
+                    out.push((format!("p2p_ce_{tag}_n{d}_{name}{c}"), s));
+                }
+            }
             // The same pipeline with every iteration's GEMM and transfer on one pool
             // stream (the seeds' layout): the GEMMs of all iterations then run together.
             o.lower.compute_first_streams = false;
@@ -390,6 +426,16 @@ fn print_trace(s: &Sample) {
         busy_ms(events, false),
         overlaps(events).len()
     );
+    let total: f64 = s.host.iter().map(|h| h.2).sum();
+    let per_kind: Vec<String> = s
+        .host
+        .iter()
+        .map(|(k, n, us)| format!("{k} {n}x {:.1}", us / f64::from(*n)))
+        .collect();
+    println!(
+        "    host (rank 0, untraced call): {total:.1} us in leaf nodes; us per node: {}",
+        per_kind.join(", ")
+    );
     for e in events {
         println!(
             "    {:>8.3} {:>8.3}  stream {:<2} chunk {:<4} {}",
@@ -453,6 +499,12 @@ fn main() -> Result<()> {
         rs_coll: FusionExecutor::new(fusions::matmul_rs_collective(dt)?),
         err: FusionExecutor::new(fusions::squared_error(dt)?),
     };
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |t| t.as_nanos() as u64)
+    });
+    println!("overlap_bench: input seed {seed}");
     let mut rows: Vec<Row> = Vec::new();
     let transports: Vec<String> = a
         .transports
@@ -465,10 +517,13 @@ fn main() -> Result<()> {
         let (m, k, n) = (v[0], v[1], v[2]);
         for op in a.ops.split(',') {
             let host: Arc<[Tensor; 2]> = Arc::new(match op {
-                "ag" => [random(&[d, m / d, k], dt, 1)?, random(&[k, n], dt, 2)?],
+                "ag" => [
+                    random(&[d, m / d, k], dt, seed.wrapping_add(1))?,
+                    random(&[k, n], dt, seed.wrapping_add(2))?,
+                ],
                 "rs" => [
-                    random(&[d, m, k / d], dt, 3)?,
-                    random(&[d, k / d, n], dt, 4)?,
+                    random(&[d, m, k / d], dt, seed.wrapping_add(3))?,
+                    random(&[d, k / d, n], dt, seed.wrapping_add(4))?,
                 ],
                 other => return Err(fusion::Error::World(format!("unknown op {other}"))),
             });

@@ -99,11 +99,17 @@ fn expr_string(f: &Fusion, e: &Expr, indent: &str) -> String {
                 fl.join(", ")
             )
         }
-        Op::Matmul => format!(
-            "matmul({},\n{indent}            {})",
-            t(e.inputs[0]),
-            t(e.inputs[1])
-        ),
+        Op::Matmul => {
+            let mut s = format!(
+                "matmul({},\n{indent}            {})",
+                t(e.inputs[0]),
+                t(e.inputs[1])
+            );
+            if let Some(&c) = e.inputs.get(2) {
+                let _ = write!(s, "\n{indent}         + {}", t(c));
+            }
+            s
+        }
         Op::Linear => {
             let mut s = format!(
                 "linear({},\n{indent}            {}",

@@ -52,9 +52,26 @@ pub fn test_dtype() -> DType {
 
 /// Relative-error tolerance for [`test_dtype`]: f32 1e-5, bf16/f16 1e-2.
 pub fn tolerance() -> f64 {
-    match test_dtype() {
+    tolerance_for(test_dtype())
+}
+
+/// Relative-error tolerance for `dtype`: f32 1e-5, bf16/f16 1e-2.
+pub fn tolerance_for(dtype: DType) -> f64 {
+    match dtype {
         DType::F32 => 1e-5,
         DType::BF16 | DType::F16 => 1e-2,
+    }
+}
+
+/// `FUSION_TEST_SEED` (0 when unset): shifts every input seed of the suite, so a run
+/// can draw fresh inputs and still name them for a rerun.
+pub fn test_seed_base() -> u64 {
+    match std::env::var("FUSION_TEST_SEED") {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("FUSION_TEST_SEED={v}: expected an unsigned integer")),
+        Err(_) => 0,
     }
 }
 

@@ -258,6 +258,37 @@ pub enum NodeKind {
     Launch,
 }
 
+impl NodeKind {
+    /// Every kind, in declaration order (`kind as usize` indexes it).
+    pub const ALL: [NodeKind; 25] = [
+        NodeKind::Allocate,
+        NodeKind::Deallocate,
+        NodeKind::ForLoop,
+        NodeKind::IfThenElse,
+        NodeKind::GetCurrentStream,
+        NodeKind::SetCurrentStream,
+        NodeKind::Synchronize,
+        NodeKind::AliasSelect,
+        NodeKind::Communication,
+        NodeKind::P2P,
+        NodeKind::StartCoalescing,
+        NodeKind::EndCoalescing,
+        NodeKind::Wait,
+        NodeKind::Set,
+        NodeKind::Unary,
+        NodeKind::Binary,
+        NodeKind::Cast,
+        NodeKind::Reduction,
+        NodeKind::Broadcast,
+        NodeKind::Matmul,
+        NodeKind::Linear,
+        NodeKind::Select,
+        NodeKind::Slice,
+        NodeKind::Split,
+        NodeKind::Launch,
+    ];
+}
+
 impl Node {
     /// This node's kind.
     pub fn kind(&self) -> NodeKind {
@@ -393,6 +424,16 @@ impl HostProgram {
         match &self.ir.tensor(t).mesh {
             DeviceMesh::World => (0..self.world_size).collect(),
             DeviceMesh::Devices(d) => d.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod kind_tests {
+    #[test]
+    fn node_kinds_index_their_table() {
+        for (i, k) in super::NodeKind::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i, "{k:?}");
         }
     }
 }

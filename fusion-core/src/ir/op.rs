@@ -190,7 +190,9 @@ pub enum Op {
     Broadcast {
         flags: Vec<bool>,
     },
-    /// Batched matrix product with torch broadcasting; output `[batch.., M, N, rK]`.
+    /// Batched matrix product with torch broadcasting; output `[batch.., M, N, rK]`. Lowering
+    /// may give it a third input, the output itself: then `out = out + a @ b` (a running
+    /// sum kept in the GEMM's epilogue, e.g. by the ring reduce-scatter pipeline).
     Matmul,
     /// `x @ w^T (+ bias)`: x `[.., K]`, w `[N, K]`, bias `[N]`; output `[.., N, rK]`.
     Linear,

@@ -32,6 +32,37 @@ pub enum P2pSchedule {
     Seed,
 }
 
+/// How a P2P reduce-scatter pipeline (a sum over DIDx folded into a stream loop) reduces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum ReduceScatterPipeline {
+    /// [`ReduceScatterPipeline::Ring`] on 2 devices, [`ReduceScatterPipeline::Direct`] on
+    /// more: on 4 H200s the ring's twice as many loop iterations cost more host time than
+    /// its missing sum saves, on 2 it is 13-17% faster (docs/PERFORMANCE.md).
+    #[default]
+    Auto,
+    /// Each step sends its partial straight to the device that owns that block; the owner
+    /// sums the `D` partials after the loop (per round, with sub-chunks).
+    Direct,
+    /// A ring: each step's GEMM adds its partial onto the running sum received from the
+    /// next device (in the GEMM's epilogue) and passes the sum on to the previous one; the
+    /// last step's GEMM writes this device's finished block. No sum kernel, and nothing
+    /// left after the last GEMM. Applies when the reduced tensor is the result of the
+    /// loop's last expression, a 2-D matmul per chunk, with compute-first streams;
+    /// otherwise the pipeline is [`ReduceScatterPipeline::Direct`].
+    Ring,
+}
+
+impl ReduceScatterPipeline {
+    /// The pipeline used on `world_size` devices ([`ReduceScatterPipeline::Auto`] decided).
+    pub fn resolve(self, world_size: usize) -> ReduceScatterPipeline {
+        match self {
+            ReduceScatterPipeline::Auto if world_size == 2 => ReduceScatterPipeline::Ring,
+            ReduceScatterPipeline::Auto => ReduceScatterPipeline::Direct,
+            other => other,
+        }
+    }
+}
+
 /// Choices that change the lowered program; part of the executor's cache key.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct LowerOptions {
@@ -57,6 +88,15 @@ pub struct LowerOptions {
     /// communication on the pool stream: iteration `i`'s transfer then overlaps iteration
     /// `i + 1`'s GEMM, instead of all iterations' GEMMs contending for the SMs at once.
     pub compute_first_streams: bool,
+    /// Row ranges per device block in a P2P reduce-scatter pipeline (`None`: 2 for the
+    /// ring, 1 for the direct pipeline). With `c > 1` the loop runs `D * c` iterations over
+    /// `1/c` of each block's rows (the first axis after the Stream axis): the direct
+    /// pipeline in `c` rounds, each summed as soon as its partials arrived; the ring with
+    /// the transfer of one row range behind the GEMMs of the others. A loop whose rows
+    /// cannot be split into contiguous ranges runs unsplit.
+    pub reduce_scatter_subchunks: Option<usize>,
+    /// How P2P reduce-scatter pipelines reduce (see [`ReduceScatterPipeline`]).
+    pub reduce_scatter_pipeline: ReduceScatterPipeline,
 }
 
 impl Default for LowerOptions {
@@ -69,6 +109,8 @@ impl Default for LowerOptions {
             p2p_schedule: P2pSchedule::Ring,
             stream_buffers: true,
             compute_first_streams: true,
+            reduce_scatter_subchunks: None,
+            reduce_scatter_pipeline: ReduceScatterPipeline::Auto,
         }
     }
 }
@@ -82,8 +124,24 @@ impl LowerOptions {
             p2p_backend: CommBackend::Nccl,
             stream_buffers: false,
             compute_first_streams: false,
+            reduce_scatter_pipeline: ReduceScatterPipeline::Direct,
+            reduce_scatter_subchunks: Some(1),
             ..LowerOptions::default()
         }
+    }
+
+    /// The reduce-scatter pipeline and its row ranges per block on `world_size` devices.
+    pub fn reduce_scatter_plan(&self, world_size: usize) -> (ReduceScatterPipeline, usize) {
+        let pipeline = self.reduce_scatter_pipeline.resolve(world_size);
+        let default = if pipeline == ReduceScatterPipeline::Ring {
+            2
+        } else {
+            1
+        };
+        (
+            pipeline,
+            self.reduce_scatter_subchunks.unwrap_or(default).max(1),
+        )
     }
 
     /// Options with the named pass disabled.

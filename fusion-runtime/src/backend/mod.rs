@@ -90,11 +90,13 @@ pub enum Kernel<'a> {
     },
     /// Batched `dst = a @ b (+ bias)`: a `[B.., M, K]`, b `[B.., K, N]`, dst `[B.., M, N]`,
     /// bias `[N]`; all of one rank >= 2, batch axes already broadcast (stride 0), any
-    /// strides. Accumulates in f32.
+    /// strides. Accumulates in f32. With `accumulate`, `dst = dst + a @ b` (no bias): the
+    /// GEMM epilogue adds what `dst` holds, so a running sum needs no separate kernel.
     Gemm {
         a: &'a Tensor,
         b: &'a Tensor,
         bias: Option<&'a Tensor>,
+        accumulate: bool,
         dst: &'a Tensor,
     },
 }

@@ -94,8 +94,10 @@ impl Evaluator<'_> {
     }
 
     fn bind_view(&mut self, t: TensorId, v: Tensor) -> Result<()> {
-        if let Some(bound) = &self.tensors[t.index()] {
-            // A preallocated output that is a view of an input: copy into it.
+        let is_output = self.p.outputs.contains(&t);
+        if let Some(bound) = self.tensors[t.index()].as_ref().filter(|_| is_output) {
+            // A preallocated output that is a view of an input: copy into it. (Any other
+            // bound view is from an earlier loop iteration and is simply rebound.)
             let dst = bound.clone();
             return self
                 .ctx
@@ -207,8 +209,16 @@ impl Evaluator<'_> {
         })
     }
 
-    /// torch.matmul semantics, normalized to one batched GEMM.
+    /// torch.matmul semantics, normalized to one batched GEMM. A third input (from
+    /// lowering, always the output itself) makes it `out += a @ b`.
     fn matmul(&mut self, e: &Expr) -> Result<()> {
+        let accumulate = match e.inputs.get(2) {
+            Some(&c) if c == e.output => true,
+            Some(_) => {
+                return Err(self.op_error(e, "the addend of a matmul must be its output".into()))
+            }
+            None => false,
+        };
         let a0 = self.get(e.inputs[0])?.clone();
         let b0 = self.get(e.inputs[1])?.clone();
         let dst0 = self.get_or_allocate(e.output)?;
@@ -243,6 +253,7 @@ impl Evaluator<'_> {
                 a: &a,
                 b: &b,
                 bias: None,
+                accumulate,
                 dst: &dst,
             },
         )
@@ -277,6 +288,7 @@ impl Evaluator<'_> {
                 a: &a,
                 b: &b,
                 bias: bias.as_ref(),
+                accumulate: false,
                 dst: &dst,
             },
         )

@@ -9,7 +9,9 @@ mod compute;
 
 use std::collections::HashMap;
 
-use fusion_core::hir::{CommId, Communication, HostProgram, Node, P2PDirection, StreamDef, P2P};
+use fusion_core::hir::{
+    CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef, P2P,
+};
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
 pub use bind::{bind_inputs, mesh_devices, SymbolBindings};
@@ -27,6 +29,30 @@ pub struct ExecStats {
     pub allocated_bytes: usize,
     pub peak_live_bytes: usize,
     pub nodes_executed: usize,
+    /// Host time per kind of leaf node (not loops or branches), indexed by
+    /// `NodeKind as usize`: where the interpreter's time goes (see [`Self::host_profile`]).
+    pub host_by_kind: [HostTime; NodeKind::ALL.len()],
+}
+
+/// Host time spent on one kind of host-IR node during a call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostTime {
+    pub count: u32,
+    pub nanos: u64,
+}
+
+impl ExecStats {
+    /// The node kinds that ran, with their host time, most expensive first.
+    pub fn host_profile(&self) -> Vec<(NodeKind, HostTime)> {
+        let mut v: Vec<(NodeKind, HostTime)> = NodeKind::ALL
+            .iter()
+            .zip(self.host_by_kind)
+            .filter(|(_, h)| h.count > 0)
+            .map(|(&k, h)| (k, h))
+            .collect();
+        v.sort_by_key(|h| std::cmp::Reverse(h.1.nanos));
+        v
+    }
 }
 
 /// Everything a call needs besides the program.
@@ -379,6 +405,18 @@ impl<'a> Evaluator<'a> {
 
     fn run_node(&mut self, n: &Node) -> Result<()> {
         self.stats.nodes_executed += 1;
+        if matches!(n, Node::ForLoop(_) | Node::IfThenElse { .. }) {
+            return self.run_node_untimed(n);
+        }
+        let start = std::time::Instant::now();
+        let r = self.run_node_untimed(n);
+        let h = &mut self.stats.host_by_kind[n.kind() as usize];
+        h.count += 1;
+        h.nanos += start.elapsed().as_nanos() as u64;
+        r
+    }
+
+    fn run_node_untimed(&mut self, n: &Node) -> Result<()> {
         match n {
             Node::Allocate { tensor } => {
                 if self.in_mesh[tensor.index()] {

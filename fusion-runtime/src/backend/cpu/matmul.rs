@@ -159,7 +159,16 @@ fn multiply(d: Dims, a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
 }
 
 /// Batched `dst = a @ b (+ bias)`: a `[B.., M, K]`, b `[B.., K, N]`, dst `[B.., M, N]`.
-pub(super) fn gemm(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, dst: &Tensor) -> Result<()> {
+pub(super) fn gemm(
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    accumulate: bool,
+    dst: &Tensor,
+) -> Result<()> {
+    if accumulate && bias.is_some() {
+        return Err(cpu_err("gemm: a bias and accumulate cannot be combined"));
+    }
     let d = validate(a, b, bias, dst)?;
     if d.batches == 0 || d.m == 0 || d.n == 0 {
         return Ok(()); // dst has no elements
@@ -169,6 +178,10 @@ pub(super) fn gemm(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, dst: &Tensor) 
     let mut out = vec![0f32; d.batches * d.m * d.n];
     for (bi, chunk) in out.chunks_mut(d.m * d.n).enumerate() {
         multiply(d, ga.batch(bi), gb.batch(bi), chunk)?;
+    }
+    if accumulate {
+        let held = dst.to_f32_vec()?;
+        out.iter_mut().zip(held).for_each(|(o, h)| *o += h);
     }
     if let Some(bias) = &bias {
         for row in out.chunks_mut(d.n) {
@@ -222,6 +235,7 @@ mod tests {
                 a,
                 b,
                 bias,
+                accumulate: false,
                 dst: &dst,
             },
         )
@@ -312,6 +326,7 @@ mod tests {
                     a: &a,
                     b: &b,
                     bias: Some(&bias),
+                    accumulate: false,
                     dst: &dst,
                 },
             )
@@ -338,6 +353,7 @@ mod tests {
                     a: &a,
                     b: &b,
                     bias: None,
+                    accumulate: false,
                     dst: &dst,
                 },
             )
@@ -376,6 +392,7 @@ mod tests {
                     a: &a,
                     b: &b,
                     bias: None,
+                    accumulate: false,
                     dst: &dst,
                 },
             )
@@ -388,6 +405,7 @@ mod tests {
                     a: &a,
                     b: &b,
                     bias: None,
+                    accumulate: false,
                     dst: &dst,
                 },
             )
@@ -407,6 +425,7 @@ mod tests {
                     a: &t(a),
                     b: &t(b),
                     bias: bias.as_ref(),
+                    accumulate: false,
                     dst: &t(d),
                 },
             )

@@ -139,7 +139,13 @@ impl Device for CpuDevice {
             Kernel::Copy { src, dst } => elementwise::copy(src, dst),
             Kernel::Pointwise(prog) => elementwise::pointwise(prog),
             Kernel::Reduce { op, src, dst, axes } => reduce::reduce(op, src, dst, axes),
-            Kernel::Gemm { a, b, bias, dst } => matmul::gemm(a, b, bias, dst),
+            Kernel::Gemm {
+                a,
+                b,
+                bias,
+                accumulate,
+                dst,
+            } => matmul::gemm(a, b, bias, accumulate, dst),
         }
     }
 

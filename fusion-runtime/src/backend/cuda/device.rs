@@ -366,7 +366,13 @@ impl Device for CudaDevice {
             Kernel::Reduce { op, src, dst, axes } => {
                 self.kernels.reduce(self, raw, op, src, dst, axes)
             }
-            Kernel::Gemm { a, b, bias, dst } => gemm::gemm(self, stream, a, b, bias, dst),
+            Kernel::Gemm {
+                a,
+                b,
+                bias,
+                accumulate,
+                dst,
+            } => gemm::gemm(self, stream, a, b, bias, accumulate, dst),
         }
     }
 

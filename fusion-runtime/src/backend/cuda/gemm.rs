@@ -72,15 +72,19 @@ fn matrix(dev: &CudaDevice, stream: StreamHandle, t: &Tensor) -> Result<(Tensor,
     Ok((c, l))
 }
 
-/// `dst = a @ b (+ bias)`, see [`Kernel::Gemm`].
+/// `dst = a @ b (+ bias)`, or `dst += a @ b` with `accumulate`; see [`Kernel::Gemm`].
 pub(crate) fn gemm(
     dev: &CudaDevice,
     stream: StreamHandle,
     a: &Tensor,
     b: &Tensor,
     bias: Option<&Tensor>,
+    accumulate: bool,
     dst: &Tensor,
 ) -> Result<()> {
+    if accumulate && bias.is_some() {
+        return Err(err("gemm: a bias and accumulate cannot be combined".into()));
+    }
     let r = dst.rank();
     if r < 2 || a.rank() != r || b.rank() != r {
         return Err(err(format!(
@@ -124,11 +128,12 @@ pub(crate) fn gemm(
             dev.execute(stream, Kernel::Copy { src: &full, dst })?;
             1.0
         }
+        None if accumulate => 1.0,
         None => 0.0,
     };
     if k == 0 {
-        // An empty contraction is all zeros (plus the bias already written).
-        if bias.is_none() {
+        // An empty contraction is all zeros (plus the bias or what dst held).
+        if beta == 0.0 {
             fill_zero(dev, stream, dst)?;
         }
         return Ok(());

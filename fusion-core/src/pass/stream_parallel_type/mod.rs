@@ -32,18 +32,23 @@
 //! With stream buffers on, intermediates produced and consumed inside one loop get
 //! `numberOfStreams` slots instead of the full extent.
 
+mod ring;
+mod subchunk;
+
 use std::collections::{HashMap, HashSet};
+
+use subchunk::{RowSlicing, SubChunkPlan};
 
 use super::{Pass, PassContext};
 use crate::error::{Error, Result};
 use crate::hir::{
-    for_each_node, CommBackend, ForLoop, HostProgram, Node, P2PDirection, StreamDef, P2P,
+    for_each_node, CommBackend, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, P2P,
 };
 use crate::ir::{
     axis_map, Expr, Fusion, IterDomain, IterDomainId, IterKind, MemoryType, NamedScalar, Op,
     ParallelType, ScalarId, ScalarOp, TensorId, TensorView,
 };
-use crate::lower::{classify, MeshContext, P2pSchedule, Resharding};
+use crate::lower::{classify, MeshContext, P2pSchedule, ReduceScatterPipeline, Resharding};
 
 /// The stream-lowering pass.
 pub struct StreamParallelType;
@@ -289,6 +294,42 @@ impl LoopGroup {
         Ok(if communicates { prefix } else { 0 })
     }
 
+    /// `Allocate` for every output of the loop's expressions (except `skip`): full size,
+    /// or `numberOfStreams` slots (of one row range each, when sub-chunked) for
+    /// loop-internal intermediates, which the returned map sends to their slot buffer.
+    fn allocate_outputs(
+        &self,
+        p: &mut HostProgram,
+        internal: &HashSet<TensorId>,
+        rows: Option<&RowSlicing>,
+        skip: Option<TensorId>,
+    ) -> (Vec<Node>, HashMap<TensorId, TensorId>) {
+        let n = p.ir.named(NamedScalar::NumberOfStreams);
+        let mut nodes = Vec::new();
+        let mut small = HashMap::new();
+        for (e, s) in &self.exprs {
+            if Some(e.output) == skip {
+                continue;
+            }
+            let t = if internal.contains(&e.output) {
+                let mut resized = vec![(*s, n)];
+                if let Some(r) = rows {
+                    if let Some(&q) = r.rows.get(&e.output) {
+                        let extent = p.ir.axis(e.output, q).extent;
+                        resized.push((q, r.slot_extent(&mut p.ir, extent)));
+                    }
+                }
+                let b = with_axis_extent(&mut p.ir, e.output, &resized);
+                small.insert(e.output, b);
+                b
+            } else {
+                e.output
+            };
+            nodes.push(Node::Allocate { tensor: t });
+        }
+        (nodes, small)
+    }
+
     fn emit(
         self,
         p: &mut HostProgram,
@@ -314,13 +355,64 @@ impl LoopGroup {
                  split them with an unpipelined op",
             ));
         }
+        let (pipeline, subchunks) = ctx.options.reduce_scatter_plan(p.world_size);
+        if let Some(rs) = &self.reduce_scatter {
+            let o = &ctx.options;
+            if pipeline == ReduceScatterPipeline::Ring {
+                if o.compute_first_streams
+                    && self.compute_prefix_len(p, mesh_ctx)? == self.exprs.len()
+                    && ring::applies(p, &self, rs)
+                {
+                    return ring::emit(self, p, ctx, internal, subchunks);
+                }
+                tracing::debug!(
+                    "reduce-scatter pipeline of `{}` runs direct: the ring needs \
+                     compute-first streams and a matmul as the loop's last expression",
+                    p.ir.tensor_name(rs.expr.output)
+                );
+            }
+        }
+        let plan = match &self.reduce_scatter {
+            Some(rs) => {
+                let c = subchunks;
+                let plan = SubChunkPlan::new(&p.ir, &self.exprs, rs, c);
+                if plan.is_none() && c > 1 {
+                    tracing::debug!(
+                        "reduce-scatter pipeline of `{}` runs unsplit: its row axis cannot \
+                         be split into {c} contiguous ranges",
+                        p.ir.tensor_name(rs.expr.output)
+                    );
+                }
+                plan
+            }
+            None => None,
+        };
         let index = p.ir.loop_index("StreamIdx");
         let n = p.ir.named(NamedScalar::NumberOfStreams);
         let pool_index = p.ir.binary(ScalarOp::Mod, index, n);
+        // Sub-chunked: D * c iterations, round `i / D`, ring step `i % D`.
+        let (loop_axis, stop, step, rows) = match &plan {
+            None => (self.axis, self.extent, index, None),
+            Some(plan) => {
+                let c = p.ir.constant(plan.count as i64);
+                let stop = p.ir.binary(ScalarOp::Mul, self.extent, c);
+                let mut dom = p.ir.iter_domain(self.axis).clone();
+                dom.extent = stop;
+                let axis = p.ir.add_iter_domain(dom);
+                let step = p.ir.binary(ScalarOp::Mod, index, self.extent);
+                let sub = p.ir.binary(ScalarOp::Div, index, self.extent);
+                let rows = RowSlicing {
+                    rows: plan.rows.clone(),
+                    sub,
+                    count: c,
+                };
+                (axis, stop, step, Some(rows))
+            }
+        };
         let sched = Schedule::new(
             p,
             ctx.options.p2p_schedule,
-            index,
+            step,
             self.extent,
             has_allgather,
             self.reduce_scatter.is_some(),
@@ -330,18 +422,7 @@ impl LoopGroup {
         let zero = p.ir.constant(0);
 
         // Buffers: full size, or `numberOfStreams` slots for loop-internal intermediates.
-        let mut nodes = Vec::new();
-        let mut small = HashMap::new();
-        for (e, s) in &self.exprs {
-            let t = if internal.contains(&e.output) {
-                let b = with_axis_extent(&mut p.ir, e.output, *s, n);
-                small.insert(e.output, b);
-                b
-            } else {
-                e.output
-            };
-            nodes.push(Node::Allocate { tensor: t });
-        }
+        let (mut nodes, small) = self.allocate_outputs(p, internal, rows.as_ref(), None);
         let rs_buffers = match &self.reduce_scatter {
             Some(rs) => {
                 let slots = reduce_scatter_slots(&mut p.ir, rs, self.extent);
@@ -353,17 +434,13 @@ impl LoopGroup {
             }
             None => None,
         };
+        // With sub-chunks each round sums its rows into this device's block of the output.
+        let out_block = match (&self.reduce_scatter, &rows) {
+            (Some(rs), Some(_)) => Some(select_block(p, rs, zero, &mut nodes)),
+            _ => None,
+        };
         nodes.push(Node::GetCurrentStream { stream: original });
-        nodes.push(Node::ForLoop(ForLoop {
-            index,
-            axis: self.axis,
-            start: zero,
-            stop: self.extent,
-            body: vec![
-                Node::SetCurrentStream { stream: worker },
-                Node::Synchronize { stream: original },
-            ],
-        }));
+        nodes.push(fork_loop(index, loop_axis, zero, stop, original, worker));
         // Compute-first: the leading local exprs run on the caller's stream, in order; the
         // pool stream takes over at the first communication (the folded reduce-scatter
         // included). The slot a prefix writes was last read by the communication of
@@ -386,6 +463,7 @@ impl LoopGroup {
             pool_index,
             zero,
             small,
+            rows,
             cache: HashMap::new(),
         };
         let backend = ctx.options.p2p_backend;
@@ -401,7 +479,17 @@ impl LoopGroup {
                 body.push(Node::SetCurrentStream { stream: worker });
                 body.push(Node::Synchronize { stream: original });
             }
-            emit_reduce_scatter_step(p, &mut slicer, &sched, rs, slots, backend, &mut body)?;
+            let round = match (&plan, out_block) {
+                (Some(plan), Some(block)) => Some(RoundSum {
+                    index,
+                    extent: self.extent,
+                    block,
+                    out_rows: plan.out_rows,
+                }),
+                _ => None,
+            };
+            let step = ReduceScatterStep { rs, slots, round };
+            emit_reduce_scatter_step(p, &mut slicer, &sched, &step, backend, &mut body)?;
         }
         body.push(Node::SetCurrentStream { stream: original });
         if prefix == 0 {
@@ -409,46 +497,80 @@ impl LoopGroup {
         }
         nodes.push(Node::ForLoop(ForLoop {
             index,
-            axis: self.axis,
+            axis: loop_axis,
             start: zero,
-            stop: self.extent,
+            stop,
             body,
         }));
         if prefix > 0 {
-            // Join: the caller's stream waits for every pool stream's communication.
-            nodes.push(Node::ForLoop(ForLoop {
-                index,
-                axis: self.axis,
-                start: zero,
-                stop: self.extent,
-                body: vec![Node::Synchronize { stream: worker }],
-            }));
+            nodes.push(join_loop(index, loop_axis, zero, stop, worker));
         }
-        if let (Some(rs), Some(slots)) = (&self.reduce_scatter, rs_buffers) {
+        if let (Some(rs), Some(slots), None) = (&self.reduce_scatter, rs_buffers, &plan) {
             // The partials of this device's chunk, one per source, summed locally.
-            let out = rs.expr.output;
-            let view = slice_tensor(&mut p.ir, out, rs.out_didx);
-            nodes.push(Node::AliasSelect {
-                input: out,
-                output: view,
-                axis: rs.out_didx,
-                index: zero,
-            });
-            let Op::Reduction { op, .. } = rs.expr.op else {
-                unreachable!("folded reductions are reductions")
-            };
+            let view = select_block(p, rs, zero, &mut nodes);
             let red_axis = slot_axis(&p.ir, view);
-            nodes.push(Node::Compute(Expr {
-                op: Op::Reduction {
-                    op,
-                    axes: vec![red_axis],
-                },
-                inputs: vec![slots],
-                output: view,
-            }));
+            nodes.push(sum_slots(rs, slots, view, red_axis));
         }
         Ok(nodes)
     }
+}
+
+/// `FOR i: SetCurrentStream(worker); Synchronize(original)`: every pool stream starts
+/// after what the caller's stream has queued.
+fn fork_loop(
+    index: ScalarId,
+    axis: IterDomainId,
+    zero: ScalarId,
+    stop: ScalarId,
+    original: StreamId,
+    worker: StreamId,
+) -> Node {
+    Node::ForLoop(ForLoop {
+        index,
+        axis,
+        start: zero,
+        stop,
+        body: vec![
+            Node::SetCurrentStream { stream: worker },
+            Node::Synchronize { stream: original },
+        ],
+    })
+}
+
+/// `FOR i: Synchronize(worker)` on the caller's stream: it waits for every pool stream.
+fn join_loop(
+    index: ScalarId,
+    axis: IterDomainId,
+    zero: ScalarId,
+    stop: ScalarId,
+    worker: StreamId,
+) -> Node {
+    Node::ForLoop(ForLoop {
+        index,
+        axis,
+        start: zero,
+        stop,
+        body: vec![Node::Synchronize { stream: worker }],
+    })
+}
+
+/// Binds (at the program's top level, into `nodes`) this device's block of a folded
+/// reduce-scatter's output: the output without its DIDx axis.
+fn select_block(
+    p: &mut HostProgram,
+    rs: &ReduceScatterFold,
+    zero: ScalarId,
+    nodes: &mut Vec<Node>,
+) -> TensorId {
+    let out = rs.expr.output;
+    let view = slice_tensor(&mut p.ir, out, rs.out_didx);
+    nodes.push(Node::AliasSelect {
+        input: out,
+        output: view,
+        axis: rs.out_didx,
+        index: zero,
+    });
+    view
 }
 
 /// Which chunk an iteration handles and which peers it talks to.
@@ -522,6 +644,8 @@ struct Slicer {
     zero: ScalarId,
     /// Loop-internal tensors -> their `numberOfStreams`-slot buffers.
     small: HashMap<TensorId, TensorId>,
+    /// Row ranges of a sub-chunked reduce-scatter pipeline.
+    rows: Option<RowSlicing>,
     cache: HashMap<(TensorId, usize), TensorId>,
 }
 
@@ -545,61 +669,66 @@ impl Slicer {
                 (t, if broadcast { self.zero } else { self.chunk })
             }
         };
-        let s = slice_tensor(&mut p.ir, source, pos);
+        let mut s = slice_tensor(&mut p.ir, source, pos);
         body.push(Node::AliasSelect {
             input: source,
             output: s,
             axis: pos,
             index,
         });
+        if let Some(rows) = &self.rows {
+            if let Some(&q) = rows.rows.get(&t) {
+                // The row axis in the slice, and in the full tensor (for its extent).
+                let in_slice = if q > pos { q - 1 } else { q };
+                let extent = p.ir.axis(t, q).extent;
+                let slotted = self.small.contains_key(&t);
+                s = rows.emit(p, s, in_slice, extent, slotted, body);
+            }
+        }
         self.cache.insert((t, pos), s);
         s
     }
 }
 
-/// A new tensor: `t` without axis `pos`, as a view (`_l_` in dumps).
-pub(crate) fn slice_tensor(f: &mut Fusion, t: TensorId, pos: usize) -> TensorId {
+/// A new tensor derived from `t`: each axis mapped by `axis` (`None` drops it).
+pub(crate) fn derived_tensor(
+    f: &mut Fusion,
+    t: TensorId,
+    name: Option<String>,
+    memory: MemoryType,
+    axis: impl Fn(usize, IterDomain) -> Option<IterDomain>,
+) -> TensorId {
     let src = f.tensor(t).clone();
-    let axes = src
-        .axes
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != pos)
-        .map(|(_, &d)| {
-            let dom = f.iter_domain(d).clone();
-            f.add_iter_domain(dom)
-        })
-        .collect();
+    let mut axes = Vec::with_capacity(src.axes.len());
+    for (i, &d) in src.axes.iter().enumerate() {
+        if let Some(dom) = axis(i, f.iter_domain(d).clone()) {
+            axes.push(f.add_iter_domain(dom));
+        }
+    }
     f.add_tensor(TensorView {
-        name: None,
+        name,
         dtype: src.dtype,
         axes,
         mesh: src.mesh,
-        memory: MemoryType::Local,
+        memory,
     })
 }
 
-/// A new buffer like `t` whose axis `pos` has extent `extent`.
-fn with_axis_extent(f: &mut Fusion, t: TensorId, pos: usize, extent: ScalarId) -> TensorId {
-    let src = f.tensor(t).clone();
-    let axes = src
-        .axes
-        .iter()
-        .enumerate()
-        .map(|(i, &d)| {
-            let mut dom = f.iter_domain(d).clone();
-            if i == pos {
-                dom.extent = extent;
-            }
-            f.add_iter_domain(dom)
-        })
-        .collect();
-    f.add_tensor(TensorView {
-        name: src.name.map(|n| format!("{n}_slots")),
-        dtype: src.dtype,
-        axes,
-        mesh: src.mesh,
-        memory: MemoryType::Global,
+/// A new tensor: `t` without axis `pos`, as a view (`_l_` in dumps).
+pub(crate) fn slice_tensor(f: &mut Fusion, t: TensorId, pos: usize) -> TensorId {
+    derived_tensor(f, t, None, MemoryType::Local, |i, d| {
+        (i != pos).then_some(d)
+    })
+}
+
+/// A new buffer like `t` with the given `(axis, extent)` changes.
+fn with_axis_extent(f: &mut Fusion, t: TensorId, resized: &[(usize, ScalarId)]) -> TensorId {
+    let name = f.tensor(t).name.as_ref().map(|n| format!("{n}_slots"));
+    derived_tensor(f, t, name, MemoryType::Global, |i, mut d| {
+        if let Some(&(_, extent)) = resized.iter().find(|(pos, _)| *pos == i) {
+            d.extent = extent;
+        }
+        Some(d)
     })
 }
 
@@ -625,6 +754,18 @@ fn reduce_scatter_slots(f: &mut Fusion, rs: &ReduceScatterFold, extent: ScalarId
     let mesh = f.tensor(out).mesh.clone();
     let name = f.tensor(out).name.as_ref().map(|n| format!("{n}_partials"));
     f.new_tensor(name, dtype, axes, mesh)
+}
+
+/// Position of the slot axis in a reduce-scatter's slot buffer: where the output's block
+/// (the output without its DIDx axis `out_didx`) has its reduction axis.
+fn slot_axis_of_block(f: &Fusion, out: TensorId, out_didx: usize) -> usize {
+    f.tensor(out)
+        .axes
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != out_didx)
+        .position(|(_, &d)| f.iter_domain(d).is_reduction())
+        .unwrap_or(0)
 }
 
 /// Position of the slot axis in a reduce-scatter's slot buffer: where the output's local
@@ -795,17 +936,38 @@ fn emit_allgather_step(
     Ok(())
 }
 
+/// What one reduce-scatter step writes to: the slots, and with sub-chunks the round sum.
+struct ReduceScatterStep<'a> {
+    rs: &'a ReduceScatterFold,
+    slots: TensorId,
+    round: Option<RoundSum>,
+}
+
+/// The sum at the end of each round of a sub-chunked reduce-scatter pipeline.
+struct RoundSum {
+    /// The loop index.
+    index: ScalarId,
+    /// The device count (the ring's length).
+    extent: ScalarId,
+    /// This device's block of the output (the output without its DIDx axis).
+    block: TensorId,
+    /// The row axis in the output's `axes`.
+    out_rows: usize,
+}
+
 /// Reduce-scatter step: the iteration's partial chunk goes to its owner (or, for this
 /// device's own chunk, into its slot), and this device receives a partial of its chunk.
+/// With sub-chunks, everything is the round's row range, and the own-chunk step (the
+/// round's last) also waits for the round's receives and sums the round's rows.
 fn emit_reduce_scatter_step(
     p: &mut HostProgram,
     slicer: &mut Slicer,
     sched: &Schedule,
-    rs: &ReduceScatterFold,
-    slots: TensorId,
+    step: &ReduceScatterStep,
     backend: CommBackend,
     body: &mut Vec<Node>,
 ) -> Result<()> {
+    let (rs, slots) = (step.rs, step.slots);
     let x = rs.expr.inputs[0];
     require_world_mesh(p, x, rs.didx)?;
     let s =
@@ -824,42 +986,41 @@ fn emit_reduce_scatter_step(
         index: slicer.zero,
     });
     // The slot axis sits where the output's local view has its reduction axis.
-    let slot_pos = {
-        let out = rs.expr.output;
-        let view_axes: Vec<_> =
-            p.ir.tensor(out)
-                .axes
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| *i != rs.out_didx)
-                .map(|(_, &d)| d)
-                .collect();
-        view_axes
-            .iter()
-            .position(|&d| p.ir.iter_domain(d).is_reduction())
-            .unwrap_or(0)
-    };
-    let own = slice_tensor(&mut p.ir, slots, slot_pos);
-    let then_body = vec![
-        Node::AliasSelect {
-            input: slots,
-            output: own,
-            axis: slot_pos,
-            index: sched.rank,
-        },
-        Node::Compute(Expr {
-            op: Op::Set,
-            inputs: vec![partial],
-            output: own,
-        }),
-    ];
-    let incoming = slice_tensor(&mut p.ir, slots, slot_pos);
-    let mut else_body = vec![Node::AliasSelect {
-        input: slots,
-        output: incoming,
-        axis: slot_pos,
-        index: sched.recv_peer,
-    }];
+    let out = rs.expr.output;
+    let in_block = |q: usize| if q > rs.out_didx { q - 1 } else { q };
+    let slot_pos = slot_axis_of_block(&p.ir, out, rs.out_didx);
+    // A slot (one source's partial), narrowed to the round's rows when sub-chunked.
+    let slot_view =
+        |p: &mut HostProgram, slicer: &Slicer, index: ScalarId, body: &mut Vec<Node>| {
+            let v = slice_tensor(&mut p.ir, slots, slot_pos);
+            body.push(Node::AliasSelect {
+                input: slots,
+                output: v,
+                axis: slot_pos,
+                index,
+            });
+            match (&step.round, &slicer.rows) {
+                (Some(round), Some(rows)) => {
+                    let q = in_block(round.out_rows);
+                    let in_slot = if q > slot_pos { q - 1 } else { q };
+                    let extent = p.ir.axis(out, round.out_rows).extent;
+                    rows.emit(p, v, in_slot, extent, false, body)
+                }
+                _ => v,
+            }
+        };
+    let mut then_body = Vec::new();
+    let own = slot_view(p, slicer, sched.rank, &mut then_body);
+    then_body.push(Node::Compute(Expr {
+        op: Op::Set,
+        inputs: vec![partial],
+        output: own,
+    }));
+    if let (Some(round), Some(rows)) = (&step.round, &slicer.rows) {
+        emit_round_sum(p, rows, round, rs, slots, slot_pos, &mut then_body);
+    }
+    let mut else_body = Vec::new();
+    let incoming = slot_view(p, slicer, sched.recv_peer, &mut else_body);
     else_body.extend(coalesced_exchange(
         p,
         incoming,
@@ -875,6 +1036,62 @@ fn emit_reduce_scatter_step(
         else_body,
     });
     Ok(())
+}
+
+/// The end of a round: wait for the pool streams of the round's other `D - 1` steps
+/// (their receives), then sum the round's rows of every slot into the output block.
+fn emit_round_sum(
+    p: &mut HostProgram,
+    rows: &RowSlicing,
+    round: &RoundSum,
+    rs: &ReduceScatterFold,
+    slots: TensorId,
+    slot_pos: usize,
+    body: &mut Vec<Node>,
+) {
+    // FOR j in 0..D-1: Synchronize Stream((i - 1 - j) % numberOfStreams)
+    let back = p.ir.loop_index("j");
+    let one = p.ir.constant(1);
+    let zero = p.ir.constant(0);
+    let previous = p.ir.binary(ScalarOp::Sub, round.index, one);
+    let earlier = p.ir.binary(ScalarOp::Sub, previous, back);
+    let n = p.ir.named(NamedScalar::NumberOfStreams);
+    let pool = p.ir.binary(ScalarOp::Mod, earlier, n);
+    let stream = p.new_stream(StreamDef::Pool(pool));
+    let others = p.ir.binary(ScalarOp::Sub, round.extent, one);
+    let axis = p.ir.add_iter_domain(IterDomain::new(others));
+    body.push(Node::ForLoop(ForLoop {
+        index: back,
+        axis,
+        start: zero,
+        stop: others,
+        body: vec![Node::Synchronize { stream }],
+    }));
+    let out = rs.expr.output;
+    let q = if round.out_rows > rs.out_didx {
+        round.out_rows - 1
+    } else {
+        round.out_rows
+    };
+    let extent = p.ir.axis(out, round.out_rows).extent;
+    let partials = rows.emit(p, slots, q, extent, false, body);
+    let block = rows.emit(p, round.block, q, extent, false, body);
+    body.push(sum_slots(rs, partials, block, slot_pos));
+}
+
+/// `block = sum(partials, slot_axis)` with the folded reduction's operator.
+fn sum_slots(rs: &ReduceScatterFold, partials: TensorId, block: TensorId, slot: usize) -> Node {
+    let Op::Reduction { op, .. } = rs.expr.op else {
+        unreachable!("folded reductions are reductions")
+    };
+    Node::Compute(Expr {
+        op: Op::Reduction {
+            op,
+            axes: vec![slot],
+        },
+        inputs: vec![partials],
+        output: block,
+    })
 }
 
 /// The op computing one stream slice: axis arguments shift past the removed axis.

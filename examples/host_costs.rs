@@ -1,0 +1,106 @@
+//! Host cost of the device operations a host program is made of: how long the calling
+//! thread spends enqueuing one GEMM, one stream wait and one copy kernel (device work is
+//! not waited for). These bound how fine a pipeline can be before the host, not the GPU,
+//! sets its pace.
+//!
+//! ```sh
+//! cargo run --release --example host_costs -- --devices 1
+//! ```
+
+use std::time::Instant;
+
+use clap::Parser;
+use fusion::runtime::backend::Kernel;
+use fusion::{DType, Rank, Result, Tensor, World};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Devices (default: every GPU, else 4 simulated devices); rank 0 reports.
+    #[arg(long)]
+    devices: Option<usize>,
+    /// GEMM rows, contraction and columns.
+    #[arg(short, default_value_t = 1024)]
+    m: usize,
+    #[arg(short, default_value_t = 2048)]
+    k: usize,
+    #[arg(short, default_value_t = 2048)]
+    n: usize,
+    /// Calls per measurement.
+    #[arg(long, default_value_t = 200)]
+    calls: usize,
+}
+
+/// Median host microseconds per call of `f`, over 5 rounds of `calls` calls, each round
+/// started with an idle device.
+fn host_us(rank: &Rank, calls: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut rounds = Vec::new();
+    for _ in 0..5 {
+        rank.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..calls {
+            f()?;
+        }
+        rounds.push(t.elapsed().as_secs_f64() * 1e6 / calls as f64);
+    }
+    rank.synchronize()?;
+    rounds.sort_by(f64::total_cmp);
+    Ok(rounds[rounds.len() / 2])
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let world = World::auto(a.devices)?;
+    let (m, k, n) = (a.m, a.k, a.n);
+    let host_a = Tensor::randn(&[m, k], DType::BF16, 1);
+    let host_b = Tensor::randn(&[k, n], DType::BF16, 2);
+    let rows = world.run(|rank| {
+        let dev = rank.device();
+        dev.ensure_streams(2)?;
+        let x = rank.to_device(&host_a)?;
+        let y = rank.to_device(&host_b)?;
+        let c = dev.allocate(0, DType::BF16, &[m, n])?;
+        let gemm = |accumulate| {
+            host_us(rank, a.calls, || {
+                dev.execute(
+                    0,
+                    Kernel::Gemm {
+                        a: &x,
+                        b: &y,
+                        bias: None,
+                        accumulate,
+                        dst: &c,
+                    },
+                )
+            })
+        };
+        let plain = gemm(false)?;
+        let acc = gemm(true)?;
+        let wait = host_us(rank, a.calls, || dev.stream_wait(1, 0))?;
+        let small = dev.allocate(0, DType::BF16, &[64, 64])?;
+        let small2 = dev.allocate(0, DType::BF16, &[64, 64])?;
+        let copy = host_us(rank, a.calls, || {
+            dev.execute(
+                0,
+                Kernel::Copy {
+                    src: &small,
+                    dst: &small2,
+                },
+            )
+        })?;
+        Ok(vec![
+            (format!("GEMM {m}x{k}x{n} bf16"), plain),
+            (format!("GEMM {m}x{k}x{n} bf16, accumulating"), acc),
+            ("stream wait (event record + wait)".to_string(), wait),
+            ("copy kernel 64x64".to_string(), copy),
+        ])
+    })?;
+    println!(
+        "host_costs: backend {} devices {} (rank 0)",
+        world.backend().name(),
+        world.size()
+    );
+    for (what, us) in &rows[0] {
+        println!("  {what:<40} {us:>7.2} us per call");
+    }
+    Ok(())
+}
