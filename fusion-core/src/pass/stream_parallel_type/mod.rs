@@ -31,22 +31,34 @@
 //! wait for every pool stream.
 //! With stream buffers on, intermediates produced and consumed inside one loop get
 //! `numberOfStreams` slots instead of the full extent.
+//!
+//! Submodules: `views` (per-iteration slices and derived buffers), `exchange` (the
+//! coalesced send/receive and the allgather step), `direct` and `ring` (the two
+//! reduce-scatter pipelines), `subchunk` (row ranges of a block).
 
+mod direct;
+mod exchange;
 mod ring;
 mod subchunk;
+mod views;
 
 use std::collections::{HashMap, HashSet};
 
+use direct::{
+    emit_reduce_scatter_step, reduce_scatter_slots, slot_axis, sum_slots, ReduceScatterStep,
+    RoundSum,
+};
+use exchange::{coalesced_exchange, emit_allgather_step, require_world_mesh};
 use subchunk::{RowSlicing, SubChunkPlan};
+pub(crate) use views::slice_tensor;
+use views::{derived_tensor, with_axis_extent, Slicer};
 
 use super::{Pass, PassContext};
 use crate::error::{Error, Result};
-use crate::hir::{
-    for_each_node, CommBackend, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, P2P,
-};
+use crate::hir::{for_each_node, CommBackend, ForLoop, HostProgram, Node, StreamDef, StreamId};
 use crate::ir::{
-    axis_map, Expr, Fusion, IterDomain, IterDomainId, IterKind, MemoryType, NamedScalar, Op,
-    ParallelType, ScalarId, ScalarOp, TensorId, TensorView,
+    axis_map, Expr, Fusion, IterDomainId, IterKind, NamedScalar, Op, ParallelType, ScalarId,
+    ScalarOp, TensorId,
 };
 use crate::lower::{classify, MeshContext, P2pSchedule, ReduceScatterPipeline, Resharding};
 
@@ -637,147 +649,6 @@ impl Schedule {
     }
 }
 
-/// Creates (once per tensor and axis) the stream slice of a tensor.
-struct Slicer {
-    chunk: ScalarId,
-    pool_index: ScalarId,
-    zero: ScalarId,
-    /// Loop-internal tensors -> their `numberOfStreams`-slot buffers.
-    small: HashMap<TensorId, TensorId>,
-    /// Row ranges of a sub-chunked reduce-scatter pipeline.
-    rows: Option<RowSlicing>,
-    cache: HashMap<(TensorId, usize), TensorId>,
-}
-
-impl Slicer {
-    fn slice(
-        &mut self,
-        p: &mut HostProgram,
-        t: TensorId,
-        pos: usize,
-        body: &mut Vec<Node>,
-    ) -> TensorId {
-        if let Some(&s) = self.cache.get(&(t, pos)) {
-            return s;
-        }
-        let (source, index) = match self.small.get(&t) {
-            Some(&b) => (b, self.pool_index),
-            None => {
-                let d = p.ir.axis(t, pos);
-                let broadcast =
-                    d.kind == IterKind::Broadcast || p.ir.const_value(d.extent) == Some(1);
-                (t, if broadcast { self.zero } else { self.chunk })
-            }
-        };
-        let mut s = slice_tensor(&mut p.ir, source, pos);
-        body.push(Node::AliasSelect {
-            input: source,
-            output: s,
-            axis: pos,
-            index,
-        });
-        if let Some(rows) = &self.rows {
-            if let Some(&q) = rows.rows.get(&t) {
-                // The row axis in the slice, and in the full tensor (for its extent).
-                let in_slice = if q > pos { q - 1 } else { q };
-                let extent = p.ir.axis(t, q).extent;
-                let slotted = self.small.contains_key(&t);
-                s = rows.emit(p, s, in_slice, extent, slotted, body);
-            }
-        }
-        self.cache.insert((t, pos), s);
-        s
-    }
-}
-
-/// A new tensor derived from `t`: each axis mapped by `axis` (`None` drops it).
-pub(crate) fn derived_tensor(
-    f: &mut Fusion,
-    t: TensorId,
-    name: Option<String>,
-    memory: MemoryType,
-    axis: impl Fn(usize, IterDomain) -> Option<IterDomain>,
-) -> TensorId {
-    let src = f.tensor(t).clone();
-    let mut axes = Vec::with_capacity(src.axes.len());
-    for (i, &d) in src.axes.iter().enumerate() {
-        if let Some(dom) = axis(i, f.iter_domain(d).clone()) {
-            axes.push(f.add_iter_domain(dom));
-        }
-    }
-    f.add_tensor(TensorView {
-        name,
-        dtype: src.dtype,
-        axes,
-        mesh: src.mesh,
-        memory,
-    })
-}
-
-/// A new tensor: `t` without axis `pos`, as a view (`_l_` in dumps).
-pub(crate) fn slice_tensor(f: &mut Fusion, t: TensorId, pos: usize) -> TensorId {
-    derived_tensor(f, t, None, MemoryType::Local, |i, d| {
-        (i != pos).then_some(d)
-    })
-}
-
-/// A new buffer like `t` with the given `(axis, extent)` changes.
-fn with_axis_extent(f: &mut Fusion, t: TensorId, resized: &[(usize, ScalarId)]) -> TensorId {
-    let name = f.tensor(t).name.as_ref().map(|n| format!("{n}_slots"));
-    derived_tensor(f, t, name, MemoryType::Global, |i, mut d| {
-        if let Some(&(_, extent)) = resized.iter().find(|(pos, _)| *pos == i) {
-            d.extent = extent;
-        }
-        Some(d)
-    })
-}
-
-/// The receive buffer of a folded reduce-scatter: one slot per source device, holding a
-/// chunk of the partial result; laid out like the output's local view with the slot axis
-/// where the output has its reduction axis.
-fn reduce_scatter_slots(f: &mut Fusion, rs: &ReduceScatterFold, extent: ScalarId) -> TensorId {
-    let out = rs.expr.output;
-    let x = rs.expr.inputs[0];
-    let mut axes = Vec::new();
-    for (i, &d) in f.tensor(out).axes.iter().enumerate() {
-        if i == rs.out_didx {
-            continue;
-        }
-        let mut dom = f.iter_domain(d).clone();
-        if dom.kind == IterKind::Reduction {
-            dom = IterDomain::new(extent);
-        }
-        dom.parallel = ParallelType::Serial;
-        axes.push(dom);
-    }
-    let dtype = f.tensor(x).dtype;
-    let mesh = f.tensor(out).mesh.clone();
-    let name = f.tensor(out).name.as_ref().map(|n| format!("{n}_partials"));
-    f.new_tensor(name, dtype, axes, mesh)
-}
-
-/// Position of the slot axis in a reduce-scatter's slot buffer: where the output's block
-/// (the output without its DIDx axis `out_didx`) has its reduction axis.
-fn slot_axis_of_block(f: &Fusion, out: TensorId, out_didx: usize) -> usize {
-    f.tensor(out)
-        .axes
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != out_didx)
-        .position(|(_, &d)| f.iter_domain(d).is_reduction())
-        .unwrap_or(0)
-}
-
-/// Position of the slot axis in a reduce-scatter's slot buffer: where the output's local
-/// view has its reduction axis.
-fn slot_axis(f: &Fusion, view: TensorId) -> usize {
-    f.tensor(view)
-        .axes
-        .iter()
-        .position(|&d| f.iter_domain(d).is_reduction())
-        .unwrap_or(0)
-}
-
 fn emit_body_expr(
     p: &mut HostProgram,
     slicer: &mut Slicer,
@@ -817,281 +688,6 @@ fn emit_body_expr(
     let output = slicer.slice(p, e.output, s, body);
     body.push(Node::Compute(Expr { op, inputs, output }));
     Ok(())
-}
-
-/// Requires the tensor on every device of the world, in order (peers are ranks).
-fn require_world_mesh(p: &HostProgram, t: TensorId, axis: usize) -> Result<()> {
-    if p.mesh_of(t) != (0..p.world_size).collect::<Vec<_>>() {
-        return Err(stream_error(
-            &p.ir,
-            t,
-            axis,
-            "a P2P pipeline needs the tensor on every device of the world, in order",
-        ));
-    }
-    Ok(())
-}
-
-fn coalesced_exchange(
-    p: &mut HostProgram,
-    recv: TensorId,
-    recv_peer: ScalarId,
-    send: TensorId,
-    send_peer: ScalarId,
-    backend: CommBackend,
-) -> Vec<Node> {
-    let r = p.new_comm_id();
-    let s = p.new_comm_id();
-    let group = p.new_comm_id();
-    vec![
-        Node::StartCoalescing,
-        Node::P2P(P2P {
-            id: r,
-            direction: P2PDirection::Recv,
-            buffer: recv,
-            peer: recv_peer,
-            backend,
-        }),
-        Node::P2P(P2P {
-            id: s,
-            direction: P2PDirection::Send,
-            buffer: send,
-            peer: send_peer,
-            backend,
-        }),
-        Node::EndCoalescing { id: group },
-        Node::Wait { comm: group },
-    ]
-}
-
-/// Allgather step: `IF chunk == rank` copy the local shard, `ELSE` receive the chunk from
-/// its owner and send the local shard to the device that gathers it now.
-#[allow(clippy::too_many_arguments)]
-fn emit_allgather_step(
-    p: &mut HostProgram,
-    slicer: &mut Slicer,
-    sched: &Schedule,
-    e: &Expr,
-    s: usize,
-    in_axis: usize,
-    backend: CommBackend,
-    body: &mut Vec<Node>,
-) -> Result<()> {
-    let x = e.inputs[0];
-    require_world_mesh(p, x, in_axis)?;
-    let cond = p.ir.binary(ScalarOp::Eq, sched.chunk, sched.rank);
-    if let Some(&buffer) = slicer.small.get(&e.output) {
-        // Only this loop reads the gathered chunks: the local one needs no copy (the
-        // iteration's slice is the local shard itself); the others land in a slot.
-        let out_slice = slice_tensor(&mut p.ir, buffer, s);
-        slicer.cache.insert((e.output, s), out_slice);
-        let then_body = vec![Node::AliasSelect {
-            input: x,
-            output: out_slice,
-            axis: in_axis,
-            index: slicer.zero,
-        }];
-        let mut else_body = vec![Node::AliasSelect {
-            input: buffer,
-            output: out_slice,
-            axis: s,
-            index: slicer.pool_index,
-        }];
-        else_body.extend(coalesced_exchange(
-            p,
-            out_slice,
-            sched.recv_peer,
-            x,
-            sched.send_peer,
-            backend,
-        ));
-        body.push(Node::IfThenElse {
-            cond,
-            then_body,
-            else_body,
-        });
-        return Ok(());
-    }
-    let out_slice = slicer.slice(p, e.output, s, body);
-    let local = slice_tensor(&mut p.ir, x, in_axis);
-    let then_body = vec![
-        Node::AliasSelect {
-            input: x,
-            output: local,
-            axis: in_axis,
-            index: slicer.zero,
-        },
-        Node::Compute(Expr {
-            op: Op::Set,
-            inputs: vec![local],
-            output: out_slice,
-        }),
-    ];
-    let else_body = coalesced_exchange(p, out_slice, sched.recv_peer, x, sched.send_peer, backend);
-    body.push(Node::IfThenElse {
-        cond,
-        then_body,
-        else_body,
-    });
-    Ok(())
-}
-
-/// What one reduce-scatter step writes to: the slots, and with sub-chunks the round sum.
-struct ReduceScatterStep<'a> {
-    rs: &'a ReduceScatterFold,
-    slots: TensorId,
-    round: Option<RoundSum>,
-}
-
-/// The sum at the end of each round of a sub-chunked reduce-scatter pipeline.
-struct RoundSum {
-    /// The loop index.
-    index: ScalarId,
-    /// The device count (the ring's length).
-    extent: ScalarId,
-    /// This device's block of the output (the output without its DIDx axis).
-    block: TensorId,
-    /// The row axis in the output's `axes`.
-    out_rows: usize,
-}
-
-/// Reduce-scatter step: the iteration's partial chunk goes to its owner (or, for this
-/// device's own chunk, into its slot), and this device receives a partial of its chunk.
-/// With sub-chunks, everything is the round's row range, and the own-chunk step (the
-/// round's last) also waits for the round's receives and sums the round's rows.
-fn emit_reduce_scatter_step(
-    p: &mut HostProgram,
-    slicer: &mut Slicer,
-    sched: &Schedule,
-    step: &ReduceScatterStep,
-    backend: CommBackend,
-    body: &mut Vec<Node>,
-) -> Result<()> {
-    let (rs, slots) = (step.rs, step.slots);
-    let x = rs.expr.inputs[0];
-    require_world_mesh(p, x, rs.didx)?;
-    let s =
-        p.ir.find_parallel_axis(x, ParallelType::Stream)
-            .ok_or_else(|| {
-                stream_error(&p.ir, x, rs.didx, "the reduced tensor lost its Stream axis")
-            })?;
-    let chunk = slicer.slice(p, x, s, body);
-    // Drop the (local, extent 1) DIDx axis: the partial of one chunk.
-    let didx_in_chunk = if rs.didx < s { rs.didx } else { rs.didx - 1 };
-    let partial = slice_tensor(&mut p.ir, chunk, didx_in_chunk);
-    body.push(Node::AliasSelect {
-        input: chunk,
-        output: partial,
-        axis: didx_in_chunk,
-        index: slicer.zero,
-    });
-    // The slot axis sits where the output's local view has its reduction axis.
-    let out = rs.expr.output;
-    let in_block = |q: usize| if q > rs.out_didx { q - 1 } else { q };
-    let slot_pos = slot_axis_of_block(&p.ir, out, rs.out_didx);
-    // A slot (one source's partial), narrowed to the round's rows when sub-chunked.
-    let slot_view =
-        |p: &mut HostProgram, slicer: &Slicer, index: ScalarId, body: &mut Vec<Node>| {
-            let v = slice_tensor(&mut p.ir, slots, slot_pos);
-            body.push(Node::AliasSelect {
-                input: slots,
-                output: v,
-                axis: slot_pos,
-                index,
-            });
-            match (&step.round, &slicer.rows) {
-                (Some(round), Some(rows)) => {
-                    let q = in_block(round.out_rows);
-                    let in_slot = if q > slot_pos { q - 1 } else { q };
-                    let extent = p.ir.axis(out, round.out_rows).extent;
-                    rows.emit(p, v, in_slot, extent, false, body)
-                }
-                _ => v,
-            }
-        };
-    let mut then_body = Vec::new();
-    let own = slot_view(p, slicer, sched.rank, &mut then_body);
-    then_body.push(Node::Compute(Expr {
-        op: Op::Set,
-        inputs: vec![partial],
-        output: own,
-    }));
-    if let (Some(round), Some(rows)) = (&step.round, &slicer.rows) {
-        emit_round_sum(p, rows, round, rs, slots, slot_pos, &mut then_body);
-    }
-    let mut else_body = Vec::new();
-    let incoming = slot_view(p, slicer, sched.recv_peer, &mut else_body);
-    else_body.extend(coalesced_exchange(
-        p,
-        incoming,
-        sched.recv_peer,
-        partial,
-        sched.send_peer,
-        backend,
-    ));
-    let cond = p.ir.binary(ScalarOp::Eq, sched.chunk, sched.rank);
-    body.push(Node::IfThenElse {
-        cond,
-        then_body,
-        else_body,
-    });
-    Ok(())
-}
-
-/// The end of a round: wait for the pool streams of the round's other `D - 1` steps
-/// (their receives), then sum the round's rows of every slot into the output block.
-fn emit_round_sum(
-    p: &mut HostProgram,
-    rows: &RowSlicing,
-    round: &RoundSum,
-    rs: &ReduceScatterFold,
-    slots: TensorId,
-    slot_pos: usize,
-    body: &mut Vec<Node>,
-) {
-    // FOR j in 0..D-1: Synchronize Stream((i - 1 - j) % numberOfStreams)
-    let back = p.ir.loop_index("j");
-    let one = p.ir.constant(1);
-    let zero = p.ir.constant(0);
-    let previous = p.ir.binary(ScalarOp::Sub, round.index, one);
-    let earlier = p.ir.binary(ScalarOp::Sub, previous, back);
-    let n = p.ir.named(NamedScalar::NumberOfStreams);
-    let pool = p.ir.binary(ScalarOp::Mod, earlier, n);
-    let stream = p.new_stream(StreamDef::Pool(pool));
-    let others = p.ir.binary(ScalarOp::Sub, round.extent, one);
-    let axis = p.ir.add_iter_domain(IterDomain::new(others));
-    body.push(Node::ForLoop(ForLoop {
-        index: back,
-        axis,
-        start: zero,
-        stop: others,
-        body: vec![Node::Synchronize { stream }],
-    }));
-    let out = rs.expr.output;
-    let q = if round.out_rows > rs.out_didx {
-        round.out_rows - 1
-    } else {
-        round.out_rows
-    };
-    let extent = p.ir.axis(out, round.out_rows).extent;
-    let partials = rows.emit(p, slots, q, extent, false, body);
-    let block = rows.emit(p, round.block, q, extent, false, body);
-    body.push(sum_slots(rs, partials, block, slot_pos));
-}
-
-/// `block = sum(partials, slot_axis)` with the folded reduction's operator.
-fn sum_slots(rs: &ReduceScatterFold, partials: TensorId, block: TensorId, slot: usize) -> Node {
-    let Op::Reduction { op, .. } = rs.expr.op else {
-        unreachable!("folded reductions are reductions")
-    };
-    Node::Compute(Expr {
-        op: Op::Reduction {
-            op,
-            axes: vec![slot],
-        },
-        inputs: vec![partials],
-        output: block,
-    })
 }
 
 /// The op computing one stream slice: axis arguments shift past the removed axis.

@@ -263,7 +263,7 @@ impl RunningSums<'_> {
         let out_didx = self.rs.out_didx;
         // The slot axis of `acc` sits where the output block has its reduction axis; the
         // row axis is the block's first visible axis that is not it.
-        let slot_pos = super::slot_axis_of_block(&p.ir, out, out_didx);
+        let slot_pos = super::direct::slot_axis_of_block(&p.ir, out, out_didx);
         let slot = slice_tensor(&mut p.ir, self.acc, slot_pos);
         let block = slice_tensor(&mut p.ir, out, out_didx);
         let Some(rows) = self.rows else {
