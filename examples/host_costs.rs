@@ -7,6 +7,9 @@
 //! cargo run --release --example host_costs -- --devices 1
 //! ```
 
+#[path = "common/finish.rs"]
+mod finish;
+
 use std::time::Instant;
 
 use clap::Parser;
@@ -47,7 +50,11 @@ fn host_us(rank: &Rank, calls: usize, mut f: impl FnMut() -> Result<()>) -> Resu
     Ok(rounds[rounds.len() / 2])
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    finish::finish(run())
+}
+
+fn run() -> Result<()> {
     let a = Args::parse();
     let world = World::auto(a.devices)?;
     let (m, k, n) = (a.m, a.k, a.n);

@@ -58,7 +58,11 @@ struct Cli {
     common: Common,
 }
 
-fn main() -> fusion::Result<()> {
+fn main() -> std::process::ExitCode {
+    common::finish::finish(run())
+}
+
+fn run() -> fusion::Result<()> {
     let cli = Cli::parse();
     let call: Call = pick!(cli.common.dtype, matmul_ar::call);
     let program: Program = pick!(cli.common.dtype, matmul_ar::program);

@@ -7,6 +7,9 @@
 //! cargo run --release --example overlap_trace -- --devices 4 --trace-out trace.json
 //! ```
 
+#[path = "common/finish.rs"]
+mod finish;
+
 use std::time::Instant;
 
 use clap::Parser;
@@ -85,7 +88,11 @@ fn collective_fusion(dt: DType) -> fusion::Result<Fusion> {
     Ok(b.build()?)
 }
 
-fn main() -> fusion::Result<()> {
+fn main() -> std::process::ExitCode {
+    finish::finish(run())
+}
+
+fn run() -> fusion::Result<()> {
     let args = Args::parse();
     let dt = DType::from_name(&args.dtype)
         .ok_or_else(|| fusion::Error::World(format!("unknown dtype {}", args.dtype)))?;

@@ -2,6 +2,8 @@
 //! rank, the f64 host reference, and the summary. Included with `#[path]` by each example.
 #![allow(dead_code)]
 
+pub mod finish;
+
 use std::time::{Duration, Instant};
 
 /// Stamps out an example's fusion once per element type: `$fusion_in!(f32)` in module

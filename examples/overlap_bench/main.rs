@@ -16,6 +16,9 @@ mod fusions;
 mod measure;
 mod report;
 
+#[path = "../common/finish.rs"]
+mod finish;
+
 use std::sync::Arc;
 
 use clap::Parser;
@@ -474,7 +477,11 @@ fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64,
         .fold((0.0, 0), |acc, x| (acc.0.max(x.0), x.1)))
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    finish::finish(run())
+}
+
+fn run() -> Result<()> {
     let mut a = Args::parse();
     if a.quick {
         a.shapes = "64,32,16;32,32,32".into();
