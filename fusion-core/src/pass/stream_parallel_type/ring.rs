@@ -40,14 +40,13 @@ use crate::pass::PassContext;
 pub(super) fn applies(p: &HostProgram, g: &LoopGroup, rs: &ReduceScatterFold) -> bool {
     let f = &p.ir;
     let x = rs.expr.inputs[0];
-    let Some((last, _)) = g.exprs.last() else {
+    let Some((last, s)) = g.exprs.last() else {
         return false;
     };
-    let (mm, s) = (last, g.exprs.last().map_or(0, |e| e.1));
-    let map = axis_map(f, mm);
+    let map = axis_map(f, last);
     // Each operand is a matrix once its stream slice and DIDx axis are taken away.
-    let matrices = mm.inputs.iter().enumerate().all(|(i, &t)| {
-        let sliced = usize::from(map.producer_axis(i, s).is_some());
+    let matrices = last.inputs.iter().enumerate().all(|(i, &t)| {
+        let sliced = usize::from(map.producer_axis(i, *s).is_some());
         let sharded = usize::from(f.find_parallel_axis(t, ParallelType::DIDx).is_some());
         f.visible_axes(t).len() == 2 + sliced + sharded
     });
