@@ -28,7 +28,7 @@ use std::collections::{HashMap, HashSet};
 use super::subchunk::{RowSlicing, SubChunkPlan};
 use super::{
     coalesced_exchange, emit_body_expr, fork_loop, join_loop, reduce_scatter_slots,
-    require_world_mesh, slice_tensor, LoopGroup, ReduceScatterFold, Schedule, Slicer,
+    require_world_mesh, slice_tensor, stream_error, LoopGroup, ReduceScatterFold, Schedule, Slicer,
 };
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
@@ -184,7 +184,7 @@ pub(super) fn emit(
         rows: slicer.rows.as_ref(),
         zero,
     };
-    let target = sums.bind(p, step, is_last, &mut body);
+    let target = sums.bind(p, step, is_last, &mut body)?;
     let plain = Node::Compute(Expr {
         op: Op::Matmul,
         inputs: operands.clone(),
@@ -205,7 +205,7 @@ pub(super) fn emit(
         Node::SetCurrentStream { stream: worker },
         Node::Synchronize { stream: original },
     ];
-    let next = sums.bind(p, next_step, next_is_last, &mut exchange);
+    let next = sums.bind(p, next_step, next_is_last, &mut exchange)?;
     exchange.extend(coalesced_exchange(p, next, from, target, to, backend));
     body.push(Node::IfThenElse {
         cond: is_last,
@@ -257,7 +257,7 @@ impl RunningSums<'_> {
         step: ScalarId,
         is_last: ScalarId,
         body: &mut Vec<Node>,
-    ) -> TensorId {
+    ) -> Result<TensorId> {
         let out = self.rs.expr.output;
         let out_didx = self.rs.out_didx;
         // The slot axis of `acc` sits where the output block has its reduction axis; the
@@ -281,11 +281,18 @@ impl RunningSums<'_> {
                     index: step,
                 }],
             });
-            return slot;
+            return Ok(slot);
         };
         let row_in_block = (0..p.ir.tensor(block).axes.len())
             .find(|&q| q != slot_pos && !p.ir.axis(block, q).is_reduction())
-            .expect("a 2-D block has a row axis");
+            .ok_or_else(|| {
+                stream_error(
+                    &p.ir,
+                    out,
+                    out_didx,
+                    "the ring needs a row axis in this device's block of the output",
+                )
+            })?;
         let row_in_slot = if row_in_block > slot_pos {
             row_in_block - 1
         } else {
@@ -330,6 +337,6 @@ impl RunningSums<'_> {
             then_body,
             else_body,
         });
-        view
+        Ok(view)
     }
 }
