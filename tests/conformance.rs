@@ -11,8 +11,13 @@ use fusion::core::hir::NodeKind::{self, *};
 use fusion::core::ir::ParallelType;
 use fusion::{DType, ExecOptions, Tensor};
 
+/// The default options, with the stream-order race checker on (as for every case run
+/// through `common::run`).
 fn opts() -> ExecOptions {
-    ExecOptions::default()
+    ExecOptions {
+        race_check: true,
+        ..ExecOptions::default()
+    }
 }
 
 /// The input seed of a case: fixed by default, so that a failure reproduces; with

@@ -60,6 +60,16 @@ pub enum Error {
     /// A rank's closure panicked.
     #[error("rank {rank} panicked: {message}")]
     Panic { rank: usize, message: String },
+    /// The race checker found two accesses the program's stream order leaves unordered
+    /// (boxed: it names both sides).
+    #[error("race check: {0}")]
+    Race(Box<crate::eval::RaceError>),
+}
+
+impl From<crate::eval::RaceError> for Error {
+    fn from(e: crate::eval::RaceError) -> Self {
+        Error::Race(Box::new(e))
+    }
 }
 
 fn axis_suffix(axis: Option<usize>) -> String {

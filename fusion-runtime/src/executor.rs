@@ -16,7 +16,10 @@ use fusion_core::lower::{lower, LowerOptions};
 
 use crate::backend::BackendKind;
 use crate::error::Result;
-use crate::eval::{bind_inputs, execute, CallContext, ExecStats, SymbolBindings, TraceEvent};
+use crate::eval::{
+    bind_inputs, execute, race_check_from_env, CallContext, ExecStats, RaceCheck, SymbolBindings,
+    TraceEvent,
+};
 use crate::tensor::Tensor;
 use crate::world::Rank;
 
@@ -29,6 +32,10 @@ pub struct ExecOptions {
     /// Record a timeline of communications and kernels ([`RunReport::trace`]); the call
     /// then waits for the device at its end.
     pub trace: bool,
+    /// Check the host program's stream order while it runs (`eval::race`; also on for
+    /// every call with `FUSION_RACE_CHECK=1`): a race fails the call with
+    /// [`crate::Error::Race`], and [`RunReport::race`] holds the order it checked.
+    pub race_check: bool,
 }
 
 impl Default for ExecOptions {
@@ -37,6 +44,7 @@ impl Default for ExecOptions {
             number_of_streams: 4,
             lower: LowerOptions::default(),
             trace: false,
+            race_check: false,
         }
     }
 }
@@ -81,6 +89,8 @@ pub struct RunReport {
     pub stats: ExecStats,
     /// The call's timeline on this rank's device, when `ExecOptions::trace` is set.
     pub trace: Option<Vec<TraceEvent>>,
+    /// The happens-before order the race checker verified, when it ran.
+    pub race: Option<RaceCheck>,
 }
 
 /// A fusion plus its cache of lowered programs.
@@ -139,12 +149,14 @@ impl FusionExecutor {
             rank: rank.index(),
             number_of_streams: options.number_of_streams,
             trace: options.trace,
+            race_check: options.race_check || race_check_from_env(),
         };
         let ex = execute(&program, &ctx, &symbols, inputs, outputs)?;
         Ok(RunReport {
             outputs: ex.outputs,
             stats: ex.stats,
             trace: ex.trace,
+            race: ex.race,
         })
     }
 

@@ -4,6 +4,7 @@
 
 pub mod cases;
 pub mod reference;
+pub mod variants;
 
 use std::sync::Arc;
 
@@ -146,7 +147,8 @@ pub struct Run {
     pub lowerings: usize,
 }
 
-/// Runs `fusion` on `d` simulated devices and assembles the outputs.
+/// Runs `fusion` on `d` simulated devices, with the race checker on, and assembles the
+/// outputs.
 pub fn run(
     fusion: &Fusion,
     d: usize,
@@ -168,10 +170,20 @@ pub fn try_run(
 ) -> fusion::Result<Run> {
     let world = world(d);
     let exec = FusionExecutor::new(fusion.clone());
+    // Every case runs under the stream-order race checker (a race fails the run).
+    let options = &ExecOptions {
+        race_check: true,
+        ..options.clone()
+    };
     let per_rank = world.run(|rank| {
         let local = distribute(rank, inputs)?;
         let refs: Vec<&Tensor> = local.iter().collect();
         let report = exec.run_with(rank, &refs, None, options)?;
+        if report.race.is_none() {
+            return Err(fusion::Error::World(
+                "the race checker did not check this call".into(),
+            ));
+        }
         let program = exec.program(rank, &refs, options)?;
         let outs = report
             .outputs

@@ -22,7 +22,7 @@ impl Evaluator<'_> {
                     return Err(self.op_error(e, format!("select index {i} outside 0..{n}")));
                 }
                 let v = self.get(e.inputs[0])?.select(*axis, i as usize)?;
-                self.bind_view(e.output, v)
+                self.bind_view(e, v)
             }
             Op::Slice { axis, start, stop } => {
                 let (s, t) = (self.eval(*start)?, self.eval(*stop)?);
@@ -33,7 +33,7 @@ impl Evaluator<'_> {
                 let v = self
                     .get(e.inputs[0])?
                     .narrow(*axis, s as usize, (t - s) as usize)?;
-                self.bind_view(e.output, v)
+                self.bind_view(e, v)
             }
             Op::Split { axis, outer } => {
                 let o = self.eval(*outer)?;
@@ -41,7 +41,7 @@ impl Evaluator<'_> {
                 let v = x
                     .split_axis(*axis, o.max(0) as usize)
                     .map_err(|err| self.op_error(e, err.to_string()))?;
-                self.bind_view(e.output, v)
+                self.bind_view(e, v)
             }
             Op::Broadcast { flags } => {
                 let mut v = self.get(e.inputs[0])?.clone();
@@ -50,7 +50,7 @@ impl Evaluator<'_> {
                         v = v.unsqueeze(i)?;
                     }
                 }
-                self.bind_view(e.output, v)
+                self.bind_view(e, v)
             }
             Op::Set => {
                 let src = self.get(e.inputs[0])?.clone();
@@ -93,16 +93,21 @@ impl Evaluator<'_> {
         }
     }
 
-    fn bind_view(&mut self, t: TensorId, v: Tensor) -> Result<()> {
+    /// Binds view `v` of `e`'s input to `e`'s output.
+    fn bind_view(&mut self, e: &Expr, v: Tensor) -> Result<()> {
+        let t = e.output;
         let is_output = self.p.outputs.contains(&t);
         if let Some(bound) = self.tensors[t.index()].as_ref().filter(|_| is_output) {
             // A preallocated output that is a view of an input: copy into it. (Any other
             // bound view is from an earlier loop iteration and is simply rebound.)
             let dst = bound.clone();
-            return self
-                .ctx
+            self.ctx
                 .device
-                .execute(self.current, Kernel::Copy { src: &v, dst: &dst });
+                .execute(self.current, Kernel::Copy { src: &v, dst: &dst })?;
+            if let Some(rc) = self.race.as_mut() {
+                rc.access(self.current, &[(e.inputs[0], &v)], &[(t, &dst)]);
+            }
+            return Ok(());
         }
         self.tensors[t.index()] = Some(v);
         Ok(())
@@ -127,7 +132,18 @@ impl Evaluator<'_> {
         let prog = self.pointwise_program(&seg.exprs, outputs)?;
         self.ctx
             .device
-            .execute(self.current, Kernel::Pointwise(&prog))
+            .execute(self.current, Kernel::Pointwise(&prog))?;
+        if self.race.is_some() {
+            let produced: Vec<TensorId> = seg.exprs.iter().map(|e| e.output).collect();
+            let mut reads: Vec<TensorId> = Vec::new();
+            for t in seg.exprs.iter().flat_map(|e| e.inputs.iter().copied()) {
+                if !produced.contains(&t) && !reads.contains(&t) {
+                    reads.push(t);
+                }
+            }
+            self.record_access(&reads, outputs)?;
+        }
+        Ok(())
     }
 
     /// Builds the pointwise program of elementwise `exprs` writing `outputs`. Each value is

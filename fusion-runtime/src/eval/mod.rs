@@ -6,6 +6,7 @@
 
 mod bind;
 mod compute;
+pub mod race;
 
 use std::collections::HashMap;
 
@@ -15,6 +16,9 @@ use fusion_core::hir::{
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
 pub use bind::{bind_inputs, mesh_devices, SymbolBindings};
+pub use race::{race_check_from_env, RaceCheck, RaceError};
+
+use race::RaceChecker;
 
 use crate::backend::{Device, StreamHandle};
 use crate::comm::Communicator;
@@ -63,6 +67,8 @@ pub struct CallContext<'a> {
     pub number_of_streams: usize,
     /// Record a timeline of communications and kernels (synchronizes at the end).
     pub trace: bool,
+    /// Check the program's stream order ([`race`]): a race fails the call.
+    pub race_check: bool,
 }
 
 /// One interval of a traced call, in milliseconds from the call's start on this device.
@@ -93,6 +99,8 @@ pub struct Execution {
     pub outputs: Vec<Tensor>,
     pub stats: ExecStats,
     pub trace: Option<Vec<TraceEvent>>,
+    /// The happens-before order of the call's accesses, when race checking.
+    pub race: Option<RaceCheck>,
 }
 
 /// Runs `program` on one rank with the symbol values bound from the inputs
@@ -116,6 +124,9 @@ pub fn execute(
     }
     ctx.device.ensure_streams(ctx.number_of_streams)?;
     let mut ev = Evaluator::new(program, ctx, symbols);
+    if ctx.race_check {
+        ev.race = Some(RaceChecker::new(program, ctx.rank, ctx.number_of_streams));
+    }
     if ctx.trace {
         ctx.device.clear_markers();
         ev.origin = Some(ctx.device.record_marker(0)?);
@@ -143,6 +154,14 @@ pub fn execute(
             ev.tensors[out.index()] = ev.tensors[input.index()].clone();
         }
     }
+    if let Some(rc) = ev.race.as_mut() {
+        // Name the caller's buffers after the program's inputs and outputs.
+        for &t in program.inputs.iter().chain(&program.outputs) {
+            if let Some(x) = &ev.tensors[t.index()] {
+                rc.caller(t, x);
+            }
+        }
+    }
     ev.run_nodes(&program.body)?;
     let mut result = Vec::with_capacity(program.outputs.len());
     for &t in &program.outputs {
@@ -158,6 +177,10 @@ pub fn execute(
             result.push(Tensor::placeholder(program.ir.tensor(t).dtype));
         }
     }
+    let race = match ev.race.take() {
+        Some(checker) => Some(checker.finish(&result).map_err(Error::Race)?),
+        None => None,
+    };
     let trace = match ev.origin {
         Some(origin) => {
             let mut events = Vec::with_capacity(ev.pending.len());
@@ -180,6 +203,7 @@ pub fn execute(
         outputs: result,
         stats: ev.stats,
         trace,
+        race,
     })
 }
 
@@ -200,6 +224,8 @@ pub(crate) struct Evaluator<'a> {
     pending: Vec<PendingEvent>,
     group_start: Option<usize>,
     chunk: Option<i64>,
+    /// The stream-order checker, when the call asks for it.
+    pub(crate) race: Option<RaceChecker<'a>>,
 }
 
 impl<'a> Evaluator<'a> {
@@ -237,6 +263,7 @@ impl<'a> Evaluator<'a> {
             pending: Vec::new(),
             group_start: None,
             chunk: None,
+            race: None,
         }
     }
 
@@ -364,6 +391,9 @@ impl<'a> Evaluator<'a> {
         let shape = self.local_shape(t)?;
         let dtype = self.p.ir.tensor(t).dtype;
         let x = self.ctx.device.allocate(self.current, dtype, &shape)?;
+        if let Some(rc) = self.race.as_mut() {
+            rc.allocated(self.current, t, &x);
+        }
         let bytes = x.nbytes();
         self.stats.allocations += 1;
         self.stats.allocated_bytes += bytes;
@@ -396,15 +426,49 @@ impl<'a> Evaluator<'a> {
         }
     }
 
-    fn run_nodes(&mut self, nodes: &[Node]) -> Result<()> {
+    /// The current stream waits for `waitee`'s work so far (event record + wait).
+    fn wait_for(&mut self, waitee: StreamHandle) -> Result<()> {
+        if waitee != self.current {
+            self.ctx.device.stream_wait(self.current, waitee)?;
+            if let Some(rc) = self.race.as_mut() {
+                rc.stream_wait(self.current, waitee);
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells the race checker, if any, that the current node read `reads` and wrote
+    /// `writes` (their bound buffers) on the current stream.
+    pub(crate) fn record_access(&mut self, reads: &[TensorId], writes: &[TensorId]) -> Result<()> {
+        if self.race.is_none() {
+            return Ok(());
+        }
+        let bound = |ts: &[TensorId]| -> Result<Vec<(TensorId, Tensor)>> {
+            ts.iter().map(|&t| Ok((t, self.get(t)?.clone()))).collect()
+        };
+        let (r, w) = (bound(reads)?, bound(writes)?);
+        fn refs(v: &[(TensorId, Tensor)]) -> Vec<(TensorId, &Tensor)> {
+            v.iter().map(|(id, t)| (*id, t)).collect()
+        }
+        let (r, w) = (refs(&r), refs(&w));
+        if let Some(rc) = self.race.as_mut() {
+            rc.access(self.current, &r, &w);
+        }
+        Ok(())
+    }
+
+    fn run_nodes(&mut self, nodes: &'a [Node]) -> Result<()> {
         for n in nodes {
             self.run_node(n)?;
         }
         Ok(())
     }
 
-    fn run_node(&mut self, n: &Node) -> Result<()> {
+    fn run_node(&mut self, n: &'a Node) -> Result<()> {
         self.stats.nodes_executed += 1;
+        if let Some(rc) = self.race.as_mut() {
+            rc.at(n);
+        }
         if matches!(n, Node::ForLoop(_) | Node::IfThenElse { .. }) {
             return self.run_node_untimed(n);
         }
@@ -416,7 +480,7 @@ impl<'a> Evaluator<'a> {
         r
     }
 
-    fn run_node_untimed(&mut self, n: &Node) -> Result<()> {
+    fn run_node_untimed(&mut self, n: &'a Node) -> Result<()> {
         match n {
             Node::Allocate { tensor } => {
                 if self.in_mesh[tensor.index()] {
@@ -424,6 +488,9 @@ impl<'a> Evaluator<'a> {
                 }
             }
             Node::Deallocate { tensor } => {
+                if let Some(rc) = self.race.as_mut() {
+                    rc.deallocated(*tensor);
+                }
                 self.tensors[tensor.index()] = None;
                 self.live_bytes -= std::mem::take(&mut self.owned_bytes[tensor.index()]);
             }
@@ -432,7 +499,13 @@ impl<'a> Evaluator<'a> {
                 for i in start..stop {
                     self.leaves[l.index.index()] = Some(i);
                     self.chunk = Some(i);
+                    if let Some(rc) = self.race.as_mut() {
+                        rc.iteration(l.index, Some(i));
+                    }
                     self.run_nodes(&l.body)?;
+                }
+                if let Some(rc) = self.race.as_mut() {
+                    rc.iteration(l.index, None);
                 }
                 self.leaves[l.index.index()] = None;
                 self.chunk = None;
@@ -456,9 +529,7 @@ impl<'a> Evaluator<'a> {
             }
             Node::Synchronize { stream } => {
                 let s = self.stream_of(*stream)?;
-                if s != self.current {
-                    self.ctx.device.stream_wait(self.current, s)?;
-                }
+                self.wait_for(s)?;
             }
             Node::AliasSelect {
                 input,
@@ -478,23 +549,30 @@ impl<'a> Evaluator<'a> {
             Node::StartCoalescing => {
                 self.group_start = self.mark()?;
                 self.ctx.comm.group_start()?;
+                if let Some(rc) = self.race.as_mut() {
+                    rc.group_start();
+                }
             }
             Node::EndCoalescing { id } => {
                 self.ctx.comm.group_end()?;
+                if let Some(rc) = self.race.as_mut() {
+                    rc.group_end();
+                }
                 let start = self.group_start.take();
                 self.traced(start, "P2P group", true)?;
                 self.comm_streams.insert(*id, self.current);
             }
             Node::Wait { comm } => {
                 if let Some(&s) = self.comm_streams.get(comm) {
-                    if s != self.current {
-                        self.ctx.device.stream_wait(self.current, s)?;
-                    }
+                    self.wait_for(s)?;
                 }
             }
             Node::Compute(e) => {
                 let start = if e.op.is_view() { None } else { self.mark()? };
                 self.compute(e)?;
+                if !e.op.is_view() && self.in_mesh[e.output.index()] {
+                    self.record_access(&e.inputs, &[e.output])?;
+                }
                 let name = e.op.name();
                 self.traced(start, &name, false)?;
             }
@@ -546,6 +624,11 @@ impl<'a> Evaluator<'a> {
         self.ctx
             .comm
             .collective(self.current, c, input.as_ref(), output.as_ref())?;
+        if let Some(rc) = self.race.as_mut() {
+            let reads: Vec<_> = input.iter().map(|t| (c.input, t)).collect();
+            let writes: Vec<_> = output.iter().map(|t| (c.output, t)).collect();
+            rc.access(self.current, &reads, &writes);
+        }
         self.traced(start, c.kind.name(), true)?;
         self.comm_streams.insert(c.id, self.current);
         Ok(())
@@ -569,10 +652,16 @@ impl<'a> Evaluator<'a> {
             P2PDirection::Send => {
                 let buf = self.get(x.buffer)?.clone();
                 self.ctx.comm.send(self.current, peer, &buf, x.backend)?;
+                if let Some(rc) = self.race.as_mut() {
+                    rc.transfer(self.current, x.buffer, &buf, false);
+                }
             }
             P2PDirection::Recv => {
                 let buf = self.get_or_allocate(x.buffer)?;
                 self.ctx.comm.recv(self.current, peer, &buf, x.backend)?;
+                if let Some(rc) = self.race.as_mut() {
+                    rc.transfer(self.current, x.buffer, &buf, true);
+                }
             }
         }
         let name = match x.direction {

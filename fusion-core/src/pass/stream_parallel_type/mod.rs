@@ -457,19 +457,21 @@ impl LoopGroup {
         // pool stream takes over at the first communication (the folded reduce-scatter
         // included). The slot a prefix writes was last read by the communication of
         // iteration `i - numberOfStreams`, on this same pool stream: wait for it first.
+        // (Full-size buffers are never reused, and need no wait.)
         let prefix = if ctx.options.compute_first_streams {
             self.compute_prefix_len(p, mesh_ctx)?
         } else {
             0
         };
-        let mut body = if prefix > 0 {
-            vec![
-                Node::SetCurrentStream { stream: original },
-                Node::Synchronize { stream: worker },
-            ]
-        } else {
-            vec![Node::SetCurrentStream { stream: worker }]
-        };
+        let prefix_reuses_slots = self.exprs[..prefix]
+            .iter()
+            .any(|(e, _)| small.contains_key(&e.output));
+        let mut body = vec![Node::SetCurrentStream {
+            stream: if prefix > 0 { original } else { worker },
+        }];
+        if prefix_reuses_slots {
+            body.push(Node::Synchronize { stream: worker });
+        }
         let mut slicer = Slicer {
             chunk: sched.chunk,
             pool_index,
