@@ -17,8 +17,8 @@ use fusion_core::lower::{lower, LowerOptions};
 use crate::backend::BackendKind;
 use crate::error::Result;
 use crate::eval::{
-    bind_inputs, execute, race_check_from_env, CallContext, ExecStats, RaceCheck, SymbolBindings,
-    TraceEvent,
+    bind_inputs, check_didx_extents, execute, race_check_from_env, CallContext, ExecStats,
+    RaceCheck, SymbolBindings, TraceEvent,
 };
 use crate::tensor::Tensor;
 use crate::world::Rank;
@@ -196,6 +196,7 @@ impl FusionExecutor {
                 symbols.merge(&self.fusion, r, &entries)?;
             }
         }
+        check_didx_extents(&self.fusion, &symbols, ws)?;
         Ok(symbols)
     }
 

@@ -74,6 +74,19 @@ impl PointwiseProgram {
     }
 }
 
+/// Memory of one device, for soak runs and reports (bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// The device's memory.
+    pub total: usize,
+    /// In use on the device by every process (`total - free` of `cuMemGetInfo`).
+    pub used: usize,
+    /// Allocated from this process's stream-ordered pool and not freed.
+    pub pool_used: usize,
+    /// Held by the pool (freed memory stays reserved for reuse).
+    pub pool_reserved: usize,
+}
+
 /// The operations a backend executes on a stream.
 #[derive(Clone, Copy, Debug)]
 pub enum Kernel<'a> {
@@ -132,6 +145,11 @@ pub trait Device: Send + Sync {
     fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64>;
     /// Forgets every marker (call after reading a trace).
     fn clear_markers(&self);
+    /// The device's memory in use, where the backend can tell (`None` on the CPU, whose
+    /// memory is the process's).
+    fn memory(&self) -> Result<Option<DeviceMemory>> {
+        Ok(None)
+    }
     /// True when `t` lives where this device's kernels can read it.
     fn is_resident(&self, t: &Tensor) -> bool {
         match self.kind() {

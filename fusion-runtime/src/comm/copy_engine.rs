@@ -122,6 +122,16 @@ pub(crate) struct CopyRegistry {
     events: Vec<Mutex<Vec<Event>>>,
 }
 
+/// Transfer events created and not yet destroyed, in this process (see
+/// [`live_events`]).
+static LIVE_EVENTS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many copy-engine transfer events exist now: flat over a soak when every event a
+/// run creates goes back to its pool and is destroyed with it.
+pub(crate) fn live_events() -> usize {
+    LIVE_EVENTS.load(Ordering::Relaxed)
+}
+
 /// How long a host thread spins for a peer's post before sleeping on the condition
 /// variable (a wake-up costs tens of microseconds; a peer is usually closer than that).
 const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
@@ -261,6 +271,7 @@ impl Drop for CopyRegistry {
             {
                 // SAFETY: pooled events have no pending record the process still needs.
                 let _ = unsafe { result::event::destroy(ev.raw) };
+                LIVE_EVENTS.fetch_sub(1, Ordering::Relaxed);
             }
         }
     }
@@ -375,12 +386,14 @@ impl CopyEngine {
             return Ok(ev);
         }
         self.device.shared().bind()?;
-        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map(|raw| Event {
                 raw,
                 owner: self.rank,
             })
-            .map_err(|e| self.err(format!("creating a transfer event: {e:?}")))
+            .map_err(|e| self.err(format!("creating a transfer event: {e:?}")))?;
+        LIVE_EVENTS.fetch_add(1, Ordering::Relaxed);
+        Ok(ev)
     }
 
     fn record(&self, t: &Transfer) -> Result<Event> {
@@ -530,6 +543,22 @@ impl CopyEngine {
             self.registry.remove(t.key);
         }
         Ok(())
+    }
+}
+
+impl Drop for CopyEngine {
+    /// Hands the last inbound copy's event back to the pool, which destroys it with the
+    /// registry at the end of the run (kept here, it would outlive both: one event per
+    /// rank and `World::run`).
+    fn drop(&mut self) {
+        let last = self
+            .last_inbound
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(ev) = last {
+            self.registry.give_event(ev);
+        }
     }
 }
 

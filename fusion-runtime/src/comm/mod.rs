@@ -30,6 +30,12 @@ use crate::backend::StreamHandle;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// Copy-engine transfer events alive in this process (CUDA worlds; 0 elsewhere): a soak
+/// checks that the count stays flat.
+pub fn copy_engine_events_alive() -> usize {
+    copy_engine::live_events()
+}
+
 /// A rank's endpoint to the other ranks of its world.
 pub trait Communicator: Send + Sync {
     /// This rank's index in the world.

@@ -113,6 +113,37 @@ impl SymbolBindings {
     }
 }
 
+/// Checks that every DIDx axis of the fusion spans its tensor's mesh: its extent, once
+/// the inputs bound the symbols, is the mesh size (a DIDx axis holds one index per
+/// device). Inputs are checked by [`bind_inputs`]; this catches results declared DIDx on
+/// an axis whose extent the inputs bind to something else, which no lowering can shard.
+pub fn check_didx_extents(f: &Fusion, symbols: &SymbolBindings, world_size: usize) -> Result<()> {
+    for i in 0..f.tensor_count() {
+        let t = TensorId::from_index(i);
+        let devices = mesh_devices(f, t, world_size).len() as i64;
+        for (pos, &axis) in f.tensor(t).axes.iter().enumerate() {
+            let d = f.iter_domain(axis);
+            if d.parallel != ParallelType::DIDx {
+                continue;
+            }
+            match f.evaluate(d.extent, &|leaf| symbols.get(leaf)) {
+                Some(v) if v != devices => {
+                    return Err(Error::Core(fusion_core::Error::Parallelization {
+                        tensor: f.tensor_name(t),
+                        axis: Some(pos),
+                        reason: format!(
+                            "is DIDx-sharded over {devices} devices, but its extent {} is {v}",
+                            f.display_scalar(d.extent)
+                        ),
+                    }))
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Devices of a tensor's mesh (explicit after lowering; `World` resolved for `world_size`).
 pub fn mesh_devices(f: &Fusion, t: TensorId, world_size: usize) -> Vec<usize> {
     f.tensor(t).mesh.resolve(world_size)

@@ -15,7 +15,7 @@ use fusion_core::hir::{
 };
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
-pub use bind::{bind_inputs, mesh_devices, SymbolBindings};
+pub use bind::{bind_inputs, check_didx_extents, mesh_devices, SymbolBindings};
 pub use race::{race_check_from_env, RaceCheck, RaceError};
 
 use race::RaceChecker;

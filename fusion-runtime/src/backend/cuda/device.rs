@@ -12,7 +12,7 @@ use super::kernels::KernelCache;
 use super::libs::driver_err;
 use super::memory::{CudaBuffer, RawStream};
 use super::{gemm, health::WorldHealth};
-use crate::backend::{BackendKind, Device, Kernel, StreamHandle};
+use crate::backend::{BackendKind, Device, DeviceMemory, Kernel, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -228,6 +228,19 @@ impl Drop for CudaDevice {
                 let _ = result::event::destroy(e.0);
             }
         }
+        let copy_streams = std::mem::take(
+            &mut *self
+                .copy_streams
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for (_, s) in copy_streams {
+            // SAFETY: copy streams created by this device, destroyed once.
+            unsafe {
+                let _ = sys::cuStreamSynchronize(s.0);
+                let _ = result::stream::destroy(s.0);
+            }
+        }
         let streams =
             std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner));
         for s in streams {
@@ -295,6 +308,38 @@ impl Device for CudaDevice {
 
     fn ordinal(&self) -> usize {
         self.shared.ordinal
+    }
+
+    fn memory(&self) -> Result<Option<DeviceMemory>> {
+        self.shared.bind()?;
+        let (free, total) = result::mem_get_info().map_err(|e| driver_err("cuMemGetInfo", e))?;
+        let dev = result::device::get(self.shared.ordinal as i32)
+            .map_err(|e| driver_err("cuDeviceGet", e))?;
+        let attribute = |attr| -> Result<usize> {
+            let mut v: u64 = 0;
+            // SAFETY: the default pool of a valid device; both attributes are u64s.
+            unsafe {
+                let pool = result::device::get_default_mem_pool(dev)
+                    .map_err(|e| driver_err("default memory pool", e))?;
+                result::mem_pool::get_attribute(
+                    pool,
+                    attr,
+                    &mut v as *mut u64 as *mut std::ffi::c_void,
+                )
+                .map_err(|e| driver_err("cuMemPoolGetAttribute", e))?;
+            }
+            Ok(v as usize)
+        };
+        use sys::CUmemPool_attribute::{
+            CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT as RESERVED,
+            CU_MEMPOOL_ATTR_USED_MEM_CURRENT as USED,
+        };
+        Ok(Some(DeviceMemory {
+            total,
+            used: total.saturating_sub(free),
+            pool_used: attribute(USED)?,
+            pool_reserved: attribute(RESERVED)?,
+        }))
     }
 
     fn bind_thread(&self) -> Result<()> {
