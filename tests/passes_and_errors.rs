@@ -511,3 +511,76 @@ fn wrong_preallocated_output_is_an_error() {
         .unwrap_err();
     assert!(err.to_string().contains("preallocated output"), "{err}");
 }
+
+#[test]
+fn a_result_sharded_over_an_extent_other_than_the_mesh_size_is_a_sharding_error() {
+    // `x [m, n]` copied into `y [m @ DIDx, n]`: the inputs bind m = 3, but a DIDx axis
+    // spans the mesh (1 or 2 devices here). Found by the property tests: this used to
+    // fail inside a copy kernel at run time.
+    let mut b = FusionBuilder::new();
+    let a = sym_axes(&mut b, &[("m", S), ("n", S)]);
+    let x = b.input("x", F32, &a).unwrap();
+    let y = b.set(x).unwrap();
+    let o = sym_axes(&mut b, &[("m", Dx), ("n", S)]);
+    let y = b.declare(y, F32, &o).unwrap();
+    b.name(y, "y");
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    for d in [1, 2].into_iter().filter(|&d| runnable(d)) {
+        let x = Tensor::randn(&[3, 4], F32, 69);
+        let err = try_run(
+            &f,
+            d,
+            &[(x, Give::Whole)],
+            &[Take::Sharded(0)],
+            &ExecOptions::default(),
+        )
+        .err()
+        .expect("an error");
+        match &err {
+            Error::Core(fusion::core::Error::Parallelization {
+                tensor,
+                axis,
+                reason,
+            }) => {
+                assert_eq!((tensor.as_str(), *axis), ("y", Some(0)), "{err}");
+                assert!(reason.contains(&format!("over {d} devices")), "{err}");
+                assert!(reason.contains("m is 3"), "{err}");
+            }
+            _ => panic!("{err}"),
+        }
+    }
+}
+
+#[test]
+fn a_didx_to_stream_pipeline_that_also_shards_another_axis_is_a_resharding_error() {
+    // `x [d, d @ DIDx]` copied into `y [d @ DIDx, d @ Stream]`: the DIDx axis becomes the
+    // Stream axis (the P2P pipeline) while the other axis becomes sharded: two shardings
+    // change at once. Found by the property tests: this used to lower, then fail in a
+    // receive of the wrong size.
+    let mut b = FusionBuilder::new();
+    let a = sym_axes(&mut b, &[("d", S), ("d", Dx)]);
+    let x = b.input("x", F32, &a).unwrap();
+    let y = b.set(x).unwrap();
+    let o = sym_axes(&mut b, &[("d", Dx), ("d", St)]);
+    let y = b.declare(y, F32, &o).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    for d in [2, 3].into_iter().filter(|&d| runnable(d)) {
+        let x = Tensor::randn(&[d, d], F32, 70);
+        let err = try_run(
+            &f,
+            d,
+            &[(x, Give::Shard(1))],
+            &[Take::Sharded(0)],
+            &ExecOptions::default(),
+        )
+        .err()
+        .expect("an error");
+        assert!(
+            matches!(&err, Error::Core(fusion::core::Error::Resharding { reason, .. })
+                if reason.contains("two shardings")),
+            "{err}"
+        );
+    }
+}

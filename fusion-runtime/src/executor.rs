@@ -196,7 +196,6 @@ impl FusionExecutor {
                 symbols.merge(&self.fusion, r, &entries)?;
             }
         }
-        check_didx_extents(&self.fusion, &symbols, ws)?;
         Ok(symbols)
     }
 
@@ -217,6 +216,9 @@ impl FusionExecutor {
         if let Some(p) = cache.get(&key) {
             return Ok(p.clone());
         }
+        // Once per key, before lowering: results declared DIDx over extents the inputs
+        // bound to other than the mesh size cannot be sharded.
+        check_didx_extents(&self.fusion, symbols, rank.world_size())?;
         let dump = DumpOptions::from_env();
         let mut lower_options = options.lower.clone();
         lower_options.dump_passes |= dump.host_ir_passes;

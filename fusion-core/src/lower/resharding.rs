@@ -157,6 +157,13 @@ fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
                         .into(),
                 });
             }
+            if c.is_some() {
+                return Err(Error::Resharding {
+                    expr: describe(f, e),
+                    reason: "the DIDx→Stream pipeline cannot also shard the result along                              another axis (two shardings would change at once); copy in two                              steps"
+                        .into(),
+                });
+            }
             return Ok(Resharding::DidxToStream {
                 in_axis: p,
                 out_axis: s,
