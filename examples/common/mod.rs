@@ -235,6 +235,14 @@ impl Summary<'_> {
             c.dtype.dtype(),
             c.streams
         );
+        if let Some(spec) = self.world.launch_spec() {
+            println!(
+                "  launched by {}: {} processes; this one holds rank(s) {:?}, checked here",
+                spec.launcher.name(),
+                spec.processes,
+                self.world.local_ranks()
+            );
+        }
         println!("  {}", self.shapes);
         let tol = c.dtype.tolerance();
         let ok = match self.error {

@@ -216,6 +216,14 @@ impl FusionExecutor {
         }
         if dump.host_ir {
             eprintln!("{}", lowered.program);
+            // Transports are chosen per pair of ranks at run time, from where they live.
+            let transports = rank.communicator().transports();
+            if !transports.is_empty() {
+                eprintln!("// transports of rank {}:", rank.index());
+                for t in transports {
+                    eprintln!("//   {t}");
+                }
+            }
         }
         self.lowerings.fetch_add(1, Ordering::SeqCst);
         tracing::debug!(nodes = lowered.program.node_count(), "lowered fusion");

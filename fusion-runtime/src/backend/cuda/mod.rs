@@ -14,11 +14,9 @@ mod kernels;
 mod layout;
 mod libs;
 mod memory;
-mod world;
 
 pub use device::CudaDevice;
 pub use libs::{check_libraries, device_count, driver_present};
-pub use world::cuda_world;
 
 pub(crate) use health::WorldHealth;
 pub(crate) use memory::RawStream;
