@@ -64,6 +64,8 @@ for r in $(seq 0 $((N - 1))); do
 done
 wait
 summary+=("exit-early (GPU): $(grep -h -o 'EARLY-EXIT-SEEN.\{0,110\}' "$OUT"/exit-early-r*.log | head -1)")
+# Sub-worlds on GPUs: each process a group of its own, then the whole world.
+step torchrun-subworlds 120 $TR $BIN/test-launched --exact child_subworlds --ignored --nocapture
 # Overlap: the same variants in one process driving both GPUs, then one process per GPU.
 ARGS="--devices $N --transports push/peer --chunks 4 --streams 4 --rs-subchunks 4 ${BENCH_ARGS:-}"
 step overlap-single 300 $BIN/overlap_bench $ARGS --json "$OUT/overlap-single.jsonl"
@@ -73,4 +75,6 @@ python3 bench/compare_layouts.py "$OUT/overlap-single.jsonl" "$OUT/overlap-launc
 cat "$OUT/machine.txt"
 grep -h "transports of rank\|  rank .* -> rank" "$OUT/torchrun-dump.log" | sort -u | head -8
 grep -h "host overhead" "$OUT/overlap-single.log" "$OUT/overlap-launched.log"
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+# Only a few files come back from the machine: the logs travel as one archive.
+tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::launch::{expect_success, launch, Ended};
+use common::launch::{expect_success, launch, launch_exe, Ended, Vars};
 use common::{cases, RefArray};
 use fusion::runtime::world::LaunchSpec;
 use fusion::{DType, Error, ExecOptions, FusionExecutor, Tensor, World};
@@ -41,12 +41,13 @@ fn child_subworlds() {
         "run by groups_of_a_launched_world_run_the_same_fusion_at_once"
     );
     let world = World::from_env().unwrap();
-    assert_eq!(world.size(), 4);
+    assert!(world.size() % 2 == 0, "an even world");
+    let half = world.size() / 2;
     let me = world.local_ranks()[0];
-    let groups = world.split(2).unwrap();
+    let groups = world.split(half).unwrap();
     assert_eq!(groups.len(), 1);
     let group = &groups[0];
-    let g = me / 2;
+    let g = me / half;
     let f = cases::ag_matmul_p2p(DType::F32);
     let exec = FusionExecutor::new(f);
     let check = |w: &World, salt: u64| {
@@ -67,7 +68,7 @@ fn child_subworlds() {
         }
     };
     check(group, g as u64);
-    assert_eq!(group.local_ranks(), vec![me % 2]);
+    assert_eq!(group.local_ranks(), vec![me % half]);
     check(&world, 7);
     println!("SUBWORLD-OK rank {me} group {g}");
 }
@@ -280,4 +281,54 @@ fn a_world_of_one_process_needs_no_peers() {
         "{}",
         ended[0].log()
     );
+}
+
+// ---------------------------------------------------------------- the examples
+
+/// Every example, unchanged, as two processes with torchrun's variables: each prints the
+/// same check as the single-process run, over every rank's output.
+#[test]
+fn the_examples_run_unchanged_under_a_launcher() {
+    if in_child() {
+        return;
+    }
+    // Test binaries live in target/<profile>/deps, examples in target/<profile>/examples.
+    let exe = std::env::current_exe().expect("the test binary");
+    let examples = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>")
+        .join("examples");
+    for name in [
+        "ag_matmul",
+        "matmul_ar",
+        "matmul_rs",
+        "allgather_p2p",
+        "ag_matmul_p2p",
+    ] {
+        let path = examples.join(name);
+        assert!(
+            path.exists(),
+            "{} is missing: `cargo test` builds the examples first",
+            path.display()
+        );
+        let ended = launch_exe(
+            &path,
+            Vars::Torchrun,
+            2,
+            &[0, 1],
+            &["--iters", "2"],
+            &[("FUSION_TIMEOUT", "30".into())],
+            |_| Vec::new(),
+            LIMIT,
+        );
+        expect_success(&ended);
+        for e in &ended {
+            assert!(
+                e.stdout.contains("launched by torchrun: 2 processes") && e.stdout.contains(": ok"),
+                "{name}: {}",
+                e.log()
+            );
+        }
+    }
 }

@@ -139,6 +139,7 @@ impl FusionExecutor {
             rank: rank.index(),
             number_of_streams: options.number_of_streams,
             trace: options.trace,
+            shared_receives: rank.communicator().shares_receive_buffers(),
         };
         let ex = execute(&program, &ctx, &symbols, inputs, outputs)?;
         Ok(RunReport {

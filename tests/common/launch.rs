@@ -44,20 +44,40 @@ pub fn launch(
     limit: Duration,
 ) -> Vec<Ended> {
     let exe = std::env::current_exe().expect("the test binary");
+    launch_exe(&exe, Vars::Fusion, size, ranks, args, env, per_rank, limit)
+}
+
+/// Which launcher's variables place the processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Vars {
+    /// `FUSION_RANK`, `FUSION_WORLD_SIZE`, `FUSION_MASTER_*`.
+    Fusion,
+    /// torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_*`.
+    Torchrun,
+}
+
+/// Like [`launch`], for any executable and either launcher's variables.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_exe(
+    exe: &std::path::Path,
+    vars: Vars,
+    size: usize,
+    ranks: &[usize],
+    args: &[&str],
+    env: &[(&str, String)],
+    per_rank: impl Fn(usize) -> Vec<(String, String)>,
+    limit: Duration,
+) -> Vec<Ended> {
     let port = free_port();
     let start = Instant::now();
     let mut children: Vec<(usize, Child)> = ranks
         .iter()
         .map(|&r| {
-            let mut cmd = Command::new(&exe);
+            let mut cmd = Command::new(exe);
             cmd.args(args)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .env("FUSION_BACKEND", "cpu")
-                .env("FUSION_RANK", r.to_string())
-                .env("FUSION_WORLD_SIZE", size.to_string())
-                .env("FUSION_MASTER_ADDR", "127.0.0.1")
-                .env("FUSION_MASTER_PORT", port.to_string())
                 .env("RUST_BACKTRACE", "0");
             for k in [
                 "RANK",
@@ -69,9 +89,30 @@ pub fn launch(
                 "SLURM_PROCID",
                 "SLURM_STEP_NUM_TASKS",
                 "FUSION_DEVICES",
+                "FUSION_RANK",
+                "FUSION_WORLD_SIZE",
+                "MASTER_ADDR",
                 "MASTER_PORT",
+                "TORCHELASTIC_USE_AGENT_STORE",
             ] {
                 cmd.env_remove(k);
+            }
+            let (rank, world, addr, port_var) = match vars {
+                Vars::Fusion => (
+                    "FUSION_RANK",
+                    "FUSION_WORLD_SIZE",
+                    "FUSION_MASTER_ADDR",
+                    "FUSION_MASTER_PORT",
+                ),
+                Vars::Torchrun => ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+            };
+            cmd.env(rank, r.to_string())
+                .env(world, size.to_string())
+                .env(addr, "127.0.0.1")
+                .env(port_var, port.to_string());
+            if vars == Vars::Torchrun {
+                cmd.env("LOCAL_RANK", r.to_string())
+                    .env("LOCAL_WORLD_SIZE", size.to_string());
             }
             for (k, v) in env {
                 cmd.env(k, v);

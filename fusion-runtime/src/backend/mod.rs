@@ -116,6 +116,17 @@ pub trait Device: Send + Sync {
     fn ensure_streams(&self, n: usize) -> Result<()>;
     /// A new uninitialized contiguous tensor, ordered on `stream`.
     fn allocate(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    /// Like [`Device::allocate`], for a buffer that devices of other processes write into
+    /// (a copy-engine receive buffer): on GPUs of a launched world it comes from memory
+    /// that peers map once. Elsewhere it is an ordinary allocation.
+    fn allocate_shared(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        self.allocate(stream, dtype, shape)
+    }
     /// `waiter` waits for the work enqueued so far on `waitee` (no host blocking).
     fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()>;
     /// Enqueues `kernel` on `stream`.

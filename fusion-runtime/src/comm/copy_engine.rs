@@ -412,6 +412,16 @@ impl CopyEngine {
         t.sending == (self.registry.mode == CopyMode::Pull)
     }
 
+    /// Whether some peer is reached over CUDA IPC.
+    pub(crate) fn has_ipc_peers(&self) -> bool {
+        self.ipc.as_ref().is_some_and(|s| {
+            !s.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .peers
+                .is_empty()
+        })
+    }
+
     /// Whether this engine reaches `peer` (a rank of another process) over CUDA IPC.
     pub(crate) fn reaches_over_ipc(&self, peer: usize) -> bool {
         let Some(&global) = self.ipc_ranks.get(peer) else {
@@ -524,15 +534,14 @@ impl CopyEngine {
                 None => {
                     let state = ipc.as_mut().expect("an IPC transfer has IPC state");
                     let ptr = t.buf.device_ptr().expect("checked");
-                    let base = allocation_base(ptr, self.rank)?;
                     let IpcState { device, peers } = &mut **state;
                     let peer = ipc_peer_of(t)
                         .and_then(|g| peers.get_mut(&g))
                         .expect("an IPC peer");
                     peer.post(
                         device,
+                        self.device.shared_arena().map(|a| &**a),
                         t.key,
-                        base,
                         ptr,
                         t.buf.nbytes(),
                         own,
@@ -677,21 +686,6 @@ impl CopyEngine {
         }
         Ok(())
     }
-}
-
-/// The start of the allocation holding device address `ptr` (IPC exports whole
-/// allocations; a view's offset travels separately).
-fn allocation_base(ptr: u64, rank: usize) -> Result<u64> {
-    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: a query on a device address of this process.
-    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::Communication {
-            rank,
-            reason: format!("cuMemGetAddressRange on a transfer buffer: {r:?}"),
-        });
-    }
-    Ok(base)
 }
 
 /// Enables peer access between every pair of the given devices (idempotent), for the

@@ -1,13 +1,16 @@
 //! Copy-engine transfers between GPUs of different processes on one host, through CUDA
 //! IPC: the one-process-per-GPU layout keeps the copy-engine pipelines.
 //!
-//! - **Memory.** In such worlds each device allocates from a memory pool that can be
-//!   exported (POSIX file descriptor). A peer process takes a duplicate of that descriptor
-//!   with `pidfd_getfd` and imports the pool once. A transfer's receiver exports its buffer
-//!   (`cuMemPoolExportPointer`, 64 bytes); the sender imports it, copies into it on its copy
-//!   engine, and frees its import on the same stream right after the copy, which the
+//! - **Memory.** Receive buffers come from the device's shared arena
+//!   (`backend::cuda::shared`): chunks exported as POSIX file descriptors, which a sender
+//!   duplicates with `pidfd_getfd` and maps the first time a transfer lands in one, then
+//!   keeps mapped, so a transfer makes no driver call but the copy and its events. A buffer
+//!   outside the arena (e.g. a caller's preallocated output) still works: the devices of
+//!   such worlds allocate from a memory pool that can be exported, imported once by each
+//!   peer; the receiver exports the buffer (`cuMemPoolExportPointer`), the sender imports
+//!   it, copies, and frees its import on the same stream right after the copy, which the
 //!   receiver's stream waits for before it can free the buffer itself (the order CUDA
-//!   requires of imported pool memory).
+//!   requires of imported pool memory). That costs a mapping per transfer.
 //! - **Events.** Interprocess events, created once per rank and opened once per peer; an
 //!   event is recorded again only once the peer has enqueued its wait on the last record.
 //! - **Hand-off.** Every rank owns an inbox in shared memory (`/dev/shm`), one ring of
@@ -26,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
+use crate::backend::cuda::shared::{grant, map, unmap, SharedArena};
 use crate::backend::cuda::{CudaDevice, RawStream, WorldHealth};
 use crate::error::{Error, Result};
 
@@ -173,6 +177,9 @@ pub(crate) type Key = (usize, usize, u64);
 #[derive(Clone, Copy)]
 struct Msg {
     kind: Kind,
+    /// With a post: the buffer is in the receiver's shared arena, and `export` holds
+    /// (chunk id u32, descriptor i32, chunk size u64) instead of pool export data.
+    arena: bool,
     key: Key,
     export: [u8; 64],
     offset: u64,
@@ -187,6 +194,7 @@ impl Msg {
     fn write(&self, out: *mut u8) {
         let mut b = [0u8; MSG_BYTES];
         b[0] = self.kind as u8;
+        b[1] = u8::from(self.arena);
         b[8..16].copy_from_slice(&(self.key.0 as u64).to_le_bytes());
         b[16..24].copy_from_slice(&(self.key.1 as u64).to_le_bytes());
         b[24..32].copy_from_slice(&self.key.2.to_le_bytes());
@@ -212,6 +220,7 @@ impl Msg {
         };
         Some(Msg {
             kind,
+            arena: b[1] == 1,
             key: (u64_at(8) as usize, u64_at(16) as usize, u64_at(24)),
             export: b[32..96].try_into().expect("64 bytes"),
             offset: u64_at(96),
@@ -418,9 +427,21 @@ fn duplicate_fd(pid: u32, fd: i32) -> Result<i32> {
     }
 }
 
+/// A chunk of a peer's shared arena mapped here.
+struct MappedChunk {
+    va: sys::CUdeviceptr,
+    size: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+}
+
 /// The hand-off with one peer rank in another process of this host.
 pub(crate) struct IpcPeer {
     peer: usize,
+    pid: u32,
+    /// This rank's device, which copies into the peer's memory.
+    ordinal: usize,
+    /// The peer's arena chunks mapped so far, by chunk id.
+    chunks: HashMap<u32, MappedChunk>,
     /// The peer's pool, imported once.
     pool: sys::CUmemoryPool,
     /// Where this rank writes (the peer's inbox, this rank's ring).
@@ -501,6 +522,9 @@ impl IpcPeer {
         let inbox = own.inbox.ring(peer)?;
         Ok(IpcPeer {
             peer,
+            pid,
+            ordinal,
+            chunks: HashMap::new(),
             pool,
             outbox,
             out_count: outbox.head().load(Ordering::Acquire),
@@ -595,20 +619,33 @@ impl IpcPeer {
     pub(crate) fn post(
         &mut self,
         own: &mut IpcDevice,
+        arena: Option<&SharedArena>,
         key: Key,
-        base: u64,
         ptr: u64,
         bytes: usize,
         stream: RawStream,
         health: &WorldHealth,
     ) -> Result<()> {
-        let mut export = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
-        // SAFETY: `base` is an allocation of this device's exportable pool.
-        check(
-            unsafe { sys::cuMemPoolExportPointer(&mut export, base) },
-            "exporting a receive buffer (was it allocated by this runtime or with cudarc \
-             on this device?)",
-        )?;
+        let (in_arena, export, offset) = match arena.and_then(|a| a.locate(ptr)) {
+            Some(loc) => {
+                let mut e = [0u8; 64];
+                e[0..4].copy_from_slice(&loc.chunk.to_le_bytes());
+                e[4..8].copy_from_slice(&loc.fd.to_le_bytes());
+                e[8..16].copy_from_slice(&(loc.size as u64).to_le_bytes());
+                (true, e, loc.offset)
+            }
+            None => {
+                let base = allocation_base(ptr, own.rank)?;
+                let mut export = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+                // SAFETY: `base` is an allocation of this device's exportable pool.
+                check(
+                    unsafe { sys::cuMemPoolExportPointer(&mut export, base) },
+                    "exporting a receive buffer (was it allocated by this runtime or with \
+                     cudarc on this device?)",
+                )?;
+                (false, export.reserved, ptr - base)
+            }
+        };
         let (slot, raw, handle) = own.take_event()?;
         // SAFETY: an event and a stream of this device.
         check(
@@ -618,9 +655,10 @@ impl IpcPeer {
         self.ready_of.insert(key, slot);
         let msg = Msg {
             kind: Kind::Post,
+            arena: in_arena,
             key,
-            export: export.reserved,
-            offset: ptr - base,
+            export,
+            offset,
             bytes: bytes as u64,
             event_slot: slot,
             event: handle,
@@ -659,7 +697,15 @@ impl IpcPeer {
             unsafe { sys::cuStreamWaitEvent(copy.0, ready, 0) },
             "cuStreamWaitEvent (peer ready)",
         )?;
-        if bytes > 0 {
+        if bytes > 0 && post.arena {
+            let base = self.peer_chunk(&post.export)?;
+            // SAFETY: the mapped chunk holds the receiver's buffer at `offset` (it keeps the
+            // buffer until our done event); `src` is this rank's live buffer.
+            check(
+                unsafe { sys::cuMemcpyAsync(base + post.offset, src, bytes, copy.0) },
+                "cuMemcpyAsync (to a peer process)",
+            )?;
+        } else if bytes > 0 {
             let mut export = sys::CUmemPoolPtrExportData {
                 reserved: post.export,
             };
@@ -692,6 +738,7 @@ impl IpcPeer {
         self.dones_sent += 1;
         let msg = Msg {
             kind: Kind::Done,
+            arena: false,
             key,
             export: [0; 64],
             offset: 0,
@@ -702,6 +749,42 @@ impl IpcPeer {
         };
         self.send(&msg, health, own.rank)?;
         Ok(raw)
+    }
+
+    /// The address here of the peer's arena chunk described by `e` (mapped on first use).
+    fn peer_chunk(&mut self, e: &[u8; 64]) -> Result<u64> {
+        let id = u32::from_le_bytes(e[0..4].try_into().expect("4 bytes"));
+        let fd = i32::from_le_bytes(e[4..8].try_into().expect("4 bytes"));
+        let size = u64::from_le_bytes(e[8..16].try_into().expect("8 bytes")) as usize;
+        if let Some(c) = self.chunks.get(&id) {
+            if c.size == size {
+                return Ok(c.va);
+            }
+        }
+        let local = duplicate_fd(self.pid, fd)?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: importing a descriptor of memory the peer exported.
+        let r = unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                local as usize as *mut std::ffi::c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        };
+        // SAFETY: our duplicate; the driver keeps its own reference.
+        unsafe {
+            libc::close(local);
+        }
+        check(r, &format!("importing rank {}'s shared memory", self.peer))?;
+        let va = map(handle, size)?;
+        if let Err(e) = grant(va, size, &[self.ordinal as i32]) {
+            unmap(va, size, handle);
+            return Err(e);
+        }
+        if let Some(old) = self.chunks.insert(id, MappedChunk { va, size, handle }) {
+            unmap(old.va, old.size, old.handle);
+        }
+        Ok(va)
     }
 
     /// Receiver side, step 2: `stream` waits for the sender's copy of `key`.
@@ -740,6 +823,9 @@ impl IpcPeer {
 
 impl Drop for IpcPeer {
     fn drop(&mut self) {
+        for (_, c) in self.chunks.drain() {
+            unmap(c.va, c.size, c.handle);
+        }
         for (_, raw) in self.opened.drain() {
             // SAFETY: events opened here, destroyed once.
             unsafe {
@@ -747,6 +833,21 @@ impl Drop for IpcPeer {
             }
         }
     }
+}
+
+/// The start of the allocation holding device address `ptr` (pool exports name whole
+/// allocations; a view's offset travels separately).
+fn allocation_base(ptr: u64, rank: usize) -> Result<u64> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: a query on a device address of this process.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Communication {
+            rank,
+            reason: format!("cuMemGetAddressRange on a transfer buffer: {r:?}"),
+        });
+    }
+    Ok(base)
 }
 
 /// One step of a host wait: spin first, then sleep, failing on the world's failure or
@@ -804,6 +905,7 @@ mod tests {
         for n in 0..(3 * RING_SLOTS as u64) {
             let m = Msg {
                 kind: if n % 2 == 0 { Kind::Post } else { Kind::Done },
+                arena: n % 3 == 0,
                 key: (1, 0, n),
                 export: [n as u8; 64],
                 offset: 7 * n,
@@ -816,6 +918,7 @@ mod tests {
             ring.head().store(n + 1, Ordering::Release);
             let back = Msg::read(ring.slot(n)).unwrap();
             assert_eq!(back.kind, m.kind);
+            assert_eq!(back.arena, m.arena);
             assert_eq!(back.key, m.key);
             assert_eq!(back.export, m.export);
             assert_eq!((back.offset, back.bytes, back.acked), (7 * n, 4096, n / 2));

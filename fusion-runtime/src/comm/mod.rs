@@ -83,4 +83,9 @@ pub trait Communicator: Send + Sync {
     fn transports(&self) -> Vec<String> {
         Vec::new()
     }
+    /// Whether peers in other processes write into this rank's copy-engine receive
+    /// buffers (which must then come from [`crate::backend::Device::allocate_shared`]).
+    fn shares_receive_buffers(&self) -> bool {
+        false
+    }
 }

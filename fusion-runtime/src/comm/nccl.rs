@@ -356,7 +356,16 @@ impl NcclCommunicator {
         if dst.is_contiguous() {
             return Ok((dst.clone(), false));
         }
-        Ok((self.device.allocate(s, dst.dtype(), dst.shape())?, true))
+        Ok((self.alloc_receive(s, dst.dtype(), dst.shape())?, true))
+    }
+
+    /// A buffer peers write into (shareable with other processes where they are).
+    fn alloc_receive(&self, s: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        if self.copy_engine.has_ipc_peers() {
+            self.device.allocate_shared(s, dtype, shape)
+        } else {
+            self.device.allocate(s, dtype, shape)
+        }
     }
 
     fn copy_back(&self, s: StreamHandle, staged: &Tensor, dst: &Tensor) -> Result<()> {
@@ -443,7 +452,7 @@ impl NcclCommunicator {
             .iter()
             .position(|&r| r == self.rank)
             .expect("in team");
-        let slots = self.device.allocate(s, blocks.dtype(), blocks.shape())?;
+        let slots = self.alloc_receive(s, blocks.dtype(), blocks.shape())?;
         self.device.execute(
             s,
             Kernel::Copy {
@@ -1048,6 +1057,10 @@ impl Communicator for NcclCommunicator {
 
     fn transports(&self) -> Vec<String> {
         NcclCommunicator::transports(self)
+    }
+
+    fn shares_receive_buffers(&self) -> bool {
+        self.copy_engine.has_ipc_peers()
     }
 
     fn host_allgather(

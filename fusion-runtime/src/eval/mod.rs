@@ -63,6 +63,9 @@ pub struct CallContext<'a> {
     pub number_of_streams: usize,
     /// Record a timeline of communications and kernels (synchronizes at the end).
     pub trace: bool,
+    /// Allocate copy-engine receive buffers with [`Device::allocate_shared`] (a launched
+    /// world whose peers in other processes write into them).
+    pub shared_receives: bool,
 }
 
 /// One interval of a traced call, in milliseconds from the call's start on this device.
@@ -200,6 +203,44 @@ pub(crate) struct Evaluator<'a> {
     pending: Vec<PendingEvent>,
     group_start: Option<usize>,
     chunk: Option<i64>,
+    /// Tensors whose buffers peers write into over the copy engines (see
+    /// [`received_by_copy_engine`]).
+    shared: std::collections::HashSet<TensorId>,
+}
+
+/// The tensors a program allocates whose memory a peer writes into over the copy engines:
+/// the allocations behind copy-engine receive buffers and copy-engine collective outputs
+/// (following views back to the tensor that owns the memory).
+pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<TensorId> {
+    use fusion_core::hir::{for_each_node, CommBackend};
+    let mut parent: HashMap<TensorId, TensorId> = HashMap::new();
+    let mut targets = Vec::new();
+    for_each_node(&p.body, &mut |n| match n {
+        Node::AliasSelect { input, output, .. } => {
+            parent.insert(*output, *input);
+        }
+        Node::Compute(e) if e.op.is_view() => {
+            if let Some(&i) = e.inputs.first() {
+                parent.insert(e.output, i);
+            }
+        }
+        Node::P2P(x)
+            if x.direction == P2PDirection::Recv && x.backend == CommBackend::CopyEngine =>
+        {
+            targets.push(x.buffer)
+        }
+        Node::Communication(c) if c.backend == CommBackend::CopyEngine => targets.push(c.output),
+        _ => {}
+    });
+    targets
+        .into_iter()
+        .map(|mut t| {
+            while let Some(&up) = parent.get(&t) {
+                t = up;
+            }
+            t
+        })
+        .collect()
 }
 
 impl<'a> Evaluator<'a> {
@@ -237,6 +278,11 @@ impl<'a> Evaluator<'a> {
             pending: Vec::new(),
             group_start: None,
             chunk: None,
+            shared: if ctx.shared_receives {
+                received_by_copy_engine(p)
+            } else {
+                Default::default()
+            },
         }
     }
 
@@ -363,7 +409,13 @@ impl<'a> Evaluator<'a> {
         }
         let shape = self.local_shape(t)?;
         let dtype = self.p.ir.tensor(t).dtype;
-        let x = self.ctx.device.allocate(self.current, dtype, &shape)?;
+        let x = if self.shared.contains(&t) {
+            self.ctx
+                .device
+                .allocate_shared(self.current, dtype, &shape)?
+        } else {
+            self.ctx.device.allocate(self.current, dtype, &shape)?
+        };
         let bytes = x.nbytes();
         self.stats.allocations += 1;
         self.stats.allocated_bytes += bytes;

@@ -420,8 +420,15 @@ pub(super) fn launched_cuda_world(
     let wants_ipc = ipc_allowed() && spec.local_processes > 1;
     let mut ipc_devices: Vec<Option<IpcDevice>> = Vec::new();
     for (i, d) in devices.iter().enumerate() {
+        let local_peers: Vec<usize> = ordinals
+            .iter()
+            .copied()
+            .filter(|&o| o != d.shared().ordinal)
+            .collect();
         ipc_devices.push(if wants_ipc {
-            match IpcDevice::prepare(d, first + i, size) {
+            match IpcDevice::prepare(d, first + i, size)
+                .and_then(|x| d.enable_shared_arena(&local_peers).map(|()| x))
+            {
                 Ok(x) => Some(x),
                 Err(e) => {
                     tracing::warn!("CUDA IPC unavailable on rank {}: {e}", first + i);

@@ -11,6 +11,7 @@ use fusion_core::DType;
 use super::kernels::KernelCache;
 use super::libs::driver_err;
 use super::memory::{CudaBuffer, RawStream};
+use super::shared::SharedArena;
 use super::{gemm, health::WorldHealth};
 use crate::backend::{BackendKind, Device, Kernel, StreamHandle};
 use crate::error::{Error, Result};
@@ -59,6 +60,8 @@ pub struct CudaDevice {
     pub(crate) kernels: KernelCache,
     poison: bool,
     health: Arc<WorldHealth>,
+    /// Memory peers in other processes map (launched worlds with such peers).
+    arena: std::sync::OnceLock<Arc<SharedArena>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -86,6 +89,7 @@ impl CudaDevice {
             kernels: KernelCache::new(ordinal),
             poison: std::env::var("FUSION_POISON").is_ok_and(|v| v == "1"),
             health,
+            arena: std::sync::OnceLock::new(),
         };
         dev.shared.bind()?;
         configure_pool(ordinal)?;
@@ -95,6 +99,32 @@ impl CudaDevice {
 
     pub(crate) fn shared(&self) -> &Arc<DeviceShared> {
         &self.shared
+    }
+
+    /// Gives this device an arena of memory that GPUs of other processes can map
+    /// (receive buffers of copy-engine transfers); `local_peers` are the other devices of
+    /// this process, which get access too.
+    pub(crate) fn enable_shared_arena(&self, local_peers: &[usize]) -> Result<()> {
+        if self.arena.get().is_none() {
+            let arena = Arc::new(SharedArena::new(self.shared.clone(), local_peers)?);
+            let _ = self.arena.set(arena);
+        }
+        Ok(())
+    }
+
+    /// The arena of [`Self::enable_shared_arena`], if any.
+    pub(crate) fn shared_arena(&self) -> Option<&Arc<SharedArena>> {
+        self.arena.get()
+    }
+
+    /// Fills a new allocation with NaN bytes when `FUSION_POISON=1`.
+    fn poison_new(&self, ptr: u64, bytes: usize, raw: RawStream) -> Result<()> {
+        if self.poison && bytes > 0 {
+            // SAFETY: the range was just allocated on `raw` with `bytes` bytes.
+            unsafe { result::memset_d8_async(ptr, 0xFF, bytes, raw.0) }
+                .map_err(|e| driver_err("poisoning an allocation", e))?;
+        }
+        Ok(())
     }
 
     /// The raw stream behind a handle.
@@ -150,11 +180,7 @@ impl CudaDevice {
         let bytes = numel * dtype.size_bytes();
         let raw = self.raw_stream(stream)?;
         let buf = CudaBuffer::alloc(&self.shared, raw, bytes)?;
-        if self.poison && bytes > 0 {
-            // SAFETY: the buffer was just allocated on `raw` with `bytes` bytes.
-            unsafe { result::memset_d8_async(buf_ptr(&buf), 0xFF, bytes, raw.0) }
-                .map_err(|e| driver_err("poisoning an allocation", e))?;
-        }
+        self.poison_new(buf_ptr(&buf), bytes, raw)?;
         Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
     }
 
@@ -334,6 +360,23 @@ impl Device for CudaDevice {
 
     fn allocate(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor> {
         self.alloc_tensor(stream, dtype, shape)
+    }
+
+    fn allocate_shared(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let Some(arena) = self.arena.get() else {
+            return self.alloc_tensor(stream, dtype, shape);
+        };
+        let bytes = shape.iter().product::<usize>() * dtype.size_bytes();
+        let raw = self.raw_stream(stream)?;
+        let buf = arena.alloc(raw, bytes)?;
+        use crate::tensor::DeviceBuffer;
+        self.poison_new(buf.ptr(), bytes, raw)?;
+        Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
     }
 
     fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()> {

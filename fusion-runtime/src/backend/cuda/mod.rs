@@ -14,6 +14,7 @@ mod kernels;
 mod layout;
 mod libs;
 mod memory;
+pub(crate) mod shared;
 
 pub use device::CudaDevice;
 pub use libs::{check_libraries, device_count, driver_present};
