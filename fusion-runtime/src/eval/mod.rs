@@ -213,15 +213,17 @@ pub(crate) struct Evaluator<'a> {
 /// (following views back to the tensor that owns the memory).
 pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<TensorId> {
     use fusion_core::hir::{for_each_node, CommBackend};
-    let mut parent: HashMap<TensorId, TensorId> = HashMap::new();
+    // A view may be defined in both branches of an `IfThenElse` (over different parents):
+    // every parent counts.
+    let mut parents: HashMap<TensorId, Vec<TensorId>> = HashMap::new();
     let mut targets = Vec::new();
     for_each_node(&p.body, &mut |n| match n {
         Node::AliasSelect { input, output, .. } => {
-            parent.insert(*output, *input);
+            parents.entry(*output).or_default().push(*input);
         }
         Node::Compute(e) if e.op.is_view() => {
             if let Some(&i) = e.inputs.first() {
-                parent.insert(e.output, i);
+                parents.entry(e.output).or_default().push(i);
             }
         }
         Node::P2P(x)
@@ -232,15 +234,20 @@ pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<Ten
         Node::Communication(c) if c.backend == CommBackend::CopyEngine => targets.push(c.output),
         _ => {}
     });
-    targets
-        .into_iter()
-        .map(|mut t| {
-            while let Some(&up) = parent.get(&t) {
-                t = up;
+    let mut roots = std::collections::HashSet::new();
+    let mut seen = std::collections::HashSet::new();
+    while let Some(t) = targets.pop() {
+        if !seen.insert(t) {
+            continue;
+        }
+        match parents.get(&t) {
+            Some(ps) => targets.extend(ps.iter().copied()),
+            None => {
+                roots.insert(t);
             }
-            t
-        })
-        .collect()
+        }
+    }
+    roots
 }
 
 impl<'a> Evaluator<'a> {
