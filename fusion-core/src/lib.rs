@@ -21,6 +21,7 @@
 pub mod builder;
 mod dtype;
 mod error;
+pub mod generic;
 pub mod hir;
 pub mod ir;
 pub mod lower;

@@ -1,22 +1,27 @@
 //! Runs a fusion: lowers it at the first call for a given key, caches the host program,
 //! and evaluates it on the calling rank.
 //!
-//! The key is (the input shapes, as values of the dimension symbols; world size;
-//! backend; options); dtypes are fixed by the fusion. All ranks of a
-//! world share one executor, so a program is lowered once per process, not once per rank;
-//! [`FusionExecutor::lowering_count`] counts lowerings.
+//! The key is (the dtypes bound to the fusion's dtype parameters; the input shapes, as
+//! values of the dimension symbols; world size; backend; options). A dtype-generic fusion
+//! ([`GenericFusion`]) is instantiated once per dtype binding, at the first call that
+//! binds it. All ranks of a world share one executor, so a program is lowered once per
+//! process, not once per rank; [`FusionExecutor::lowering_count`] counts lowerings.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use fusion_core::generic::GenericFusion;
 use fusion_core::hir::HostProgram;
 use fusion_core::ir::Fusion;
 use fusion_core::lower::{lower, LowerOptions};
+use fusion_core::DType;
 
 use crate::backend::BackendKind;
-use crate::error::Result;
-use crate::eval::{bind_inputs, execute, CallContext, ExecStats, SymbolBindings, TraceEvent};
+use crate::error::{Error, Result};
+use crate::eval::{
+    bind_dtypes, bind_inputs, execute, CallContext, ExecStats, SymbolBindings, TraceEvent,
+};
 use crate::tensor::Tensor;
 use crate::world::Rank;
 
@@ -65,6 +70,8 @@ impl DumpOptions {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct CacheKey {
+    /// The dtypes bound to the fusion's dtype parameters (empty for a fixed fusion).
+    dtypes: Vec<DType>,
     /// Values of the dimension symbols: the input shapes, the same on every rank.
     symbols: Vec<(usize, i64)>,
     world_size: usize,
@@ -83,9 +90,20 @@ pub struct RunReport {
     pub trace: Option<Vec<TraceEvent>>,
 }
 
+/// Where the executor's fusions come from.
+enum Source {
+    /// One fusion with fixed dtypes.
+    Fixed(Arc<Fusion>),
+    /// A dtype-generic fusion and its instances, one per dtype binding, built on demand.
+    Generic {
+        generic: GenericFusion,
+        instances: Mutex<HashMap<Vec<DType>, Arc<Fusion>>>,
+    },
+}
+
 /// A fusion plus its cache of lowered programs.
 pub struct FusionExecutor {
-    fusion: Fusion,
+    source: Source,
     cache: Mutex<HashMap<CacheKey, Arc<HostProgram>>>,
     lowerings: AtomicUsize,
 }
@@ -93,16 +111,55 @@ pub struct FusionExecutor {
 impl FusionExecutor {
     /// An executor for `fusion` (checked when it was built).
     pub fn new(fusion: Fusion) -> Self {
+        FusionExecutor::from_source(Source::Fixed(Arc::new(fusion)))
+    }
+
+    /// An executor for a dtype-generic fusion: each call binds the dtype parameters from
+    /// the dtypes of its inputs, and each binding gets its own fusion (built at its first
+    /// call) and its own lowered programs.
+    pub fn generic(generic: GenericFusion) -> Self {
+        FusionExecutor::from_source(Source::Generic {
+            generic,
+            instances: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn from_source(source: Source) -> Self {
         FusionExecutor {
-            fusion,
+            source,
             cache: Mutex::new(HashMap::new()),
             lowerings: AtomicUsize::new(0),
         }
     }
 
-    /// The fusion this executor runs.
-    pub fn fusion(&self) -> &Fusion {
-        &self.fusion
+    /// The names of the fusion's dtype parameters (empty for a fusion with fixed dtypes).
+    pub fn dtype_params(&self) -> &[String] {
+        match &self.source {
+            Source::Fixed(_) => &[],
+            Source::Generic { generic, .. } => generic.params(),
+        }
+    }
+
+    /// The fusion this executor runs for `dtypes`, one per dtype parameter (empty for a
+    /// fusion with fixed dtypes); a generic fusion is instantiated at the first request.
+    pub fn fusion_for(&self, dtypes: &[DType]) -> Result<Arc<Fusion>> {
+        match &self.source {
+            Source::Fixed(f) if dtypes.is_empty() => Ok(f.clone()),
+            Source::Fixed(_) => Err(Error::Arity {
+                what: "dtypes of a fusion without dtype parameters".into(),
+                expected: 0,
+                actual: dtypes.len(),
+            }),
+            Source::Generic { generic, instances } => {
+                let mut map = instances.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(f) = map.get(dtypes) {
+                    return Ok(f.clone());
+                }
+                let f = Arc::new(generic.instantiate(dtypes)?);
+                map.insert(dtypes.to_vec(), f.clone());
+                Ok(f)
+            }
+        }
     }
 
     /// How many times this executor has lowered a program.
@@ -131,8 +188,7 @@ impl FusionExecutor {
         outputs: Option<&[&Tensor]>,
         options: &ExecOptions,
     ) -> Result<RunReport> {
-        let symbols = self.bind(rank, inputs)?;
-        let program = self.program_for(rank, &symbols, options)?;
+        let (program, symbols) = self.prepare(rank, inputs, options)?;
         let ctx = CallContext {
             device: rank.device(),
             comm: rank.communicator(),
@@ -155,45 +211,97 @@ impl FusionExecutor {
         inputs: &[&Tensor],
         options: &ExecOptions,
     ) -> Result<Arc<HostProgram>> {
-        let symbols = self.bind(rank, inputs)?;
-        self.program_for(rank, &symbols, options)
+        Ok(self.prepare(rank, inputs, options)?.0)
+    }
+
+    /// Binds the dtypes and the dimension symbols of a call and finds (or lowers) its
+    /// program.
+    fn prepare(
+        &self,
+        rank: &Rank,
+        inputs: &[&Tensor],
+        options: &ExecOptions,
+    ) -> Result<(Arc<HostProgram>, SymbolBindings)> {
+        let dtypes = match &self.source {
+            Source::Fixed(_) => Vec::new(),
+            Source::Generic { generic, .. } => bind_dtypes(generic, inputs)?,
+        };
+        let fusion = self.fusion_for(&dtypes)?;
+        let symbols = self.bind(&fusion, &dtypes, rank, inputs)?;
+        let program = self.program_for(&fusion, dtypes, rank, &symbols, options)?;
+        Ok((program, symbols))
     }
 
     /// Checks the inputs and binds the dimension symbols. When an input lives on only
     /// some devices, ranks without it learn its extents from the others (every rank of
-    /// such a fusion takes part in the exchange, so it is deterministic).
-    fn bind(&self, rank: &Rank, inputs: &[&Tensor]) -> Result<SymbolBindings> {
+    /// such a fusion takes part in the exchange, so it is deterministic), and the ranks
+    /// check that they bound the same dtypes.
+    fn bind(
+        &self,
+        fusion: &Fusion,
+        dtypes: &[DType],
+        rank: &Rank,
+        inputs: &[&Tensor],
+    ) -> Result<SymbolBindings> {
         let ws = rank.world_size();
-        let mut symbols =
-            bind_inputs(&self.fusion, self.fusion.inputs(), inputs, rank.index(), ws)?;
-        let partial = self
-            .fusion
+        let mut symbols = bind_inputs(fusion, fusion.inputs(), inputs, rank.index(), ws)?;
+        let partial = fusion
             .inputs()
             .iter()
-            .any(|&t| self.fusion.tensor(t).mesh.resolve(ws) != (0..ws).collect::<Vec<_>>());
+            .any(|&t| fusion.tensor(t).mesh.resolve(ws) != (0..ws).collect::<Vec<_>>());
         if partial {
-            let mine: Vec<i64> = symbols
-                .entries()
-                .into_iter()
-                .flat_map(|(i, v)| [i as i64, v])
+            let mine: Vec<i64> = dtypes
+                .iter()
+                .map(|&d| dtype_code(d))
+                .chain(
+                    symbols
+                        .entries()
+                        .into_iter()
+                        .flat_map(|(i, v)| [i as i64, v]),
+                )
                 .collect();
             let all = rank.communicator().exchange(&mine)?;
             for (r, values) in all.iter().enumerate() {
+                let (theirs, entries) = values.split_at(dtypes.len().min(values.len()));
+                if theirs != &mine[..dtypes.len()] {
+                    return Err(self.dtype_disagreement(dtypes, r, theirs));
+                }
                 let entries: Vec<(usize, i64)> =
-                    values.chunks(2).map(|c| (c[0] as usize, c[1])).collect();
-                symbols.merge(&self.fusion, r, &entries)?;
+                    entries.chunks(2).map(|c| (c[0] as usize, c[1])).collect();
+                symbols.merge(fusion, r, &entries)?;
             }
         }
         Ok(symbols)
     }
 
+    /// The error for ranks whose inputs bind a dtype parameter differently.
+    fn dtype_disagreement(&self, mine: &[DType], rank: usize, theirs: &[i64]) -> Error {
+        let params = self.dtype_params();
+        let at = (0..mine.len())
+            .find(|&i| theirs.get(i) != Some(&dtype_code(mine[i])))
+            .unwrap_or(0);
+        let theirs = theirs
+            .get(at)
+            .and_then(|&c| dtype_from_code(c))
+            .map_or("something else".to_string(), |d| d.to_string());
+        Error::World(format!(
+            "dtype parameter `{}` is {} on this rank but {theirs} on rank {rank}; every rank \
+             passes inputs of the same dtypes",
+            params.get(at).map_or("?", String::as_str),
+            mine.get(at).map_or("?", |d| d.name()),
+        ))
+    }
+
     fn program_for(
         &self,
+        fusion: &Fusion,
+        dtypes: Vec<DType>,
         rank: &Rank,
         symbols: &SymbolBindings,
         options: &ExecOptions,
     ) -> Result<Arc<HostProgram>> {
         let key = CacheKey {
+            dtypes,
             symbols: symbols.entries(),
             world_size: rank.world_size(),
             backend: rank.backend(),
@@ -208,9 +316,9 @@ impl FusionExecutor {
         let mut lower_options = options.lower.clone();
         lower_options.dump_passes |= dump.host_ir_passes;
         if dump.fusion {
-            eprintln!("{}", self.fusion);
+            eprintln!("{fusion}");
         }
-        let lowered = lower(&self.fusion, rank.world_size(), &lower_options)?;
+        let lowered = lower(fusion, rank.world_size(), &lower_options)?;
         for d in &lowered.dumps {
             eprintln!("=== after pass {} ===\n{}", d.pass, d.program);
         }
@@ -223,4 +331,19 @@ impl FusionExecutor {
         cache.insert(key, program.clone());
         Ok(program)
     }
+}
+
+/// A dtype as a number, for the exchange between ranks.
+fn dtype_code(d: DType) -> i64 {
+    match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+    }
+}
+
+fn dtype_from_code(c: i64) -> Option<DType> {
+    [DType::F32, DType::BF16, DType::F16]
+        .get(usize::try_from(c).ok()?)
+        .copied()
 }

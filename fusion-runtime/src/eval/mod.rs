@@ -14,7 +14,7 @@ use fusion_core::hir::{
 };
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
-pub use bind::{bind_inputs, mesh_devices, SymbolBindings};
+pub use bind::{bind_dtypes, bind_inputs, mesh_devices, SymbolBindings};
 
 use crate::backend::{Device, StreamHandle};
 use crate::comm::Communicator;
