@@ -47,8 +47,8 @@ pub use fusion_core::ir::ParallelType;
 pub use fusion_core::DType;
 pub use fusion_macros::fusion;
 pub use fusion_runtime::{
-    concat, BackendKind, Error, ExecOptions, FusionExecutor, Rank, Ranked, Result, RunReport,
-    Tensor, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6, World,
+    concat, BackendKind, CudaElement, Error, ExecOptions, FusionExecutor, Rank, Ranked, Result,
+    RunReport, Tensor, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6, World,
 };
 
 /// The names most programs use.

@@ -132,6 +132,11 @@ pub trait Device: Send + Sync {
     fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64>;
     /// Forgets every marker (call after reading a trace).
     fn clear_markers(&self);
+    /// This device as a CUDA device, for the CUDA-only API (`Rank::cuda_context`, tensors
+    /// over cudarc buffers).
+    fn as_cuda(&self) -> Option<&cuda::CudaDevice> {
+        None
+    }
     /// True when `t` lives where this device's kernels can read it.
     fn is_resident(&self, t: &Tensor) -> bool {
         match self.kind() {

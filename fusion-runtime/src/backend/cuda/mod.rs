@@ -14,10 +14,12 @@ mod kernels;
 mod layout;
 mod libs;
 mod memory;
+mod user_buffers;
 mod world;
 
 pub use device::CudaDevice;
 pub use libs::{check_libraries, device_count, driver_present};
+pub use user_buffers::CudaElement;
 pub use world::cuda_world;
 
 pub(crate) use health::WorldHealth;
