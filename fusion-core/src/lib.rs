@@ -30,4 +30,4 @@ mod print;
 
 pub use dtype::DType;
 pub use error::{AxisRef, Error, Result};
-pub use print::tensor_string;
+pub use print::{node_string, tensor_string};

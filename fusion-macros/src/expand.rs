@@ -150,7 +150,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
     let dtype_params: Vec<String> = def.dtype_params.iter().map(|p| p.to_string()).collect();
     let n_dtype_params = dtype_params.len();
     let make_executor = if dtype_params.is_empty() {
-        quote!(self::build().map(#fr::FusionExecutor::new))
+        quote!(self::build().map(|f| #fr::FusionExecutor::new(f).with_name(#fusion_name)))
     } else {
         let specs = def.params.iter().map(|p| {
             let name = p.ty.dtype.to_string();
@@ -181,7 +181,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
                     ))),
                 },
             )
-            .map(#fr::FusionExecutor::generic)
+            .map(|g| #fr::FusionExecutor::generic(g).with_name(#fusion_name))
         }
     };
     let build_doc = if n_dtype_params == 0 {

@@ -8,8 +8,9 @@
 //! process, not once per rank; [`FusionExecutor::lowering_count`] counts lowerings.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use fusion_core::generic::GenericFusion;
 use fusion_core::hir::HostProgram;
@@ -20,9 +21,10 @@ use fusion_core::DType;
 use crate::backend::BackendKind;
 use crate::error::{Error, Result};
 use crate::eval::{
-    bind_dtypes, bind_inputs, execute, CallContext, ExecStats, SymbolBindings, TraceEvent,
+    bind_dtypes, bind_inputs, execute, CallContext, ExecStats, HostSpan, SymbolBindings, TraceEvent,
 };
 use crate::tensor::Tensor;
+use crate::trace::{write_call_trace, CallTrace};
 use crate::world::Rank;
 
 /// Options of a call that change the lowered program or how it runs.
@@ -34,6 +36,10 @@ pub struct ExecOptions {
     /// Record a timeline of communications and kernels ([`RunReport::trace`]); the call
     /// then waits for the device at its end.
     pub trace: bool,
+    /// Write a Chrome trace of every call into this directory, one file per call and
+    /// rank, with a span for every executed node and the device intervals
+    /// ([`crate::trace`]); implies `trace`. Unset, `FUSION_TRACE=<dir>` sets it.
+    pub trace_dir: Option<PathBuf>,
 }
 
 impl Default for ExecOptions {
@@ -42,7 +48,24 @@ impl Default for ExecOptions {
             number_of_streams: 4,
             lower: LowerOptions::default(),
             trace: false,
+            trace_dir: None,
         }
+    }
+}
+
+impl ExecOptions {
+    /// Where this call's trace goes: `trace_dir`, else `FUSION_TRACE` (read once).
+    fn trace_dir(&self) -> Option<PathBuf> {
+        static FROM_ENV: OnceLock<Option<PathBuf>> = OnceLock::new();
+        self.trace_dir.clone().or_else(|| {
+            FROM_ENV
+                .get_or_init(|| {
+                    std::env::var_os("FUSION_TRACE")
+                        .filter(|v| !v.is_empty())
+                        .map(PathBuf::from)
+                })
+                .clone()
+        })
     }
 }
 
@@ -86,8 +109,13 @@ pub struct RunReport {
     /// Outputs in order; ranks outside an output's mesh get a zero-element placeholder.
     pub outputs: Vec<Tensor>,
     pub stats: ExecStats,
-    /// The call's timeline on this rank's device, when `ExecOptions::trace` is set.
+    /// The call's timeline on this rank's device, when `ExecOptions::trace` (or a trace
+    /// directory) is set.
     pub trace: Option<Vec<TraceEvent>>,
+    /// A span per executed node, and the file they were written to, when a trace
+    /// directory is set (`ExecOptions::trace_dir`, `FUSION_TRACE`).
+    pub host_trace: Option<Vec<HostSpan>>,
+    pub trace_file: Option<PathBuf>,
 }
 
 /// Where the executor's fusions come from.
@@ -106,6 +134,10 @@ pub struct FusionExecutor {
     source: Source,
     cache: Mutex<HashMap<CacheKey, Arc<HostProgram>>>,
     lowerings: AtomicUsize,
+    /// Names trace files.
+    name: String,
+    /// Traced calls so far, per rank: the number in the next trace file's name.
+    traced_calls: Mutex<HashMap<usize, usize>>,
 }
 
 impl FusionExecutor {
@@ -129,7 +161,21 @@ impl FusionExecutor {
             source,
             cache: Mutex::new(HashMap::new()),
             lowerings: AtomicUsize::new(0),
+            name: "fusion".into(),
+            traced_calls: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// This executor with a name, used in trace file names (`fusion!` names it after
+    /// the fusion).
+    pub fn with_name(mut self, name: &str) -> Self {
+        self.name = name.to_string();
+        self
+    }
+
+    /// The name trace files carry.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The names of the fusion's dtype parameters (empty for a fusion with fixed dtypes).
@@ -189,18 +235,44 @@ impl FusionExecutor {
         options: &ExecOptions,
     ) -> Result<RunReport> {
         let (program, symbols) = self.prepare(rank, inputs, options)?;
+        let trace_dir = options.trace_dir();
         let ctx = CallContext {
             device: rank.device(),
             comm: rank.communicator(),
             rank: rank.index(),
             number_of_streams: options.number_of_streams,
-            trace: options.trace,
+            trace: options.trace || trace_dir.is_some(),
+            trace_nodes: trace_dir.is_some(),
         };
         let ex = execute(&program, &ctx, &symbols, inputs, outputs)?;
+        let trace_file = match &trace_dir {
+            Some(dir) => {
+                let call = {
+                    let mut calls = self.traced_calls.lock().unwrap_or_else(|p| p.into_inner());
+                    let n = calls.entry(rank.index()).or_insert(0);
+                    *n += 1;
+                    *n - 1
+                };
+                let t = CallTrace {
+                    fusion: &self.name,
+                    call,
+                    rank: rank.index(),
+                    world_size: rank.world_size(),
+                    backend: rank.backend().name(),
+                    program: &program,
+                    device: ex.trace.as_deref().unwrap_or_default(),
+                    host: ex.host_trace.as_deref().unwrap_or_default(),
+                };
+                Some(write_call_trace(dir, &t)?)
+            }
+            None => None,
+        };
         Ok(RunReport {
             outputs: ex.outputs,
             stats: ex.stats,
             trace: ex.trace,
+            host_trace: ex.host_trace,
+            trace_file,
         })
     }
 

@@ -8,9 +8,10 @@ mod bind;
 mod compute;
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use fusion_core::hir::{
-    CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef, P2P,
+    for_each_node, CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef, P2P,
 };
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
@@ -63,6 +64,8 @@ pub struct CallContext<'a> {
     pub number_of_streams: usize,
     /// Record a timeline of communications and kernels (synchronizes at the end).
     pub trace: bool,
+    /// Also record a host-side span for every node the call executes ([`HostSpan`]).
+    pub trace_nodes: bool,
 }
 
 /// One interval of a traced call, in milliseconds from the call's start on this device.
@@ -77,6 +80,25 @@ pub struct TraceEvent {
     pub chunk: Option<i64>,
     pub start_ms: f64,
     pub end_ms: f64,
+    /// The node that issued it (its pre-order index in the program), when the call
+    /// traced its nodes.
+    pub node: Option<usize>,
+}
+
+/// The host side of one executed node of a traced call: when the rank's thread ran it,
+/// in milliseconds from the call's start on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostSpan {
+    /// The node's pre-order index in the program (`for_each_node` order), so every
+    /// execution of a loop body's node has the same id.
+    pub node: usize,
+    pub kind: NodeKind,
+    /// The stream current when the node started.
+    pub stream: StreamHandle,
+    /// The stream-loop index it ran in, if any.
+    pub chunk: Option<i64>,
+    pub start_ms: f64,
+    pub end_ms: f64,
 }
 
 struct PendingEvent {
@@ -86,13 +108,26 @@ struct PendingEvent {
     chunk: Option<i64>,
     start: usize,
     end: usize,
+    node: Option<usize>,
 }
 
-/// What one call returns: outputs, statistics, and the timeline when traced.
+/// What one call returns: outputs, statistics, and the timelines when traced.
 pub struct Execution {
     pub outputs: Vec<Tensor>,
     pub stats: ExecStats,
     pub trace: Option<Vec<TraceEvent>>,
+    /// One span per executed node, when `CallContext::trace_nodes` is set.
+    pub host_trace: Option<Vec<HostSpan>>,
+}
+
+/// Every node of `program` with its pre-order index (the ids of [`HostSpan::node`]).
+pub fn node_ids(program: &HostProgram) -> HashMap<*const Node, usize> {
+    let mut ids = HashMap::new();
+    for_each_node(&program.body, &mut |n| {
+        let next = ids.len();
+        ids.insert(n as *const Node, next);
+    });
+    ids
 }
 
 /// Runs `program` on one rank with the symbol values bound from the inputs
@@ -116,7 +151,10 @@ pub fn execute(
     }
     ctx.device.ensure_streams(ctx.number_of_streams)?;
     let mut ev = Evaluator::new(program, ctx, symbols);
-    if ctx.trace {
+    if ctx.trace_nodes {
+        ev.node_ids = Some(node_ids(program));
+    }
+    if ctx.trace || ctx.trace_nodes {
         ctx.device.clear_markers();
         ev.origin = Some(ctx.device.record_marker(0)?);
     }
@@ -169,6 +207,7 @@ pub fn execute(
                     chunk: p.chunk,
                     start_ms: ctx.device.marker_elapsed_ms(origin, p.start)?,
                     end_ms: ctx.device.marker_elapsed_ms(origin, p.end)?,
+                    node: p.node,
                 });
             }
             ctx.device.clear_markers();
@@ -176,10 +215,12 @@ pub fn execute(
         }
         None => None,
     };
+    let host_trace = ev.node_ids.is_some().then_some(ev.host_spans);
     Ok(Execution {
         outputs: result,
         stats: ev.stats,
         trace,
+        host_trace,
     })
 }
 
@@ -200,6 +241,11 @@ pub(crate) struct Evaluator<'a> {
     pending: Vec<PendingEvent>,
     group_start: Option<usize>,
     chunk: Option<i64>,
+    /// When tracing nodes: every node's id, the node running now, and the spans so far.
+    node_ids: Option<HashMap<*const Node, usize>>,
+    node: Option<usize>,
+    host_origin: Instant,
+    host_spans: Vec<HostSpan>,
 }
 
 impl<'a> Evaluator<'a> {
@@ -237,6 +283,10 @@ impl<'a> Evaluator<'a> {
             pending: Vec::new(),
             group_start: None,
             chunk: None,
+            node_ids: None,
+            node: None,
+            host_origin: Instant::now(),
+            host_spans: Vec::new(),
         }
     }
 
@@ -264,6 +314,7 @@ impl<'a> Evaluator<'a> {
                 chunk: self.chunk,
                 start,
                 end,
+                node: self.node,
             });
         }
         Ok(())
@@ -405,14 +456,51 @@ impl<'a> Evaluator<'a> {
 
     fn run_node(&mut self, n: &Node) -> Result<()> {
         self.stats.nodes_executed += 1;
+        let id = match &self.node_ids {
+            Some(ids) => ids.get(&(n as *const Node)).copied(),
+            None => None,
+        };
+        if id.is_some() {
+            return self.run_node_traced(n, id);
+        }
         if matches!(n, Node::ForLoop(_) | Node::IfThenElse { .. }) {
             return self.run_node_untimed(n);
         }
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         let r = self.run_node_untimed(n);
+        self.count_host_time(n, start.elapsed().as_nanos() as u64);
+        r
+    }
+
+    fn count_host_time(&mut self, n: &Node, nanos: u64) {
         let h = &mut self.stats.host_by_kind[n.kind() as usize];
         h.count += 1;
-        h.nanos += start.elapsed().as_nanos() as u64;
+        h.nanos += nanos;
+    }
+
+    /// Runs a node and records its host span (loops and branches span their bodies).
+    fn run_node_traced(&mut self, n: &Node, id: Option<usize>) -> Result<()> {
+        let (outer, chunk, stream) = (self.node, self.chunk, self.current);
+        self.node = id;
+        let start = Instant::now();
+        let r = self.run_node_untimed(n);
+        let end = Instant::now();
+        self.node = outer;
+        if !matches!(n, Node::ForLoop(_) | Node::IfThenElse { .. }) {
+            self.count_host_time(n, (end - start).as_nanos() as u64);
+        }
+        let origin = self.host_origin;
+        let ms = |t: Instant| (t - origin).as_secs_f64() * 1e3;
+        if let Some(node) = id {
+            self.host_spans.push(HostSpan {
+                node,
+                kind: n.kind(),
+                stream,
+                chunk,
+                start_ms: ms(start),
+                end_ms: ms(end),
+            });
+        }
         r
     }
 
