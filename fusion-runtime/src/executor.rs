@@ -32,6 +32,7 @@ use crate::world::Rank;
 pub struct ExecOptions {
     /// Size of the worker stream pool (`numberOfStreams`).
     pub number_of_streams: usize,
+    /// How the fusion is lowered (transports, pipelines, passes).
     pub lower: LowerOptions,
     /// Record a timeline of communications and kernels ([`RunReport::trace`]); the call
     /// then waits for the device at its end.
@@ -55,7 +56,7 @@ impl Default for ExecOptions {
 
 impl ExecOptions {
     /// Where this call's trace goes: `trace_dir`, else `FUSION_TRACE` (read once).
-    fn trace_dir(&self) -> Option<PathBuf> {
+    fn resolved_trace_dir(&self) -> Option<PathBuf> {
         static FROM_ENV: OnceLock<Option<PathBuf>> = OnceLock::new();
         self.trace_dir.clone().or_else(|| {
             FROM_ENV
@@ -73,8 +74,11 @@ impl ExecOptions {
 /// `host_ir_passes`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DumpOptions {
+    /// Print the fusion when it is lowered.
     pub fusion: bool,
+    /// Print the lowered host program.
     pub host_ir: bool,
+    /// Print the host program after every pass.
     pub host_ir_passes: bool,
 }
 
@@ -108,6 +112,7 @@ struct CacheKey {
 pub struct RunReport {
     /// Outputs in order; ranks outside an output's mesh get a zero-element placeholder.
     pub outputs: Vec<Tensor>,
+    /// What the call did: allocations, peak memory, host time per node kind.
     pub stats: ExecStats,
     /// The call's timeline on this rank's device, when `ExecOptions::trace` (or a trace
     /// directory) is set.
@@ -115,6 +120,7 @@ pub struct RunReport {
     /// A span per executed node, and the file they were written to, when a trace
     /// directory is set (`ExecOptions::trace_dir`, `FUSION_TRACE`).
     pub host_trace: Option<Vec<HostSpan>>,
+    /// The trace file written for this call.
     pub trace_file: Option<PathBuf>,
 }
 
@@ -235,7 +241,7 @@ impl FusionExecutor {
         options: &ExecOptions,
     ) -> Result<RunReport> {
         let (program, symbols) = self.prepare(rank, inputs, options)?;
-        let trace_dir = options.trace_dir();
+        let trace_dir = options.resolved_trace_dir();
         let ctx = CallContext {
             device: rank.device(),
             comm: rank.communicator(),

@@ -3,6 +3,8 @@
 //! Tensors, the host-IR evaluator, device backends (CPU threads; CUDA), communicators
 //! (in-process; NCCL; copy engine) and worlds of ranks.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod comm;
 mod error;

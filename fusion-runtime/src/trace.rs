@@ -32,7 +32,9 @@ pub use crate::eval::{HostSpan, TraceEvent};
 /// A communication and a computation that ran at the same time on one device.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Overlap {
+    /// The transfer.
     pub communication: TraceEvent,
+    /// The computation it overlapped.
     pub compute: TraceEvent,
     /// Length of the time both were running.
     pub ms: f64,
@@ -192,11 +194,17 @@ pub struct CallTrace<'a> {
     pub fusion: &'a str,
     /// The call's number on this rank (0 for the first traced call of the executor).
     pub call: usize,
+    /// The rank that ran it.
     pub rank: usize,
+    /// The number of ranks.
     pub world_size: usize,
+    /// `cpu` or `cuda`.
     pub backend: &'a str,
+    /// The program the call ran.
     pub program: &'a HostProgram,
+    /// Its device intervals.
     pub device: &'a [TraceEvent],
+    /// Its nodes' host spans.
     pub host: &'a [HostSpan],
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Binds inputs (and preallocated outputs), evaluates scalars (extents, loop indices, the
 //! rank, the stream count), and walks the nodes: allocations, stream switches and waits,
-//! views, communications, and compute lowered to backend [`Kernel`]s.
+//! views, communications, and compute lowered to backend [`Kernel`](crate::backend::Kernel)s.
 
 mod bind;
 mod compute;
@@ -26,9 +26,13 @@ use crate::tensor::Tensor;
 /// allocated and had not yet released).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExecStats {
+    /// Buffers the call allocated.
     pub allocations: usize,
+    /// Their bytes, in all.
     pub allocated_bytes: usize,
+    /// The most bytes of them alive at once.
     pub peak_live_bytes: usize,
+    /// Nodes run, loops and branches included, every iteration counted.
     pub nodes_executed: usize,
     /// Host time per kind of leaf node (not loops or branches), indexed by
     /// `NodeKind as usize`: where the interpreter's time goes (see [`Self::host_profile`]).
@@ -38,7 +42,9 @@ pub struct ExecStats {
 /// Host time spent on one kind of host-IR node during a call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostTime {
+    /// How many nodes of the kind ran.
     pub count: u32,
+    /// Their host time, in all.
     pub nanos: u64,
 }
 
@@ -58,9 +64,13 @@ impl ExecStats {
 
 /// Everything a call needs besides the program.
 pub struct CallContext<'a> {
+    /// The calling rank's device.
     pub device: &'a dyn Device,
+    /// The calling rank's communicator.
     pub comm: &'a dyn Communicator,
+    /// The calling rank.
     pub rank: usize,
+    /// The size of the worker stream pool (`numberOfStreams`).
     pub number_of_streams: usize,
     /// Record a timeline of communications and kernels (synchronizes at the end).
     pub trace: bool,
@@ -75,10 +85,13 @@ pub struct TraceEvent {
     pub name: String,
     /// Whether it moved data between devices (versus computing).
     pub communication: bool,
+    /// The stream it ran on.
     pub stream: StreamHandle,
     /// The stream-loop index it belonged to, if any.
     pub chunk: Option<i64>,
+    /// When it started.
     pub start_ms: f64,
+    /// When it ended.
     pub end_ms: f64,
     /// The node that issued it (its pre-order index in the program), when the call
     /// traced its nodes.
@@ -92,12 +105,15 @@ pub struct HostSpan {
     /// The node's pre-order index in the program (`for_each_node` order), so every
     /// execution of a loop body's node has the same id.
     pub node: usize,
+    /// The node's kind.
     pub kind: NodeKind,
     /// The stream current when the node started.
     pub stream: StreamHandle,
     /// The stream-loop index it ran in, if any.
     pub chunk: Option<i64>,
+    /// When the thread started it.
     pub start_ms: f64,
+    /// When the thread finished it.
     pub end_ms: f64,
 }
 
@@ -113,8 +129,11 @@ struct PendingEvent {
 
 /// What one call returns: outputs, statistics, and the timelines when traced.
 pub struct Execution {
+    /// The outputs, in order (placeholders where this rank holds none).
     pub outputs: Vec<Tensor>,
+    /// What the call did.
     pub stats: ExecStats,
+    /// The device intervals, when traced.
     pub trace: Option<Vec<TraceEvent>>,
     /// One span per executed node, when `CallContext::trace_nodes` is set.
     pub host_trace: Option<Vec<HostSpan>>,
