@@ -362,27 +362,59 @@ impl Rank {
         f: impl FnOnce(&Tensor) -> Result<R>,
     ) -> Result<R> {
         main_after_user(dev, user)?;
-        let memory = Arc::new(BorrowedMemory {
-            ptr: AtomicU64::new(ptr),
-            bytes,
-            ordinal: dev.shared().ordinal,
-            copy: Mutex::new(None),
-        });
-        let tensor = Tensor::from_device(dtype, shape, memory.clone());
+        let mut loan = Loan {
+            dev,
+            user,
+            memory: Arc::new(BorrowedMemory {
+                ptr: AtomicU64::new(ptr),
+                bytes,
+                ordinal: dev.shared().ordinal,
+                copy: Mutex::new(None),
+            }),
+            returned: false,
+        };
+        let tensor = Tensor::from_device(dtype, shape, loan.memory.clone());
         let result = f(&tensor);
         drop(tensor);
-        // Every tensor over the memory but ours is a clone that outlived the borrow.
-        let detached = if Arc::strong_count(&memory) > 1 {
+        let returned = loan.give_back();
+        let value = result?;
+        returned?;
+        Ok(value)
+    }
+}
+
+/// Borrowed memory while it is lent: giving it back (also when `f` unwinds) moves the
+/// tensors that outlived the loan onto a copy and orders the owner's stream after the
+/// calls.
+struct Loan<'d> {
+    dev: &'d CudaDevice,
+    user: sys::CUstream,
+    memory: Arc<BorrowedMemory>,
+    returned: bool,
+}
+
+impl Loan<'_> {
+    fn give_back(&mut self) -> Result<()> {
+        self.returned = true;
+        // Every tensor over the memory but ours is a clone that outlived the loan.
+        let detached = if Arc::strong_count(&self.memory) > 1 {
             tracing::debug!("a tensor outlived its borrowed CUDA buffer; moving it to a copy");
-            memory.detach(dev)
+            self.memory.detach(self.dev)
         } else {
             Ok(())
         };
-        let ordered = user_after_main(dev.shared(), user);
-        let value = result?;
-        detached?;
-        ordered?;
-        Ok(value)
+        let ordered = user_after_main(self.dev.shared(), self.user);
+        detached.and(ordered)
+    }
+}
+
+impl Drop for Loan<'_> {
+    fn drop(&mut self) {
+        if !self.returned {
+            if let Err(e) = self.give_back() {
+                tracing::warn!("giving back a borrowed CUDA buffer: {e}");
+            }
+        }
     }
 }
 
