@@ -6,33 +6,6 @@ pub mod finish;
 
 use std::time::{Duration, Instant};
 
-/// Stamps out an example's fusion once per element type: `$fusion_in!(f32)` in module
-/// `in_f32`, and likewise `in_bf16` and `in_f16` (`--dtype` picks one with [`pick!`]).
-macro_rules! per_dtype {
-    ($fusion_in:ident) => {
-        mod in_f32 {
-            $fusion_in!(f32);
-        }
-        mod in_bf16 {
-            $fusion_in!(bf16);
-        }
-        mod in_f16 {
-            $fusion_in!(f16);
-        }
-    };
-}
-
-/// The generated function `$fusion::$f` of the fusion stamped out for `$dt` (a [`Dt`]).
-macro_rules! pick {
-    ($dt:expr, $fusion:ident :: $f:ident) => {
-        match $dt {
-            Dt::F32 => in_f32::$fusion::$f,
-            Dt::Bf16 => in_bf16::$fusion::$f,
-            Dt::F16 => in_f16::$fusion::$f,
-        }
-    };
-}
-
 use clap::{Args, ValueEnum};
 use fusion::prelude::*;
 

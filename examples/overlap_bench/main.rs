@@ -135,7 +135,7 @@ fn opts(
     ExecOptions {
         number_of_streams: streams,
         lower,
-        trace: false,
+        ..ExecOptions::default()
     }
 }
 

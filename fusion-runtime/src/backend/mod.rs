@@ -40,7 +40,9 @@ pub type StreamHandle = usize;
 /// instruction `i` writes register `inputs.len() + i`. Values are f32 in registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PointwiseInstr {
+    /// `op(register)`.
     Unary(UnaryOp, usize),
+    /// `op(register, register)`.
     Binary(BinaryOp, usize, usize),
     /// Rounds a register to `DType` (a cast inside a fused chain).
     Round(DType, usize),
@@ -53,6 +55,7 @@ pub struct PointwiseProgram {
     pub shape: Vec<usize>,
     /// Input views, already broadcast to `shape` (stride 0 on broadcast axes).
     pub inputs: Vec<Tensor>,
+    /// The instructions, in order.
     pub instrs: Vec<PointwiseInstr>,
     /// Output views of shape `shape`, each with the register it stores.
     pub outputs: Vec<(Tensor, usize)>,
@@ -78,14 +81,23 @@ impl PointwiseProgram {
 #[derive(Clone, Copy, Debug)]
 pub enum Kernel<'a> {
     /// `dst = src` elementwise (same shape; dtypes may differ).
-    Copy { src: &'a Tensor, dst: &'a Tensor },
+    Copy {
+        /// What is read.
+        src: &'a Tensor,
+        /// What is written.
+        dst: &'a Tensor,
+    },
     /// A fused elementwise program.
     Pointwise(&'a PointwiseProgram),
     /// `dst` = `src` reduced over `axes` (dst's shape is src's without those axes).
     Reduce {
+        /// Sum or max.
         op: ReduceOp,
+        /// What is reduced.
         src: &'a Tensor,
+        /// The result.
         dst: &'a Tensor,
+        /// The axes of `src` reduced away.
         axes: &'a [usize],
     },
     /// Batched `dst = a @ b (+ bias)`: a `[B.., M, K]`, b `[B.., K, N]`, dst `[B.., M, N]`,
@@ -93,10 +105,15 @@ pub enum Kernel<'a> {
     /// strides. Accumulates in f32. With `accumulate`, `dst = dst + a @ b` (no bias): the
     /// GEMM epilogue adds what `dst` holds, so a running sum needs no separate kernel.
     Gemm {
+        /// The left operand, `[B.., M, K]`.
         a: &'a Tensor,
+        /// The right operand, `[B.., K, N]`.
         b: &'a Tensor,
+        /// Added to every row, `[N]`.
         bias: Option<&'a Tensor>,
+        /// `dst = dst + a @ b`.
         accumulate: bool,
+        /// The result, `[B.., M, N]`.
         dst: &'a Tensor,
     },
 }
@@ -143,6 +160,11 @@ pub trait Device: Send + Sync {
     fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64>;
     /// Forgets every marker (call after reading a trace).
     fn clear_markers(&self);
+    /// This device as a CUDA device, for the CUDA-only API (`Rank::cuda_context`, tensors
+    /// over cudarc buffers).
+    fn as_cuda(&self) -> Option<&cuda::CudaDevice> {
+        None
+    }
     /// True when `t` lives where this device's kernels can read it.
     fn is_resident(&self, t: &Tensor) -> bool {
         match self.kind() {

@@ -2,19 +2,20 @@
 //!
 //! Binds inputs (and preallocated outputs), evaluates scalars (extents, loop indices, the
 //! rank, the stream count), and walks the nodes: allocations, stream switches and waits,
-//! views, communications, and compute lowered to backend [`Kernel`]s.
+//! views, communications, and compute lowered to backend [`Kernel`](crate::backend::Kernel)s.
 
 mod bind;
 mod compute;
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use fusion_core::hir::{
-    CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef, P2P,
+    for_each_node, CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef, P2P,
 };
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
-pub use bind::{bind_inputs, mesh_devices, SymbolBindings};
+pub use bind::{bind_dtypes, bind_inputs, mesh_devices, SymbolBindings};
 
 use crate::backend::{Device, StreamHandle};
 use crate::comm::Communicator;
@@ -25,9 +26,13 @@ use crate::tensor::Tensor;
 /// allocated and had not yet released).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExecStats {
+    /// Buffers the call allocated.
     pub allocations: usize,
+    /// Their bytes, in all.
     pub allocated_bytes: usize,
+    /// The most bytes of them alive at once.
     pub peak_live_bytes: usize,
+    /// Nodes run, loops and branches included, every iteration counted.
     pub nodes_executed: usize,
     /// Host time per kind of leaf node (not loops or branches), indexed by
     /// `NodeKind as usize`: where the interpreter's time goes (see [`Self::host_profile`]).
@@ -37,7 +42,9 @@ pub struct ExecStats {
 /// Host time spent on one kind of host-IR node during a call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostTime {
+    /// How many nodes of the kind ran.
     pub count: u32,
+    /// Their host time, in all.
     pub nanos: u64,
 }
 
@@ -57,15 +64,21 @@ impl ExecStats {
 
 /// Everything a call needs besides the program.
 pub struct CallContext<'a> {
+    /// The calling rank's device.
     pub device: &'a dyn Device,
+    /// The calling rank's communicator.
     pub comm: &'a dyn Communicator,
+    /// The calling rank.
     pub rank: usize,
+    /// The size of the worker stream pool (`numberOfStreams`).
     pub number_of_streams: usize,
     /// Record a timeline of communications and kernels (synchronizes at the end).
     pub trace: bool,
     /// Allocate copy-engine receive buffers with [`Device::allocate_shared`] (a launched
     /// world whose peers in other processes write into them).
     pub shared_receives: bool,
+    /// Also record a host-side span for every node the call executes ([`HostSpan`]).
+    pub trace_nodes: bool,
 }
 
 /// One interval of a traced call, in milliseconds from the call's start on this device.
@@ -75,10 +88,35 @@ pub struct TraceEvent {
     pub name: String,
     /// Whether it moved data between devices (versus computing).
     pub communication: bool,
+    /// The stream it ran on.
     pub stream: StreamHandle,
     /// The stream-loop index it belonged to, if any.
     pub chunk: Option<i64>,
+    /// When it started.
     pub start_ms: f64,
+    /// When it ended.
+    pub end_ms: f64,
+    /// The node that issued it (its pre-order index in the program), when the call
+    /// traced its nodes.
+    pub node: Option<usize>,
+}
+
+/// The host side of one executed node of a traced call: when the rank's thread ran it,
+/// in milliseconds from the call's start on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostSpan {
+    /// The node's pre-order index in the program (`for_each_node` order), so every
+    /// execution of a loop body's node has the same id.
+    pub node: usize,
+    /// The node's kind.
+    pub kind: NodeKind,
+    /// The stream current when the node started.
+    pub stream: StreamHandle,
+    /// The stream-loop index it ran in, if any.
+    pub chunk: Option<i64>,
+    /// When the thread started it.
+    pub start_ms: f64,
+    /// When the thread finished it.
     pub end_ms: f64,
 }
 
@@ -89,13 +127,29 @@ struct PendingEvent {
     chunk: Option<i64>,
     start: usize,
     end: usize,
+    node: Option<usize>,
 }
 
-/// What one call returns: outputs, statistics, and the timeline when traced.
+/// What one call returns: outputs, statistics, and the timelines when traced.
 pub struct Execution {
+    /// The outputs, in order (placeholders where this rank holds none).
     pub outputs: Vec<Tensor>,
+    /// What the call did.
     pub stats: ExecStats,
+    /// The device intervals, when traced.
     pub trace: Option<Vec<TraceEvent>>,
+    /// One span per executed node, when `CallContext::trace_nodes` is set.
+    pub host_trace: Option<Vec<HostSpan>>,
+}
+
+/// Every node of `program` with its pre-order index (the ids of [`HostSpan::node`]).
+pub fn node_ids(program: &HostProgram) -> HashMap<*const Node, usize> {
+    let mut ids = HashMap::new();
+    for_each_node(&program.body, &mut |n| {
+        let next = ids.len();
+        ids.insert(n as *const Node, next);
+    });
+    ids
 }
 
 /// Runs `program` on one rank with the symbol values bound from the inputs
@@ -119,7 +173,10 @@ pub fn execute(
     }
     ctx.device.ensure_streams(ctx.number_of_streams)?;
     let mut ev = Evaluator::new(program, ctx, symbols);
-    if ctx.trace {
+    if ctx.trace_nodes {
+        ev.node_ids = Some(node_ids(program));
+    }
+    if ctx.trace || ctx.trace_nodes {
         ctx.device.clear_markers();
         ev.origin = Some(ctx.device.record_marker(0)?);
     }
@@ -172,6 +229,7 @@ pub fn execute(
                     chunk: p.chunk,
                     start_ms: ctx.device.marker_elapsed_ms(origin, p.start)?,
                     end_ms: ctx.device.marker_elapsed_ms(origin, p.end)?,
+                    node: p.node,
                 });
             }
             ctx.device.clear_markers();
@@ -179,10 +237,12 @@ pub fn execute(
         }
         None => None,
     };
+    let host_trace = ev.node_ids.is_some().then_some(ev.host_spans);
     Ok(Execution {
         outputs: result,
         stats: ev.stats,
         trace,
+        host_trace,
     })
 }
 
@@ -206,6 +266,11 @@ pub(crate) struct Evaluator<'a> {
     /// Tensors whose buffers peers write into over the copy engines (see
     /// [`received_by_copy_engine`]).
     shared: std::collections::HashSet<TensorId>,
+    /// When tracing nodes: every node's id, the node running now, and the spans so far.
+    node_ids: Option<HashMap<*const Node, usize>>,
+    node: Option<usize>,
+    host_origin: Instant,
+    host_spans: Vec<HostSpan>,
 }
 
 /// The tensors a program allocates whose memory a peer writes into over the copy engines:
@@ -290,6 +355,10 @@ impl<'a> Evaluator<'a> {
             } else {
                 Default::default()
             },
+            node_ids: None,
+            node: None,
+            host_origin: Instant::now(),
+            host_spans: Vec::new(),
         }
     }
 
@@ -317,6 +386,7 @@ impl<'a> Evaluator<'a> {
                 chunk: self.chunk,
                 start,
                 end,
+                node: self.node,
             });
         }
         Ok(())
@@ -464,14 +534,51 @@ impl<'a> Evaluator<'a> {
 
     fn run_node(&mut self, n: &Node) -> Result<()> {
         self.stats.nodes_executed += 1;
+        let id = match &self.node_ids {
+            Some(ids) => ids.get(&(n as *const Node)).copied(),
+            None => None,
+        };
+        if id.is_some() {
+            return self.run_node_traced(n, id);
+        }
         if matches!(n, Node::ForLoop(_) | Node::IfThenElse { .. }) {
             return self.run_node_untimed(n);
         }
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         let r = self.run_node_untimed(n);
+        self.count_host_time(n, start.elapsed().as_nanos() as u64);
+        r
+    }
+
+    fn count_host_time(&mut self, n: &Node, nanos: u64) {
         let h = &mut self.stats.host_by_kind[n.kind() as usize];
         h.count += 1;
-        h.nanos += start.elapsed().as_nanos() as u64;
+        h.nanos += nanos;
+    }
+
+    /// Runs a node and records its host span (loops and branches span their bodies).
+    fn run_node_traced(&mut self, n: &Node, id: Option<usize>) -> Result<()> {
+        let (outer, chunk, stream) = (self.node, self.chunk, self.current);
+        self.node = id;
+        let start = Instant::now();
+        let r = self.run_node_untimed(n);
+        let end = Instant::now();
+        self.node = outer;
+        if !matches!(n, Node::ForLoop(_) | Node::IfThenElse { .. }) {
+            self.count_host_time(n, (end - start).as_nanos() as u64);
+        }
+        let origin = self.host_origin;
+        let ms = |t: Instant| (t - origin).as_secs_f64() * 1e3;
+        if let Some(node) = id {
+            self.host_spans.push(HostSpan {
+                node,
+                kind: n.kind(),
+                stream,
+                chunk,
+                start_ms: ms(start),
+                end_ms: ms(end),
+            });
+        }
         r
     }
 

@@ -28,8 +28,11 @@ use crate::error::{Error, Result};
 pub enum Launcher {
     /// `FUSION_RANK` and friends.
     Fusion,
+    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`.
     Torchrun,
+    /// `OMPI_COMM_WORLD_*`.
     OpenMpi,
+    /// `SLURM_PROCID` and the step's variables.
     Slurm,
 }
 
@@ -48,6 +51,7 @@ impl Launcher {
 /// This process's place among the launched processes, and where they meet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchSpec {
+    /// Whose variables these were.
     pub launcher: Launcher,
     /// This process's index among all processes.
     pub process: usize,
@@ -57,8 +61,9 @@ pub struct LaunchSpec {
     pub local_process: usize,
     /// Number of processes on this node.
     pub local_processes: usize,
-    /// Where rank 0's process serves the rendezvous.
+    /// Where rank 0's process serves the rendezvous: its host...
     pub master_addr: String,
+    /// ...and port.
     pub master_port: u16,
 }
 

@@ -72,6 +72,7 @@ pub enum Link {
 /// Every rank's [`RankInfo`], in rank order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
+    /// One per rank, in rank order.
     pub ranks: Vec<RankInfo>,
 }
 

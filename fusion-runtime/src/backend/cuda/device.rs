@@ -17,11 +17,14 @@ use crate::backend::{BackendKind, Device, Kernel, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// What buffers of a device need after the device object is gone: its context.
+/// What buffers of a device need after the device object is gone: its context, and its
+/// main stream while the device lives (`None` once the device has synchronized and
+/// destroyed its streams), for buffers that order their owner's stream after it.
 #[derive(Debug)]
 pub(crate) struct DeviceShared {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
+    pub main_stream: Mutex<Option<RawStream>>,
 }
 
 impl DeviceShared {
@@ -80,7 +83,11 @@ impl CudaDevice {
         // hidden waits that serialize the overlap.
         // SAFETY: we never use cudarc's tracked CudaSlice across streams.
         unsafe { ctx.disable_event_tracking() };
-        let shared = Arc::new(DeviceShared { ordinal, ctx });
+        let shared = Arc::new(DeviceShared {
+            ordinal,
+            ctx,
+            main_stream: Mutex::new(None),
+        });
         let dev = CudaDevice {
             shared,
             streams: Mutex::new(Vec::new()),
@@ -94,6 +101,10 @@ impl CudaDevice {
         dev.shared.bind()?;
         configure_pool(ordinal)?;
         dev.ensure_streams(0)?;
+        *dev.shared
+            .main_stream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(dev.raw_stream(0)?);
         Ok(dev)
     }
 
@@ -243,6 +254,14 @@ fn configure_pool(ordinal: usize) -> Result<()> {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        // Held until the streams are synchronized and gone, so a buffer that orders its
+        // stream after the main stream never uses a destroyed one.
+        let mut main_stream = self
+            .shared
+            .main_stream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *main_stream = None;
         if self.shared.bind().is_err() {
             return;
         }
@@ -271,6 +290,10 @@ impl Drop for CudaDevice {
 impl Device for CudaDevice {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
+    }
+
+    fn as_cuda(&self) -> Option<&CudaDevice> {
+        Some(self)
     }
 
     fn record_marker(&self, stream: StreamHandle) -> Result<usize> {

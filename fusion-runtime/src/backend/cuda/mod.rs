@@ -15,9 +15,11 @@ mod layout;
 mod libs;
 mod memory;
 pub(crate) mod shared;
+mod user_buffers;
 
 pub use device::CudaDevice;
 pub use libs::{check_libraries, device_count, driver_present};
+pub use user_buffers::CudaElement;
 
 pub(crate) use health::WorldHealth;
 pub(crate) use memory::RawStream;

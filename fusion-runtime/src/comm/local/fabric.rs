@@ -19,7 +19,9 @@ use crate::error::{Error, Result};
 /// A tensor's values in row-major order, as f32, with its shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Block {
+    /// The tensor's shape.
     pub shape: Vec<usize>,
+    /// Its values, row-major.
     pub data: Vec<f32>,
 }
 
@@ -36,8 +38,11 @@ pub struct Deposit {
 /// that team.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct SlotKey {
+    /// The (sub-)world's key space.
     pub space: u64,
+    /// The team as the collective names it.
     pub team: Vec<usize>,
+    /// The callers' sequence number on that team.
     pub seq: u64,
 }
 

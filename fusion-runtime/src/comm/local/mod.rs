@@ -36,9 +36,13 @@ use crate::tensor::Tensor;
 /// world on the fabric, and its rank in the launched world (named in failure reports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Membership {
+    /// The rank in its (sub-)world.
     pub rank: usize,
+    /// Ranks in that world.
     pub size: usize,
+    /// The world's key space on the fabric (0: the launched world).
     pub space: u64,
+    /// The rank in the launched world.
     pub world_rank: usize,
 }
 

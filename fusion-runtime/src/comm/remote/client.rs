@@ -21,8 +21,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// What a rank tells the host when it arrives.
 #[derive(Clone, Debug)]
 pub struct Hello {
+    /// The rank in the launched world.
     pub rank: usize,
+    /// The world size this rank was started with.
     pub world_size: usize,
+    /// The library build it runs (every rank must run the same).
     pub version: String,
     /// Opaque to the host; every rank gets every rank's in the welcome.
     pub info: Vec<u8>,
