@@ -77,4 +77,6 @@ grep -h "transports of rank\|  rank .* -> rank" "$OUT/torchrun-dump.log" | sort 
 grep -h "host overhead" "$OUT/overlap-single.log" "$OUT/overlap-launched.log"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 # Only a few files come back from the machine: the logs travel as one archive.
-tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+if [ -z "${KEEP_LOGS:-}" ]; then
+    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+fi

@@ -2,10 +2,10 @@
 //! and the Chrome trace format (open in ui.perfetto.dev or `chrome://tracing`), written
 //! with `serde_json`.
 //!
-//! A traced call ([`crate::ExecOptions::trace`]) records device intervals
+//! A traced call ([`crate::executor::ExecOptions::trace`]) records device intervals
 //! ([`TraceEvent`]: communications and kernels, per stream, in ms from the call's start on
 //! the device). With a trace directory (`FUSION_TRACE=<dir>` or
-//! [`crate::ExecOptions::trace_dir`]) it also records a host span for every node it
+//! [`crate::executor::ExecOptions::trace_dir`]) it also records a host span for every node it
 //! executes ([`HostSpan`]) and writes one file per call and rank,
 //! `<dir>/<fusion>-<call>-rank<r>.json`:
 //!

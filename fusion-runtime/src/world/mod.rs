@@ -15,6 +15,7 @@ mod cuda;
 pub mod launcher;
 mod split;
 pub mod topology;
+mod user_buffers;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::AtomicU64;

@@ -1,9 +1,12 @@
 //! Tensors over device memory the caller allocated with cudarc: no copy in, no copy out.
 //!
-//! - **Owned**: [`Rank::from_cuda_slice`] takes a `CudaSlice<T>`; the tensor (and every
+//! The `Rank` methods that take these buffers live with the worlds
+//! (`world::user_buffers`); this module does the work on the device.
+//!
+//! - **Owned**: `Rank::from_cuda_slice` takes a `CudaSlice<T>`; the tensor (and every
 //!   view or clone of it) keeps the memory alive, and [`Tensor::into_cuda_slice`] gives
 //!   the slice back once no other view holds it.
-//! - **Borrowed**: [`Rank::with_cuda_view`] / [`Rank::with_cuda_view_mut`] lend a
+//! - **Borrowed**: `Rank::with_cuda_view` / `Rank::with_cuda_view_mut` lend a
 //!   `CudaSlice`, `CudaView` or `CudaViewMut` to a closure as a tensor. The borrow lasts
 //!   for the closure; a clone of the tensor that outlives it (kept, or returned, e.g. in a
 //!   `RunReport`) is moved onto a copy of the data in runtime-owned memory when the
@@ -17,7 +20,7 @@
 //! stream (so cudarc reads there see the call's results, and a free there comes after
 //! them). No host thread blocks for either.
 //!
-//! The buffer must live in the rank's device context ([`Rank::cuda_context`]: allocate
+//! The buffer must live in the rank's device context (`Rank::cuda_context`: allocate
 //! with `rank.cuda_context()?.new_stream()?` or any stream of that context, or of
 //! `CudaContext::new(ordinal)`, which is the same primary context).
 
@@ -34,7 +37,6 @@ use super::libs::driver_err;
 use super::memory::CudaBuffer;
 use crate::error::{Error, Result};
 use crate::tensor::{DeviceBuffer, Tensor};
-use crate::world::Rank;
 
 mod sealed {
     pub trait Sealed {}
@@ -192,48 +194,28 @@ impl BorrowedMemory {
     }
 }
 
-impl Rank {
-    /// This rank's CUDA device, or an error naming the backend.
-    fn cuda_device(&self, what: &str) -> Result<&CudaDevice> {
-        self.device().as_cuda().ok_or_else(|| Error::Backend {
-            backend: self.backend().name(),
-            reason: format!(
-                "{what} needs a CUDA device, but rank {} runs on the {} backend",
-                self.index(),
-                self.backend().name()
-            ),
-        })
-    }
-
-    /// The CUDA context of this rank's device (the device's primary context), for
-    /// allocating buffers with cudarc that tensors can view: `ctx.new_stream()?`, then
-    /// `stream.alloc_zeros::<T>(n)?` or `stream.clone_htod(&data)?`. The runtime disables
-    /// cudarc's per-buffer event tracking on this context (the host program orders its
-    /// streams itself), so order your own streams with cudarc's `join`/`synchronize`.
-    pub fn cuda_context(&self) -> Result<Arc<CudaContext>> {
-        Ok(self.cuda_device("cuda_context")?.shared().ctx.clone())
-    }
-
+/// What `Rank`'s buffer methods (in `world`) do on this device; `rank` names the rank in
+/// errors.
+impl CudaDevice {
     /// Checks that a buffer of `len` elements of `T` on `ctx` can be viewed as `shape`
-    /// on this rank's device.
+    /// on this device.
     fn check_user_buffer<T: CudaElement>(
         &self,
+        rank: usize,
         what: &str,
         ctx: &CudaContext,
         len: usize,
         shape: &[usize],
-    ) -> Result<&CudaDevice> {
-        let dev = self.cuda_device(what)?;
-        let ours = &dev.shared().ctx;
+    ) -> Result<()> {
+        let ours = &self.shared().ctx;
         if ctx.ordinal() != ours.ordinal() {
             return Err(Error::bad_tensor(
                 what,
                 None,
                 format!(
-                    "the buffer is on device {}, but rank {} runs on device {}; allocate it \
+                    "the buffer is on device {}, but rank {rank} runs on device {}; allocate it \
                      with this rank's context (Rank::cuda_context)",
                     ctx.ordinal(),
-                    self.index(),
                     ours.ordinal()
                 ),
             ));
@@ -262,44 +244,40 @@ impl Rank {
                 ),
             ));
         }
-        Ok(dev)
+        Ok(())
     }
 
-    /// A tensor of `shape` over `slice`, without a copy. The tensor owns the slice: it
-    /// lives as long as the tensor or any view of it, and [`Tensor::into_cuda_slice`] gives
-    /// it back. Fails (dropping the slice) when the slice is on another device or context
-    /// or its length does not match `shape`.
-    ///
-    /// This rank's calls wait (on the device) for the work enqueued on the slice's stream
-    /// so far, e.g. the copy that filled it.
-    pub fn from_cuda_slice<T: CudaElement>(
+    /// The device's CUDA context (its primary context).
+    pub(crate) fn context(&self) -> Arc<CudaContext> {
+        self.shared().ctx.clone()
+    }
+
+    /// See `Rank::from_cuda_slice`.
+    pub(crate) fn tensor_from_slice<T: CudaElement>(
         &self,
+        rank: usize,
         slice: CudaSlice<T>,
         shape: &[usize],
     ) -> Result<Tensor> {
-        let dev =
-            self.check_user_buffer::<T>("from_cuda_slice", slice.context(), slice.len(), shape)?;
+        self.check_user_buffer::<T>(rank, "from_cuda_slice", slice.context(), slice.len(), shape)?;
         let ptr = {
             let (ptr, _record) = slice.device_ptr(slice.stream());
             ptr
         };
-        main_after_user(dev, slice.stream().cu_stream())?;
+        main_after_user(self, slice.stream().cu_stream())?;
         let buffer = OwnedSlice {
             bytes: slice.num_bytes(),
             slice: Mutex::new(Some(slice)),
             ptr,
-            shared: dev.shared().clone(),
+            shared: self.shared().clone(),
         };
         Ok(Tensor::from_device(T::DTYPE, shape, Arc::new(buffer)))
     }
 
-    /// Runs `f` with a tensor of `shape` over `buffer` (a `CudaSlice`, `CudaView` or
-    /// `CudaViewMut`), without a copy, for inputs. The tensor is valid for the call of `f`;
-    /// clones of it that outlive `f` are moved onto a runtime-owned copy when `f` returns.
-    /// The device orders the buffer's stream before and after the calls inside `f` (see
-    /// the module documentation); the host does not wait.
-    pub fn with_cuda_view<T, B, R>(
+    /// See `Rank::with_cuda_view`.
+    pub(crate) fn with_view<T, B, R>(
         &self,
+        rank: usize,
         buffer: &B,
         shape: &[usize],
         f: impl FnOnce(&Tensor) -> Result<R>,
@@ -309,11 +287,15 @@ impl Rank {
         B: DevicePtr<T>,
     {
         let stream = buffer.stream().clone();
-        let dev =
-            self.check_user_buffer::<T>("with_cuda_view", stream.context(), buffer.len(), shape)?;
+        self.check_user_buffer::<T>(
+            rank,
+            "with_cuda_view",
+            stream.context(),
+            buffer.len(),
+            shape,
+        )?;
         let (ptr, record) = buffer.device_ptr(&stream);
         let result = self.lend(
-            dev,
             ptr,
             buffer.num_bytes(),
             stream.cu_stream(),
@@ -325,12 +307,10 @@ impl Rank {
         result
     }
 
-    /// Like [`Rank::with_cuda_view`], for a buffer the calls inside `f` write, such as a
-    /// caller-provided output (`run_with(.., Some(&outputs), ..)`, `run_into`). When `f`
-    /// returns, the buffer's stream waits for the calls, so a cudarc copy there reads
-    /// their results.
-    pub fn with_cuda_view_mut<T, B, R>(
+    /// See `Rank::with_cuda_view_mut`.
+    pub(crate) fn with_view_mut<T, B, R>(
         &self,
+        rank: usize,
         buffer: &mut B,
         shape: &[usize],
         f: impl FnOnce(&Tensor) -> Result<R>,
@@ -341,19 +321,16 @@ impl Rank {
     {
         let stream = buffer.stream().clone();
         let (len, bytes) = (buffer.len(), buffer.num_bytes());
-        let dev =
-            self.check_user_buffer::<T>("with_cuda_view_mut", stream.context(), len, shape)?;
+        self.check_user_buffer::<T>(rank, "with_cuda_view_mut", stream.context(), len, shape)?;
         let (ptr, record) = buffer.device_ptr_mut(&stream);
-        let result = self.lend(dev, ptr, bytes, stream.cu_stream(), T::DTYPE, shape, f);
+        let result = self.lend(ptr, bytes, stream.cu_stream(), T::DTYPE, shape, f);
         drop(record);
         result
     }
 
     /// Lends `bytes` at `ptr` (on stream `user`) to `f` as a tensor, then takes it back.
-    #[allow(clippy::too_many_arguments)]
     fn lend<R>(
         &self,
-        dev: &CudaDevice,
         ptr: u64,
         bytes: usize,
         user: sys::CUstream,
@@ -361,14 +338,14 @@ impl Rank {
         shape: &[usize],
         f: impl FnOnce(&Tensor) -> Result<R>,
     ) -> Result<R> {
-        main_after_user(dev, user)?;
+        main_after_user(self, user)?;
         let mut loan = Loan {
-            dev,
+            dev: self,
             user,
             memory: Arc::new(BorrowedMemory {
                 ptr: AtomicU64::new(ptr),
                 bytes,
-                ordinal: dev.shared().ordinal,
+                ordinal: self.shared().ordinal,
                 copy: Mutex::new(None),
             }),
             returned: false,
@@ -419,7 +396,7 @@ impl Drop for Loan<'_> {
 }
 
 impl Tensor {
-    /// Gives back the `CudaSlice<T>` a tensor was made from by [`Rank::from_cuda_slice`],
+    /// Gives back the `CudaSlice<T>` a tensor was made from by `Rank::from_cuda_slice`,
     /// once this is the last tensor over it (views and clones dropped). The slice's stream
     /// waits (on the device) for the calls that used it, so cudarc work enqueued there
     /// next sees their results.
