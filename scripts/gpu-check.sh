@@ -38,6 +38,7 @@ unset FUSION_RESULTS
 step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1 --nocapture
 step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
 step cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
+step cuda_graphs 180 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture
 # What a machine without `libnccl.so` reports (gpu-env.sh's symlink directory left out).
 # Where the system loader finds a libnccl.so of its own, it is hidden behind /dev/null in a
 # private mount namespace (nothing changes outside this one command).

@@ -21,7 +21,11 @@ use fusion_core::DType;
 use crate::backend::BackendKind;
 use crate::error::{Error, Result};
 use crate::eval::{
-    bind_dtypes, bind_inputs, execute, CallContext, ExecStats, HostSpan, SymbolBindings, TraceEvent,
+    bind_dtypes, bind_inputs, execute, output_layouts, CallContext, ExecStats, Execution, HostSpan,
+    SymbolBindings, TraceEvent,
+};
+use crate::replay::{
+    capture_plan, graphs_enabled, Address, EagerReason, GraphSlot, ReplayStatus, Step,
 };
 use crate::tensor::Tensor;
 use crate::trace::{write_call_trace, CallTrace};
@@ -41,6 +45,9 @@ pub struct ExecOptions {
     /// rank, with a span for every executed node and the device intervals
     /// ([`crate::trace`]); implies `trace`. Unset, `FUSION_TRACE=<dir>` sets it.
     pub trace_dir: Option<PathBuf>,
+    /// Replay calls as device graphs where the backend and program allow
+    /// ([`crate::replay`]): on by default; `FUSION_GRAPHS=0` turns it off everywhere.
+    pub graphs: bool,
 }
 
 impl Default for ExecOptions {
@@ -50,6 +57,7 @@ impl Default for ExecOptions {
             lower: LowerOptions::default(),
             trace: false,
             trace_dir: None,
+            graphs: true,
         }
     }
 }
@@ -122,7 +130,13 @@ pub struct RunReport {
     pub host_trace: Option<Vec<HostSpan>>,
     /// The trace file written for this call.
     pub trace_file: Option<PathBuf>,
+    /// Whether the call walked the host program, was captured as a device graph, or
+    /// replayed one ([`crate::replay`]).
+    pub replay: ReplayStatus,
 }
+
+/// One program and rank's graphs, locked by that rank while it runs.
+type SharedSlot = Arc<Mutex<GraphSlot>>;
 
 /// Where the executor's fusions come from.
 enum Source {
@@ -144,6 +158,8 @@ pub struct FusionExecutor {
     name: String,
     /// Traced calls so far, per rank: the number in the next trace file's name.
     traced_calls: Mutex<HashMap<usize, usize>>,
+    /// Device graphs per (program, rank).
+    graphs: Mutex<HashMap<(usize, usize), SharedSlot>>,
 }
 
 impl FusionExecutor {
@@ -169,6 +185,7 @@ impl FusionExecutor {
             lowerings: AtomicUsize::new(0),
             name: "fusion".into(),
             traced_calls: Mutex::new(HashMap::new()),
+            graphs: Mutex::new(HashMap::new()),
         }
     }
 
@@ -251,7 +268,8 @@ impl FusionExecutor {
             trace_nodes: trace_dir.is_some(),
             shared_receives: rank.communicator().shares_receive_buffers(),
         };
-        let ex = execute(&program, &ctx, &symbols, inputs, outputs)?;
+        let (ex, replay) =
+            self.run_program(rank, &program, &ctx, &symbols, inputs, outputs, options)?;
         let trace_file = match &trace_dir {
             Some(dir) => {
                 let call = {
@@ -280,7 +298,148 @@ impl FusionExecutor {
             trace: ex.trace,
             host_trace: ex.host_trace,
             trace_file,
+            replay,
         })
+    }
+
+    /// Runs `program` for this call: eagerly, or through a device graph (captured at the
+    /// second call of a program and rank, then launched while the addresses match).
+    #[allow(clippy::too_many_arguments)]
+    fn run_program(
+        &self,
+        rank: &Rank,
+        program: &Arc<HostProgram>,
+        ctx: &CallContext<'_>,
+        symbols: &SymbolBindings,
+        inputs: &[&Tensor],
+        outputs: Option<&[&Tensor]>,
+        options: &ExecOptions,
+    ) -> Result<(Execution, ReplayStatus)> {
+        let eager = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
+            Ok((
+                execute(program, ctx, symbols, inputs, outputs)?,
+                ReplayStatus::Eager(reason),
+            ))
+        };
+        if !graphs_enabled(options.graphs) {
+            return eager(EagerReason::Disabled);
+        }
+        if let Err(reason) = capture_plan(program, rank.backend()) {
+            return eager(reason);
+        }
+        if ctx.trace {
+            return eager(EagerReason::Traced);
+        }
+        let device = rank.device();
+        if let Some(i) = inputs
+            .iter()
+            .position(|t| t.numel() > 0 && !device.is_resident(t))
+        {
+            let name = program
+                .inputs
+                .get(i)
+                .map_or_else(|| format!("#{i}"), |&t| program.ir.tensor_name(t));
+            return eager(EagerReason::HostInput(name));
+        }
+        let slot = self
+            .graphs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((Arc::as_ptr(program) as usize, rank.index()))
+            .or_insert_with(|| Arc::new(Mutex::new(GraphSlot::Fresh)))
+            .clone();
+        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        // The first call, and programs that never replay, run exactly as without graphs.
+        match &*slot {
+            GraphSlot::Fresh => {
+                *slot = GraphSlot::Warm;
+                return eager(EagerReason::FirstCall);
+            }
+            GraphSlot::Never(reason) => return eager(reason.clone()),
+            _ => {}
+        }
+        // The outputs live outside the graph: given, or allocated here for this call.
+        let owned: Vec<Tensor> = match outputs {
+            Some(o) => o.iter().map(|t| (*t).clone()).collect(),
+            None => output_layouts(program, symbols, rank.index(), options.number_of_streams)?
+                .into_iter()
+                .map(|l| match l {
+                    Some((dtype, shape)) => device.allocate(0, dtype, &shape),
+                    None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
+                })
+                .collect::<Result<_>>()?,
+        };
+        let outs: Vec<&Tensor> = owned.iter().collect();
+        let addresses: Vec<Address> = inputs
+            .iter()
+            .copied()
+            .chain(outs.iter().copied())
+            .map(|t| {
+                (
+                    t.device_ptr().unwrap_or(0),
+                    t.shape().to_vec(),
+                    t.strides().to_vec(),
+                )
+            })
+            .collect();
+        let run_eagerly = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
+            Ok((
+                execute(program, ctx, symbols, inputs, Some(&outs))?,
+                ReplayStatus::Eager(reason),
+            ))
+        };
+        match slot.step(&addresses) {
+            Step::Eager(reason) => run_eagerly(reason),
+            Step::Launch(i) => {
+                slot.graph(i).expect("a ready graph").launch()?;
+                let outputs = program
+                    .outputs
+                    .iter()
+                    .zip(&owned)
+                    .map(|(&t, o)| {
+                        if o.numel() == 0 && o.is_host() {
+                            Tensor::placeholder(program.ir.tensor(t).dtype)
+                        } else {
+                            o.clone()
+                        }
+                    })
+                    .collect();
+                let ex = Execution {
+                    outputs,
+                    stats: ExecStats::default(),
+                    trace: None,
+                    host_trace: None,
+                };
+                Ok((ex, ReplayStatus::Replayed))
+            }
+            Step::Capture => {
+                if let Err(e) = device.begin_capture() {
+                    *slot = GraphSlot::Never(EagerReason::CaptureFailed(e.to_string()));
+                    return run_eagerly(EagerReason::CaptureFailed(e.to_string()));
+                }
+                let recorded = execute(program, ctx, symbols, inputs, Some(&outs));
+                let graph = device.end_capture();
+                match (recorded, graph) {
+                    (Ok(ex), Ok(graph)) => {
+                        // Nothing ran while recording: this call's work is the first launch.
+                        graph.launch()?;
+                        let nodes = graph.nodes();
+                        slot.install(addresses, graph);
+                        Ok((ex, ReplayStatus::Captured(nodes)))
+                    }
+                    (recorded, graph) => {
+                        let why = match (recorded, graph) {
+                            (Err(e), _) => e.to_string(),
+                            (_, Err(e)) => e.to_string(),
+                            _ => unreachable!("both succeeded above"),
+                        };
+                        tracing::warn!("rank {}: capturing a graph failed: {why}", rank.index());
+                        *slot = GraphSlot::Never(EagerReason::CaptureFailed(why.clone()));
+                        run_eagerly(EagerReason::CaptureFailed(why))
+                    }
+                }
+            }
+        }
     }
 
     /// The host program for these inputs and options, lowering it if needed.

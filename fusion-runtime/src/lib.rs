@@ -11,6 +11,7 @@ mod error;
 pub mod eval;
 pub mod executor;
 mod ranked;
+pub mod replay;
 pub mod tensor;
 pub mod trace;
 pub mod world;

@@ -118,6 +118,14 @@ pub enum Kernel<'a> {
     },
 }
 
+/// A call recorded on a device that can be replayed with one launch (a CUDA graph).
+pub trait DeviceGraph: Send + Sync {
+    /// Launches the recorded work on the device's main stream.
+    fn launch(&self) -> Result<()>;
+    /// Number of operations recorded.
+    fn nodes(&self) -> usize;
+}
+
 /// A device as the evaluator sees it. Methods are called from the owning rank's thread.
 pub trait Device: Send + Sync {
     /// The backend kind.
@@ -154,6 +162,21 @@ pub trait Device: Send + Sync {
     fn download(&self, t: &Tensor) -> Result<Tensor>;
     /// Blocks the host until all streams are idle.
     fn synchronize(&self) -> Result<()>;
+    /// Starts recording the calling thread's work on the main stream instead of running
+    /// it (see `crate::replay`). Backends without graphs say so.
+    fn begin_capture(&self) -> Result<()> {
+        Err(crate::error::Error::Backend {
+            backend: self.kind().name(),
+            reason: "this backend cannot record graphs".into(),
+        })
+    }
+    /// Ends the recording that [`Device::begin_capture`] started and returns the graph.
+    fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
+        Err(crate::error::Error::Backend {
+            backend: self.kind().name(),
+            reason: "this backend cannot record graphs".into(),
+        })
+    }
     /// Records a timing marker on `stream` (for traces); returns its id.
     fn record_marker(&self, stream: StreamHandle) -> Result<usize>;
     /// Milliseconds from marker `start` to marker `end` (waits for both).

@@ -138,6 +138,14 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Number of streams: the main stream and the worker pool.
+    pub(crate) fn stream_count(&self) -> usize {
+        self.streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
     /// The raw stream behind a handle.
     pub(crate) fn raw_stream(&self, s: StreamHandle) -> Result<RawStream> {
         let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
@@ -492,6 +500,14 @@ impl Device for CudaDevice {
             .map_err(|e| driver_err("copying to the host", e))?;
         }
         Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        self.begin_capture_main()
+    }
+
+    fn end_capture(&self) -> Result<Box<dyn crate::backend::DeviceGraph>> {
+        Ok(Box::new(self.end_capture_main()?))
     }
 
     fn synchronize(&self) -> Result<()> {

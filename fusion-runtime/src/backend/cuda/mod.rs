@@ -9,6 +9,7 @@
 mod codegen;
 mod device;
 mod gemm;
+mod graph;
 pub(crate) mod health;
 mod kernels;
 mod layout;
