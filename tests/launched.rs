@@ -332,3 +332,56 @@ fn the_examples_run_unchanged_under_a_launcher() {
         }
     }
 }
+
+// ---------------------------------------------------------------- a process per node
+
+/// Two processes with two simulated devices each (`FUSION_DEVICES_PER_PROCESS=2`): a world
+/// of four ranks, two threads per process; global ranks are process * 2 + thread.
+#[test]
+#[ignore = "a rank process of `a_process_can_hold_several_ranks`"]
+fn child_two_ranks_per_process() {
+    assert!(in_child(), "run by a_process_can_hold_several_ranks");
+    let world = World::from_env().unwrap();
+    assert_eq!(world.size(), 4);
+    let process = LaunchSpec::from_env().unwrap().unwrap().process;
+    assert_eq!(world.local_ranks(), vec![2 * process, 2 * process + 1]);
+    let exec = FusionExecutor::new(cases::ag_matmul_p2p(DType::F32));
+    let x = Tensor::randn(&[4, 3, 5], DType::F32, 7);
+    let y = Tensor::randn(&[5, 2], DType::F32, 8);
+    let expected = RefArray::from_tensor(&x).matmul(&RefArray::from_tensor(&y));
+    let outs = world
+        .run(|rank| {
+            let a = rank.shard(&x, 0)?;
+            let b = rank.to_device(&y)?;
+            let out = exec.run_with(rank, &[&a, &b], None, &ExecOptions::default())?;
+            rank.to_host(&out.outputs[0])
+        })
+        .unwrap();
+    assert_eq!(outs.len(), 2);
+    for o in outs {
+        common::assert_close(&expected, &o, 1e-5, "AG+GEMM, two ranks per process");
+    }
+    println!("PER-NODE-OK process {process}");
+}
+
+#[test]
+fn a_process_can_hold_several_ranks() {
+    if in_child() {
+        return;
+    }
+    let ended = launch(
+        2,
+        &[0, 1],
+        &child_args("child_two_ranks_per_process"),
+        &[
+            ("FUSION_TIMEOUT", "30".into()),
+            ("FUSION_DEVICES_PER_PROCESS", "2".into()),
+        ],
+        |_| Vec::new(),
+        LIMIT,
+    );
+    expect_success(&ended);
+    for e in &ended {
+        assert!(e.stdout.contains("PER-NODE-OK"), "{}", e.log());
+    }
+}

@@ -562,6 +562,13 @@ impl FusionExecutor {
         }
         if dump.host_ir {
             eprintln!("{}", lowered.program);
+            match capture_plan(&lowered.program, rank.backend()) {
+                Ok(()) => eprintln!(
+                    "// graphs: captured at the second call on each rank, then replayed while \
+                     the inputs and outputs stay in place"
+                ),
+                Err(reason) => eprintln!("// graphs: runs eagerly: {reason}"),
+            }
             // Transports are chosen per pair of ranks at run time, from where they live.
             let transports = rank.communicator().transports();
             if !transports.is_empty() {

@@ -438,3 +438,88 @@ impl Drop for Hub {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::remote::{join, Hello};
+
+    fn hub(world: usize, timeout: Duration) -> Hub {
+        Hub::start(
+            TcpListener::bind("127.0.0.1:0").unwrap(),
+            world,
+            "build A",
+            timeout,
+        )
+        .unwrap()
+    }
+
+    fn hello(rank: usize, world_size: usize, version: &str) -> Hello {
+        Hello {
+            rank,
+            world_size,
+            version: version.into(),
+            info: vec![rank as u8],
+        }
+    }
+
+    #[test]
+    fn a_different_build_is_refused_with_both_versions_named() {
+        let h = hub(2, Duration::from_secs(5));
+        let addr = h.addr().to_string();
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| join(&addr, &hello(0, 2, "build A"), Duration::from_secs(5)));
+            let b = s.spawn(|| join(&addr, &hello(1, 2, "build B"), Duration::from_secs(5)));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        for r in [a.map(|_| ()), b.map(|_| ())] {
+            let e = r.expect_err("the world cannot start").to_string();
+            assert!(
+                e.contains("rank 1 runs build B but rank 0 runs build A"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_rank_gets_every_info_in_rank_order() {
+        let h = hub(3, Duration::from_secs(5));
+        let addr = h.addr().to_string();
+        let infos: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = [2, 0, 1]
+                .into_iter()
+                .map(|r| {
+                    let addr = &addr;
+                    s.spawn(move || {
+                        join(addr, &hello(r, 3, "build A"), Duration::from_secs(5))
+                            .unwrap()
+                            .1
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for i in infos {
+            assert_eq!(i, vec![vec![0], vec![1], vec![2]]);
+        }
+    }
+
+    #[test]
+    fn a_rank_given_twice_is_refused() {
+        let h = hub(2, Duration::from_secs(5));
+        let addr = h.addr().to_string();
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| join(&addr, &hello(1, 2, "build A"), Duration::from_secs(5)));
+            let b = s.spawn(|| join(&addr, &hello(1, 2, "build A"), Duration::from_secs(5)));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let msgs: Vec<String> = [a.map(|_| ()), b.map(|_| ())]
+            .into_iter()
+            .map(|r| r.expect_err("refused").to_string())
+            .collect();
+        assert!(
+            msgs.iter().any(|m| m.contains("rank 1 arrived twice")),
+            "{msgs:?}"
+        );
+    }
+}
