@@ -6,36 +6,23 @@
 //! cargo run --release --example ag_matmul -- --devices 4 -s 4 -m 64 -k 256 -n 256 --dump
 //! ```
 
-#[macro_use]
 #[path = "common/mod.rs"]
 mod common;
 
-use std::sync::Arc;
-
 use clap::Parser;
 use common::*;
-use fusion::core::hir::HostProgram;
 use fusion::prelude::*;
 
-macro_rules! ag_matmul_in {
-    ($dt:ident) => {
-        use fusion::prelude::*;
-        fusion! {
-            /// `c = allgather(a) @ b`, pipelined over the `s` chunks of `a`.
-            #[allow(dead_code)] // `main` calls `ag_matmul::call`, which takes options
-            pub fn ag_matmul<s, d, m, k, n>(
-                a: Tensor<$dt, [s, d @ DIDx, m, k]>,
-                b: Tensor<$dt, [k, n]>,
-            ) -> Tensor<$dt, [s @ Stream, d, m, n]> {
-                matmul(a, b)
-            }
-        }
-    };
+fusion! {
+    /// `c = allgather(a) @ b`, pipelined over the `s` chunks of `a`.
+    #[allow(dead_code)] // `main` calls `ag_matmul::call`, which takes options
+    pub fn ag_matmul<T: Float, s, d, m, k, n>(
+        a: Tensor<T, [s, d @ DIDx, m, k]>,
+        b: Tensor<T, [k, n]>,
+    ) -> Tensor<T, [s @ Stream, d, m, n]> {
+        matmul(a, b)
+    }
 }
-per_dtype!(ag_matmul_in);
-
-type Call = fn(&Rank, &Ranked<4>, &Ranked<2>, &ExecOptions) -> fusion::Result<Ranked<4>>;
-type Program = fn(&Rank, &Ranked<4>, &Ranked<2>, &ExecOptions) -> fusion::Result<Arc<HostProgram>>;
 
 /// AllGather + matmul pipelined over stream chunks, checked against a host reference.
 #[derive(Parser, Debug)]
@@ -62,9 +49,6 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> fusion::Result<()> {
     let cli = Cli::parse();
-    let call: Call = pick!(cli.common.dtype, ag_matmul::call);
-    let program: Program = pick!(cli.common.dtype, ag_matmul::program);
-    let lowerings: fn() -> usize = pick!(cli.common.dtype, ag_matmul::lowering_count);
     let world = cli.common.world()?;
     let (s, d, m, k, n) = (cli.s, world.size(), cli.m, cli.k, cli.n);
     let dtype = cli.common.dtype.dtype();
@@ -81,8 +65,8 @@ fn run() -> fusion::Result<()> {
                 rank.to_device(&b)?.try_into()?,
             ))
         },
-        |rank, (a, b)| Ok(call(rank, a, b, &opts)?.into_inner()),
-        |rank, (a, b)| Ok(program(rank, a, b, &opts)?.to_string()),
+        |rank, (a, b)| Ok(ag_matmul::call(rank, a, b, &opts)?.into_inner()),
+        |rank, (a, b)| Ok(ag_matmul::program(rank, a, b, &opts)?.to_string()),
     )?;
     let macs = (s * d * m * k * n) as f64;
     let error = if macs <= REFERENCE_LIMIT {
@@ -104,7 +88,7 @@ fn run() -> fusion::Result<()> {
         error,
         timed: &timed,
         flops_per_device: Some(2.0 * macs),
-        lowerings: lowerings(),
+        lowerings: ag_matmul::lowering_count(),
     }
     .print();
     exit_on_failure(ok);

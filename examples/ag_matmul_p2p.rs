@@ -7,36 +7,23 @@
 //! cargo run --release --example ag_matmul_p2p -- --devices 4 -m 256 -k 256 -n 256 --dump
 //! ```
 
-#[macro_use]
 #[path = "common/mod.rs"]
 mod common;
 
-use std::sync::Arc;
-
 use clap::Parser;
 use common::*;
-use fusion::core::hir::HostProgram;
 use fusion::prelude::*;
 
-macro_rules! ag_matmul_p2p_in {
-    ($dt:ident) => {
-        use fusion::prelude::*;
-        fusion! {
-            /// AllGather + matmul, pipelined over the devices with P2P transfers.
-            #[allow(dead_code)] // `main` calls `ag_matmul_p2p::call`, which takes options
-            pub fn ag_matmul_p2p<d, m, k, n>(
-                a: Tensor<$dt, [d @ DIDx, m, k]>, // each rank holds one index of the DIDx axis
-                b: Tensor<$dt, [k, n]>,
-            ) -> Tensor<$dt, [d @ Stream, m, n]> {
-                matmul(a, b)
-            }
-        }
-    };
+fusion! {
+    /// AllGather + matmul, pipelined over the devices with P2P transfers.
+    #[allow(dead_code)] // `main` calls `ag_matmul_p2p::call`, which takes options
+    pub fn ag_matmul_p2p<T: Float, d, m, k, n>(
+        a: Tensor<T, [d @ DIDx, m, k]>, // each rank holds one index of the DIDx axis
+        b: Tensor<T, [k, n]>,
+    ) -> Tensor<T, [d @ Stream, m, n]> {
+        matmul(a, b)
+    }
 }
-per_dtype!(ag_matmul_p2p_in);
-
-type Call = fn(&Rank, &Ranked<3>, &Ranked<2>, &ExecOptions) -> fusion::Result<Ranked<3>>;
-type Program = fn(&Rank, &Ranked<3>, &Ranked<2>, &ExecOptions) -> fusion::Result<Arc<HostProgram>>;
 
 /// AllGather + matmul through a P2P pipeline, checked against a host reference.
 #[derive(Parser, Debug)]
@@ -60,9 +47,6 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> fusion::Result<()> {
     let cli = Cli::parse();
-    let call: Call = pick!(cli.common.dtype, ag_matmul_p2p::call);
-    let program: Program = pick!(cli.common.dtype, ag_matmul_p2p::program);
-    let lowerings: fn() -> usize = pick!(cli.common.dtype, ag_matmul_p2p::lowering_count);
     let world = cli.common.world()?;
     let (d, m, k, n) = (world.size(), cli.m, cli.k, cli.n);
     let dtype = cli.common.dtype.dtype();
@@ -79,8 +63,8 @@ fn run() -> fusion::Result<()> {
                 rank.to_device(&b)?.try_into()?,
             ))
         },
-        |rank, (a, b)| Ok(call(rank, a, b, &opts)?.into_inner()),
-        |rank, (a, b)| Ok(program(rank, a, b, &opts)?.to_string()),
+        |rank, (a, b)| Ok(ag_matmul_p2p::call(rank, a, b, &opts)?.into_inner()),
+        |rank, (a, b)| Ok(ag_matmul_p2p::program(rank, a, b, &opts)?.to_string()),
     )?;
     let macs = (d * m * k * n) as f64;
     let error = if macs <= REFERENCE_LIMIT {
@@ -102,7 +86,7 @@ fn run() -> fusion::Result<()> {
         error,
         timed: &timed,
         flops_per_device: Some(2.0 * macs),
-        lowerings: lowerings(),
+        lowerings: ag_matmul_p2p::lowering_count(),
     }
     .print();
     exit_on_failure(ok);

@@ -6,33 +6,20 @@
 //! cargo run --release --example allgather_p2p -- --devices 4 -m 262144 --dump
 //! ```
 
-#[macro_use]
 #[path = "common/mod.rs"]
 mod common;
 
-use std::sync::Arc;
-
 use clap::Parser;
 use common::*;
-use fusion::core::hir::HostProgram;
 use fusion::prelude::*;
 
-macro_rules! allgather_p2p_in {
-    ($dt:ident) => {
-        use fusion::prelude::*;
-        fusion! {
-            /// Every device gets every device's block, one P2P exchange per stream index.
-            #[allow(dead_code)] // `main` calls `allgather_p2p::call`, which takes options
-            pub fn allgather_p2p<d, m>(x: Tensor<$dt, [d @ DIDx, m]>) -> Tensor<$dt, [d @ Stream, m]> {
-                set(x)
-            }
-        }
-    };
+fusion! {
+    /// Every device gets every device's block, one P2P exchange per stream index.
+    #[allow(dead_code)] // `main` calls `allgather_p2p::call`, which takes options
+    pub fn allgather_p2p<T: Float, d, m>(x: Tensor<T, [d @ DIDx, m]>) -> Tensor<T, [d @ Stream, m]> {
+        set(x)
+    }
 }
-per_dtype!(allgather_p2p_in);
-
-type Call = fn(&Rank, &Ranked<2>, &ExecOptions) -> fusion::Result<Ranked<2>>;
-type Program = fn(&Rank, &Ranked<2>, &ExecOptions) -> fusion::Result<Arc<HostProgram>>;
 
 /// AllGather through a P2P pipeline, checked against the full input.
 #[derive(Parser, Debug)]
@@ -50,9 +37,6 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> fusion::Result<()> {
     let cli = Cli::parse();
-    let call: Call = pick!(cli.common.dtype, allgather_p2p::call);
-    let program: Program = pick!(cli.common.dtype, allgather_p2p::program);
-    let lowerings: fn() -> usize = pick!(cli.common.dtype, allgather_p2p::lowering_count);
     let world = cli.common.world()?;
     let (d, m) = (world.size(), cli.m);
     let dtype = cli.common.dtype.dtype();
@@ -63,8 +47,8 @@ fn run() -> fusion::Result<()> {
         cli.common.iters,
         cli.common.dump,
         |rank| -> fusion::Result<Ranked<2>> { rank.shard(&x, 0)?.try_into() },
-        |rank, x| Ok(call(rank, x, &opts)?.into_inner()),
-        |rank, x| Ok(program(rank, x, &opts)?.to_string()),
+        |rank, x| Ok(allgather_p2p::call(rank, x, &opts)?.into_inner()),
+        |rank, x| Ok(allgather_p2p::program(rank, x, &opts)?.to_string()),
     )?;
     let error = Some(worst_error(&timed.outputs, &to_f64(&x)?)?);
     let bytes = (d * m * dtype.size_bytes()) as f64;
@@ -84,7 +68,7 @@ fn run() -> fusion::Result<()> {
         error,
         timed: &timed,
         flops_per_device: None,
-        lowerings: lowerings(),
+        lowerings: allgather_p2p::lowering_count(),
     }
     .print();
     exit_on_failure(ok);

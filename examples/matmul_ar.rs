@@ -7,37 +7,24 @@
 //! cargo run --release --example matmul_ar -- --devices 4 -s 4 -m 128 -k 256 -n 256
 //! ```
 
-#[macro_use]
 #[path = "common/mod.rs"]
 mod common;
 
-use std::sync::Arc;
-
 use clap::Parser;
 use common::*;
-use fusion::core::hir::HostProgram;
 use fusion::prelude::*;
 
-macro_rules! matmul_ar_in {
-    ($dt:ident) => {
-        use fusion::prelude::*;
-        fusion! {
-            /// `c = sum over devices of a[:, d] @ b[d]`, an Allreduce per chunk of `s`.
-            #[allow(dead_code)] // `main` calls `matmul_ar::call`, which takes options
-            pub fn matmul_ar<s, d, m, k, n>(
-                a: Tensor<$dt, [s, d @ DIDx, m, k]>,
-                b: Tensor<$dt, [d @ DIDx, k, n]>,
-            ) -> Tensor<$dt, [s @ Stream, m, n]> {
-                let partial: Tensor<$dt, [s @ Stream, d @ DIDx, m, n]> = matmul(a, b);
-                sum(partial, 1)
-            }
-        }
-    };
+fusion! {
+    /// `c = sum over devices of a[:, d] @ b[d]`, an Allreduce per chunk of `s`.
+    #[allow(dead_code)] // `main` calls `matmul_ar::call`, which takes options
+    pub fn matmul_ar<T: Float, s, d, m, k, n>(
+        a: Tensor<T, [s, d @ DIDx, m, k]>,
+        b: Tensor<T, [d @ DIDx, k, n]>,
+    ) -> Tensor<T, [s @ Stream, m, n]> {
+        let partial: Tensor<T, [s @ Stream, d @ DIDx, m, n]> = matmul(a, b);
+        sum(partial, 1)
+    }
 }
-per_dtype!(matmul_ar_in);
-
-type Call = fn(&Rank, &Ranked<4>, &Ranked<3>, &ExecOptions) -> fusion::Result<Ranked<3>>;
-type Program = fn(&Rank, &Ranked<4>, &Ranked<3>, &ExecOptions) -> fusion::Result<Arc<HostProgram>>;
 
 /// Matmul + AllReduce pipelined over stream chunks, checked against a host reference.
 #[derive(Parser, Debug)]
@@ -64,9 +51,6 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> fusion::Result<()> {
     let cli = Cli::parse();
-    let call: Call = pick!(cli.common.dtype, matmul_ar::call);
-    let program: Program = pick!(cli.common.dtype, matmul_ar::program);
-    let lowerings: fn() -> usize = pick!(cli.common.dtype, matmul_ar::lowering_count);
     let world = cli.common.world()?;
     let (s, d, m, k, n) = (cli.s, world.size(), cli.m, cli.k, cli.n);
     let dtype = cli.common.dtype.dtype();
@@ -83,8 +67,8 @@ fn run() -> fusion::Result<()> {
                 rank.shard(&b, 0)?.try_into()?,
             ))
         },
-        |rank, (a, b)| Ok(call(rank, a, b, &opts)?.into_inner()),
-        |rank, (a, b)| Ok(program(rank, a, b, &opts)?.to_string()),
+        |rank, (a, b)| Ok(matmul_ar::call(rank, a, b, &opts)?.into_inner()),
+        |rank, (a, b)| Ok(matmul_ar::program(rank, a, b, &opts)?.to_string()),
     )?;
     let macs = (s * d * m * k * n) as f64;
     let error = if macs <= REFERENCE_LIMIT {
@@ -117,7 +101,7 @@ fn run() -> fusion::Result<()> {
         error,
         timed: &timed,
         flops_per_device: Some(2.0 * macs / d as f64),
-        lowerings: lowerings(),
+        lowerings: matmul_ar::lowering_count(),
     }
     .print();
     exit_on_failure(ok);

@@ -8,39 +8,26 @@
 //! cargo run --release --example matmul_rs -- --devices 4 -s 4 -m 32 -k 256 -n 256
 //! ```
 
-#[macro_use]
 #[path = "common/mod.rs"]
 mod common;
 
-use std::sync::Arc;
-
 use clap::Parser;
 use common::*;
-use fusion::core::hir::HostProgram;
 use fusion::prelude::*;
 
-macro_rules! matmul_rs_in {
-    ($dt:ident) => {
-        use fusion::prelude::*;
-        fusion! {
-            /// `c[:, j] = sum over devices i of a[i, :, j] @ b[i]`, each device keeping
-            /// its block `j`; a ReduceScatter per chunk of `s`.
-            #[allow(dead_code)] // `main` calls `matmul_rs::call`, which takes options
-            pub fn matmul_rs<d, s, m, k, n>(
-                a: Tensor<$dt, [d @ DIDx, s, d, m, k]>,
-                b: Tensor<$dt, [d @ DIDx, k, n]>,
-            ) -> Tensor<$dt, [s @ Stream, d @ DIDx, m, n]> {
-                let partial: Tensor<$dt, [d @ DIDx, s @ Stream, d, m, n]> =
-                    matmul(a, broadcast(b, [false, true, true, false, false]));
-                sum(partial, 0)
-            }
-        }
-    };
+fusion! {
+    /// `c[:, j] = sum over devices i of a[i, :, j] @ b[i]`, each device keeping
+    /// its block `j`; a ReduceScatter per chunk of `s`.
+    #[allow(dead_code)] // `main` calls `matmul_rs::call`, which takes options
+    pub fn matmul_rs<T: Float, d, s, m, k, n>(
+        a: Tensor<T, [d @ DIDx, s, d, m, k]>,
+        b: Tensor<T, [d @ DIDx, k, n]>,
+    ) -> Tensor<T, [s @ Stream, d @ DIDx, m, n]> {
+        let partial: Tensor<T, [d @ DIDx, s @ Stream, d, m, n]> =
+            matmul(a, broadcast(b, [false, true, true, false, false]));
+        sum(partial, 0)
+    }
 }
-per_dtype!(matmul_rs_in);
-
-type Call = fn(&Rank, &Ranked<5>, &Ranked<3>, &ExecOptions) -> fusion::Result<Ranked<4>>;
-type Program = fn(&Rank, &Ranked<5>, &Ranked<3>, &ExecOptions) -> fusion::Result<Arc<HostProgram>>;
 
 /// Matmul + ReduceScatter pipelined over stream chunks, checked against a host reference.
 #[derive(Parser, Debug)]
@@ -67,9 +54,6 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> fusion::Result<()> {
     let cli = Cli::parse();
-    let call: Call = pick!(cli.common.dtype, matmul_rs::call);
-    let program: Program = pick!(cli.common.dtype, matmul_rs::program);
-    let lowerings: fn() -> usize = pick!(cli.common.dtype, matmul_rs::lowering_count);
     let world = cli.common.world()?;
     let (s, d, m, k, n) = (cli.s, world.size(), cli.m, cli.k, cli.n);
     let dtype = cli.common.dtype.dtype();
@@ -86,8 +70,8 @@ fn run() -> fusion::Result<()> {
                 rank.shard(&b, 0)?.try_into()?,
             ))
         },
-        |rank, (a, b)| Ok(call(rank, a, b, &opts)?.into_inner()),
-        |rank, (a, b)| Ok(program(rank, a, b, &opts)?.to_string()),
+        |rank, (a, b)| Ok(matmul_rs::call(rank, a, b, &opts)?.into_inner()),
+        |rank, (a, b)| Ok(matmul_rs::program(rank, a, b, &opts)?.to_string()),
     )?;
     let macs = (d * s * d * m * k * n) as f64;
     let error = if macs <= REFERENCE_LIMIT {
@@ -121,7 +105,7 @@ fn run() -> fusion::Result<()> {
         error,
         timed: &timed,
         flops_per_device: Some(2.0 * macs / d as f64),
-        lowerings: lowerings(),
+        lowerings: matmul_rs::lowering_count(),
     }
     .print();
     exit_on_failure(ok);

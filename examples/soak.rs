@@ -14,7 +14,6 @@
 //! cargo run --release --example soak -- --fusion collective --calls 100000 --json soak.jsonl
 //! ```
 
-#[macro_use]
 #[path = "common/mod.rs"]
 mod common;
 
@@ -25,32 +24,26 @@ use common::Dt;
 use fusion::prelude::*;
 use fusion::runtime::backend::DeviceMemory;
 
-macro_rules! soak_fusions_in {
-    ($dt:ident) => {
-        use fusion::prelude::*;
-        fusion! {
-            /// AllGather + GEMM as a P2P pipeline: chunk `i` arrives while chunk `i - 1`
-            /// is multiplied.
-            #[allow(dead_code)] // the soak calls `ag_gemm_p2p::call`, which takes options
-            pub fn ag_gemm_p2p<d, m, k, n>(
-                a: Tensor<$dt, [d @ DIDx, m, k]>,
-                b: Tensor<$dt, [k, n]>,
-            ) -> Tensor<$dt, [d @ Stream, m, n]> {
-                matmul(a, b)
-            }
+fusion! {
+    /// AllGather + GEMM as a P2P pipeline: chunk `i` arrives while chunk `i - 1` is
+    /// multiplied.
+    #[allow(dead_code)] // the soak calls `ag_gemm_p2p::call`, which takes options
+    pub fn ag_gemm_p2p<T: Float, d, m, k, n>(
+        a: Tensor<T, [d @ DIDx, m, k]>,
+        b: Tensor<T, [k, n]>,
+    ) -> Tensor<T, [d @ Stream, m, n]> {
+        matmul(a, b)
+    }
 
-            /// AllGather + GEMM pipelined over `s` chunks with collectives.
-            #[allow(dead_code)]
-            pub fn ag_gemm_collective<s, d, m, k, n>(
-                a: Tensor<$dt, [s, d @ DIDx, m, k]>,
-                b: Tensor<$dt, [k, n]>,
-            ) -> Tensor<$dt, [s @ Stream, d, m, n]> {
-                matmul(a, b)
-            }
-        }
-    };
+    /// AllGather + GEMM pipelined over `s` chunks with collectives.
+    #[allow(dead_code)]
+    pub fn ag_gemm_collective<T: Float, s, d, m, k, n>(
+        a: Tensor<T, [s, d @ DIDx, m, k]>,
+        b: Tensor<T, [k, n]>,
+    ) -> Tensor<T, [s @ Stream, d, m, n]> {
+        matmul(a, b)
+    }
 }
-per_dtype!(soak_fusions_in);
 
 /// Which fusion the soak calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -109,7 +102,9 @@ struct Checkpoint {
     phase: &'static str,
     /// Calls (or runs) done so far in this phase.
     done: usize,
-    rss_kb: Option<u64>,
+    /// Each rank's process's resident set, in rank order (one process for every rank of
+    /// a world of threads).
+    rss_kb: Vec<Option<u64>>,
     devices: Vec<Option<DeviceMemory>>,
     events: usize,
     seconds: f64,
@@ -122,9 +117,6 @@ fn rss_kb() -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
-type P2pCall = fn(&Rank, &Ranked<3>, &Ranked<2>, &ExecOptions) -> fusion::Result<Ranked<3>>;
-type CollectiveCall = fn(&Rank, &Ranked<4>, &Ranked<2>, &ExecOptions) -> fusion::Result<Ranked<4>>;
-
 /// One rank's inputs, on its device.
 enum Inputs {
     P2p(Ranked<3>, Ranked<2>),
@@ -136,8 +128,6 @@ struct Soak {
     a: Tensor,
     b: Tensor,
     opts: ExecOptions,
-    p2p: P2pCall,
-    collective: CollectiveCall,
     start: std::time::Instant,
 }
 
@@ -158,14 +148,14 @@ impl Soak {
     /// One call; waits for the device so that the queue does not grow.
     fn call(&self, rank: &Rank, inputs: &Inputs) -> fusion::Result<()> {
         match inputs {
-            Inputs::P2p(a, b) => drop((self.p2p)(rank, a, b, &self.opts)?),
-            Inputs::Collective(a, b) => drop((self.collective)(rank, a, b, &self.opts)?),
+            Inputs::P2p(a, b) => drop(ag_gemm_p2p::call(rank, a, b, &self.opts)?),
+            Inputs::Collective(a, b) => drop(ag_gemm_collective::call(rank, a, b, &self.opts)?),
         }
         rank.synchronize()
     }
 
-    /// Every rank: reads its device's memory; rank 0 gathers them (which also lines the
-    /// ranks up) and reads the process's.
+    /// Every rank: reads its device's memory and its process's; rank 0 gathers them (which
+    /// also lines the ranks up).
     fn checkpoint(
         &self,
         rank: &Rank,
@@ -174,32 +164,35 @@ impl Soak {
     ) -> fusion::Result<Option<Checkpoint>> {
         rank.synchronize()?;
         let mine = rank.device().memory()?;
-        let encoded: Vec<i64> = match mine {
-            Some(m) => [m.total, m.used, m.pool_used, m.pool_reserved]
-                .iter()
-                .map(|&x| x as i64)
-                .collect(),
-            None => vec![-1; 4],
-        };
+        let mut encoded: Vec<i64> = vec![rss_kb().map_or(-1, |v| v as i64)];
+        encoded.extend(match mine {
+            Some(m) => [m.total, m.used, m.pool_used, m.pool_reserved].map(|x| x as i64),
+            None => [-1; 4],
+        });
         let all = rank.communicator().exchange(&encoded)?;
         if rank.index() != 0 {
             return Ok(None);
         }
+        let known = |v: i64| (v >= 0).then_some(v as u64);
+        let rss_kb = all
+            .iter()
+            .map(|v| v.first().and_then(|&x| known(x)))
+            .collect();
         let devices = all
             .iter()
             .map(|v| {
-                (v.first() != Some(&-1) && v.len() == 4).then(|| DeviceMemory {
-                    total: v[0] as usize,
-                    used: v[1] as usize,
-                    pool_used: v[2] as usize,
-                    pool_reserved: v[3] as usize,
+                (v.len() == 5 && v[1] >= 0).then(|| DeviceMemory {
+                    total: v[1] as usize,
+                    used: v[2] as usize,
+                    pool_used: v[3] as usize,
+                    pool_reserved: v[4] as usize,
                 })
             })
             .collect();
         Ok(Some(Checkpoint {
             phase,
             done,
-            rss_kb: rss_kb(),
+            rss_kb,
             devices,
             events: fusion::runtime::comm::copy_engine_events_alive(),
             seconds: self.start.elapsed().as_secs_f64(),
@@ -261,16 +254,30 @@ fn json_line(c: &Checkpoint, fusion: Which, backend: &str) -> String {
             None => "null".into(),
         })
         .collect();
+    let rss: Vec<String> = c
+        .rss_kb
+        .iter()
+        .map(|r| r.map_or("null".into(), |v| v.to_string()))
+        .collect();
     format!(
         "{{\"fusion\": \"{fusion:?}\", \"backend\": \"{backend}\", \"phase\": \"{}\", \"done\": {}, \
-         \"rss_kb\": {}, \"devices\": [{}], \"copy_engine_events\": {}, \"seconds\": {:.3}}}",
+         \"rss_kb\": [{}], \"devices\": [{}], \"copy_engine_events\": {}, \"seconds\": {:.3}}}",
         c.phase,
         c.done,
-        c.rss_kb.map_or("null".into(), |v| v.to_string()),
+        rss.join(", "),
         devices.join(", "),
         c.events,
         c.seconds
     )
+}
+
+/// The largest growth of any rank's process RSS from `base` to `c`, in kB.
+fn rss_growth(c: &Checkpoint, base: &Checkpoint) -> Option<i64> {
+    c.rss_kb
+        .iter()
+        .zip(&base.rss_kb)
+        .filter_map(|(a, b)| Some((*a)? as i64 - (*b)? as i64))
+        .max()
 }
 
 /// Prints a phase's table and its growth after the baseline; true when flat.
@@ -285,11 +292,11 @@ fn report(points: &[Checkpoint], unit: &str, limit_kb: u64) -> bool {
     }
     println!(" {:>7} {:>8}", "events", "seconds");
     for c in points {
-        let rss = c.rss_kb.map_or("-".into(), |v| v.to_string());
-        let delta = match (c.rss_kb, base.rss_kb) {
-            (Some(a), Some(b)) => format!("{:+}", a as i64 - b as i64),
+        let rss = match c.rss_kb.first() {
+            Some(Some(v)) => v.to_string(),
             _ => "-".into(),
         };
+        let delta = rss_growth(c, base).map_or("-".into(), |g| format!("{g:+}"));
         print!("  {:>8} {rss:>12} {delta:>9}", c.done);
         for d in &c.devices {
             match d {
@@ -300,10 +307,7 @@ fn report(points: &[Checkpoint], unit: &str, limit_kb: u64) -> bool {
         println!(" {:>7} {:>8.1}", c.events, c.seconds);
     }
     let last = points.last().expect("non-empty");
-    let host = match (last.rss_kb, base.rss_kb) {
-        (Some(a), Some(b)) => a as i64 - b as i64,
-        _ => 0,
-    };
+    let host = rss_growth(last, base).unwrap_or(0);
     let device_kb: Vec<i64> = last
         .devices
         .iter()
@@ -347,8 +351,6 @@ fn run() -> fusion::Result<()> {
             number_of_streams: cli.streams,
             ..ExecOptions::default()
         },
-        p2p: pick!(cli.dtype, ag_gemm_p2p::call),
-        collective: pick!(cli.dtype, ag_gemm_collective::call),
         start: std::time::Instant::now(),
         cli,
     };

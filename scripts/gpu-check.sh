@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (binaries staged by scripts/stage-gpu.sh into .gpu/bin):
 # the conformance suite on the CUDA backend in f32, bf16 and f16 (outputs poisoned), the
-# pass/error tests, the examples, and the overlap trace. Logs go to $OUT; a short table
-# is printed last.  Usage: scripts/gpu-check.sh [dtypes...]   (default: f32 bf16 f16)
+# pass/error tests, the kernel and cudarc-buffer tests, the examples, and the overlap
+# trace. Logs go to $OUT; a short table is printed last.
+# Usage: scripts/gpu-check.sh [dtypes...]   (default: f32 bf16 f16)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusion-gpu-out}
@@ -36,6 +37,8 @@ done
 unset FUSION_RESULTS
 step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1 --nocapture
 step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
+step cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
+step cuda_graphs 180 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture
 # What a machine without `libnccl.so` reports (gpu-env.sh's symlink directory left out).
 # Where the system loader finds a libnccl.so of its own, it is hidden behind /dev/null in a
 # private mount namespace (nothing changes outside this one command).
@@ -51,7 +54,7 @@ else
     echo "skipped: the system loader finds $system_nccl" >"$OUT/missing-nccl.log"
 fi
 summary+=("missing-nccl: $(grep -E -o 'skipped.*|libnccl.so.{0,80}LD_LIBRARY_PATH|backend cuda.*' "$OUT/missing-nccl.log" | head -1 | cut -c1-100)")
-for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p; do
+for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p cuda_buffers; do
     [ -x "$BIN/$ex" ] && step "example-$ex" 120 $BIN/$ex
 done
 step overlap_trace 120 $BIN/overlap_trace --trace-out "$OUT/overlap_trace.json"

@@ -1227,3 +1227,38 @@ fn the_default_reduce_scatter_pipeline_is_the_ring_on_two_devices_only() {
         );
     }
 }
+
+// ---------------------------------------------------------------- launched worlds
+
+/// The whole suite again with the ranks in separate processes (CPU backend, talking over
+/// the TCP rendezvous), started with launcher variables as torchrun would: every case of
+/// the launched size runs in each process, which checks every rank's part.
+#[test]
+fn the_suite_passes_with_ranks_in_2_3_and_4_processes() {
+    if launched_size().is_some() {
+        return; // a child: the suite's other tests are the work
+    }
+    for n in [2, 3, 4] {
+        let ended = launch::launch(
+            n,
+            &(0..n).collect::<Vec<_>>(),
+            &[
+                "--test-threads=1",
+                "--skip",
+                "the_suite_passes_with_ranks_in",
+            ],
+            &[("FUSION_TIMEOUT", "30".to_string())],
+            |_| Vec::new(),
+            std::time::Duration::from_secs(240),
+        );
+        launch::expect_success(&ended);
+        for e in &ended {
+            assert!(
+                e.stdout.contains("test result: ok") && !e.stdout.contains(" 0 passed"),
+                "rank {} of {n} ran no tests:\n{}",
+                e.rank,
+                e.log()
+            );
+        }
+    }
+}

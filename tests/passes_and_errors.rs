@@ -584,3 +584,46 @@ fn a_didx_to_stream_pipeline_that_also_shards_another_axis_is_a_resharding_error
         );
     }
 }
+
+/// In launched GPU worlds the buffers peers write into come from memory they can map: the
+/// evaluator finds them through views and through both branches of the ring's `IfThenElse`
+/// (the last step receives into the output, the others into a stream buffer).
+#[test]
+fn copy_engine_receive_buffers_are_found_through_views_and_branches() {
+    use fusion::runtime::eval::received_by_copy_engine;
+    let f = cases::matmul_rs_p2p();
+    for d in [2, 3] {
+        let options = LowerOptions::default();
+        let p = lower(&f, d, &options).unwrap().program;
+        let roots = received_by_copy_engine(&p);
+        // The ring (the default on 2 devices) receives its last step into the output.
+        if d == 2 {
+            assert!(roots.contains(&p.outputs[0]), "the output receives: {p}");
+        }
+        // Every root is allocated by the program (never an input, never a view).
+        for r in &roots {
+            assert!(!p.inputs.contains(r), "an input is not a receive buffer");
+        }
+        let mut allocated = std::collections::HashSet::new();
+        for_each_node(&p.body, &mut |n| {
+            if let Node::Allocate { tensor } = n {
+                allocated.insert(*tensor);
+            }
+        });
+        assert!(
+            roots.iter().all(|r| allocated.contains(r)),
+            "roots {roots:?} are allocations"
+        );
+        assert!(!roots.is_empty(), "the pipeline receives on {d} devices");
+        if d == 2 {
+            assert!(roots.len() >= 2, "the stream buffer receives too");
+        }
+    }
+    // Over NCCL nothing needs shared memory.
+    let options = LowerOptions {
+        p2p_backend: fusion::core::hir::CommBackend::Nccl,
+        ..LowerOptions::default()
+    };
+    let p = lower(&f, 2, &options).unwrap().program;
+    assert!(received_by_copy_engine(&p).is_empty());
+}

@@ -161,6 +161,8 @@ fn run_checked(
             rank: rank.index(),
             number_of_streams: streams,
             trace: false,
+            trace_nodes: false,
+            shared_receives: false,
             race_check: true,
         };
         let ex = execute(p, &ctx, &symbols, &refs, None)?;

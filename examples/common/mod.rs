@@ -6,33 +6,6 @@ pub mod finish;
 
 use std::time::{Duration, Instant};
 
-/// Stamps out an example's fusion once per element type: `$fusion_in!(f32)` in module
-/// `in_f32`, and likewise `in_bf16` and `in_f16` (`--dtype` picks one with [`pick!`]).
-macro_rules! per_dtype {
-    ($fusion_in:ident) => {
-        mod in_f32 {
-            $fusion_in!(f32);
-        }
-        mod in_bf16 {
-            $fusion_in!(bf16);
-        }
-        mod in_f16 {
-            $fusion_in!(f16);
-        }
-    };
-}
-
-/// The generated function `$fusion::$f` of the fusion stamped out for `$dt` (a [`Dt`]).
-macro_rules! pick {
-    ($dt:expr, $fusion:ident :: $f:ident) => {
-        match $dt {
-            Dt::F32 => in_f32::$fusion::$f,
-            Dt::Bf16 => in_bf16::$fusion::$f,
-            Dt::F16 => in_f16::$fusion::$f,
-        }
-    };
-}
-
 use clap::{Args, ValueEnum};
 use fusion::prelude::*;
 
@@ -103,10 +76,11 @@ pub fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
     Tensor::randn(shape, dtype, seed)
 }
 
-/// What a timed run produced: each rank's output (on the host) and the timings.
+/// What a timed run produced: every rank's output (on the host; in a launched world,
+/// gathered from the other processes) and the timings.
 pub struct Timed {
     pub outputs: Vec<Tensor>,
-    /// Median over the timed calls of the slowest rank's time per call.
+    /// Median over the timed calls of the slowest rank of this process's time per call.
     pub median: Duration,
     pub iters: usize,
 }
@@ -127,6 +101,7 @@ where
     Call: Fn(&Rank, &S) -> fusion::Result<Tensor> + Sync,
     Program: Fn(&Rank, &S) -> fusion::Result<String> + Sync,
 {
+    let launched = world.is_launched();
     let per_rank = world.run(|rank| {
         let inputs = setup(rank)?;
         if dump {
@@ -145,15 +120,26 @@ where
             times.push(start.elapsed());
             drop(o);
         }
-        Ok((rank.to_host(&out)?, times))
+        // Every rank's output: in a launched world, the other processes' too.
+        let outs = if launched {
+            rank.gather_to_host(&out)?
+        } else {
+            vec![rank.to_host(&out)?]
+        };
+        Ok((outs, times))
     })?;
     let mut slowest: Vec<Duration> = (0..iters)
         .map(|i| per_rank.iter().map(|r| r.1[i]).max().unwrap_or_default())
         .collect();
     slowest.sort();
     let median = slowest.get(iters / 2).copied().unwrap_or_default();
+    let outputs = if launched {
+        per_rank[0].0.clone()
+    } else {
+        per_rank.iter().map(|r| r.0[0].clone()).collect()
+    };
     Ok(Timed {
-        outputs: per_rank.into_iter().map(|r| r.0).collect(),
+        outputs,
         median,
         iters,
     })
@@ -235,6 +221,15 @@ impl Summary<'_> {
             c.dtype.dtype(),
             c.streams
         );
+        if let Some(spec) = self.world.launch_spec() {
+            println!(
+                "  launched by {}: {} processes; this one holds rank(s) {:?} and checks every \
+                 rank's output",
+                spec.launcher.name(),
+                spec.processes,
+                self.world.local_ranks()
+            );
+        }
         println!("  {}", self.shapes);
         let tol = c.dtype.tolerance();
         let ok = match self.error {

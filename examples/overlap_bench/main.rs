@@ -98,6 +98,25 @@ struct Sample {
 
 type Samples = Vec<(String, Sample)>;
 
+/// Every rank's (ms, relative error) of each variant in `samples`, in rank order: ranks in
+/// other processes (a launched world) report theirs through the world.
+fn gather_times(rank: &Rank, samples: &Samples) -> Result<Vec<Vec<(f64, f64)>>> {
+    let flat: Vec<f32> = samples
+        .iter()
+        .flat_map(|(_, s)| [s.ms as f32, s.relerr as f32])
+        .collect();
+    let t = Tensor::from_f32(&[samples.len(), 2], &flat, DType::F32)?;
+    rank.gather_to_host(&t)?
+        .into_iter()
+        .map(|t| {
+            let v = t.to_f32_vec()?;
+            Ok(v.chunks(2)
+                .map(|c| (f64::from(c[0]), f64::from(c[1])))
+                .collect())
+        })
+        .collect()
+}
+
 fn opts(
     streams: usize,
     backend: CommBackend,
@@ -470,7 +489,15 @@ fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64,
             .stats
             .nodes_executed;
         rank.synchronize()?;
-        Ok((us, nodes))
+        // The slowest rank, wherever it runs.
+        let all = rank.gather_to_host(&Tensor::from_f32(&[1], &[us as f32], DType::F32)?)?;
+        let worst = all
+            .iter()
+            .map(|t| t.to_f32_vec().map(|v| f64::from(v[0])))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .fold(0.0, f64::max);
+        Ok((worst, nodes))
     })?;
     Ok(per_rank
         .into_iter()
@@ -493,9 +520,20 @@ fn run() -> Result<()> {
     let world = World::auto(a.devices)?;
     let d = world.size();
     println!(
-        "overlap_bench: backend {} devices {d} dtype {dt}",
-        world.backend().name()
+        "overlap_bench: backend {} devices {d} dtype {dt}{}",
+        world.backend().name(),
+        match world.launch_spec() {
+            Some(s) => format!(
+                " (launched by {}: {} processes, this one holds ranks {:?})",
+                s.launcher.name(),
+                s.processes,
+                world.local_ranks()
+            ),
+            None => " (one process)".into(),
+        }
     );
+    // In a launched world only rank 0's process writes the results.
+    let reports = world.local_ranks().contains(&0);
     let execs = Execs {
         allgather: FusionExecutor::new(fusions::allgather(dt)?),
         gemm: FusionExecutor::new(fusions::gemm(dt)?),
@@ -511,6 +549,8 @@ fn run() -> Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |t| t.as_nanos() as u64)
     });
+    // Every process of a launched world uses rank 0's seed.
+    let seed = world.run(|rank| Ok(rank.communicator().exchange(&[seed as i64])?[0][0] as u64))?[0];
     println!("overlap_bench: input seed {seed}");
     let mut rows: Vec<Row> = Vec::new();
     let transports: Vec<String> = a
@@ -545,12 +585,19 @@ fn run() -> Result<()> {
                     std::env::set_var("FUSION_CE_MODE", mode);
                     std::env::set_var("FUSION_CE_STREAM", stream);
                 }
-                let per_rank = world.run(|rank| match op {
-                    "ag" => run_ag(rank, &a, &execs, &host, (m, k, n), g.as_deref()),
-                    _ => run_rs(rank, &a, &execs, &host, (m, k, n), g.as_deref()),
+                let per_rank = world.run(|rank| {
+                    let samples = match op {
+                        "ag" => run_ag(rank, &a, &execs, &host, (m, k, n), g.as_deref()),
+                        _ => run_rs(rank, &a, &execs, &host, (m, k, n), g.as_deref()),
+                    }?;
+                    let all = gather_times(rank, &samples)?;
+                    Ok((samples, all))
                 })?;
+                let (per_rank, mut everyone): (Vec<Samples>, Vec<_>) = per_rank.into_iter().unzip();
+                let all_ranks = everyone.swap_remove(0);
                 for (i, (name, _)) in per_rank[0].iter().enumerate() {
                     let samples: Vec<&Sample> = per_rank.iter().map(|r| &r[i].1).collect();
+                    let every: Vec<(f64, f64)> = all_ranks.iter().map(|r| r[i]).collect();
                     rows.push(Row {
                         op: if op == "ag" { "AG+GEMM" } else { "GEMM+RS" }.into(),
                         m,
@@ -559,13 +606,16 @@ fn run() -> Result<()> {
                         devices: d,
                         dtype: dt.name().into(),
                         variant: name.clone(),
-                        ms: samples.iter().map(|s| s.ms).fold(0.0, f64::max),
-                        rank_ms: samples.iter().map(|s| s.ms).collect(),
-                        relerr: samples.iter().map(|s| s.relerr).fold(0.0, f64::max),
+                        ms: every.iter().map(|s| s.0).fold(0.0, f64::max),
+                        rank_ms: every.iter().map(|s| s.0).collect(),
+                        relerr: every.iter().map(|s| s.1).fold(0.0, f64::max),
                         peak_bytes: samples[0].peak_bytes,
                         nodes: samples[0].nodes,
                     });
                     let r = rows.last().expect("pushed");
+                    if !reports {
+                        continue;
+                    }
                     println!(
                         "{:8} {m:>6} {k:>6} {n:>6} {:<28} {:8.3} ms  relerr {:.2e}",
                         r.op, r.variant, r.ms, r.relerr
@@ -590,6 +640,9 @@ fn run() -> Result<()> {
         host_lines.push_str(&format!(
             "{{\"case\": \"host_overhead\", \"transport\": \"{transport}\", \"devices\": {d}, \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"us_per_node\": {per:.4}}}\n"
         ));
+    }
+    if !reports {
+        return Ok(());
     }
     if let Some(path) = &a.json {
         let mut text = String::new();

@@ -16,7 +16,9 @@ use crate::DType;
 /// One declared axis: an extent and how it is parallelized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Axis {
+    /// The extent: a symbol, a constant or an expression of them.
     pub extent: ScalarId,
+    /// How the axis is distributed.
     pub parallel: ParallelType,
 }
 

@@ -5,8 +5,11 @@ use std::fmt;
 /// Element type of a tensor. Reduced-precision types compute with f32 accumulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
+    /// 32-bit IEEE float.
     F32,
+    /// bfloat16: f32's exponent range, 8 bits of precision.
     BF16,
+    /// IEEE half precision.
     F16,
 }
 

@@ -21,6 +21,7 @@
 pub mod builder;
 mod dtype;
 mod error;
+pub mod generic;
 pub mod hir;
 pub mod ir;
 pub mod lower;
@@ -29,4 +30,4 @@ mod print;
 
 pub use dtype::DType;
 pub use error::{AxisRef, Error, Result};
-pub use print::tensor_string;
+pub use print::{node_string, tensor_string};

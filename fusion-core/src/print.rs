@@ -303,6 +303,34 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
     }
 }
 
+/// One node as text, on one line: a leaf node as in the program dump, a loop or a branch
+/// by its header (`FOR i in ...:`, `IF Manual ...:`) without its body.
+pub fn node_string(p: &HostProgram, n: &Node) -> String {
+    let mut out = String::new();
+    match n {
+        Node::ForLoop(l) => {
+            let header = Node::ForLoop(crate::hir::ForLoop {
+                index: l.index,
+                axis: l.axis,
+                start: l.start,
+                stop: l.stop,
+                body: Vec::new(),
+            });
+            write_nodes(p, std::slice::from_ref(&header), 0, &mut out);
+        }
+        Node::IfThenElse { cond, .. } => {
+            let header = Node::IfThenElse {
+                cond: *cond,
+                then_body: Vec::new(),
+                else_body: Vec::new(),
+            };
+            write_nodes(p, std::slice::from_ref(&header), 0, &mut out);
+        }
+        leaf => write_nodes(p, std::slice::from_ref(leaf), 0, &mut out),
+    }
+    out.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 impl fmt::Display for HostProgram {
     fn fmt(&self, fmt: &mut fmt::Formatter<'_>) -> fmt::Result {
         let f = &self.ir;

@@ -1,9 +1,12 @@
 //! Expansion: a checked fusion becomes
 //!
 //! - `fn name(rank, a: &Ranked<RA>, ..) -> Result<Ranked<RO>>`, the typed entry point, and
-//! - `mod name { build, executor, program, run_with, call, lowering_count, INPUTS }`, the
-//!   builder code and the options-taking runners; its executor is a `static` built at the
-//!   first call, which lowers once per input shapes (and world, backend, options).
+//! - `mod name { build, executor, program, run_with, call, lowering_count, INPUTS,
+//!   DTYPE_PARAMS }`, the builder code and the options-taking runners; its executor is a
+//!   `static` built at the first call, which lowers once per input shapes (and world,
+//!   backend, options). With dtype parameters (`<T: Float, ..>`), `build` takes one
+//!   `DType` per parameter and the executor is generic: each call binds the parameters
+//!   from its inputs' dtypes, and each binding is built and lowered on its own.
 //!
 //! Literal-dim facts are re-checked with `static_assertions::const_assert!`. On errors,
 //! [`stub`] emits the same items with the declared signature, so the caller type-checks and
@@ -41,7 +44,7 @@ fn hygienic(name: &str) -> Ident {
 
 /// The expansion of a fusion that passed every check.
 pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
-    let build = build_fn(checked);
+    let build = build_fn(checked, &def.dtype_params);
     let asserts = static_asserts(checked);
     items(def, build, asserts, false)
 }
@@ -49,8 +52,10 @@ pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
 /// The entry point and module of a fusion with errors: same signatures, no body.
 pub fn stub(def: &FusionDef) -> TokenStream {
     let fc = fc();
+    let params = &def.dtype_params;
     let build = quote! {
-        pub fn build() -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
+        #[allow(non_snake_case)]
+        pub fn build(#(#params: #fc::DType),*) -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
             ::core::panic!("this fusion did not compile")
         }
     };
@@ -142,11 +147,57 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
             real
         }
     };
+    let dtype_params: Vec<String> = def.dtype_params.iter().map(|p| p.to_string()).collect();
+    let n_dtype_params = dtype_params.len();
+    let make_executor = if dtype_params.is_empty() {
+        quote!(self::build().map(|f| #fr::FusionExecutor::new(f).with_name(#fusion_name)))
+    } else {
+        let specs = def.params.iter().map(|p| {
+            let name = p.ty.dtype.to_string();
+            match def.dtype_params.iter().position(|t| *t == name) {
+                Some(i) => quote!(#fc::generic::DTypeSpec::Param(#i)),
+                None => {
+                    let d = DType::from_name(&name).unwrap_or(DType::F32);
+                    let d = dtype(d, &[]);
+                    quote!(#fc::generic::DTypeSpec::Fixed(#d))
+                }
+            }
+        });
+        let vars: Vec<Ident> = (0..n_dtype_params)
+            .map(|i| format_ident!("__dtype{}", i, span = Span::mixed_site()))
+            .collect();
+        let dts = hygienic("__dtypes");
+        quote! {
+            #fc::generic::GenericFusion::new(
+                &[#(#dtype_params),*],
+                &[#((#input_names, #specs)),*],
+                |#dts: &[#fc::DType]| match *#dts {
+                    [#(#vars),*] => self::build(#(#vars),*),
+                    _ => ::core::result::Result::Err(#fc::Error::Invalid(::std::format!(
+                        "fusion `{}` takes {} dtype(s), got {}",
+                        #fusion_name,
+                        #n_dtype_params,
+                        #dts.len()
+                    ))),
+                },
+            )
+            .map(|g| #fr::FusionExecutor::generic(g).with_name(#fusion_name))
+        }
+    };
+    let build_doc = if n_dtype_params == 0 {
+        "Builds the fusion with the builder API, which checks every rule again.".to_string()
+    } else {
+        format!(
+            "Builds the fusion for one dtype per dtype parameter ({}) with the builder API, \
+             which checks every rule again.",
+            dtype_params.join(", ")
+        )
+    };
     let executor_body = body(quote! {
         static EXECUTOR: ::std::sync::OnceLock<
             ::core::result::Result<#fr::FusionExecutor, #fc::Error>,
         > = ::std::sync::OnceLock::new();
-        match EXECUTOR.get_or_init(|| self::build().map(#fr::FusionExecutor::new)) {
+        match EXECUTOR.get_or_init(|| #make_executor) {
             ::core::result::Result::Ok(e) => ::core::result::Result::Ok(e),
             ::core::result::Result::Err(e) => {
                 ::core::result::Result::Err(#fr::Error::Core(::core::clone::Clone::clone(e)))
@@ -194,14 +245,18 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
         #[doc = #mod_doc]
         #[allow(dead_code, unused_variables, unreachable_code, clippy::all)]
         #vis mod #name {
-            /// Builds the fusion with the builder API, which checks every rule again.
+            #[doc = #build_doc]
             #build
 
             /// The input names, in call order.
             pub const INPUTS: [&str; #n_in] = [#(#input_names),*];
 
+            /// The dtype parameters (`T: Float`), in the order `build` takes them; a call
+            /// binds each from the dtype of the inputs declared with it.
+            pub const DTYPE_PARAMS: [&str; #n_dtype_params] = [#(#dtype_params),*];
+
             /// The shared executor, built at the first call; it caches one lowered program
-            /// per input shapes, world size, backend and options.
+            /// per dtype binding, input shapes, world size, backend and options.
             pub fn executor() -> #fr::Result<&'static #fr::FusionExecutor> {
                 #executor_body
             }
@@ -245,12 +300,17 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
     }
 }
 
-fn dtype(d: DType) -> TokenStream {
+/// A dtype in the generated `build`: a constant, or the parameter `build` takes.
+fn dtype(d: DType, params: &[Ident]) -> TokenStream {
     let fc = fc();
     match d {
         DType::F32 => quote!(#fc::DType::F32),
         DType::BF16 => quote!(#fc::DType::BF16),
         DType::F16 => quote!(#fc::DType::F16),
+        DType::Param(i) => {
+            let p = &params[i];
+            quote!(#p)
+        }
     }
 }
 
@@ -308,7 +368,7 @@ fn used_dims(checked: &Checked) -> Vec<DimId> {
         .collect()
 }
 
-fn build_fn(checked: &Checked) -> TokenStream {
+fn build_fn(checked: &Checked, params: &[Ident]) -> TokenStream {
     let fc = fc();
     let b = hygienic("__builder");
     let dims = &checked.model.dims;
@@ -330,9 +390,10 @@ fn build_fn(checked: &Checked) -> TokenStream {
         };
         quote!(let #id = #value;)
     });
-    let steps = checked.steps.iter().map(|s| step(&b, s));
+    let steps = checked.steps.iter().map(|s| step(&b, s, params));
     quote! {
-        pub fn build() -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
+        #[allow(non_snake_case)]
+        pub fn build(#(#params: #fc::DType),*) -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
             let mut #b = #fc::builder::FusionBuilder::new();
             #(#dim_lets)*
             #(#steps)*
@@ -341,11 +402,11 @@ fn build_fn(checked: &Checked) -> TokenStream {
     }
 }
 
-fn step(b: &Ident, s: &Step) -> TokenStream {
+fn step(b: &Ident, s: &Step, params: &[Ident]) -> TokenStream {
     let fc = fc();
     match s {
         Step::Input { out, name, decl } => {
-            let (t, dt, ax) = (t_ident(*out), dtype(decl.dtype), axes(decl));
+            let (t, dt, ax) = (t_ident(*out), dtype(decl.dtype, params), axes(decl));
             match decl.mesh {
                 Mesh::World => quote!(let #t = #b.input(#name, #dt, #ax)?;),
                 ref m => {
@@ -374,7 +435,7 @@ fn step(b: &Ident, s: &Step) -> TokenStream {
                     quote!(#b.unary(#fc::ir::UnaryOp::#u, #x))
                 }
                 Op::Cast(d) => {
-                    let d = dtype(*d);
+                    let d = dtype(*d, params);
                     quote!(#b.cast(#x, #d))
                 }
                 Op::Binary(op) => {
@@ -431,7 +492,12 @@ fn step(b: &Ident, s: &Step) -> TokenStream {
             decl,
             set_mesh,
         } => {
-            let (t, s, dt, ax) = (t_ident(*out), t_ident(*src), dtype(decl.dtype), axes(decl));
+            let (t, s, dt, ax) = (
+                t_ident(*out),
+                t_ident(*src),
+                dtype(decl.dtype, params),
+                axes(decl),
+            );
             let m = set_mesh.then(|| {
                 let m = mesh(&decl.mesh);
                 quote!(#b.set_mesh(#t, #m);)

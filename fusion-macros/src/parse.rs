@@ -2,9 +2,10 @@
 //!
 //! ```text
 //! block   := fusion*
-//! fusion  := attr* vis `fn` name (`<` dim,* `>`)? `(` (name `:` type),* `)` `->` ret `{` body `}`
+//! fusion  := attr* vis `fn` name (`<` generic,* `>`)? `(` (name `:` type),* `)` `->` ret `{` body `}`
+//! generic := dim-symbol | dtype-param `:` `Float`
 //! ret     := type | `(` type,* `)`
-//! type    := `Tensor` `<` dtype `,` `[` axis,* `]` (`,` `mesh` `=` `[` int,* `]`)? `>`
+//! type    := `Tensor` `<` (dtype | dtype-param) `,` `[` axis,* `]` (`,` `mesh` `=` `[` int,* `]`)? `>`
 //! axis    := dim (`@` parallel)?
 //! dim     := symbol | int | dim (`+`|`-`|`*`|`/`) dim | `(` dim `)`
 //! body    := (`let` name (`:` type)? `=` expr `;`)* expr
@@ -31,8 +32,10 @@ pub struct FusionDef {
     pub attrs: Vec<Attribute>,
     pub vis: Visibility,
     pub name: Ident,
-    /// The generic parameters: dimension symbols.
+    /// The generic dimension symbols.
     pub dims: Vec<Ident>,
+    /// The generic dtype parameters (`T: Float`), in order.
+    pub dtype_params: Vec<Ident>,
     pub params: Vec<Param>,
     /// The declared output types (one, or a tuple).
     pub outputs: Vec<TensorType>,
@@ -146,7 +149,7 @@ impl Parse for FusionDef {
         }
         input.parse::<Token![fn]>()?;
         let name: Ident = input.parse()?;
-        let dims = parse_dims(input)?;
+        let (dims, dtype_params) = parse_generics(input)?;
         let content;
         parenthesized!(content in input);
         let mut params = Vec::new();
@@ -195,6 +198,7 @@ impl Parse for FusionDef {
             vis,
             name,
             dims,
+            dtype_params,
             params,
             outputs,
             body,
@@ -202,35 +206,59 @@ impl Parse for FusionDef {
     }
 }
 
-/// `<d, m, k>`: dimension symbols.
-fn parse_dims(input: ParseStream) -> syn::Result<Vec<Ident>> {
-    let mut dims = Vec::new();
+/// The bound that makes a generic parameter a dtype parameter: `T: Float`.
+pub const DTYPE_BOUND: &str = "Float";
+
+/// `<T: Float, d, m, k>`: dimension symbols, and dtype parameters (with the bound).
+fn parse_generics(input: ParseStream) -> syn::Result<(Vec<Ident>, Vec<Ident>)> {
+    let (mut dims, mut dtypes) = (Vec::new(), Vec::new());
     if !input.peek(Token![<]) {
-        return Ok(dims);
+        return Ok((dims, dtypes));
     }
     input.parse::<Token![<]>()?;
     while !input.peek(Token![>]) {
         if input.peek(syn::Lifetime) || input.peek(Token![const]) {
             return Err(input.error(
-                "the generic parameters of a fusion are dimension symbols, plain names like \
-                 `<m, n, k>`",
+                "the generic parameters of a fusion are dimension symbols (`m`) and dtype \
+                 parameters (`T: Float`), as in `<T: Float, m, n, k>`",
             ));
         }
         let d: Ident = input.parse().map_err(|e| {
             syn::Error::new(
                 e.span(),
-                "expected a dimension symbol: the generic parameters of a fusion are plain \
-                 names like `<m, n, k>`",
+                "expected a dimension symbol (`m`) or a dtype parameter (`T: Float`): the \
+                 generic parameters of a fusion look like `<T: Float, m, n, k>`",
             )
         })?;
-        dims.push(d);
+        if input.peek(Token![:]) {
+            input.parse::<Token![:]>()?;
+            let bound: Ident = input.parse().map_err(|e| {
+                syn::Error::new(
+                    e.span(),
+                    format!("expected `{DTYPE_BOUND}`: a dtype parameter is `{d}: {DTYPE_BOUND}`"),
+                )
+            })?;
+            if bound != DTYPE_BOUND {
+                return Err(syn::Error::new(
+                    bound.span(),
+                    format!(
+                        "unknown bound `{bound}`; a dtype parameter is written `{d}: \
+                         {DTYPE_BOUND}` (any of `f32`, `bf16`, `f16`, bound by the inputs' \
+                         dtypes at each call), and a dimension symbol has no bound"
+                    ),
+                ));
+            }
+            dtypes.push(d);
+        } else {
+            dims.push(d);
+        }
         if input.peek(Token![>]) {
             break;
         }
         input.parse::<Token![,]>()?;
     }
     input.parse::<Token![>]>()?;
-    Ok(dims)
+    Ok((dims, dtypes))
 }
 
 impl Parse for TensorType {
@@ -246,7 +274,10 @@ impl Parse for TensorType {
         }
         input.parse::<Token![<]>()?;
         let dtype: Ident = input.parse().map_err(|e| {
-            syn::Error::new(e.span(), "expected an element type: `f32`, `bf16` or `f16`")
+            syn::Error::new(
+                e.span(),
+                "expected an element type: `f32`, `bf16`, `f16` or a dtype parameter",
+            )
         })?;
         input.parse::<Token![,]>()?;
         let content;

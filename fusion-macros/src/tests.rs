@@ -290,3 +290,68 @@ fn signature_mistakes() {
     .to_string();
     assert!(stub.contains("__repeated1"), "{stub}");
 }
+
+#[test]
+fn dtype_parameters_match_only_themselves() {
+    let e = errors(
+        "fn f<T: Float, U: Float, n>(x: Tensor<T, [n]>, y: Tensor<U, [n]>, z: Tensor<bf16, [n]>)
+            -> Tensor<T, [n]> {
+            let a = x + y;
+            let b = x + z;
+            let c: Tensor<f32, [n]> = x;
+            x
+        }",
+    );
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(e[0].contains("add: `x` is `T` but `y` is `U`"), "{}", e[0]);
+    assert!(
+        e[1].contains("add: `x` is `T` but `z` is `bf16`"),
+        "{}",
+        e[1]
+    );
+    assert!(
+        e[2].contains("declared element type `f32`, but `x` is `T`"),
+        "{}",
+        e[2]
+    );
+    assert!(errors(
+        "fn f<T: Float, n>(x: Tensor<T, [n]>, y: Tensor<T, [n]>) -> Tensor<T, [n]> {
+            cast(cast(x, f32) * cast(y, f32), T)
+        }"
+    )
+    .is_empty());
+}
+
+#[test]
+fn dtype_parameters_are_declared_once_and_bound_by_an_input() {
+    let e = one_error("fn f<T: Float, T, n>(x: Tensor<T, [n]>) -> Tensor<T, [n]> { x }");
+    assert!(e.contains("`T` is declared twice"), "{e}");
+    let e = one_error("fn f<T: Float, n>(x: Tensor<f32, [n]>) -> Tensor<T, [n]> { cast(x, T) }");
+    assert!(
+        e.contains("dtype parameter `T` is not the element type of any input"),
+        "{e}"
+    );
+    let e = one_error("fn f<n>(x: Tensor<n, [n]>) -> Tensor<f32, [n]> { x }");
+    assert!(e.contains("`n` is a dimension symbol"), "{e}");
+}
+
+#[test]
+fn a_generic_build_takes_one_dtype_per_parameter() {
+    let e = expansion(
+        "fn f<T: Float, U: Float, n>(x: Tensor<T, [n]>, y: Tensor<U, [n]>) -> Tensor<T, [n]> {
+            x + cast(y, T)
+        }",
+    );
+    assert!(
+        e.contains("pub fn build (T : :: fusion :: __private :: fusion_core :: DType , U"),
+        "{e}"
+    );
+    assert!(
+        e.contains("DTypeSpec :: Param (0usize)") && e.contains("DTypeSpec :: Param (1usize)"),
+        "{e}"
+    );
+    assert!(
+        e.contains("pub const DTYPE_PARAMS : [& str ; 2usize] = [\"T\" , \"U\"]"),
+        "{e}"
+    );
+}

@@ -14,15 +14,21 @@ pub enum Error {
     /// A tensor given at call time does not fit the fusion (shape, dtype, rank, shard).
     #[error("{tensor}{}: {reason}", axis_suffix(*.axis))]
     BadTensor {
+        /// The tensor's name (or who bound the value at fault).
         tensor: String,
+        /// The axis at fault, if one is.
         axis: Option<usize>,
+        /// What is wrong.
         reason: String,
     },
     /// Wrong number of inputs or outputs.
     #[error("{what}: expected {expected}, got {actual}")]
     Arity {
+        /// What was counted.
         what: String,
+        /// How many the fusion takes.
         expected: usize,
+        /// How many were given.
         actual: usize,
     },
     /// A tensor operation outside a fusion (views, conversions) was misused.
@@ -31,27 +37,45 @@ pub enum Error {
     /// The device backend failed (allocation, kernel launch, library call).
     #[error("{backend} backend: {reason}")]
     Backend {
+        /// `cpu`, `cuda`, `evaluator`, ...
         backend: &'static str,
+        /// What failed.
         reason: String,
     },
     /// A required library could not be loaded; `hint` says how to fix it.
     #[error("cannot load {library}: {hint}")]
-    MissingLibrary { library: String, hint: String },
+    MissingLibrary {
+        /// The library's file name.
+        library: String,
+        /// What to install or put on the library path.
+        hint: String,
+    },
     /// A communication failed on this rank.
     #[error("rank {rank}: {reason}")]
-    Communication { rank: usize, reason: String },
+    Communication {
+        /// The rank it failed on.
+        rank: usize,
+        /// What failed.
+        reason: String,
+    },
     /// Another rank failed, so this rank's communication was abandoned.
     #[error("rank {rank}: abandoned because rank {failed_rank} failed: {reason}")]
     PeerFailed {
+        /// This rank.
         rank: usize,
+        /// The rank that failed first.
         failed_rank: usize,
+        /// Its error.
         reason: String,
     },
     /// A communication waited longer than the world's timeout.
     #[error("rank {rank}: {what} timed out after {seconds:.1} s (a peer may have stopped participating)")]
     Timeout {
+        /// The rank that waited.
         rank: usize,
+        /// What it waited for.
         what: String,
+        /// How long it waited.
         seconds: f64,
     },
     /// The world or a rank was set up wrongly (world size, device count, environment).
@@ -59,7 +83,12 @@ pub enum Error {
     World(String),
     /// A rank's closure panicked.
     #[error("rank {rank} panicked: {message}")]
-    Panic { rank: usize, message: String },
+    Panic {
+        /// The rank that panicked.
+        rank: usize,
+        /// The panic's message.
+        message: String,
+    },
     /// The race checker found two accesses the program's stream order leaves unordered
     /// (boxed: it names both sides).
     #[error("race check: {0}")]

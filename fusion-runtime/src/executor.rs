@@ -1,26 +1,34 @@
 //! Runs a fusion: lowers it at the first call for a given key, caches the host program,
 //! and evaluates it on the calling rank.
 //!
-//! The key is (the input shapes, as values of the dimension symbols; world size;
-//! backend; options); dtypes are fixed by the fusion. All ranks of a
-//! world share one executor, so a program is lowered once per process, not once per rank;
-//! [`FusionExecutor::lowering_count`] counts lowerings.
+//! The key is (the dtypes bound to the fusion's dtype parameters; the input shapes, as
+//! values of the dimension symbols; world size; backend; options). A dtype-generic fusion
+//! ([`GenericFusion`]) is instantiated once per dtype binding, at the first call that
+//! binds it. All ranks of a world share one executor, so a program is lowered once per
+//! process, not once per rank; [`FusionExecutor::lowering_count`] counts lowerings.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use fusion_core::generic::GenericFusion;
 use fusion_core::hir::HostProgram;
 use fusion_core::ir::Fusion;
 use fusion_core::lower::{lower, LowerOptions};
+use fusion_core::DType;
 
 use crate::backend::BackendKind;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::eval::{
-    bind_inputs, check_didx_extents, execute, race_check_from_env, CallContext, ExecStats,
-    RaceCheck, SymbolBindings, TraceEvent,
+    bind_dtypes, bind_inputs, check_didx_extents, execute, output_layouts, race_check_from_env,
+    CallContext, ExecStats, Execution, HostSpan, RaceCheck, SymbolBindings, TraceEvent,
+};
+use crate::replay::{
+    capture_plan, graphs_enabled, Address, EagerReason, GraphSlot, ReplayStatus, Step,
 };
 use crate::tensor::Tensor;
+use crate::trace::{write_call_trace, CallTrace};
 use crate::world::Rank;
 
 /// Options of a call that change the lowered program or how it runs.
@@ -28,13 +36,22 @@ use crate::world::Rank;
 pub struct ExecOptions {
     /// Size of the worker stream pool (`numberOfStreams`).
     pub number_of_streams: usize,
+    /// How the fusion is lowered (transports, pipelines, passes).
     pub lower: LowerOptions,
     /// Record a timeline of communications and kernels ([`RunReport::trace`]); the call
     /// then waits for the device at its end.
     pub trace: bool,
+    /// Write a Chrome trace of every call into this directory, one file per call and
+    /// rank, with a span for every executed node and the device intervals
+    /// ([`crate::trace`]); implies `trace`. Unset, `FUSION_TRACE=<dir>` sets it.
+    pub trace_dir: Option<PathBuf>,
+    /// Replay calls as device graphs where the backend and program allow
+    /// ([`crate::replay`]): on by default; `FUSION_GRAPHS=0` turns it off everywhere.
+    pub graphs: bool,
     /// Check the host program's stream order while it runs (`eval::race`; also on for
     /// every call with `FUSION_RACE_CHECK=1`): a race fails the call with
     /// [`crate::Error::Race`], and [`RunReport::race`] holds the order it checked.
+    /// Checked calls run eagerly (not as device graphs).
     pub race_check: bool,
 }
 
@@ -44,8 +61,26 @@ impl Default for ExecOptions {
             number_of_streams: 4,
             lower: LowerOptions::default(),
             trace: false,
+            trace_dir: None,
+            graphs: true,
             race_check: false,
         }
+    }
+}
+
+impl ExecOptions {
+    /// Where this call's trace goes: `trace_dir`, else `FUSION_TRACE` (read once).
+    fn resolved_trace_dir(&self) -> Option<PathBuf> {
+        static FROM_ENV: OnceLock<Option<PathBuf>> = OnceLock::new();
+        self.trace_dir.clone().or_else(|| {
+            FROM_ENV
+                .get_or_init(|| {
+                    std::env::var_os("FUSION_TRACE")
+                        .filter(|v| !v.is_empty())
+                        .map(PathBuf::from)
+                })
+                .clone()
+        })
     }
 }
 
@@ -53,8 +88,11 @@ impl Default for ExecOptions {
 /// `host_ir_passes`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DumpOptions {
+    /// Print the fusion when it is lowered.
     pub fusion: bool,
+    /// Print the lowered host program.
     pub host_ir: bool,
+    /// Print the host program after every pass.
     pub host_ir_passes: bool,
 }
 
@@ -73,6 +111,8 @@ impl DumpOptions {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct CacheKey {
+    /// The dtypes bound to the fusion's dtype parameters (empty for a fixed fusion).
+    dtypes: Vec<DType>,
     /// Values of the dimension symbols: the input shapes, the same on every rank.
     symbols: Vec<(usize, i64)>,
     world_size: usize,
@@ -86,33 +126,117 @@ struct CacheKey {
 pub struct RunReport {
     /// Outputs in order; ranks outside an output's mesh get a zero-element placeholder.
     pub outputs: Vec<Tensor>,
+    /// What the call did: allocations, peak memory, host time per node kind.
     pub stats: ExecStats,
-    /// The call's timeline on this rank's device, when `ExecOptions::trace` is set.
+    /// The call's timeline on this rank's device, when `ExecOptions::trace` (or a trace
+    /// directory) is set.
     pub trace: Option<Vec<TraceEvent>>,
+    /// A span per executed node, and the file they were written to, when a trace
+    /// directory is set (`ExecOptions::trace_dir`, `FUSION_TRACE`).
+    pub host_trace: Option<Vec<HostSpan>>,
+    /// The trace file written for this call.
+    pub trace_file: Option<PathBuf>,
+    /// Whether the call walked the host program, was captured as a device graph, or
+    /// replayed one ([`crate::replay`]).
+    pub replay: ReplayStatus,
     /// The happens-before order the race checker verified, when it ran.
     pub race: Option<RaceCheck>,
 }
 
+/// One program and rank's graphs, locked by that rank while it runs.
+type SharedSlot = Arc<Mutex<GraphSlot>>;
+
+/// Where the executor's fusions come from.
+enum Source {
+    /// One fusion with fixed dtypes.
+    Fixed(Arc<Fusion>),
+    /// A dtype-generic fusion and its instances, one per dtype binding, built on demand.
+    Generic {
+        generic: GenericFusion,
+        instances: Mutex<HashMap<Vec<DType>, Arc<Fusion>>>,
+    },
+}
+
 /// A fusion plus its cache of lowered programs.
 pub struct FusionExecutor {
-    fusion: Fusion,
+    source: Source,
     cache: Mutex<HashMap<CacheKey, Arc<HostProgram>>>,
     lowerings: AtomicUsize,
+    /// Names trace files.
+    name: String,
+    /// Traced calls so far, per rank: the number in the next trace file's name.
+    traced_calls: Mutex<HashMap<usize, usize>>,
+    /// Device graphs per (program, rank).
+    graphs: Mutex<HashMap<(usize, usize), SharedSlot>>,
 }
 
 impl FusionExecutor {
     /// An executor for `fusion` (checked when it was built).
     pub fn new(fusion: Fusion) -> Self {
+        FusionExecutor::from_source(Source::Fixed(Arc::new(fusion)))
+    }
+
+    /// An executor for a dtype-generic fusion: each call binds the dtype parameters from
+    /// the dtypes of its inputs, and each binding gets its own fusion (built at its first
+    /// call) and its own lowered programs.
+    pub fn generic(generic: GenericFusion) -> Self {
+        FusionExecutor::from_source(Source::Generic {
+            generic,
+            instances: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn from_source(source: Source) -> Self {
         FusionExecutor {
-            fusion,
+            source,
             cache: Mutex::new(HashMap::new()),
             lowerings: AtomicUsize::new(0),
+            name: "fusion".into(),
+            traced_calls: Mutex::new(HashMap::new()),
+            graphs: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The fusion this executor runs.
-    pub fn fusion(&self) -> &Fusion {
-        &self.fusion
+    /// This executor with a name, used in trace file names (`fusion!` names it after
+    /// the fusion).
+    pub fn with_name(mut self, name: &str) -> Self {
+        self.name = name.to_string();
+        self
+    }
+
+    /// The name trace files carry.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The names of the fusion's dtype parameters (empty for a fusion with fixed dtypes).
+    pub fn dtype_params(&self) -> &[String] {
+        match &self.source {
+            Source::Fixed(_) => &[],
+            Source::Generic { generic, .. } => generic.params(),
+        }
+    }
+
+    /// The fusion this executor runs for `dtypes`, one per dtype parameter (empty for a
+    /// fusion with fixed dtypes); a generic fusion is instantiated at the first request.
+    pub fn fusion_for(&self, dtypes: &[DType]) -> Result<Arc<Fusion>> {
+        match &self.source {
+            Source::Fixed(f) if dtypes.is_empty() => Ok(f.clone()),
+            Source::Fixed(_) => Err(Error::Arity {
+                what: "dtypes of a fusion without dtype parameters".into(),
+                expected: 0,
+                actual: dtypes.len(),
+            }),
+            Source::Generic { generic, instances } => {
+                let mut map = instances.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(f) = map.get(dtypes) {
+                    return Ok(f.clone());
+                }
+                let f = Arc::new(generic.instantiate(dtypes)?);
+                map.insert(dtypes.to_vec(), f.clone());
+                Ok(f)
+            }
+        }
     }
 
     /// How many times this executor has lowered a program.
@@ -141,23 +265,195 @@ impl FusionExecutor {
         outputs: Option<&[&Tensor]>,
         options: &ExecOptions,
     ) -> Result<RunReport> {
-        let symbols = self.bind(rank, inputs)?;
-        let program = self.program_for(rank, &symbols, options)?;
+        let (program, symbols) = self.prepare(rank, inputs, options)?;
+        let trace_dir = options.resolved_trace_dir();
         let ctx = CallContext {
             device: rank.device(),
             comm: rank.communicator(),
             rank: rank.index(),
             number_of_streams: options.number_of_streams,
-            trace: options.trace,
+            trace: options.trace || trace_dir.is_some(),
+            trace_nodes: trace_dir.is_some(),
+            shared_receives: rank.communicator().shares_receive_buffers(),
             race_check: options.race_check || race_check_from_env(),
         };
-        let ex = execute(&program, &ctx, &symbols, inputs, outputs)?;
+        let (ex, replay) =
+            self.run_program(rank, &program, &ctx, &symbols, inputs, outputs, options)?;
+        let trace_file = match &trace_dir {
+            Some(dir) => {
+                let call = {
+                    let mut calls = self.traced_calls.lock().unwrap_or_else(|p| p.into_inner());
+                    let n = calls.entry(rank.index()).or_insert(0);
+                    *n += 1;
+                    *n - 1
+                };
+                let t = CallTrace {
+                    fusion: &self.name,
+                    call,
+                    rank: rank.index(),
+                    world_size: rank.world_size(),
+                    backend: rank.backend().name(),
+                    program: &program,
+                    device: ex.trace.as_deref().unwrap_or_default(),
+                    host: ex.host_trace.as_deref().unwrap_or_default(),
+                };
+                Some(write_call_trace(dir, &t)?)
+            }
+            None => None,
+        };
         Ok(RunReport {
             outputs: ex.outputs,
             stats: ex.stats,
             trace: ex.trace,
+            host_trace: ex.host_trace,
+            trace_file,
+            replay,
             race: ex.race,
         })
+    }
+
+    /// Runs `program` for this call: eagerly, or through a device graph (captured at the
+    /// second call of a program and rank, then launched while the addresses match).
+    #[allow(clippy::too_many_arguments)]
+    fn run_program(
+        &self,
+        rank: &Rank,
+        program: &Arc<HostProgram>,
+        ctx: &CallContext<'_>,
+        symbols: &SymbolBindings,
+        inputs: &[&Tensor],
+        outputs: Option<&[&Tensor]>,
+        options: &ExecOptions,
+    ) -> Result<(Execution, ReplayStatus)> {
+        let eager = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
+            Ok((
+                execute(program, ctx, symbols, inputs, outputs)?,
+                ReplayStatus::Eager(reason),
+            ))
+        };
+        if !graphs_enabled(options.graphs) {
+            return eager(EagerReason::Disabled);
+        }
+        if let Err(reason) = capture_plan(program, rank.backend()) {
+            return eager(reason);
+        }
+        if ctx.trace {
+            return eager(EagerReason::Traced);
+        }
+        if ctx.race_check {
+            return eager(EagerReason::RaceChecked);
+        }
+        let device = rank.device();
+        if let Some(i) = inputs
+            .iter()
+            .position(|t| t.numel() > 0 && !device.is_resident(t))
+        {
+            let name = program
+                .inputs
+                .get(i)
+                .map_or_else(|| format!("#{i}"), |&t| program.ir.tensor_name(t));
+            return eager(EagerReason::HostInput(name));
+        }
+        let slot = self
+            .graphs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((Arc::as_ptr(program) as usize, rank.index()))
+            .or_insert_with(|| Arc::new(Mutex::new(GraphSlot::Fresh)))
+            .clone();
+        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        // The first call, and programs that never replay, run exactly as without graphs.
+        match &*slot {
+            GraphSlot::Fresh => {
+                *slot = GraphSlot::Warm;
+                return eager(EagerReason::FirstCall);
+            }
+            GraphSlot::Never(reason) => return eager(reason.clone()),
+            _ => {}
+        }
+        // The outputs live outside the graph: given, or allocated here for this call.
+        let owned: Vec<Tensor> = match outputs {
+            Some(o) => o.iter().map(|t| (*t).clone()).collect(),
+            None => output_layouts(program, symbols, rank.index(), options.number_of_streams)?
+                .into_iter()
+                .map(|l| match l {
+                    Some((dtype, shape)) => device.allocate(0, dtype, &shape),
+                    None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
+                })
+                .collect::<Result<_>>()?,
+        };
+        let outs: Vec<&Tensor> = owned.iter().collect();
+        let addresses: Vec<Address> = inputs
+            .iter()
+            .copied()
+            .chain(outs.iter().copied())
+            .map(|t| {
+                (
+                    t.device_ptr().unwrap_or(0),
+                    t.shape().to_vec(),
+                    t.strides().to_vec(),
+                )
+            })
+            .collect();
+        let run_eagerly = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
+            Ok((
+                execute(program, ctx, symbols, inputs, Some(&outs))?,
+                ReplayStatus::Eager(reason),
+            ))
+        };
+        match slot.step(&addresses) {
+            Step::Eager(reason) => run_eagerly(reason),
+            Step::Launch(i) => {
+                slot.graph(i).expect("a ready graph").launch()?;
+                let outputs = program
+                    .outputs
+                    .iter()
+                    .zip(&owned)
+                    .map(|(&t, o)| {
+                        if o.numel() == 0 && o.is_host() {
+                            Tensor::placeholder(program.ir.tensor(t).dtype)
+                        } else {
+                            o.clone()
+                        }
+                    })
+                    .collect();
+                let ex = Execution {
+                    outputs,
+                    stats: ExecStats::default(),
+                    trace: None,
+                    host_trace: None,
+                    race: None,
+                };
+                Ok((ex, ReplayStatus::Replayed))
+            }
+            Step::Capture => {
+                if let Err(e) = device.begin_capture() {
+                    *slot = GraphSlot::Never(EagerReason::CaptureFailed(e.to_string()));
+                    return run_eagerly(EagerReason::CaptureFailed(e.to_string()));
+                }
+                let recorded = execute(program, ctx, symbols, inputs, Some(&outs));
+                let graph = device.end_capture();
+                match (recorded, graph) {
+                    (Ok(ex), Ok(graph)) => {
+                        // Nothing ran while recording: this call's work is the first launch.
+                        graph.launch()?;
+                        let nodes = graph.nodes();
+                        slot.install(addresses, graph);
+                        Ok((ex, ReplayStatus::Captured(nodes)))
+                    }
+                    (recorded, graph) => {
+                        let why = match (recorded, graph) {
+                            (Err(e), _) => e.to_string(),
+                            (_, Err(e)) => e.to_string(),
+                            _ => unreachable!("both succeeded above"),
+                        };
+                        tracing::warn!("rank {}: capturing a graph failed: {why}", rank.index());
+                        *slot = GraphSlot::Never(EagerReason::CaptureFailed(why.clone()));
+                        run_eagerly(EagerReason::CaptureFailed(why))
+                    }
+                }
+            }
+        }
     }
 
     /// The host program for these inputs and options, lowering it if needed.
@@ -167,45 +463,97 @@ impl FusionExecutor {
         inputs: &[&Tensor],
         options: &ExecOptions,
     ) -> Result<Arc<HostProgram>> {
-        let symbols = self.bind(rank, inputs)?;
-        self.program_for(rank, &symbols, options)
+        Ok(self.prepare(rank, inputs, options)?.0)
+    }
+
+    /// Binds the dtypes and the dimension symbols of a call and finds (or lowers) its
+    /// program.
+    fn prepare(
+        &self,
+        rank: &Rank,
+        inputs: &[&Tensor],
+        options: &ExecOptions,
+    ) -> Result<(Arc<HostProgram>, SymbolBindings)> {
+        let dtypes = match &self.source {
+            Source::Fixed(_) => Vec::new(),
+            Source::Generic { generic, .. } => bind_dtypes(generic, inputs)?,
+        };
+        let fusion = self.fusion_for(&dtypes)?;
+        let symbols = self.bind(&fusion, &dtypes, rank, inputs)?;
+        let program = self.program_for(&fusion, dtypes, rank, &symbols, options)?;
+        Ok((program, symbols))
     }
 
     /// Checks the inputs and binds the dimension symbols. When an input lives on only
     /// some devices, ranks without it learn its extents from the others (every rank of
-    /// such a fusion takes part in the exchange, so it is deterministic).
-    fn bind(&self, rank: &Rank, inputs: &[&Tensor]) -> Result<SymbolBindings> {
+    /// such a fusion takes part in the exchange, so it is deterministic), and the ranks
+    /// check that they bound the same dtypes.
+    fn bind(
+        &self,
+        fusion: &Fusion,
+        dtypes: &[DType],
+        rank: &Rank,
+        inputs: &[&Tensor],
+    ) -> Result<SymbolBindings> {
         let ws = rank.world_size();
-        let mut symbols =
-            bind_inputs(&self.fusion, self.fusion.inputs(), inputs, rank.index(), ws)?;
-        let partial = self
-            .fusion
+        let mut symbols = bind_inputs(fusion, fusion.inputs(), inputs, rank.index(), ws)?;
+        let partial = fusion
             .inputs()
             .iter()
-            .any(|&t| self.fusion.tensor(t).mesh.resolve(ws) != (0..ws).collect::<Vec<_>>());
+            .any(|&t| fusion.tensor(t).mesh.resolve(ws) != (0..ws).collect::<Vec<_>>());
         if partial {
-            let mine: Vec<i64> = symbols
-                .entries()
-                .into_iter()
-                .flat_map(|(i, v)| [i as i64, v])
+            let mine: Vec<i64> = dtypes
+                .iter()
+                .map(|&d| dtype_code(d))
+                .chain(
+                    symbols
+                        .entries()
+                        .into_iter()
+                        .flat_map(|(i, v)| [i as i64, v]),
+                )
                 .collect();
             let all = rank.communicator().exchange(&mine)?;
             for (r, values) in all.iter().enumerate() {
+                let (theirs, entries) = values.split_at(dtypes.len().min(values.len()));
+                if theirs != &mine[..dtypes.len()] {
+                    return Err(self.dtype_disagreement(dtypes, r, theirs));
+                }
                 let entries: Vec<(usize, i64)> =
-                    values.chunks(2).map(|c| (c[0] as usize, c[1])).collect();
-                symbols.merge(&self.fusion, r, &entries)?;
+                    entries.chunks(2).map(|c| (c[0] as usize, c[1])).collect();
+                symbols.merge(fusion, r, &entries)?;
             }
         }
         Ok(symbols)
     }
 
+    /// The error for ranks whose inputs bind a dtype parameter differently.
+    fn dtype_disagreement(&self, mine: &[DType], rank: usize, theirs: &[i64]) -> Error {
+        let params = self.dtype_params();
+        let at = (0..mine.len())
+            .find(|&i| theirs.get(i) != Some(&dtype_code(mine[i])))
+            .unwrap_or(0);
+        let theirs = theirs
+            .get(at)
+            .and_then(|&c| dtype_from_code(c))
+            .map_or("something else".to_string(), |d| d.to_string());
+        Error::World(format!(
+            "dtype parameter `{}` is {} on this rank but {theirs} on rank {rank}; every rank \
+             passes inputs of the same dtypes",
+            params.get(at).map_or("?", String::as_str),
+            mine.get(at).map_or("?", |d| d.name()),
+        ))
+    }
+
     fn program_for(
         &self,
+        fusion: &Fusion,
+        dtypes: Vec<DType>,
         rank: &Rank,
         symbols: &SymbolBindings,
         options: &ExecOptions,
     ) -> Result<Arc<HostProgram>> {
         let key = CacheKey {
+            dtypes,
             symbols: symbols.entries(),
             world_size: rank.world_size(),
             backend: rank.backend(),
@@ -218,19 +566,34 @@ impl FusionExecutor {
         }
         // Once per key, before lowering: results declared DIDx over extents the inputs
         // bound to other than the mesh size cannot be sharded.
-        check_didx_extents(&self.fusion, symbols, rank.world_size())?;
+        check_didx_extents(fusion, symbols, rank.world_size())?;
         let dump = DumpOptions::from_env();
         let mut lower_options = options.lower.clone();
         lower_options.dump_passes |= dump.host_ir_passes;
         if dump.fusion {
-            eprintln!("{}", self.fusion);
+            eprintln!("{fusion}");
         }
-        let lowered = lower(&self.fusion, rank.world_size(), &lower_options)?;
+        let lowered = lower(fusion, rank.world_size(), &lower_options)?;
         for d in &lowered.dumps {
             eprintln!("=== after pass {} ===\n{}", d.pass, d.program);
         }
         if dump.host_ir {
             eprintln!("{}", lowered.program);
+            match capture_plan(&lowered.program, rank.backend()) {
+                Ok(()) => eprintln!(
+                    "// graphs: captured at the second call on each rank, then replayed while \
+                     the inputs and outputs stay in place"
+                ),
+                Err(reason) => eprintln!("// graphs: runs eagerly: {reason}"),
+            }
+            // Transports are chosen per pair of ranks at run time, from where they live.
+            let transports = rank.communicator().transports();
+            if !transports.is_empty() {
+                eprintln!("// transports of rank {}:", rank.index());
+                for t in transports {
+                    eprintln!("//   {t}");
+                }
+            }
         }
         self.lowerings.fetch_add(1, Ordering::SeqCst);
         tracing::debug!(nodes = lowered.program.node_count(), "lowered fusion");
@@ -238,4 +601,19 @@ impl FusionExecutor {
         cache.insert(key, program.clone());
         Ok(program)
     }
+}
+
+/// A dtype as a number, for the exchange between ranks.
+fn dtype_code(d: DType) -> i64 {
+    match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+    }
+}
+
+fn dtype_from_code(c: i64) -> Option<DType> {
+    [DType::F32, DType::BF16, DType::F16]
+        .get(usize::try_from(c).ok()?)
+        .copied()
 }

@@ -3,17 +3,24 @@
 //! Tensors, the host-IR evaluator, device backends (CPU threads; CUDA), communicators
 //! (in-process; NCCL; copy engine) and worlds of ranks.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod comm;
 mod error;
 pub mod eval;
 pub mod executor;
 mod ranked;
+pub mod replay;
 pub mod tensor;
 pub mod trace;
 pub mod world;
 
+pub use backend::cuda::CudaElement;
 pub use backend::BackendKind;
+/// The cudarc version the runtime is built with: `CudaSlice`, `CudaView`, `CudaContext`
+/// of this crate are what [`Rank::from_cuda_slice`] and [`Rank::with_cuda_view`] take.
+pub use cudarc;
 pub use error::{Error, Result};
 pub use executor::{ExecOptions, FusionExecutor, RunReport};
 pub use ranked::{Ranked, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6};

@@ -61,7 +61,9 @@ impl HostBuffer {
 /// Where a tensor's elements live.
 #[derive(Clone, Debug)]
 pub enum Storage {
+    /// Host memory (the CPU backend, and tensors before upload).
     Host(Arc<HostBuffer>),
+    /// Device memory, owned by a backend or lent by the caller.
     Device(Arc<dyn DeviceBuffer>),
 }
 
@@ -80,8 +82,11 @@ impl Storage {
 /// Records which shard of a full tensor this is, so a call can reject a wrong shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardTag {
+    /// The sharded axis.
     pub axis: usize,
+    /// Which shard.
     pub index: usize,
+    /// Of how many.
     pub count: usize,
 }
 

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cases;
+pub mod launch;
 pub mod reference;
 pub mod variants;
 
@@ -18,10 +19,41 @@ pub use reference::RefArray;
 /// The device counts every conformance case tries (where shapes divide).
 pub const DEVICE_COUNTS: [usize; 5] = [1, 2, 3, 4, 8];
 
+/// The size of the world a launcher started this test process in (torchrun, or the
+/// multi-process tests' own `FUSION_RANK` variables), if any.
+pub fn launched_size() -> Option<usize> {
+    static SIZE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *SIZE.get_or_init(|| {
+        fusion::runtime::world::LaunchSpec::from_env()
+            .expect("launcher variables")
+            .map(|_| launched_world().size())
+    })
+}
+
+/// The launched world of this process (made once: every process joins it together).
+fn launched_world() -> Arc<World> {
+    use std::sync::OnceLock;
+    static WORLD: OnceLock<Arc<World>> = OnceLock::new();
+    WORLD
+        .get_or_init(|| {
+            Arc::new(World::from_env().unwrap_or_else(|e| panic!("launched world: {e}")))
+        })
+        .clone()
+}
+
 /// Whether this machine can run a world of `d` devices: always on simulated devices; on
-/// GPUs (`FUSION_BACKEND=cuda`) when at least `d` are visible. Prints why when it cannot,
-/// so a skipped case is visible in the test output.
+/// GPUs (`FUSION_BACKEND=cuda`) when at least `d` are visible; in a launched process, only
+/// the launched world's size. Prints why when it cannot, so a skipped case is visible in
+/// the test output.
 pub fn runnable(d: usize) -> bool {
+    if let Some(n) = launched_size() {
+        if d != n {
+            eprintln!(
+                "skipping a world of {d} devices: this process is in a launched world of {n}"
+            );
+        }
+        return d == n;
+    }
     if std::env::var("FUSION_BACKEND").as_deref() != Ok("cuda") {
         return true;
     }
@@ -123,6 +155,13 @@ pub fn world(d: usize) -> Arc<World> {
     };
     CONTEXT.with(|c| *c.borrow_mut() = (d, backend.to_string()));
     *LAST_WORLD.lock().unwrap_or_else(|p| p.into_inner()) = (d, backend.to_string());
+    if let Some(n) = launched_size() {
+        assert_eq!(
+            d, n,
+            "a launched process runs only worlds of its launched size"
+        );
+        return launched_world();
+    }
     if backend != "cuda" {
         return Arc::new(World::auto(Some(d)).unwrap_or_else(|e| panic!("world of {d}: {e}")));
     }
@@ -175,6 +214,7 @@ pub fn try_run(
         race_check: true,
         ..options.clone()
     };
+    let launched = world.is_launched();
     let per_rank = world.run(|rank| {
         let local = distribute(rank, inputs)?;
         let refs: Vec<&Tensor> = local.iter().collect();
@@ -185,12 +225,20 @@ pub fn try_run(
             ));
         }
         let program = exec.program(rank, &refs, options)?;
-        let outs = report
+        // Every rank's part of each output: gathered through the world when other
+        // processes hold some of them.
+        let parts = report
             .outputs
             .iter()
-            .map(|t| rank.to_host(t))
+            .map(|t| {
+                if launched {
+                    rank.gather_to_host(t)
+                } else {
+                    Ok(vec![rank.to_host(t)?])
+                }
+            })
             .collect::<fusion::Result<Vec<_>>>()?;
-        Ok((outs, report.stats, program))
+        Ok((parts, report.stats, program))
     })?;
     let program = per_rank[0].2.clone();
     let stats = per_rank.iter().map(|x| x.1).collect();
@@ -198,10 +246,12 @@ pub fn try_run(
         .iter()
         .enumerate()
         .map(|(i, take)| {
-            assemble(
-                &per_rank.iter().map(|x| x.0[i].clone()).collect::<Vec<_>>(),
-                take,
-            )
+            let parts: Vec<Tensor> = if launched {
+                per_rank[0].0[i].clone()
+            } else {
+                per_rank.iter().map(|x| x.0[i][0].clone()).collect()
+            };
+            assemble(&parts, take)
         })
         .collect();
     Ok(Run {

@@ -68,11 +68,11 @@ impl Model {
             return Err(ty.dtype_span.error(format!(
                 "declared element type `{}`, but {} is `{}`; declare `{}` or convert with \
                  `cast(x, {})`",
-                ty.dtype.name(),
+                self.dtype_name(ty.dtype),
                 self.what(t),
-                actual.name(),
-                actual.name(),
-                ty.dtype.name()
+                self.dtype_name(actual),
+                self.dtype_name(actual),
+                self.dtype_name(ty.dtype)
             )));
         }
         let vis = self.visible(t);

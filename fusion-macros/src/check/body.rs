@@ -323,24 +323,12 @@ impl Checker {
     fn dtype_arg(&mut self, e: &Expr) -> Option<DType> {
         if let Expr::Path(p) = e {
             if let Some(i) = p.path.get_ident() {
-                let s = i.to_string();
-                if let Some(d) = DType::from_name(&s) {
-                    return Some(d);
-                }
-                let hint = match suggest(&s, DType::NAMES) {
-                    Some(x) => format!("; did you mean `{x}`?"),
-                    None => String::new(),
-                };
-                self.errors.push(syn::Error::new(
-                    i.span(),
-                    format!("unknown element type `{s}`{hint}; cast to `f32`, `bf16` or `f16`"),
-                ));
-                return None;
+                return self.resolve_dtype(i);
             }
         }
-        self.errors.push(
-            SpanRange::of(e).error("expected an element type to cast to: `f32`, `bf16` or `f16`"),
-        );
+        self.errors.push(SpanRange::of(e).error(
+            "expected an element type to cast to: `f32`, `bf16`, `f16` or a dtype parameter",
+        ));
         None
     }
 

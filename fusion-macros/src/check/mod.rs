@@ -118,8 +118,20 @@ impl Checker {
             let id = self.m.dims.symbol(&name);
             self.dims.insert(name, id);
         }
+        for (i, t) in def.dtype_params.iter().enumerate() {
+            let name = t.to_string();
+            if self.dims.contains_key(&name) || def.dtype_params[..i].iter().any(|u| *u == name) {
+                self.errors.push(syn::Error::new(
+                    t.span(),
+                    format!("`{name}` is declared twice; each generic parameter appears once"),
+                ));
+            }
+            self.m.dtype_params.push(name);
+        }
+        let mut input_dtypes = Vec::new();
         for p in &def.params {
             let decl = self.resolve_type(&p.ty);
+            input_dtypes.extend(decl.as_ref().map(|d| d.dtype));
             if let Some(d) = &decl {
                 for &(e, _, _) in &d.axes {
                     let mut syms = Vec::new();
@@ -145,6 +157,18 @@ impl Checker {
                 }
             });
             self.bind(&p.name, value, "a parameter");
+        }
+        for (i, t) in def.dtype_params.iter().enumerate() {
+            let unresolved = input_dtypes.len() < def.params.len();
+            if !unresolved && !input_dtypes.contains(&DType::Param(i)) {
+                self.errors.push(syn::Error::new(
+                    t.span(),
+                    format!(
+                        "dtype parameter `{t}` is not the element type of any input, so a call \
+                         cannot bind it; declare an input as `Tensor<{t}, [..]>` or remove it"
+                    ),
+                ));
+            }
         }
         let body = match &def.body {
             Ok(b) => b,
@@ -296,19 +320,8 @@ impl Checker {
     /// `Tensor<dtype, [axes], mesh = ..>` with names resolved; `None` after errors.
     fn resolve_type(&mut self, ty: &TensorType) -> Option<Declared> {
         let mut ok = true;
-        let dtype_name = ty.dtype.to_string();
-        let dtype = DType::from_name(&dtype_name);
-        if dtype.is_none() {
-            ok = false;
-            let hint = match suggest(&dtype_name, DType::NAMES) {
-                Some(s) => format!("; did you mean `{s}`?"),
-                None => "; the element types are `f32`, `bf16` and `f16`".into(),
-            };
-            self.errors.push(syn::Error::new(
-                ty.dtype.span(),
-                format!("unknown element type `{dtype_name}`{hint}"),
-            ));
-        }
+        let dtype = self.resolve_dtype(&ty.dtype);
+        ok &= dtype.is_some();
         let mut axes = Vec::new();
         for a in &ty.axes {
             let e = self.resolve_dim(&a.dim, true, false);
@@ -351,6 +364,41 @@ impl Checker {
             mesh,
             span: ty.span,
         })
+    }
+
+    /// `f32`, `bf16`, `f16` or one of the fusion's dtype parameters; `None` after an error.
+    fn resolve_dtype(&mut self, i: &Ident) -> Option<DType> {
+        let name = i.to_string();
+        if let Some(d) = DType::from_name(&name) {
+            return Some(d);
+        }
+        if let Some(p) = self.m.dtype_params.iter().position(|p| *p == name) {
+            return Some(DType::Param(p));
+        }
+        let known = DType::NAMES
+            .iter()
+            .copied()
+            .chain(self.m.dtype_params.iter().map(String::as_str));
+        let hint = match suggest(&name, known) {
+            Some(s) => format!("; did you mean `{s}`?"),
+            None if self.dims.contains_key(&name) => format!(
+                "; `{name}` is a dimension symbol: declare a dtype parameter as `{name}: {}`",
+                crate::parse::DTYPE_BOUND
+            ),
+            None if name.starts_with(|c: char| c.is_ascii_uppercase()) => format!(
+                "; to make it a dtype parameter, declare it in the fusion's generics as \
+                 `{name}: {}`",
+                crate::parse::DTYPE_BOUND
+            ),
+            None => "; the element types are `f32`, `bf16` and `f16`, or a dtype parameter \
+                     (`T: Float` in the generics)"
+                .into(),
+        };
+        self.errors.push(syn::Error::new(
+            i.span(),
+            format!("unknown element type `{name}`{hint}"),
+        ));
+        None
     }
 
     fn resolve_par(&mut self, p: &Ident) -> Option<Par> {

@@ -9,12 +9,15 @@ use crate::span::SpanRange;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Tid(pub usize);
 
-/// Element types.
+/// Element types: a concrete one, or a dtype parameter of the fusion (`T: Float`), which
+/// equals only itself (the call may bind it to any concrete type).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     F32,
     BF16,
     F16,
+    /// Dtype parameter number `i` of the fusion ([`Model::dtype_params`]).
+    Param(usize),
 }
 
 impl DType {
@@ -28,15 +31,6 @@ impl DType {
             "bf16" => Some(DType::BF16),
             "f16" => Some(DType::F16),
             _ => None,
-        }
-    }
-
-    /// The DSL name.
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
         }
     }
 }
@@ -259,9 +253,21 @@ pub struct Model {
     pub declared: Vec<Tid>,
     /// Literal-dim facts for the generated `static_assertions`.
     pub facts: Vec<(Fact, SpanRange)>,
+    /// The names of the fusion's dtype parameters.
+    pub dtype_params: Vec<String>,
 }
 
 impl Model {
+    /// A dtype's DSL name: `f32`, `bf16`, `f16` or a parameter's name.
+    pub fn dtype_name(&self, d: DType) -> String {
+        match d {
+            DType::F32 => "f32".into(),
+            DType::BF16 => "bf16".into(),
+            DType::F16 => "f16".into(),
+            DType::Param(i) => self.dtype_params.get(i).cloned().unwrap_or_default(),
+        }
+    }
+
     /// The tensor behind an id.
     pub fn tv(&self, t: Tid) -> &Tv {
         &self.tensors[t.0]
@@ -364,7 +370,11 @@ impl Model {
             Mesh::World => String::new(),
             Mesh::Devices(d) => format!(", mesh = {d:?}"),
         };
-        format!("Tensor<{}, [{}]{mesh}>", tv.dtype.name(), axes.join(", "))
+        format!(
+            "Tensor<{}, [{}]{mesh}>",
+            self.dtype_name(tv.dtype),
+            axes.join(", ")
+        )
     }
 
     /// For each input of `e`, the input axis (position) behind each output axis.

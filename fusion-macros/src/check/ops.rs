@@ -583,10 +583,10 @@ impl Model {
             return Err(span.error(format!(
                 "{op}: {} is `{}` but {} is `{}`; convert one with `cast(x, {})`",
                 self.what(a),
-                da.name(),
+                self.dtype_name(da),
                 self.what(b),
-                db.name(),
-                da.name()
+                self.dtype_name(db),
+                self.dtype_name(da)
             )));
         }
         Ok(())

@@ -40,7 +40,9 @@ pub type StreamHandle = usize;
 /// instruction `i` writes register `inputs.len() + i`. Values are f32 in registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PointwiseInstr {
+    /// `op(register)`.
     Unary(UnaryOp, usize),
+    /// `op(register, register)`.
     Binary(BinaryOp, usize, usize),
     /// Rounds a register to `DType` (a cast inside a fused chain).
     Round(DType, usize),
@@ -53,6 +55,7 @@ pub struct PointwiseProgram {
     pub shape: Vec<usize>,
     /// Input views, already broadcast to `shape` (stride 0 on broadcast axes).
     pub inputs: Vec<Tensor>,
+    /// The instructions, in order.
     pub instrs: Vec<PointwiseInstr>,
     /// Output views of shape `shape`, each with the register it stores.
     pub outputs: Vec<(Tensor, usize)>,
@@ -91,14 +94,23 @@ pub struct DeviceMemory {
 #[derive(Clone, Copy, Debug)]
 pub enum Kernel<'a> {
     /// `dst = src` elementwise (same shape; dtypes may differ).
-    Copy { src: &'a Tensor, dst: &'a Tensor },
+    Copy {
+        /// What is read.
+        src: &'a Tensor,
+        /// What is written.
+        dst: &'a Tensor,
+    },
     /// A fused elementwise program.
     Pointwise(&'a PointwiseProgram),
     /// `dst` = `src` reduced over `axes` (dst's shape is src's without those axes).
     Reduce {
+        /// Sum or max.
         op: ReduceOp,
+        /// What is reduced.
         src: &'a Tensor,
+        /// The result.
         dst: &'a Tensor,
+        /// The axes of `src` reduced away.
         axes: &'a [usize],
     },
     /// Batched `dst = a @ b (+ bias)`: a `[B.., M, K]`, b `[B.., K, N]`, dst `[B.., M, N]`,
@@ -106,12 +118,25 @@ pub enum Kernel<'a> {
     /// strides. Accumulates in f32. With `accumulate`, `dst = dst + a @ b` (no bias): the
     /// GEMM epilogue adds what `dst` holds, so a running sum needs no separate kernel.
     Gemm {
+        /// The left operand, `[B.., M, K]`.
         a: &'a Tensor,
+        /// The right operand, `[B.., K, N]`.
         b: &'a Tensor,
+        /// Added to every row, `[N]`.
         bias: Option<&'a Tensor>,
+        /// `dst = dst + a @ b`.
         accumulate: bool,
+        /// The result, `[B.., M, N]`.
         dst: &'a Tensor,
     },
+}
+
+/// A call recorded on a device that can be replayed with one launch (a CUDA graph).
+pub trait DeviceGraph: Send + Sync {
+    /// Launches the recorded work on the device's main stream.
+    fn launch(&self) -> Result<()>;
+    /// Number of operations recorded.
+    fn nodes(&self) -> usize;
 }
 
 /// A device as the evaluator sees it. Methods are called from the owning rank's thread.
@@ -129,6 +154,17 @@ pub trait Device: Send + Sync {
     fn ensure_streams(&self, n: usize) -> Result<()>;
     /// A new uninitialized contiguous tensor, ordered on `stream`.
     fn allocate(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    /// Like [`Device::allocate`], for a buffer that devices of other processes write into
+    /// (a copy-engine receive buffer): on GPUs of a launched world it comes from memory
+    /// that peers map once. Elsewhere it is an ordinary allocation.
+    fn allocate_shared(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        self.allocate(stream, dtype, shape)
+    }
     /// `waiter` waits for the work enqueued so far on `waitee` (no host blocking).
     fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()>;
     /// Enqueues `kernel` on `stream`.
@@ -139,6 +175,21 @@ pub trait Device: Send + Sync {
     fn download(&self, t: &Tensor) -> Result<Tensor>;
     /// Blocks the host until all streams are idle.
     fn synchronize(&self) -> Result<()>;
+    /// Starts recording the calling thread's work on the main stream instead of running
+    /// it (see `crate::replay`). Backends without graphs say so.
+    fn begin_capture(&self) -> Result<()> {
+        Err(crate::error::Error::Backend {
+            backend: self.kind().name(),
+            reason: "this backend cannot record graphs".into(),
+        })
+    }
+    /// Ends the recording that [`Device::begin_capture`] started and returns the graph.
+    fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
+        Err(crate::error::Error::Backend {
+            backend: self.kind().name(),
+            reason: "this backend cannot record graphs".into(),
+        })
+    }
     /// Records a timing marker on `stream` (for traces); returns its id.
     fn record_marker(&self, stream: StreamHandle) -> Result<usize>;
     /// Milliseconds from marker `start` to marker `end` (waits for both).
@@ -149,6 +200,11 @@ pub trait Device: Send + Sync {
     /// memory is the process's).
     fn memory(&self) -> Result<Option<DeviceMemory>> {
         Ok(None)
+    }
+    /// This device as a CUDA device, for the CUDA-only API (`Rank::cuda_context`, tensors
+    /// over cudarc buffers).
+    fn as_cuda(&self) -> Option<&cuda::CudaDevice> {
+        None
     }
     /// True when `t` lives where this device's kernels can read it.
     fn is_resident(&self, t: &Tensor) -> bool {

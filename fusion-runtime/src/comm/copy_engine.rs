@@ -1,5 +1,7 @@
-//! Copy-engine transfers between the GPUs of this process: peer-to-peer memcpys, which run
-//! on the copy engines and leave every SM to the GEMMs.
+//! Copy-engine transfers between GPUs: peer-to-peer memcpys, which run on the copy engines
+//! and leave every SM to the GEMMs. Between the GPUs of this process they meet in a
+//! registry shared by the rank threads (below); with a GPU of another process on this host
+//! they go through CUDA IPC (`comm::ipc`, push mode), in the same three phases of a group.
 //!
 //! A transfer is matched by (source, destination, sequence number per pair, counted in
 //! program order on both sides) in a registry shared by the ranks of one `World::run`.
@@ -20,6 +22,7 @@ use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 
+use super::ipc::{IpcDevice, IpcPeer};
 use crate::backend::cuda::{CudaDevice, WorldHealth};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -114,12 +117,13 @@ pub(crate) struct CopyRegistry {
     changed: Condvar,
     sleep_lock: Mutex<()>,
     sleepers: AtomicUsize,
-    contexts: Vec<Ctx>,
+    /// The context of every rank of this process, by rank.
+    contexts: HashMap<usize, Ctx>,
     health: Arc<WorldHealth>,
     mode: CopyMode,
     streams: CopyStreams,
-    /// Idle events per rank, ready to be recorded again.
-    events: Vec<Mutex<Vec<Event>>>,
+    /// Idle events per rank of this process, ready to be recorded again.
+    events: HashMap<usize, Mutex<Vec<Event>>>,
 }
 
 /// Transfer events created and not yet destroyed, in this process (see
@@ -137,18 +141,22 @@ pub(crate) fn live_events() -> usize {
 const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 impl CopyRegistry {
+    /// A registry for the ranks of this process: `(rank, context)` each.
     pub(crate) fn new(
-        contexts: Vec<sys::CUcontext>,
+        contexts: Vec<(usize, sys::CUcontext)>,
         health: Arc<WorldHealth>,
         mode: CopyMode,
     ) -> Self {
-        let events = contexts.iter().map(|_| Mutex::new(Vec::new())).collect();
+        let events = contexts
+            .iter()
+            .map(|&(r, _)| (r, Mutex::new(Vec::new())))
+            .collect();
         CopyRegistry {
             slots: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             sleep_lock: Mutex::new(()),
             sleepers: AtomicUsize::new(0),
-            contexts: contexts.into_iter().map(Ctx).collect(),
+            contexts: contexts.into_iter().map(|(r, c)| (r, Ctx(c))).collect(),
             health,
             mode,
             streams: CopyStreams::from_env(),
@@ -157,7 +165,8 @@ impl CopyRegistry {
     }
 
     fn take_event(&self, owner: usize) -> Option<Event> {
-        self.events[owner]
+        self.events
+            .get(&owner)?
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .pop()
@@ -165,10 +174,19 @@ impl CopyRegistry {
 
     /// Returns an event whose waits have all been enqueued.
     fn give_event(&self, ev: Event) {
-        self.events[ev.owner]
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(ev);
+        if let Some(pool) = self.events.get(&ev.owner) {
+            pool.lock().unwrap_or_else(PoisonError::into_inner).push(ev);
+        }
+    }
+
+    fn context(&self, rank: usize) -> Result<sys::CUcontext> {
+        self.contexts
+            .get(&rank)
+            .map(|c| c.0)
+            .ok_or_else(|| Error::Communication {
+                rank,
+                reason: format!("rank {rank} is not a GPU of this process"),
+            })
     }
 
     /// The rendezvous of transfer `key` (created by whichever side comes first).
@@ -263,7 +281,7 @@ impl CopyRegistry {
 
 impl Drop for CopyRegistry {
     fn drop(&mut self) {
-        for pool in &self.events {
+        for pool in self.events.values() {
             for ev in pool
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -286,11 +304,22 @@ pub(crate) struct Transfer {
     pub sending: bool,
 }
 
+/// A rank's CUDA IPC state: its own exportable side and its peers in other processes.
+pub(crate) struct IpcState {
+    pub device: IpcDevice,
+    pub peers: HashMap<usize, IpcPeer>,
+}
+
 /// A rank's copy-engine endpoint.
 pub(crate) struct CopyEngine {
     rank: usize,
     device: Arc<CudaDevice>,
     registry: Arc<CopyRegistry>,
+    /// Peers in other processes of this host reached over CUDA IPC, keyed by their rank
+    /// in the launched world; `ipc_ranks[r]` is that rank of this world's rank `r` (a
+    /// sub-world's ranks are numbered from 0).
+    ipc: Option<Arc<Mutex<IpcState>>>,
+    ipc_ranks: Arc<Vec<usize>>,
     sequences: Mutex<HashMap<(usize, usize), u64>>,
     /// An event (of this rank) after the last inbound copy of a one-receive group: the
     /// next such copy starts after it, so a P2P pipeline's chunks arrive one at a time in
@@ -299,11 +328,19 @@ pub(crate) struct CopyEngine {
 }
 
 impl CopyEngine {
-    pub(crate) fn new(rank: usize, device: Arc<CudaDevice>, registry: Arc<CopyRegistry>) -> Self {
+    pub(crate) fn new(
+        rank: usize,
+        device: Arc<CudaDevice>,
+        registry: Arc<CopyRegistry>,
+        ipc: Option<Arc<Mutex<IpcState>>>,
+        ipc_ranks: Arc<Vec<usize>>,
+    ) -> Self {
         CopyEngine {
             rank,
             device,
             registry,
+            ipc,
+            ipc_ranks,
             sequences: Mutex::new(HashMap::new()),
             last_inbound: Mutex::new(None),
         }
@@ -377,8 +414,41 @@ impl CopyEngine {
         })
     }
 
-    fn posts(&self, t: &Transfer) -> bool {
+    /// Whether this rank posts its buffer (the other side copies). Over IPC the sender
+    /// always copies (push): the receiver's buffer is the one that is shared.
+    fn posts(&self, t: &Transfer, over_ipc: bool) -> bool {
+        if over_ipc {
+            return !t.sending;
+        }
         t.sending == (self.registry.mode == CopyMode::Pull)
+    }
+
+    /// Whether some peer is reached over CUDA IPC.
+    pub(crate) fn has_ipc_peers(&self) -> bool {
+        self.ipc.as_ref().is_some_and(|s| {
+            !s.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .peers
+                .is_empty()
+        })
+    }
+
+    /// Whether this engine reaches `peer` (a rank of another process) over CUDA IPC.
+    pub(crate) fn reaches_over_ipc(&self, peer: usize) -> bool {
+        let Some(&global) = self.ipc_ranks.get(peer) else {
+            return false;
+        };
+        self.ipc.as_ref().is_some_and(|s| {
+            s.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .peers
+                .contains_key(&global)
+        })
+    }
+
+    /// Whether `peer` is a GPU of this process (reached through the shared registry).
+    pub(crate) fn reaches_in_process(&self, peer: usize) -> bool {
+        self.registry.contexts.contains_key(&peer)
     }
 
     fn new_event(&self) -> Result<Event> {
@@ -432,23 +502,113 @@ impl CopyEngine {
     /// Runs a group of transfers: posts first, then copies, then waits for the copies of
     /// this rank's posted buffers.
     pub(crate) fn run_group(&self, group: &[Transfer]) -> Result<()> {
-        let slots: Vec<Arc<Slot>> = group.iter().map(|t| self.registry.slot(t.key)).collect();
+        let mut ipc = self
+            .ipc
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
+        let peer_of = |t: &Transfer| {
+            if t.key.0 == self.rank {
+                t.key.1
+            } else {
+                t.key.0
+            }
+        };
+        let ipc_peer_of = |t: &Transfer| self.ipc_ranks.get(peer_of(t)).copied();
+        // `None`: the transfer goes over IPC; else its slot in the in-process registry.
+        let slots: Vec<Option<Arc<Slot>>> = group
+            .iter()
+            .map(|t| {
+                let over_ipc = match (ipc.as_ref(), ipc_peer_of(t)) {
+                    (Some(s), Some(g)) => s.peers.contains_key(&g),
+                    _ => false,
+                };
+                (!over_ipc).then(|| self.registry.slot(t.key))
+            })
+            .collect();
         // One receive (a P2P pipeline's step): it waits for the previous one to land.
         let in_order = group.iter().filter(|t| !t.sending).count() == 1;
-        for (t, slot) in group.iter().zip(&slots).filter(|(t, _)| self.posts(t)) {
+        let posting = |t: &Transfer, slot: &Option<Arc<Slot>>| self.posts(t, slot.is_none());
+        for (t, slot) in group.iter().zip(&slots).filter(|(t, s)| posting(t, s)) {
+            let own = self.device.raw_stream(t.stream)?;
             if in_order && !t.sending {
-                self.after_last_inbound(self.device.raw_stream(t.stream)?)?;
+                self.after_last_inbound(own)?;
             }
-            let ready = self.record(t)?;
-            let post = Post {
-                ptr: t.buf.device_ptr().expect("checked"),
-                bytes: t.buf.nbytes(),
-                ready,
-            };
-            let _ = slot.post.set(post);
-            self.registry.notify();
+            match slot {
+                Some(slot) => {
+                    let ready = self.record(t)?;
+                    let post = Post {
+                        ptr: t.buf.device_ptr().expect("checked"),
+                        bytes: t.buf.nbytes(),
+                        ready,
+                    };
+                    let _ = slot.post.set(post);
+                    self.registry.notify();
+                }
+                None => {
+                    let state = ipc.as_mut().expect("an IPC transfer has IPC state");
+                    let ptr = t.buf.device_ptr().expect("checked");
+                    let IpcState { device, peers } = &mut **state;
+                    let peer = ipc_peer_of(t)
+                        .and_then(|g| peers.get_mut(&g))
+                        .expect("an IPC peer");
+                    peer.post(
+                        device,
+                        self.device.shared_arena().map(|a| &**a),
+                        t.key,
+                        ptr,
+                        t.buf.nbytes(),
+                        own,
+                        &self.registry.health,
+                    )?;
+                }
+            }
         }
-        for (t, slot) in group.iter().zip(&slots).filter(|(t, _)| !self.posts(t)) {
+        for (t, slot) in group.iter().zip(&slots).filter(|(t, s)| !posting(t, s)) {
+            // The copy runs on the iteration's stream, or on a copy stream after the work
+            // the iteration's stream has queued so far.
+            let own = self.device.raw_stream(t.stream)?;
+            let peer = peer_of(t);
+            let copy_key = match self.registry.streams {
+                CopyStreams::Iteration => None,
+                CopyStreams::Serial => Some(usize::MAX),
+                CopyStreams::PerPeer => Some(peer),
+            };
+            let Some(slot) = slot else {
+                let raw = match copy_key {
+                    Some(key) => {
+                        let cs = self.device.copy_stream(key)?;
+                        let before = self.record(t)?;
+                        self.wait_on(cs, before)?;
+                        cs
+                    }
+                    None => own,
+                };
+                let state = ipc.as_mut().expect("an IPC transfer has IPC state");
+                let IpcState { device, peers } = &mut **state;
+                let ipc_peer = ipc_peer_of(t)
+                    .and_then(|g| peers.get_mut(&g))
+                    .expect("an IPC peer");
+                let done = ipc_peer.perform(
+                    device,
+                    t.key,
+                    t.buf.device_ptr().expect("checked"),
+                    t.buf.nbytes(),
+                    raw,
+                    &self.registry.health,
+                )?;
+                if raw != own {
+                    // SAFETY: an event and a stream of this device.
+                    unsafe {
+                        result::stream::wait_event(
+                            own.0,
+                            done,
+                            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                        )
+                    }
+                    .map_err(|e| self.err(format!("cuStreamWaitEvent: {e:?}")))?;
+                }
+                continue;
+            };
             let post =
                 self.registry
                     .wait_for(self.rank, t.key, slot, "the peer's buffer", |s| {
@@ -462,19 +622,6 @@ impl CopyEngine {
                     t.buf.nbytes()
                 )));
             }
-            // The copy runs on the iteration's stream, or on a copy stream after the work
-            // the iteration's stream has queued so far.
-            let own = self.device.raw_stream(t.stream)?;
-            let peer = if t.key.0 == self.rank {
-                t.key.1
-            } else {
-                t.key.0
-            };
-            let copy_key = match self.registry.streams {
-                CopyStreams::Iteration => None,
-                CopyStreams::Serial => Some(usize::MAX),
-                CopyStreams::PerPeer => Some(peer),
-            };
             let raw = match copy_key {
                 Some(key) => {
                     let cs = self.device.copy_stream(key)?;
@@ -496,19 +643,14 @@ impl CopyEngine {
                 (post.ptr, mine)
             };
             if post.bytes > 0 {
+                let (dst_ctx, src_ctx) = (
+                    self.registry.context(dst_rank)?,
+                    self.registry.context(src_rank)?,
+                );
                 // SAFETY: both ranges hold `bytes` bytes of live buffers (the poster keeps its
                 // buffer until `done`); peer access is enabled between the devices.
-                unsafe {
-                    result::memcpy_peer_async(
-                        self.registry.contexts[dst_rank].0,
-                        dst,
-                        self.registry.contexts[src_rank].0,
-                        src,
-                        post.bytes,
-                        raw.0,
-                    )
-                }
-                .map_err(|e| self.err(format!("cuMemcpyPeerAsync: {e:?}")))?;
+                unsafe { result::memcpy_peer_async(dst_ctx, dst, src_ctx, src, post.bytes, raw.0) }
+                    .map_err(|e| self.err(format!("cuMemcpyPeerAsync: {e:?}")))?;
             }
             let done = self.record_on(raw)?;
             if in_order && !t.sending {
@@ -530,17 +672,30 @@ impl CopyEngine {
             let _ = slot.done.set(done);
             self.registry.notify();
         }
-        for (t, slot) in group.iter().zip(&slots).filter(|(t, _)| self.posts(t)) {
-            let done = self
-                .registry
-                .wait_for(self.rank, t.key, slot, "the peer's copy", |s| {
-                    s.done.get().copied()
-                })?;
-            self.stream_wait(t, done)?;
-            if in_order && !t.sending {
-                self.set_last_inbound(self.device.raw_stream(t.stream)?)?;
+        for (t, slot) in group.iter().zip(&slots).filter(|(t, s)| posting(t, s)) {
+            let own = self.device.raw_stream(t.stream)?;
+            match slot {
+                Some(slot) => {
+                    let done =
+                        self.registry
+                            .wait_for(self.rank, t.key, slot, "the peer's copy", |s| {
+                                s.done.get().copied()
+                            })?;
+                    self.stream_wait(t, done)?;
+                    self.registry.remove(t.key);
+                }
+                None => {
+                    let state = ipc.as_mut().expect("an IPC transfer has IPC state");
+                    let IpcState { device, peers } = &mut **state;
+                    let ipc_peer = ipc_peer_of(t)
+                        .and_then(|g| peers.get_mut(&g))
+                        .expect("an IPC peer");
+                    ipc_peer.finish(device, t.key, own, &self.registry.health)?;
+                }
             }
-            self.registry.remove(t.key);
+            if in_order && !t.sending {
+                self.set_last_inbound(own)?;
+            }
         }
         Ok(())
     }
@@ -563,9 +718,10 @@ impl Drop for CopyEngine {
 }
 
 /// Enables peer access between every pair of the given devices (idempotent), for the
-/// contexts and for each device's memory pool: our buffers come from the stream-ordered
-/// allocator, whose pool memory peers can only reach after `cuMemPoolSetAccess` (without
-/// it the driver silently stages peer copies through the host).
+/// contexts and for each device's current memory pool: our buffers come from the
+/// stream-ordered allocator, whose pool memory peers can only reach after
+/// `cuMemPoolSetAccess` (without it the driver silently stages peer copies through the
+/// host).
 pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
     for a in devices {
         a.shared().bind()?;
@@ -585,13 +741,16 @@ pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
             backend: "cuda",
             reason: format!("cuDeviceGet({ordinal}): {e:?}"),
         })?;
-        // SAFETY: the default pool of a live device; `peers` lists valid devices.
+        // SAFETY: the current pool of a live device; `peers` lists valid devices.
         unsafe {
-            let pool =
-                result::device::get_default_mem_pool(cu_dev).map_err(|e| Error::Backend {
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            let r = sys::cuDeviceGetMemPool(&mut pool, cu_dev);
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(Error::Backend {
                     backend: "cuda",
-                    reason: format!("default memory pool of device {ordinal}: {e:?}"),
-                })?;
+                    reason: format!("memory pool of device {ordinal}: {r:?}"),
+                });
+            }
             let r = sys::cuMemPoolSetAccess(pool, peers.as_ptr(), peers.len());
             if r != sys::CUresult::CUDA_SUCCESS {
                 return Err(Error::Backend {

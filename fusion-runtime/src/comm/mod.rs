@@ -21,8 +21,10 @@
 //! | SendRecv | root (the sender) | `receiver`: a copy of the sender's input |
 
 pub(crate) mod copy_engine;
+pub(crate) mod ipc;
 pub mod local;
 pub mod nccl;
+pub mod remote;
 
 use fusion_core::hir::{CommBackend, Communication};
 
@@ -79,4 +81,17 @@ pub trait Communicator: Send + Sync {
     /// metadata such as extents); returns every rank's vector in rank order. Every rank
     /// must call it at the same point of its program.
     fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>>;
+    /// Host-side allgather of one block per rank (every rank calls it at the same point);
+    /// returns every rank's block in rank order.
+    fn host_allgather(&self, block: local::Block) -> Result<Vec<local::Block>>;
+    /// How this rank reaches each peer, one line per peer (for dumps); empty where there
+    /// is nothing to choose (the CPU backend).
+    fn transports(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Whether peers in other processes write into this rank's copy-engine receive
+    /// buffers (which must then come from [`crate::backend::Device::allocate_shared`]).
+    fn shares_receive_buffers(&self) -> bool {
+        false
+    }
 }

@@ -1,8 +1,13 @@
-//! NCCL communicator for the CUDA backend (one thread per GPU in this process).
+//! NCCL communicator for the CUDA backend (one thread per GPU of this process; the world
+//! may span processes and hosts).
 //!
 //! Every call enqueues on the stream the host program chose. The world communicator comes
-//! from `ncclCommInitAll`; a team that is not the whole world gets its own communicator the
-//! first time it is used, from a unique id its members share through this process.
+//! from `ncclCommInitAll` (every rank in this process) or `ncclCommInitRank` with the
+//! unique id rank 0 shared at bootstrap; a team that is not the whole world gets its own
+//! communicator the first time it is used, from a unique id its first member makes and
+//! shares with the others through the host-side endpoints.
+//! Copy-engine P2P goes to the copy engine when the peer is a GPU of this process or of
+//! another process reached over CUDA IPC, and to NCCL send/receive otherwise.
 //! NCCL needs contiguous buffers laid out block by block, so views that are not get a
 //! staging buffer and a copy kernel on the same stream. Scatter and Gather, which NCCL
 //! lacks, are grouped sends and receives.
@@ -31,16 +36,6 @@ pub(crate) struct RawComm(pub ncclComm_t);
 // communicators are only used by its own thread).
 unsafe impl Send for RawComm {}
 unsafe impl Sync for RawComm {}
-
-/// Unique ids of team communicators, shared by the ranks of one world.
-#[derive(Default)]
-pub(crate) struct TeamRegistry {
-    ids: Mutex<HashMap<Vec<usize>, ncclUniqueId>>,
-}
-
-// SAFETY: a unique id is plain bytes.
-unsafe impl Send for TeamRegistry {}
-unsafe impl Sync for TeamRegistry {}
 
 /// A rank's long-lived NCCL state (kept across `World::run` calls).
 pub(crate) struct NcclRankState {
@@ -91,10 +86,11 @@ impl NcclRankState {
     }
 }
 
-/// Creates one world communicator per device `0..n` (call from any one thread).
-pub(crate) fn init_world(n: usize) -> Result<Vec<RawComm>> {
+/// Creates one world communicator per device of `ordinals` (call from any one thread).
+pub(crate) fn init_world(ordinals: &[usize]) -> Result<Vec<RawComm>> {
+    let n = ordinals.len();
     let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); n];
-    let devs: Vec<i32> = (0..n as i32).collect();
+    let devs: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
     // SAFETY: `comms` has room for `n` communicators, `devs` lists `n` devices.
     unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n as i32, devs.as_ptr()) }.map_err(|e| {
         Error::Backend {
@@ -103,6 +99,71 @@ pub(crate) fn init_world(n: usize) -> Result<Vec<RawComm>> {
         }
     })?;
     Ok(comms.into_iter().map(RawComm).collect())
+}
+
+/// A new NCCL unique id.
+pub(crate) fn unique_id() -> Result<ncclUniqueId> {
+    nccl::get_uniqueid().map_err(|e| Error::Backend {
+        backend: "nccl",
+        reason: format!("ncclGetUniqueId: {e:?}"),
+    })
+}
+
+/// A unique id as bytes (to share through the host), and back.
+pub(crate) fn id_bytes(id: &ncclUniqueId) -> Vec<u8> {
+    id.internal.iter().map(|&c| c as u8).collect()
+}
+
+/// The unique id in `bytes` (from [`id_bytes`]).
+pub(crate) fn id_from_bytes(bytes: &[u8]) -> Result<ncclUniqueId> {
+    let mut id = ncclUniqueId { internal: [0; 128] };
+    if bytes.len() != id.internal.len() {
+        return Err(Error::World(format!(
+            "an NCCL unique id of {} bytes (expected {})",
+            bytes.len(),
+            id.internal.len()
+        )));
+    }
+    for (d, &b) in id.internal.iter_mut().zip(bytes) {
+        *d = b as _;
+    }
+    Ok(id)
+}
+
+/// Joins the communicator of `size` ranks with unique id `id` as rank `index`, on
+/// `device` (binds it to the calling thread). Blocks until every rank has joined.
+pub(crate) fn init_rank(
+    device: &CudaDevice,
+    id: ncclUniqueId,
+    size: usize,
+    index: usize,
+) -> Result<RawComm> {
+    device.bind_thread()?;
+    let mut c: ncclComm_t = std::ptr::null_mut();
+    // SAFETY: every member calls this with the same id and its own index.
+    unsafe { nccl::comm_init_rank(&mut c, size as i32, id, index as i32) }.map_err(|e| {
+        Error::Backend {
+            backend: "nccl",
+            reason: format!("ncclCommInitRank (rank {index} of {size}): {e:?}"),
+        }
+    })?;
+    Ok(RawComm(c))
+}
+
+/// NCCL's asynchronous error of `comm`, if it has one (a peer vanished, a network error).
+pub(crate) fn async_error(comm: RawComm) -> Option<String> {
+    let mut e = cudarc::nccl::sys::ncclResult_t::ncclSuccess;
+    // SAFETY: querying a live communicator.
+    let r = unsafe { cudarc::nccl::sys::ncclCommGetAsyncError(comm.0, &mut e) };
+    match (r, e) {
+        (
+            cudarc::nccl::sys::ncclResult_t::ncclSuccess,
+            cudarc::nccl::sys::ncclResult_t::ncclSuccess,
+        )
+        | (_, cudarc::nccl::sys::ncclResult_t::ncclInProgress) => None,
+        (cudarc::nccl::sys::ncclResult_t::ncclSuccess, e) => Some(format!("{e:?}")),
+        (r, _) => Some(format!("ncclCommGetAsyncError: {r:?}")),
+    }
 }
 
 fn nccl_dtype(dt: DType) -> ncclDataType_t {
@@ -133,8 +194,7 @@ pub struct NcclCommunicator {
     world_size: usize,
     device: Arc<CudaDevice>,
     state: Arc<NcclRankState>,
-    registry: Arc<TeamRegistry>,
-    host: LocalCommunicator,
+    host: Arc<LocalCommunicator>,
     health: Arc<WorldHealth>,
     copy_engine: CopyEngine,
     group: Mutex<Option<Group>>,
@@ -158,8 +218,7 @@ impl NcclCommunicator {
         world_size: usize,
         device: Arc<CudaDevice>,
         state: Arc<NcclRankState>,
-        registry: Arc<TeamRegistry>,
-        host: LocalCommunicator,
+        host: Arc<LocalCommunicator>,
         health: Arc<WorldHealth>,
         copy_engine: CopyEngine,
     ) -> Self {
@@ -168,7 +227,6 @@ impl NcclCommunicator {
             world_size,
             device,
             state,
-            registry,
             host,
             health,
             copy_engine,
@@ -199,6 +257,30 @@ impl NcclCommunicator {
                 self.copy_engine.run_group(&[t])
             }
         }
+    }
+
+    /// Whether a copy-engine transfer with `peer` runs on the copy engines (a GPU of this
+    /// process, or of another process of this host over CUDA IPC); otherwise it goes
+    /// through NCCL.
+    fn by_copy_engine(&self, peer: usize) -> bool {
+        self.copy_engine.reaches_in_process(peer) || self.copy_engine.reaches_over_ipc(peer)
+    }
+
+    /// How this rank reaches every peer, one line each.
+    pub(crate) fn transports(&self) -> Vec<String> {
+        (0..self.world_size)
+            .filter(|&p| p != self.rank)
+            .map(|p| {
+                let how = if self.copy_engine.reaches_in_process(p) {
+                    "copy engines (peer access, same process); collectives NCCL"
+                } else if self.copy_engine.reaches_over_ipc(p) {
+                    "copy engines over CUDA IPC (another process); collectives NCCL"
+                } else {
+                    "NCCL (P2P and collectives; copy-engine transfers fall back to NCCL P2P)"
+                };
+                format!("rank {} -> rank {p}: {how}", self.rank)
+            })
+            .collect()
     }
 
     fn err(&self, reason: String) -> Error {
@@ -237,28 +319,16 @@ impl NcclCommunicator {
         {
             return Ok((c, index));
         }
-        let id = {
-            let mut ids = self
-                .registry
-                .ids
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            match ids.get(team) {
-                Some(id) => *id,
-                None => {
-                    let id =
-                        nccl::get_uniqueid().map_err(|e| self.nccl_err("ncclGetUniqueId", e))?;
-                    ids.insert(team.to_vec(), id);
-                    id
-                }
-            }
+        // The team's first member makes the id; every member gets it through the host.
+        let mine = if index == 0 {
+            id_bytes(&unique_id()?)
+        } else {
+            Vec::new()
         };
-        self.device.bind_thread()?;
-        let mut c: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: every member of `team` calls this with the same id and its own index.
-        unsafe { nccl::comm_init_rank(&mut c, team.len() as i32, id, index as i32) }
-            .map_err(|e| self.nccl_err(&format!("ncclCommInitRank for team {team:?}"), e))?;
-        let c = RawComm(c);
+        let ids = self.host.share_bytes("nccl team id", team, &mine)?;
+        let id = id_from_bytes(&ids[0])?;
+        let c = init_rank(&self.device, id, team.len(), index)
+            .map_err(|e| self.err(format!("the communicator of team {team:?}: {e}")))?;
         self.state
             .teams
             .lock()
@@ -286,7 +356,16 @@ impl NcclCommunicator {
         if dst.is_contiguous() {
             return Ok((dst.clone(), false));
         }
-        Ok((self.device.allocate(s, dst.dtype(), dst.shape())?, true))
+        Ok((self.alloc_receive(s, dst.dtype(), dst.shape())?, true))
+    }
+
+    /// A buffer peers write into (shareable with other processes where they are).
+    fn alloc_receive(&self, s: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        if self.copy_engine.has_ipc_peers() {
+            self.device.allocate_shared(s, dtype, shape)
+        } else {
+            self.device.allocate(s, dtype, shape)
+        }
     }
 
     fn copy_back(&self, s: StreamHandle, staged: &Tensor, dst: &Tensor) -> Result<()> {
@@ -373,7 +452,7 @@ impl NcclCommunicator {
             .iter()
             .position(|&r| r == self.rank)
             .expect("in team");
-        let slots = self.device.allocate(s, blocks.dtype(), blocks.shape())?;
+        let slots = self.alloc_receive(s, blocks.dtype(), blocks.shape())?;
         self.device.execute(
             s,
             Kernel::Copy {
@@ -416,7 +495,11 @@ impl NcclCommunicator {
         output: Option<&Tensor>,
     ) -> Result<()> {
         let kind = c.kind.name();
-        if c.backend == CommBackend::CopyEngine {
+        let all_by_copy_engine = c
+            .team
+            .iter()
+            .all(|&p| p == self.rank || self.by_copy_engine(p));
+        if c.backend == CommBackend::CopyEngine && all_by_copy_engine {
             let (Some(i), Some(o)) = (input, output) else {
                 return Err(self.err(format!(
                     "{kind} over the copy engines needs an input and an output on every rank"
@@ -867,7 +950,7 @@ impl Communicator for NcclCommunicator {
         buf: &Tensor,
         backend: CommBackend,
     ) -> Result<()> {
-        if backend == CommBackend::CopyEngine {
+        if backend == CommBackend::CopyEngine && self.by_copy_engine(peer) {
             return self.copy_transfer(stream, peer, buf, true);
         }
         if peer == self.rank || peer >= self.world_size {
@@ -906,7 +989,7 @@ impl Communicator for NcclCommunicator {
         buf: &Tensor,
         backend: CommBackend,
     ) -> Result<()> {
-        if backend == CommBackend::CopyEngine {
+        if backend == CommBackend::CopyEngine && self.by_copy_engine(peer) {
             return self.copy_transfer(stream, peer, buf, false);
         }
         if peer == self.rank || peer >= self.world_size {
@@ -970,5 +1053,20 @@ impl Communicator for NcclCommunicator {
 
     fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>> {
         self.host.exchange(values)
+    }
+
+    fn transports(&self) -> Vec<String> {
+        NcclCommunicator::transports(self)
+    }
+
+    fn shares_receive_buffers(&self) -> bool {
+        self.copy_engine.has_ipc_peers()
+    }
+
+    fn host_allgather(
+        &self,
+        block: crate::comm::local::Block,
+    ) -> Result<Vec<crate::comm::local::Block>> {
+        self.host.host_allgather(block)
     }
 }

@@ -2,7 +2,9 @@
 
 use std::collections::HashMap;
 
+use fusion_core::generic::{DTypeSpec, GenericFusion};
 use fusion_core::ir::{Fusion, ParallelType, Scalar, ScalarId, TensorId};
+use fusion_core::DType;
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -142,6 +144,57 @@ pub fn check_didx_extents(f: &Fusion, symbols: &SymbolBindings, world_size: usiz
         }
     }
     Ok(())
+}
+
+/// Binds the dtype parameters of a generic fusion from the dtypes of the tensors a call
+/// passes: the first input declared with a parameter binds it, and every other input
+/// declared with it must have the same dtype (placeholders too). Inputs of a fixed dtype
+/// are checked later, by [`bind_inputs`].
+pub fn bind_dtypes(g: &GenericFusion, given: &[&Tensor]) -> Result<Vec<DType>> {
+    if given.len() != g.inputs().len() {
+        let names: Vec<&str> = g.inputs().iter().map(|(n, _)| n.as_str()).collect();
+        return Err(Error::Arity {
+            what: format!("inputs ({})", names.join(", ")),
+            expected: g.inputs().len(),
+            actual: given.len(),
+        });
+    }
+    let mut bound: Vec<Option<(DType, &str)>> = vec![None; g.params().len()];
+    for ((name, spec), t) in g.inputs().iter().zip(given) {
+        let DTypeSpec::Param(p) = *spec else { continue };
+        match bound.get(p).copied().flatten() {
+            None => {
+                if let Some(slot) = bound.get_mut(p) {
+                    *slot = Some((t.dtype(), name));
+                }
+            }
+            Some((d, _)) if d == t.dtype() => {}
+            Some((d, by)) => {
+                let param = &g.params()[p];
+                return Err(Error::bad_tensor(
+                    name.as_str(),
+                    None,
+                    format!(
+                        "has dtype {}, but `{param}` is {d} (bound by `{by}`); every input \
+                         declared `{param}` has the same dtype",
+                        t.dtype()
+                    ),
+                ));
+            }
+        }
+    }
+    bound
+        .into_iter()
+        .zip(g.params())
+        .map(|(b, param)| {
+            b.map(|(d, _)| d).ok_or_else(|| {
+                Error::World(format!(
+                    "dtype parameter `{param}` is the dtype of no input, so the call cannot \
+                     bind it"
+                ))
+            })
+        })
+        .collect()
 }
 
 /// Devices of a tensor's mesh (explicit after lowering; `World` resolved for `world_size`).

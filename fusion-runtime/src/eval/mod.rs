@@ -2,20 +2,21 @@
 //!
 //! Binds inputs (and preallocated outputs), evaluates scalars (extents, loop indices, the
 //! rank, the stream count), and walks the nodes: allocations, stream switches and waits,
-//! views, communications, and compute lowered to backend [`Kernel`]s.
+//! views, communications, and compute lowered to backend [`Kernel`](crate::backend::Kernel)s.
 
 mod bind;
 mod compute;
 pub mod race;
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use fusion_core::hir::{
-    CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef, P2P,
+    for_each_node, CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef, P2P,
 };
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
-pub use bind::{bind_inputs, check_didx_extents, mesh_devices, SymbolBindings};
+pub use bind::{bind_dtypes, bind_inputs, check_didx_extents, mesh_devices, SymbolBindings};
 pub use race::{race_check_from_env, RaceCheck, RaceError};
 
 use race::RaceChecker;
@@ -29,9 +30,13 @@ use crate::tensor::Tensor;
 /// allocated and had not yet released).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExecStats {
+    /// Buffers the call allocated.
     pub allocations: usize,
+    /// Their bytes, in all.
     pub allocated_bytes: usize,
+    /// The most bytes of them alive at once.
     pub peak_live_bytes: usize,
+    /// Nodes run, loops and branches included, every iteration counted.
     pub nodes_executed: usize,
     /// Host time per kind of leaf node (not loops or branches), indexed by
     /// `NodeKind as usize`: where the interpreter's time goes (see [`Self::host_profile`]).
@@ -41,7 +46,9 @@ pub struct ExecStats {
 /// Host time spent on one kind of host-IR node during a call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostTime {
+    /// How many nodes of the kind ran.
     pub count: u32,
+    /// Their host time, in all.
     pub nanos: u64,
 }
 
@@ -61,12 +68,21 @@ impl ExecStats {
 
 /// Everything a call needs besides the program.
 pub struct CallContext<'a> {
+    /// The calling rank's device.
     pub device: &'a dyn Device,
+    /// The calling rank's communicator.
     pub comm: &'a dyn Communicator,
+    /// The calling rank.
     pub rank: usize,
+    /// The size of the worker stream pool (`numberOfStreams`).
     pub number_of_streams: usize,
     /// Record a timeline of communications and kernels (synchronizes at the end).
     pub trace: bool,
+    /// Allocate copy-engine receive buffers with [`Device::allocate_shared`] (a launched
+    /// world whose peers in other processes write into them).
+    pub shared_receives: bool,
+    /// Also record a host-side span for every node the call executes ([`HostSpan`]).
+    pub trace_nodes: bool,
     /// Check the program's stream order ([`race`]): a race fails the call.
     pub race_check: bool,
 }
@@ -78,10 +94,35 @@ pub struct TraceEvent {
     pub name: String,
     /// Whether it moved data between devices (versus computing).
     pub communication: bool,
+    /// The stream it ran on.
     pub stream: StreamHandle,
     /// The stream-loop index it belonged to, if any.
     pub chunk: Option<i64>,
+    /// When it started.
     pub start_ms: f64,
+    /// When it ended.
+    pub end_ms: f64,
+    /// The node that issued it (its pre-order index in the program), when the call
+    /// traced its nodes.
+    pub node: Option<usize>,
+}
+
+/// The host side of one executed node of a traced call: when the rank's thread ran it,
+/// in milliseconds from the call's start on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostSpan {
+    /// The node's pre-order index in the program (`for_each_node` order), so every
+    /// execution of a loop body's node has the same id.
+    pub node: usize,
+    /// The node's kind.
+    pub kind: NodeKind,
+    /// The stream current when the node started.
+    pub stream: StreamHandle,
+    /// The stream-loop index it ran in, if any.
+    pub chunk: Option<i64>,
+    /// When the thread started it.
+    pub start_ms: f64,
+    /// When the thread finished it.
     pub end_ms: f64,
 }
 
@@ -92,15 +133,31 @@ struct PendingEvent {
     chunk: Option<i64>,
     start: usize,
     end: usize,
+    node: Option<usize>,
 }
 
-/// What one call returns: outputs, statistics, and the timeline when traced.
+/// What one call returns: outputs, statistics, and the timelines when traced.
 pub struct Execution {
+    /// The outputs, in order (placeholders where this rank holds none).
     pub outputs: Vec<Tensor>,
+    /// What the call did.
     pub stats: ExecStats,
+    /// The device intervals, when traced.
     pub trace: Option<Vec<TraceEvent>>,
+    /// One span per executed node, when `CallContext::trace_nodes` is set.
+    pub host_trace: Option<Vec<HostSpan>>,
     /// The happens-before order of the call's accesses, when race checking.
     pub race: Option<RaceCheck>,
+}
+
+/// Every node of `program` with its pre-order index (the ids of [`HostSpan::node`]).
+pub fn node_ids(program: &HostProgram) -> HashMap<*const Node, usize> {
+    let mut ids = HashMap::new();
+    for_each_node(&program.body, &mut |n| {
+        let next = ids.len();
+        ids.insert(n as *const Node, next);
+    });
+    ids
 }
 
 /// Runs `program` on one rank with the symbol values bound from the inputs
@@ -127,7 +184,10 @@ pub fn execute(
     if ctx.race_check {
         ev.race = Some(RaceChecker::new(program, ctx.rank, ctx.number_of_streams));
     }
-    if ctx.trace {
+    if ctx.trace_nodes {
+        ev.node_ids = Some(node_ids(program));
+    }
+    if ctx.trace || ctx.trace_nodes {
         ctx.device.clear_markers();
         ev.origin = Some(ctx.device.record_marker(0)?);
     }
@@ -192,6 +252,7 @@ pub fn execute(
                     chunk: p.chunk,
                     start_ms: ctx.device.marker_elapsed_ms(origin, p.start)?,
                     end_ms: ctx.device.marker_elapsed_ms(origin, p.end)?,
+                    node: p.node,
                 });
             }
             ctx.device.clear_markers();
@@ -199,10 +260,12 @@ pub fn execute(
         }
         None => None,
     };
+    let host_trace = ev.node_ids.is_some().then_some(ev.host_spans);
     Ok(Execution {
         outputs: result,
         stats: ev.stats,
         trace,
+        host_trace,
         race,
     })
 }
@@ -224,8 +287,132 @@ pub(crate) struct Evaluator<'a> {
     pending: Vec<PendingEvent>,
     group_start: Option<usize>,
     chunk: Option<i64>,
+    /// Tensors whose buffers peers write into over the copy engines (see
+    /// [`received_by_copy_engine`]).
+    shared: std::collections::HashSet<TensorId>,
+    /// When tracing nodes: every node's id, the node running now, and the spans so far.
+    node_ids: Option<HashMap<*const Node, usize>>,
+    node: Option<usize>,
+    host_origin: Instant,
+    host_spans: Vec<HostSpan>,
     /// The stream-order checker, when the call asks for it.
     pub(crate) race: Option<RaceChecker<'a>>,
+}
+
+/// The values of a program's leaf scalars for a call: the dimension symbols, the rank and
+/// the stream count.
+fn bound_leaves(
+    p: &HostProgram,
+    symbols: &SymbolBindings,
+    rank: usize,
+    number_of_streams: usize,
+) -> Vec<Option<i64>> {
+    (0..p.ir.scalar_count())
+        .map(|i| {
+            let s = ScalarId::from_index(i);
+            match p.ir.scalar_node(s) {
+                Scalar::Symbol(_) => symbols.get(s),
+                Scalar::Named(NamedScalar::Rank) => Some(rank as i64),
+                Scalar::Named(NamedScalar::NumberOfStreams) => Some(number_of_streams as i64),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// The shape a rank stores for `t` (DIDx and broadcast axes have extent 1), with `eval`
+/// giving the values of extents.
+fn local_shape_of(
+    p: &HostProgram,
+    t: TensorId,
+    eval: &dyn Fn(ScalarId) -> Result<i64>,
+) -> Result<Vec<usize>> {
+    let f = &p.ir;
+    f.visible_axes(t)
+        .into_iter()
+        .map(|pos| {
+            let d = f.axis(t, pos);
+            if d.parallel == ParallelType::DIDx || d.kind == IterKind::Broadcast {
+                return Ok(1);
+            }
+            let v = eval(d.extent)?;
+            usize::try_from(v).map_err(|_| {
+                Error::bad_tensor(f.tensor_name(t), Some(pos), format!("negative extent {v}"))
+            })
+        })
+        .collect()
+}
+
+/// An output's dtype and the shape one rank stores.
+pub type OutputLayout = (fusion_core::DType, Vec<usize>);
+
+/// The dtype and shape of each output of `program` on `rank`, or `None` where the rank
+/// holds no part of it (a sub-mesh): what preallocated outputs must look like.
+pub fn output_layouts(
+    p: &HostProgram,
+    symbols: &SymbolBindings,
+    rank: usize,
+    number_of_streams: usize,
+) -> Result<Vec<Option<OutputLayout>>> {
+    let leaves = bound_leaves(p, symbols, rank, number_of_streams);
+    let eval = |s: ScalarId| -> Result<i64> {
+        p.ir.evaluate(s, &|leaf| leaves[leaf.index()])
+            .ok_or_else(|| Error::Backend {
+                backend: "evaluator",
+                reason: format!("cannot evaluate {} on rank {rank}", p.ir.display_scalar(s)),
+            })
+    };
+    p.outputs
+        .iter()
+        .map(|&t| {
+            if !mesh_devices(&p.ir, t, p.world_size).contains(&rank) {
+                return Ok(None);
+            }
+            Ok(Some((p.ir.tensor(t).dtype, local_shape_of(p, t, &eval)?)))
+        })
+        .collect()
+}
+
+/// The tensors a program allocates whose memory a peer writes into over the copy engines:
+/// the allocations behind copy-engine receive buffers and copy-engine collective outputs
+/// (following views back to the tensor that owns the memory).
+pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<TensorId> {
+    use fusion_core::hir::{for_each_node, CommBackend};
+    // A view may be defined in both branches of an `IfThenElse` (over different parents):
+    // every parent counts.
+    let mut parents: HashMap<TensorId, Vec<TensorId>> = HashMap::new();
+    let mut targets = Vec::new();
+    for_each_node(&p.body, &mut |n| match n {
+        Node::AliasSelect { input, output, .. } => {
+            parents.entry(*output).or_default().push(*input);
+        }
+        Node::Compute(e) if e.op.is_view() => {
+            if let Some(&i) = e.inputs.first() {
+                parents.entry(e.output).or_default().push(i);
+            }
+        }
+        Node::P2P(x)
+            if x.direction == P2PDirection::Recv && x.backend == CommBackend::CopyEngine =>
+        {
+            targets.push(x.buffer)
+        }
+        Node::Communication(c) if c.backend == CommBackend::CopyEngine => targets.push(c.output),
+        _ => {}
+    });
+    let mut roots = std::collections::HashSet::new();
+    let mut seen = std::collections::HashSet::new();
+    while let Some(t) = targets.pop() {
+        if !seen.insert(t) {
+            continue;
+        }
+        match parents.get(&t) {
+            Some(ps) => targets.extend(ps.iter().copied()),
+            None => {
+                roots.insert(t);
+            }
+        }
+    }
+    roots
 }
 
 impl<'a> Evaluator<'a> {
@@ -237,16 +424,7 @@ impl<'a> Evaluator<'a> {
                 mesh_devices(&p.ir, t, p.world_size).contains(&ctx.rank)
             })
             .collect();
-        let mut leaves = vec![None; p.ir.scalar_count()];
-        for (i, slot) in leaves.iter_mut().enumerate() {
-            let s = ScalarId::from_index(i);
-            *slot = match p.ir.scalar_node(s) {
-                Scalar::Symbol(_) => symbols.get(s),
-                Scalar::Named(NamedScalar::Rank) => Some(ctx.rank as i64),
-                Scalar::Named(NamedScalar::NumberOfStreams) => Some(ctx.number_of_streams as i64),
-                _ => None,
-            };
-        }
+        let leaves = bound_leaves(p, symbols, ctx.rank, ctx.number_of_streams);
         Evaluator {
             p,
             ctx,
@@ -263,6 +441,15 @@ impl<'a> Evaluator<'a> {
             pending: Vec::new(),
             group_start: None,
             chunk: None,
+            shared: if ctx.shared_receives {
+                received_by_copy_engine(p)
+            } else {
+                Default::default()
+            },
+            node_ids: None,
+            node: None,
+            host_origin: Instant::now(),
+            host_spans: Vec::new(),
             race: None,
         }
     }
@@ -291,6 +478,7 @@ impl<'a> Evaluator<'a> {
                 chunk: self.chunk,
                 start,
                 end,
+                node: self.node,
             });
         }
         Ok(())
@@ -314,20 +502,7 @@ impl<'a> Evaluator<'a> {
 
     /// The shape this rank stores for `t`: DIDx and broadcast axes have extent 1.
     pub(crate) fn local_shape(&self, t: TensorId) -> Result<Vec<usize>> {
-        let f = &self.p.ir;
-        f.visible_axes(t)
-            .into_iter()
-            .map(|pos| {
-                let d = f.axis(t, pos);
-                if d.parallel == ParallelType::DIDx || d.kind == IterKind::Broadcast {
-                    return Ok(1);
-                }
-                let v = self.eval(d.extent)?;
-                usize::try_from(v).map_err(|_| {
-                    Error::bad_tensor(f.tensor_name(t), Some(pos), format!("negative extent {v}"))
-                })
-            })
-            .collect()
+        local_shape_of(self.p, t, &|s| self.eval(s))
     }
 
     fn bind_outputs(&mut self, outs: &[&Tensor]) -> Result<()> {
@@ -390,7 +565,13 @@ impl<'a> Evaluator<'a> {
         }
         let shape = self.local_shape(t)?;
         let dtype = self.p.ir.tensor(t).dtype;
-        let x = self.ctx.device.allocate(self.current, dtype, &shape)?;
+        let x = if self.shared.contains(&t) {
+            self.ctx
+                .device
+                .allocate_shared(self.current, dtype, &shape)?
+        } else {
+            self.ctx.device.allocate(self.current, dtype, &shape)?
+        };
         if let Some(rc) = self.race.as_mut() {
             rc.allocated(self.current, t, &x);
         }
@@ -469,14 +650,51 @@ impl<'a> Evaluator<'a> {
         if let Some(rc) = self.race.as_mut() {
             rc.at(n);
         }
+        let id = match &self.node_ids {
+            Some(ids) => ids.get(&(n as *const Node)).copied(),
+            None => None,
+        };
+        if id.is_some() {
+            return self.run_node_traced(n, id);
+        }
         if matches!(n, Node::ForLoop(_) | Node::IfThenElse { .. }) {
             return self.run_node_untimed(n);
         }
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         let r = self.run_node_untimed(n);
+        self.count_host_time(n, start.elapsed().as_nanos() as u64);
+        r
+    }
+
+    fn count_host_time(&mut self, n: &Node, nanos: u64) {
         let h = &mut self.stats.host_by_kind[n.kind() as usize];
         h.count += 1;
-        h.nanos += start.elapsed().as_nanos() as u64;
+        h.nanos += nanos;
+    }
+
+    /// Runs a node and records its host span (loops and branches span their bodies).
+    fn run_node_traced(&mut self, n: &'a Node, id: Option<usize>) -> Result<()> {
+        let (outer, chunk, stream) = (self.node, self.chunk, self.current);
+        self.node = id;
+        let start = Instant::now();
+        let r = self.run_node_untimed(n);
+        let end = Instant::now();
+        self.node = outer;
+        if !matches!(n, Node::ForLoop(_) | Node::IfThenElse { .. }) {
+            self.count_host_time(n, (end - start).as_nanos() as u64);
+        }
+        let origin = self.host_origin;
+        let ms = |t: Instant| (t - origin).as_secs_f64() * 1e3;
+        if let Some(node) = id {
+            self.host_spans.push(HostSpan {
+                node,
+                kind: n.kind(),
+                stream,
+                chunk,
+                start_ms: ms(start),
+                end_ms: ms(end),
+            });
+        }
         r
     }
 

@@ -2,11 +2,11 @@
 use fusion::prelude::*;
 
 fusion! {
-    /// AllGather + matmul, pipelined over the devices with P2P transfers.
-    pub fn ag_matmul<d, m, k, n>(
-        a: Tensor<bf16, [d @ DIDx, m, k]>,   // each rank holds one index of the DIDx axis
-        b: Tensor<bf16, [k, n]>,
-    ) -> Tensor<bf16, [d @ Stream, m, n]> {
+    /// AllGather + matmul, pipelined over the devices with P2P transfers, in any dtype.
+    pub fn ag_matmul<T: Float, d, m, k, n>(
+        a: Tensor<T, [d @ DIDx, m, k]>,      // each rank holds one index of the DIDx axis
+        b: Tensor<T, [k, n]>,
+    ) -> Tensor<T, [d @ Stream, m, n]> {
         matmul(a, b)
     }
 }
@@ -18,7 +18,7 @@ fn main() -> fusion::Result<()> {
     let outputs = world.run(|rank| {
         let a: Ranked<3> = rank.shard(&full_a, 0)?.try_into()?; // this rank's block
         let b: Ranked<2> = rank.to_device(&b)?.try_into()?;
-        let c: Ranked<3> = ag_matmul(rank, &a, &b)?; // lowers on first call, cached after
+        let c: Ranked<3> = ag_matmul(rank, &a, &b)?; // T = bf16; lowers on first call, cached after
         rank.to_host(&c)
     })?;
     assert_eq!(outputs[0].shape(), &[world.size(), 128, 32]);

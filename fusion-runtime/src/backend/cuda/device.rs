@@ -11,16 +11,20 @@ use fusion_core::DType;
 use super::kernels::KernelCache;
 use super::libs::driver_err;
 use super::memory::{CudaBuffer, RawStream};
+use super::shared::SharedArena;
 use super::{gemm, health::WorldHealth};
 use crate::backend::{BackendKind, Device, DeviceMemory, Kernel, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// What buffers of a device need after the device object is gone: its context.
+/// What buffers of a device need after the device object is gone: its context, and its
+/// main stream while the device lives (`None` once the device has synchronized and
+/// destroyed its streams), for buffers that order their owner's stream after it.
 #[derive(Debug)]
 pub(crate) struct DeviceShared {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
+    pub main_stream: Mutex<Option<RawStream>>,
 }
 
 impl DeviceShared {
@@ -59,6 +63,8 @@ pub struct CudaDevice {
     pub(crate) kernels: KernelCache,
     poison: bool,
     health: Arc<WorldHealth>,
+    /// Memory peers in other processes map (launched worlds with such peers).
+    arena: std::sync::OnceLock<Arc<SharedArena>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -77,7 +83,11 @@ impl CudaDevice {
         // hidden waits that serialize the overlap.
         // SAFETY: we never use cudarc's tracked CudaSlice across streams.
         unsafe { ctx.disable_event_tracking() };
-        let shared = Arc::new(DeviceShared { ordinal, ctx });
+        let shared = Arc::new(DeviceShared {
+            ordinal,
+            ctx,
+            main_stream: Mutex::new(None),
+        });
         let dev = CudaDevice {
             shared,
             streams: Mutex::new(Vec::new()),
@@ -86,15 +96,54 @@ impl CudaDevice {
             kernels: KernelCache::new(ordinal),
             poison: std::env::var("FUSION_POISON").is_ok_and(|v| v == "1"),
             health,
+            arena: std::sync::OnceLock::new(),
         };
         dev.shared.bind()?;
         configure_pool(ordinal)?;
         dev.ensure_streams(0)?;
+        *dev.shared
+            .main_stream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(dev.raw_stream(0)?);
         Ok(dev)
     }
 
     pub(crate) fn shared(&self) -> &Arc<DeviceShared> {
         &self.shared
+    }
+
+    /// Gives this device an arena of memory that GPUs of other processes can map
+    /// (receive buffers of copy-engine transfers); `local_peers` are the other devices of
+    /// this process, which get access too.
+    pub(crate) fn enable_shared_arena(&self, local_peers: &[usize]) -> Result<()> {
+        if self.arena.get().is_none() {
+            let arena = Arc::new(SharedArena::new(self.shared.clone(), local_peers)?);
+            let _ = self.arena.set(arena);
+        }
+        Ok(())
+    }
+
+    /// The arena of [`Self::enable_shared_arena`], if any.
+    pub(crate) fn shared_arena(&self) -> Option<&Arc<SharedArena>> {
+        self.arena.get()
+    }
+
+    /// Fills a new allocation with NaN bytes when `FUSION_POISON=1`.
+    fn poison_new(&self, ptr: u64, bytes: usize, raw: RawStream) -> Result<()> {
+        if self.poison && bytes > 0 {
+            // SAFETY: the range was just allocated on `raw` with `bytes` bytes.
+            unsafe { result::memset_d8_async(ptr, 0xFF, bytes, raw.0) }
+                .map_err(|e| driver_err("poisoning an allocation", e))?;
+        }
+        Ok(())
+    }
+
+    /// Number of streams: the main stream and the worker pool.
+    pub(crate) fn stream_count(&self) -> usize {
+        self.streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// The raw stream behind a handle.
@@ -150,11 +199,7 @@ impl CudaDevice {
         let bytes = numel * dtype.size_bytes();
         let raw = self.raw_stream(stream)?;
         let buf = CudaBuffer::alloc(&self.shared, raw, bytes)?;
-        if self.poison && bytes > 0 {
-            // SAFETY: the buffer was just allocated on `raw` with `bytes` bytes.
-            unsafe { result::memset_d8_async(buf_ptr(&buf), 0xFF, bytes, raw.0) }
-                .map_err(|e| driver_err("poisoning an allocation", e))?;
-        }
+        self.poison_new(buf_ptr(&buf), bytes, raw)?;
         Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
     }
 
@@ -217,6 +262,14 @@ fn configure_pool(ordinal: usize) -> Result<()> {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        // Held until the streams are synchronized and gone, so a buffer that orders its
+        // stream after the main stream never uses a destroyed one.
+        let mut main_stream = self
+            .shared
+            .main_stream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *main_stream = None;
         if self.shared.bind().is_err() {
             return;
         }
@@ -258,6 +311,10 @@ impl Drop for CudaDevice {
 impl Device for CudaDevice {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
+    }
+
+    fn as_cuda(&self) -> Option<&CudaDevice> {
+        Some(self)
     }
 
     fn record_marker(&self, stream: StreamHandle) -> Result<usize> {
@@ -381,6 +438,23 @@ impl Device for CudaDevice {
         self.alloc_tensor(stream, dtype, shape)
     }
 
+    fn allocate_shared(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let Some(arena) = self.arena.get() else {
+            return self.alloc_tensor(stream, dtype, shape);
+        };
+        let bytes = shape.iter().product::<usize>() * dtype.size_bytes();
+        let raw = self.raw_stream(stream)?;
+        let buf = arena.alloc(raw, bytes)?;
+        use crate::tensor::DeviceBuffer;
+        self.poison_new(buf.ptr(), bytes, raw)?;
+        Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
+    }
+
     fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()> {
         let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
         let (Some(a), Some(b)) = (streams.get(waiter), streams.get(waitee)) else {
@@ -471,6 +545,14 @@ impl Device for CudaDevice {
             .map_err(|e| driver_err("copying to the host", e))?;
         }
         Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        self.begin_capture_main()
+    }
+
+    fn end_capture(&self) -> Result<Box<dyn crate::backend::DeviceGraph>> {
+        Ok(Box::new(self.end_capture_main()?))
     }
 
     fn synchronize(&self) -> Result<()> {

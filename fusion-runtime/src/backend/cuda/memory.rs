@@ -36,7 +36,7 @@ impl CudaBuffer {
         shared: &Arc<DeviceShared>,
         stream: RawStream,
         bytes: usize,
-    ) -> crate::Result<CudaBuffer> {
+    ) -> crate::error::Result<CudaBuffer> {
         shared.bind()?;
         // SAFETY: the stream belongs to this device's context, which is current.
         let ptr = unsafe { result::malloc_async(stream.0, bytes.max(1)) }.map_err(|e| {

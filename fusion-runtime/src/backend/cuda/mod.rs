@@ -9,16 +9,18 @@
 mod codegen;
 mod device;
 mod gemm;
+mod graph;
 pub(crate) mod health;
 mod kernels;
 mod layout;
 mod libs;
 mod memory;
-mod world;
+pub(crate) mod shared;
+mod user_buffers;
 
 pub use device::CudaDevice;
 pub use libs::{check_libraries, device_count, driver_present};
-pub use world::cuda_world;
+pub use user_buffers::CudaElement;
 
 pub(crate) use health::WorldHealth;
 pub(crate) use memory::RawStream;

@@ -1,6 +1,11 @@
 //! The meeting point of one world's ranks: rendezvous slots for collectives, FIFO
 //! mailboxes for point-to-point messages, and the world's failure flag.
 //!
+//! [`Fabric`] is what a [`LocalCommunicator`] needs from it; [`LocalFabric`] implements it
+//! in memory for the threads of one process (and, on rank 0, behind the TCP rendezvous
+//! that serves the ranks of other processes: `comm::remote`). Keys carry a *space*, one
+//! per (sub-)world, so the groups of a split world never meet each other's messages.
+//!
 //! One mutex guards all of it and one condvar wakes every waiter on any change, so a
 //! failure reaches each blocked rank at once. Data is copied outside the lock.
 
@@ -13,22 +18,61 @@ use crate::error::{Error, Result};
 
 /// A tensor's values in row-major order, as f32, with its shape.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct Block {
+pub struct Block {
+    /// The tensor's shape.
     pub shape: Vec<usize>,
+    /// Its values, row-major.
     pub data: Vec<f32>,
 }
 
 /// What one rank leaves in a collective's slot.
-#[derive(Debug, Clone)]
-pub(super) struct Deposit {
+#[derive(Debug, Clone, PartialEq)]
+pub struct Deposit {
     /// The collective as this rank sees it; every member must agree.
     pub signature: String,
     /// Its input (`None` when it contributes none), or why it could not give one.
     pub contribution: std::result::Result<Option<Arc<Block>>, String>,
 }
 
-/// Identifies one collective: its team and the callers' sequence number on that team.
-pub(super) type SlotKey = (Vec<usize>, u64);
+/// Identifies one collective: its space (world), team and the callers' sequence number on
+/// that team.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SlotKey {
+    /// The (sub-)world's key space.
+    pub space: u64,
+    /// The team as the collective names it.
+    pub team: Vec<usize>,
+    /// The callers' sequence number on that team.
+    pub seq: u64,
+}
+
+/// What a [`LocalCommunicator`] needs from the place where ranks meet: in memory for the
+/// threads of one process ([`LocalFabric`]), or over TCP for ranks in other processes.
+/// Ranks are indices within the key's space; failures are reported with the rank of the
+/// launched world.
+pub trait Fabric: Send + Sync + std::fmt::Debug {
+    /// How long a wait may last.
+    fn timeout(&self) -> Duration;
+    /// Marks the world as failed by `rank`; every pending and later wait returns
+    /// [`Error::PeerFailed`]. The first failure is kept.
+    fn fail(&self, rank: usize, reason: &str);
+    /// The rank that failed the world and why, if one did.
+    fn failure(&self) -> Option<(usize, String)>;
+    /// Deposits `rank`'s part of collective `key` among `members` (distinct ranks) and
+    /// waits for all of them; returns every member's deposit in `members` order.
+    fn rendezvous(
+        &self,
+        rank: usize,
+        key: &SlotKey,
+        members: &[usize],
+        deposit: Deposit,
+        what: &str,
+    ) -> Result<Vec<(usize, Deposit)>>;
+    /// Queues `block` from `from` to `to` in `space` and returns at once.
+    fn post(&self, space: u64, from: usize, to: usize, block: Block) -> Result<()>;
+    /// Takes the oldest message from `from` to `to` in `space`, waiting for one to arrive.
+    fn take(&self, space: u64, from: usize, to: usize) -> Result<Arc<Block>>;
+}
 
 #[derive(Default)]
 struct Slot {
@@ -40,7 +84,7 @@ struct Slot {
 struct State {
     failed: Option<(usize, String)>,
     slots: HashMap<SlotKey, Slot>,
-    mailboxes: HashMap<(usize, usize), VecDeque<Arc<Block>>>,
+    mailboxes: HashMap<(u64, usize, usize), VecDeque<Arc<Block>>>,
 }
 
 /// Why a wait ended without its condition.
@@ -81,7 +125,10 @@ impl LocalFabric {
 
     /// The endpoint of rank `rank` (a rank outside the world gets one whose calls fail).
     pub fn communicator(self: &Arc<Self>, rank: usize) -> LocalCommunicator {
-        LocalCommunicator::new(Arc::clone(self), rank)
+        LocalCommunicator::new(
+            Arc::clone(self) as Arc<dyn Fabric>,
+            super::Membership::whole(rank, self.world_size),
+        )
     }
 
     /// Number of ranks.
@@ -94,8 +141,7 @@ impl LocalFabric {
         self.timeout
     }
 
-    /// Marks the world as failed by `rank`; every pending and later wait returns
-    /// [`Error::PeerFailed`]. The first failure is kept.
+    /// Marks the world as failed by `rank` (see [`Fabric::fail`]).
     pub fn fail(&self, rank: usize, reason: &str) {
         let mut st = self.lock();
         if st.failed.is_none() {
@@ -157,10 +203,9 @@ impl LocalFabric {
         }
     }
 
-    /// Deposits `rank`'s part of collective `key` among `members` (distinct ranks) and
-    /// waits for all of them; returns every member's deposit in `members` order. The rank
-    /// leaves the slot on return (whatever the outcome); the last to leave frees it.
-    pub(super) fn rendezvous(
+    /// See [`Fabric::rendezvous`]. The rank leaves the slot on return (whatever the
+    /// outcome); the last to leave frees it.
+    pub fn rendezvous(
         &self,
         rank: usize,
         key: &SlotKey,
@@ -210,8 +255,8 @@ impl LocalFabric {
         }
     }
 
-    /// Queues `block` from `from` to `to` and returns at once.
-    pub(super) fn post(&self, from: usize, to: usize, block: Block) -> Result<()> {
+    /// See [`Fabric::post`].
+    pub fn post(&self, space: u64, from: usize, to: usize, block: Block) -> Result<()> {
         let mut st = self.lock();
         if let Some((failed_rank, reason)) = &st.failed {
             return Err(Error::PeerFailed {
@@ -221,7 +266,7 @@ impl LocalFabric {
             });
         }
         st.mailboxes
-            .entry((from, to))
+            .entry((space, from, to))
             .or_default()
             .push_back(Arc::new(block));
         drop(st);
@@ -229,17 +274,46 @@ impl LocalFabric {
         Ok(())
     }
 
-    /// Takes the oldest message from `from` to `to`, waiting for one to arrive.
-    pub(super) fn take(&self, from: usize, to: usize) -> Result<Arc<Block>> {
+    /// See [`Fabric::take`].
+    pub fn take(&self, space: u64, from: usize, to: usize) -> Result<Arc<Block>> {
         let st = self.lock();
-        let (_st, outcome) =
-            self.wait_until(st, |st| st.mailboxes.get_mut(&(from, to))?.pop_front());
+        let (_st, outcome) = self.wait_until(st, |st| {
+            st.mailboxes.get_mut(&(space, from, to))?.pop_front()
+        });
         outcome.map_err(|stop| self.stop_error(to, stop, format!("recv from rank {from}")))
     }
 
     /// Number of collectives some member has not left yet (tests check slots are freed).
     #[cfg(test)]
-    pub(super) fn open_slots(&self) -> usize {
+    pub(crate) fn open_slots(&self) -> usize {
         self.lock().slots.len()
+    }
+}
+
+impl Fabric for LocalFabric {
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    fn fail(&self, rank: usize, reason: &str) {
+        LocalFabric::fail(self, rank, reason)
+    }
+    fn failure(&self) -> Option<(usize, String)> {
+        LocalFabric::failure(self)
+    }
+    fn rendezvous(
+        &self,
+        rank: usize,
+        key: &SlotKey,
+        members: &[usize],
+        deposit: Deposit,
+        what: &str,
+    ) -> Result<Vec<(usize, Deposit)>> {
+        LocalFabric::rendezvous(self, rank, key, members, deposit, what)
+    }
+    fn post(&self, space: u64, from: usize, to: usize, block: Block) -> Result<()> {
+        LocalFabric::post(self, space, from, to, block)
+    }
+    fn take(&self, space: u64, from: usize, to: usize) -> Result<Arc<Block>> {
+        LocalFabric::take(self, space, from, to)
     }
 }

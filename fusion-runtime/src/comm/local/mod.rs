@@ -25,18 +25,44 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use fusion_core::hir::{CommBackend, Communication};
 
-pub use fabric::LocalFabric;
+pub use fabric::{Block, Deposit, Fabric, LocalFabric, SlotKey};
 
 use crate::backend::StreamHandle;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use fabric::{Block, Deposit};
 
-/// One rank's endpoint to a [`LocalFabric`].
+/// Where a rank sits: its index and the size of its (sub-)world, the key space of that
+/// world on the fabric, and its rank in the launched world (named in failure reports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Membership {
+    /// The rank in its (sub-)world.
+    pub rank: usize,
+    /// Ranks in that world.
+    pub size: usize,
+    /// The world's key space on the fabric (0: the launched world).
+    pub space: u64,
+    /// The rank in the launched world.
+    pub world_rank: usize,
+}
+
+impl Membership {
+    /// Rank `rank` of a world of `size` that is the whole launched world (space 0).
+    pub fn whole(rank: usize, size: usize) -> Membership {
+        Membership {
+            rank,
+            size,
+            space: 0,
+            world_rank: rank,
+        }
+    }
+}
+
+/// One rank's endpoint to a [`Fabric`].
 #[derive(Debug)]
 pub struct LocalCommunicator {
-    fabric: Arc<LocalFabric>,
+    fabric: Arc<dyn Fabric>,
+    member: Membership,
     rank: usize,
     /// Next sequence number per team (the team as written in the collective).
     sequences: Mutex<HashMap<Vec<usize>, u64>>,
@@ -45,18 +71,80 @@ pub struct LocalCommunicator {
 }
 
 impl LocalCommunicator {
-    fn new(fabric: Arc<LocalFabric>, rank: usize) -> Self {
+    /// The endpoint of `member` on `fabric`.
+    pub fn new(fabric: Arc<dyn Fabric>, member: Membership) -> Self {
         LocalCommunicator {
             fabric,
-            rank,
+            member,
+            rank: member.rank,
             sequences: Mutex::new(HashMap::new()),
             group: Mutex::new(None),
         }
     }
 
     /// The fabric this endpoint belongs to.
-    pub fn fabric(&self) -> &Arc<LocalFabric> {
+    pub fn fabric(&self) -> &Arc<dyn Fabric> {
         &self.fabric
+    }
+
+    /// Where this endpoint's rank sits.
+    pub fn membership(&self) -> Membership {
+        self.member
+    }
+
+    fn world_size_(&self) -> usize {
+        self.member.size
+    }
+
+    /// A rendezvous of `members` (ranks of this world) in a key space of their own
+    /// (`tag`), each giving `data`; returns every member's data in `members` order.
+    /// Every member must call it with the same `tag` and `members`, in the same order
+    /// relative to its other such calls.
+    pub fn share(&self, tag: &str, members: &[usize], data: Block) -> Result<Vec<Block>> {
+        self.check_rank()?;
+        let mut team: Vec<usize> = vec![usize::MAX];
+        team.extend_from_slice(members);
+        let seq = self.next_sequence(&team);
+        let what = format!("{tag} #{seq} among ranks {members:?}");
+        let deposit = Deposit {
+            signature: tag.to_string(),
+            contribution: Ok(Some(Arc::new(data))),
+        };
+        let key = SlotKey {
+            space: self.member.space,
+            team,
+            seq,
+        };
+        let deposits = self
+            .fabric
+            .rendezvous(self.rank, &key, members, deposit, &what)?;
+        deposits
+            .into_iter()
+            .map(|(r, d)| {
+                if d.signature != tag {
+                    return Err(
+                        self.error(format!("{what}: rank {r} called {} instead", d.signature))
+                    );
+                }
+                match d.contribution {
+                    Ok(Some(b)) => Ok(Arc::unwrap_or_clone(b)),
+                    _ => Err(self.error(format!("{what}: rank {r} gave nothing"))),
+                }
+            })
+            .collect()
+    }
+
+    /// [`Self::share`] of raw bytes (each byte travels as one exact f32).
+    pub fn share_bytes(&self, tag: &str, members: &[usize], bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let block = Block {
+            shape: vec![bytes.len()],
+            data: bytes.iter().map(|&b| b as f32).collect(),
+        };
+        Ok(self
+            .share(tag, members, block)?
+            .into_iter()
+            .map(|b| b.data.iter().map(|&x| x as u8).collect())
+            .collect())
     }
 
     fn error(&self, reason: impl Into<String>) -> Error {
@@ -67,11 +155,11 @@ impl LocalCommunicator {
     }
 
     fn check_rank(&self) -> Result<()> {
-        if self.rank >= self.fabric.world_size() {
+        if self.rank >= self.world_size_() {
             return Err(self.error(format!(
                 "rank {} is outside the world of {} ranks",
                 self.rank,
-                self.fabric.world_size()
+                self.world_size_()
             )));
         }
         Ok(())
@@ -82,10 +170,10 @@ impl LocalCommunicator {
         if peer == self.rank {
             return Err(self.error(format!("{what} with itself (peer {peer})")));
         }
-        if peer >= self.fabric.world_size() {
+        if peer >= self.world_size_() {
             return Err(self.error(format!(
                 "{what} with peer {peer}, outside the world of {} ranks",
-                self.fabric.world_size()
+                self.world_size_()
             )));
         }
         Ok(())
@@ -102,7 +190,7 @@ impl LocalCommunicator {
     }
 
     fn recv_now(&self, peer: usize, buf: &Tensor) -> Result<()> {
-        let msg = self.fabric.take(peer, self.rank)?;
+        let msg = self.fabric.take(self.member.space, peer, self.rank)?;
         if msg.data.len() != buf.numel() {
             return Err(self.error(format!(
                 "recv from rank {peer}: the message has {} elements (shape {:?}) but the buffer \
@@ -124,7 +212,7 @@ impl Communicator for LocalCommunicator {
     }
 
     fn world_size(&self) -> usize {
-        self.fabric.world_size()
+        self.world_size_()
     }
 
     fn collective(
@@ -142,11 +230,11 @@ impl Communicator for LocalCommunicator {
                 comm.team
             )));
         }
-        if let Some(r) = comm.team.iter().find(|&&r| r >= self.fabric.world_size()) {
+        if let Some(r) = comm.team.iter().find(|&&r| r >= self.world_size_()) {
             return Err(self.error(format!(
                 "{kind} on team {:?}: rank {r} is outside the world of {} ranks",
                 comm.team,
-                self.fabric.world_size()
+                self.world_size_()
             )));
         }
         let mut members = Vec::with_capacity(comm.team.len());
@@ -162,7 +250,11 @@ impl Communicator for LocalCommunicator {
             signature: signature.clone(),
             contribution: plan::contribution(comm, self.rank, input),
         };
-        let key = (comm.team.clone(), seq);
+        let key = SlotKey {
+            space: self.member.space,
+            team: comm.team.clone(),
+            seq,
+        };
         let deposits = self
             .fabric
             .rendezvous(self.rank, &key, &members, deposit, &what)?;
@@ -197,7 +289,7 @@ impl Communicator for LocalCommunicator {
             shape: buf.shape().to_vec(),
             data,
         };
-        self.fabric.post(self.rank, peer, block)
+        self.fabric.post(self.member.space, self.rank, peer, block)
     }
 
     fn recv(
@@ -240,7 +332,12 @@ impl Communicator for LocalCommunicator {
     }
 
     fn abort(&self, reason: &str) {
-        self.fabric.fail(self.rank, reason);
+        self.fabric.fail(self.member.world_rank, reason);
+    }
+
+    fn host_allgather(&self, block: Block) -> Result<Vec<Block>> {
+        let members: Vec<usize> = (0..self.world_size_()).collect();
+        self.share("host allgather", &members, block)
     }
 
     fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>> {
@@ -248,7 +345,7 @@ impl Communicator for LocalCommunicator {
         // Exchanges meet on their own key space (the empty team), in call order.
         let seq = self.next_sequence(&[]);
         let what = format!("metadata exchange #{seq}");
-        let members: Vec<usize> = (0..self.fabric.world_size()).collect();
+        let members: Vec<usize> = (0..self.world_size_()).collect();
         // Each i64 travels as four exact 16-bit chunks.
         let data: Vec<f32> = values
             .iter()
@@ -261,9 +358,14 @@ impl Communicator for LocalCommunicator {
                 data,
             }))),
         };
-        let deposits =
-            self.fabric
-                .rendezvous(self.rank, &(Vec::new(), seq), &members, deposit, &what)?;
+        let key = SlotKey {
+            space: self.member.space,
+            team: Vec::new(),
+            seq,
+        };
+        let deposits = self
+            .fabric
+            .rendezvous(self.rank, &key, &members, deposit, &what)?;
         deposits
             .into_iter()
             .map(|(r, d)| match d.contribution {

@@ -50,7 +50,9 @@ pub struct RaceSite {
     pub node: String,
     /// The tensor the node names (an input, a slice, a buffer).
     pub tensor: String,
+    /// How the node touched it.
     pub access: AccessKind,
+    /// The stream the access was enqueued on (0 is the caller's).
     pub stream: StreamHandle,
 }
 
@@ -72,17 +74,25 @@ pub enum RaceError {
     /// between them.
     #[error("rank {rank}: the {later} is not ordered after the {earlier}; both touch {region}")]
     Unordered {
+        /// The rank whose program races.
         rank: usize,
+        /// The access found unordered.
         later: RaceSite,
+        /// The conflicting access it is not ordered after.
         earlier: RaceSite,
+        /// The bytes both touch, and whose buffer they are.
         region: String,
     },
     /// An access after the buffer's `Deallocate`.
     #[error("rank {rank}: the {later} comes after the {free} released {region}")]
     UseAfterFree {
+        /// The rank whose program races.
         rank: usize,
+        /// The access after the free.
         later: RaceSite,
+        /// The free.
         free: RaceSite,
+        /// The bytes the access touches, and whose buffer they are.
         region: String,
     },
     /// An access the caller's stream 0 is not ordered after when the call returns (the
@@ -92,8 +102,11 @@ pub enum RaceError {
          the call ({region})"
     )]
     NotJoined {
+        /// The rank whose program races.
         rank: usize,
+        /// The first access stream 0 is not ordered after.
         access: RaceSite,
+        /// The bytes it touches, and whose buffer they are.
         region: String,
     },
     /// Two transfers of one coalesced group that touch the same bytes, one writing: the
@@ -103,9 +116,13 @@ pub enum RaceError {
          both touch {region}"
     )]
     InGroup {
+        /// The rank whose program races.
         rank: usize,
+        /// The later transfer of the group, in program order.
         later: RaceSite,
+        /// The earlier one.
         earlier: RaceSite,
+        /// The bytes both touch, and whose buffer they are.
         region: String,
     },
 }

@@ -1,0 +1,145 @@
+//! Capturing a rank's call as a CUDA graph and replaying it with one launch.
+//!
+//! Capture runs on the rank's main stream (stream 0) in thread-local mode: every worker
+//! stream the program uses joins the capture through the program's own waits, so the whole
+//! call becomes one graph. Ending the capture first joins back every stream still in it.
+//! A failed capture is always ended, so the streams return to normal.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use super::device::{CudaDevice, DeviceShared};
+use crate::backend::DeviceGraph;
+use crate::error::{Error, Result};
+
+fn check(r: sys::CUresult, what: &str) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Backend {
+            backend: "cuda",
+            reason: format!("{what}: {r:?}"),
+        })
+    }
+}
+
+/// An instantiated graph of one rank's call, launched on the rank's main stream.
+pub(crate) struct CudaGraph {
+    device: Arc<DeviceShared>,
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    stream: sys::CUstream,
+    nodes: usize,
+}
+
+// SAFETY: graph handles are driver handles, usable from any thread with the context
+// current; a graph is launched by its rank's thread only.
+unsafe impl Send for CudaGraph {}
+unsafe impl Sync for CudaGraph {}
+
+impl DeviceGraph for CudaGraph {
+    fn launch(&self) -> Result<()> {
+        // SAFETY: an instantiated graph launched on a stream of its device.
+        check(
+            unsafe { sys::cuGraphLaunch(self.exec, self.stream) },
+            "cuGraphLaunch",
+        )
+    }
+
+    fn nodes(&self) -> usize {
+        self.nodes
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: handles made by `end_capture`, destroyed once.
+            unsafe {
+                let _ = sys::cuGraphExecDestroy(self.exec);
+                let _ = sys::cuGraphDestroy(self.graph);
+            }
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Starts capturing the calling thread's work on the main stream.
+    pub(crate) fn begin_capture_main(&self) -> Result<()> {
+        self.shared().bind()?;
+        let s = self.raw_stream(0)?;
+        // SAFETY: a stream of this device, not capturing yet.
+        check(
+            unsafe {
+                sys::cuStreamBeginCapture_v2(
+                    s.0,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            },
+            "cuStreamBeginCapture",
+        )
+    }
+
+    /// Ends the capture started by [`Self::begin_capture_main`] and instantiates it.
+    /// Every stream still capturing is joined into the main stream first.
+    pub(crate) fn end_capture_main(&self) -> Result<CudaGraph> {
+        self.shared().bind()?;
+        let main = self.raw_stream(0)?;
+        let mut join_error = None;
+        for s in 1..self.stream_count() {
+            let raw = self.raw_stream(s)?;
+            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: querying a stream of this device.
+            let r = unsafe { sys::cuStreamIsCapturing(raw.0, &mut status) };
+            if r == sys::CUresult::CUDA_SUCCESS
+                && status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+            {
+                if let Err(e) = crate::backend::Device::stream_wait(self, 0, s) {
+                    join_error.get_or_insert(e);
+                }
+            }
+        }
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: ending the capture this thread began on the main stream.
+        let ended = check(
+            unsafe { sys::cuStreamEndCapture(main.0, &mut graph) },
+            "cuStreamEndCapture",
+        );
+        if let Some(e) = join_error {
+            if !graph.is_null() {
+                // SAFETY: the graph just returned, not used elsewhere.
+                unsafe {
+                    let _ = sys::cuGraphDestroy(graph);
+                }
+            }
+            return Err(e);
+        }
+        ended?;
+        let mut nodes = 0usize;
+        // SAFETY: counting the nodes of a valid graph.
+        unsafe {
+            let _ = sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes);
+        }
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: instantiating the captured graph.
+        let inst = check(
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+            "cuGraphInstantiate",
+        );
+        if let Err(e) = inst {
+            // SAFETY: destroying the graph we own.
+            unsafe {
+                let _ = sys::cuGraphDestroy(graph);
+            }
+            return Err(e);
+        }
+        Ok(CudaGraph {
+            device: self.shared().clone(),
+            graph,
+            exec,
+            stream: main.0,
+            nodes,
+        })
+    }
+}

@@ -1,0 +1,353 @@
+//! A rank's side of the rendezvous: the bootstrap handshake, the [`RemoteFabric`] its
+//! communicator talks through, and the process's [`Watch`] connection on which the host
+//! pushes failures.
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::wire::{read_frame, to_client, to_hub, write_frame, Reader, Writer};
+use crate::comm::local::{Block, Deposit, Fabric, SlotKey};
+use crate::error::{Error, Result};
+
+/// Extra time a client waits for a reply beyond the fabric's own timeout (the host
+/// answers a wait that ran out itself; this only guards against a host that stopped).
+const REPLY_MARGIN: Duration = Duration::from_secs(15);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What a rank tells the host when it arrives.
+#[derive(Clone, Debug)]
+pub struct Hello {
+    /// The rank in the launched world.
+    pub rank: usize,
+    /// The world size this rank was started with.
+    pub world_size: usize,
+    /// The library build it runs (every rank must run the same).
+    pub version: String,
+    /// Opaque to the host; every rank gets every rank's in the welcome.
+    pub info: Vec<u8>,
+}
+
+/// Connects to `addr`, retrying until `deadline` (the host may not be listening yet).
+fn connect_until(addr: &str, deadline: Instant) -> Result<TcpStream> {
+    let mut last = String::from("no address");
+    loop {
+        match addr.to_socket_addrs() {
+            Ok(addrs) => {
+                for a in addrs {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match TcpStream::connect_timeout(&a, left.max(Duration::from_millis(50))) {
+                        Ok(s) => {
+                            let _ = s.set_nodelay(true);
+                            return Ok(s);
+                        }
+                        Err(e) => last = e.to_string(),
+                    }
+                }
+            }
+            Err(e) => last = format!("cannot resolve it: {e}"),
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::World(format!(
+                "could not reach the rendezvous at {addr} (rank 0's process) before the \
+                 timeout: {last}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Joins the world at `addr`: sends `hello` and waits for every rank's info (in rank
+/// order), or for the host's reason why the world could not start.
+pub fn join(addr: &str, hello: &Hello, timeout: Duration) -> Result<(TcpStream, Vec<Vec<u8>>)> {
+    let deadline = Instant::now() + timeout;
+    let mut stream = connect_until(addr, deadline)?;
+    let mut w = Writer::default();
+    w.u8(to_hub::HELLO)
+        .usize(hello.rank)
+        .usize(hello.world_size)
+        .str(&hello.version)
+        .bytes(&hello.info);
+    write_frame(&mut stream, &w.0)
+        .map_err(|e| Error::World(format!("sending hello to the rendezvous at {addr}: {e}")))?;
+    let _ = stream.set_read_timeout(Some(timeout + REPLY_MARGIN));
+    let reply = match read_frame(&mut stream) {
+        Ok(Some(p)) => p,
+        Ok(None) => {
+            return Err(Error::World(format!(
+                "the rendezvous at {addr} closed the connection before the world started \
+                 (rank 0's process ended?)"
+            )))
+        }
+        Err(e) => {
+            return Err(Error::World(format!(
+                "waiting for the other ranks at {addr}: {e}"
+            )))
+        }
+    };
+    let _ = stream.set_read_timeout(None);
+    let mut r = Reader::new(reply.get(1..).unwrap_or(&[]), "welcome");
+    match reply.first() {
+        Some(&to_client::WELCOME) => {
+            let n = r.usize()?;
+            let infos = (0..n).map(|_| r.bytes()).collect::<Result<Vec<_>>>()?;
+            Ok((stream, infos))
+        }
+        Some(&to_client::REJECT) => Err(Error::World(r.str()?)),
+        _ => Err(Error::World(format!(
+            "an unexpected reply from the rendezvous at {addr}"
+        ))),
+    }
+}
+
+type FailureHook = Box<dyn Fn(usize, &str) + Send + Sync>;
+
+/// A process's watch connection: the host pushes the world's failure on it, and local
+/// failures go out on it (a rank thread's own connection may be busy waiting).
+pub struct Watch {
+    out: Mutex<Option<TcpStream>>,
+    failure: Mutex<Option<(usize, String)>>,
+    hooks: Mutex<Vec<FailureHook>>,
+    closing: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch")
+            .field("failure", &*lock(&self.failure))
+            .finish()
+    }
+}
+
+impl Watch {
+    /// Opens the watch connection of the process whose first local rank is `rank`.
+    pub fn open(addr: &str, rank: usize, timeout: Duration) -> Result<Arc<Watch>> {
+        let mut stream = connect_until(addr, Instant::now() + timeout)?;
+        let mut w = Writer::default();
+        w.u8(to_hub::WATCH).usize(rank);
+        write_frame(&mut stream, &w.0)
+            .map_err(|e| Error::World(format!("opening the watch connection: {e}")))?;
+        let reader = stream
+            .try_clone()
+            .map_err(|e| Error::World(format!("watch connection: {e}")))?;
+        let watch = Arc::new(Watch {
+            out: Mutex::new(Some(stream)),
+            failure: Mutex::new(None),
+            hooks: Mutex::new(Vec::new()),
+            closing: std::sync::atomic::AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&watch);
+        std::thread::Builder::new()
+            .name("fusion-watch".into())
+            .spawn(move || {
+                let mut reader = reader;
+                loop {
+                    let frame = read_frame(&mut reader);
+                    let Some(w) = weak.upgrade() else { return };
+                    match frame {
+                        Ok(Some(p)) if p.first() == Some(&to_client::FAILURE) => {
+                            let mut r = Reader::new(&p[1..], "failure");
+                            if let (Ok(rank), Ok(reason)) = (r.usize(), r.str()) {
+                                w.record(rank, &reason);
+                            }
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) | Err(_) => {
+                            if !w.closing.load(std::sync::atomic::Ordering::SeqCst) {
+                                w.record(
+                                    0,
+                                    "the rendezvous host (rank 0's process) is gone: it exited \
+                                     or crashed",
+                                );
+                            }
+                            return;
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::World(format!("starting the watch thread: {e}")))?;
+        Ok(watch)
+    }
+
+    /// Keeps the first failure and runs the hooks once for it.
+    fn record(&self, rank: usize, reason: &str) {
+        {
+            let mut f = lock(&self.failure);
+            if f.is_some() {
+                return;
+            }
+            *f = Some((rank, reason.to_string()));
+        }
+        for hook in lock(&self.hooks).iter() {
+            hook(rank, reason);
+        }
+    }
+
+    /// Runs `hook` when the world fails (at once if it already has).
+    pub fn on_failure(&self, hook: impl Fn(usize, &str) + Send + Sync + 'static) {
+        if let Some((rank, reason)) = self.failure() {
+            hook(rank, &reason);
+        }
+        lock(&self.hooks).push(Box::new(hook));
+    }
+
+    /// The world's failure, if the host reported one.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        lock(&self.failure).clone()
+    }
+
+    /// Reports a failure of `rank` to the host (and records it here).
+    pub fn fail(&self, rank: usize, reason: &str) {
+        let mut w = Writer::default();
+        w.u8(to_hub::FAIL).usize(rank).str(reason);
+        if let Some(s) = lock(&self.out).as_mut() {
+            let _ = write_frame(s, &w.0);
+        }
+        self.record(rank, reason);
+    }
+
+    /// Closes the connection cleanly (the host then stops expecting failures from it).
+    pub fn close(&self) {
+        self.closing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(s) = lock(&self.out).take() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// The fabric of a rank whose peers live in other processes: every operation is a request
+/// to the rendezvous host, answered when it completes there.
+pub struct RemoteFabric {
+    rank: usize,
+    conn: Mutex<TcpStream>,
+    watch: Arc<Watch>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for RemoteFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteFabric")
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+impl RemoteFabric {
+    /// The fabric of `rank` over its welcomed connection.
+    pub fn new(rank: usize, conn: TcpStream, watch: Arc<Watch>, timeout: Duration) -> Self {
+        let _ = conn.set_read_timeout(Some(timeout + REPLY_MARGIN));
+        RemoteFabric {
+            rank,
+            conn: Mutex::new(conn),
+            watch,
+            timeout,
+        }
+    }
+
+    /// Sends a request and returns the reply's fields after its OK tag.
+    fn call(&self, what: &str, request: &Writer) -> Result<Vec<u8>> {
+        let mut conn = lock(&self.conn);
+        let lost = |e: String| match self.watch.failure() {
+            Some((failed_rank, reason)) => Error::PeerFailed {
+                rank: self.rank,
+                failed_rank,
+                reason,
+            },
+            None => Error::PeerFailed {
+                rank: self.rank,
+                failed_rank: 0,
+                reason: format!("the rendezvous host (rank 0's process) is unreachable: {e}"),
+            },
+        };
+        write_frame(&mut *conn, &request.0).map_err(|e| lost(e.to_string()))?;
+        match read_frame(&mut *conn) {
+            Ok(Some(mut p)) => match p.first() {
+                Some(&to_client::OK) => {
+                    p.remove(0);
+                    Ok(p)
+                }
+                Some(&to_client::ERR) => Err(Reader::new(&p[1..], "error").error()?),
+                _ => Err(Error::World(format!("an unexpected reply to {what}"))),
+            },
+            Ok(None) => Err(lost("it closed the connection".into())),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(Error::Timeout {
+                    rank: self.rank,
+                    what: format!("{what} (no answer from the rendezvous host)"),
+                    seconds: (self.timeout + REPLY_MARGIN).as_secs_f64(),
+                })
+            }
+            Err(e) => Err(lost(e.to_string())),
+        }
+    }
+}
+
+impl Drop for RemoteFabric {
+    fn drop(&mut self) {
+        let mut w = Writer::default();
+        w.u8(to_hub::GOODBYE);
+        let mut conn = lock(&self.conn);
+        let _ = write_frame(&mut *conn, &w.0);
+    }
+}
+
+impl Fabric for RemoteFabric {
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn fail(&self, rank: usize, reason: &str) {
+        self.watch.fail(rank, reason);
+    }
+
+    fn failure(&self) -> Option<(usize, String)> {
+        self.watch.failure()
+    }
+
+    fn rendezvous(
+        &self,
+        rank: usize,
+        key: &SlotKey,
+        members: &[usize],
+        deposit: Deposit,
+        what: &str,
+    ) -> Result<Vec<(usize, Deposit)>> {
+        let mut w = Writer::default();
+        w.u8(to_hub::RENDEZVOUS)
+            .usize(rank)
+            .key(key)
+            .usizes(members)
+            .deposit(&deposit)
+            .str(what);
+        let reply = self.call(what, &w)?;
+        let mut r = Reader::new(&reply, "rendezvous reply");
+        let n = r.usize()?;
+        (0..n).map(|_| Ok((r.usize()?, r.deposit()?))).collect()
+    }
+
+    fn post(&self, space: u64, from: usize, to: usize, block: Block) -> Result<()> {
+        let mut w = Writer::default();
+        w.u8(to_hub::POST)
+            .u64(space)
+            .usize(from)
+            .usize(to)
+            .block(&block);
+        self.call(&format!("send to rank {to}"), &w).map(|_| ())
+    }
+
+    fn take(&self, space: u64, from: usize, to: usize) -> Result<Arc<Block>> {
+        let mut w = Writer::default();
+        w.u8(to_hub::TAKE).u64(space).usize(from).usize(to);
+        let reply = self.call(&format!("recv from rank {from}"), &w)?;
+        Ok(Arc::new(Reader::new(&reply, "message").block()?))
+    }
+}

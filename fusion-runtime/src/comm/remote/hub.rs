@@ -1,0 +1,525 @@
+//! The rendezvous host, run by the process of rank 0: it admits every rank of the world
+//! (bootstrap), then serves their fabric requests on an in-memory [`LocalFabric`].
+//!
+//! Bootstrap: each rank sends `HELLO {rank, world size, version, info}`; once every rank
+//! has arrived each gets `WELCOME` with all infos in rank order. A mismatched world size or
+//! library version, a rank that comes twice, or ranks that have not arrived when the
+//! timeout ends reject the bootstrap for everyone, with a reason that names the ranks.
+//!
+//! Serving: one reader thread per rank connection hands requests to that rank's worker
+//! thread, which blocks on the fabric and writes the reply. A connection that closes
+//! without `GOODBYE` means its process exited or crashed: the world fails, naming the rank,
+//! and the failure is pushed to every process's watch connection.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::wire::{read_frame, to_client, to_hub, write_frame, Reader, Writer};
+use crate::comm::local::LocalFabric;
+use crate::error::{Error, Result};
+
+/// A rank that has said hello and waits for the others.
+struct Arrival {
+    info: Vec<u8>,
+    stream: TcpStream,
+}
+
+#[derive(Default)]
+struct Boot {
+    arrived: BTreeMap<usize, Arrival>,
+    /// Set once the bootstrap ended: `Ok` when everyone was welcomed.
+    outcome: Option<std::result::Result<(), String>>,
+}
+
+struct HubState {
+    fabric: Arc<LocalFabric>,
+    world_size: usize,
+    version: String,
+    timeout: Duration,
+    boot: Mutex<Boot>,
+    watchers: Mutex<Vec<TcpStream>>,
+    /// Ranks that ended cleanly.
+    done: Mutex<HashSet<usize>>,
+    changed: Condvar,
+    closing: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl HubState {
+    /// Fails the world (first failure wins) and tells every watching process.
+    fn fail(&self, rank: usize, reason: &str) {
+        let first = self.fabric.failure().is_none();
+        self.fabric.fail(rank, reason);
+        if first {
+            let (rank, reason) = self.fabric.failure().unwrap_or((rank, reason.into()));
+            let mut w = Writer::default();
+            w.u8(to_client::FAILURE).usize(rank).str(&reason);
+            for s in lock(&self.watchers).iter_mut() {
+                let _ = write_frame(s, &w.0);
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// Ends the bootstrap with `reason` for every rank that arrived (and later arrivals).
+    fn reject_all(&self, boot: &mut Boot, reason: String) {
+        let mut w = Writer::default();
+        w.u8(to_client::REJECT).str(&reason);
+        for a in boot.arrived.values_mut() {
+            let _ = write_frame(&mut a.stream, &w.0);
+        }
+        boot.arrived.clear();
+        boot.outcome = Some(Err(reason));
+        self.changed.notify_all();
+    }
+
+    fn hello(self: &Arc<Self>, mut stream: TcpStream, r: &mut Reader<'_>) -> Result<()> {
+        let rank = r.usize()?;
+        let world_size = r.usize()?;
+        let version = r.str()?;
+        let info = r.bytes()?;
+        let mut boot = lock(&self.boot);
+        let problem = if let Some(Err(reason)) = &boot.outcome {
+            Some(reason.clone())
+        } else if boot.outcome.is_some() {
+            Some(format!(
+                "rank {rank} arrived after the world of {} ranks had started",
+                self.world_size
+            ))
+        } else if world_size != self.world_size {
+            Some(format!(
+                "rank {rank} was started with a world size of {world_size}, rank 0 with \
+                 {}: every process must get the same WORLD_SIZE",
+                self.world_size
+            ))
+        } else if rank >= self.world_size {
+            Some(format!(
+                "rank {rank} is outside the world of {} ranks",
+                self.world_size
+            ))
+        } else if version != self.version {
+            Some(format!(
+                "rank {rank} runs {version} but rank 0 runs {}: every process must run the \
+                 same build",
+                self.version
+            ))
+        } else if boot.arrived.contains_key(&rank) {
+            Some(format!(
+                "rank {rank} arrived twice (two processes were given RANK={rank})"
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = problem {
+            let mut w = Writer::default();
+            w.u8(to_client::REJECT).str(&reason);
+            let _ = write_frame(&mut stream, &w.0);
+            if boot.outcome.is_none() {
+                self.reject_all(&mut boot, reason);
+            }
+            return Ok(());
+        }
+        boot.arrived.insert(rank, Arrival { info, stream });
+        if boot.arrived.len() < self.world_size {
+            return Ok(());
+        }
+        let mut w = Writer::default();
+        w.u8(to_client::WELCOME).usize(self.world_size);
+        for a in boot.arrived.values() {
+            w.bytes(&a.info);
+        }
+        let arrived = std::mem::take(&mut boot.arrived);
+        for (rank, mut a) in arrived {
+            if let Err(e) = write_frame(&mut a.stream, &w.0) {
+                self.fail(rank, &format!("could not welcome rank {rank}: {e}"));
+            }
+            let state = Arc::clone(self);
+            std::thread::Builder::new()
+                .name(format!("fusion-hub-rank{rank}"))
+                .spawn(move || state.serve(rank, a.stream))
+                .map_err(|e| Error::World(format!("starting a rendezvous thread: {e}")))?;
+        }
+        boot.outcome = Some(Ok(()));
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Serves one rank's requests until it says goodbye or its connection closes.
+    fn serve(self: Arc<Self>, rank: usize, stream: TcpStream) {
+        let (tx, rx) = mpsc::channel::<Vec<u8>>();
+        let writer = match stream.try_clone() {
+            Ok(w) => w,
+            Err(e) => {
+                self.fail(rank, &format!("rank {rank}'s connection: {e}"));
+                return;
+            }
+        };
+        let state = Arc::clone(&self);
+        let worker = std::thread::Builder::new()
+            .name(format!("fusion-hub-work{rank}"))
+            .spawn(move || state.work(writer, rx));
+        let mut reader = stream;
+        let clean = loop {
+            match read_frame(&mut reader) {
+                Ok(Some(p)) if p.first() == Some(&to_hub::GOODBYE) => break true,
+                Ok(Some(p)) if p.first() == Some(&to_hub::FAIL) => {
+                    let mut r = Reader::new(&p[1..], "failure");
+                    if let (Ok(who), Ok(reason)) = (r.usize(), r.str()) {
+                        self.fail(who, &reason);
+                    }
+                }
+                Ok(Some(p)) => {
+                    if tx.send(p).is_err() {
+                        break false;
+                    }
+                }
+                Ok(None) | Err(_) => break false,
+            }
+        };
+        drop(tx);
+        if clean {
+            lock(&self.done).insert(rank);
+            self.changed.notify_all();
+        } else if !self.closing.load(Ordering::SeqCst) {
+            self.fail(
+                rank,
+                &format!(
+                    "the process of rank {rank} exited or crashed (its rendezvous connection \
+                     closed without a goodbye)"
+                ),
+            );
+        }
+        if let Ok(w) = worker {
+            let _ = w.join();
+        }
+    }
+
+    /// Runs one rank's requests in order, replying to each.
+    fn work(&self, mut out: TcpStream, rx: mpsc::Receiver<Vec<u8>>) {
+        for payload in rx {
+            let reply = match self.request(&payload) {
+                Ok(w) => w,
+                Err(e) => {
+                    let mut w = Writer::default();
+                    w.u8(to_client::ERR).error(&e);
+                    w
+                }
+            };
+            if write_frame(&mut out, &reply.0).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn request(&self, payload: &[u8]) -> Result<Writer> {
+        let (tag, rest) = payload
+            .split_first()
+            .ok_or_else(|| Error::World("an empty rendezvous request".into()))?;
+        let mut r = Reader::new(rest, "request");
+        let mut w = Writer::default();
+        w.u8(to_client::OK);
+        match *tag {
+            to_hub::RENDEZVOUS => {
+                let rank = r.usize()?;
+                let key = r.key()?;
+                let members = r.usizes()?;
+                let deposit = r.deposit()?;
+                let what = r.str()?;
+                let got = self
+                    .fabric
+                    .rendezvous(rank, &key, &members, deposit, &what)?;
+                w.usize(got.len());
+                for (m, d) in &got {
+                    w.usize(*m).deposit(d);
+                }
+            }
+            to_hub::POST => {
+                let space = r.u64()?;
+                let (from, to) = (r.usize()?, r.usize()?);
+                let block = r.block()?;
+                self.fabric.post(space, from, to, block)?;
+            }
+            to_hub::TAKE => {
+                let space = r.u64()?;
+                let (from, to) = (r.usize()?, r.usize()?);
+                let block = self.fabric.take(space, from, to)?;
+                w.block(&block);
+            }
+            other => return Err(Error::World(format!("unknown rendezvous request {other}"))),
+        }
+        Ok(w)
+    }
+
+    fn watch(self: &Arc<Self>, stream: TcpStream) {
+        if let Ok(mut push) = stream.try_clone() {
+            if let Some((rank, reason)) = self.fabric.failure() {
+                let mut w = Writer::default();
+                w.u8(to_client::FAILURE).usize(rank).str(&reason);
+                let _ = write_frame(&mut push, &w.0);
+            }
+            lock(&self.watchers).push(push);
+        }
+        let state = Arc::clone(self);
+        let _ = std::thread::Builder::new()
+            .name("fusion-hub-watch".into())
+            .spawn(move || {
+                let mut reader = stream;
+                while let Ok(Some(p)) = read_frame(&mut reader) {
+                    if p.first() == Some(&to_hub::FAIL) {
+                        let mut r = Reader::new(&p[1..], "failure");
+                        if let (Ok(who), Ok(reason)) = (r.usize(), r.str()) {
+                            state.fail(who, &reason);
+                        }
+                    }
+                }
+            });
+    }
+
+    /// Handles a new connection by its first message.
+    fn admit(self: &Arc<Self>, stream: TcpStream) {
+        let _ = stream.set_nodelay(true);
+        let mut reader = match stream.try_clone() {
+            Ok(r) => r,
+            Err(_) => return,
+        };
+        let _ = reader.set_read_timeout(Some(self.timeout));
+        let first = match read_frame(&mut reader) {
+            Ok(Some(p)) => p,
+            _ => return,
+        };
+        let _ = stream.set_read_timeout(None);
+        let mut r = Reader::new(first.get(1..).unwrap_or(&[]), "hello");
+        match first.first() {
+            Some(&to_hub::HELLO) => {
+                let _ = self.hello(stream, &mut r);
+            }
+            Some(&to_hub::WATCH) => self.watch(stream),
+            _ => {}
+        }
+    }
+}
+
+/// The rendezvous host of one world (on rank 0's process). Dropping it waits, up to the
+/// timeout, for every rank to end cleanly, so ranks still running keep their host.
+pub struct Hub {
+    state: Arc<HubState>,
+    addr: SocketAddr,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl Hub {
+    /// Serves `listener` for a world of `world_size` ranks running `version`.
+    pub fn start(
+        listener: TcpListener,
+        world_size: usize,
+        version: &str,
+        timeout: Duration,
+    ) -> Result<Hub> {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::World(format!("rendezvous address: {e}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::World(format!("rendezvous socket: {e}")))?;
+        let state = Arc::new(HubState {
+            fabric: LocalFabric::new(world_size, timeout),
+            world_size,
+            version: version.to_string(),
+            timeout,
+            boot: Mutex::new(Boot::default()),
+            watchers: Mutex::new(Vec::new()),
+            done: Mutex::new(HashSet::new()),
+            changed: Condvar::new(),
+            closing: AtomicBool::new(false),
+        });
+        let st = Arc::clone(&state);
+        let accept = std::thread::Builder::new()
+            .name("fusion-hub-accept".into())
+            .spawn(move || accept_loop(st, listener))
+            .map_err(|e| Error::World(format!("starting the rendezvous: {e}")))?;
+        Ok(Hub {
+            state,
+            addr,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address the hub listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+fn accept_loop(state: Arc<HubState>, listener: TcpListener) {
+    let started = Instant::now();
+    loop {
+        if state.closing.load(Ordering::SeqCst) {
+            return;
+        }
+        {
+            let mut boot = lock(&state.boot);
+            if boot.outcome.is_none() && started.elapsed() > state.timeout {
+                let missing: Vec<usize> = (0..state.world_size)
+                    .filter(|r| !boot.arrived.contains_key(r))
+                    .collect();
+                let reason = format!(
+                    "rank{} {} never arrived at the rendezvous within {:.0} s (started? same \
+                     MASTER_ADDR/MASTER_PORT? set FUSION_TIMEOUT to wait longer)",
+                    if missing.len() == 1 { "" } else { "s" },
+                    list(&missing),
+                    state.timeout.as_secs_f64()
+                );
+                state.reject_all(&mut boot, reason);
+            }
+        }
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let _ = stream.set_nonblocking(false);
+                let st = Arc::clone(&state);
+                let _ = std::thread::Builder::new()
+                    .name("fusion-hub-admit".into())
+                    .spawn(move || st.admit(stream));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// `3` or `[1, 2]`: ranks as an error names them.
+pub(crate) fn list(ranks: &[usize]) -> String {
+    match ranks {
+        [one] => one.to_string(),
+        many => format!("{many:?}"),
+    }
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        let mut deadline = Instant::now() + self.state.timeout;
+        let mut grace_set = false;
+        let mut done = lock(&self.state.done);
+        loop {
+            let booted = matches!(lock(&self.state.boot).outcome, Some(Ok(())));
+            if !booted || done.len() >= self.state.world_size || Instant::now() >= deadline {
+                break;
+            }
+            if !grace_set && self.state.fabric.failure().is_some() {
+                // The world failed: give the others a moment to read their errors.
+                deadline = deadline.min(Instant::now() + Duration::from_secs(2));
+                grace_set = true;
+            }
+            done = self
+                .state
+                .changed
+                .wait_timeout(done, Duration::from_millis(50))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        drop(done);
+        self.state.closing.store(true, Ordering::SeqCst);
+        for s in lock(&self.state.watchers).iter_mut() {
+            let _ = s.flush();
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(a) = self.accept.take() {
+            let _ = a.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::remote::{join, Hello};
+
+    fn hub(world: usize, timeout: Duration) -> Hub {
+        Hub::start(
+            TcpListener::bind("127.0.0.1:0").unwrap(),
+            world,
+            "build A",
+            timeout,
+        )
+        .unwrap()
+    }
+
+    fn hello(rank: usize, world_size: usize, version: &str) -> Hello {
+        Hello {
+            rank,
+            world_size,
+            version: version.into(),
+            info: vec![rank as u8],
+        }
+    }
+
+    #[test]
+    fn a_different_build_is_refused_with_both_versions_named() {
+        let h = hub(2, Duration::from_secs(5));
+        let addr = h.addr().to_string();
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| join(&addr, &hello(0, 2, "build A"), Duration::from_secs(5)));
+            let b = s.spawn(|| join(&addr, &hello(1, 2, "build B"), Duration::from_secs(5)));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        for r in [a.map(|_| ()), b.map(|_| ())] {
+            let e = r.expect_err("the world cannot start").to_string();
+            assert!(
+                e.contains("rank 1 runs build B but rank 0 runs build A"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_rank_gets_every_info_in_rank_order() {
+        let h = hub(3, Duration::from_secs(5));
+        let addr = h.addr().to_string();
+        let infos: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = [2, 0, 1]
+                .into_iter()
+                .map(|r| {
+                    let addr = &addr;
+                    s.spawn(move || {
+                        join(addr, &hello(r, 3, "build A"), Duration::from_secs(5))
+                            .unwrap()
+                            .1
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for i in infos {
+            assert_eq!(i, vec![vec![0], vec![1], vec![2]]);
+        }
+    }
+
+    #[test]
+    fn a_rank_given_twice_is_refused() {
+        let h = hub(2, Duration::from_secs(5));
+        let addr = h.addr().to_string();
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| join(&addr, &hello(1, 2, "build A"), Duration::from_secs(5)));
+            let b = s.spawn(|| join(&addr, &hello(1, 2, "build A"), Duration::from_secs(5)));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let msgs: Vec<String> = [a.map(|_| ()), b.map(|_| ())]
+            .into_iter()
+            .map(|r| r.expect_err("refused").to_string())
+            .collect();
+        assert!(
+            msgs.iter().any(|m| m.contains("rank 1 arrived twice")),
+            "{msgs:?}"
+        );
+    }
+}

@@ -1,0 +1,232 @@
+//! Replaying calls as CUDA graphs (`fusion::runtime::replay`).
+//!
+//! On every machine: which programs may be captured and why not, and that the CPU backend
+//! says so. On GPUs (`#[ignore]`d elsewhere; `scripts/gpu-check.sh` runs them with
+//! `--ignored`): replayed calls match eager calls bit for bit, with fresh input values at
+//! every call, and after the inputs move to new buffers.
+
+mod common;
+
+use common::{cases, Give};
+use fusion::core::hir::CommBackend;
+use fusion::core::ir::Fusion;
+use fusion::core::lower::{lower, LowerOptions};
+use fusion::runtime::backend::{BackendKind, Kernel};
+use fusion::runtime::replay::{capture_plan, EagerReason, ReplayStatus};
+use fusion::runtime::world::cuda_world;
+use fusion::{DType, ExecOptions, FusionExecutor, Tensor, World};
+
+#[test]
+fn what_may_be_captured() {
+    let f = cases::ag_matmul_p2p(DType::F32);
+    let ce = lower(&f, 2, &LowerOptions::default()).unwrap().program;
+    assert_eq!(
+        capture_plan(&ce, BackendKind::Cuda),
+        Err(EagerReason::CopyEngineTransfers)
+    );
+    let nccl = LowerOptions {
+        p2p_backend: CommBackend::Nccl,
+        ..LowerOptions::default()
+    };
+    let over_nccl = lower(&f, 2, &nccl).unwrap().program;
+    assert_eq!(capture_plan(&over_nccl, BackendKind::Cuda), Ok(()));
+    // One device: no transfer ever runs.
+    let alone = lower(&f, 1, &LowerOptions::default()).unwrap().program;
+    assert_eq!(capture_plan(&alone, BackendKind::Cuda), Ok(()));
+    assert_eq!(
+        capture_plan(&alone, BackendKind::Cpu),
+        Err(EagerReason::Backend(BackendKind::Cpu))
+    );
+}
+
+#[test]
+fn the_cpu_backend_runs_eagerly_and_says_why() {
+    let world = World::local(2).unwrap();
+    let exec = FusionExecutor::new(cases::matmul_m());
+    world
+        .run(|rank| {
+            let a = Tensor::randn(&[4, 3], DType::F32, 1);
+            let b = Tensor::randn(&[3, 2], DType::F32, 2);
+            for _ in 0..3 {
+                let r = exec.run_with(rank, &[&a, &b], None, &ExecOptions::default())?;
+                assert_eq!(
+                    r.replay,
+                    ReplayStatus::Eager(EagerReason::Backend(BackendKind::Cpu))
+                );
+            }
+            let off = ExecOptions {
+                graphs: false,
+                ..ExecOptions::default()
+            };
+            let r = exec.run_with(rank, &[&a, &b], None, &off)?;
+            assert_eq!(r.replay, ReplayStatus::Eager(EagerReason::Disabled));
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Builds a case's full inputs from a seed and the device count, with how each reaches a
+/// rank.
+type Inputs = Box<dyn Fn(u64, usize) -> Vec<(Tensor, Give)> + Sync>;
+
+/// A case: the fusion and its inputs.
+struct Case {
+    name: &'static str,
+    fusion: Fusion,
+    inputs: Inputs,
+}
+
+fn cases_for(d: usize) -> Vec<Case> {
+    let dt = DType::BF16;
+    vec![
+        Case {
+            name: "stream loops (two set ops)",
+            fusion: cases::two_set_ops(),
+            inputs: Box::new(|s, _| vec![(Tensor::randn(&[8, 16], DType::F32, s), Give::Whole)]),
+        },
+        Case {
+            name: "matmul per stream chunk",
+            fusion: cases::matmul_m(),
+            inputs: Box::new(|s, _| {
+                vec![
+                    (Tensor::randn(&[6, 32], DType::F32, s), Give::Whole),
+                    (Tensor::randn(&[32, 16], DType::F32, s + 1), Give::Whole),
+                ]
+            }),
+        },
+        Case {
+            name: "reduction",
+            fusion: cases::reduction(),
+            inputs: Box::new(|s, _| vec![(Tensor::randn(&[5, 12], DType::F32, s), Give::Whole)]),
+        },
+        Case {
+            name: "AG+GEMM P2P pipeline",
+            fusion: cases::ag_matmul_p2p(dt),
+            inputs: Box::new(move |s, d| {
+                vec![
+                    (Tensor::randn(&[d, 16, 32], dt, s), Give::Shard(0)),
+                    (Tensor::randn(&[32, 24], dt, s + 1), Give::Whole),
+                ]
+            }),
+        },
+    ]
+    .into_iter()
+    .filter(|c| d == 1 || c.name.starts_with("AG+GEMM"))
+    .collect()
+}
+
+/// Runs every case `calls` times with graphs and without, on the same input buffers
+/// refilled with fresh values each call (so the graph replays), then on new buffers while
+/// the old ones stay alive (so the inputs moved): every output must match bit for bit.
+fn graphs_match_eager(world: &World, options: &ExecOptions) {
+    let d = world.size();
+    for case in cases_for(d) {
+        let with = FusionExecutor::new(case.fusion.clone());
+        let without = FusionExecutor::new(case.fusion.clone());
+        let eager = ExecOptions {
+            graphs: false,
+            ..options.clone()
+        };
+        let statuses = world
+            .run(|rank| {
+                let place = |seed: u64| -> fusion::Result<Vec<Tensor>> {
+                    common::distribute(rank, &(case.inputs)(seed, d))
+                };
+                let mut buffers = place(1)?;
+                let mut kept = Vec::new();
+                let mut statuses = Vec::new();
+                let mut outputs: Option<Vec<Tensor>> = None;
+                for call in 0..8u64 {
+                    if call == 5 {
+                        // Move the inputs: new buffers while the old ones stay allocated.
+                        kept.push(std::mem::replace(&mut buffers, place(100 + call)?));
+                    } else {
+                        // Fresh values into the same buffers.
+                        for (dst, src) in buffers.iter().zip(place(10 + call)?) {
+                            if dst.numel() > 0 {
+                                rank.device().execute(0, Kernel::Copy { src: &src, dst })?;
+                            }
+                        }
+                    }
+                    let refs: Vec<&Tensor> = buffers.iter().collect();
+                    // Outputs in the same buffers every call (the first call's), so only
+                    // the inputs decide whether a graph replays.
+                    let g = match &outputs {
+                        None => {
+                            let g = with.run_with(rank, &refs, None, options)?;
+                            outputs = Some(g.outputs.clone());
+                            g
+                        }
+                        Some(o) => {
+                            let o: Vec<&Tensor> = o.iter().collect();
+                            with.run_with(rank, &refs, Some(&o), options)?
+                        }
+                    };
+                    let e = without.run_with(rank, &refs, None, &eager)?;
+                    for (a, b) in g.outputs.iter().zip(&e.outputs) {
+                        let (a, b) = (rank.to_host(a)?, rank.to_host(b)?);
+                        assert_eq!(
+                            a.to_f32_vec()?,
+                            b.to_f32_vec()?,
+                            "{}: call {call} on rank {} differs from the eager call ({:?})",
+                            case.name,
+                            rank.index(),
+                            g.replay
+                        );
+                    }
+                    statuses.push(g.replay);
+                }
+                drop(kept);
+                Ok(statuses)
+            })
+            .unwrap();
+        for s in &statuses {
+            println!("{} on {d} GPU(s): {s:?}", case.name);
+            assert_eq!(s[0], ReplayStatus::Eager(EagerReason::FirstCall));
+            assert!(matches!(s[1], ReplayStatus::Captured(_)), "{s:?}");
+            assert!(
+                s[2..5].iter().all(|x| *x == ReplayStatus::Replayed),
+                "stable buffers replay: {s:?}"
+            );
+            assert_eq!(
+                s[5],
+                ReplayStatus::Eager(EagerReason::Moved),
+                "moved inputs never replay the old graph"
+            );
+            assert!(
+                matches!(s[6], ReplayStatus::Captured(_)),
+                "the same new place twice captures again: {s:?}"
+            );
+            assert_eq!(s[7], ReplayStatus::Replayed, "{s:?}");
+        }
+    }
+}
+
+fn gpu_world(n: usize) -> Option<World> {
+    if fusion::runtime::backend::cuda::device_count() < n {
+        eprintln!("skipping: fewer than {n} GPUs visible");
+        return None;
+    }
+    Some(cuda_world(Some(n)).unwrap())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn replayed_calls_match_eager_calls_on_one_gpu() {
+    let world = gpu_world(1).expect("a GPU");
+    graphs_match_eager(&world, &ExecOptions::default());
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn replayed_calls_match_eager_calls_over_nccl_on_two_gpus() {
+    let Some(world) = gpu_world(2) else { return };
+    let options = ExecOptions {
+        lower: LowerOptions {
+            p2p_backend: CommBackend::Nccl,
+            ..LowerOptions::default()
+        },
+        ..ExecOptions::default()
+    };
+    graphs_match_eager(&world, &options);
+}
