@@ -50,13 +50,7 @@ fn ipc_err(what: &str, reason: impl std::fmt::Display) -> Error {
     }
 }
 
-fn check(r: sys::CUresult, what: &str) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(ipc_err(what, format!("{r:?}")))
-    }
-}
+use crate::backend::cuda::cu_check as check;
 
 /// A file in shared memory mapped into this process.
 struct Mapping {

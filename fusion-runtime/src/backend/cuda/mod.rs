@@ -19,6 +19,7 @@ pub(crate) mod shared;
 mod user_buffers;
 
 pub use device::CudaDevice;
+pub(crate) use libs::cu_check;
 pub use libs::{check_libraries, device_count, driver_present};
 pub use user_buffers::CudaElement;
 
