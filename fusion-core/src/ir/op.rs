@@ -10,18 +10,23 @@ use super::{ScalarId, TensorId};
 pub enum UnaryOp {
     Neg,
     Relu,
-    /// Exact GELU, `x * Φ(x)` with the error function.
+    /// Exact GELU, `x * Φ(x)` with the error function (PyTorch's default `gelu`).
     Gelu,
     Exp,
     Tanh,
     Sigmoid,
     Abs,
     Sqrt,
+    /// GELU's tanh approximation, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`: PyTorch's
+    /// `gelu(approximate="tanh")` and cuBLASLt's `GELU` GEMM epilogue.
+    GeluTanh,
+    /// `x * sigmoid(x)` (SiLU, the gated MLP's activation).
+    Silu,
 }
 
 impl UnaryOp {
     /// Every unary op, for tables and tests.
-    pub const ALL: [UnaryOp; 8] = [
+    pub const ALL: [UnaryOp; 10] = [
         UnaryOp::Neg,
         UnaryOp::Relu,
         UnaryOp::Gelu,
@@ -30,6 +35,8 @@ impl UnaryOp {
         UnaryOp::Sigmoid,
         UnaryOp::Abs,
         UnaryOp::Sqrt,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
     ];
 
     /// DSL and dump name.
@@ -43,6 +50,8 @@ impl UnaryOp {
             UnaryOp::Sigmoid => "sigmoid",
             UnaryOp::Abs => "abs",
             UnaryOp::Sqrt => "sqrt",
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::Silu => "silu",
         }
     }
 
@@ -57,9 +66,17 @@ impl UnaryOp {
             UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
             UnaryOp::Abs => x.abs(),
             UnaryOp::Sqrt => x.sqrt(),
+            UnaryOp::GeluTanh => {
+                let inner = GELU_TANH_SCALE * (x + 0.044_715 * x * x * x);
+                0.5 * x * (1.0 + inner.tanh())
+            }
+            UnaryOp::Silu => x / (1.0 + (-x).exp()),
         }
     }
 }
+
+/// `√(2/π)`, the scale inside [`UnaryOp::GeluTanh`].
+pub const GELU_TANH_SCALE: f64 = 0.797_884_560_802_865_4;
 
 /// The error function, to within 1.2e-7 (Numerical Recipes' erfc Chebyshev fit).
 fn erf(x: f64) -> f64 {
@@ -263,4 +280,27 @@ pub struct Expr {
     pub op: Op,
     pub inputs: Vec<TensorId>,
     pub output: TensorId,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activations_match_their_definitions() {
+        // Values from PyTorch: gelu(1.0) exact 0.8413447, tanh approximation 0.8411920;
+        // silu(1.0) = 1 / (1 + e^-1).
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-6;
+        assert!(close(UnaryOp::Gelu.apply_f64(1.0), 0.841_344_7));
+        assert!(close(UnaryOp::GeluTanh.apply_f64(1.0), 0.841_192_0));
+        assert!(close(UnaryOp::GeluTanh.apply_f64(-2.0), -0.045_402_3));
+        assert!(close(UnaryOp::Silu.apply_f64(1.0), 0.731_058_6));
+        assert!(close(UnaryOp::Silu.apply_f64(-3.0), -0.142_277_2));
+        for (i, op) in UnaryOp::ALL.iter().enumerate() {
+            assert!(
+                UnaryOp::ALL[..i].iter().all(|o| o.name() != op.name()),
+                "{op:?} shares its name"
+            );
+        }
+    }
 }

@@ -118,6 +118,8 @@ pub enum Unary {
     Sigmoid,
     Abs,
     Sqrt,
+    GeluTanh,
+    Silu,
 }
 
 /// Binary elementwise functions.
@@ -197,6 +199,8 @@ impl Op {
                 Unary::Sigmoid => "sigmoid",
                 Unary::Abs => "abs",
                 Unary::Sqrt => "sqrt",
+                Unary::GeluTanh => "gelu_tanh",
+                Unary::Silu => "silu",
             },
             Op::Cast(_) => "cast",
             Op::Binary(b) => b.name(),
