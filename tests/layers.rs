@@ -279,3 +279,15 @@ fn attention_projections_are_pipelined() {
         }
     }
 }
+
+#[test]
+fn mlp_block_program_snapshot() {
+    // Both pipelines in one loop: the next unit's rows arrive on a pool stream while the
+    // current unit computes; the first GEMM carries the activation in its epilogue; the
+    // second adds onto the running sum from the previous device and passes it on.
+    let f = cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
+    let p = fusion::core::lower::lower(&f, 2, &LowerOptions::default())
+        .unwrap()
+        .program;
+    insta::assert_snapshot!("tp_mlp_block_2_devices", p.to_string());
+}

@@ -213,6 +213,14 @@ pub enum Op {
     Matmul,
     /// `x @ w^T (+ bias)`: x `[.., K]`, w `[N, K]`, bias `[N]`; output `[.., N, rK]`.
     Linear,
+    /// A matmul (or, with `linear`, a linear) whose elementwise consumers were folded into
+    /// it: `output = epilogue(a @ b)`. Host IR only, made by the `FuseEpilogue` pass, so
+    /// the product is never stored and read back. Inputs: the GEMM's operands, then the
+    /// bias when the epilogue has one.
+    Gemm {
+        linear: bool,
+        epilogue: Epilogue,
+    },
     /// Picks one index of an axis, removing it.
     Select {
         axis: usize,
@@ -243,6 +251,8 @@ impl Op {
             Op::Broadcast { .. } => "broadcast".into(),
             Op::Matmul => "matmul".into(),
             Op::Linear => "linear".into(),
+            Op::Gemm { linear: false, .. } => "matmul".into(),
+            Op::Gemm { linear: true, .. } => "linear".into(),
             Op::Select { .. } => "select".into(),
             Op::Slice { .. } => "slice".into(),
             Op::Split { .. } => "split".into(),
@@ -260,6 +270,34 @@ impl Op {
     /// True for pointwise ops a fused elementwise kernel can compute.
     pub fn is_elementwise(&self) -> bool {
         matches!(self, Op::Set | Op::Unary(_) | Op::Binary(_) | Op::Cast)
+    }
+}
+
+/// Elementwise work a GEMM applies to its f32 result before storing it, as one kernel:
+/// the bias, then the activations in order, without rounding in between; the result is
+/// rounded once, to the output's dtype (which may differ from the operands': a folded
+/// cast).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Epilogue {
+    /// A vector `[N]` (the expression's last input) is added to every row.
+    pub bias: bool,
+    /// Applied after the bias.
+    pub activations: Vec<UnaryOp>,
+}
+
+impl Epilogue {
+    /// The epilogue in dumps: `bias, gelu_tanh` (`none` when empty).
+    pub fn describe(&self) -> String {
+        let mut parts: Vec<&str> = Vec::new();
+        if self.bias {
+            parts.push("bias");
+        }
+        parts.extend(self.activations.iter().map(|a| a.name()));
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join(", ")
+        }
     }
 }
 

@@ -88,15 +88,19 @@ pub enum Kernel<'a> {
         dst: &'a Tensor,
         axes: &'a [usize],
     },
-    /// Batched `dst = a @ b (+ bias)`: a `[B.., M, K]`, b `[B.., K, N]`, dst `[B.., M, N]`,
-    /// bias `[N]`; all of one rank >= 2, batch axes already broadcast (stride 0), any
-    /// strides. Accumulates in f32. With `accumulate`, `dst = dst + a @ b` (no bias): the
-    /// GEMM epilogue adds what `dst` holds, so a running sum needs no separate kernel.
+    /// Batched `dst = epilogue(a @ b (+ bias))`: a `[B.., M, K]`, b `[B.., K, N]`, dst
+    /// `[B.., M, N]`, bias `[N]`; all of one rank >= 2, batch axes already broadcast
+    /// (stride 0), any strides. Accumulates in f32; the bias and then the `epilogue`
+    /// functions apply to the f32 result, which is rounded once, to `dst`'s dtype (which
+    /// may differ from the operands'). With `accumulate`, `dst = dst + a @ b` (no bias, no
+    /// epilogue): the GEMM epilogue adds what `dst` holds, so a running sum needs no
+    /// separate kernel.
     Gemm {
         a: &'a Tensor,
         b: &'a Tensor,
         bias: Option<&'a Tensor>,
         accumulate: bool,
+        epilogue: &'a [UnaryOp],
         dst: &'a Tensor,
     },
 }
