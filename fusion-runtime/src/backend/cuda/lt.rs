@@ -264,7 +264,12 @@ impl LtPlans {
             }
         };
         if let std::collections::hash_map::Entry::Vacant(slot) = state.plans.entry(key) {
-            let plan = build_plan(handle, &key)?;
+            // A plan that cannot be built (no algorithm, or a descriptor call failing) is
+            // remembered as absent: this problem then always goes to cuBLAS.
+            let plan = build_plan(handle, &key).unwrap_or_else(|e| {
+                tracing::debug!("cuBLASLt plan for {key:?}: {e}");
+                None
+            });
             if plan.is_none() {
                 tracing::debug!("cuBLASLt has no algorithm for {key:?}; using cuBLAS");
             }
