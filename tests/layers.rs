@@ -208,8 +208,14 @@ fn gated_mlp_block_is_one_pipeline() {
             );
             if d > 1 {
                 assert_eq!(loops(&r.program), 3, "{}", r.program);
-                // The two projections share one gather of the rows.
+                // The two projections share one gather of the rows, and `silu(g) * u` is
+                // one generated kernel.
                 assert_eq!(exchanges(&r.program), 2, "{}", r.program);
+                assert!(
+                    r.program.segments.iter().any(|s| s.exprs.len() == 2),
+                    "{}",
+                    r.program
+                );
             }
             let rows = reference(&x).unsqueeze(1);
             let gate = rows

@@ -47,7 +47,7 @@ use super::{
 };
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
-use crate::ir::{axis_map, NamedScalar, ScalarId, ScalarOp, TensorId};
+use crate::ir::{axis_map, Expr, NamedScalar, Op, ScalarId, ScalarOp, TensorId};
 use crate::lower::{classify, MeshContext, Resharding};
 use crate::pass::PassContext;
 
@@ -391,10 +391,17 @@ pub(super) fn emit(
         });
         slicer.cache.insert((gth.out, gth.s), view);
     }
-    for (e, s) in body_exprs
-        .iter()
-        .filter(|(e, _)| !gathered.contains(&e.output))
-    {
+    // Every result's view first, then the expressions, elementwise ones right before
+    // their first reader: a chain of them (the gated MLP's `silu(g) * u`) then becomes
+    // one kernel, and an activation right after its GEMM folds into the GEMM's epilogue.
+    let computed = sink_elementwise(
+        body_exprs
+            .iter()
+            .filter(|(e, _)| !gathered.contains(&e.output))
+            .cloned()
+            .collect(),
+    );
+    for (e, s) in &computed {
         let t = e.output;
         if let Some(&slot) = shared.get(&t) {
             let unit = Unit {
@@ -407,6 +414,8 @@ pub(super) fn emit(
             };
             slicer.cache.insert((t, *s), view);
         }
+    }
+    for (e, s) in &computed {
         emit_body_expr(p, &mut slicer, &sched, e, *s, backend, &mut compute)?;
     }
     body.push(Node::IfThenElse {
@@ -473,6 +482,41 @@ pub(super) fn emit(
     }));
     nodes.push(join_loop(index, loop_axis, zero, stop, worker));
     Ok(nodes)
+}
+
+/// `exprs` (in a valid order) with every elementwise op (unary, binary, cast) moved down
+/// to just before the first expression that reads it; the order stays valid.
+fn sink_elementwise(exprs: Vec<(Expr, usize)>) -> Vec<(Expr, usize)> {
+    let elementwise = |e: &Expr| matches!(e.op, Op::Unary(_) | Op::Binary(_) | Op::Cast);
+    let mut out = Vec::with_capacity(exprs.len());
+    let mut pending: Vec<(Expr, usize)> = Vec::new();
+    for (e, s) in exprs {
+        if elementwise(&e) {
+            pending.push((e, s));
+            continue;
+        }
+        // The pending ops `e` reads, directly or through each other, in their order.
+        let mut needed: HashSet<TensorId> = e.inputs.iter().copied().collect();
+        let mut take = vec![false; pending.len()];
+        for (k, (p, _)) in pending.iter().enumerate().rev() {
+            if needed.contains(&p.output) {
+                take[k] = true;
+                needed.extend(p.inputs.iter().copied());
+            }
+        }
+        let mut keep = Vec::new();
+        for ((p, ps), t) in pending.drain(..).zip(take) {
+            if t {
+                out.push((p, ps));
+            } else {
+                keep.push((p, ps));
+            }
+        }
+        pending = keep;
+        out.push((e, s));
+    }
+    out.extend(pending);
+    out
 }
 
 /// The rows of one unit of a tensor: the row axis (position in the tensor's `axes`, and
