@@ -44,9 +44,14 @@ step example-tp_mlp-gated 60 $BIN/tp_mlp --devices "$D" --dtype bf16 --gated -m 
 step ours 300 $BIN/layer_bench --devices "$D" --json "$OUT/ours-layers-d$D.jsonl" ${LAYER_ARGS:-}
 FUSION_CUBLASLT=0 step ours-cublas-only 120 $BIN/layer_bench --devices "$D" \
     --shapes 8192,4096,14336 --blocks mlp --row-ranges "" --json "$OUT/ours-layers-cublas-d$D.jsonl"
+# Host time of enqueuing one GEMM: cuBLASLt from a cached plan, and cuBLAS alone.
+step host-costs 60 $BIN/host_costs --devices 1
+FUSION_CUBLASLT=0 step host-costs-cublas-only 60 $BIN/host_costs --devices 1
 step torch 300 python3 bench/torch_layers.py --out "$OUT/torch-layers-d$D.jsonl"
 python3 bench/report_layers.py "$OUT/ours-layers-d$D.jsonl" "$OUT/torch-layers-d$D.jsonl" >"$OUT/table.md" 2>&1
 cat "$OUT/machine.txt"
-grep -h "pipelined " "$OUT/ours-layers-cublas-d$D.log" 2>/dev/null | sed 's/^/cuBLAS only: /'
+grep -h "pipelined " "$OUT/ours-cublas-only.log" 2>/dev/null | sed 's/^/cuBLAS only: /'
+grep -h "GEMM" "$OUT/host-costs.log" 2>/dev/null | sed 's/^/cuBLASLt plans: /'
+grep -h "GEMM" "$OUT/host-costs-cublas-only.log" 2>/dev/null | sed 's/^/cuBLAS only:    /'
 printf '%s\n' "${status[@]}"
 cat "$OUT/table.md"
