@@ -297,3 +297,46 @@ fn mlp_block_program_snapshot() {
         .program;
     insta::assert_snapshot!("tp_mlp_block_2_devices", p.to_string());
 }
+
+#[test]
+fn a_gather_scatter_loop_that_cannot_be_a_ring_is_a_lowering_error() {
+    // relu after the second matmul: the running sum cannot be added in that GEMM's
+    // epilogue, so the loop that gathers cannot also reduce-scatter; the error says why.
+    use fusion::core::builder::FusionBuilder;
+    use fusion::core::ir::ParallelType::{DIDx as Dx, Serial as S, Stream as St};
+    let dt = DType::F32;
+    let mut b = FusionBuilder::new();
+    let tx = cases::axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let t1 = cases::axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
+    let t2 = cases::axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let w1 = b.input("w1", dt, &t1).unwrap();
+    let w2 = b.input("w2", dt, &t2).unwrap();
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    let h = b.matmul(rows, w1).unwrap();
+    let a = b.unary(UnaryOp::Relu, h).unwrap();
+    let ta = cases::axes(&mut b, &[("d", St), ("d", Dx), ("m", S), ("f", S)]);
+    let a = b.declare(a, dt, &ta).unwrap();
+    let p = b.matmul(a, w2).unwrap();
+    let p = b.unary(UnaryOp::Relu, p).unwrap();
+    let tp = cases::axes(&mut b, &[("d", St), ("d", Dx), ("m", S), ("h", S)]);
+    let p = b.declare(p, dt, &tp).unwrap();
+    let y = b.sum(p, &[1]).unwrap();
+    let ty = cases::axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let y = b.declare(y, dt, &ty).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    let err = fusion::core::lower::lower(&f, 2, &LowerOptions::default()).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("gathers") && msg.contains("last expression must be"),
+        "{msg}"
+    );
+    // compute-first streams off: also refused, with that reason.
+    let o = LowerOptions {
+        compute_first_streams: false,
+        ..LowerOptions::default()
+    };
+    let err = fusion::core::lower::lower(&cases::tp_mlp(dt, UnaryOp::Relu), 2, &o).unwrap_err();
+    assert!(err.to_string().contains("compute-first"), "{err}");
+}

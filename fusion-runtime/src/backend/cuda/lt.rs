@@ -275,6 +275,9 @@ impl LtPlans {
             }
             slot.insert(plan);
         }
+        if state.plans.get(&key).is_none_or(Option::is_none) {
+            return Ok(false);
+        }
         let workspace = match state.workspaces.get(&stream) {
             Some(&w) => w,
             None => {
