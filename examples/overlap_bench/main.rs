@@ -26,7 +26,7 @@ use fusion::core::hir::CommBackend;
 use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
-use measure::{device_ms, host_us, random};
+use measure::{device_ms, host_us, random, rel_error};
 use report::Row;
 
 #[derive(Parser, Debug, Clone)]
@@ -137,26 +137,6 @@ fn opts(
         lower,
         ..ExecOptions::default()
     }
-}
-
-/// Relative Frobenius error of `x` against `y` (same shape, up to 4-D) on the device.
-fn rel_error(rank: &Rank, exec: &FusionExecutor, x: &Tensor, y: &Tensor) -> Result<f64> {
-    let four = |t: &Tensor| -> Result<Tensor> {
-        let mut t = t.clone();
-        while t.rank() < 4 {
-            t = t.unsqueeze(0)?;
-        }
-        Ok(t)
-    };
-    let (x, y) = (four(x)?, four(y)?);
-    let out = exec.run(rank, &[&x, &y])?;
-    let num = rank.to_host(&out[0])?.to_f32_vec()?[0] as f64;
-    let den = rank.to_host(&out[1])?.to_f32_vec()?[0] as f64;
-    Ok(if den > 0.0 {
-        (num / den).sqrt()
-    } else {
-        num.sqrt()
-    })
 }
 
 /// How a variant's output is compared: the error fusion, the reference, and a view of

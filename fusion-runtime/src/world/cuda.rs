@@ -591,6 +591,10 @@ fn watch_failures(
             s.abort_all();
         }
     });
+    let h = health.clone();
+    session
+        .watch
+        .on_departure(move |rank, reason| h.depart(rank, reason));
     let weak_session: Weak<Session> = Arc::downgrade(session);
     let (h, st) = (health.clone(), states.to_vec());
     let first_rank = session.fabrics.first().map_or(0, |f| f.0);
