@@ -42,17 +42,21 @@ fn unary_nodes(p: &HostProgram) -> usize {
 }
 
 /// Runs `f` with and without the pass; both must match `expected`.
+/// Runs `f` with and without the epilogue pass on every device count the machine runs
+/// (replicated inputs and output) and compares with `expected`.
 fn check(f: &Fusion, inputs: &[(Tensor, Give)], expected: &RefArray, tol: f64, what: &str) {
-    for lower_opts in [
-        LowerOptions::default(),
-        LowerOptions::default().without_pass("FuseEpilogue"),
-    ] {
-        let o = ExecOptions {
-            lower: lower_opts,
-            ..ExecOptions::default()
-        };
-        let r = run(f, 2, inputs, &[Take::Replicated], &o);
-        assert_close(expected, &r.outputs[0], tol, what);
+    for d in device_counts().into_iter().filter(|&d| d <= 2) {
+        for lower_opts in [
+            LowerOptions::default(),
+            LowerOptions::default().without_pass("FuseEpilogue"),
+        ] {
+            let o = ExecOptions {
+                lower: lower_opts,
+                ..ExecOptions::default()
+            };
+            let r = run(f, d, inputs, &[Take::Replicated], &o);
+            assert_close(expected, &r.outputs[0], tol, what);
+        }
     }
 }
 
