@@ -488,6 +488,9 @@ fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64,
         .fold((0.0, 0), |acc, x| (acc.0.max(x.0), x.1)))
 }
 
+/// (stream iterations, mode, us per call, host-IR nodes walked, how the call ran).
+type HostPerCall = (usize, &'static str, f64, usize, String);
+
 /// Host time per call of a tiny collective AG+GEMM pipeline over NCCL with `s` stream
 /// iterations: walking the host program (graphs off), and replaying its CUDA graph (the
 /// default, where the backend has graphs). Rows: (s, mode, us per call, host-IR nodes
@@ -496,7 +499,7 @@ fn host_per_iterations(
     world: &World,
     dt: DType,
     iterations: &[usize],
-) -> Result<Vec<(usize, &'static str, f64, usize, String)>> {
+) -> Result<Vec<HostPerCall>> {
     let d = world.size();
     let mut rows = Vec::new();
     for &s in iterations {
