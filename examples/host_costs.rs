@@ -75,6 +75,7 @@ fn run() -> Result<()> {
                         b: &y,
                         bias: None,
                         accumulate,
+                        epilogue: &[],
                         dst: &c,
                     },
                 )

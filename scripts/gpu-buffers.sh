@@ -11,14 +11,7 @@ mkdir -p "$OUT"
 source scripts/gpu-env.sh
 export FUSION_BACKEND=cuda RUST_BACKTRACE=1
 BIN=.gpu/bin
-summary=()
-step() { # name timeout command...
-    local name=$1 t=$2; shift 2
-    local start=$SECONDS
-    timeout "$t" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    summary+=("$(printf '%-28s rc=%-4s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E 'test result|check:|FAILED|error' "$OUT/$name.log" | tail -1 | cut -c1-100)")")
-}
+source scripts/gpu-lib.sh
 {
     date -u +%Y-%m-%dT%H:%M:%SZ
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader

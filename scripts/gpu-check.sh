@@ -12,14 +12,7 @@ source scripts/gpu-env.sh
 export FUSION_BACKEND=cuda FUSION_POISON=1 RUST_BACKTRACE=1
 BIN=.gpu/bin
 DTYPES=${*:-f32 bf16 f16}
-summary=()
-step() { # name timeout command...
-    local name=$1 t=$2; shift 2
-    local start=$SECONDS
-    timeout "$t" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    summary+=("$(printf '%-28s rc=%-4s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E 'test result|FAILED|Error|error:' "$OUT/$name.log" | tail -1 | cut -c1-90)")")
-}
+source scripts/gpu-lib.sh
 {
     date -u +%Y-%m-%dT%H:%M:%SZ
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
@@ -36,6 +29,9 @@ for dt in $DTYPES; do
 done
 unset FUSION_RESULTS
 step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1 --nocapture
+# Transformer layers (MLP, gated MLP, attention projections) and GEMM epilogues.
+step layers 240 $BIN/test-layers --test-threads=1
+step epilogues 120 $BIN/test-epilogues --test-threads=1
 step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
 step cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
 step cuda_graphs 180 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture
@@ -54,7 +50,7 @@ else
     echo "skipped: the system loader finds $system_nccl" >"$OUT/missing-nccl.log"
 fi
 summary+=("missing-nccl: $(grep -E -o 'skipped.*|libnccl.so.{0,80}LD_LIBRARY_PATH|backend cuda.*' "$OUT/missing-nccl.log" | head -1 | cut -c1-100)")
-for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p cuda_buffers; do
+for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p cuda_buffers tp_mlp; do
     [ -x "$BIN/$ex" ] && step "example-$ex" 120 $BIN/$ex
 done
 step overlap_trace 120 $BIN/overlap_trace --trace-out "$OUT/overlap_trace.json"

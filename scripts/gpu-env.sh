@@ -27,3 +27,8 @@ export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 unset _fusion_nccl _fusion_libdir _d _f _c
+
+# Binaries staged by scripts/stage-gpu.sh travel packed: unpack them once.
+if [ -f .gpu/bin.tar.xz ] && { [ ! -d .gpu/bin ] || [ .gpu/bin.tar.xz -nt .gpu/bin ]; }; then
+    rm -rf .gpu/bin && tar xJf .gpu/bin.tar.xz -C .gpu && touch .gpu/bin
+fi

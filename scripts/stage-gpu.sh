@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the release examples and test binaries here and copies them into .gpu/ (ignored
-# by git, carried to the GPU machine by the device tool). Usage: scripts/stage-gpu.sh
+# Builds the release examples and test binaries here and packs them into .gpu/bin.tar.xz
+# (ignored by git, carried to the GPU machine by the device tool; scripts/gpu-env.sh
+# unpacks them into .gpu/bin there). Usage: scripts/stage-gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/bin
@@ -9,7 +10,7 @@ for ex in target/release/examples/*; do
     case "$ex" in *.d|*-*) continue ;; esac
     [ -x "$ex" ] && cp "$ex" .gpu/bin/
 done
-cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs 2>/dev/null \
+cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs --test layers --test epilogues 2>/dev/null \
   | python3 -c 'import sys, json
 for line in sys.stdin:
     m = json.loads(line)
@@ -18,4 +19,8 @@ for line in sys.stdin:
   | while read -r name exe; do cp "$exe" ".gpu/bin/test-$name"; done
 strip --strip-debug .gpu/bin/*
 ls -la .gpu/bin
+# The device call carries at most 64 MiB: the binaries travel compressed, and
+# scripts/gpu-env.sh unpacks them there.
+tar cJf .gpu/bin.tar.xz -C .gpu bin
+rm -rf .gpu/bin
 du -sh .gpu

@@ -27,13 +27,18 @@ type Build<'a> = &'a dyn Fn(&dyn Device, Upload<'_>) -> Result<Vec<Tensor>>;
 
 /// Runs `build` on the CPU device and on GPU 0 and compares the named outputs.
 fn compare(rank: &Rank, what: &str, dt: DType, build: Build<'_>) -> Result<()> {
+    compare_within(rank, what, dt, tol(dt), build)
+}
+
+/// [`compare`] with a given relative-error tolerance.
+fn compare_within(rank: &Rank, what: &str, dt: DType, tol: f64, build: Build<'_>) -> Result<()> {
     let cpu = CpuDevice::new(0);
     let on_cpu = build(&cpu, &|t| Ok(t.clone()))?;
     let on_gpu = build(rank.device(), &|t| rank.to_device(t))?;
     for (c, g) in on_cpu.iter().zip(&on_gpu) {
         let g = rank.to_host(g)?;
         let e = g.rel_error(c)?;
-        assert!(e < tol(dt), "{what} ({dt}): relative error {e:.3e}");
+        assert!(e < tol, "{what} ({dt}): relative error {e:.3e}");
     }
     Ok(())
 }
@@ -151,6 +156,7 @@ fn gemms_match_the_cpu_backend() {
                             b: &b,
                             bias: Some(&bias),
                             accumulate: false,
+                            epilogue: &[],
                             dst: &dst,
                         },
                     )?;
@@ -172,6 +178,7 @@ fn gemms_match_the_cpu_backend() {
                             b: &b,
                             bias: None,
                             accumulate: false,
+                            epilogue: &[],
                             dst: &dst,
                         },
                     )?;
@@ -194,9 +201,96 @@ fn gemms_match_the_cpu_backend() {
                             b: &b,
                             bias: None,
                             accumulate: false,
+                            epilogue: &[],
                             dst: &dst,
                         },
                     )?;
+                    Ok(vec![dst])
+                },
+            )?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn gemm_epilogues_match_the_cpu_backend() {
+    // cuBLASLt epilogues (bias, relu, tanh-GELU, with and without bias), the fallback
+    // kernel (silu, exact GELU, chains, a dtype the GEMM cannot store), running sums
+    // (accumulate), transposed operands, and every call twice (the cached plan).
+    use UnaryOp::{Gelu, GeluTanh, Relu, Silu, Tanh};
+    let chains: [(bool, &[UnaryOp]); 8] = [
+        (false, &[]),
+        (true, &[]),
+        (false, &[GeluTanh]),
+        (true, &[GeluTanh]),
+        (true, &[Relu]),
+        (false, &[Silu]),
+        (true, &[Gelu]),
+        (false, &[Silu, Tanh]),
+    ];
+    gpu_rank_run(|rank| {
+        for dt in DTYPES {
+            let a = Tensor::randn(&[1, 48, 40], dt, 11);
+            let b = Tensor::randn(&[56, 40], dt, 12);
+            let bias = Tensor::randn(&[56], dt, 13);
+            let held = Tensor::randn(&[48, 56], dt, 14);
+            for (with_bias, ops) in chains {
+                for out in [dt, DType::F32] {
+                    let what = format!("gemm, bias {with_bias}, epilogue {ops:?}, into {out}");
+                    compare_within(rank, &what, dt, tol(dt).max(1e-4), &|dev, up| {
+                        let a = up(&a)?;
+                        let b = up(&b)?.permute(&[1, 0])?.unsqueeze(0)?;
+                        let bias = up(&bias)?;
+                        let dst = dev.allocate(0, out, &[1, 48, 56])?;
+                        for _ in 0..2 {
+                            dev.execute(
+                                0,
+                                Kernel::Gemm {
+                                    a: &a,
+                                    b: &b,
+                                    bias: with_bias.then_some(&bias),
+                                    accumulate: false,
+                                    epilogue: ops,
+                                    dst: &dst,
+                                },
+                            )?;
+                        }
+                        Ok(vec![dst])
+                    })?;
+                }
+            }
+            compare(
+                rank,
+                "gemm accumulating onto a running sum",
+                dt,
+                &|dev, up| {
+                    let a = up(&a)?.select(0, 0)?;
+                    let b = up(&b)?.permute(&[1, 0])?;
+                    // A fresh copy: on the CPU `up` shares the host tensor's storage.
+                    let start = up(&held)?;
+                    let dst = dev.allocate(0, dt, start.shape())?;
+                    dev.execute(
+                        0,
+                        Kernel::Copy {
+                            src: &start,
+                            dst: &dst,
+                        },
+                    )?;
+                    for _ in 0..2 {
+                        dev.execute(
+                            0,
+                            Kernel::Gemm {
+                                a: &a,
+                                b: &b,
+                                bias: None,
+                                accumulate: true,
+                                epilogue: &[],
+                                dst: &dst,
+                            },
+                        )?;
+                    }
                     Ok(vec![dst])
                 },
             )?;

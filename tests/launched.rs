@@ -106,7 +106,10 @@ fn child_exits_early() {
     let world = World::from_env().unwrap();
     let me = world.local_ranks()[0];
     if me == 1 {
-        std::process::exit(3);
+        if std::env::var("FUSION_TEST_CRASH").is_ok() {
+            std::process::abort(); // no exit hooks, no goodbye: a crash
+        }
+        std::process::exit(3); // the exit hook says goodbye: the rank left cleanly
     }
     let exec = FusionExecutor::new(cases::ag_matmul_p2p(DType::F32));
     let d = world.size();
@@ -129,8 +132,36 @@ fn child_exits_early() {
         "EARLY-EXIT-SEEN rank {me} after {:.2} s: {err}",
         started.elapsed().as_secs_f64()
     );
-    // The world stays failed.
-    assert!(world.run(|_| Ok(())).is_err());
+    // A crash fails the world for good; a clean exit only fails what needed rank 1.
+    if std::env::var("FUSION_TEST_CRASH").is_ok() {
+        assert!(world.run(|_| Ok(())).is_err());
+    }
+}
+
+/// Runs `child_exits_early` on 3 ranks (with `extra` variables) and checks the others named
+/// rank 1 quickly.
+fn rank_one_leaves(extra: &[(&str, String)], expect_code: Option<i32>, says: &str) {
+    let mut env = vec![("FUSION_TIMEOUT", "30".to_string())];
+    env.extend(extra.iter().cloned());
+    let ended = launch(
+        3,
+        &[0, 1, 2],
+        &child_args("child_exits_early"),
+        &env,
+        |_| Vec::new(),
+        LIMIT,
+    );
+    for e in &ended {
+        match e.rank {
+            1 => assert_eq!(e.code, expect_code, "{}", e.log()),
+            _ => {
+                assert_eq!(e.code, Some(0), "{}", e.log());
+                assert!(e.stdout.contains("EARLY-EXIT-SEEN"), "{}", e.log());
+                assert!(e.stdout.contains(says), "{}", e.log());
+                assert!(e.seconds < 25.0, "took {:.1} s: {}", e.seconds, e.log());
+            }
+        }
+    }
 }
 
 #[test]
@@ -138,24 +169,20 @@ fn a_rank_that_exits_early_is_named_by_the_others() {
     if in_child() {
         return;
     }
-    let ended = launch(
-        3,
-        &[0, 1, 2],
-        &child_args("child_exits_early"),
-        &[("FUSION_TIMEOUT", "30".into())],
-        |_| Vec::new(),
-        LIMIT,
-    );
-    for e in &ended {
-        match e.rank {
-            1 => assert_eq!(e.code, Some(3), "{}", e.log()),
-            _ => {
-                assert_eq!(e.code, Some(0), "{}", e.log());
-                assert!(e.stdout.contains("EARLY-EXIT-SEEN"), "{}", e.log());
-                assert!(e.seconds < 25.0, "took {:.1} s: {}", e.seconds, e.log());
-            }
-        }
+    rank_one_leaves(&[], Some(3), "has ended its part");
+}
+
+#[test]
+fn a_rank_that_crashes_is_named_by_the_others() {
+    if in_child() {
+        return;
     }
+    // SIGABRT: no exit status.
+    rank_one_leaves(
+        &[("FUSION_TEST_CRASH", "1".to_string())],
+        None,
+        "exited or crashed",
+    );
 }
 
 // ---------------------------------------------------------------- bootstrap failures

@@ -128,6 +128,45 @@ fusion! {
     }
 
     /// Returning an input with another layout copies it: here, an Allgather.
+    fn tp_mlp<d, m, h, f>(
+        x: Tensor<f32, [d @ DIDx, m, h]>,
+        w1: Tensor<f32, [d @ DIDx, h, f]>,
+        w2: Tensor<f32, [d @ DIDx, f, h]>,
+    ) -> Tensor<f32, [d @ DIDx, m, h]> {
+        let act: Tensor<f32, [d @ Stream, d @ DIDx, m, f]> =
+            gelu_tanh(matmul(broadcast(x, [false, true, false, false]), w1));
+        let partial: Tensor<f32, [d @ Stream, d @ DIDx, m, h]> = matmul(act, w2);
+        sum(partial, 1)
+    }
+
+    fn tp_gated_mlp<d, m, h, f>(
+        x: Tensor<f32, [d @ DIDx, m, h]>,
+        wg: Tensor<f32, [d @ DIDx, h, f]>,
+        wu: Tensor<f32, [d @ DIDx, h, f]>,
+        wd: Tensor<f32, [d @ DIDx, f, h]>,
+    ) -> Tensor<f32, [d @ DIDx, m, h]> {
+        let rows = broadcast(x, [false, true, false, false]);
+        let act: Tensor<f32, [d @ Stream, d @ DIDx, m, f]> =
+            silu(matmul(rows, wg)) * matmul(rows, wu);
+        let partial: Tensor<f32, [d @ Stream, d @ DIDx, m, h]> = matmul(act, wd);
+        sum(partial, 1)
+    }
+
+    fn tp_qkv<d, m, h, q>(
+        x: Tensor<f32, [d @ DIDx, m, h]>,
+        w: Tensor<f32, [d @ DIDx, h, q]>,
+    ) -> Tensor<f32, [d @ Stream, d @ DIDx, m, q]> {
+        matmul(broadcast(x, [false, true, false, false]), w)
+    }
+
+    fn tp_out_proj<d, m, f, h>(
+        a: Tensor<f32, [d, d @ DIDx, m, f]>,
+        w: Tensor<f32, [d @ DIDx, f, h]>,
+    ) -> Tensor<f32, [d @ DIDx, m, h]> {
+        let partial: Tensor<f32, [d @ Stream, d @ DIDx, m, h]> = matmul(a, w);
+        sum(partial, 1)
+    }
+
     fn reshard_allgather<d, m>(t0: Tensor<f32, [d @ DIDx, m]>) -> Tensor<f32, [d, m]> {
         t0
     }
@@ -457,6 +496,70 @@ fn p2p_pipelines() {
         from_macro: matmul_rs_p2p::build(),
         entry: &entry!(matmul_rs_p2p; 0, 1),
         inputs: &matmul_rs_p2p_inputs,
+        take: &|_| Take::Sharded(0),
+        devices: ALL,
+    });
+}
+
+#[test]
+fn transformer_layers() {
+    use fusion::core::ir::UnaryOp;
+    check(Case {
+        name: "TP MLP",
+        builder: cases::tp_mlp(F32, UnaryOp::GeluTanh),
+        from_macro: tp_mlp::build(),
+        entry: &entry!(tp_mlp; 0, 1, 2),
+        inputs: &|d| {
+            vec![
+                (randn(&[d, 4, 6], d as u64), Give::Shard(0)),
+                (randn(&[d, 6, 5], 10 + d as u64), Give::Shard(0)),
+                (randn(&[d, 5, 6], 20 + d as u64), Give::Shard(0)),
+            ]
+        },
+        take: &|_| Take::Sharded(0),
+        devices: ALL,
+    });
+    check(Case {
+        name: "TP gated MLP",
+        builder: cases::tp_gated_mlp(F32),
+        from_macro: tp_gated_mlp::build(),
+        entry: &entry!(tp_gated_mlp; 0, 1, 2, 3),
+        inputs: &|d| {
+            vec![
+                (randn(&[d, 4, 6], d as u64), Give::Shard(0)),
+                (randn(&[d, 6, 5], 10 + d as u64), Give::Shard(0)),
+                (randn(&[d, 6, 5], 30 + d as u64), Give::Shard(0)),
+                (randn(&[d, 5, 6], 20 + d as u64), Give::Shard(0)),
+            ]
+        },
+        take: &|_| Take::Sharded(0),
+        devices: ALL,
+    });
+    check(Case {
+        name: "TP QKV",
+        builder: cases::tp_qkv(F32),
+        from_macro: tp_qkv::build(),
+        entry: &entry!(tp_qkv; 0, 1),
+        inputs: &|d| {
+            vec![
+                (randn(&[d, 4, 6], d as u64), Give::Shard(0)),
+                (randn(&[d, 6, 5], 10 + d as u64), Give::Shard(0)),
+            ]
+        },
+        take: &|_| Take::Sharded(1),
+        devices: ALL,
+    });
+    check(Case {
+        name: "TP output projection",
+        builder: cases::tp_out_proj(F32),
+        from_macro: tp_out_proj::build(),
+        entry: &entry!(tp_out_proj; 0, 1),
+        inputs: &|d| {
+            vec![
+                (randn(&[d, d, 4, 5], d as u64), Give::Shard(1)),
+                (randn(&[d, 5, 6], 10 + d as u64), Give::Shard(0)),
+            ]
+        },
         take: &|_| Take::Sharded(0),
         devices: ALL,
     });

@@ -143,13 +143,14 @@ fn dumps_are_recorded_after_each_pass() {
         [
             "StreamParallelType",
             "ConvertOpToCommunication",
+            "FuseEpilogue",
             "FuseElementwise",
             "InsertDeallocations"
         ]
     );
     assert!(lowered.dumps[0].program.contains("FOR StreamIdx"));
-    assert!(!lowered.dumps[2].program.contains("Deallocate"));
-    assert!(lowered.dumps[3].program.contains("Deallocate"));
+    assert!(!lowered.dumps[3].program.contains("Deallocate"));
+    assert!(lowered.dumps[4].program.contains("Deallocate"));
 }
 
 /// relu -> neg -> exp -> tanh -> sigmoid: one buffer each (with fusion disabled).

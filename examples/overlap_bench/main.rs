@@ -26,7 +26,7 @@ use fusion::core::hir::CommBackend;
 use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
-use measure::{device_ms, host_us, random};
+use measure::{device_ms, host_us, random, rel_error};
 use report::Row;
 
 #[derive(Parser, Debug, Clone)]
@@ -77,6 +77,10 @@ struct Args {
     /// Small shapes for a quick run on simulated devices.
     #[arg(long)]
     quick: bool,
+    /// Stream iterations (chunks) of the tiny collective AG+GEMM pipeline whose host time
+    /// per call is measured eagerly and replayed as a CUDA graph (empty: skip).
+    #[arg(long, default_value = "2,4,8,16")]
+    host_iterations: String,
 }
 
 fn list(s: &str) -> Vec<usize> {
@@ -137,26 +141,6 @@ fn opts(
         lower,
         ..ExecOptions::default()
     }
-}
-
-/// Relative Frobenius error of `x` against `y` (same shape, up to 4-D) on the device.
-fn rel_error(rank: &Rank, exec: &FusionExecutor, x: &Tensor, y: &Tensor) -> Result<f64> {
-    let four = |t: &Tensor| -> Result<Tensor> {
-        let mut t = t.clone();
-        while t.rank() < 4 {
-            t = t.unsqueeze(0)?;
-        }
-        Ok(t)
-    };
-    let (x, y) = (four(x)?, four(y)?);
-    let out = exec.run(rank, &[&x, &y])?;
-    let num = rank.to_host(&out[0])?.to_f32_vec()?[0] as f64;
-    let den = rank.to_host(&out[1])?.to_f32_vec()?[0] as f64;
-    Ok(if den > 0.0 {
-        (num / den).sqrt()
-    } else {
-        num.sqrt()
-    })
 }
 
 /// How a variant's output is compared: the error fusion, the reference, and a view of
@@ -504,6 +488,51 @@ fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64,
         .fold((0.0, 0), |acc, x| (acc.0.max(x.0), x.1)))
 }
 
+/// (stream iterations, mode, us per call, host-IR nodes walked, how the call ran).
+type HostPerCall = (usize, &'static str, f64, usize, String);
+
+/// Host time per call of a tiny collective AG+GEMM pipeline over NCCL with `s` stream
+/// iterations: walking the host program (graphs off), and replaying its CUDA graph (the
+/// default, where the backend has graphs). Rows: (s, mode, us per call, host-IR nodes
+/// the last call walked, how it ran).
+fn host_per_iterations(world: &World, dt: DType, iterations: &[usize]) -> Result<Vec<HostPerCall>> {
+    let d = world.size();
+    let mut rows = Vec::new();
+    for &s in iterations {
+        let host_a = random(&[s, d, 8, 8], dt, 97)?;
+        let host_b = random(&[8, 8], dt, 96)?;
+        for (mode, graphs) in [("eager", false), ("replayed", true)] {
+            let exec = FusionExecutor::new(fusions::ag_matmul_collective(dt)?);
+            let o = ExecOptions {
+                graphs,
+                ..opts(4, CommBackend::Nccl, true, true)
+            };
+            let per_rank = world.run(|rank| {
+                let a = rank.shard(&host_a, 1)?;
+                let b = rank.to_device(&host_b)?;
+                let us = host_us(rank, 200, || {
+                    exec.run_with(rank, &[&a, &b], None, &o).map(|_| ())
+                })?;
+                let last = exec.run_with(rank, &[&a, &b], None, &o)?;
+                rank.synchronize()?;
+                let all =
+                    rank.gather_to_host(&Tensor::from_f32(&[1], &[us as f32], DType::F32)?)?;
+                let worst = all
+                    .iter()
+                    .map(|t| t.to_f32_vec().map(|v| f64::from(v[0])))
+                    .collect::<Result<Vec<_>>>()?
+                    .into_iter()
+                    .fold(0.0, f64::max);
+                let nodes = exec.program(rank, &[&a, &b], &o)?.node_count();
+                Ok((worst, nodes, format!("{:?}", last.replay)))
+            })?;
+            let (us, nodes, status) = per_rank.into_iter().next().expect("a rank");
+            rows.push((s, mode, us, nodes, status));
+        }
+    }
+    Ok(rows)
+}
+
 fn main() -> std::process::ExitCode {
     finish::finish(run())
 }
@@ -640,6 +669,19 @@ fn run() -> Result<()> {
         host_lines.push_str(&format!(
             "{{\"case\": \"host_overhead\", \"transport\": \"{transport}\", \"devices\": {d}, \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"us_per_node\": {per:.4}}}\n"
         ));
+    }
+    let iterations = list(&a.host_iterations);
+    if !iterations.is_empty() {
+        for (s, mode, us, nodes, status) in host_per_iterations(&world, dt, &iterations)? {
+            if reports {
+                println!(
+                    "host per call: collective AG+GEMM, {s:>2} stream iterations, {mode:<8} {us:8.1} us ({nodes} host-IR nodes walked; {status})"
+                );
+            }
+            host_lines.push_str(&format!(
+                "{{\"case\": \"host_per_call\", \"devices\": {d}, \"iterations\": {s}, \"mode\": \"{mode}\", \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"status\": \"{status}\"}}\n"
+            ));
+        }
     }
     if !reports {
         return Ok(());

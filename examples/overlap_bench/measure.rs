@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use fusion::runtime::Rank;
-use fusion::{Result, Tensor};
+use fusion::{FusionExecutor, Result, Tensor};
 
 /// Waits for this rank's device, then for every other rank (host rendezvous).
 pub fn barrier(rank: &Rank) -> Result<()> {
@@ -70,6 +70,11 @@ pub fn host_us(rank: &Rank, iters: usize, mut call: impl FnMut() -> Result<()>) 
 
 /// Uniform random values in [-1, 1), generated on all host cores (fast for big inputs).
 pub fn random(shape: &[usize], dt: fusion::DType, seed: u64) -> Result<Tensor> {
+    random_scaled(shape, dt, seed, 1.0)
+}
+
+/// Uniform random values in [-scale, scale).
+pub fn random_scaled(shape: &[usize], dt: fusion::DType, seed: u64, scale: f32) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let threads = std::thread::available_parallelism()
         .map_or(4, |x| x.get())
@@ -87,10 +92,30 @@ pub fn random(shape: &[usize], dt: fusion::DType, seed: u64) -> Result<Tensor> {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    *v = ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+                    *v = (((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale;
                 }
             });
         }
     });
     Tensor::from_f32(shape, &data, dt)
+}
+
+/// Relative Frobenius error of `x` against `y` (same shape, up to 4-D) on the device.
+pub fn rel_error(rank: &Rank, exec: &FusionExecutor, x: &Tensor, y: &Tensor) -> Result<f64> {
+    let four = |t: &Tensor| -> Result<Tensor> {
+        let mut t = t.clone();
+        while t.rank() < 4 {
+            t = t.unsqueeze(0)?;
+        }
+        Ok(t)
+    };
+    let (x, y) = (four(x)?, four(y)?);
+    let out = exec.run(rank, &[&x, &y])?;
+    let num = rank.to_host(&out[0])?.to_f32_vec()?[0] as f64;
+    let den = rank.to_host(&out[1])?.to_f32_vec()?[0] as f64;
+    Ok(if den > 0.0 {
+        (num / den).sqrt()
+    } else {
+        num.sqrt()
+    })
 }

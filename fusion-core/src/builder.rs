@@ -210,7 +210,55 @@ impl FusionBuilder {
         }
         self.check_annotations(target)?;
         self.declared.insert(target);
+        if target == t {
+            self.stream_producers(target);
+        }
         Ok(target)
+    }
+
+    /// Applies `t`'s Stream axis to the intermediates an elementwise `t` is computed from,
+    /// so that `let a: Tensor<.., [d @ Stream, ..]> = gelu(matmul(x, w))` streams the
+    /// matmul in the same loop instead of computing it whole first. This is also what
+    /// settles a matmul that takes DIDx axes from both operands: the annotation names the
+    /// one that becomes the Stream axis (gathered chunk by chunk). Only intermediates that
+    /// this chain alone uses, that no annotation fixed, and that a matmul, linear or
+    /// elementwise op (not a `set`) computes are changed; elementwise ones pass it on.
+    fn stream_producers(&mut self, t: TensorId) {
+        let Some(id) = self.f.definition(t) else {
+            return;
+        };
+        let e = self.f.expr(id).clone();
+        let elementwise = matches!(e.op, Op::Unary(_) | Op::Binary(_) | Op::Cast);
+        let Some(s) = self.f.find_parallel_axis(t, ParallelType::Stream) else {
+            return;
+        };
+        if !elementwise {
+            return;
+        }
+        let map = axis_map(&self.f, &e);
+        for (i, &u) in e.inputs.iter().enumerate() {
+            let Some(q) = map.producer_axis(i, s) else {
+                continue;
+            };
+            let streams = self.f.definition(u).is_some_and(|d| {
+                matches!(
+                    self.f.expr(d).op,
+                    Op::Matmul | Op::Linear | Op::Unary(_) | Op::Binary(_) | Op::Cast
+                )
+            });
+            if !streams
+                || self.declared.contains(&u)
+                || self.f.is_output(u)
+                || self.f.uses(u) != [id]
+                || self.is_broadcast_like(u, q)
+                || self.f.find_parallel_axis(u, ParallelType::Stream).is_some()
+            {
+                continue;
+            }
+            let d = self.f.tensor(u).axes[q];
+            self.f.iter_domain_mut(d).parallel = ParallelType::Stream;
+            self.stream_producers(u);
+        }
     }
 
     /// Marks a tensor as the next output (an input is copied first).
@@ -865,11 +913,20 @@ fn check_tensor_annotations(f: &Fusion, t: TensorId) -> Result<()> {
             .map(|(i, _)| i)
             .collect();
         if axes.len() > 1 {
+            let hint = match f.definition(t) {
+                Some(e) if p == ParallelType::DIDx && !f.is_input(t) => format!(
+                    "; `{}` takes DIDx axes from two operands: annotate its result, or the \
+                     elementwise op computed from it, with one of them as the Stream axis \
+                     (that operand is then gathered chunk by chunk)",
+                    f.expr(e).op.name()
+                ),
+                _ => String::new(),
+            };
             return Err(Error::Parallelization {
                 tensor: f.tensor_name(t),
                 axis: Some(axes[1]),
                 reason: format!(
-                    "axes {axes:?} are all {p}; a tensor has at most one {p} axis (1-D mesh)"
+                    "axes {axes:?} are all {p}; a tensor has at most one {p} axis (1-D mesh){hint}"
                 ),
             });
         }

@@ -110,6 +110,24 @@ fn expr_string(f: &Fusion, e: &Expr, indent: &str) -> String {
             }
             s
         }
+        Op::Gemm { linear, epilogue } => {
+            let name = if *linear { "linear" } else { "matmul" };
+            let mut s = format!(
+                "{name}({},\n{indent}            {}",
+                t(e.inputs[0]),
+                t(e.inputs[1])
+            );
+            if let Some(&b) = e.inputs.get(2) {
+                let _ = write!(s, ",\n{indent}            bias = {}", t(b));
+            }
+            let _ = write!(
+                s,
+                " )\n{indent}     epilogue( {} ) -> {}",
+                epilogue.describe(),
+                f.tensor(e.output).dtype.ir_name()
+            );
+            s
+        }
         Op::Linear => {
             let mut s = format!(
                 "linear({},\n{indent}            {}",

@@ -431,6 +431,8 @@ fn step(b: &Ident, s: &Step, params: &[Ident]) -> TokenStream {
                         Unary::Sigmoid => quote!(Sigmoid),
                         Unary::Abs => quote!(Abs),
                         Unary::Sqrt => quote!(Sqrt),
+                        Unary::GeluTanh => quote!(GeluTanh),
+                        Unary::Silu => quote!(Silu),
                     };
                     quote!(#b.unary(#fc::ir::UnaryOp::#u, #x))
                 }

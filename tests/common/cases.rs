@@ -3,7 +3,7 @@
 //! the `fusion!` versions build the same fusions). Each function builds one case.
 
 use fusion::core::builder::{Axis, FusionBuilder};
-use fusion::core::ir::{DeviceMesh, Fusion, ParallelType};
+use fusion::core::ir::{DeviceMesh, Fusion, ParallelType, UnaryOp};
 use fusion::DType;
 
 use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
@@ -332,4 +332,108 @@ pub fn matmul_rs_p2p() -> Fusion {
     let r = b.declare(r, dt, &ro).unwrap();
     b.output(r).unwrap();
     b.build().unwrap()
+}
+
+// ---------------------------------------------------------------- transformer layers
+
+/// The second half of a tensor-parallel block: `partial = matmul(act, w)` streamed over
+/// the row blocks, `sum` over the DIDx axis into this device's row block (a
+/// reduce-scatter), as the output.
+fn reduce_scatter_block(
+    mut b: FusionBuilder,
+    dt: DType,
+    act: fusion::core::ir::TensorId,
+    w: fusion::core::ir::TensorId,
+) -> Fusion {
+    let p = b.matmul(act, w).unwrap();
+    let tp = axes(&mut b, &[("d", St), ("d", Dx), ("m", S), ("h", S)]);
+    let p = b.declare(p, dt, &tp).unwrap();
+    b.name(p, "partial");
+    let y = b.sum(p, &[1]).unwrap();
+    let ty = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let y = b.declare(y, dt, &ty).unwrap();
+    let y = b.output(y).unwrap();
+    b.name(y, "output");
+    b.build().unwrap()
+}
+
+/// Declares the activation of a block `[d@Stream, d@DIDx, m, f]`: the Stream annotation
+/// also streams the matmuls it is computed from.
+fn stream_activation(
+    b: &mut FusionBuilder,
+    dt: DType,
+    a: fusion::core::ir::TensorId,
+) -> fusion::core::ir::TensorId {
+    let ta = axes(b, &[("d", St), ("d", Dx), ("m", S), ("f", S)]);
+    let a = b.declare(a, dt, &ta).unwrap();
+    b.name(a, "act");
+    a
+}
+
+/// The sequence-parallel MLP block `ReduceScatter(act(AllGather(x) W1) W2)`: x `[d@DIDx, m,
+/// h]` (rows), W1 `[d@DIDx, h, f]` (column blocks), W2 `[d@DIDx, f, h]` (row blocks). The
+/// gathered rows' DIDx axis becomes the Stream axis of the first matmul, W1's stays DIDx
+/// (the `fusion!` form: `let act: [d @ Stream, d @ DIDx, m, f] = act(matmul(broadcast(x), w1))`).
+pub fn tp_mlp(dt: DType, act: UnaryOp) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let t1 = axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
+    let t2 = axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let w1 = b.input("w1", dt, &t1).unwrap();
+    let w2 = b.input("w2", dt, &t2).unwrap();
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    let h = b.matmul(rows, w1).unwrap();
+    let a = b.unary(act, h).unwrap();
+    let a = stream_activation(&mut b, dt, a);
+    reduce_scatter_block(b, dt, a, w2)
+}
+
+/// The gated MLP block `ReduceScatter((silu(AG(x) Wg) * (AG(x) Wu)) Wd)`; the two
+/// projections share one gather of the rows.
+pub fn tp_gated_mlp(dt: DType) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let tg = axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
+    let td = axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let wg = b.input("wg", dt, &tg).unwrap();
+    let wu = b.input("wu", dt, &tg).unwrap();
+    let wd = b.input("wd", dt, &td).unwrap();
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    b.name(rows, "rows");
+    let g = b.matmul(rows, wg).unwrap();
+    let g = b.unary(UnaryOp::Silu, g).unwrap();
+    let u = b.matmul(rows, wu).unwrap();
+    let a = b.mul(g, u).unwrap();
+    let a = stream_activation(&mut b, dt, a);
+    reduce_scatter_block(b, dt, a, wd)
+}
+
+/// The column-parallel QKV projection from gathered rows: `AG(x) Wqkv`, Wqkv split by
+/// columns; each device keeps every row of its column block `[d@Stream, d@DIDx, m, q]`.
+pub fn tp_qkv(dt: DType) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let tw = axes(&mut b, &[("d", Dx), ("h", S), ("q", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let w = b.input("w", dt, &tw).unwrap();
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    let y = b.matmul(rows, w).unwrap();
+    let ty = axes(&mut b, &[("d", St), ("d", Dx), ("m", S), ("q", S)]);
+    let y = b.declare(y, dt, &ty).unwrap();
+    let y = b.output(y).unwrap();
+    b.name(y, "output");
+    b.build().unwrap()
+}
+
+/// The row-parallel output projection + ReduceScatter: `RS(a Wo)`, a `[d, d@DIDx, m, f]`
+/// (every row, a column block), Wo `[d@DIDx, f, h]` (the matching row block).
+pub fn tp_out_proj(dt: DType) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let ta = axes(&mut b, &[("d", S), ("d", Dx), ("m", S), ("f", S)]);
+    let tw = axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
+    let a = b.input("a", dt, &ta).unwrap();
+    let w = b.input("w", dt, &tw).unwrap();
+    reduce_scatter_block(b, dt, a, w)
 }

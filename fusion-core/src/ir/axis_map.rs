@@ -75,7 +75,16 @@ pub fn axis_map(f: &Fusion, e: &Expr) -> AxisMap {
             }
         }
         Op::Matmul => map_matmul(&vis, out_rank, &mut per_input),
-        Op::Linear => map_linear(&vis, out_rank, &mut per_input),
+        Op::Linear | Op::Gemm { linear: true, .. } => map_linear(&vis, out_rank, &mut per_input),
+        Op::Gemm { linear: false, .. } => {
+            map_matmul(&vis[..2], out_rank, &mut per_input[..2]);
+            // A bias `[N]` maps onto the output's N axis, before the contracted one.
+            if let (Some(b), Some(n)) = (vis.get(2), out_rank.checked_sub(2)) {
+                if let Some(&last) = b.last() {
+                    per_input[2][n] = Some(last);
+                }
+            }
+        }
     }
     AxisMap { per_input }
 }

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 pub use axis_map::{axis_map, AxisMap};
 pub use domain::{IterDomain, IterDomainId, IterKind, ParallelType};
 pub use mesh::DeviceMesh;
-pub use op::{BinaryOp, Expr, ExprId, Op, ReduceOp, UnaryOp};
+pub use op::{BinaryOp, Epilogue, Expr, ExprId, Op, ReduceOp, UnaryOp};
 pub use scalar::{NamedScalar, Scalar, ScalarDisplay, ScalarId, ScalarOp};
 pub use tensor::{MemoryType, TensorId, TensorView};
 

@@ -10,18 +10,23 @@ use super::{ScalarId, TensorId};
 pub enum UnaryOp {
     Neg,
     Relu,
-    /// Exact GELU, `x * Φ(x)` with the error function.
+    /// Exact GELU, `x * Φ(x)` with the error function (PyTorch's default `gelu`).
     Gelu,
     Exp,
     Tanh,
     Sigmoid,
     Abs,
     Sqrt,
+    /// GELU's tanh approximation, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`: PyTorch's
+    /// `gelu(approximate="tanh")` and cuBLASLt's `GELU` GEMM epilogue.
+    GeluTanh,
+    /// `x * sigmoid(x)` (SiLU, the gated MLP's activation).
+    Silu,
 }
 
 impl UnaryOp {
     /// Every unary op, for tables and tests.
-    pub const ALL: [UnaryOp; 8] = [
+    pub const ALL: [UnaryOp; 10] = [
         UnaryOp::Neg,
         UnaryOp::Relu,
         UnaryOp::Gelu,
@@ -30,6 +35,8 @@ impl UnaryOp {
         UnaryOp::Sigmoid,
         UnaryOp::Abs,
         UnaryOp::Sqrt,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
     ];
 
     /// DSL and dump name.
@@ -43,6 +50,8 @@ impl UnaryOp {
             UnaryOp::Sigmoid => "sigmoid",
             UnaryOp::Abs => "abs",
             UnaryOp::Sqrt => "sqrt",
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::Silu => "silu",
         }
     }
 
@@ -57,9 +66,17 @@ impl UnaryOp {
             UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
             UnaryOp::Abs => x.abs(),
             UnaryOp::Sqrt => x.sqrt(),
+            UnaryOp::GeluTanh => {
+                let inner = GELU_TANH_SCALE * (x + 0.044_715 * x * x * x);
+                0.5 * x * (1.0 + inner.tanh())
+            }
+            UnaryOp::Silu => x / (1.0 + (-x).exp()),
         }
     }
 }
+
+/// `√(2/π)`, the scale inside [`UnaryOp::GeluTanh`].
+pub const GELU_TANH_SCALE: f64 = 0.797_884_560_802_865_4;
 
 /// The error function, to within 1.2e-7 (Numerical Recipes' erfc Chebyshev fit).
 fn erf(x: f64) -> f64 {
@@ -196,6 +213,14 @@ pub enum Op {
     Matmul,
     /// `x @ w^T (+ bias)`: x `[.., K]`, w `[N, K]`, bias `[N]`; output `[.., N, rK]`.
     Linear,
+    /// A matmul (or, with `linear`, a linear) whose elementwise consumers were folded into
+    /// it: `output = epilogue(a @ b)`. Host IR only, made by the `FuseEpilogue` pass, so
+    /// the product is never stored and read back. Inputs: the GEMM's operands, then the
+    /// bias when the epilogue has one.
+    Gemm {
+        linear: bool,
+        epilogue: Epilogue,
+    },
     /// Picks one index of an axis, removing it.
     Select {
         axis: usize,
@@ -226,6 +251,8 @@ impl Op {
             Op::Broadcast { .. } => "broadcast".into(),
             Op::Matmul => "matmul".into(),
             Op::Linear => "linear".into(),
+            Op::Gemm { linear: false, .. } => "matmul".into(),
+            Op::Gemm { linear: true, .. } => "linear".into(),
             Op::Select { .. } => "select".into(),
             Op::Slice { .. } => "slice".into(),
             Op::Split { .. } => "split".into(),
@@ -246,6 +273,34 @@ impl Op {
     }
 }
 
+/// Elementwise work a GEMM applies to its f32 result before storing it, as one kernel:
+/// the bias, then the activations in order, without rounding in between; the result is
+/// rounded once, to the output's dtype (which may differ from the operands': a folded
+/// cast).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Epilogue {
+    /// A vector `[N]` (the expression's last input) is added to every row.
+    pub bias: bool,
+    /// Applied after the bias.
+    pub activations: Vec<UnaryOp>,
+}
+
+impl Epilogue {
+    /// The epilogue in dumps: `bias, gelu_tanh` (`none` when empty).
+    pub fn describe(&self) -> String {
+        let mut parts: Vec<&str> = Vec::new();
+        if self.bias {
+            parts.push("bias");
+        }
+        parts.extend(self.activations.iter().map(|a| a.name()));
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
 /// Index of an expression in its fusion's arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ExprId(pub(crate) u32);
@@ -263,4 +318,27 @@ pub struct Expr {
     pub op: Op,
     pub inputs: Vec<TensorId>,
     pub output: TensorId,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activations_match_their_definitions() {
+        // Values from PyTorch: gelu(1.0) exact 0.8413447, tanh approximation 0.8411920;
+        // silu(1.0) = 1 / (1 + e^-1).
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-6;
+        assert!(close(UnaryOp::Gelu.apply_f64(1.0), 0.841_344_7));
+        assert!(close(UnaryOp::GeluTanh.apply_f64(1.0), 0.841_192_0));
+        assert!(close(UnaryOp::GeluTanh.apply_f64(-2.0), -0.045_402_3));
+        assert!(close(UnaryOp::Silu.apply_f64(1.0), 0.731_058_6));
+        assert!(close(UnaryOp::Silu.apply_f64(-3.0), -0.142_277_2));
+        for (i, op) in UnaryOp::ALL.iter().enumerate() {
+            assert!(
+                UnaryOp::ALL[..i].iter().all(|o| o.name() != op.name()),
+                "{op:?} shares its name"
+            );
+        }
+    }
 }

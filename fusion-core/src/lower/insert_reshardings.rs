@@ -8,11 +8,16 @@
 
 use super::resharding::{classify, describe, MeshContext, Resharding};
 use crate::error::{Error, Result};
-use crate::ir::{axis_map, Expr, ExprId, Fusion, IterDomain, IterKind, Op, ParallelType};
+use std::collections::HashMap;
+
+use crate::ir::{
+    axis_map, DeviceMesh, Expr, ExprId, Fusion, IterDomain, IterKind, Op, ParallelType, TensorId,
+};
 
 /// Rewrites `f` (and the schedule `order`) so that classification never answers
 /// `ReshardInputs` or `SplitReduction`.
 pub fn insert_reshardings(f: &mut Fusion, order: &mut Vec<ExprId>, ctx: MeshContext) -> Result<()> {
+    let mut done = Resharded::new();
     let mut i = 0;
     while i < order.len() {
         let id = order[i];
@@ -20,9 +25,10 @@ pub fn insert_reshardings(f: &mut Fusion, order: &mut Vec<ExprId>, ctx: MeshCont
         match classify(f, &e, ctx)? {
             Resharding::ReshardInputs(inputs) => {
                 for k in inputs {
-                    let set = reshard_input(f, id, k)?;
-                    order.insert(i, set);
-                    i += 1;
+                    if let Some(set) = reshard_input(f, id, k, &mut done)? {
+                        order.insert(i, set);
+                        i += 1;
+                    }
                 }
             }
             Resharding::SplitReduction => {
@@ -43,8 +49,19 @@ pub fn insert_reshardings(f: &mut Fusion, order: &mut Vec<ExprId>, ctx: MeshCont
     Ok(())
 }
 
-/// Inserts `t' = set(input k)` with the consumer's distribution; returns the set's id.
-fn reshard_input(f: &mut Fusion, consumer: ExprId, k: usize) -> Result<ExprId> {
+/// Tensors already resharded: (tensor, the layout it was resharded to) -> the copy. Two
+/// consumers wanting the same layout of one tensor share one copy (e.g. the gate and up
+/// projections of a gated MLP share one gather of their rows).
+type Resharded = HashMap<(TensorId, Vec<IterDomain>, DeviceMesh), TensorId>;
+
+/// Inserts `t' = set(input k)` with the consumer's distribution and returns the set's id,
+/// or rewires the consumer to an earlier copy with the same layout (and returns `None`).
+fn reshard_input(
+    f: &mut Fusion,
+    consumer: ExprId,
+    k: usize,
+    done: &mut Resharded,
+) -> Result<Option<ExprId>> {
     let e = f.expr(consumer).clone();
     let x = e.inputs[k];
     let out = e.output;
@@ -71,6 +88,11 @@ fn reshard_input(f: &mut Fusion, consumer: ExprId, k: usize) -> Result<ExprId> {
         .collect();
     let dtype = f.tensor(x).dtype;
     let mesh = f.tensor(out).mesh.clone();
+    let key = (x, domains.clone(), mesh.clone());
+    if let Some(&y) = done.get(&key) {
+        f.expr_mut(consumer).inputs[k] = y;
+        return Ok(None);
+    }
     let name = f.tensor(x).name.as_ref().map(|n| format!("{n}_resharded"));
     let y = f.new_tensor(name, dtype, domains, mesh);
     let set = f.add_expr(Expr {
@@ -93,7 +115,8 @@ fn reshard_input(f: &mut Fusion, consumer: ExprId, k: usize) -> Result<ExprId> {
         });
     }
     f.expr_mut(consumer).inputs[k] = y;
-    Ok(set)
+    done.insert(key, y);
+    Ok(Some(set))
 }
 
 enum Split {

@@ -5,7 +5,8 @@
 //!    resharding `set`/reduction (segmentation at resharding boundaries).
 //! 3. Emit one top-level node per expression.
 //! 4. Run the pass pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
-//!    `FuseElementwise`, `InsertDeallocations` (each can be disabled by name).
+//!    `FuseEpilogue`, `FuseElementwise`, `InsertDeallocations` (each can be disabled by
+//!    name).
 //! 5. Verify that nothing left in the program still needs a communication.
 
 mod insert_reshardings;

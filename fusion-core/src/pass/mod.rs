@@ -7,6 +7,7 @@
 
 mod convert_to_communication;
 mod fuse_elementwise;
+mod fuse_epilogue;
 mod insert_deallocations;
 mod stream_parallel_type;
 
@@ -14,6 +15,7 @@ use std::collections::BTreeSet;
 
 pub use convert_to_communication::ConvertOpToCommunication;
 pub use fuse_elementwise::FuseElementwise;
+pub use fuse_epilogue::FuseEpilogue;
 pub use insert_deallocations::InsertDeallocations;
 pub use stream_parallel_type::StreamParallelType;
 
@@ -71,11 +73,12 @@ impl PassManager {
     }
 
     /// The standard pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
-    /// `FuseElementwise`, `InsertDeallocations`.
+    /// `FuseEpilogue`, `FuseElementwise`, `InsertDeallocations`.
     pub fn standard() -> Self {
         PassManager::new(vec![
             Box::new(StreamParallelType),
             Box::new(ConvertOpToCommunication),
+            Box::new(FuseEpilogue),
             Box::new(FuseElementwise),
             Box::new(InsertDeallocations),
         ])

@@ -2,7 +2,7 @@
 //! `output`), and the per-tensor sharding rules they must keep.
 
 use super::dims::DimId;
-use super::model::{Ax, DType, Kind, Mesh, Model, Par, Tid};
+use super::model::{Ax, DType, Kind, Mesh, Model, Op, Par, Tid};
 use crate::span::SpanRange;
 
 type Result<T> = std::result::Result<T, syn::Error>;
@@ -124,7 +124,60 @@ impl Model {
         if self.tv(target).mesh != ty.mesh {
             self.tv_mut(target).mesh = ty.mesh.clone();
         }
+        if target == t {
+            self.stream_producers(target);
+        }
         Ok(target)
+    }
+
+    /// The builder's `stream_producers`: a Stream annotation on the result of an
+    /// elementwise op also streams the unannotated matmul, linear or elementwise results
+    /// it is computed from (those this op alone uses), and so settles a matmul result
+    /// that took DIDx axes from both operands.
+    fn stream_producers(&mut self, t: Tid) {
+        let Some(ei) = self.exprs.iter().rposition(|e| e.output == t) else {
+            return;
+        };
+        let e = self.exprs[ei].clone();
+        if !matches!(e.op, Op::Unary(_) | Op::Binary(_) | Op::Cast(_)) {
+            return;
+        }
+        let Some(s) = self.find_par(t, Par::Stream) else {
+            return;
+        };
+        let map = self.axis_map(&e);
+        for (i, &u) in e.inputs.iter().enumerate() {
+            let Some(q) = map[i][s] else {
+                continue;
+            };
+            let streams = self
+                .exprs
+                .iter()
+                .rev()
+                .find(|x| x.output == u)
+                .is_some_and(|x| {
+                    matches!(
+                        x.op,
+                        Op::Matmul | Op::Linear | Op::Unary(_) | Op::Binary(_) | Op::Cast(_)
+                    )
+                });
+            let only_here = self
+                .exprs
+                .iter()
+                .enumerate()
+                .all(|(j, x)| j == ei || !x.inputs.contains(&u));
+            if !streams
+                || self.declared.contains(&u)
+                || self.is_output(u)
+                || !only_here
+                || self.is_broadcast_like(u, q)
+                || self.find_par(u, Par::Stream).is_some()
+            {
+                continue;
+            }
+            self.tv_mut(u).axes[q].par = Par::Stream;
+            self.stream_producers(u);
+        }
     }
 
     /// True when `t` is annotated and already has exactly this annotation's layout, so
@@ -162,9 +215,33 @@ impl Model {
                 .filter(|&q| self.axis(t, q).par == p)
                 .collect();
             if axes.len() > 1 {
+                let idx: Vec<usize> = axes.iter().map(|&q| self.vis_index(t, q)).collect();
+                // An op result that took DIDx axes from two operands: point at the op.
+                let made = self.exprs.iter().rev().find(|e| e.output == t);
+                if let (Some(e), Par::DIDx, false) = (made, p, self.declared.contains(&t)) {
+                    let didx_axes = |x: Tid| {
+                        self.visible(x)
+                            .into_iter()
+                            .filter(|&q| self.axis(x, q).par == Par::DIDx)
+                            .count()
+                    };
+                    if e.inputs.iter().any(|&x| didx_axes(x) > 1) {
+                        // Inherited from an operand, whose error says it.
+                        return Ok(());
+                    }
+                    return Err(e.span.error(format!(
+                        "axes {idx:?} of {} are all DIDx: `{}` takes DIDx axes from two \
+                         operands, and a tensor has at most one DIDx axis (the device mesh is \
+                         1-D); annotate the result, or the elementwise op computed from it, \
+                         with one of them as the Stream axis (that operand is then gathered \
+                         chunk by chunk), e.g. `let h: Tensor<.., [d @ Stream, d @ DIDx, ..]> \
+                         = gelu(matmul(x, w));`",
+                        self.what(t),
+                        e.op.name()
+                    )));
+                }
                 let second = self.axis(t, axes[1]);
                 let span = second.origin.unwrap_or(self.tv(t).span);
-                let idx: Vec<usize> = axes.iter().map(|&q| self.vis_index(t, q)).collect();
                 return Err(span.error(format!(
                     "axes {idx:?} of {} are all {}; a tensor has at most one {} axis (the \
                      device mesh is 1-D); keep one and make the others serial",

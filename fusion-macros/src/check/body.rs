@@ -36,6 +36,8 @@ const OPS: &[OpSig] = &[
     sig("sigmoid", "x", 1, 1),
     sig("abs", "x", 1, 1),
     sig("sqrt", "x", 1, 1),
+    sig("gelu_tanh", "x", 1, 1),
+    sig("silu", "x", 1, 1),
     sig("cast", "x, dtype", 2, 2),
     sig("add", "a, b", 2, 2),
     sig("sub", "a, b", 2, 2),
@@ -63,6 +65,8 @@ fn unary(name: &str) -> Option<Unary> {
         "sigmoid" => Unary::Sigmoid,
         "abs" => Unary::Abs,
         "sqrt" => Unary::Sqrt,
+        "gelu_tanh" => Unary::GeluTanh,
+        "silu" => Unary::Silu,
         _ => return None,
     })
 }

@@ -112,6 +112,8 @@ pub enum Unary {
     Sigmoid,
     Abs,
     Sqrt,
+    GeluTanh,
+    Silu,
 }
 
 /// Binary elementwise functions.
@@ -191,6 +193,8 @@ impl Op {
                 Unary::Sigmoid => "sigmoid",
                 Unary::Abs => "abs",
                 Unary::Sqrt => "sqrt",
+                Unary::GeluTanh => "gelu_tanh",
+                Unary::Silu => "silu",
             },
             Op::Cast(_) => "cast",
             Op::Binary(b) => b.name(),

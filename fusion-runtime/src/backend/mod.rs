@@ -113,10 +113,13 @@ pub enum Kernel<'a> {
         /// The axes of `src` reduced away.
         axes: &'a [usize],
     },
-    /// Batched `dst = a @ b (+ bias)`: a `[B.., M, K]`, b `[B.., K, N]`, dst `[B.., M, N]`,
-    /// bias `[N]`; all of one rank >= 2, batch axes already broadcast (stride 0), any
-    /// strides. Accumulates in f32. With `accumulate`, `dst = dst + a @ b` (no bias): the
-    /// GEMM epilogue adds what `dst` holds, so a running sum needs no separate kernel.
+    /// Batched `dst = epilogue(a @ b (+ bias))`: a `[B.., M, K]`, b `[B.., K, N]`, dst
+    /// `[B.., M, N]`, bias `[N]`; all of one rank >= 2, batch axes already broadcast
+    /// (stride 0), any strides. Accumulates in f32; the bias and then the `epilogue`
+    /// functions apply to the f32 result, which is rounded once, to `dst`'s dtype (which
+    /// may differ from the operands'). With `accumulate`, `dst = dst + a @ b` (no bias, no
+    /// epilogue): the GEMM epilogue adds what `dst` holds, so a running sum needs no
+    /// separate kernel.
     Gemm {
         /// The left operand, `[B.., M, K]`.
         a: &'a Tensor,
@@ -126,6 +129,9 @@ pub enum Kernel<'a> {
         bias: Option<&'a Tensor>,
         /// `dst = dst + a @ b`.
         accumulate: bool,
+        /// Elementwise ops applied to the product before it is stored (in f32, rounded
+        /// once): a fused epilogue.
+        epilogue: &'a [UnaryOp],
         /// The result, `[B.., M, N]`.
         dst: &'a Tensor,
     },

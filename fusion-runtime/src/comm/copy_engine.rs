@@ -499,6 +499,25 @@ impl CopyEngine {
         Ok(())
     }
 
+    /// The stream a copy runs on: copy stream `key` after the work `own` (the iteration's
+    /// stream) has queued so far, or `own` itself.
+    fn copy_stream_after(
+        &self,
+        t: &Transfer,
+        key: Option<usize>,
+        own: crate::backend::cuda::RawStream,
+    ) -> Result<crate::backend::cuda::RawStream> {
+        match key {
+            Some(key) => {
+                let cs = self.device.copy_stream(key)?;
+                let before = self.record(t)?;
+                self.wait_on(cs, before)?;
+                Ok(cs)
+            }
+            None => Ok(own),
+        }
+    }
+
     /// Runs a group of transfers: posts first, then copies, then waits for the copies of
     /// this rank's posted buffers.
     pub(crate) fn run_group(&self, group: &[Transfer]) -> Result<()> {
@@ -574,15 +593,7 @@ impl CopyEngine {
                 CopyStreams::PerPeer => Some(peer),
             };
             let Some(slot) = slot else {
-                let raw = match copy_key {
-                    Some(key) => {
-                        let cs = self.device.copy_stream(key)?;
-                        let before = self.record(t)?;
-                        self.wait_on(cs, before)?;
-                        cs
-                    }
-                    None => own,
-                };
+                let raw = self.copy_stream_after(t, copy_key, own)?;
                 let state = ipc.as_mut().expect("an IPC transfer has IPC state");
                 let IpcState { device, peers } = &mut **state;
                 let ipc_peer = ipc_peer_of(t)
@@ -622,15 +633,7 @@ impl CopyEngine {
                     t.buf.nbytes()
                 )));
             }
-            let raw = match copy_key {
-                Some(key) => {
-                    let cs = self.device.copy_stream(key)?;
-                    let before = self.record(t)?;
-                    self.wait_on(cs, before)?;
-                    cs
-                }
-                None => own,
-            };
+            let raw = self.copy_stream_after(t, copy_key, own)?;
             if in_order && !t.sending {
                 self.after_last_inbound(raw)?;
             }

@@ -50,13 +50,7 @@ fn ipc_err(what: &str, reason: impl std::fmt::Display) -> Error {
     }
 }
 
-fn check(r: sys::CUresult, what: &str) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(ipc_err(what, format!("{r:?}")))
-    }
-}
+use crate::backend::cuda::cu_check as check;
 
 /// A file in shared memory mapped into this process.
 struct Mapping {
@@ -548,6 +542,7 @@ impl IpcPeer {
                 start,
                 health,
                 me,
+                self.peer,
                 &format!("room in rank {}'s inbox", self.peer),
             )?;
         }
@@ -587,6 +582,7 @@ impl IpcPeer {
                 start,
                 health,
                 me,
+                self.peer,
                 &format!(
                     "{what} of copy-engine transfer {} -> {} #{} (CUDA IPC)",
                     key.0, key.1, key.2
@@ -852,13 +848,13 @@ fn allocation_base(ptr: u64, rank: usize) -> Result<u64> {
 
 /// One step of a host wait: spin first, then sleep, failing on the world's failure or
 /// its timeout.
-fn pause(start: Instant, health: &WorldHealth, me: usize, what: &str) -> Result<()> {
+fn pause(start: Instant, health: &WorldHealth, me: usize, peer: usize, what: &str) -> Result<()> {
     let waited = start.elapsed();
     if waited < SPIN {
         std::hint::spin_loop();
         return Ok(());
     }
-    health.check(me)?;
+    health.check_peer(me, peer)?;
     if waited > health.timeout() {
         return Err(Error::Timeout {
             rank: me,

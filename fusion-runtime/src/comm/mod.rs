@@ -77,6 +77,9 @@ pub trait Communicator: Send + Sync {
     fn group_end(&self) -> Result<()>;
     /// Marks the world as failed by this rank, so peers stop waiting with an error.
     fn abort(&self, reason: &str);
+    /// Marks the world as failed because of rank `failed_rank` (this rank failed because
+    /// of it), so every peer names the root cause rather than this rank.
+    fn abort_for(&self, failed_rank: usize, reason: &str);
     /// Host-side allgather of small integer vectors among all ranks of the world (call
     /// metadata such as extents); returns every rank's vector in rank order. Every rank
     /// must call it at the same point of its program.

@@ -1051,6 +1051,12 @@ impl Communicator for NcclCommunicator {
         self.state.abort_all();
     }
 
+    fn abort_for(&self, failed_rank: usize, reason: &str) {
+        self.health.fail(failed_rank, reason);
+        self.host.abort_for(failed_rank, reason);
+        self.state.abort_all();
+    }
+
     fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>> {
         self.host.exchange(values)
     }

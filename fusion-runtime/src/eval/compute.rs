@@ -1,7 +1,7 @@
 //! Compute nodes: views, pointwise programs, reductions and GEMMs.
 
 use fusion_core::hir::SegmentId;
-use fusion_core::ir::{Expr, Op, TensorId};
+use fusion_core::ir::{Expr, Op, TensorId, UnaryOp};
 use fusion_core::DType;
 
 use super::Evaluator;
@@ -88,8 +88,16 @@ impl Evaluator<'_> {
                     },
                 )
             }
-            Op::Matmul => self.matmul(e),
-            Op::Linear => self.linear(e),
+            Op::Matmul => self.matmul(e, false, &[]),
+            Op::Linear => self.linear(e, &[]),
+            Op::Gemm {
+                linear: false,
+                epilogue,
+            } => self.matmul(e, epilogue.bias, &epilogue.activations),
+            Op::Gemm {
+                linear: true,
+                epilogue,
+            } => self.linear(e, &epilogue.activations),
         }
     }
 
@@ -225,15 +233,21 @@ impl Evaluator<'_> {
         })
     }
 
-    /// torch.matmul semantics, normalized to one batched GEMM. A third input (from
-    /// lowering, always the output itself) makes it `out += a @ b`.
-    fn matmul(&mut self, e: &Expr) -> Result<()> {
+    /// torch.matmul semantics, normalized to one batched GEMM. A third input is either the
+    /// output itself (from lowering: `out += a @ b`) or, with `bias`, a vector `[N]`
+    /// broadcast over the rows (a folded bias add); `epilogue` applies after it.
+    fn matmul(&mut self, e: &Expr, bias: bool, epilogue: &[UnaryOp]) -> Result<()> {
         let accumulate = match e.inputs.get(2) {
+            Some(_) if bias => false,
             Some(&c) if c == e.output => true,
             Some(_) => {
                 return Err(self.op_error(e, "the addend of a matmul must be its output".into()))
             }
             None => false,
+        };
+        let bias = match e.inputs.get(2) {
+            Some(&t) if bias => Some(self.row_vector(e, t)?),
+            _ => None,
         };
         let a0 = self.get(e.inputs[0])?.clone();
         let b0 = self.get(e.inputs[1])?.clone();
@@ -268,15 +282,35 @@ impl Evaluator<'_> {
             Kernel::Gemm {
                 a: &a,
                 b: &b,
-                bias: None,
+                bias: bias.as_ref(),
                 accumulate,
+                epilogue,
                 dst: &dst,
             },
         )
     }
 
-    /// `x @ w^T + bias`, normalized to one batched GEMM.
-    fn linear(&mut self, e: &Expr) -> Result<()> {
+    /// A bias operand as the vector `[N]` a GEMM takes: its leading axes must be of extent 1
+    /// or broadcast (stride 0).
+    fn row_vector(&self, e: &Expr, t: TensorId) -> Result<Tensor> {
+        let mut v = self.get(t)?.clone();
+        while v.rank() > 1 {
+            if v.shape()[0] != 1 && v.strides()[0] != 0 {
+                return Err(self.op_error(
+                    e,
+                    format!(
+                        "the bias {:?} is not a row vector broadcast over the rows",
+                        v.shape()
+                    ),
+                ));
+            }
+            v = v.select(0, 0)?;
+        }
+        Ok(v)
+    }
+
+    /// `epilogue(x @ w^T + bias)`, normalized to one batched GEMM.
+    fn linear(&mut self, e: &Expr, epilogue: &[UnaryOp]) -> Result<()> {
         let x = self.get(e.inputs[0])?.clone();
         let w = self.get(e.inputs[1])?.clone();
         let bias = match e.inputs.get(2) {
@@ -305,6 +339,7 @@ impl Evaluator<'_> {
                 b: &b,
                 bias: bias.as_ref(),
                 accumulate: false,
+                epilogue,
                 dst: &dst,
             },
         )

@@ -26,7 +26,7 @@ use crate::comm::ipc::{IpcDevice, IpcInfo, IpcPeer};
 use crate::comm::local::LocalCommunicator;
 use crate::comm::nccl::{
     async_error, id_bytes, id_from_bytes, init_rank, init_world, unique_id, NcclCommunicator,
-    NcclRankState, RawComm,
+    NcclRankState,
 };
 use crate::comm::remote::wire::{Reader, Writer};
 use crate::comm::Communicator;
@@ -146,63 +146,35 @@ impl RunComms for CudaComms {
             .collect();
         // The group's rank 0 makes the id; every member joins its communicator.
         let all: Vec<usize> = (0..sub_size).collect();
-        let states: Vec<Result<RawComm>> = std::thread::scope(|s| {
-            let handles: Vec<_> = members
-                .iter()
-                .zip(hosts)
-                .map(|((r, device), host)| {
-                    let all = &all;
-                    s.spawn(move || -> Result<RawComm> {
-                        device.bind_thread()?;
-                        let mine = if *r == 0 {
-                            id_bytes(&unique_id()?)
-                        } else {
-                            Vec::new()
-                        };
-                        let ids = host.share_bytes("nccl sub-world id", all, &mine)?;
-                        init_rank(device, id_from_bytes(&ids[0])?, sub_size, *r)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::World("a split thread panicked".into())))
-                })
-                .collect()
-        });
-        let states = states
+        let states = on_each(
+            members.iter().zip(hosts).collect(),
+            |((r, device), host)| {
+                device.bind_thread()?;
+                let mine = if *r == 0 {
+                    id_bytes(&unique_id()?)
+                } else {
+                    Vec::new()
+                };
+                let ids = host.share_bytes("nccl sub-world id", &all, &mine)?;
+                init_rank(device, id_from_bytes(&ids[0])?, sub_size, *r)
+            },
+        )?;
+        let states: Vec<Arc<NcclRankState>> = states
             .into_iter()
-            .map(|c| c.map(|c| Arc::new(NcclRankState::new(c))))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|c| Arc::new(NcclRankState::new(c)))
+            .collect();
         // Ranks of the sub-world in the launched world, known to every member through
         // the host (each gives its own).
         let mut ipc_ranks = vec![usize::MAX; sub_size];
-        let gathered: Vec<Result<Vec<crate::comm::local::Block>>> = std::thread::scope(|s| {
-            let handles: Vec<_> = local
-                .iter()
-                .zip(hosts)
-                .map(|(&i, host)| {
-                    let global = self.ipc_ranks[self.local[i].0];
-                    s.spawn(move || {
-                        host.host_allgather(crate::comm::local::Block {
-                            shape: vec![1],
-                            data: vec![global as f32],
-                        })
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::World("a split thread panicked".into())))
-                })
-                .collect()
-        });
+        let gathered = on_each(local.iter().zip(hosts).collect(), |(&i, host)| {
+            let global = self.ipc_ranks[self.local[i].0];
+            host.host_allgather(crate::comm::local::Block {
+                shape: vec![1],
+                data: vec![global as f32],
+            })
+        })?;
         if let Some(first) = gathered.into_iter().next() {
-            for (r, b) in first?.into_iter().enumerate() {
+            for (r, b) in first.into_iter().enumerate() {
                 ipc_ranks[r] = b.data[0] as usize;
             }
         }
@@ -247,6 +219,23 @@ impl RunComms for CudaComms {
         }
         lines
     }
+}
+
+/// Runs `f` on every item at once, one thread each (each step of a world's setup waits for
+/// the other ranks, so this process's ranks must take it together); the results in order,
+/// or the first error.
+fn on_each<I: Send, T: Send>(items: Vec<I>, f: impl Fn(I) -> Result<T> + Sync) -> Result<Vec<T>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items.into_iter().map(|x| s.spawn(move || f(x))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::World("a setup thread panicked".into())))
+            })
+            .collect()
+    })
 }
 
 /// A world of `devices` GPUs of this process (all visible ones when `None`).
@@ -493,37 +482,19 @@ pub(super) fn launched_cuda_world(
     // connect IPC peers, agree with each peer on whether IPC works both ways.
     let ipc_devices: Vec<Mutex<Option<IpcDevice>>> =
         ipc_devices.into_iter().map(Mutex::new).collect();
-    let setups: Vec<Result<(RawComm, Option<IpcState>)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = local
-            .iter()
-            .enumerate()
-            .map(|(i, (rank, device))| {
-                let (session, peers_info, hosts, ipc_devices) =
-                    (&session, &peers_info, &world_hosts, &ipc_devices);
-                s.spawn(move || -> Result<(RawComm, Option<IpcState>)> {
-                    device.bind_thread()?;
-                    let comm = init_rank(device, id, size, *rank)?;
-                    let own = ipc_devices[i]
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .take();
-                    let state = connect_ipc(*rank, device, own, session, peers_info, &hosts[i])?;
-                    Ok((comm, state))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::World("a setup thread panicked".into())))
-            })
-            .collect()
-    });
+    let setups = on_each(local.iter().enumerate().collect(), |(i, (rank, device))| {
+        device.bind_thread()?;
+        let comm = init_rank(device, id, size, *rank)?;
+        let own = ipc_devices[i]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let state = connect_ipc(*rank, device, own, &session, &peers_info, &world_hosts[i])?;
+        Ok((comm, state))
+    })?;
     let mut states = Vec::new();
     let mut ipc = Vec::new();
-    for s in setups {
-        let (comm, state) = s?;
+    for (comm, state) in setups {
         states.push(Arc::new(NcclRankState::new(comm)));
         ipc.push(state.map(|s| Arc::new(Mutex::new(s))));
     }
@@ -620,6 +591,10 @@ fn watch_failures(
             s.abort_all();
         }
     });
+    let h = health.clone();
+    session
+        .watch
+        .on_departure(move |rank, reason| h.depart(rank, reason));
     let weak_session: Weak<Session> = Arc::downgrade(session);
     let (h, st) = (health.clone(), states.to_vec());
     let first_rank = session.fabrics.first().map_or(0, |f| f.0);

@@ -370,7 +370,15 @@ impl World {
                         })) {
                             Ok(Ok(v)) => Ok(v),
                             Ok(Err(e)) => {
-                                rank.comm.abort(&format!("rank {r} failed: {e}"));
+                                match &e {
+                                    // Failed because another rank did: pass on the cause.
+                                    Error::PeerFailed {
+                                        failed_rank,
+                                        reason,
+                                        ..
+                                    } => rank.comm.abort_for(*failed_rank, reason),
+                                    _ => rank.comm.abort(&format!("rank {r} failed: {e}")),
+                                }
                                 Err(e)
                             }
                             Err(payload) => {

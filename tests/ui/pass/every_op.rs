@@ -14,7 +14,7 @@ fusion! {
     }
 
     fn unary<m>(x: Tensor<f32, [m]>) -> Tensor<f32, [m]> {
-        sqrt(abs(sigmoid(tanh(exp(gelu(relu(neg(x))))))))
+        silu(gelu_tanh(sqrt(abs(sigmoid(tanh(exp(gelu(relu(neg(x))))))))))
     }
 
     fn casts<m>(x: Tensor<f32, [m]>) -> (Tensor<bf16, [m]>, Tensor<f16, [m]>) {

@@ -38,6 +38,7 @@
 
 mod direct;
 mod exchange;
+mod gather_scatter;
 mod ring;
 mod subchunk;
 mod views;
@@ -104,6 +105,15 @@ fn group_loops(p: &HostProgram, body: Vec<Node>) -> Result<Vec<Item>> {
             _ => None,
         };
         let Some(s) = stream else {
+            // A view that does not read the open loop's results (e.g. a weight broadcast
+            // for the loop's next matmul) moves before that loop instead of closing it.
+            if let (Node::Compute(e), Some(Item::Loop(g))) = (&node, items.last()) {
+                if e.op.is_view() && e.inputs.iter().all(|t| !g.produced.contains_key(t)) {
+                    let at = items.len() - 1;
+                    items.insert(at, Item::Node(node));
+                    continue;
+                }
+            }
             items.push(Item::Node(node));
             continue;
         };
@@ -359,13 +369,24 @@ impl LoopGroup {
             );
         }
         if has_allgather && self.reduce_scatter.is_some() {
-            return Err(stream_error(
-                &p.ir,
-                self.exprs[0].0.output,
-                self.exprs[0].1,
-                "one stream loop cannot host both a P2P allgather and a P2P reduce-scatter; \
-                 split them with an unpipelined op",
-            ));
+            if let Some(reason) = gather_scatter::unsupported(p, &self, ctx, internal)? {
+                return Err(stream_error(
+                    &p.ir,
+                    self.exprs[0].0.output,
+                    self.exprs[0].1,
+                    &format!(
+                        "this stream loop gathers (P2P allgather) and reduce-scatters, but \
+                         {reason}"
+                    ),
+                ));
+            }
+            if ctx.options.reduce_scatter_pipeline == ReduceScatterPipeline::Direct {
+                tracing::debug!(
+                    "a loop that also gathers reduce-scatters in a ring: the direct pipeline's \
+                     sum after the loop would leave work after the last GEMM"
+                );
+            }
+            return gather_scatter::emit(self, p, ctx, internal);
         }
         let (pipeline, subchunks) = ctx.options.reduce_scatter_plan(p.world_size);
         if let Some(rs) = &self.reduce_scatter {

@@ -31,7 +31,7 @@ use super::{
     require_world_mesh, slice_tensor, stream_error, LoopGroup, ReduceScatterFold, Schedule, Slicer,
 };
 use crate::error::Result;
-use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
+use crate::hir::{CommBackend, ForLoop, HostProgram, Node, StreamDef, StreamId};
 use crate::ir::{axis_map, Expr, NamedScalar, Op, ParallelType, ScalarId, ScalarOp, TensorId};
 use crate::pass::PassContext;
 
@@ -129,15 +129,7 @@ pub(super) fn emit(
 
     // Buffers: running sums of steps 0..D-1 (the last step's sum is the output block).
     let (mut nodes, small) = g.allocate_outputs(p, internal, rows.as_ref(), Some(x));
-    let last_slots = p.ir.binary(ScalarOp::Sub, d, one);
-    let acc = reduce_scatter_slots(&mut p.ir, rs, last_slots);
-    if let Some(name) = p.ir.tensor(rs.expr.output).name.clone() {
-        p.ir.tensor_mut(acc).name = Some(format!("{name}_running_sums"));
-    }
-    nodes.push(Node::Allocate { tensor: acc });
-    nodes.push(Node::Allocate {
-        tensor: rs.expr.output,
-    });
+    let acc = allocate_running_sums(p, rs, d, &mut nodes);
     let original = p.new_stream(StreamDef::Captured);
     let worker = p.new_stream(StreamDef::Pool(pool_index));
     let arrived = p.new_stream(StreamDef::Pool(arrived_index));
@@ -184,35 +176,18 @@ pub(super) fn emit(
         rows: slicer.rows.as_ref(),
         zero,
     };
-    let target = sums.bind(p, step, is_last, &mut body)?;
-    let plain = Node::Compute(Expr {
-        op: Op::Matmul,
-        inputs: operands.clone(),
-        output: target,
-    });
-    let mut accumulate = operands;
-    accumulate.push(target);
-    body.push(Node::IfThenElse {
-        cond: is_first,
-        then_body: vec![plain],
-        else_body: vec![Node::Compute(Expr {
-            op: Op::Matmul,
-            inputs: accumulate,
-            output: target,
-        })],
-    });
-    let mut exchange = vec![
-        Node::SetCurrentStream { stream: worker },
-        Node::Synchronize { stream: original },
-    ];
-    let next = sums.bind(p, next_step, next_is_last, &mut exchange)?;
-    exchange.extend(coalesced_exchange(p, next, from, target, to, backend));
-    body.push(Node::IfThenElse {
-        cond: is_last,
-        then_body: Vec::new(),
-        else_body: exchange,
-    });
-    body.push(Node::SetCurrentStream { stream: original });
+    let ring_step = RingStep {
+        step,
+        is_first,
+        is_last,
+        next_step,
+        next_is_last,
+        from,
+        to,
+        worker,
+        original,
+    };
+    ring_step.emit(p, &sums, operands, backend, &mut body)?;
     nodes.push(Node::ForLoop(ForLoop {
         index,
         axis: loop_axis,
@@ -225,8 +200,100 @@ pub(super) fn emit(
     Ok(nodes)
 }
 
+/// Allocates (into `nodes`) the running sums of a ring over `d` devices, `d - 1` blocks
+/// (the last step's sum is this device's block of the output), and the output itself.
+pub(super) fn allocate_running_sums(
+    p: &mut HostProgram,
+    rs: &ReduceScatterFold,
+    d: ScalarId,
+    nodes: &mut Vec<Node>,
+) -> TensorId {
+    let one = p.ir.constant(1);
+    let last_slots = p.ir.binary(ScalarOp::Sub, d, one);
+    let acc = reduce_scatter_slots(&mut p.ir, rs, last_slots);
+    if let Some(name) = p.ir.tensor(rs.expr.output).name.clone() {
+        p.ir.tensor_mut(acc).name = Some(format!("{name}_running_sums"));
+    }
+    nodes.push(Node::Allocate { tensor: acc });
+    nodes.push(Node::Allocate {
+        tensor: rs.expr.output,
+    });
+    acc
+}
+
+/// One ring step once its GEMM's operands are bound: the GEMM onto the running sum of
+/// `step` (this device's output block when `is_last`; a plain GEMM when `is_first`), then,
+/// unless `is_last`, on the iteration's pool stream after the GEMM, the exchange that sends
+/// the new sum to `to` and receives the sum of `next_step` from `from`.
+pub(super) struct RingStep {
+    pub(super) step: ScalarId,
+    pub(super) is_first: ScalarId,
+    pub(super) is_last: ScalarId,
+    pub(super) next_step: ScalarId,
+    pub(super) next_is_last: ScalarId,
+    pub(super) from: ScalarId,
+    pub(super) to: ScalarId,
+    pub(super) worker: StreamId,
+    pub(super) original: StreamId,
+}
+
+impl RingStep {
+    pub(super) fn emit(
+        &self,
+        p: &mut HostProgram,
+        sums: &RunningSums,
+        operands: Vec<TensorId>,
+        backend: CommBackend,
+        body: &mut Vec<Node>,
+    ) -> Result<()> {
+        let target = sums.bind(p, self.step, self.is_last, body)?;
+        let plain = Node::Compute(Expr {
+            op: Op::Matmul,
+            inputs: operands.clone(),
+            output: target,
+        });
+        let mut accumulate = operands;
+        accumulate.push(target);
+        body.push(Node::IfThenElse {
+            cond: self.is_first,
+            then_body: vec![plain],
+            else_body: vec![Node::Compute(Expr {
+                op: Op::Matmul,
+                inputs: accumulate,
+                output: target,
+            })],
+        });
+        let mut exchange = vec![
+            Node::SetCurrentStream {
+                stream: self.worker,
+            },
+            Node::Synchronize {
+                stream: self.original,
+            },
+        ];
+        let next = sums.bind(p, self.next_step, self.next_is_last, &mut exchange)?;
+        exchange.extend(coalesced_exchange(
+            p, next, self.from, target, self.to, backend,
+        ));
+        body.push(Node::IfThenElse {
+            cond: self.is_last,
+            then_body: Vec::new(),
+            else_body: exchange,
+        });
+        body.push(Node::SetCurrentStream {
+            stream: self.original,
+        });
+        Ok(())
+    }
+}
+
 /// `t` without its DIDx axis (a local extent-1 axis), as a view; `t` if it has none.
-fn drop_didx(p: &mut HostProgram, t: TensorId, zero: ScalarId, body: &mut Vec<Node>) -> TensorId {
+pub(super) fn drop_didx(
+    p: &mut HostProgram,
+    t: TensorId,
+    zero: ScalarId,
+    body: &mut Vec<Node>,
+) -> TensorId {
     let Some(q) = p.ir.find_parallel_axis(t, ParallelType::DIDx) else {
         return t;
     };
@@ -242,22 +309,29 @@ fn drop_didx(p: &mut HostProgram, t: TensorId, zero: ScalarId, body: &mut Vec<No
 
 /// The running sums of a ring: `acc[j]` for steps before the last, this device's block of
 /// the output for the last; each narrowed to the iteration's rows when sub-chunked.
-struct RunningSums<'a> {
-    acc: TensorId,
-    rs: &'a ReduceScatterFold,
-    rows: Option<&'a RowSlicing>,
-    zero: ScalarId,
+pub(super) struct RunningSums<'a> {
+    pub(super) acc: TensorId,
+    pub(super) rs: &'a ReduceScatterFold,
+    pub(super) rows: Option<&'a RowSlicing>,
+    pub(super) zero: ScalarId,
+}
+
+/// The tensors one binding of a running sum creates.
+struct SumViews {
+    /// `acc` without its slot axis, and the output without its DIDx axis.
+    slot: TensorId,
+    block: TensorId,
+    /// Position of the slot axis in `acc`.
+    slot_pos: usize,
+    /// The row axis in the block and in a slot, with the block's row extent; `None`
+    /// without sub-chunks.
+    rows: Option<(usize, usize, ScalarId)>,
+    /// What the running sum is bound to: `slot` itself, or its rows.
+    view: TensorId,
 }
 
 impl RunningSums<'_> {
-    /// Binds (in both branches of `IF is_last`) one view: the running sum of step `step`.
-    fn bind(
-        &self,
-        p: &mut HostProgram,
-        step: ScalarId,
-        is_last: ScalarId,
-        body: &mut Vec<Node>,
-    ) -> Result<TensorId> {
+    fn views(&self, p: &mut HostProgram) -> Result<SumViews> {
         let out = self.rs.expr.output;
         let out_didx = self.rs.out_didx;
         // The slot axis of `acc` sits where the output block has its reduction axis; the
@@ -266,22 +340,13 @@ impl RunningSums<'_> {
         let slot = slice_tensor(&mut p.ir, self.acc, slot_pos);
         let block = slice_tensor(&mut p.ir, out, out_didx);
         let Some(rows) = self.rows else {
-            body.push(Node::IfThenElse {
-                cond: is_last,
-                then_body: vec![Node::AliasSelect {
-                    input: out,
-                    output: slot,
-                    axis: out_didx,
-                    index: self.zero,
-                }],
-                else_body: vec![Node::AliasSelect {
-                    input: self.acc,
-                    output: slot,
-                    axis: slot_pos,
-                    index: step,
-                }],
+            return Ok(SumViews {
+                slot,
+                block,
+                slot_pos,
+                rows: None,
+                view: slot,
             });
-            return Ok(slot);
         };
         let row_in_block = (0..p.ir.tensor(block).axes.len())
             .find(|&q| q != slot_pos && !p.ir.axis(block, q).is_reduction())
@@ -302,41 +367,68 @@ impl RunningSums<'_> {
         let (start, stop) = rows.range(&mut p.ir, extent);
         let len = p.ir.binary(ScalarOp::Sub, stop, start);
         let view = super::subchunk::narrowed(&mut p.ir, slot, row_in_slot, len);
-        let mut then_body = vec![Node::AliasSelect {
-            input: out,
-            output: block,
-            axis: out_didx,
-            index: self.zero,
-        }];
-        rows.emit_into(
-            p,
-            block,
-            row_in_block,
-            extent,
-            false,
-            Some(view),
-            &mut then_body,
-        );
-        let mut else_body = vec![Node::AliasSelect {
-            input: self.acc,
-            output: slot,
-            axis: slot_pos,
-            index: step,
-        }];
-        rows.emit_into(
-            p,
+        Ok(SumViews {
             slot,
-            row_in_slot,
-            extent,
-            false,
-            Some(view),
-            &mut else_body,
-        );
+            block,
+            slot_pos,
+            rows: Some((row_in_block, row_in_slot, extent)),
+            view,
+        })
+    }
+
+    /// Binds `v.view` to the running sum of `step` (`acc[step]`, its rows).
+    fn emit_slot(&self, p: &mut HostProgram, v: &SumViews, step: ScalarId, body: &mut Vec<Node>) {
+        body.push(Node::AliasSelect {
+            input: self.acc,
+            output: v.slot,
+            axis: v.slot_pos,
+            index: step,
+        });
+        if let (Some(rows), Some((_, row_in_slot, extent))) = (self.rows, v.rows) {
+            rows.emit_into(p, v.slot, row_in_slot, extent, false, Some(v.view), body);
+        }
+    }
+
+    /// Binds `v.view` to this device's block of the output (its rows).
+    fn emit_block(&self, p: &mut HostProgram, v: &SumViews, body: &mut Vec<Node>) {
+        let out = self.rs.expr.output;
+        match (self.rows, v.rows) {
+            (Some(rows), Some((row_in_block, _, extent))) => {
+                body.push(Node::AliasSelect {
+                    input: out,
+                    output: v.block,
+                    axis: self.rs.out_didx,
+                    index: self.zero,
+                });
+                rows.emit_into(p, v.block, row_in_block, extent, false, Some(v.view), body);
+            }
+            _ => body.push(Node::AliasSelect {
+                input: out,
+                output: v.view,
+                axis: self.rs.out_didx,
+                index: self.zero,
+            }),
+        }
+    }
+
+    /// Binds (in both branches of `IF is_last`) one view: the running sum of step `step`.
+    pub(super) fn bind(
+        &self,
+        p: &mut HostProgram,
+        step: ScalarId,
+        is_last: ScalarId,
+        body: &mut Vec<Node>,
+    ) -> Result<TensorId> {
+        let v = self.views(p)?;
+        let mut then_body = Vec::new();
+        self.emit_block(p, &v, &mut then_body);
+        let mut else_body = Vec::new();
+        self.emit_slot(p, &v, step, &mut else_body);
         body.push(Node::IfThenElse {
             cond: is_last,
             then_body,
             else_body,
         });
-        Ok(view)
+        Ok(v.view)
     }
 }

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 
 use ::gemm::Parallelism;
+use fusion_core::ir::UnaryOp;
 
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -158,16 +159,20 @@ fn multiply(d: Dims, a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// Batched `dst = a @ b (+ bias)`: a `[B.., M, K]`, b `[B.., K, N]`, dst `[B.., M, N]`.
+/// Batched `dst = epilogue(a @ b (+ bias))`: a `[B.., M, K]`, b `[B.., K, N]`, dst
+/// `[B.., M, N]`; the epilogue runs in f32 and `dst` is rounded once (see `Kernel::Gemm`).
 pub(super) fn gemm(
     a: &Tensor,
     b: &Tensor,
     bias: Option<&Tensor>,
     accumulate: bool,
+    epilogue: &[UnaryOp],
     dst: &Tensor,
 ) -> Result<()> {
-    if accumulate && bias.is_some() {
-        return Err(cpu_err("gemm: a bias and accumulate cannot be combined"));
+    if accumulate && (bias.is_some() || !epilogue.is_empty()) {
+        return Err(cpu_err(
+            "gemm: a bias or an epilogue cannot be combined with accumulate",
+        ));
     }
     let d = validate(a, b, bias, dst)?;
     if d.batches == 0 || d.m == 0 || d.n == 0 {
@@ -187,6 +192,10 @@ pub(super) fn gemm(
         for row in out.chunks_mut(d.n) {
             row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
         }
+    }
+    for &op in epilogue {
+        out.iter_mut()
+            .for_each(|o| *o = op.apply_f64(f64::from(*o)) as f32);
     }
     dst.write_f32(&out)
 }
@@ -236,6 +245,7 @@ mod tests {
                 b,
                 bias,
                 accumulate: false,
+                epilogue: &[],
                 dst: &dst,
             },
         )
@@ -327,6 +337,7 @@ mod tests {
                     b: &b,
                     bias: Some(&bias),
                     accumulate: false,
+                    epilogue: &[],
                     dst: &dst,
                 },
             )
@@ -354,6 +365,7 @@ mod tests {
                     b: &b,
                     bias: None,
                     accumulate: false,
+                    epilogue: &[],
                     dst: &dst,
                 },
             )
@@ -393,6 +405,7 @@ mod tests {
                     b: &b,
                     bias: None,
                     accumulate: false,
+                    epilogue: &[],
                     dst: &dst,
                 },
             )
@@ -406,6 +419,7 @@ mod tests {
                     b: &b,
                     bias: None,
                     accumulate: false,
+                    epilogue: &[],
                     dst: &dst,
                 },
             )
@@ -426,6 +440,7 @@ mod tests {
                     b: &t(b),
                     bias: bias.as_ref(),
                     accumulate: false,
+                    epilogue: &[],
                     dst: &t(d),
                 },
             )
@@ -452,5 +467,40 @@ mod tests {
         assert!(run(&[2, 3], &[3, 4], Some(&[1, 4]), &[2, 4])
             .unwrap_err()
             .contains("bias"));
+    }
+
+    #[test]
+    fn epilogues_apply_in_f32_after_the_bias() {
+        let dev = CpuDevice::new(0);
+        let (a, b) = (
+            Tensor::randn(&[4, 6], DType::BF16, 7),
+            Tensor::randn(&[6, 5], DType::BF16, 8),
+        );
+        let bias = Tensor::randn(&[5], DType::BF16, 9);
+        let ops = [UnaryOp::GeluTanh, UnaryOp::Silu];
+        let dst = dev.allocate(0, DType::F32, &[4, 5]).unwrap();
+        let run = |accumulate: bool, dst: &Tensor| {
+            dev.execute(
+                0,
+                Kernel::Gemm {
+                    a: &a,
+                    b: &b,
+                    bias: Some(&bias),
+                    accumulate,
+                    epilogue: &ops,
+                    dst,
+                },
+            )
+        };
+        run(false, &dst).unwrap();
+        let want: Vec<f64> = reference(&a, &b, Some(&bias))
+            .iter()
+            .map(|&v| ops.iter().fold(v, |x, op| op.apply_f64(x)))
+            .collect();
+        let got = dst.to_f32_vec().unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((f64::from(*g) - w).abs() < 1e-5, "{g} vs {w}");
+        }
+        assert!(run(true, &dst).is_err(), "no epilogue on a running sum");
     }
 }

@@ -144,8 +144,9 @@ impl Device for CpuDevice {
                 b,
                 bias,
                 accumulate,
+                epilogue,
                 dst,
-            } => matmul::gemm(a, b, bias, accumulate, dst),
+            } => matmul::gemm(a, b, bias, accumulate, epilogue, dst),
         }
     }
 

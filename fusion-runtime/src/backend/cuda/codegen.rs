@@ -58,6 +58,10 @@ fn unary(op: UnaryOp, x: &str) -> String {
         UnaryOp::Sigmoid => format!("(1.0f / (1.0f + expf(-{x})))"),
         UnaryOp::Abs => format!("fabsf({x})"),
         UnaryOp::Sqrt => format!("sqrtf({x})"),
+        UnaryOp::GeluTanh => format!(
+            "(0.5f * {x} * (1.0f + tanhf(0.7978845608028654f * ({x} + 0.044715f * {x} * {x} * {x}))))"
+        ),
+        UnaryOp::Silu => format!("({x} / (1.0f + expf(-{x})))"),
     }
 }
 

@@ -1,5 +1,6 @@
 //! One GPU as a [`Device`]: its context, a main stream and a pool of worker streams, one
-//! event per stream for cross-stream waits, and one cuBLAS handle per stream.
+//! event per stream for cross-stream waits, one cuBLAS handle per stream, and cuBLASLt
+//! GEMM plans.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -10,6 +11,7 @@ use fusion_core::DType;
 
 use super::kernels::KernelCache;
 use super::libs::driver_err;
+use super::lt::LtPlans;
 use super::memory::{CudaBuffer, RawStream};
 use super::shared::SharedArena;
 use super::{gemm, health::WorldHealth};
@@ -61,6 +63,8 @@ pub struct CudaDevice {
     /// Streams outside the pool for copy-engine transfers, by key (a peer, or one shared).
     copy_streams: Mutex<std::collections::HashMap<usize, RawStream>>,
     pub(crate) kernels: KernelCache,
+    /// cuBLASLt handle, GEMM plans and workspaces.
+    pub(crate) lt: LtPlans,
     poison: bool,
     health: Arc<WorldHealth>,
     /// Memory peers in other processes map (launched worlds with such peers).
@@ -94,6 +98,7 @@ impl CudaDevice {
             markers: Mutex::new((Vec::new(), Vec::new())),
             copy_streams: Mutex::new(std::collections::HashMap::new()),
             kernels: KernelCache::new(ordinal),
+            lt: LtPlans::new(),
             poison: std::env::var("FUSION_POISON").is_ok_and(|v| v == "1"),
             health,
             arena: std::sync::OnceLock::new(),
@@ -305,6 +310,8 @@ impl Drop for CudaDevice {
                 let _ = result::stream::destroy(s.stream.0);
             }
         }
+        // Every stream is idle now: free the GEMM plans' workspaces.
+        self.lt.release();
     }
 }
 
@@ -490,8 +497,20 @@ impl Device for CudaDevice {
                 b,
                 bias,
                 accumulate,
+                epilogue,
                 dst,
-            } => gemm::gemm(self, stream, a, b, bias, accumulate, dst),
+            } => gemm::gemm(
+                self,
+                stream,
+                gemm::GemmArgs {
+                    a,
+                    b,
+                    bias,
+                    accumulate,
+                    epilogue,
+                    dst,
+                },
+            ),
         }
     }
 

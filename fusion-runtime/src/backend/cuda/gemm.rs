@@ -1,4 +1,6 @@
-//! Batched GEMM on cuBLAS (`cublasGemmStridedBatchedEx`, f32 accumulation).
+//! Batched GEMM: cuBLASLt from cached plans with the epilogue in the GEMM (`lt`) where
+//! it applies, else cuBLAS (`cublasGemmStridedBatchedEx`, f32 accumulation) and a
+//! generated kernel for the epilogue.
 //!
 //! Tensors are row-major strided views; cuBLAS is column-major. A row-major matrix with a
 //! unit column stride is, to cuBLAS, its transpose with leading dimension = row stride;
@@ -12,8 +14,11 @@ use std::ffi::c_void;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use fusion_core::DType;
 
+use fusion_core::ir::{BinaryOp, UnaryOp};
+
 use super::device::CudaDevice;
-use crate::backend::{Device, Kernel, StreamHandle};
+use super::lt::{LtEpilogue, LtMatrix, LtProblem};
+use crate::backend::{Device, Kernel, PointwiseInstr, PointwiseProgram, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -72,18 +77,24 @@ fn matrix(dev: &CudaDevice, stream: StreamHandle, t: &Tensor) -> Result<(Tensor,
     Ok((c, l))
 }
 
-/// `dst = a @ b (+ bias)`, or `dst += a @ b` with `accumulate`; see [`Kernel::Gemm`].
-pub(crate) fn gemm(
-    dev: &CudaDevice,
-    stream: StreamHandle,
-    a: &Tensor,
-    b: &Tensor,
-    bias: Option<&Tensor>,
-    accumulate: bool,
-    dst: &Tensor,
-) -> Result<()> {
-    if accumulate && bias.is_some() {
-        return Err(err("gemm: a bias and accumulate cannot be combined".into()));
+/// The operands of one [`Kernel::Gemm`].
+#[derive(Clone, Copy)]
+pub(crate) struct GemmArgs<'a> {
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub bias: Option<&'a Tensor>,
+    pub accumulate: bool,
+    pub epilogue: &'a [UnaryOp],
+    pub dst: &'a Tensor,
+}
+
+/// Checks ranks, shapes and dtypes of a GEMM.
+fn validate(g: &GemmArgs) -> Result<()> {
+    let (a, b, dst) = (g.a, g.b, g.dst);
+    if g.accumulate && (g.bias.is_some() || !g.epilogue.is_empty()) {
+        return Err(err(
+            "gemm: a bias or an epilogue cannot be combined with accumulate".into(),
+        ));
     }
     let r = dst.rank();
     if r < 2 || a.rank() != r || b.rank() != r {
@@ -108,17 +119,182 @@ pub(crate) fn gemm(
             dst.shape()
         )));
     }
-    if a.dtype() != b.dtype() || a.dtype() != dst.dtype() {
+    if a.dtype() != b.dtype() {
         return Err(err(format!(
-            "gemm: dtypes {} @ {} -> {} must agree",
+            "gemm: operand dtypes {} and {} must agree",
             a.dtype(),
-            b.dtype(),
-            dst.dtype()
+            b.dtype()
         )));
     }
-    if dst.numel() == 0 {
+    if let Some(bias) = g.bias {
+        if bias.shape() != [n] {
+            return Err(err(format!(
+                "gemm: bias {:?} must be [N] = [{n}]",
+                bias.shape()
+            )));
+        }
+    }
+    if g.accumulate && dst.dtype() != a.dtype() {
+        return Err(err(format!(
+            "gemm: accumulating into {} from {} operands",
+            dst.dtype(),
+            a.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// True when cuBLAS stores a product of `input` operands in `output` directly.
+fn direct_output(input: DType, output: DType) -> bool {
+    input == output || output == DType::F32
+}
+
+/// `dst = epilogue(a @ b (+ bias))`, or `dst += a @ b` with `accumulate`; see
+/// [`Kernel::Gemm`]. cuBLASLt from a cached plan with the epilogue in the GEMM where it
+/// can; else cuBLAS, and for an epilogue (or output dtype) cuBLAS cannot store, the product
+/// in f32 and one generated kernel for the rest (the same f32 semantics as cuBLASLt's
+/// epilogue and the CPU backend).
+pub(crate) fn gemm(dev: &CudaDevice, stream: StreamHandle, g: GemmArgs) -> Result<()> {
+    validate(&g)?;
+    if g.dst.numel() == 0 {
         return Ok(());
     }
+    if let Some(ep) = LtEpilogue::of(g.epilogue) {
+        if direct_output(g.a.dtype(), g.dst.dtype())
+            && g.bias.is_none_or(|b| b.dtype() == g.dst.dtype())
+            && lt_gemm(dev, stream, &g, ep)?
+        {
+            return Ok(());
+        }
+    }
+    if g.epilogue.is_empty() && direct_output(g.a.dtype(), g.dst.dtype()) {
+        return cublas_gemm(dev, stream, g.a, g.b, g.bias, g.accumulate, g.dst);
+    }
+    // The product in f32 (cuBLASLt or cuBLAS), then bias and activations in one kernel.
+    let product = dev.alloc_tensor(stream, DType::F32, g.dst.shape())?;
+    let plain = GemmArgs {
+        bias: None,
+        epilogue: &[],
+        dst: &product,
+        ..g
+    };
+    if !lt_gemm(dev, stream, &plain, LtEpilogue::None)? {
+        cublas_gemm(dev, stream, g.a, g.b, None, false, &product)?;
+    }
+    let shape = g.dst.shape().to_vec();
+    let mut inputs = vec![product];
+    let mut instrs = Vec::new();
+    let mut reg = 0;
+    if let Some(bias) = g.bias {
+        inputs.push(
+            bias.expand(&shape)
+                .map_err(|e| err(format!("gemm bias: {e}")))?,
+        );
+        instrs.push(PointwiseInstr::Binary(BinaryOp::Add, 0, 1));
+    }
+    let n_in = inputs.len();
+    if !instrs.is_empty() {
+        reg = n_in;
+    }
+    for &op in g.epilogue {
+        instrs.push(PointwiseInstr::Unary(op, reg));
+        reg = n_in + instrs.len() - 1;
+    }
+    let program = PointwiseProgram {
+        shape,
+        inputs,
+        instrs,
+        outputs: vec![(g.dst.clone(), reg)],
+    };
+    dev.execute(stream, Kernel::Pointwise(&program))
+}
+
+/// `g` through cuBLASLt when it is one 2-D GEMM (batch axes of extent 1) whose operands
+/// need no copy and whose output has unit column stride; `Ok(false)` otherwise.
+fn lt_gemm(dev: &CudaDevice, stream: StreamHandle, g: &GemmArgs, ep: LtEpilogue) -> Result<bool> {
+    let r = g.dst.rank();
+    if g.dst.shape()[..r - 2].iter().any(|&e| e != 1) {
+        return Ok(false);
+    }
+    let matrix = |t: &Tensor| -> Result<Tensor> {
+        let mut v = t.clone();
+        while v.rank() > 2 {
+            v = v.select(0, 0)?;
+        }
+        Ok(v)
+    };
+    let (a, b, d) = (matrix(g.a)?, matrix(g.b)?, matrix(g.dst)?);
+    let (m, n, k) = (d.shape()[0], d.shape()[1], a.shape()[1]);
+    if k == 0 {
+        return Ok(false);
+    }
+    let (Some(la), Some(lb), Some(Layout::RowMajor { ld: ldd })) = (
+        layout(m, k, a.strides()[0], a.strides()[1]),
+        layout(k, n, b.strides()[0], b.strides()[1]),
+        layout(m, n, d.strides()[0], d.strides()[1]),
+    ) else {
+        return Ok(false);
+    };
+    // Column-major, Dᵀ (n x m) = op(B') op(A'): a row-major matrix is its transpose to
+    // cuBLASLt, so a row-major operand is used as stored and a column-major one transposed.
+    let operand = |l: Layout, rows: usize, cols: usize| match l {
+        Layout::RowMajor { ld } => LtMatrix {
+            rows: cols as u64,
+            cols: rows as u64,
+            ld,
+            transposed: false,
+        },
+        Layout::ColMajor { ld } => LtMatrix {
+            rows: rows as u64,
+            cols: cols as u64,
+            ld,
+            transposed: true,
+        },
+    };
+    let ptr = |t: &Tensor| {
+        t.device_ptr()
+            .ok_or_else(|| err("gemm: an operand is not on the device".into()))
+    };
+    let problem = LtProblem {
+        a: operand(lb, k, n),
+        b: operand(la, m, k),
+        d: LtMatrix {
+            rows: n as u64,
+            cols: m as u64,
+            ld: ldd,
+            transposed: false,
+        },
+        in_dtype: a.dtype(),
+        out_dtype: d.dtype(),
+        epilogue: ep,
+        a_ptr: ptr(&b)?,
+        b_ptr: ptr(&a)?,
+        d_ptr: ptr(&d)?,
+        bias_ptr: match g.bias {
+            Some(bias) if bias.strides()[0] == 1 || n == 1 => Some(ptr(bias)?),
+            Some(_) => return Ok(false),
+            None => None,
+        },
+        accumulate: g.accumulate,
+    };
+    let raw = dev.raw_stream(stream)?;
+    dev.shared().bind()?;
+    dev.lt.matmul(stream, raw, &problem)
+}
+
+/// `dst = a @ b (+ bias)`, or `dst += a @ b` with `accumulate`, on cuBLAS (any batch and
+/// strides; shapes checked by [`validate`]; `dst` in the operands' dtype or f32).
+fn cublas_gemm(
+    dev: &CudaDevice,
+    stream: StreamHandle,
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    accumulate: bool,
+    dst: &Tensor,
+) -> Result<()> {
+    let r = dst.rank();
+    let (m, n, k) = (dst.shape()[r - 2], dst.shape()[r - 1], a.shape()[r - 1]);
     // Bias: prefill the output and accumulate onto it.
     let beta: f32 = match bias {
         Some(bias) => {

@@ -11,18 +11,9 @@ use cudarc::driver::sys;
 
 use super::device::{CudaDevice, DeviceShared};
 use crate::backend::DeviceGraph;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
-fn check(r: sys::CUresult, what: &str) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Backend {
-            backend: "cuda",
-            reason: format!("{what}: {r:?}"),
-        })
-    }
-}
+use super::libs::cu_check as check;
 
 /// An instantiated graph of one rank's call, launched on the rank's main stream.
 pub(crate) struct CudaGraph {

@@ -10,6 +10,8 @@ use crate::error::{Error, Result};
 #[derive(Debug)]
 pub(crate) struct WorldHealth {
     failed: Mutex<Option<(usize, String)>>,
+    /// Ranks of other processes that ended their part (waits for them cannot complete).
+    departed: Mutex<std::collections::HashMap<usize, String>>,
     timeout: Mutex<Duration>,
 }
 
@@ -17,6 +19,7 @@ impl WorldHealth {
     pub(crate) fn new(timeout: Duration) -> Self {
         WorldHealth {
             failed: Mutex::new(None),
+            departed: Mutex::new(std::collections::HashMap::new()),
             timeout: Mutex::new(timeout),
         }
     }
@@ -48,6 +51,32 @@ impl WorldHealth {
                 rank,
                 failed_rank,
                 reason,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Records that `rank` (of another process) has left the world.
+    pub(crate) fn depart(&self, rank: usize, reason: &str) {
+        self.departed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(rank, reason.to_string());
+    }
+
+    /// [`Self::check`], and `Err(PeerFailed)` when `peer` has left the world.
+    pub(crate) fn check_peer(&self, rank: usize, peer: usize) -> Result<()> {
+        self.check(rank)?;
+        match self
+            .departed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&peer)
+        {
+            Some(reason) => Err(Error::PeerFailed {
+                rank,
+                failed_rank: peer,
+                reason: reason.clone(),
             }),
             None => Ok(()),
         }

@@ -76,6 +76,18 @@ fn first_missing(found: Presence) -> Option<Error> {
     })
 }
 
+/// A raw driver result as this crate's result (`what` names the call).
+pub(crate) fn cu_check(r: cudarc::driver::sys::CUresult, what: &str) -> Result<()> {
+    if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Backend {
+            backend: "cuda",
+            reason: format!("{what}: {r:?}"),
+        })
+    }
+}
+
 /// A driver error as a backend error.
 pub(crate) fn driver_err(what: &str, e: cudarc::driver::DriverError) -> Error {
     Error::Backend {

@@ -3,7 +3,8 @@
 //!
 //! One [`CudaDevice`] per GPU, driven by one rank thread; kernels for elementwise ops,
 //! reductions and copies are generated, compiled with NVRTC once per process and cached;
-//! matmul and linear go to cuBLAS with f32 accumulation. NCCL communication lives in
+//! matmul and linear go to cuBLASLt (cached plans, epilogues in the GEMM) or cuBLAS, with
+//! f32 accumulation. NCCL communication lives in
 //! `comm::nccl`.
 
 mod codegen;
@@ -14,11 +15,13 @@ pub(crate) mod health;
 mod kernels;
 mod layout;
 mod libs;
+mod lt;
 mod memory;
 pub(crate) mod shared;
 mod user_buffers;
 
 pub use device::CudaDevice;
+pub(crate) use libs::cu_check;
 pub use libs::{check_libraries, device_count, driver_present};
 pub use user_buffers::CudaElement;
 

@@ -17,19 +17,10 @@ use cudarc::driver::sys;
 
 use super::device::DeviceShared;
 use super::memory::RawStream;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::DeviceBuffer;
 
-fn check(r: sys::CUresult, what: &str) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Backend {
-            backend: "cuda",
-            reason: format!("{what}: {r:?}"),
-        })
-    }
-}
+use super::libs::cu_check as check;
 
 /// One exported chunk of device memory.
 #[derive(Debug)]

@@ -83,6 +83,9 @@ struct Slot {
 #[derive(Default)]
 struct State {
     failed: Option<(usize, String)>,
+    /// Ranks of the launched world (space 0) that have left it, and why: a wait that needs
+    /// one of them fails, naming it, while waits that no longer need it complete.
+    departed: HashMap<usize, String>,
     slots: HashMap<SlotKey, Slot>,
     mailboxes: HashMap<(u64, usize, usize), VecDeque<Arc<Block>>>,
 }
@@ -91,6 +94,20 @@ struct State {
 enum Stop {
     Failed(usize, String),
     TimedOut,
+}
+
+/// The departed rank (and why) among `ranks` of space `space`, if any.
+fn departed_among(
+    st: &State,
+    space: u64,
+    ranks: impl IntoIterator<Item = usize>,
+) -> Option<(usize, String)> {
+    if space != 0 || st.departed.is_empty() {
+        return None;
+    }
+    ranks
+        .into_iter()
+        .find_map(|r| st.departed.get(&r).map(|why| (r, why.clone())))
 }
 
 /// Shared by all ranks of one world run: where their communicators meet.
@@ -151,6 +168,16 @@ impl LocalFabric {
         self.changed.notify_all();
     }
 
+    /// Records that rank `rank` of the launched world has left it (its process ended its
+    /// part cleanly): waits that still need it fail, naming it; the world stays healthy for
+    /// the others.
+    pub fn depart(&self, rank: usize, reason: &str) {
+        let mut st = self.lock();
+        st.departed.insert(rank, reason.to_string());
+        drop(st);
+        self.changed.notify_all();
+    }
+
     /// The rank that failed the world and why, if one did.
     pub fn failure(&self) -> Option<(usize, String)> {
         self.lock().failed.clone()
@@ -160,21 +187,26 @@ impl LocalFabric {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Waits (releasing the lock) until `ready` yields, the world fails or time runs out.
-    /// A failure wins over a ready condition, so every wait after a failure reports it.
+    /// Waits (releasing the lock) until `ready` yields, the world fails, a rank the wait
+    /// needs has departed (`blocked_by`), or time runs out. What is ready is delivered even
+    /// after a failure: its data is complete; the next wait that is not ready reports it.
     fn wait_until<'a, T>(
         &'a self,
         mut st: MutexGuard<'a, State>,
         mut ready: impl FnMut(&mut State) -> Option<T>,
+        blocked_by: impl Fn(&State) -> Option<(usize, String)>,
     ) -> (MutexGuard<'a, State>, std::result::Result<T, Stop>) {
         let deadline = Instant::now() + self.timeout;
         loop {
+            if let Some(t) = ready(&mut st) {
+                return (st, Ok(t));
+            }
             if let Some((rank, reason)) = &st.failed {
                 let stop = Stop::Failed(*rank, reason.clone());
                 return (st, Err(stop));
             }
-            if let Some(t) = ready(&mut st) {
-                return (st, Ok(t));
+            if let Some((rank, reason)) = blocked_by(&st) {
+                return (st, Err(Stop::Failed(rank, reason)));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -222,15 +254,29 @@ impl LocalFabric {
             });
         }
         self.changed.notify_all();
-        let (mut st, outcome) = self.wait_until(st, |st| {
-            let slot = st.slots.get(key)?;
-            (slot.deposits.len() == members.len()).then(|| {
-                members
-                    .iter()
-                    .filter_map(|m| Some((*m, slot.deposits.get(m)?.clone())))
-                    .collect::<Vec<_>>()
-            })
-        });
+        let (mut st, outcome) = self.wait_until(
+            st,
+            |st| {
+                let slot = st.slots.get(key)?;
+                (slot.deposits.len() == members.len()).then(|| {
+                    members
+                        .iter()
+                        .filter_map(|m| Some((*m, slot.deposits.get(m)?.clone())))
+                        .collect::<Vec<_>>()
+                })
+            },
+            |st| {
+                let slot = st.slots.get(key);
+                departed_among(
+                    st,
+                    key.space,
+                    members
+                        .iter()
+                        .copied()
+                        .filter(|m| slot.is_none_or(|s| !s.deposits.contains_key(m))),
+                )
+            },
+        );
         let missing: Vec<usize> = match st.slots.get(key) {
             Some(slot) => members
                 .iter()
@@ -277,9 +323,11 @@ impl LocalFabric {
     /// See [`Fabric::take`].
     pub fn take(&self, space: u64, from: usize, to: usize) -> Result<Arc<Block>> {
         let st = self.lock();
-        let (_st, outcome) = self.wait_until(st, |st| {
-            st.mailboxes.get_mut(&(space, from, to))?.pop_front()
-        });
+        let (_st, outcome) = self.wait_until(
+            st,
+            |st| st.mailboxes.get_mut(&(space, from, to))?.pop_front(),
+            |st| departed_among(st, space, [from]),
+        );
         outcome.map_err(|stop| self.stop_error(to, stop, format!("recv from rank {from}")))
     }
 

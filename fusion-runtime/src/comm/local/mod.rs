@@ -335,6 +335,10 @@ impl Communicator for LocalCommunicator {
         self.fabric.fail(self.member.world_rank, reason);
     }
 
+    fn abort_for(&self, failed_rank: usize, reason: &str) {
+        self.fabric.fail(failed_rank, reason);
+    }
+
     fn host_allgather(&self, block: Block) -> Result<Vec<Block>> {
         let members: Vec<usize> = (0..self.world_size_()).collect();
         self.share("host allgather", &members, block)

@@ -111,6 +111,9 @@ pub struct Watch {
     out: Mutex<Option<TcpStream>>,
     failure: Mutex<Option<(usize, String)>>,
     hooks: Mutex<Vec<FailureHook>>,
+    /// Ranks that ended their part cleanly, and the hooks told of each.
+    departed: Mutex<std::collections::HashMap<usize, String>>,
+    departure_hooks: Mutex<Vec<FailureHook>>,
     closing: std::sync::atomic::AtomicBool,
 }
 
@@ -137,6 +140,8 @@ impl Watch {
             out: Mutex::new(Some(stream)),
             failure: Mutex::new(None),
             hooks: Mutex::new(Vec::new()),
+            departed: Mutex::new(std::collections::HashMap::new()),
+            departure_hooks: Mutex::new(Vec::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&watch);
@@ -152,6 +157,12 @@ impl Watch {
                             let mut r = Reader::new(&p[1..], "failure");
                             if let (Ok(rank), Ok(reason)) = (r.usize(), r.str()) {
                                 w.record(rank, &reason);
+                            }
+                        }
+                        Ok(Some(p)) if p.first() == Some(&to_client::DEPARTED) => {
+                            let mut r = Reader::new(&p[1..], "departure");
+                            if let (Ok(rank), Ok(reason)) = (r.usize(), r.str()) {
+                                w.record_departure(rank, &reason);
                             }
                         }
                         Ok(Some(_)) => {}
@@ -184,6 +195,23 @@ impl Watch {
         for hook in lock(&self.hooks).iter() {
             hook(rank, reason);
         }
+    }
+
+    /// Keeps that `rank` left cleanly and runs the departure hooks.
+    fn record_departure(&self, rank: usize, reason: &str) {
+        lock(&self.departed).insert(rank, reason.to_string());
+        for hook in lock(&self.departure_hooks).iter() {
+            hook(rank, reason);
+        }
+    }
+
+    /// Runs `hook` for every rank that leaves the world cleanly (and at once for those that
+    /// have).
+    pub fn on_departure(&self, hook: impl Fn(usize, &str) + Send + Sync + 'static) {
+        for (rank, reason) in lock(&self.departed).iter() {
+            hook(*rank, reason);
+        }
+        lock(&self.departure_hooks).push(Box::new(hook));
     }
 
     /// Runs `hook` when the world fails (at once if it already has).
@@ -240,6 +268,7 @@ impl RemoteFabric {
     /// The fabric of `rank` over its welcomed connection.
     pub fn new(rank: usize, conn: TcpStream, watch: Arc<Watch>, timeout: Duration) -> Self {
         let _ = conn.set_read_timeout(Some(timeout + REPLY_MARGIN));
+        goodbye_when_exiting(rank, &conn);
         RemoteFabric {
             rank,
             conn: Mutex::new(conn),
@@ -293,11 +322,42 @@ impl RemoteFabric {
 
 impl Drop for RemoteFabric {
     fn drop(&mut self) {
-        let mut w = Writer::default();
-        w.u8(to_hub::GOODBYE);
+        // Ours goes out now; the exit hook then has nothing left to say for it.
+        lock(&GOODBYES).retain(|(r, _)| *r != self.rank);
         let mut conn = lock(&self.conn);
-        let _ = write_frame(&mut *conn, &w.0);
+        say_goodbye(&mut conn);
     }
+}
+
+fn say_goodbye(conn: &mut TcpStream) {
+    let mut w = Writer::default();
+    w.u8(to_hub::GOODBYE);
+    let _ = write_frame(conn, &w.0);
+}
+
+/// The connections of this process's live fabrics, for the exit hook: a process that ends
+/// without dropping its world (e.g. one kept in a `static`) still ends its part cleanly
+/// (a crash or a kill sends nothing, and the host reports the rank as failed).
+static GOODBYES: Mutex<Vec<(usize, TcpStream)>> = Mutex::new(Vec::new());
+
+extern "C" fn goodbye_at_exit() {
+    for (_, mut conn) in lock(&GOODBYES).drain(..) {
+        say_goodbye(&mut conn);
+    }
+}
+
+/// Registers `conn` (a clone of rank `rank`'s connection) for the exit hook.
+fn goodbye_when_exiting(rank: usize, conn: &TcpStream) {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    if let Ok(c) = conn.try_clone() {
+        lock(&GOODBYES).push((rank, c));
+    }
+    HOOK.call_once(|| {
+        // SAFETY: registering a plain function with no arguments, run once at exit.
+        unsafe {
+            libc::atexit(goodbye_at_exit);
+        }
+    });
 }
 
 impl Fabric for RemoteFabric {

@@ -70,6 +70,44 @@ impl HubState {
         self.changed.notify_all();
     }
 
+    /// Rank `rank` left cleanly: waits that need it fail naming it, and every process
+    /// hears of it.
+    fn depart(&self, rank: usize) {
+        let reason = format!("the process of rank {rank} has ended its part (said goodbye)");
+        self.fabric.depart(rank, &reason);
+        let mut w = Writer::default();
+        w.u8(to_client::DEPARTED).usize(rank).str(&reason);
+        for s in lock(&self.watchers).iter_mut() {
+            let _ = write_frame(s, &w.0);
+        }
+        lock(&self.done).insert(rank);
+        self.changed.notify_all();
+    }
+
+    /// Waits, up to the timeout, until every rank has ended its part (said goodbye) or its
+    /// connection closed, so that ranks still running keep their host.
+    fn wait_for_everyone(&self) {
+        let mut deadline = Instant::now() + self.timeout;
+        let mut grace_set = false;
+        let mut done = lock(&self.done);
+        loop {
+            let booted = matches!(lock(&self.boot).outcome, Some(Ok(())));
+            if !booted || done.len() >= self.world_size || Instant::now() >= deadline {
+                return;
+            }
+            if !grace_set && self.fabric.failure().is_some() {
+                // The world failed: give the others a moment to read their errors.
+                deadline = deadline.min(Instant::now() + Duration::from_secs(2));
+                grace_set = true;
+            }
+            done = self
+                .changed
+                .wait_timeout(done, Duration::from_millis(50))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
     /// Ends the bootstrap with `reason` for every rank that arrived (and later arrivals).
     fn reject_all(&self, boot: &mut Boot, reason: String) {
         let mut w = Writer::default();
@@ -187,16 +225,19 @@ impl HubState {
         };
         drop(tx);
         if clean {
+            self.depart(rank);
+        } else {
+            if !self.closing.load(Ordering::SeqCst) {
+                self.fail(
+                    rank,
+                    &format!(
+                        "the process of rank {rank} exited or crashed (its rendezvous \
+                         connection closed without a goodbye)"
+                    ),
+                );
+            }
             lock(&self.done).insert(rank);
             self.changed.notify_all();
-        } else if !self.closing.load(Ordering::SeqCst) {
-            self.fail(
-                rank,
-                &format!(
-                    "the process of rank {rank} exited or crashed (its rendezvous connection \
-                     closed without a goodbye)"
-                ),
-            );
         }
         if let Ok(w) = worker {
             let _ = w.join();
@@ -341,6 +382,7 @@ impl Hub {
             changed: Condvar::new(),
             closing: AtomicBool::new(false),
         });
+        register_exit_hook(&state);
         let st = Arc::clone(&state);
         let accept = std::thread::Builder::new()
             .name("fusion-hub-accept".into())
@@ -407,27 +449,7 @@ pub(crate) fn list(ranks: &[usize]) -> String {
 
 impl Drop for Hub {
     fn drop(&mut self) {
-        let mut deadline = Instant::now() + self.state.timeout;
-        let mut grace_set = false;
-        let mut done = lock(&self.state.done);
-        loop {
-            let booted = matches!(lock(&self.state.boot).outcome, Some(Ok(())));
-            if !booted || done.len() >= self.state.world_size || Instant::now() >= deadline {
-                break;
-            }
-            if !grace_set && self.state.fabric.failure().is_some() {
-                // The world failed: give the others a moment to read their errors.
-                deadline = deadline.min(Instant::now() + Duration::from_secs(2));
-                grace_set = true;
-            }
-            done = self
-                .state
-                .changed
-                .wait_timeout(done, Duration::from_millis(50))
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        }
-        drop(done);
+        self.state.wait_for_everyone();
         self.state.closing.store(true, Ordering::SeqCst);
         for s in lock(&self.state.watchers).iter_mut() {
             let _ = s.flush();
@@ -437,6 +459,31 @@ impl Drop for Hub {
             let _ = a.join();
         }
     }
+}
+
+/// Hubs of this process, for the exit hook: a process that ends without dropping its
+/// world (e.g. one kept in a `static`) still serves the ranks that are finishing.
+static LIVE_HUBS: Mutex<Vec<std::sync::Weak<HubState>>> = Mutex::new(Vec::new());
+
+extern "C" fn wait_for_ranks_at_exit() {
+    let hubs: Vec<Arc<HubState>> = lock(&LIVE_HUBS)
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .collect();
+    for h in hubs {
+        h.wait_for_everyone();
+    }
+}
+
+fn register_exit_hook(state: &Arc<HubState>) {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    lock(&LIVE_HUBS).push(Arc::downgrade(state));
+    HOOK.call_once(|| {
+        // SAFETY: registering a plain function with no arguments, run once at exit.
+        unsafe {
+            libc::atexit(wait_for_ranks_at_exit);
+        }
+    });
 }
 
 #[cfg(test)]

@@ -239,6 +239,8 @@ pub(crate) mod to_client {
     pub const ERR: u8 = 4;
     /// `rank, reason`: pushed to watchers when the world fails.
     pub const FAILURE: u8 = 5;
+    /// `rank, reason`: pushed to watchers when a rank leaves the world cleanly.
+    pub const DEPARTED: u8 = 6;
 }
 
 #[cfg(test)]

@@ -1,0 +1,469 @@
+//! cuBLASLt GEMMs from cached plans: one matmul descriptor, matrix layouts and the
+//! heuristic's algorithm per problem (shape, leading dimensions, transposes, dtypes,
+//! epilogue, accumulation, pointer alignments), built at the first GEMM of that problem
+//! and reused after, so an eager launch is a few attribute writes and one
+//! `cublasLtMatmul`. The epilogue (bias, relu, tanh-GELU) runs inside the GEMM.
+//!
+//! Problems cuBLASLt is not asked for (batched GEMMs, layouts that would need copies,
+//! other epilogues) and problems its heuristic rejects go back to the caller
+//! ([`LtPlans::matmul`] returns `false`), which uses cuBLAS and a generated kernel.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Mutex, PoisonError};
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::result as driver;
+use fusion_core::ir::UnaryOp;
+use fusion_core::DType;
+
+use super::memory::RawStream;
+use crate::backend::StreamHandle;
+use crate::error::{Error, Result};
+
+/// Workspace per stream for the algorithms that want one (PyTorch gives Hopper 32 MiB).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// `cublasOperation_t` values (`CUBLAS_OP_N`, `CUBLAS_OP_T`) for the transpose attributes.
+const OP_N: i32 = 0;
+const OP_T: i32 = 1;
+
+/// The epilogues cuBLASLt runs in the GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum LtEpilogue {
+    None,
+    Relu,
+    GeluTanh,
+}
+
+impl LtEpilogue {
+    /// The cuBLASLt epilogue for these activations (after an optional bias), if it has one.
+    pub(crate) fn of(activations: &[UnaryOp]) -> Option<LtEpilogue> {
+        match activations {
+            [] => Some(LtEpilogue::None),
+            [UnaryOp::Relu] => Some(LtEpilogue::Relu),
+            [UnaryOp::GeluTanh] => Some(LtEpilogue::GeluTanh),
+            _ => None,
+        }
+    }
+
+    fn code(self, bias: bool) -> sys::cublasLtEpilogue_t {
+        use sys::cublasLtEpilogue_t::*;
+        match (self, bias) {
+            (LtEpilogue::None, false) => CUBLASLT_EPILOGUE_DEFAULT,
+            (LtEpilogue::None, true) => CUBLASLT_EPILOGUE_BIAS,
+            (LtEpilogue::Relu, false) => CUBLASLT_EPILOGUE_RELU,
+            (LtEpilogue::Relu, true) => CUBLASLT_EPILOGUE_RELU_BIAS,
+            (LtEpilogue::GeluTanh, false) => CUBLASLT_EPILOGUE_GELU,
+            (LtEpilogue::GeluTanh, true) => CUBLASLT_EPILOGUE_GELU_BIAS,
+        }
+    }
+}
+
+/// One operand as cuBLASLt stores it: column-major `rows x cols` with leading dimension
+/// `ld`, used transposed (`op = T`) or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct LtMatrix {
+    pub rows: u64,
+    pub cols: u64,
+    pub ld: i64,
+    pub transposed: bool,
+}
+
+/// A column-major problem `D (m x n) = op(A) op(B) (+ beta C)`, with C = D.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LtProblem {
+    pub a: LtMatrix,
+    pub b: LtMatrix,
+    /// D's rows (`m`), columns (`n`) and leading dimension.
+    pub d: LtMatrix,
+    pub in_dtype: DType,
+    pub out_dtype: DType,
+    pub epilogue: LtEpilogue,
+    /// Device pointers.
+    pub a_ptr: u64,
+    pub b_ptr: u64,
+    pub d_ptr: u64,
+    pub bias_ptr: Option<u64>,
+    /// `D = D + op(A) op(B)`.
+    pub accumulate: bool,
+}
+
+/// What a plan is cached by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Key {
+    a: LtMatrix,
+    b: LtMatrix,
+    d: LtMatrix,
+    in_dtype: DType,
+    out_dtype: DType,
+    epilogue: LtEpilogue,
+    bias: bool,
+    accumulate: bool,
+    /// Alignments (bytes, at most 256) of A, B and D: the algorithm must work with them.
+    align: [u32; 3],
+}
+
+/// A cached plan: descriptors and the chosen algorithm.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+    workspace: usize,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: descriptors created for this plan (null where creating one failed),
+        // destroyed once.
+        unsafe {
+            for l in [self.a, self.b, self.d] {
+                if !l.is_null() {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+struct State {
+    handle: Option<sys::cublasLtHandle_t>,
+    /// `None`: cuBLASLt has no algorithm for this problem (asked once).
+    plans: HashMap<Key, Option<Plan>>,
+    workspaces: HashMap<StreamHandle, u64>,
+}
+
+/// A device's cuBLASLt handle, plans and workspaces.
+pub(crate) struct LtPlans {
+    state: Mutex<State>,
+    /// False when `libcublasLt` cannot be loaded: every GEMM then goes to cuBLAS.
+    present: bool,
+}
+
+// SAFETY: the raw handles are used by the device's rank thread, one call at a time, under
+// the mutex.
+unsafe impl Send for LtPlans {}
+unsafe impl Sync for LtPlans {}
+
+fn lt_err(what: &str, e: lt::CublasError) -> Error {
+    Error::Backend {
+        backend: "cuda",
+        reason: format!("{what}: {e:?}"),
+    }
+}
+
+fn data_type(dt: DType) -> sys::cudaDataType {
+    match dt {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+    }
+}
+
+/// The largest power of two (at most 256) dividing `ptr`.
+fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        return 256;
+    }
+    (1u64 << ptr.trailing_zeros().min(8)) as u32
+}
+
+/// Sets one attribute of a matmul descriptor.
+///
+/// # Safety
+/// `desc` is live; `T` is the attribute's C type.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<()> {
+    lt::set_matmul_desc_attribute(
+        desc,
+        attr,
+        value as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    )
+    .map_err(|e| lt_err("cublasLtMatmulDescSetAttribute", e))
+}
+
+/// Sets one attribute of a preference descriptor.
+///
+/// # Safety
+/// `pref` is live; `T` is the attribute's C type.
+unsafe fn set_pref<T>(
+    pref: sys::cublasLtMatmulPreference_t,
+    attr: sys::cublasLtMatmulPreferenceAttributes_t,
+    value: &T,
+) -> Result<()> {
+    lt::set_matmul_pref_attribute(
+        pref,
+        attr,
+        value as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    )
+    .map_err(|e| lt_err("cublasLtMatmulPreferenceSetAttribute", e))
+}
+
+impl LtPlans {
+    pub(crate) fn new() -> Self {
+        // SAFETY: only tries to dlopen candidate library names.
+        let present = unsafe { sys::is_culib_present() };
+        if !present {
+            tracing::debug!("libcublasLt not found: GEMMs use cuBLAS and a separate epilogue");
+        }
+        LtPlans {
+            state: Mutex::new(State {
+                handle: None,
+                plans: HashMap::new(),
+                workspaces: HashMap::new(),
+            }),
+            present: present && std::env::var("FUSION_CUBLASLT").as_deref() != Ok("0"),
+        }
+    }
+
+    /// Runs `problem` on `raw` (pool stream `stream`) if cuBLASLt takes it; `Ok(false)`
+    /// when it does not (the caller falls back). The device's context must be current.
+    pub(crate) fn matmul(
+        &self,
+        stream: StreamHandle,
+        raw: RawStream,
+        problem: &LtProblem,
+    ) -> Result<bool> {
+        if !self.present {
+            return Ok(false);
+        }
+        if problem.bias_ptr.is_some_and(|p| p % 16 != 0) {
+            return Ok(false);
+        }
+        let key = Key {
+            a: problem.a,
+            b: problem.b,
+            d: problem.d,
+            in_dtype: problem.in_dtype,
+            out_dtype: problem.out_dtype,
+            epilogue: problem.epilogue,
+            bias: problem.bias_ptr.is_some(),
+            accumulate: problem.accumulate,
+            align: [
+                alignment(problem.a_ptr),
+                alignment(problem.b_ptr),
+                alignment(problem.d_ptr),
+            ],
+        };
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let handle = match state.handle {
+            Some(h) => h,
+            None => {
+                let h = lt::create_handle().map_err(|e| lt_err("cublasLtCreate", e))?;
+                state.handle = Some(h);
+                h
+            }
+        };
+        if let std::collections::hash_map::Entry::Vacant(slot) = state.plans.entry(key) {
+            // A plan that cannot be built (no algorithm, or a descriptor call failing) is
+            // remembered as absent: this problem then always goes to cuBLAS.
+            let plan = build_plan(handle, &key).unwrap_or_else(|e| {
+                tracing::debug!("cuBLASLt plan for {key:?}: {e}");
+                None
+            });
+            if plan.is_none() {
+                tracing::debug!("cuBLASLt has no algorithm for {key:?}; using cuBLAS");
+            }
+            slot.insert(plan);
+        }
+        if state.plans.get(&key).is_none_or(Option::is_none) {
+            return Ok(false);
+        }
+        let workspace = match state.workspaces.get(&stream) {
+            Some(&w) => w,
+            None => {
+                // SAFETY: a plain device allocation in the current context, freed in Drop.
+                let w = unsafe { driver::malloc_sync(WORKSPACE_BYTES) }.map_err(|e| {
+                    Error::Backend {
+                        backend: "cuda",
+                        reason: format!("allocating a cuBLASLt workspace: {e:?}"),
+                    }
+                })?;
+                state.workspaces.insert(stream, w);
+                w
+            }
+        };
+        let Some(plan) = state.plans.get(&key).and_then(Option::as_ref) else {
+            return Ok(false);
+        };
+        if let Some(bias) = problem.bias_ptr {
+            let ptr = bias as *const c_void;
+            // SAFETY: a live descriptor; the attribute is a device pointer.
+            unsafe {
+                set_desc(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &ptr,
+                )?;
+            }
+        }
+        let alpha = 1.0f32;
+        let beta = if problem.accumulate { 1.0f32 } else { 0.0f32 };
+        // SAFETY: the pointers and layouts describe the caller's live device views (checked
+        // by the caller); C and D are the same matrix; the workspace belongs to this stream.
+        unsafe {
+            lt::matmul(
+                handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                problem.a_ptr as *const c_void,
+                plan.a,
+                problem.b_ptr as *const c_void,
+                plan.b,
+                problem.d_ptr as *const c_void,
+                plan.d,
+                problem.d_ptr as *mut c_void,
+                plan.d,
+                &plan.algo,
+                workspace as *mut c_void,
+                plan.workspace,
+                raw.0 as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| lt_err("cublasLtMatmul", e))?;
+        Ok(true)
+    }
+
+    /// Destroys the handle, the plans and the workspaces (the context must be current and
+    /// the device idle).
+    pub(crate) fn release(&self) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.plans.clear();
+        for (_, w) in state.workspaces.drain() {
+            // SAFETY: workspaces allocated by `malloc_sync`, freed once, device idle.
+            unsafe {
+                let _ = driver::free_sync(w);
+            }
+        }
+        if let Some(h) = state.handle.take() {
+            // SAFETY: the handle was created here and is destroyed once.
+            unsafe {
+                let _ = lt::destroy_handle(h);
+            }
+        }
+    }
+}
+
+/// Builds the descriptors of `key` and asks the heuristic for an algorithm; `None` when it
+/// has none.
+fn build_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Option<Plan>> {
+    let desc = lt::create_matmul_desc(
+        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        sys::cudaDataType::CUDA_R_32F,
+    )
+    .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
+    let layout = |m: &LtMatrix, dt: DType| {
+        lt::create_matrix_layout(data_type(dt), m.rows, m.cols, m.ld)
+            .map_err(|e| lt_err("cublasLtMatrixLayoutCreate", e))
+    };
+    // The plan owns the descriptors from here on (and destroys them if a step fails).
+    let mut plan = Plan {
+        desc,
+        a: std::ptr::null_mut(),
+        b: std::ptr::null_mut(),
+        d: std::ptr::null_mut(),
+        // SAFETY: a plain-data C struct; overwritten by the heuristic's answer below.
+        algo: unsafe { std::mem::zeroed() },
+        workspace: 0,
+    };
+    plan.a = layout(&key.a, key.in_dtype)?;
+    plan.b = layout(&key.b, key.in_dtype)?;
+    plan.d = layout(&key.d, key.out_dtype)?;
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    let op = |t: bool| if t { OP_T } else { OP_N };
+    // SAFETY: live descriptors; each value has the attribute's C type.
+    unsafe {
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(key.a.transposed))?;
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(key.b.transposed))?;
+        set_desc(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+            &key.epilogue.code(key.bias),
+        )?;
+    }
+    let pref = lt::create_matmul_pref().map_err(|e| lt_err("cublasLtMatmulPreferenceCreate", e))?;
+    use sys::cublasLtMatmulPreferenceAttributes_t as P;
+    let heuristic = (|| {
+        // SAFETY: a live preference descriptor; values have the attributes' C types.
+        unsafe {
+            set_pref(
+                pref,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &(WORKSPACE_BYTES as u64),
+            )?;
+            set_pref(
+                pref,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                &key.align[0],
+            )?;
+            set_pref(
+                pref,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                &key.align[1],
+            )?;
+            set_pref(
+                pref,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                &key.align[2],
+            )?;
+            set_pref(
+                pref,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                &key.align[2],
+            )?;
+            Ok::<_, Error>(lt::get_matmul_algo_heuristic(
+                handle, desc, plan.a, plan.b, plan.d, plan.d, pref,
+            ))
+        }
+    })();
+    // SAFETY: created above, destroyed once.
+    unsafe {
+        let _ = lt::destroy_matmul_pref(pref);
+    }
+    match heuristic? {
+        Ok(h) if h.workspaceSize <= WORKSPACE_BYTES => {
+            plan.algo = h.algo;
+            plan.workspace = h.workspaceSize;
+            Ok(Some(plan))
+        }
+        _ => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epilogues_and_alignments() {
+        assert_eq!(LtEpilogue::of(&[]), Some(LtEpilogue::None));
+        assert_eq!(
+            LtEpilogue::of(&[UnaryOp::GeluTanh]),
+            Some(LtEpilogue::GeluTanh)
+        );
+        assert_eq!(
+            LtEpilogue::of(&[UnaryOp::Gelu]),
+            None,
+            "cuBLASLt's GELU is tanh's"
+        );
+        assert_eq!(LtEpilogue::of(&[UnaryOp::Silu]), None);
+        assert_eq!(LtEpilogue::of(&[UnaryOp::Relu, UnaryOp::Relu]), None);
+        assert_eq!(
+            LtEpilogue::GeluTanh.code(true),
+            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS
+        );
+        assert_eq!(alignment(0x1000), 256);
+        assert_eq!(alignment(0x1002), 2);
+        assert_eq!(alignment(0x1010), 16);
+    }
+}
