@@ -5,7 +5,7 @@
 //!
 //! - the pipelines: AllGather + GEMM (collective and P2P, also with a linear and bias),
 //!   GEMM + AllReduce, GEMM + ReduceScatter (collective, and P2P direct and ring in row
-//!   ranges);
+//!   ranges), and the sequence-parallel MLP block (both pipelines in one loop);
 //! - the collectives in stream loops and on their own, and the reshardings (scatter,
 //!   gather, broadcast and reduce from random roots, send/receive between random meshes);
 //! - chains of elementwise ops, sharded or not, with random Stream axes;
@@ -222,6 +222,8 @@ enum Pipeline {
     GemmAr,
     GemmRsCollective,
     GemmRsP2p,
+    /// The sequence-parallel MLP block: both pipelines in one loop.
+    TpMlp,
 }
 
 #[derive(Clone, Debug)]
@@ -247,6 +249,7 @@ fn pipeline_cases() -> impl Strategy<Value = PipelineCase> {
             GemmAr,
             GemmRsCollective,
             GemmRsP2p,
+            TpMlp,
         ]),
         1..=8usize,
         (1..=4usize, 1..=6usize, 1..=5usize, 1..=4usize),
@@ -320,6 +323,22 @@ fn check_pipeline(c: PipelineCase) -> Result<Verdict, TestCaseError> {
             let i = vec![(a, Give::Shard(0)), (b, Give::Shard(0))];
             (cases::matmul_rs_p2p(), i, Take::Sharded(0), e)
         }
+        Pipeline::TpMlp => {
+            let (x, w1, w2) = (x(&[d, m, k]), y(&[d, k, n]), randn(&[d, n, k], seed ^ 9));
+            let h = r(&x).unsqueeze(1).matmul(&r(&w1));
+            let e = h.map(|v| v.max(0.0)).matmul(&r(&w2)).sum(1);
+            let i = vec![
+                (x, Give::Shard(0)),
+                (w1, Give::Shard(0)),
+                (w2, Give::Shard(0)),
+            ];
+            (
+                cases::tp_mlp(DType::F32, UnaryOp::Relu),
+                i,
+                Take::Sharded(0),
+                e,
+            )
+        }
     };
     let plan = Plan {
         fusion,
@@ -327,7 +346,13 @@ fn check_pipeline(c: PipelineCase) -> Result<Verdict, TestCaseError> {
         take,
         expected,
     };
-    run_plan(plan, c.d, c.streams, &c.lower, &c)
+    let mut lower = c.lower.clone();
+    if matches!(c.pipeline, Pipeline::TpMlp) {
+        // The block's gather-scatter loop needs both (lowering says so otherwise).
+        lower.stream_buffers = true;
+        lower.compute_first_streams = true;
+    }
+    run_plan(plan, c.d, c.streams, &lower, &c)
 }
 
 #[test]

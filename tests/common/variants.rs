@@ -1,10 +1,12 @@
 //! The conformance cases with their inputs and f64 references, grouped by the lowering
 //! they exercise, and every lowering variant that applies to each group: stream counts
 //! 1-4, stream buffers and compute-first streams on and off, both transports, both P2P
-//! schedules, the direct and ring reduce-scatter pipelines and their row ranges.
+//! schedules, the direct and ring reduce-scatter pipelines and their row ranges, and the
+//! tensor-parallel layer blocks (with stream buffers and compute-first streams only:
+//! their pipeline requires both).
 
 use fusion::core::hir::CommBackend;
-use fusion::core::ir::Fusion;
+use fusion::core::ir::{Fusion, UnaryOp};
 use fusion::core::lower::{LowerOptions, P2pSchedule, ReduceScatterPipeline};
 use fusion::{ExecOptions, Tensor};
 
@@ -24,6 +26,9 @@ pub enum Family {
     P2pReduceScatter,
     /// Reshardings without streams.
     Reshard,
+    /// Tensor-parallel layer blocks: both pipelines (gathered rows in, reduce-scattered
+    /// results out) in one loop, GEMM epilogues, stream buffers between the GEMMs.
+    Layers,
 }
 
 /// One case: a fusion, its inputs on `d` devices, how to assemble its output, and the
@@ -241,6 +246,73 @@ pub fn catalog() -> Vec<Case> {
             min_devices: 1,
         },
         Case {
+            name: "TP MLP",
+            family: Layers,
+            fusion: || cases::tp_mlp(test_dtype(), UnaryOp::Relu),
+            inputs: |d, s| {
+                vec![
+                    (randn(&[d, 4, 6], s), Give::Shard(0)),
+                    (randn(&[d, 6, 5], s + 1), Give::Shard(0)),
+                    (randn(&[d, 5, 6], s + 2), Give::Shard(0)),
+                ]
+            },
+            take: |_| Take::Sharded(0),
+            reference: |x| {
+                let h = r(&x[0]).unsqueeze(1).matmul(&r(&x[1]));
+                h.map(|v| v.max(0.0)).matmul(&r(&x[2])).sum(1)
+            },
+            min_devices: 1,
+        },
+        Case {
+            name: "TP gated MLP",
+            family: Layers,
+            fusion: || cases::tp_gated_mlp(test_dtype()),
+            inputs: |d, s| {
+                vec![
+                    (randn(&[d, 4, 6], s), Give::Shard(0)),
+                    (randn(&[d, 6, 5], s + 1), Give::Shard(0)),
+                    (randn(&[d, 6, 5], s + 2), Give::Shard(0)),
+                    (randn(&[d, 5, 6], s + 3), Give::Shard(0)),
+                ]
+            },
+            take: |_| Take::Sharded(0),
+            reference: |x| {
+                let rows = r(&x[0]).unsqueeze(1);
+                let gate = rows.matmul(&r(&x[1])).map(|v| v / (1.0 + (-v).exp()));
+                let up = rows.matmul(&r(&x[2]));
+                gate.zip(&up, |a, b| a * b).matmul(&r(&x[3])).sum(1)
+            },
+            min_devices: 1,
+        },
+        Case {
+            name: "TP QKV",
+            family: Layers,
+            fusion: || cases::tp_qkv(test_dtype()),
+            inputs: |d, s| {
+                vec![
+                    (randn(&[d, 4, 6], s), Give::Shard(0)),
+                    (randn(&[d, 6, 5], s + 1), Give::Shard(0)),
+                ]
+            },
+            take: |_| Take::Sharded(1),
+            reference: |x| r(&x[0]).unsqueeze(1).matmul(&r(&x[1])),
+            min_devices: 1,
+        },
+        Case {
+            name: "TP output projection",
+            family: Layers,
+            fusion: || cases::tp_out_proj(test_dtype()),
+            inputs: |d, s| {
+                vec![
+                    (randn(&[d, d, 4, 5], s), Give::Shard(1)),
+                    (randn(&[d, 5, 6], s + 1), Give::Shard(0)),
+                ]
+            },
+            take: |_| Take::Sharded(0),
+            reference: |x| r(&x[0]).matmul(&r(&x[1])).sum(1),
+            min_devices: 1,
+        },
+        Case {
             name: "Allgather (no streams)",
             family: Reshard,
             fusion: cases::reshard_allgather,
@@ -323,8 +395,15 @@ pub fn variants(family: Family) -> Vec<(String, ExecOptions)> {
         return out;
     }
     for streams in 1..=4 {
-        for stream_buffers in [true, false] {
-            for compute_first in [true, false] {
+        // The layer blocks' gather-scatter loop needs stream buffers and compute-first
+        // streams (without them lowering says so).
+        let both: &[bool] = if family == Family::Layers {
+            &[true]
+        } else {
+            &[true, false]
+        };
+        for &stream_buffers in both {
+            for &compute_first in both {
                 let base = LowerOptions {
                     stream_buffers,
                     compute_first_streams: compute_first,
@@ -392,11 +471,12 @@ fn family_options(family: Family, base: LowerOptions) -> Vec<(String, LowerOptio
             }
             v
         }
-        Family::P2pReduceScatter => {
+        Family::P2pReduceScatter | Family::Layers => {
+            let chunks = if family == Family::Layers { 2 } else { 3 };
             let mut v = Vec::new();
             for b in transports {
                 for pipeline in [ReduceScatterPipeline::Direct, ReduceScatterPipeline::Ring] {
-                    for c in 1..=3 {
+                    for c in 1..=chunks {
                         v.push((
                             format!(", P2P over {}, {pipeline:?} in {c} row ranges", b.name()),
                             LowerOptions {
