@@ -9,12 +9,16 @@
 
 #[path = "common/finish.rs"]
 mod finish;
+#[allow(dead_code)] // the overlap benchmark's fusions; this uses one
+#[path = "overlap_bench/fusions.rs"]
+mod fusions;
 
 use std::time::Instant;
 
 use clap::Parser;
+use fusion::core::hir::NodeKind;
 use fusion::runtime::backend::Kernel;
-use fusion::{DType, Rank, Result, Tensor, World};
+use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -95,11 +99,45 @@ fn run() -> Result<()> {
                 },
             )
         })?;
+        // A one-GEMM fusion: the host time of its `Matmul` node when the program is
+        // walked, and of a whole call, walked and replayed as a graph.
+        let exec = FusionExecutor::new(fusions::gemm(DType::BF16)?);
+        let xa = x.reshape(&[1, m, k])?;
+        let eager = ExecOptions {
+            graphs: false,
+            ..ExecOptions::default()
+        };
+        let mut node = Vec::new();
+        for _ in 0..a.calls {
+            let r = exec.run_with(rank, &[&xa, &y], None, &eager)?;
+            let h = r.stats.host_by_kind[NodeKind::Matmul as usize];
+            if h.count > 0 {
+                node.push(h.nanos as f64 / 1e3 / f64::from(h.count));
+            }
+        }
+        node.sort_by(f64::total_cmp);
+        let matmul_node = node.get(node.len() / 2).copied().unwrap_or(f64::NAN);
+        let call_eager = host_us(rank, a.calls, || {
+            exec.run_with(rank, &[&xa, &y], None, &eager).map(|_| ())
+        })?;
+        let call_graph = host_us(rank, a.calls, || {
+            exec.run_with(rank, &[&xa, &y], None, &ExecOptions::default())
+                .map(|_| ())
+        })?;
+        let how = exec
+            .run_with(rank, &[&xa, &y], None, &ExecOptions::default())?
+            .replay;
         Ok(vec![
             (format!("GEMM {m}x{k}x{n} bf16"), plain),
             (format!("GEMM {m}x{k}x{n} bf16, accumulating"), acc),
             ("stream wait (event record + wait)".to_string(), wait),
             ("copy kernel 64x64".to_string(), copy),
+            ("Matmul node of a walked program".to_string(), matmul_node),
+            ("one-GEMM fusion call, walked".to_string(), call_eager),
+            (
+                format!("one-GEMM fusion call, graphs on ({how:?})"),
+                call_graph,
+            ),
         ])
     })?;
     println!(
@@ -108,7 +146,7 @@ fn run() -> Result<()> {
         world.size()
     );
     for (what, us) in &rows[0] {
-        println!("  {what:<40} {us:>7.2} us per call");
+        println!("  {what:<48} {us:>7.2} us per call");
     }
     Ok(())
 }
