@@ -461,7 +461,11 @@ fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64,
     let d = world.size();
     let host_a = random(&[d, 8, 8], dt, 99)?;
     let host_b = random(&[8, 8], dt, 98)?;
-    let o = opts(4, backend, true, true);
+    // Walked, not replayed: this measures the host cost per host-IR node.
+    let o = ExecOptions {
+        graphs: false,
+        ..opts(4, backend, true, true)
+    };
     let per_rank = world.run(|rank| {
         let a = rank.shard(&host_a, 0)?;
         let b = rank.to_device(&host_b)?;
