@@ -3,7 +3,7 @@
 # a stream wait, a copy kernel; the Matmul node of a walked program; a one-GEMM call walked
 # and replayed as a CUDA graph), with cuBLASLt plans and with cuBLAS alone, and the
 # overlap benchmark's host time per call of the collective AG+GEMM pipeline for 2-16 stream
-# iterations, walked and replayed. Usage: scripts/gpu-host.sh [devices]   (default 1)
+# iterations, walked and replayed. Usage: scripts/gpu-host.sh [devices]   (default: all GPUs)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusion-gpu-out}
@@ -13,7 +13,8 @@ export FUSION_BACKEND=cuda RUST_BACKTRACE=1
 BIN=.gpu/bin
 STEP_PATTERN='us per call|rror'
 source scripts/gpu-lib.sh
-D=${1:-1}
+D=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+[ "$D" -ge 1 ] 2>/dev/null || D=1
 step host-costs 120 $BIN/host_costs --devices 1
 FUSION_CUBLASLT=0 step host-costs-cublas-only 120 $BIN/host_costs --devices 1
 step host-per-call 300 $BIN/overlap_bench --devices "$D" --ops ag --shapes 4096,1024,1024 \
