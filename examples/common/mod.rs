@@ -87,7 +87,8 @@ pub struct Timed {
 
 /// On every rank: `setup` prepares the inputs (sharding them onto the device), one warm-up
 /// `call` lowers the fusion, then `iters` calls are timed (each rank synchronizes its
-/// device after each call). With `dump`, rank 0 prints the host program first.
+/// device after each call); the output of the last call is returned. With `dump`, rank 0
+/// prints the host program first.
 pub fn run_timed<S, Setup, Call, Program>(
     world: &World,
     iters: usize,
@@ -110,15 +111,19 @@ where
                 println!("{text}");
             }
         }
-        let out = call(rank, &inputs)?;
+        let mut out = call(rank, &inputs)?;
         rank.synchronize()?;
         let mut times = Vec::with_capacity(iters);
-        for _ in 0..iters {
+        for i in 0..iters {
             let start = Instant::now();
             let o = call(rank, &inputs)?;
             rank.synchronize()?;
             times.push(start.elapsed());
-            drop(o);
+            // The last timed call's output is the one checked: on GPUs it comes from a
+            // replayed CUDA graph where the program can be captured.
+            if i + 1 == iters {
+                out = o;
+            }
         }
         // Every rank's output: in a launched world, the other processes' too.
         let outs = if launched {
