@@ -527,8 +527,11 @@ fn host_per_iterations(world: &World, dt: DType, iterations: &[usize]) -> Result
                     .collect::<Result<Vec<_>>>()?
                     .into_iter()
                     .fold(0.0, f64::max);
-                let nodes = exec.program(rank, &[&a, &b], &o)?.node_count();
-                Ok((worst, nodes, format!("{:?}", last.replay)))
+                Ok((
+                    worst,
+                    last.stats.nodes_executed,
+                    format!("{:?}", last.replay),
+                ))
             })?;
             let (us, nodes, status) = per_rank.into_iter().next().expect("a rank");
             rows.push((s, mode, us, nodes, status));
