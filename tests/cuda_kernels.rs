@@ -213,6 +213,63 @@ fn gemms_match_the_cpu_backend() {
     });
 }
 
+/// A GEMM enqueued again at the same pointers replays a one-GEMM graph (captured at its
+/// second launch): fresh values in the same buffers at every launch must give fresh
+/// results, with a bias, accumulating, and for every dtype.
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn gemms_relaunched_at_the_same_pointers_read_fresh_values() {
+    gpu_rank_run(|rank| {
+        let dev = rank.device();
+        let cpu = CpuDevice::new(0);
+        for dt in DTYPES {
+            let (m, k, n) = (64, 96, 48);
+            let a = dev.allocate(0, dt, &[m, k])?;
+            let b = dev.allocate(0, dt, &[k, n])?;
+            let bias = dev.allocate(0, dt, &[n])?;
+            let d = dev.allocate(0, dt, &[m, n])?;
+            for launch in 0..6u64 {
+                let (ha, hb, hbias, hd) = (
+                    Tensor::randn(&[m, k], dt, 100 + launch),
+                    Tensor::randn(&[k, n], dt, 200 + launch),
+                    Tensor::randn(&[n], dt, 300 + launch),
+                    Tensor::randn(&[m, n], dt, 400 + launch),
+                );
+                for (dst, src) in [(&a, &ha), (&b, &hb), (&bias, &hbias), (&d, &hd)] {
+                    dev.execute(
+                        0,
+                        Kernel::Copy {
+                            src: &rank.to_device(src)?,
+                            dst,
+                        },
+                    )?;
+                }
+                // Odd launches accumulate into D, even ones add the bias.
+                let accumulate = launch % 2 == 1;
+                fn gemm<'t>(ts: [&'t Tensor; 4], accumulate: bool) -> Kernel<'t> {
+                    Kernel::Gemm {
+                        a: ts[0],
+                        b: ts[1],
+                        bias: (!accumulate).then_some(ts[2]),
+                        accumulate,
+                        epilogue: &[],
+                        dst: ts[3],
+                    }
+                }
+                dev.execute(0, gemm([&a, &b, &bias, &d], accumulate))?;
+                let expected = hd.clone();
+                cpu.execute(0, gemm([&ha, &hb, &hbias, &expected], accumulate))?;
+                let e = rank.to_host(&d)?.rel_error(&expected)?;
+                assert!(
+                    e < tol(dt),
+                    "launch {launch} ({dt}, accumulate {accumulate}): relative error {e:.3e}"
+                );
+            }
+        }
+        Ok(())
+    });
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn gemm_epilogues_match_the_cpu_backend() {

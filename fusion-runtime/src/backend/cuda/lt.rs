@@ -18,6 +18,7 @@ use cudarc::driver::result as driver;
 use fusion_core::ir::UnaryOp;
 use fusion_core::DType;
 
+use super::launch_graphs::LaunchGraphs;
 use super::memory::RawStream;
 use crate::backend::StreamHandle;
 use crate::error::{Error, Result};
@@ -135,7 +136,12 @@ struct State {
     /// `None`: cuBLASLt has no algorithm for this problem (asked once).
     plans: HashMap<Key, Option<Plan>>,
     workspaces: HashMap<StreamHandle, u64>,
+    /// Launches seen before, captured as one-GEMM graphs (pointers and stream in the key).
+    launches: LaunchGraphs<LaunchKey>,
 }
+
+/// One GEMM launch: the problem, its A, B, D and bias pointers, and the stream.
+type LaunchKey = (Key, [u64; 4], StreamHandle);
 
 /// A device's cuBLASLt handle, plans and workspaces.
 pub(crate) struct LtPlans {
@@ -220,6 +226,7 @@ impl LtPlans {
                 handle: None,
                 plans: HashMap::new(),
                 workspaces: HashMap::new(),
+                launches: LaunchGraphs::new(),
             }),
             present: present && std::env::var("FUSION_CUBLASLT").as_deref() != Ok("0"),
         }
@@ -292,7 +299,10 @@ impl LtPlans {
                 w
             }
         };
-        let Some(plan) = state.plans.get(&key).and_then(Option::as_ref) else {
+        let State {
+            plans, launches, ..
+        } = &mut *state;
+        let Some(plan) = plans.get(&key).and_then(Option::as_ref) else {
             return Ok(false);
         };
         if let Some(bias) = problem.bias_ptr {
@@ -308,29 +318,39 @@ impl LtPlans {
         }
         let alpha = 1.0f32;
         let beta = if problem.accumulate { 1.0f32 } else { 0.0f32 };
-        // SAFETY: the pointers and layouts describe the caller's live device views (checked
-        // by the caller); C and D are the same matrix; the workspace belongs to this stream.
-        unsafe {
-            lt::matmul(
-                handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                problem.a_ptr as *const c_void,
-                plan.a,
-                problem.b_ptr as *const c_void,
-                plan.b,
-                problem.d_ptr as *const c_void,
-                plan.d,
-                problem.d_ptr as *mut c_void,
-                plan.d,
-                &plan.algo,
-                workspace as *mut c_void,
-                plan.workspace,
-                raw.0 as sys::cudaStream_t,
-            )
-        }
-        .map_err(|e| lt_err("cublasLtMatmul", e))?;
+        let enqueue = |raw: RawStream| {
+            // SAFETY: the pointers and layouts describe the caller's live device views
+            // (checked by the caller); C and D are the same matrix; the workspace belongs
+            // to this stream.
+            unsafe {
+                lt::matmul(
+                    handle,
+                    plan.desc,
+                    &alpha as *const f32 as *const c_void,
+                    &beta as *const f32 as *const c_void,
+                    problem.a_ptr as *const c_void,
+                    plan.a,
+                    problem.b_ptr as *const c_void,
+                    plan.b,
+                    problem.d_ptr as *const c_void,
+                    plan.d,
+                    problem.d_ptr as *mut c_void,
+                    plan.d,
+                    &plan.algo,
+                    workspace as *mut c_void,
+                    plan.workspace,
+                    raw.0 as sys::cudaStream_t,
+                )
+            }
+            .map_err(|e| lt_err("cublasLtMatmul", e))
+        };
+        let pointers = [
+            problem.a_ptr,
+            problem.b_ptr,
+            problem.d_ptr,
+            problem.bias_ptr.unwrap_or(0),
+        ];
+        launches.launch(&(key, pointers, stream), raw, enqueue)?;
         Ok(true)
     }
 
@@ -338,6 +358,7 @@ impl LtPlans {
     /// the device idle).
     pub(crate) fn release(&self) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.launches.clear();
         state.plans.clear();
         for (_, w) in state.workspaces.drain() {
             // SAFETY: workspaces allocated by `malloc_sync`, freed once, device idle.

@@ -13,6 +13,7 @@ mod gemm;
 mod graph;
 pub(crate) mod health;
 mod kernels;
+mod launch_graphs;
 mod layout;
 mod libs;
 mod lt;
