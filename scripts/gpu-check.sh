@@ -35,6 +35,8 @@ step epilogues 120 $BIN/test-epilogues --test-threads=1
 step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
 step cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
 step cuda_graphs 180 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture
+# The runtime's GPU unit tests: copy-engine flag hand-offs, eager and replayed.
+step runtime_unit_gpu 120 $BIN/test-fusion_runtime_lib --ignored --test-threads=1
 # What a machine without `libnccl.so` reports (gpu-env.sh's symlink directory left out).
 # Where the system loader finds a libnccl.so of its own, it is hidden behind /dev/null in a
 # private mount namespace (nothing changes outside this one command).

@@ -5,7 +5,9 @@
 #      mpirun, failures, the overlap benchmark in both layouts), cudarc buffers
 #      (scripts/gpu-buffers.sh), the timeline pictures (scripts/gpu-timeline.sh), and the
 #      memory soak (scripts/gpu-soak.sh 2)
-#   b: the layer benchmark against PyTorch (bench/run-layers.sh) and host cost per call
+#   b: the GPU checks on both GPUs of one process (scripts/gpu-check.sh: conformance,
+#      CUDA-graph replay of copy-engine pipelines, the flag hand-off unit test, examples),
+#      the layer benchmark against PyTorch (bench/run-layers.sh) and host cost per call
 #      (scripts/gpu-host.sh 2)
 #   c: the D = 2 overlap table against PyTorch (bench/run-overlap.sh with SKIP_D2=1 on two
 #      GPUs), for the rows that must not get slower and GEMM+RS with 4 row ranges
@@ -14,7 +16,7 @@ set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
     a) exec bash scripts/gpu-session.sh gpu-launch gpu-buffers gpu-timeline gpu-soak ;;
-    b) exec bash scripts/gpu-session.sh run-layers-x2 gpu-host ;;
+    b) exec bash scripts/gpu-session.sh gpu-check run-layers-x2 gpu-host ;;
     c) exec bash scripts/gpu-session.sh run-overlap-x2 ;;
     *) echo "usage: scripts/gpu-x2.sh a|b|c" >&2; exit 2 ;;
 esac

@@ -17,6 +17,14 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' \
   | while read -r name exe; do cp "$exe" ".gpu/bin/test-$name"; done
+# The runtime's own unit tests (the GPU ones are #[ignore]d: copy-engine flag hand-offs).
+cargo test --release --no-run --message-format=json -p fusion-runtime --lib 2>/dev/null \
+  | python3 -c 'import sys, json
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
+        print(m["executable"])' \
+  | while read -r exe; do cp "$exe" ".gpu/bin/test-fusion_runtime_lib"; done
 strip --strip-debug .gpu/bin/*
 ls -la .gpu/bin
 # The device call carries at most 64 MiB: the binaries travel compressed, and

@@ -12,27 +12,59 @@ use fusion::core::hir::CommBackend;
 use fusion::core::ir::Fusion;
 use fusion::core::lower::{lower, LowerOptions};
 use fusion::runtime::backend::{BackendKind, Kernel};
-use fusion::runtime::replay::{capture_plan, EagerReason, ReplayStatus};
+use fusion::runtime::eval::copy_engine_receives;
+use fusion::runtime::replay::{capture_plan, has_copy_engine_transfers, EagerReason, ReplayStatus};
 use fusion::runtime::world::cuda_world;
 use fusion::{DType, ExecOptions, FusionExecutor, Tensor, World};
 
 #[test]
 fn what_may_be_captured() {
+    // Copy-engine transfers into buffers the program allocates itself: those are kept from
+    // call to call, so the program may be captured (the communicator decides at run time).
     let f = cases::ag_matmul_p2p(DType::F32);
     let ce = lower(&f, 2, &LowerOptions::default()).unwrap().program;
-    assert_eq!(
-        capture_plan(&ce, BackendKind::Cuda),
-        Err(EagerReason::CopyEngineTransfers)
-    );
+    assert_eq!(capture_plan(&ce, BackendKind::Cuda), Ok(()));
+    assert!(has_copy_engine_transfers(&ce));
+    let receives = copy_engine_receives(&ce);
+    assert!(receives.all_internal() && !receives.internal.is_empty());
+    // Transfers straight into the output (the caller's buffer, which may move): never.
+    let gathered = lower(&cases::allgather_p2p(), 2, &LowerOptions::default())
+        .unwrap()
+        .program;
+    let receives = copy_engine_receives(&gathered);
+    assert!(!receives.all_internal(), "{receives:?}");
+    match capture_plan(&gathered, BackendKind::Cuda) {
+        Err(EagerReason::CopyEngineTransfers(why)) => {
+            let out = gathered.ir.tensor_name(gathered.outputs[0]);
+            assert!(why.contains(&out) && why.contains("caller owns"), "{why}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // The GEMM+ReduceScatter ring: the last step's partial sum lands in the output's row
+    // block (the GEMM then accumulates onto it), so the ring runs eagerly (its other steps
+    // land in a buffer of its own and hand off without the host after the first call).
+    let rs = lower(&cases::matmul_rs_p2p(), 2, &LowerOptions::default())
+        .unwrap()
+        .program;
+    assert!(has_copy_engine_transfers(&rs));
+    let receives = copy_engine_receives(&rs);
+    assert_eq!(receives.external, rs.outputs, "{receives:?}");
+    assert_eq!(receives.internal.len(), 1, "{receives:?}");
+    assert!(matches!(
+        capture_plan(&rs, BackendKind::Cuda),
+        Err(EagerReason::CopyEngineTransfers(_))
+    ));
     let nccl = LowerOptions {
         p2p_backend: CommBackend::Nccl,
         ..LowerOptions::default()
     };
     let over_nccl = lower(&f, 2, &nccl).unwrap().program;
     assert_eq!(capture_plan(&over_nccl, BackendKind::Cuda), Ok(()));
+    assert!(!has_copy_engine_transfers(&over_nccl));
     // One device: no transfer ever runs.
     let alone = lower(&f, 1, &LowerOptions::default()).unwrap().program;
     assert_eq!(capture_plan(&alone, BackendKind::Cuda), Ok(()));
+    assert!(!has_copy_engine_transfers(&alone));
     assert_eq!(
         capture_plan(&alone, BackendKind::Cpu),
         Err(EagerReason::Backend(BackendKind::Cpu))
@@ -229,4 +261,13 @@ fn replayed_calls_match_eager_calls_over_nccl_on_two_gpus() {
         ..ExecOptions::default()
     };
     graphs_match_eager(&world, &options);
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn replayed_calls_match_eager_calls_over_copy_engines_on_two_gpus() {
+    // The default transport between two GPUs of one process: copy-engine P2P, handed off
+    // through device flags, so the pipeline is captured with its transfers.
+    let Some(world) = gpu_world(2) else { return };
+    graphs_match_eager(&world, &ExecOptions::default());
 }

@@ -168,6 +168,7 @@ fn run_checked(
             trace: false,
             trace_nodes: false,
             shared_receives: false,
+            kept_receives: None,
             race_check: true,
         };
         let ex = execute(p, &ctx, &symbols, &refs, None)?;

@@ -19,13 +19,16 @@ use fusion_core::lower::{lower, LowerOptions};
 use fusion_core::DType;
 
 use crate::backend::BackendKind;
+use crate::comm::CallStart;
 use crate::error::{Error, Result};
 use crate::eval::{
-    bind_dtypes, bind_inputs, check_didx_extents, execute, output_layouts, race_check_from_env,
-    CallContext, ExecStats, Execution, HostSpan, RaceCheck, SymbolBindings, TraceEvent,
+    bind_dtypes, bind_inputs, check_didx_extents, copy_engine_receives, execute, output_layouts,
+    race_check_from_env, CallContext, CopyEngineReceives, ExecStats, Execution, HostSpan,
+    RaceCheck, SymbolBindings, TraceEvent,
 };
 use crate::replay::{
-    capture_plan, graphs_enabled, Address, EagerReason, GraphSlot, ReplayStatus, Step,
+    capture_plan, graphs_enabled, has_copy_engine_transfers, Address, EagerReason, GraphSlot,
+    ReplayStatus, Step,
 };
 use crate::tensor::Tensor;
 use crate::trace::{write_call_trace, CallTrace};
@@ -146,6 +149,45 @@ pub struct RunReport {
 /// One program and rank's graphs, locked by that rank while it runs.
 type SharedSlot = Arc<Mutex<GraphSlot>>;
 
+/// What a call needs to know about its program beyond the nodes, worked out once.
+struct ProgramFacts {
+    /// Where its copy-engine transfers land.
+    receives: CopyEngineReceives,
+    /// Whether it has copy-engine transfers between ranks.
+    copy_engine: bool,
+    /// A hash of its text (the same on every rank and process for the same program).
+    text_hash: u64,
+}
+
+impl ProgramFacts {
+    fn of(program: &HostProgram) -> Self {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        program.to_string().hash(&mut h);
+        ProgramFacts {
+            receives: copy_engine_receives(program),
+            copy_engine: has_copy_engine_transfers(program),
+            text_hash: h.finish(),
+        }
+    }
+
+    /// The identity of a call with `inputs` (see [`CallStart::identity`]): the program and
+    /// the inputs' dtypes and shapes.
+    fn identity(&self, inputs: &[&Tensor]) -> Option<u64> {
+        use std::hash::{Hash, Hasher};
+        if !self.copy_engine {
+            return None;
+        }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.text_hash.hash(&mut h);
+        for t in inputs {
+            dtype_code(t.dtype()).hash(&mut h);
+            t.shape().hash(&mut h);
+        }
+        Some(h.finish())
+    }
+}
+
 /// Where the executor's fusions come from.
 enum Source {
     /// One fusion with fixed dtypes.
@@ -166,8 +208,10 @@ pub struct FusionExecutor {
     name: String,
     /// Traced calls so far, per rank: the number in the next trace file's name.
     traced_calls: Mutex<HashMap<usize, usize>>,
-    /// Device graphs per (program, rank).
-    graphs: Mutex<HashMap<(usize, usize), SharedSlot>>,
+    /// Device graphs per (program, rank, communicator instance).
+    graphs: Mutex<HashMap<(usize, usize, u64), SharedSlot>>,
+    /// Facts per cached program (keyed by its address, stable while it is cached).
+    facts: Mutex<HashMap<usize, Arc<ProgramFacts>>>,
 }
 
 impl FusionExecutor {
@@ -194,7 +238,17 @@ impl FusionExecutor {
             name: "fusion".into(),
             traced_calls: Mutex::new(HashMap::new()),
             graphs: Mutex::new(HashMap::new()),
+            facts: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn facts(&self, program: &Arc<HostProgram>) -> Arc<ProgramFacts> {
+        self.facts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(Arc::as_ptr(program) as usize)
+            .or_insert_with(|| Arc::new(ProgramFacts::of(program)))
+            .clone()
     }
 
     /// This executor with a name, used in trace file names (`fusion!` names it after
@@ -266,6 +320,7 @@ impl FusionExecutor {
         options: &ExecOptions,
     ) -> Result<RunReport> {
         let (program, symbols) = self.prepare(rank, inputs, options)?;
+        let facts = self.facts(&program);
         let trace_dir = options.resolved_trace_dir();
         let ctx = CallContext {
             device: rank.device(),
@@ -275,10 +330,17 @@ impl FusionExecutor {
             trace: options.trace || trace_dir.is_some(),
             trace_nodes: trace_dir.is_some(),
             shared_receives: rank.communicator().shares_receive_buffers(),
+            kept_receives: (!facts.receives.internal.is_empty())
+                .then_some(&facts.receives.internal),
             race_check: options.race_check || race_check_from_env(),
         };
-        let (ex, replay) =
-            self.run_program(rank, &program, &ctx, &symbols, inputs, outputs, options)?;
+        rank.communicator().begin_call(&CallStart {
+            identity: facts.identity(inputs),
+            rerun: false,
+        })?;
+        let (ex, replay) = self.run_program(
+            rank, &program, &facts, &ctx, &symbols, inputs, outputs, options,
+        )?;
         let trace_file = match &trace_dir {
             Some(dir) => {
                 let call = {
@@ -319,6 +381,7 @@ impl FusionExecutor {
         &self,
         rank: &Rank,
         program: &Arc<HostProgram>,
+        facts: &ProgramFacts,
         ctx: &CallContext<'_>,
         symbols: &SymbolBindings,
         inputs: &[&Tensor],
@@ -336,6 +399,11 @@ impl FusionExecutor {
         }
         if let Err(reason) = capture_plan(program, rank.backend()) {
             return eager(reason);
+        }
+        if facts.copy_engine {
+            if let Err(why) = rank.communicator().copy_engine_capture() {
+                return eager(EagerReason::CopyEngineTransfers(why));
+            }
         }
         if ctx.trace {
             return eager(EagerReason::Traced);
@@ -358,7 +426,11 @@ impl FusionExecutor {
             .graphs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .entry((Arc::as_ptr(program) as usize, rank.index()))
+            .entry((
+                Arc::as_ptr(program) as usize,
+                rank.index(),
+                rank.communicator().instance(),
+            ))
             .or_insert_with(|| Arc::new(Mutex::new(GraphSlot::Fresh)))
             .clone();
         let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
@@ -396,6 +468,13 @@ impl FusionExecutor {
             })
             .collect();
         let run_eagerly = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
+            if matches!(reason, EagerReason::CaptureFailed(_)) {
+                // The same call again: its transfers are numbered from the start.
+                rank.communicator().begin_call(&CallStart {
+                    identity: facts.identity(inputs),
+                    rerun: true,
+                })?;
+            }
             Ok((
                 execute(program, ctx, symbols, inputs, Some(&outs))?,
                 ReplayStatus::Eager(reason),
@@ -579,7 +658,16 @@ impl FusionExecutor {
         }
         if dump.host_ir {
             eprintln!("{}", lowered.program);
-            match capture_plan(&lowered.program, rank.backend()) {
+            let plan = capture_plan(&lowered.program, rank.backend()).and_then(|()| {
+                if has_copy_engine_transfers(&lowered.program) {
+                    rank.communicator()
+                        .copy_engine_capture()
+                        .map_err(EagerReason::CopyEngineTransfers)
+                } else {
+                    Ok(())
+                }
+            });
+            match plan {
                 Ok(()) => eprintln!(
                     "// graphs: captured at the second call on each rank, then replayed while \
                      the inputs and outputs stay in place"

@@ -17,6 +17,7 @@ use std::fmt;
 use fusion_core::hir::{for_each_node, CommBackend, HostProgram, Node};
 
 use crate::backend::{BackendKind, DeviceGraph};
+use crate::eval::copy_engine_receives;
 
 /// Why a call ran eagerly rather than from a graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,8 +37,9 @@ pub enum EagerReason {
     HostInput(String),
     /// Outputs alias inputs (written in place): the graph cannot own them.
     AliasedOutputs,
-    /// Copy-engine transfers meet their peer on the host at every call.
-    CopyEngineTransfers,
+    /// Copy-engine transfers cannot be recorded, for this reason (they land in memory the
+    /// caller owns, or hand off on the host).
+    CopyEngineTransfers(String),
     /// The inputs or outputs are not where the graph was captured; a new graph is captured
     /// if the same addresses come again.
     Moved,
@@ -67,9 +69,9 @@ impl fmt::Display for EagerReason {
                 )
             }
             EagerReason::AliasedOutputs => write!(f, "outputs are written into inputs"),
-            EagerReason::CopyEngineTransfers => write!(
+            EagerReason::CopyEngineTransfers(why) => write!(
                 f,
-                "copy-engine transfers meet their peer on the host at every call (lower with \
+                "copy-engine transfers cannot be captured: {why} (lower with \
                  LowerOptions::p2p_backend = Nccl to replay this program)"
             ),
             EagerReason::Moved => write!(f, "the inputs or outputs moved since the capture"),
@@ -89,7 +91,8 @@ pub enum ReplayStatus {
     Replayed,
 }
 
-/// Whether `program` could ever be captured on `backend` for a world of `world_size`.
+/// Whether `program` could ever be captured on `backend` (what the communicator of a
+/// rank allows is asked at run time, see [`crate::comm::Communicator::copy_engine_capture`]).
 pub fn capture_plan(
     program: &HostProgram,
     backend: BackendKind,
@@ -101,17 +104,33 @@ pub fn capture_plan(
         return Err(EagerReason::AliasedOutputs);
     }
     if program.world_size > 1 {
-        let mut copy_engine = false;
+        let receives = copy_engine_receives(program);
+        if !receives.all_internal() {
+            let names: Vec<String> = receives
+                .external
+                .iter()
+                .map(|&t| program.ir.tensor_name(t))
+                .collect();
+            return Err(EagerReason::CopyEngineTransfers(format!(
+                "they land in {}, which the caller owns and may move between calls",
+                names.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `program` has copy-engine transfers between ranks.
+pub fn has_copy_engine_transfers(program: &HostProgram) -> bool {
+    let mut copy_engine = false;
+    if program.world_size > 1 {
         for_each_node(&program.body, &mut |n| match n {
             Node::P2P(p) if p.backend == CommBackend::CopyEngine => copy_engine = true,
             Node::Communication(c) if c.backend == CommBackend::CopyEngine => copy_engine = true,
             _ => {}
         });
-        if copy_engine {
-            return Err(EagerReason::CopyEngineTransfers);
-        }
     }
-    Ok(())
+    copy_engine
 }
 
 /// Whether graphs are on for a call with `requested` (`ExecOptions::graphs`):
@@ -255,17 +274,16 @@ mod tests {
         }
         assert_eq!(s.step(&at(1)), Step::Eager(EagerReason::Moved));
         assert!(matches!(s.step(&at(10)), Step::Launch(_)));
-        let mut never = GraphSlot::Never(EagerReason::CopyEngineTransfers);
-        assert_eq!(
-            never.step(&at(1)),
-            Step::Eager(EagerReason::CopyEngineTransfers)
-        );
+        let why = EagerReason::CopyEngineTransfers("x".into());
+        let mut never = GraphSlot::Never(why.clone());
+        assert_eq!(never.step(&at(1)), Step::Eager(why));
     }
 
     #[test]
     fn reasons_say_what_to_do() {
-        let text = EagerReason::CopyEngineTransfers.to_string();
+        let text = EagerReason::CopyEngineTransfers("they land in T2".into()).to_string();
         assert!(text.contains("p2p_backend = Nccl"), "{text}");
+        assert!(text.contains("land in T2"), "{text}");
         assert!(EagerReason::HostInput("a".into())
             .to_string()
             .contains("input a"));

@@ -22,11 +22,14 @@
 
 pub(crate) mod copy_engine;
 pub(crate) mod ipc;
+mod landing;
 pub mod local;
 pub mod nccl;
 pub mod remote;
+pub(crate) mod signals;
 
 use fusion_core::hir::{CommBackend, Communication};
+use fusion_core::DType;
 
 use crate::backend::StreamHandle;
 use crate::error::Result;
@@ -36,6 +39,18 @@ use crate::tensor::Tensor;
 /// checks that the count stays flat.
 pub fn copy_engine_events_alive() -> usize {
     copy_engine::live_events()
+}
+
+/// What a communicator is told at the start of each call of a host program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallStart {
+    /// The program and the shapes of the call's inputs, hashed: the same on every rank of
+    /// an SPMD call, and another value whenever the receive buffers could differ. `None`
+    /// keeps nothing from one call to the next.
+    pub identity: Option<u64>,
+    /// The call is run again after a failed capture (nothing of the first attempt ran):
+    /// the transfers are numbered from the start again, as the same call.
+    pub rerun: bool,
 }
 
 /// A rank's endpoint to the other ranks of its world.
@@ -97,4 +112,35 @@ pub trait Communicator: Send + Sync {
     fn shares_receive_buffers(&self) -> bool {
         false
     }
+    /// A call of a host program starts: transfers are numbered per call from here.
+    fn begin_call(&self, _call: &CallStart) -> Result<()> {
+        Ok(())
+    }
+    /// A copy-engine receive buffer kept for this call's program from one call to the next
+    /// (the `n`-th such buffer of a call is the same memory at every call), or `None` when
+    /// this communicator keeps none (then the caller allocates).
+    fn landing_buffer(
+        &self,
+        _stream: StreamHandle,
+        _dtype: DType,
+        _shape: &[usize],
+    ) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+    /// Whether this rank's copy-engine transfers can be recorded in a CUDA graph; the
+    /// reason when not.
+    fn copy_engine_capture(&self) -> std::result::Result<(), String> {
+        Err("this communicator has no copy engines".into())
+    }
+    /// A number no other communicator of this process has (graphs captured with one
+    /// communicator are never replayed with another).
+    fn instance(&self) -> u64 {
+        0
+    }
+}
+
+/// A fresh [`Communicator::instance`] number.
+pub(crate) fn next_instance() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }

@@ -198,6 +198,8 @@ pub struct NcclCommunicator {
     health: Arc<WorldHealth>,
     copy_engine: CopyEngine,
     group: Mutex<Option<Group>>,
+    /// See [`Communicator::instance`].
+    instance: u64,
 }
 
 /// Work that must happen after a group's transfers are issued.
@@ -231,6 +233,7 @@ impl NcclCommunicator {
             health,
             copy_engine,
             group: Mutex::new(None),
+            instance: super::next_instance(),
         }
     }
 
@@ -368,6 +371,15 @@ impl NcclCommunicator {
         }
     }
 
+    /// A buffer a copy-engine collective receives into: kept from call to call where the
+    /// copy engine keeps receive buffers ([`Communicator::landing_buffer`]).
+    fn ce_alloc_receive(&self, s: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+        match self.copy_engine.landing_buffer(s, dtype, shape)? {
+            Some(t) => Ok(t),
+            None => self.alloc_receive(s, dtype, shape),
+        }
+    }
+
     fn copy_back(&self, s: StreamHandle, staged: &Tensor, dst: &Tensor) -> Result<()> {
         self.device.execute(s, Kernel::Copy { src: staged, dst })
     }
@@ -396,7 +408,11 @@ impl NcclCommunicator {
         let x = self.contiguous(s, &self.squeeze(input, c.in_sharded_axis, "Allgather")?)?;
         let o = c.out_sharded_axis.or(c.in_sharded_axis).unwrap_or(0);
         let view = axis_first(output, o)?;
-        let (buf, back) = self.receive_buffer(s, &view)?;
+        let (buf, back) = if view.is_contiguous() {
+            (view.clone(), false)
+        } else {
+            (self.ce_alloc_receive(s, view.dtype(), view.shape())?, true)
+        };
         let me = c
             .team
             .iter()
@@ -452,7 +468,7 @@ impl NcclCommunicator {
             .iter()
             .position(|&r| r == self.rank)
             .expect("in team");
-        let slots = self.alloc_receive(s, blocks.dtype(), blocks.shape())?;
+        let slots = self.ce_alloc_receive(s, blocks.dtype(), blocks.shape())?;
         self.device.execute(
             s,
             Kernel::Copy {
@@ -1067,6 +1083,28 @@ impl Communicator for NcclCommunicator {
 
     fn shares_receive_buffers(&self) -> bool {
         self.copy_engine.has_ipc_peers()
+    }
+
+    fn begin_call(&self, call: &super::CallStart) -> Result<()> {
+        self.copy_engine.begin_call(call);
+        Ok(())
+    }
+
+    fn landing_buffer(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Option<Tensor>> {
+        self.copy_engine.landing_buffer(stream, dtype, shape)
+    }
+
+    fn copy_engine_capture(&self) -> std::result::Result<(), String> {
+        self.copy_engine.capture_support()
+    }
+
+    fn instance(&self) -> u64 {
+        self.instance
     }
 
     fn host_allgather(

@@ -81,6 +81,10 @@ pub struct CallContext<'a> {
     /// Allocate copy-engine receive buffers with [`Device::allocate_shared`] (a launched
     /// world whose peers in other processes write into them).
     pub shared_receives: bool,
+    /// The program's copy-engine receive buffers it allocates itself
+    /// ([`CopyEngineReceives::internal`]): asked of [`Communicator::landing_buffer`] first,
+    /// so they are the same memory at every call.
+    pub kept_receives: Option<&'a std::collections::HashSet<TensorId>>,
     /// Also record a host-side span for every node the call executes ([`HostSpan`]).
     pub trace_nodes: bool,
     /// Check the program's stream order ([`race`]): a race fails the call.
@@ -373,15 +377,56 @@ pub fn output_layouts(
         .collect()
 }
 
-/// The tensors a program allocates whose memory a peer writes into over the copy engines:
-/// the allocations behind copy-engine receive buffers and copy-engine collective outputs
-/// (following views back to the tensor that owns the memory).
-pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<TensorId> {
-    use fusion_core::hir::{for_each_node, CommBackend};
-    // A view may be defined in both branches of an `IfThenElse` (over different parents):
-    // every parent counts.
+/// A program's copy-engine receive buffers (the tensors owning the memory a peer writes
+/// into over the copy engines), split by who owns them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CopyEngineReceives {
+    /// Allocated by the program itself: they can be kept from one call to the next.
+    pub internal: std::collections::HashSet<TensorId>,
+    /// Inputs or outputs (or the memory behind an output), which the caller owns and may
+    /// move between calls.
+    pub external: Vec<TensorId>,
+}
+
+impl CopyEngineReceives {
+    /// Whether the program has copy-engine transfers into memory of its own only.
+    pub fn all_internal(&self) -> bool {
+        self.external.is_empty()
+    }
+}
+
+/// [`CopyEngineReceives`] of `p`.
+pub fn copy_engine_receives(p: &HostProgram) -> CopyEngineReceives {
+    let roots = received_by_copy_engine(p);
+    if roots.is_empty() {
+        return CopyEngineReceives::default();
+    }
+    let parents = view_parents(p);
+    let mut owned_by_caller = std::collections::HashSet::new();
+    let mut stack: Vec<TensorId> = p.inputs.iter().chain(&p.outputs).copied().collect();
+    while let Some(t) = stack.pop() {
+        if owned_by_caller.insert(t) {
+            if let Some(ps) = parents.get(&t) {
+                stack.extend(ps.iter().copied());
+            }
+        }
+    }
+    let mut external: Vec<TensorId> = roots
+        .iter()
+        .copied()
+        .filter(|t| owned_by_caller.contains(t))
+        .collect();
+    external.sort_by_key(|t| t.index());
+    let internal = roots
+        .into_iter()
+        .filter(|t| !owned_by_caller.contains(t))
+        .collect();
+    CopyEngineReceives { internal, external }
+}
+
+/// Every view's parents (a view may be defined in both branches of an `IfThenElse`).
+fn view_parents(p: &HostProgram) -> HashMap<TensorId, Vec<TensorId>> {
     let mut parents: HashMap<TensorId, Vec<TensorId>> = HashMap::new();
-    let mut targets = Vec::new();
     for_each_node(&p.body, &mut |n| match n {
         Node::AliasSelect { input, output, .. } => {
             parents.entry(*output).or_default().push(*input);
@@ -391,28 +436,91 @@ pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<Ten
                 parents.entry(e.output).or_default().push(i);
             }
         }
-        Node::P2P(x)
-            if x.direction == P2PDirection::Recv && x.backend == CommBackend::CopyEngine =>
-        {
-            targets.push(x.buffer)
-        }
-        Node::Communication(c) if c.backend == CommBackend::CopyEngine => targets.push(c.output),
         _ => {}
     });
+    parents
+}
+
+/// The tensors a program allocates whose memory a peer writes into over the copy engines:
+/// the allocations behind copy-engine receive buffers and copy-engine collective outputs,
+/// following views back to the tensor that owns the memory. Views are followed as they are
+/// defined where the transfer runs (a view defined in both branches of an `IfThenElse`
+/// over different tensors leads, at a receive inside one branch, to that branch's tensor).
+pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<TensorId> {
+    let mut defs = HashMap::new();
     let mut roots = std::collections::HashSet::new();
+    received_in(&p.body, &mut defs, &mut roots);
+    roots
+}
+
+/// Walks `nodes` with the view definitions `defs` in effect, adding the roots behind every
+/// copy-engine receive to `roots`.
+fn received_in(
+    nodes: &[Node],
+    defs: &mut HashMap<TensorId, Vec<TensorId>>,
+    roots: &mut std::collections::HashSet<TensorId>,
+) {
+    use fusion_core::hir::CommBackend;
+    for n in nodes {
+        match n {
+            Node::AliasSelect { input, output, .. } => {
+                defs.insert(*output, vec![*input]);
+            }
+            Node::Compute(e) if e.op.is_view() => {
+                if let Some(&i) = e.inputs.first() {
+                    defs.insert(e.output, vec![i]);
+                }
+            }
+            Node::P2P(x)
+                if x.direction == P2PDirection::Recv && x.backend == CommBackend::CopyEngine =>
+            {
+                roots.extend(roots_of(x.buffer, defs));
+            }
+            Node::Communication(c) if c.backend == CommBackend::CopyEngine => {
+                roots.extend(roots_of(c.output, defs));
+            }
+            Node::ForLoop(l) => {
+                // Twice: a view defined late in the body reaches the next iteration.
+                received_in(&l.body, defs, roots);
+                received_in(&l.body, defs, roots);
+            }
+            Node::IfThenElse {
+                then_body,
+                else_body,
+                ..
+            } => {
+                let mut other = defs.clone();
+                received_in(then_body, defs, roots);
+                received_in(else_body, &mut other, roots);
+                for (t, ps) in other {
+                    let mine = defs.entry(t).or_default();
+                    for q in ps {
+                        if !mine.contains(&q) {
+                            mine.push(q);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The tensors owning the memory of `t` under the view definitions `defs`.
+fn roots_of(t: TensorId, defs: &HashMap<TensorId, Vec<TensorId>>) -> Vec<TensorId> {
+    let mut out = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    while let Some(t) = targets.pop() {
+    let mut stack = vec![t];
+    while let Some(t) = stack.pop() {
         if !seen.insert(t) {
             continue;
         }
-        match parents.get(&t) {
-            Some(ps) => targets.extend(ps.iter().copied()),
-            None => {
-                roots.insert(t);
-            }
+        match defs.get(&t) {
+            Some(ps) => stack.extend(ps.iter().copied()),
+            None => out.push(t),
         }
     }
-    roots
+    out
 }
 
 impl<'a> Evaluator<'a> {
@@ -565,7 +673,15 @@ impl<'a> Evaluator<'a> {
         }
         let shape = self.local_shape(t)?;
         let dtype = self.p.ir.tensor(t).dtype;
-        let x = if self.shared.contains(&t) {
+        let kept = match self.ctx.kept_receives {
+            Some(k) if k.contains(&t) => {
+                self.ctx.comm.landing_buffer(self.current, dtype, &shape)?
+            }
+            _ => None,
+        };
+        let x = if let Some(x) = kept {
+            x
+        } else if self.shared.contains(&t) {
             self.ctx
                 .device
                 .allocate_shared(self.current, dtype, &shape)?

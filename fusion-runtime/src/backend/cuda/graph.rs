@@ -15,6 +15,15 @@ use crate::error::Result;
 
 use super::libs::cu_check as check;
 
+/// Whether `raw` is recording a capture now (or its state cannot be read).
+pub(crate) fn stream_is_capturing(raw: super::memory::RawStream) -> bool {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: querying a live stream.
+    let r = unsafe { sys::cuStreamIsCapturing(raw.0, &mut status) };
+    r != sys::CUresult::CUDA_SUCCESS
+        || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+}
+
 /// An instantiated graph of one rank's call, launched on the rank's main stream.
 pub(crate) struct CudaGraph {
     device: Arc<DeviceShared>,

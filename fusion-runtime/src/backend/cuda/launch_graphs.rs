@@ -15,6 +15,7 @@ use std::hash::Hash;
 
 use cudarc::driver::sys;
 
+use super::graph::stream_is_capturing as capturing;
 use super::libs::cu_check as check;
 use super::memory::RawStream;
 use crate::error::Result;
@@ -69,15 +70,6 @@ pub(crate) struct LaunchGraphs<K> {
 // SAFETY: graph handles are driver handles usable from any thread with their context
 // current; the cache is used under its owner's mutex.
 unsafe impl<K: Send> Send for LaunchGraphs<K> {}
-
-/// Whether `raw` is recording a capture now.
-fn capturing(raw: RawStream) -> bool {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: querying a live stream.
-    let r = unsafe { sys::cuStreamIsCapturing(raw.0, &mut status) };
-    r != sys::CUresult::CUDA_SUCCESS
-        || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-}
 
 /// Captures what `enqueue` puts on `raw` into an instantiated graph.
 fn capture(raw: RawStream, enqueue: &mut dyn FnMut(RawStream) -> Result<()>) -> Result<OpGraph> {

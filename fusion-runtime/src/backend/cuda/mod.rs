@@ -26,5 +26,6 @@ pub(crate) use libs::cu_check;
 pub use libs::{check_libraries, device_count, driver_present};
 pub use user_buffers::CudaElement;
 
+pub(crate) use graph::stream_is_capturing;
 pub(crate) use health::WorldHealth;
 pub(crate) use memory::RawStream;
