@@ -907,8 +907,9 @@ impl<'a> Evaluator<'a> {
                 if !e.op.is_view() && self.in_mesh[e.output.index()] {
                     self.record_access(&e.inputs, &[e.output])?;
                 }
-                let name = e.op.name();
-                self.traced(start, &name, false)?;
+                if start.is_some() {
+                    self.traced(start, &e.op.name(), false)?;
+                }
             }
             Node::Launch {
                 segment,
