@@ -1,10 +1,16 @@
 //! Host cost of the device operations a host program is made of: how long the calling
 //! thread spends enqueuing one GEMM, one stream wait and one copy kernel (device work is
-//! not waited for). These bound how fine a pipeline can be before the host, not the GPU,
-//! sets its pace.
+//! not waited for), a `Matmul` node and a one-GEMM call (rank 0). On several ranks, also
+//! whole calls of tiny copy-engine pipelines, walked and replayed as CUDA graphs: the
+//! AllGather+GEMM ring and the GEMM+ReduceScatter ring with 1, 2, 4 and 8 row ranges per
+//! block (`D`, `2 D`, `4 D`, `8 D` stream iterations). These bound how fine a pipeline can
+//! be before the host, not the GPU, sets its pace.
 //!
 //! ```sh
 //! cargo run --release --example host_costs -- --devices 1
+//! # two ranks on the visible GPUs, both on GPU 0 on a one-GPU machine
+//! CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER \
+//!     cargo run --release --example host_costs -- --devices 2 --share-gpus
 //! ```
 
 #[path = "common/finish.rs"]
@@ -17,6 +23,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use fusion::core::hir::NodeKind;
+use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
 use fusion::runtime::backend::Kernel;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
@@ -35,6 +42,10 @@ struct Args {
     /// Calls per measurement.
     #[arg(long, default_value_t = 200)]
     calls: usize,
+    /// Put the ranks on the visible GPUs, several per GPU when there are fewer GPUs than
+    /// `--devices` (`cuda_world_sharing_gpus`: copy-engine pipelines only, no NCCL).
+    #[arg(long)]
+    share_gpus: bool,
 }
 
 /// Median host microseconds per call of `f`, over 5 rounds of `calls` calls, each round
@@ -58,13 +69,105 @@ fn main() -> std::process::ExitCode {
     finish::finish(run())
 }
 
+/// (what, microseconds per call) rows of one rank.
+type Rows = Vec<(String, f64)>;
+
 fn run() -> Result<()> {
     let a = Args::parse();
-    let world = World::auto(a.devices)?;
+    let world = if a.share_gpus {
+        fusion::runtime::world::cuda_world_sharing_gpus(a.devices.unwrap_or(2))?
+    } else {
+        World::auto(a.devices)?
+    };
+    let rows = world.run(|rank| {
+        // Every rank measures (so that all of them are at the same place when the pipelines
+        // start, and a GPU shared by ranks is as busy as in a pipeline); rank 0 reports.
+        let mut rows = single_device(rank, &a)?;
+        rank.synchronize()?;
+        rank.communicator().exchange(&[])?;
+        if rank.world_size() > 1 {
+            rows.extend(pipelines(rank, &a)?);
+        }
+        Ok(rows)
+    })?;
+    println!(
+        "host_costs: backend {} devices {}{} (rank 0)",
+        world.backend().name(),
+        world.size(),
+        if a.share_gpus {
+            " sharing the visible GPUs"
+        } else {
+            ""
+        }
+    );
+    for (what, us) in &rows[0] {
+        println!("  {what:<80} {us:>7.2} us per call");
+    }
+    Ok(())
+}
+
+/// Whole calls of tiny copy-engine pipelines (8x8 blocks), walked and replayed, on every
+/// rank at once; rank 0 reports.
+fn pipelines(rank: &Rank, a: &Args) -> Result<Rows> {
+    let d = rank.world_size();
+    let dt = DType::BF16;
+    let mut rows = Vec::new();
+    let mut measure =
+        |what: String, exec: &FusionExecutor, inputs: &[&Tensor], lower: &LowerOptions| {
+            for (mode, graphs) in [("walked", false), ("graphs on", true)] {
+                let o = ExecOptions {
+                    graphs,
+                    lower: lower.clone(),
+                    ..ExecOptions::default()
+                };
+                let us = host_us(rank, a.calls, || {
+                    exec.run_with(rank, inputs, None, &o).map(|_| ())
+                })?;
+                let r = exec.run_with(rank, inputs, None, &o)?;
+                rows.push((
+                    format!(
+                        "{what}, {mode} ({} nodes, {:?})",
+                        r.stats.nodes_executed, r.replay
+                    ),
+                    us,
+                ));
+            }
+            Ok::<_, fusion::Error>(())
+        };
+    let ag = FusionExecutor::new(fusions::ag_matmul_p2p(dt)?);
+    let x = rank.shard(&Tensor::randn(&[d, 8, 8], dt, 3), 0)?;
+    let w = rank.to_device(&Tensor::randn(&[8, 8], dt, 4))?;
+    measure(
+        format!("AG+GEMM P2P ring, {d} iterations"),
+        &ag,
+        &[&x, &w],
+        &LowerOptions::default(),
+    )?;
+    let rs = FusionExecutor::new(fusions::matmul_rs_p2p(dt)?);
+    let x = rank.shard(&Tensor::randn(&[d, d, 16, 8], dt, 5), 0)?;
+    let w = rank.shard(&Tensor::randn(&[d, 8, 8], dt, 6), 0)?;
+    for c in [1, 2, 4, 8] {
+        let lower = LowerOptions {
+            reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
+            reduce_scatter_subchunks: Some(c),
+            ..LowerOptions::default()
+        };
+        measure(
+            format!("GEMM+RS ring, {} iterations", d * c),
+            &rs,
+            &[&x, &w],
+            &lower,
+        )?;
+    }
+    Ok(rows)
+}
+
+/// One GEMM, a stream wait, a copy, a `Matmul` node and a one-GEMM call on this rank.
+fn single_device(rank: &Rank, a: &Args) -> Result<Rows> {
     let (m, k, n) = (a.m, a.k, a.n);
     let host_a = Tensor::randn(&[m, k], DType::BF16, 1);
     let host_b = Tensor::randn(&[k, n], DType::BF16, 2);
-    let rows = world.run(|rank| {
+    {
         let dev = rank.device();
         dev.ensure_streams(2)?;
         let x = rank.to_device(&host_a)?;
@@ -79,6 +182,7 @@ fn run() -> Result<()> {
                         b: &y,
                         bias: None,
                         accumulate,
+                        addend: None,
                         epilogue: &[],
                         dst: &c,
                     },
@@ -159,14 +263,5 @@ fn run() -> Result<()> {
                 call_graph,
             ),
         ])
-    })?;
-    println!(
-        "host_costs: backend {} devices {} (rank 0)",
-        world.backend().name(),
-        world.size()
-    );
-    for (what, us) in &rows[0] {
-        println!("  {what:<48} {us:>7.2} us per call");
     }
-    Ok(())
 }

@@ -1170,7 +1170,9 @@ fn subchunked_reduce_scatter_uses_smaller_stream_buffers() {
 #[test]
 fn matmul_rs_ring_pipeline_accumulates_in_the_gemm() {
     // The ring: each step's GEMM adds onto the running sum received from the next device
-    // and passes it on; no sum kernel, the last GEMM writes the finished block. Also in
+    // and passes it on; no sum kernel, the last GEMM finishes the sum that arrived into the
+    // output block (`out = acc + a @ b`), so every transfer lands in the ring's own
+    // buffer and none in the output. Also in
     // row ranges (5 rows in 2 and 3 ranges: uneven), and with fewer streams than needed
     // to keep every running sum's stream apart.
     use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
@@ -1193,7 +1195,15 @@ fn matmul_rs_ring_pipeline_accumulates_in_the_gemm() {
                 .lines()
                 .filter(|l| l.trim_start().starts_with("+ T"))
                 .count();
-            assert_eq!(sums, 1, "one accumulating matmul:\n{text}");
+            assert_eq!(
+                sums, 2,
+                "two accumulating matmuls (in place, and into the output):\n{text}"
+            );
+            let receives = fusion::runtime::eval::copy_engine_receives(&r.program);
+            assert!(
+                receives.external.is_empty() && receives.all_internal(),
+                "{receives:?}"
+            );
             assert!(!text.contains("reduction("), "no reduction kernel:\n{text}");
             assert_close(
                 &expected,

@@ -156,6 +156,7 @@ fn gemms_match_the_cpu_backend() {
                             b: &b,
                             bias: Some(&bias),
                             accumulate: false,
+                            addend: None,
                             epilogue: &[],
                             dst: &dst,
                         },
@@ -178,6 +179,7 @@ fn gemms_match_the_cpu_backend() {
                             b: &b,
                             bias: None,
                             accumulate: false,
+                            addend: None,
                             epilogue: &[],
                             dst: &dst,
                         },
@@ -201,6 +203,7 @@ fn gemms_match_the_cpu_backend() {
                             b: &b,
                             bias: None,
                             accumulate: false,
+                            addend: None,
                             epilogue: &[],
                             dst: &dst,
                         },
@@ -215,10 +218,29 @@ fn gemms_match_the_cpu_backend() {
 
 /// A GEMM enqueued again at the same pointers replays a one-GEMM graph (captured at its
 /// second launch): fresh values in the same buffers at every launch must give fresh
-/// results, with a bias, accumulating, and for every dtype.
+/// results, with a bias, accumulating, accumulating from another buffer, and for every
+/// dtype.
 #[test]
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn gemms_relaunched_at_the_same_pointers_read_fresh_values() {
+    /// How a launch adds to the product.
+    #[derive(Clone, Copy, Debug)]
+    enum Adds {
+        Bias,
+        Held,
+        Addend,
+    }
+    fn gemm<'t>(ts: [&'t Tensor; 5], adds: Adds) -> Kernel<'t> {
+        Kernel::Gemm {
+            a: ts[0],
+            b: ts[1],
+            bias: matches!(adds, Adds::Bias).then_some(ts[2]),
+            accumulate: !matches!(adds, Adds::Bias),
+            addend: matches!(adds, Adds::Addend).then_some(ts[4]),
+            epilogue: &[],
+            dst: ts[3],
+        }
+    }
     gpu_rank_run(|rank| {
         let dev = rank.device();
         let cpu = CpuDevice::new(0);
@@ -228,14 +250,16 @@ fn gemms_relaunched_at_the_same_pointers_read_fresh_values() {
             let b = dev.allocate(0, dt, &[k, n])?;
             let bias = dev.allocate(0, dt, &[n])?;
             let d = dev.allocate(0, dt, &[m, n])?;
-            for launch in 0..6u64 {
-                let (ha, hb, hbias, hd) = (
+            let c = dev.allocate(0, dt, &[m, n])?;
+            for launch in 0..9u64 {
+                let (ha, hb, hbias, hd, hc) = (
                     Tensor::randn(&[m, k], dt, 100 + launch),
                     Tensor::randn(&[k, n], dt, 200 + launch),
                     Tensor::randn(&[n], dt, 300 + launch),
                     Tensor::randn(&[m, n], dt, 400 + launch),
+                    Tensor::randn(&[m, n], dt, 500 + launch),
                 );
-                for (dst, src) in [(&a, &ha), (&b, &hb), (&bias, &hbias), (&d, &hd)] {
+                for (dst, src) in [(&a, &ha), (&b, &hb), (&bias, &hbias), (&d, &hd), (&c, &hc)] {
                     dev.execute(
                         0,
                         Kernel::Copy {
@@ -244,30 +268,50 @@ fn gemms_relaunched_at_the_same_pointers_read_fresh_values() {
                         },
                     )?;
                 }
-                // Odd launches accumulate into D, even ones add the bias.
-                let accumulate = launch % 2 == 1;
-                fn gemm<'t>(ts: [&'t Tensor; 4], accumulate: bool) -> Kernel<'t> {
-                    Kernel::Gemm {
-                        a: ts[0],
-                        b: ts[1],
-                        bias: (!accumulate).then_some(ts[2]),
-                        accumulate,
-                        epilogue: &[],
-                        dst: ts[3],
-                    }
-                }
-                dev.execute(0, gemm([&a, &b, &bias, &d], accumulate))?;
+                // Each kind of launch comes three times: direct, captured, replayed.
+                let adds = [Adds::Bias, Adds::Held, Adds::Addend][launch as usize % 3];
+                dev.execute(0, gemm([&a, &b, &bias, &d, &c], adds))?;
                 let expected = hd.clone();
-                cpu.execute(0, gemm([&ha, &hb, &hbias, &expected], accumulate))?;
+                cpu.execute(0, gemm([&ha, &hb, &hbias, &expected, &hc], adds))?;
                 let e = rank.to_host(&d)?.rel_error(&expected)?;
                 assert!(
                     e < tol(dt),
-                    "launch {launch} ({dt}, accumulate {accumulate}): relative error {e:.3e}"
+                    "launch {launch} ({dt}, {adds:?}): relative error {e:.3e}"
+                );
+                let e = rank.to_host(&c)?.rel_error(&hc)?;
+                assert!(
+                    e == 0.0,
+                    "launch {launch} ({dt}, {adds:?}) changed the addend"
                 );
             }
         }
         Ok(())
     });
+}
+
+/// `dst = (addend or dst) + a @ b`, twice (the second launch from the cached plan).
+fn accumulate_twice(
+    dev: &dyn Device,
+    a: &Tensor,
+    b: &Tensor,
+    addend: Option<&Tensor>,
+    dst: &Tensor,
+) -> Result<()> {
+    for _ in 0..2 {
+        dev.execute(
+            0,
+            Kernel::Gemm {
+                a,
+                b,
+                bias: None,
+                accumulate: true,
+                addend,
+                epilogue: &[],
+                dst,
+            },
+        )?;
+    }
+    Ok(())
 }
 
 #[test]
@@ -309,6 +353,7 @@ fn gemm_epilogues_match_the_cpu_backend() {
                                     b: &b,
                                     bias: with_bias.then_some(&bias),
                                     accumulate: false,
+                                    addend: None,
                                     epilogue: ops,
                                     dst: &dst,
                                 },
@@ -335,22 +380,28 @@ fn gemm_epilogues_match_the_cpu_backend() {
                             dst: &dst,
                         },
                     )?;
-                    for _ in 0..2 {
-                        dev.execute(
-                            0,
-                            Kernel::Gemm {
-                                a: &a,
-                                b: &b,
-                                bias: None,
-                                accumulate: true,
-                                epilogue: &[],
-                                dst: &dst,
-                            },
-                        )?;
-                    }
+                    accumulate_twice(dev, &a, &b, None, &dst)?;
                     Ok(vec![dst])
                 },
             )?;
+            // A running sum finished into another buffer: cuBLASLt reads C from the addend
+            // (same strides as dst), else (other strides) the addend is copied first.
+            for transposed in [false, true] {
+                let what =
+                    format!("gemm finishing a running sum elsewhere (transposed {transposed})");
+                compare(rank, &what, dt, &|dev, up| {
+                    let a = up(&a)?.select(0, 0)?;
+                    let b = up(&b)?.permute(&[1, 0])?;
+                    let addend = if transposed {
+                        up(&held.permute(&[1, 0])?.contiguous_copy()?)?.permute(&[1, 0])?
+                    } else {
+                        up(&held)?
+                    };
+                    let dst = dev.allocate(0, dt, &[48, 56])?;
+                    accumulate_twice(dev, &a, &b, Some(&addend), &dst)?;
+                    Ok(vec![dst, addend])
+                })?;
+            }
         }
         Ok(())
     });

@@ -119,7 +119,8 @@ pub enum Kernel<'a> {
     /// functions apply to the f32 result, which is rounded once, to `dst`'s dtype (which
     /// may differ from the operands'). With `accumulate`, `dst = dst + a @ b` (no bias, no
     /// epilogue): the GEMM epilogue adds what `dst` holds, so a running sum needs no
-    /// separate kernel.
+    /// separate kernel; with an `addend` as well, `dst = addend + a @ b` (out of place: a
+    /// sum that arrived in one buffer is finished into another).
     Gemm {
         /// The left operand, `[B.., M, K]`.
         a: &'a Tensor,
@@ -129,12 +130,45 @@ pub enum Kernel<'a> {
         bias: Option<&'a Tensor>,
         /// `dst = dst + a @ b`.
         accumulate: bool,
+        /// With `accumulate`: what is added, when it is not `dst` itself (`[B.., M, N]`,
+        /// `dst`'s dtype; the same view as `dst`, or memory apart from it).
+        addend: Option<&'a Tensor>,
         /// Elementwise ops applied to the product before it is stored (in f32, rounded
         /// once): a fused epilogue.
         epilogue: &'a [UnaryOp],
         /// The result, `[B.., M, N]`.
         dst: &'a Tensor,
     },
+}
+
+/// What an accumulating [`Kernel::Gemm`] adds: `addend`, else `dst` itself; `None` when it
+/// does not accumulate. An `addend` without `accumulate`, or of another shape or dtype than
+/// `dst`, is an error.
+pub(crate) fn gemm_addend<'a>(
+    accumulate: bool,
+    addend: Option<&'a Tensor>,
+    dst: &'a Tensor,
+) -> Result<Option<&'a Tensor>> {
+    let Some(c) = addend else {
+        return Ok(accumulate.then_some(dst));
+    };
+    let reason = if !accumulate {
+        "gemm: an addend needs accumulate".to_string()
+    } else if c.shape() != dst.shape() || c.dtype() != dst.dtype() {
+        format!(
+            "gemm: the addend {} {:?} must have dst's dtype and shape, {} {:?}",
+            c.dtype(),
+            c.shape(),
+            dst.dtype(),
+            dst.shape()
+        )
+    } else {
+        return Ok(Some(c));
+    };
+    Err(crate::error::Error::Backend {
+        backend: "gemm",
+        reason,
+    })
 }
 
 /// A call recorded on a device that can be replayed with one launch (a CUDA graph).

@@ -147,6 +147,8 @@ pub(crate) struct CopyRegistry {
     signals: Option<SignalBoard>,
     /// Kept receive buffers their receivers made known.
     landed: Mutex<HashMap<LandedKey, Landed>>,
+    /// Whether two of these ranks share a GPU (one context).
+    shares_gpus: bool,
 }
 
 /// Transfer events created and not yet destroyed, in this process (see
@@ -183,7 +185,12 @@ impl CopyRegistry {
         } else {
             None
         };
+        let shares_gpus = contexts
+            .iter()
+            .enumerate()
+            .any(|(i, a)| contexts[..i].iter().any(|b| b.1 == a.1));
         CopyRegistry {
+            shares_gpus,
             slots: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             sleep_lock: Mutex::new(()),
@@ -540,6 +547,16 @@ impl CopyEngine {
                 "device flags are off (FUSION_CE_SIGNALS=0, or no stream memory operations)".into(),
             );
         }
+        if self.registry.shares_gpus {
+            // Seen on one H100 (2026-11-23): two ranks replaying pipelines on one GPU, each
+            // graph waiting for the other's flags, now and then never finished (their eager
+            // calls, each stream on a hardware queue of its own, always did).
+            return Err(
+                "ranks of this world share a GPU, which CUDA does not promise to run \
+                 their two graphs on at once while each waits for the other's flags"
+                    .into(),
+            );
+        }
         Ok(())
     }
 
@@ -849,8 +866,7 @@ impl CopyEngine {
                 }
                 Route::Flags => {
                     let done = self.flag(t, Flag::Done)?;
-                    SignalBoard::wait(own, done, 1)?;
-                    SignalBoard::write(own, done, 0)?;
+                    SignalBoard::take(own, done)?;
                 }
                 Route::Ipc => {
                     let state = ipc.as_mut().expect("an IPC transfer has IPC state");
@@ -979,8 +995,7 @@ impl CopyEngine {
         }
         let raw = self.copy_stream_after(t, copy_key, own)?;
         let ready = self.flag(t, Flag::Ready)?;
-        SignalBoard::wait(raw, ready, 1)?;
-        SignalBoard::write(raw, ready, 0)?;
+        SignalBoard::take(raw, ready)?;
         if bytes > 0 {
             let mine = t.buf.device_ptr().expect("checked");
             // A unified-address copy (the driver sees both devices from the pointers):
@@ -1087,13 +1102,20 @@ pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
     for a in devices {
         a.shared().bind()?;
         let ordinal = a.shared().ordinal;
-        let peers: Vec<sys::CUmemAccessDesc> = devices
+        // Other GPUs, once each (ranks that share a GPU need no peer access to it).
+        let mut others: Vec<usize> = devices
             .iter()
-            .filter(|b| !Arc::ptr_eq(a, b))
-            .map(|b| sys::CUmemAccessDesc {
+            .map(|b| b.shared().ordinal)
+            .filter(|&o| o != ordinal)
+            .collect();
+        others.sort_unstable();
+        others.dedup();
+        let peers: Vec<sys::CUmemAccessDesc> = others
+            .iter()
+            .map(|&o| sys::CUmemAccessDesc {
                 location: sys::CUmemLocation {
                     type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: b.shared().ordinal as i32,
+                    id: o as i32,
                 },
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
@@ -1112,7 +1134,11 @@ pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
                     reason: format!("memory pool of device {ordinal}: {r:?}"),
                 });
             }
-            let r = sys::cuMemPoolSetAccess(pool, peers.as_ptr(), peers.len());
+            let r = if peers.is_empty() {
+                sys::CUresult::CUDA_SUCCESS
+            } else {
+                sys::cuMemPoolSetAccess(pool, peers.as_ptr(), peers.len())
+            };
             if r != sys::CUresult::CUDA_SUCCESS {
                 return Err(Error::Backend {
                     backend: "cuda",
@@ -1123,7 +1149,7 @@ pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
             }
         }
         for b in devices {
-            if Arc::ptr_eq(a, b) {
+            if b.shared().ordinal == ordinal {
                 continue;
             }
             // SAFETY: contexts of two live devices; the current context is `a`'s.
@@ -1233,23 +1259,24 @@ mod tests {
         Ok(how)
     }
 
-    #[test]
-    #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
-    fn flag_hand_offs_run_eagerly_and_replay_from_graphs() {
-        // Two ranks on one GPU (two device objects, one context): the hand-off is the same
-        // as between two GPUs, the copy a local one.
+    /// Two ranks on GPU 0 (two device objects, one context): a hand-off between them is
+    /// the same as between two GPUs, the copy a local one. `flags`: with the flag board,
+    /// else hand-offs through events.
+    fn two_ranks_on_one_gpu(
+        flags: bool,
+    ) -> (Vec<Arc<CudaDevice>>, Arc<CopyRegistry>, Vec<CopyEngine>) {
         let health = Arc::new(WorldHealth::new(std::time::Duration::from_secs(30)));
         let devs: Vec<Arc<CudaDevice>> = (0..2)
             .map(|_| CudaDevice::new(0, health.clone()).map(Arc::new))
             .collect::<Result<_>>()
             .unwrap();
         let ctx = devs[0].shared().ctx.cu_ctx();
-        let registry = Arc::new(CopyRegistry::new(
-            vec![(0, ctx), (1, ctx)],
-            health.clone(),
-            CopyMode::Push,
-        ));
+        let mut registry = CopyRegistry::new(vec![(0, ctx), (1, ctx)], health, CopyMode::Push);
         assert!(registry.signals.is_some(), "the flag board was made");
+        if !flags {
+            registry.signals = None;
+        }
+        let registry = Arc::new(registry);
         let engines: Vec<CopyEngine> = (0..2)
             .map(|r| {
                 CopyEngine::new(
@@ -1261,6 +1288,81 @@ mod tests {
                 )
             })
             .collect();
+        (devs, registry, engines)
+    }
+
+    /// Host time per call of rank `r` exchanging 64 KiB with the other rank, eagerly.
+    fn exchange_host_us(
+        r: usize,
+        dev: &CudaDevice,
+        engine: &CopyEngine,
+        calls: u32,
+    ) -> Result<f64> {
+        dev.bind_thread()?;
+        let n = 1 << 14;
+        let send = dev.upload(&Tensor::from_f32(&[n], &payload(r, 0, n), DType::F32)?)?;
+        let fixed = dev.allocate(0, DType::F32, &[n])?;
+        let mut spent = std::time::Duration::ZERO;
+        for call in 0..calls + 10 {
+            // Every 20 calls the device catches up (untimed), so the host measures its own
+            // work, not a full queue; the first 10 calls make the buffers known.
+            if call % 20 == 0 {
+                dev.synchronize()?;
+            }
+            let start = std::time::Instant::now();
+            engine.begin_call(&CallStart {
+                identity: Some(9),
+                rerun: false,
+            });
+            let recv = engine
+                .landing_buffer(0, DType::F32, &[n])?
+                .unwrap_or_else(|| fixed.clone());
+            let group = [
+                engine.transfer(0, 1 - r, &send, true)?,
+                engine.transfer(0, 1 - r, &recv, false)?,
+            ];
+            engine.run_group(&group)?;
+            if call >= 10 {
+                spent += start.elapsed();
+            }
+        }
+        dev.synchronize()?;
+        Ok(spent.as_secs_f64() * 1e6 / f64::from(calls))
+    }
+
+    /// Prints the host cost of an eager exchange through flags and through events (a
+    /// measurement, not a check: `--nocapture` shows it).
+    #[test]
+    #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+    fn hand_off_host_cost_with_flags_and_with_events() {
+        for flags in [true, false] {
+            let (devs, _registry, engines) = two_ranks_on_one_gpu(flags);
+            let us: Vec<f64> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..2)
+                    .map(|r| {
+                        let (dev, engine) = (&devs[r], &engines[r]);
+                        s.spawn(move || exchange_host_us(r, dev, engine, 2000))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap().unwrap())
+                    .collect()
+            });
+            println!(
+                "hand-off host cost ({}): {:.2} us per exchange call (send + receive), ranks {:.2} / {:.2}",
+                if flags { "device flags" } else { "events" },
+                us[0].max(us[1]),
+                us[0],
+                us[1]
+            );
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+    fn flag_hand_offs_run_eagerly_and_replay_from_graphs() {
+        let (devs, registry, engines) = two_ranks_on_one_gpu(true);
         let results: Vec<Result<Vec<&str>>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..2)
                 .map(|r| {

@@ -41,6 +41,8 @@ unsafe impl Sync for RawComm {}
 pub(crate) struct NcclRankState {
     pub world: Mutex<Option<RawComm>>,
     pub teams: Mutex<HashMap<Vec<usize>, RawComm>>,
+    /// Why this rank has no NCCL at all (a world whose ranks share GPUs), if so.
+    unavailable: Option<String>,
 }
 
 impl NcclRankState {
@@ -48,6 +50,16 @@ impl NcclRankState {
         NcclRankState {
             world: Mutex::new(Some(world)),
             teams: Mutex::new(HashMap::new()),
+            unavailable: None,
+        }
+    }
+
+    /// A rank without NCCL: every collective and NCCL transfer fails with `reason`.
+    pub(crate) fn unavailable(reason: String) -> Self {
+        NcclRankState {
+            world: Mutex::new(None),
+            teams: Mutex::new(HashMap::new()),
+            unavailable: Some(reason),
         }
     }
 
@@ -79,10 +91,12 @@ impl NcclRankState {
 
     /// True once aborted (the world must build new communicators).
     pub(crate) fn is_aborted(&self) -> bool {
-        self.world
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_none()
+        self.unavailable.is_none()
+            && self
+                .world
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_none()
     }
 }
 
@@ -300,6 +314,9 @@ impl NcclCommunicator {
     /// The communicator of `team` (the world's when the team is every device in order).
     fn comm(&self, team: &[usize]) -> Result<(RawComm, usize)> {
         self.health.check(self.rank)?;
+        if let Some(why) = &self.state.unavailable {
+            return Err(self.err(format!("no NCCL communicator: {why}")));
+        }
         let index = team
             .iter()
             .position(|&r| r == self.rank)

@@ -10,8 +10,9 @@
 //!
 //! The flags live in pinned host memory mapped into every device (`cuMemHostAlloc`,
 //! portable and device-mapped), written and awaited by stream memory operations
-//! (`cuStreamWriteValue32`, `cuStreamWaitValue32`), so neither host thread waits for the
-//! other and the whole exchange can be captured in a CUDA graph.
+//! (`cuStreamWriteValue32`; a wait and its reset batched in one `cuStreamBatchMemOp`), so
+//! neither host thread waits for the other and the whole exchange can be captured in a
+//! CUDA graph.
 //!
 //! Why a flag is never seen stale: each side resets the flag it waited for before it does
 //! anything the other side can observe, and a rank's calls are ordered on its devices (a
@@ -119,19 +120,35 @@ impl SignalBoard {
         )
     }
 
-    /// Enqueues a wait on `stream` until `*address == value`.
-    pub(crate) fn wait(stream: RawStream, address: u64, value: u32) -> Result<()> {
-        // SAFETY: `address` is a mapped flag of a live board; the stream is live.
+    /// Enqueues, as one batch on `stream`: wait until `*address == 1`, then `*address = 0`
+    /// (the waiter takes the signal, so the flag is ready for the next call).
+    pub(crate) fn take(stream: RawStream, address: u64) -> Result<()> {
+        // SAFETY: plain-data parameter blocks, zeroed then filled field by field.
+        let mut ops: [sys::CUstreamBatchMemOpParams; 2] = unsafe { std::mem::zeroed() };
+        ops[0].waitValue = sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st {
+            operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_32,
+            address,
+            __bindgen_anon_1:
+                sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWaitValueParams_st__bindgen_ty_1 {
+                    value: 1,
+                },
+            flags: sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
+            alias: 0,
+        };
+        ops[1].writeValue = sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st {
+            operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_32,
+            address,
+            __bindgen_anon_1:
+                sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 {
+                    value: 0,
+                },
+            flags: sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            alias: 0,
+        };
+        // SAFETY: two valid operations on a mapped flag of a live board; a live stream.
         check(
-            unsafe {
-                sys::cuStreamWaitValue32_v2(
-                    stream.0,
-                    address,
-                    value,
-                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
-                )
-            },
-            "cuStreamWaitValue32",
+            unsafe { sys::cuStreamBatchMemOp_v2(stream.0, 2, ops.as_mut_ptr(), 0) },
+            "cuStreamBatchMemOp (wait, reset)",
         )
     }
 }

@@ -1,5 +1,7 @@
 //! Compute nodes: views, pointwise programs, reductions and GEMMs.
 
+use std::borrow::Cow;
+
 use fusion_core::hir::SegmentId;
 use fusion_core::ir::{Expr, Op, TensorId, UnaryOp};
 use fusion_core::DType;
@@ -233,50 +235,72 @@ impl Evaluator<'_> {
         })
     }
 
-    /// torch.matmul semantics, normalized to one batched GEMM. A third input is either the
-    /// output itself (from lowering: `out += a @ b`) or, with `bias`, a vector `[N]`
-    /// broadcast over the rows (a folded bias add); `epilogue` applies after it.
+    /// torch.matmul semantics, normalized to one batched GEMM. A third input is, with
+    /// `bias`, a vector `[N]` broadcast over the rows (a folded bias add); else an addend
+    /// (from lowering): the output itself (`out += a @ b`) or a tensor of the output's
+    /// shape (`out = addend + a @ b`, a running sum finished into another buffer).
+    /// `epilogue` applies after it.
     fn matmul(&mut self, e: &Expr, bias: bool, epilogue: &[UnaryOp]) -> Result<()> {
-        let accumulate = match e.inputs.get(2) {
-            Some(_) if bias => false,
-            Some(&c) if c == e.output => true,
-            Some(_) => {
-                return Err(self.op_error(e, "the addend of a matmul must be its output".into()))
-            }
-            None => false,
-        };
-        let bias = match e.inputs.get(2) {
-            Some(&t) if bias => Some(self.row_vector(e, t)?),
+        let third = e.inputs.get(2).copied();
+        let accumulate = third.is_some() && !bias;
+        let bias = match third {
+            Some(t) if bias => Some(self.row_vector(e, t)?),
             _ => None,
         };
-        let a0 = self.get(e.inputs[0])?.clone();
-        let b0 = self.get(e.inputs[1])?.clone();
+        // The operands are borrowed, and views are made only where a shape changes: this
+        // runs at every GEMM of every pipeline iteration.
         let dst0 = self.get_or_allocate(e.output)?;
+        let addend = match third {
+            Some(c) if accumulate && c != e.output => {
+                let v = self.get(c)?;
+                if v.shape() != dst0.shape() {
+                    return Err(self.op_error(
+                        e,
+                        format!(
+                            "the addend {} {:?} does not have the product's shape {:?}",
+                            self.p.ir.tensor_name(c),
+                            v.shape(),
+                            dst0.shape()
+                        ),
+                    ));
+                }
+                Some(Cow::Borrowed(v))
+            }
+            _ => None,
+        };
+        let a0 = self.get(e.inputs[0])?;
+        let b0 = self.get(e.inputs[1])?;
         let (ra, rb) = (a0.rank(), b0.rank());
-        let a = if ra == 1 { a0.unsqueeze(0)? } else { a0 };
-        let b = if rb == 1 { b0.unsqueeze(1)? } else { b0 };
+        let mut a = Cow::Borrowed(a0);
+        let mut b = Cow::Borrowed(b0);
         let mut dst = dst0;
+        let mut addend = addend;
+        // A vector operand is a matrix of one row (a) or one column (b), and the product
+        // gets that axis too.
+        let mut unsqueezes = Vec::new();
         if ra == 1 {
-            let pos = dst.rank() - usize::from(rb >= 2);
-            dst = dst.unsqueeze(pos)?;
+            a = Cow::Owned(a0.unsqueeze(0)?);
+            unsqueezes.push(dst.rank() - usize::from(rb >= 2));
         }
         if rb == 1 {
-            dst = dst.unsqueeze(dst.rank())?;
+            b = Cow::Owned(b0.unsqueeze(1)?);
+            unsqueezes.push(dst.rank() + usize::from(ra == 1));
+        }
+        for pos in unsqueezes {
+            dst = dst.unsqueeze(pos)?;
+            if let Some(c) = &addend {
+                addend = Some(Cow::Owned(c.unsqueeze(pos)?));
+            }
         }
         let r = dst.rank();
-        let batch = &dst.shape()[..r - 2];
         let (m, n, k) = (
             dst.shape()[r - 2],
             dst.shape()[r - 1],
             a.shape()[a.rank() - 1],
         );
-        let expand = |t: &Tensor, rows: usize, cols: usize| {
-            let mut s = batch.to_vec();
-            s.extend([rows, cols]);
-            t.expand(&s)
-        };
-        let a = expand(&a, m, k).map_err(|err| self.op_error(e, err.to_string()))?;
-        let b = expand(&b, k, n).map_err(|err| self.op_error(e, err.to_string()))?;
+        let batch = &dst.shape()[..r - 2];
+        let a = fit(a, batch, m, k).map_err(|err| self.op_error(e, err.to_string()))?;
+        let b = fit(b, batch, k, n).map_err(|err| self.op_error(e, err.to_string()))?;
         self.ctx.device.execute(
             self.current,
             Kernel::Gemm {
@@ -284,6 +308,7 @@ impl Evaluator<'_> {
                 b: &b,
                 bias: bias.as_ref(),
                 accumulate,
+                addend: addend.as_deref(),
                 epilogue,
                 dst: &dst,
             },
@@ -339,9 +364,27 @@ impl Evaluator<'_> {
                 b: &b,
                 bias: bias.as_ref(),
                 accumulate: false,
+                addend: None,
                 epilogue,
                 dst: &dst,
             },
         )
     }
+}
+
+/// `t` broadcast to `[batch.., rows, cols]`, as it is when it already has that shape.
+fn fit<'t>(
+    t: Cow<'t, Tensor>,
+    batch: &[usize],
+    rows: usize,
+    cols: usize,
+) -> Result<Cow<'t, Tensor>> {
+    let s = t.shape();
+    let r = batch.len() + 2;
+    if s.len() == r && s[..r - 2] == *batch && s[r - 2] == rows && s[r - 1] == cols {
+        return Ok(t);
+    }
+    let mut want = batch.to_vec();
+    want.extend([rows, cols]);
+    t.expand(&want).map(Cow::Owned)
 }

@@ -39,6 +39,8 @@ enum NcclSource {
     All(Vec<usize>),
     /// Joined once at construction (ranks in other processes too); an abort ends them.
     Fixed,
+    /// None: several ranks share a GPU, which NCCL does not allow (the reason).
+    Unavailable(String),
 }
 
 /// Builds each run's communicators over a world's long-lived NCCL and copy-engine state.
@@ -65,6 +67,15 @@ impl CudaComms {
             None => true,
             Some(s) => s.iter().any(|r| r.is_aborted()),
         };
+        if let NcclSource::Unavailable(why) = &self.source {
+            let states = guard.get_or_insert_with(|| {
+                self.local
+                    .iter()
+                    .map(|_| Arc::new(NcclRankState::unavailable(why.clone())))
+                    .collect()
+            });
+            return Ok(states.clone());
+        }
         if stale {
             let NcclSource::All(ordinals) = &self.source else {
                 return Err(Error::World(
@@ -139,6 +150,11 @@ impl RunComms for CudaComms {
         hosts: &[Arc<LocalCommunicator>],
         sub_size: usize,
     ) -> Result<Box<dyn RunComms>> {
+        if let NcclSource::Unavailable(why) = &self.source {
+            return Err(Error::World(format!(
+                "sub-worlds need NCCL communicators, and this world has none: {why}"
+            )));
+        }
         let members: Vec<(usize, Arc<CudaDevice>)> = local
             .iter()
             .zip(hosts)
@@ -271,6 +287,77 @@ pub fn cuda_world(devices: Option<usize>) -> Result<World> {
         Some(Box::new(comms)),
     ))
 }
+
+/// A world of `ranks` ranks on this process's GPUs, rank `r` on GPU `r % visible`. With
+/// fewer GPUs than ranks, several ranks share a GPU (each with its own streams, in the
+/// GPU's one context): a layout for checking copy-engine pipelines, their device-flag
+/// hand-offs and their graph capture on a machine with fewer GPUs than the world. NCCL
+/// cannot put two ranks on one GPU, so in such a world collectives and NCCL transfers
+/// fail with an error that says so. With enough GPUs it is [`cuda_world`].
+///
+/// Ranks that share a GPU wait for each other's flags on one device, so two of CUDA's
+/// defaults must change in the environment before the process starts
+/// ([`SHARED_GPU_ENVIRONMENT`]): more hardware queues (with the default 8, a stream waiting
+/// for a peer's flag holds up every stream that shares its queue, the peer's included), and
+/// kernels loaded when the process starts (a kernel loaded at its first launch may
+/// synchronize the context, which then waits for the other rank's streams). Without them
+/// this returns an error naming them.
+pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
+    check_libraries(true)?;
+    let visible = device_count();
+    if ranks == 0 || visible == 0 {
+        return Err(Error::World(format!(
+            "asked for {ranks} ranks on {visible} visible CUDA devices"
+        )));
+    }
+    if ranks <= visible {
+        return cuda_world(Some(ranks));
+    }
+    let unset: Vec<String> = SHARED_GPU_ENVIRONMENT
+        .iter()
+        .filter(|(k, v)| std::env::var(k).as_deref() != Ok(*v))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    if !unset.is_empty() {
+        return Err(Error::World(format!(
+            "{ranks} ranks sharing {visible} GPU(s) need {} in the environment before the \
+             process starts: more hardware queues, so that a stream waiting for a peer's flag \
+             holds up no other stream, and kernels loaded at the start, so that no first \
+             launch synchronizes the context while the other rank's streams wait",
+            unset.join(" ")
+        )));
+    }
+    let health = Arc::new(WorldHealth::new(super::DEFAULT_TIMEOUT));
+    let devices: Vec<Arc<CudaDevice>> = (0..ranks)
+        .map(|r| CudaDevice::new(r % visible, health.clone()).map(Arc::new))
+        .collect::<Result<_>>()?;
+    enable_peer_access(&devices)?;
+    let comms = CudaComms {
+        size: ranks,
+        local: devices.iter().cloned().enumerate().collect(),
+        nccl: Mutex::new(None),
+        source: NcclSource::Unavailable(format!(
+            "{ranks} ranks share {visible} GPU(s) (cuda_world_sharing_gpus), and NCCL allows \
+             one rank per GPU"
+        )),
+        health,
+        ipc: vec![None; ranks],
+        ipc_ranks: Arc::new((0..ranks).collect()),
+    };
+    Ok(World::in_process(
+        BackendKind::Cuda,
+        devices.into_iter().map(|d| d as Arc<dyn Device>).collect(),
+        Some(Box::new(comms)),
+    ))
+}
+
+/// The environment a world whose ranks share GPUs needs ([`cuda_world_sharing_gpus`]): the
+/// most hardware queues CUDA allows (one per stream of every rank on the GPU), and every
+/// module loaded when the process starts.
+pub const SHARED_GPU_ENVIRONMENT: [(&str, &str); 2] = [
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "32"),
+    ("CUDA_MODULE_LOADING", "EAGER"),
+];
 
 /// `uuid GPU-…, bus 0000:…` of device `ordinal`.
 fn device_description(ordinal: usize) -> String {

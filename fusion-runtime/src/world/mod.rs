@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 pub use bootstrap::VERSION;
-pub use cuda::cuda_world;
+pub use cuda::{cuda_world, cuda_world_sharing_gpus, SHARED_GPU_ENVIRONMENT};
 pub use launcher::{LaunchSpec, Launcher};
 pub use topology::{Link, RankInfo, Topology};
 

@@ -11,7 +11,8 @@
 //! the running sum of that block that device `r - 1` computed at its step `j - 1`
 //! (`beta = 1`, in the GEMM's epilogue), then passes the sum on to `r + 1`. The local
 //! chunk's GEMM waits until step `D`, when the sum of every other device has arrived, and
-//! writes this device's block of the output. So every transfer hides behind a GEMM: the
+//! finishes it into this device's block of the output (`out = sum + a @ b`); every sum
+//! lands in a buffer of the program's own. So every transfer hides behind a GEMM: the
 //! rows of step `j + 1` behind step `j`'s GEMMs, a running sum behind the first GEMM of the
 //! step that adds onto it. The local chunk's inputs of the last GEMM live in buffers of
 //! their own; the other chunks' intermediates share one slot, since every GEMM runs in
@@ -30,9 +31,9 @@
 //!             every expression but the last (into own buffers when j == 0, else one slot)
 //!   IF j > 0: after Stream((i - c) % n) (the running sum arrived)
 //!             sum = (j == D ? this device's output rows : acc[j - 1] rows)
-//!             sum = last(...) (+ sum when j > 1)
+//!             sum = last(...) (+ acc[j - 1] rows when j > 1)
 //!             IF j < D: on Stream(i % n), after S: send sum to r + 1, receive the next
-//!                       step's sum (acc[j] or the output rows) from r - 1
+//!                       step's sum (acc[j] rows) from r - 1
 //! FOR i: Synchronize Stream(i % n)
 //! ```
 
@@ -215,10 +216,6 @@ pub(super) fn emit(
     let is_final = f.binary(ScalarOp::Eq, step, d);
     let is_first_sum = f.binary(ScalarOp::Eq, step, one);
     let sum_step = f.binary(ScalarOp::Sub, step, one);
-    let next_is_block = {
-        let following = f.binary(ScalarOp::Add, step, one);
-        f.binary(ScalarOp::Eq, following, d)
-    };
     let from = {
         let back = f.binary(ScalarOp::Sub, rank_plus_d, one);
         f.binary(ScalarOp::Mod, back, d)
@@ -454,14 +451,12 @@ pub(super) fn emit(
         rows: slicer.rows.as_ref(),
         zero,
     };
-    // Ring step j - 1 (the last one, into the output block, at j = D); the next step's
-    // running sum is the block when j + 1 = D.
+    // Ring step j - 1 (the last one, into the output block, at j = D).
     let ring_step = RingStep {
         step: sum_step,
         is_first: is_first_sum,
         is_last: is_final,
         next_step: step,
-        next_is_last: next_is_block,
         from,
         to,
         worker,

@@ -2,21 +2,24 @@
 //!
 //! Step `j` (of `D`) computes the partial of block `(rank + j + 1) % D`, the same block
 //! that device `rank + 1` computed at step `j - 1`. Its GEMM adds onto the running sum of
-//! that block received from `rank + 1` (`out = out + a @ b`, in the GEMM's epilogue), and
+//! that block received from `rank + 1` (`acc = acc + a @ b`, in the GEMM's epilogue), and
 //! the exchange after it sends the new sum on to `rank - 1` while receiving the running sum
 //! of the next step's block from `rank + 1`. Every send meets its receive in the same
-//! iteration, and the last step's GEMM, on this device's own block, writes the finished
-//! result into the output. With `c` sub-chunks the loop runs `D * c` iterations,
+//! iteration, and the last step's GEMM, on this device's own block, finishes the sum that
+//! arrived into the output (`out = acc + a @ b`: C and D of one GEMM). Every sum lands in
+//! a buffer of the program's own, never in the caller's output, so the copy engines keep
+//! the same receive buffers from call to call and the whole ring can be captured. With `c` sub-chunks the loop runs `D * c` iterations,
 //! step-major (`j = i / c`, rows `i % c`), so the transfer of one row range hides behind
 //! the GEMMs of the others.
 //!
 //! ```text
 //! FOR i in 0..D*c:
-//!   SetCurrentStream S; Synchronize Stream((i - c) mod numberOfStreams)   (the sum arrived)
-//!   acc_view = (j == D-1 ? this device's output block : acc[j]), rows of i % c
-//!   j == 0 ? acc_view = a[block] @ b : acc_view = a[block] @ b + acc_view
+//!   SetCurrentStream S; IF j > 0: Synchronize Stream((i - c) mod numberOfStreams)   (the sum arrived)
+//!   sum = (j == D-1 ? this device's output block : acc[j]), rows of i % c
+//!   j == 0 ? sum = a[block] @ b
+//!          : sum = a[block] @ b + acc[j]          (in place unless j == D-1)
 //!   IF j != D-1: SetCurrentStream Stream(i mod numberOfStreams); Synchronize S
-//!                recv next step's sum (from rank + 1), send acc_view (to rank - 1)
+//!                recv next step's sum into acc[j+1] (from rank + 1), send sum (to rank - 1)
 //!   SetCurrentStream S
 //! FOR i: Synchronize Stream(i mod numberOfStreams)
 //! ```
@@ -117,7 +120,6 @@ pub(super) fn emit(
     let next_step = f.binary(ScalarOp::Add, step, one);
     let is_first = f.binary(ScalarOp::Eq, step, zero);
     let is_last = f.binary(ScalarOp::Eq, step, last);
-    let next_is_last = f.binary(ScalarOp::Eq, next_step, last);
     // The pool stream of iteration i - c (mod numberOfStreams, kept non-negative), whose
     // exchange received this iteration's running sum.
     let c_n1 = {
@@ -127,7 +129,7 @@ pub(super) fn emit(
     let back = f.binary(ScalarOp::Add, index, c_n1);
     let arrived_index = f.binary(ScalarOp::Mod, back, n);
 
-    // Buffers: running sums of steps 0..D-1 (the last step's sum is the output block).
+    // Buffers: the running sums of steps 0..D-1, and the output.
     let (mut nodes, small) = g.allocate_outputs(p, internal, rows.as_ref(), Some(x));
     let acc = allocate_running_sums(p, rs, d, &mut nodes);
     let original = p.new_stream(StreamDef::Captured);
@@ -136,9 +138,15 @@ pub(super) fn emit(
     nodes.push(Node::GetCurrentStream { stream: original });
     nodes.push(fork_loop(index, loop_axis, zero, stop, original, worker));
 
+    // The first step's sums start here: nothing arrived for them (and the stream of
+    // iteration i - c may be one the loop never uses, which a graph capture refuses).
     let mut body = vec![
         Node::SetCurrentStream { stream: original },
-        Node::Synchronize { stream: arrived },
+        Node::IfThenElse {
+            cond: is_first,
+            then_body: Vec::new(),
+            else_body: vec![Node::Synchronize { stream: arrived }],
+        },
     ];
     let sched = Schedule {
         chunk: block,
@@ -181,7 +189,6 @@ pub(super) fn emit(
         is_first,
         is_last,
         next_step,
-        next_is_last,
         from,
         to,
         worker,
@@ -200,17 +207,16 @@ pub(super) fn emit(
     Ok(nodes)
 }
 
-/// Allocates (into `nodes`) the running sums of a ring over `d` devices, `d - 1` blocks
-/// (the last step's sum is this device's block of the output), and the output itself.
+/// Allocates (into `nodes`) the running sums of a ring over `d` devices, one block per
+/// step (the last step's arrives there too and is finished into this device's block of
+/// the output), and the output itself.
 pub(super) fn allocate_running_sums(
     p: &mut HostProgram,
     rs: &ReduceScatterFold,
     d: ScalarId,
     nodes: &mut Vec<Node>,
 ) -> TensorId {
-    let one = p.ir.constant(1);
-    let last_slots = p.ir.binary(ScalarOp::Sub, d, one);
-    let acc = reduce_scatter_slots(&mut p.ir, rs, last_slots);
+    let acc = reduce_scatter_slots(&mut p.ir, rs, d);
     if let Some(name) = p.ir.tensor(rs.expr.output).name.clone() {
         p.ir.tensor_mut(acc).name = Some(format!("{name}_running_sums"));
     }
@@ -222,15 +228,15 @@ pub(super) fn allocate_running_sums(
 }
 
 /// One ring step once its GEMM's operands are bound: the GEMM onto the running sum of
-/// `step` (this device's output block when `is_last`; a plain GEMM when `is_first`), then,
-/// unless `is_last`, on the iteration's pool stream after the GEMM, the exchange that sends
-/// the new sum to `to` and receives the sum of `next_step` from `from`.
+/// `step` (in place, `acc[step] += a @ b`; a plain GEMM when `is_first`; into this device's
+/// block of the output when `is_last`, `out = acc[step] + a @ b`), then, unless `is_last`,
+/// on the iteration's pool stream after the GEMM, the exchange that sends the new sum to
+/// `to` and receives the sum of `next_step` from `from` into `acc[next_step]`.
 pub(super) struct RingStep {
     pub(super) step: ScalarId,
     pub(super) is_first: ScalarId,
     pub(super) is_last: ScalarId,
     pub(super) next_step: ScalarId,
-    pub(super) next_is_last: ScalarId,
     pub(super) from: ScalarId,
     pub(super) to: ScalarId,
     pub(super) worker: StreamId,
@@ -247,21 +253,27 @@ impl RingStep {
         body: &mut Vec<Node>,
     ) -> Result<()> {
         let target = sums.bind(p, self.step, self.is_last, body)?;
-        let plain = Node::Compute(Expr {
-            op: Op::Matmul,
-            inputs: operands.clone(),
-            output: target,
-        });
-        let mut accumulate = operands;
-        accumulate.push(target);
+        let gemm = |addend: Option<TensorId>| {
+            let mut inputs = operands.clone();
+            inputs.extend(addend);
+            Node::Compute(Expr {
+                op: Op::Matmul,
+                inputs,
+                output: target,
+            })
+        };
+        // The last step finishes the sum that arrived into the output block.
+        let mut finish = Vec::new();
+        let arrived = sums.bind_slot(p, self.step, &mut finish)?;
+        finish.push(gemm(Some(arrived)));
         body.push(Node::IfThenElse {
             cond: self.is_first,
-            then_body: vec![plain],
-            else_body: vec![Node::Compute(Expr {
-                op: Op::Matmul,
-                inputs: accumulate,
-                output: target,
-            })],
+            then_body: vec![gemm(None)],
+            else_body: vec![Node::IfThenElse {
+                cond: self.is_last,
+                then_body: finish,
+                else_body: vec![gemm(Some(target))],
+            }],
         });
         let mut exchange = vec![
             Node::SetCurrentStream {
@@ -271,7 +283,7 @@ impl RingStep {
                 stream: self.original,
             },
         ];
-        let next = sums.bind(p, self.next_step, self.next_is_last, &mut exchange)?;
+        let next = sums.bind_slot(p, self.next_step, &mut exchange)?;
         exchange.extend(coalesced_exchange(
             p, next, self.from, target, self.to, backend,
         ));
@@ -307,8 +319,9 @@ pub(super) fn drop_didx(
     v
 }
 
-/// The running sums of a ring: `acc[j]` for steps before the last, this device's block of
-/// the output for the last; each narrowed to the iteration's rows when sub-chunked.
+/// The running sums of a ring: `acc[j]` for every step `j`, and this device's block of the
+/// output, which the last step writes; each narrowed to the iteration's rows when
+/// sub-chunked.
 pub(super) struct RunningSums<'a> {
     pub(super) acc: TensorId,
     pub(super) rs: &'a ReduceScatterFold,
@@ -411,7 +424,20 @@ impl RunningSums<'_> {
         }
     }
 
-    /// Binds (in both branches of `IF is_last`) one view: the running sum of step `step`.
+    /// Binds one view to the running sum of step `step`, `acc[step]` (its rows).
+    pub(super) fn bind_slot(
+        &self,
+        p: &mut HostProgram,
+        step: ScalarId,
+        body: &mut Vec<Node>,
+    ) -> Result<TensorId> {
+        let v = self.views(p)?;
+        self.emit_slot(p, &v, step, body);
+        Ok(v.view)
+    }
+
+    /// Binds (in both branches of `IF is_last`) one view: where step `step` writes its sum,
+    /// this device's output block at the last step, else `acc[step]`.
     pub(super) fn bind(
         &self,
         p: &mut HostProgram,

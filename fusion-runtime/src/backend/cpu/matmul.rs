@@ -159,17 +159,18 @@ fn multiply(d: Dims, a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// Batched `dst = epilogue(a @ b (+ bias))`: a `[B.., M, K]`, b `[B.., K, N]`, dst
-/// `[B.., M, N]`; the epilogue runs in f32 and `dst` is rounded once (see `Kernel::Gemm`).
+/// Batched `dst = epilogue(a @ b (+ bias))`, or `dst = addend + a @ b`: a `[B.., M, K]`, b
+/// `[B.., K, N]`, dst and addend `[B.., M, N]`; the epilogue runs in f32 and `dst` is
+/// rounded once (see `Kernel::Gemm`).
 pub(super) fn gemm(
     a: &Tensor,
     b: &Tensor,
     bias: Option<&Tensor>,
-    accumulate: bool,
+    addend: Option<&Tensor>,
     epilogue: &[UnaryOp],
     dst: &Tensor,
 ) -> Result<()> {
-    if accumulate && (bias.is_some() || !epilogue.is_empty()) {
+    if addend.is_some() && (bias.is_some() || !epilogue.is_empty()) {
         return Err(cpu_err(
             "gemm: a bias or an epilogue cannot be combined with accumulate",
         ));
@@ -184,8 +185,8 @@ pub(super) fn gemm(
     for (bi, chunk) in out.chunks_mut(d.m * d.n).enumerate() {
         multiply(d, ga.batch(bi), gb.batch(bi), chunk)?;
     }
-    if accumulate {
-        let held = dst.to_f32_vec()?;
+    if let Some(addend) = addend {
+        let held = addend.to_f32_vec()?;
         out.iter_mut().zip(held).for_each(|(o, h)| *o += h);
     }
     if let Some(bias) = &bias {
@@ -245,6 +246,7 @@ mod tests {
                 b,
                 bias,
                 accumulate: false,
+                addend: None,
                 epilogue: &[],
                 dst: &dst,
             },
@@ -337,6 +339,7 @@ mod tests {
                     b: &b,
                     bias: Some(&bias),
                     accumulate: false,
+                    addend: None,
                     epilogue: &[],
                     dst: &dst,
                 },
@@ -365,6 +368,7 @@ mod tests {
                     b: &b,
                     bias: None,
                     accumulate: false,
+                    addend: None,
                     epilogue: &[],
                     dst: &dst,
                 },
@@ -405,6 +409,7 @@ mod tests {
                     b: &b,
                     bias: None,
                     accumulate: false,
+                    addend: None,
                     epilogue: &[],
                     dst: &dst,
                 },
@@ -419,6 +424,7 @@ mod tests {
                     b: &b,
                     bias: None,
                     accumulate: false,
+                    addend: None,
                     epilogue: &[],
                     dst: &dst,
                 },
@@ -440,6 +446,7 @@ mod tests {
                     b: &t(b),
                     bias: bias.as_ref(),
                     accumulate: false,
+                    addend: None,
                     epilogue: &[],
                     dst: &t(d),
                 },
@@ -487,6 +494,7 @@ mod tests {
                     b: &b,
                     bias: Some(&bias),
                     accumulate,
+                    addend: None,
                     epilogue: &ops,
                     dst,
                 },
@@ -502,5 +510,48 @@ mod tests {
             assert!((f64::from(*g) - w).abs() < 1e-5, "{g} vs {w}");
         }
         assert!(run(true, &dst).is_err(), "no epilogue on a running sum");
+    }
+
+    #[test]
+    fn a_running_sum_is_finished_into_another_buffer() {
+        let dev = CpuDevice::new(0);
+        let (a, b) = (
+            Tensor::randn(&[3, 4], DType::F32, 1),
+            Tensor::randn(&[4, 5], DType::F32, 2),
+        );
+        let held = Tensor::randn(&[3, 5], DType::F32, 3);
+        let dst = dev.allocate(0, DType::F32, &[3, 5]).unwrap();
+        let gemm = |accumulate, addend: &Tensor| {
+            dev.execute(
+                0,
+                Kernel::Gemm {
+                    a: &a,
+                    b: &b,
+                    bias: None,
+                    accumulate,
+                    addend: Some(addend),
+                    epilogue: &[],
+                    dst: &dst,
+                },
+            )
+        };
+        gemm(true, &held).unwrap();
+        let want: Vec<f64> = reference(&a, &b, None)
+            .iter()
+            .zip(values(&held))
+            .map(|(p, h)| p + h)
+            .collect();
+        assert_close(&dst, &want, 1e-5, "dst = addend + a @ b");
+        assert_eq!(
+            values(&held),
+            values(&Tensor::randn(&[3, 5], DType::F32, 3)),
+            "the addend is only read"
+        );
+        let err = gemm(false, &held).unwrap_err().to_string();
+        assert!(err.contains("addend needs accumulate"), "{err}");
+        let err = gemm(true, &Tensor::randn(&[5, 3], DType::F32, 4))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("[5, 3]") && err.contains("[3, 5]"), "{err}");
     }
 }

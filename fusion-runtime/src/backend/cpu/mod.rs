@@ -144,9 +144,17 @@ impl Device for CpuDevice {
                 b,
                 bias,
                 accumulate,
+                addend,
                 epilogue,
                 dst,
-            } => matmul::gemm(a, b, bias, accumulate, epilogue, dst),
+            } => matmul::gemm(
+                a,
+                b,
+                bias,
+                super::gemm_addend(accumulate, addend, dst)?,
+                epilogue,
+                dst,
+            ),
         }
     }
 

@@ -497,6 +497,7 @@ impl Device for CudaDevice {
                 b,
                 bias,
                 accumulate,
+                addend,
                 epilogue,
                 dst,
             } => gemm::gemm(
@@ -507,6 +508,7 @@ impl Device for CudaDevice {
                     b,
                     bias,
                     accumulate,
+                    addend,
                     epilogue,
                     dst,
                 },

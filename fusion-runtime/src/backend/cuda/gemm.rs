@@ -84,6 +84,8 @@ pub(crate) struct GemmArgs<'a> {
     pub b: &'a Tensor,
     pub bias: Option<&'a Tensor>,
     pub accumulate: bool,
+    /// With `accumulate`: what is added when it is not `dst` (see [`Kernel::Gemm`]).
+    pub addend: Option<&'a Tensor>,
     pub epilogue: &'a [UnaryOp],
     pub dst: &'a Tensor,
 }
@@ -134,6 +136,7 @@ fn validate(g: &GemmArgs) -> Result<()> {
             )));
         }
     }
+    crate::backend::gemm_addend(g.accumulate, g.addend, dst)?;
     if g.accumulate && dst.dtype() != a.dtype() {
         return Err(err(format!(
             "gemm: accumulating into {} from {} operands",
@@ -159,6 +162,15 @@ pub(crate) fn gemm(dev: &CudaDevice, stream: StreamHandle, g: GemmArgs) -> Resul
     if g.dst.numel() == 0 {
         return Ok(());
     }
+    if let Some(c) = g.addend.filter(|c| !same_view(c, g.dst)) {
+        // Out of place: cuBLASLt reads C from the addend and writes D; where it cannot,
+        // the addend is copied into dst and the GEMM accumulates there.
+        if lt_gemm(dev, stream, &g, LtEpilogue::None)? {
+            return Ok(());
+        }
+        dev.execute(stream, Kernel::Copy { src: c, dst: g.dst })?;
+        return cublas_gemm(dev, stream, g.a, g.b, None, true, g.dst);
+    }
     if let Some(ep) = LtEpilogue::of(g.epilogue) {
         if direct_output(g.a.dtype(), g.dst.dtype())
             && g.bias.is_none_or(|b| b.dtype() == g.dst.dtype())
@@ -174,6 +186,7 @@ pub(crate) fn gemm(dev: &CudaDevice, stream: StreamHandle, g: GemmArgs) -> Resul
     let product = dev.alloc_tensor(stream, DType::F32, g.dst.shape())?;
     let plain = GemmArgs {
         bias: None,
+        addend: None,
         epilogue: &[],
         dst: &product,
         ..g
@@ -216,22 +229,34 @@ fn lt_gemm(dev: &CudaDevice, stream: StreamHandle, g: &GemmArgs, ep: LtEpilogue)
     if g.dst.shape()[..r - 2].iter().any(|&e| e != 1) {
         return Ok(false);
     }
-    let matrix = |t: &Tensor| -> Result<Tensor> {
-        let mut v = t.clone();
-        while v.rank() > 2 {
-            v = v.select(0, 0)?;
-        }
-        Ok(v)
+    // The last two axes of each operand (batch axes of extent 1 move no pointer); no views
+    // are made, since this runs at every GEMM launch.
+    let last2 = |t: &Tensor| {
+        let r = t.rank();
+        (
+            t.shape()[r - 2],
+            t.shape()[r - 1],
+            t.strides()[r - 2],
+            t.strides()[r - 1],
+        )
     };
-    let (a, b, d) = (matrix(g.a)?, matrix(g.b)?, matrix(g.dst)?);
-    let (m, n, k) = (d.shape()[0], d.shape()[1], a.shape()[1]);
+    let ((m, k, ars, acs), (_, n, brs, bcs), (_, _, drs, dcs)) =
+        (last2(g.a), last2(g.b), last2(g.dst));
     if k == 0 {
         return Ok(false);
     }
+    // C, when it is not D: cuBLASLt reads it with D's layout, so its strides must match.
+    let c = g.addend.filter(|c| !same_view(c, g.dst));
+    if let Some(c) = c {
+        let (_, _, crs, ccs) = last2(c);
+        if (crs, ccs) != (drs, dcs) {
+            return Ok(false);
+        }
+    }
     let (Some(la), Some(lb), Some(Layout::RowMajor { ld: ldd })) = (
-        layout(m, k, a.strides()[0], a.strides()[1]),
-        layout(k, n, b.strides()[0], b.strides()[1]),
-        layout(m, n, d.strides()[0], d.strides()[1]),
+        layout(m, k, ars, acs),
+        layout(k, n, brs, bcs),
+        layout(m, n, drs, dcs),
     ) else {
         return Ok(false);
     };
@@ -264,12 +289,13 @@ fn lt_gemm(dev: &CudaDevice, stream: StreamHandle, g: &GemmArgs, ep: LtEpilogue)
             ld: ldd,
             transposed: false,
         },
-        in_dtype: a.dtype(),
-        out_dtype: d.dtype(),
+        in_dtype: g.a.dtype(),
+        out_dtype: g.dst.dtype(),
         epilogue: ep,
-        a_ptr: ptr(&b)?,
-        b_ptr: ptr(&a)?,
-        d_ptr: ptr(&d)?,
+        a_ptr: ptr(g.b)?,
+        b_ptr: ptr(g.a)?,
+        d_ptr: ptr(g.dst)?,
+        c_ptr: c.map(ptr).transpose()?,
         bias_ptr: match g.bias {
             Some(bias) if bias.strides()[0] == 1 || n == 1 => Some(ptr(bias)?),
             Some(_) => return Ok(false),
@@ -424,6 +450,11 @@ fn cublas_gemm(
         dev.execute(stream, Kernel::Copy { src: &c, dst })?;
     }
     Ok(())
+}
+
+/// Whether `x` and `y` are the same view of the same memory.
+fn same_view(x: &Tensor, y: &Tensor) -> bool {
+    x.device_ptr() == y.device_ptr() && x.shape() == y.shape() && x.strides() == y.strides()
 }
 
 /// Writes zeros into `t` (zero bits are 0.0 in every dtype).

@@ -10,7 +10,7 @@
 //!
 //! `FUSION_LAUNCH_GRAPHS=0` turns it off.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::Hash;
 
 use cudarc::driver::sys;
@@ -18,6 +18,7 @@ use cudarc::driver::sys;
 use super::graph::stream_is_capturing as capturing;
 use super::libs::cu_check as check;
 use super::memory::RawStream;
+use super::word_hash::WordMap;
 use crate::error::Result;
 
 /// At most this many graphs per cache; the oldest go first.
@@ -62,7 +63,7 @@ enum Entry {
 
 /// One-operation graphs keyed by `K` (which must name every pointer and the stream).
 pub(crate) struct LaunchGraphs<K> {
-    entries: HashMap<K, Entry>,
+    entries: WordMap<K, Entry>,
     order: VecDeque<K>,
     enabled: bool,
 }
@@ -118,7 +119,7 @@ impl<K: Hash + Eq + Clone> LaunchGraphs<K> {
     /// An empty cache (off when `FUSION_LAUNCH_GRAPHS=0`).
     pub(crate) fn new() -> Self {
         LaunchGraphs {
-            entries: HashMap::new(),
+            entries: WordMap::default(),
             order: VecDeque::new(),
             enabled: std::env::var("FUSION_LAUNCH_GRAPHS").as_deref() != Ok("0"),
         }

@@ -8,7 +8,6 @@
 //! other epilogues) and problems its heuristic rejects go back to the caller
 //! ([`LtPlans::matmul`] returns `false`), which uses cuBLAS and a generated kernel.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Mutex, PoisonError};
 
@@ -20,6 +19,7 @@ use fusion_core::DType;
 
 use super::launch_graphs::LaunchGraphs;
 use super::memory::RawStream;
+use super::word_hash::WordMap;
 use crate::backend::StreamHandle;
 use crate::error::{Error, Result};
 
@@ -72,7 +72,8 @@ pub(crate) struct LtMatrix {
     pub transposed: bool,
 }
 
-/// A column-major problem `D (m x n) = op(A) op(B) (+ beta C)`, with C = D.
+/// A column-major problem `D (m x n) = op(A) op(B) (+ C)`: C is D itself, or another
+/// matrix of D's layout (`c_ptr`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct LtProblem {
     pub a: LtMatrix,
@@ -86,8 +87,10 @@ pub(crate) struct LtProblem {
     pub a_ptr: u64,
     pub b_ptr: u64,
     pub d_ptr: u64,
+    /// C when it is not D (with `accumulate`).
+    pub c_ptr: Option<u64>,
     pub bias_ptr: Option<u64>,
-    /// `D = D + op(A) op(B)`.
+    /// `D = C + op(A) op(B)`.
     pub accumulate: bool,
 }
 
@@ -102,7 +105,8 @@ struct Key {
     epilogue: LtEpilogue,
     bias: bool,
     accumulate: bool,
-    /// Alignments (bytes, at most 256) of A, B and D: the algorithm must work with them.
+    /// Alignments (bytes, at most 256) of A, B and C/D (the smaller of the two): the
+    /// algorithm must work with them.
     align: [u32; 3],
 }
 
@@ -134,14 +138,14 @@ impl Drop for Plan {
 struct State {
     handle: Option<sys::cublasLtHandle_t>,
     /// `None`: cuBLASLt has no algorithm for this problem (asked once).
-    plans: HashMap<Key, Option<Plan>>,
-    workspaces: HashMap<StreamHandle, u64>,
+    plans: WordMap<Key, Option<Plan>>,
+    workspaces: WordMap<StreamHandle, u64>,
     /// Launches seen before, captured as one-GEMM graphs (pointers and stream in the key).
     launches: LaunchGraphs<LaunchKey>,
 }
 
-/// One GEMM launch: the problem, its A, B, D and bias pointers, and the stream.
-type LaunchKey = (Key, [u64; 4], StreamHandle);
+/// One GEMM launch: the problem, its A, B, D, bias and C pointers, and the stream.
+type LaunchKey = (Key, [u64; 5], StreamHandle);
 
 /// A device's cuBLASLt handle, plans and workspaces.
 pub(crate) struct LtPlans {
@@ -224,8 +228,8 @@ impl LtPlans {
         LtPlans {
             state: Mutex::new(State {
                 handle: None,
-                plans: HashMap::new(),
-                workspaces: HashMap::new(),
+                plans: WordMap::default(),
+                workspaces: WordMap::default(),
                 launches: LaunchGraphs::new(),
             }),
             present: present && std::env::var("FUSION_CUBLASLT").as_deref() != Ok("0"),
@@ -258,7 +262,7 @@ impl LtPlans {
             align: [
                 alignment(problem.a_ptr),
                 alignment(problem.b_ptr),
-                alignment(problem.d_ptr),
+                alignment(problem.d_ptr).min(alignment(problem.c_ptr.unwrap_or(problem.d_ptr))),
             ],
         };
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -270,9 +274,15 @@ impl LtPlans {
                 h
             }
         };
-        if let std::collections::hash_map::Entry::Vacant(slot) = state.plans.entry(key) {
-            // A plan that cannot be built (no algorithm, or a descriptor call failing) is
-            // remembered as absent: this problem then always goes to cuBLAS.
+        let State {
+            plans,
+            workspaces,
+            launches,
+            ..
+        } = &mut *state;
+        // One lookup: a plan that cannot be built (no algorithm, or a descriptor call
+        // failing) is remembered as absent, and this problem then always goes to cuBLAS.
+        let plan = plans.entry(key).or_insert_with(|| {
             let plan = build_plan(handle, &key).unwrap_or_else(|e| {
                 tracing::debug!("cuBLASLt plan for {key:?}: {e}");
                 None
@@ -280,12 +290,12 @@ impl LtPlans {
             if plan.is_none() {
                 tracing::debug!("cuBLASLt has no algorithm for {key:?}; using cuBLAS");
             }
-            slot.insert(plan);
-        }
-        if state.plans.get(&key).is_none_or(Option::is_none) {
+            plan
+        });
+        let Some(plan) = plan.as_ref() else {
             return Ok(false);
-        }
-        let workspace = match state.workspaces.get(&stream) {
+        };
+        let workspace = match workspaces.get(&stream) {
             Some(&w) => w,
             None => {
                 // SAFETY: a plain device allocation in the current context, freed in Drop.
@@ -295,15 +305,9 @@ impl LtPlans {
                         reason: format!("allocating a cuBLASLt workspace: {e:?}"),
                     }
                 })?;
-                state.workspaces.insert(stream, w);
+                workspaces.insert(stream, w);
                 w
             }
-        };
-        let State {
-            plans, launches, ..
-        } = &mut *state;
-        let Some(plan) = plans.get(&key).and_then(Option::as_ref) else {
-            return Ok(false);
         };
         if let Some(bias) = problem.bias_ptr {
             let ptr = bias as *const c_void;
@@ -318,10 +322,11 @@ impl LtPlans {
         }
         let alpha = 1.0f32;
         let beta = if problem.accumulate { 1.0f32 } else { 0.0f32 };
+        let c_ptr = problem.c_ptr.unwrap_or(problem.d_ptr);
         let enqueue = |raw: RawStream| {
             // SAFETY: the pointers and layouts describe the caller's live device views
-            // (checked by the caller); C and D are the same matrix; the workspace belongs
-            // to this stream.
+            // (checked by the caller); C has D's layout (the same matrix, or one of the
+            // same strides); the workspace belongs to this stream.
             unsafe {
                 lt::matmul(
                     handle,
@@ -332,7 +337,7 @@ impl LtPlans {
                     plan.a,
                     problem.b_ptr as *const c_void,
                     plan.b,
-                    problem.d_ptr as *const c_void,
+                    c_ptr as *const c_void,
                     plan.d,
                     problem.d_ptr as *mut c_void,
                     plan.d,
@@ -349,6 +354,7 @@ impl LtPlans {
             problem.b_ptr,
             problem.d_ptr,
             problem.bias_ptr.unwrap_or(0),
+            c_ptr,
         ];
         launches.launch(&(key, pointers, stream), raw, enqueue)?;
         Ok(true)

@@ -20,6 +20,7 @@ mod lt;
 mod memory;
 pub(crate) mod shared;
 mod user_buffers;
+mod word_hash;
 
 pub use device::CudaDevice;
 pub(crate) use libs::cu_check;
