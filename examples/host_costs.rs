@@ -25,6 +25,7 @@ use clap::Parser;
 use fusion::core::hir::NodeKind;
 use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
 use fusion::runtime::backend::Kernel;
+use fusion::runtime::replay::ReplayStatus;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
 #[derive(Parser, Debug)]
@@ -124,13 +125,15 @@ fn pipelines(rank: &Rank, a: &Args) -> Result<Rows> {
                     exec.run_with(rank, inputs, None, &o).map(|_| ())
                 })?;
                 let r = exec.run_with(rank, inputs, None, &o)?;
-                rows.push((
-                    format!(
-                        "{what}, {mode} ({} nodes, {:?})",
-                        r.stats.nodes_executed, r.replay
+                let how = match r.replay {
+                    ReplayStatus::Replayed => format!(
+                        "replayed: {} graph nodes, launch {:.1} us",
+                        r.stats.graph_nodes,
+                        r.stats.graph_launch.nanos as f64 / 1e3
                     ),
-                    us,
-                ));
+                    other => format!("{} host-IR nodes, {other:?}", r.stats.nodes_executed),
+                };
+                rows.push((format!("{what}, {mode} ({how})"), us));
             }
             Ok::<_, fusion::Error>(())
         };

@@ -237,6 +237,10 @@ fn graphs_match_eager(world: &World, options: &ExecOptions) {
                             g.replay
                         );
                     }
+                    // A replayed call reports its one launch and the graph's size.
+                    let replayed = g.replay == ReplayStatus::Replayed;
+                    assert_eq!(g.stats.graph_launch.count, u32::from(replayed));
+                    assert_eq!(g.stats.graph_nodes > 0, replayed, "{:?}", g.stats);
                     statuses.push(g.replay);
                 }
                 drop(kept);

@@ -492,8 +492,9 @@ fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64,
         .fold((0.0, 0), |acc, x| (acc.0.max(x.0), x.1)))
 }
 
-/// (stream iterations, mode, us per call, host-IR nodes walked, how the call ran).
-type HostPerCall = (usize, &'static str, f64, usize, String);
+/// (stream iterations, mode, us per call, host-IR nodes walked, how the call ran, us of a
+/// replayed call's graph launch and the graph's nodes).
+type HostPerCall = (usize, &'static str, f64, usize, String, f64, usize);
 
 /// Host time per call of a tiny collective AG+GEMM pipeline over NCCL with `s` stream
 /// iterations: walking the host program (graphs off), and replaying its CUDA graph (the
@@ -514,9 +515,14 @@ fn host_per_iterations(world: &World, dt: DType, iterations: &[usize]) -> Result
             let per_rank = world.run(|rank| {
                 let a = rank.shard(&host_a, 1)?;
                 let b = rank.to_device(&host_b)?;
+                let mut launches = Vec::new();
                 let us = host_us(rank, 200, || {
-                    exec.run_with(rank, &[&a, &b], None, &o).map(|_| ())
+                    let r = exec.run_with(rank, &[&a, &b], None, &o)?;
+                    launches.push(r.stats.graph_launch.nanos as f64 / 1e3);
+                    Ok(())
                 })?;
+                launches.sort_by(f64::total_cmp);
+                let launch = launches[launches.len() / 2];
                 let last = exec.run_with(rank, &[&a, &b], None, &o)?;
                 rank.synchronize()?;
                 let all =
@@ -531,10 +537,13 @@ fn host_per_iterations(world: &World, dt: DType, iterations: &[usize]) -> Result
                     worst,
                     last.stats.nodes_executed,
                     format!("{:?}", last.replay),
+                    launch,
+                    last.stats.graph_nodes,
                 ))
             })?;
-            let (us, nodes, status) = per_rank.into_iter().next().expect("a rank");
-            rows.push((s, mode, us, nodes, status));
+            let (us, nodes, status, launch, graph_nodes) =
+                per_rank.into_iter().next().expect("a rank");
+            rows.push((s, mode, us, nodes, status, launch, graph_nodes));
         }
     }
     Ok(rows)
@@ -679,14 +688,16 @@ fn run() -> Result<()> {
     }
     let iterations = list(&a.host_iterations);
     if !iterations.is_empty() {
-        for (s, mode, us, nodes, status) in host_per_iterations(&world, dt, &iterations)? {
+        for (s, mode, us, nodes, status, launch, graph_nodes) in
+            host_per_iterations(&world, dt, &iterations)?
+        {
             if reports {
                 println!(
-                    "host per call: collective AG+GEMM, {s:>2} stream iterations, {mode:<8} {us:8.1} us ({nodes} host-IR nodes walked; {status})"
+                    "host per call: collective AG+GEMM, {s:>2} stream iterations, {mode:<8} {us:8.1} us ({nodes} host-IR nodes walked; {status}; graph launch {launch:.1} us, {graph_nodes} graph nodes)"
                 );
             }
             host_lines.push_str(&format!(
-                "{{\"case\": \"host_per_call\", \"devices\": {d}, \"iterations\": {s}, \"mode\": \"{mode}\", \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"status\": \"{status}\"}}\n"
+                "{{\"case\": \"host_per_call\", \"devices\": {d}, \"iterations\": {s}, \"mode\": \"{mode}\", \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"status\": \"{status}\", \"graph_launch_us\": {launch:.3}, \"graph_nodes\": {graph_nodes}}}\n"
             ));
         }
     }

@@ -483,7 +483,17 @@ impl FusionExecutor {
         match slot.step(&addresses) {
             Step::Eager(reason) => run_eagerly(reason),
             Step::Launch(i) => {
-                slot.graph(i).expect("a ready graph").launch()?;
+                let graph = slot.graph(i).expect("a ready graph");
+                let start = std::time::Instant::now();
+                graph.launch()?;
+                let stats = ExecStats {
+                    graph_launch: crate::eval::HostTime {
+                        count: 1,
+                        nanos: start.elapsed().as_nanos() as u64,
+                    },
+                    graph_nodes: graph.nodes(),
+                    ..ExecStats::default()
+                };
                 let outputs = program
                     .outputs
                     .iter()
@@ -498,7 +508,7 @@ impl FusionExecutor {
                     .collect();
                 let ex = Execution {
                     outputs,
-                    stats: ExecStats::default(),
+                    stats,
                     trace: None,
                     host_trace: None,
                     race: None,

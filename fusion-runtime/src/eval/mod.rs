@@ -41,6 +41,11 @@ pub struct ExecStats {
     /// Host time per kind of leaf node (not loops or branches), indexed by
     /// `NodeKind as usize`: where the interpreter's time goes (see [`Self::host_profile`]).
     pub host_by_kind: [HostTime; NodeKind::ALL.len()],
+    /// A replayed call: the host time of its one graph launch (count 1), so that a call's
+    /// host time splits into the launch and everything around it.
+    pub graph_launch: HostTime,
+    /// A replayed call: the nodes of the graph it launched.
+    pub graph_nodes: usize,
 }
 
 /// Host time spent on one kind of host-IR node during a call.
