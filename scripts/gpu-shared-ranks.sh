@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # What a machine with fewer GPUs than ranks can check of the copy-engine pipelines: two
 # ranks on the visible GPUs (both on GPU 0 on a one-GPU machine, `cuda_world_sharing_gpus`)
-# hand off through device flags exactly as two GPUs of one process do. Runs the CUDA-graph
-# tests (the AG+GEMM, GEMM+ReduceScatter ring and MLP block pipelines against the CPU
-# backend, then captured and replayed against eager calls with fresh inputs), the runtime's
-# GPU unit tests five times (flag hand-offs eager and replayed, and their host cost against
-# hand-offs through events), and host_costs on the two ranks (tiny copy-engine pipelines
-# walked and replayed, 2 to 16 stream iterations). Binaries from scripts/stage-gpu.sh.
+# hand off through device flags exactly as two GPUs of one process do. Runs the shared-rank
+# graph test twice (the AG+GEMM, GEMM+ReduceScatter ring and MLP block pipelines against the
+# CPU backend, eagerly; ranks sharing a GPU refuse to replay, and the test checks that they
+# say why), the runtime's GPU unit tests three times (flag hand-offs eager and replayed, and
+# their host cost against hand-offs through events), and host_costs on the two ranks (tiny
+# copy-engine pipelines, walked, 2 to 16 stream iterations). Binaries from
+# scripts/stage-gpu.sh.
 # Usage: scripts/gpu-shared-ranks.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -18,8 +19,8 @@ source scripts/gpu-env.sh
 export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=30
 BIN=.gpu/bin
 source scripts/gpu-lib.sh
-# The shared-GPU case three times (it runs itself in a process with the environment it
-# needs; scripts/gpu-check.sh runs the other graph tests).
+# The shared-GPU case twice (it runs itself in a process with the environment it needs;
+# scripts/gpu-check.sh runs the other graph tests).
 for i in 1 2; do
     step "cuda_graphs_shared-$i" 90 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture \
         --exact copy_engine_pipelines_on_two_ranks_sharing_the_visible_gpus
