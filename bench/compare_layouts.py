@@ -34,7 +34,8 @@ def main(single_path, launched_path):
         d = s[4]
         default = f"p2p_ce_push_peer_n{d}"
         mine = {k[5]: (single[k]["ms"], launched[k]["ms"]) for k in common if k[:5] == s}
-        measured = {c: v for c, v in mine.items() if c not in ("comm_alone", "gemm_alone")}
+        measured = {c: v for c, v in mine.items() if c not in ("comm_alone", "gemm_alone")
+                    and not c.startswith("gemm_alone_rows")}
         picks = []
         if default in measured:
             picks.append(("default " + default, measured[default]))

@@ -45,7 +45,8 @@ def main(paths):
             continue
         comm, gemm = rows["comm_alone"]["ms"], rows["gemm_alone"]["ms"]
         bound = max(comm, gemm)
-        cand = [r for c, r in rows.items() if c not in ALONE and not c.endswith("_fullbuf")]
+        cand = [r for c, r in rows.items()
+                if c not in ALONE and not c.startswith("gemm_alone") and not c.endswith("_fullbuf")]
         best = min(cand, key=lambda r: r["ms"])
         tcand = [r for r in torch.get(k, []) if "ms" in r and r["case"] not in ALONE]
         tbest = min(tcand, key=lambda r: r["ms"]) if tcand else None

@@ -24,7 +24,7 @@ use std::time::Instant;
 use clap::Parser;
 use fusion::core::hir::NodeKind;
 use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
-use fusion::runtime::backend::Kernel;
+use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::replay::ReplayStatus;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
@@ -47,6 +47,10 @@ struct Args {
     /// `--devices` (`cuda_world_sharing_gpus`: copy-engine pipelines only, no NCCL).
     #[arg(long)]
     share_gpus: bool,
+    /// Also measure how a graph's launch cost grows with its nodes, for kernels on one
+    /// stream (a straight line) and on two streams (forks and joins).
+    #[arg(long)]
+    graph_topologies: bool,
 }
 
 /// Median host microseconds per call of `f`, over 5 rounds of `calls` calls, each round
@@ -66,6 +70,44 @@ fn host_us(rank: &Rank, calls: usize, mut f: impl FnMut() -> Result<()>) -> Resu
     Ok(rounds[rounds.len() / 2])
 }
 
+/// Host and device time per call of a short burst of calls.
+struct Burst {
+    /// Host microseconds per call, the calls enqueued back to back from an idle device.
+    host: f64,
+    /// Microseconds per call until the device finished the burst.
+    device: f64,
+}
+
+/// Calls per burst: few enough that the device's queues never fill, so the host time is
+/// what the calling thread spends, not time it waits for the device.
+const BURST: usize = 8;
+
+/// Medians over 15 bursts of [`BURST`] calls of `f`, each burst started from an idle
+/// device with all ranks at the start line.
+fn burst_us(rank: &Rank, mut f: impl FnMut() -> Result<()>) -> Result<Burst> {
+    let (mut host, mut device) = (Vec::new(), Vec::new());
+    for _ in 0..15 {
+        rank.synchronize()?;
+        rank.communicator().exchange(&[])?;
+        let t = Instant::now();
+        for _ in 0..BURST {
+            f()?;
+        }
+        host.push(t.elapsed().as_secs_f64() * 1e6 / BURST as f64);
+        rank.synchronize()?;
+        device.push(t.elapsed().as_secs_f64() * 1e6 / BURST as f64);
+    }
+    Ok(Burst {
+        host: median(host),
+        device: median(device),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 fn main() -> std::process::ExitCode {
     finish::finish(run())
 }
@@ -81,14 +123,20 @@ fn run() -> Result<()> {
         World::auto(a.devices)?
     };
     let rows = world.run(|rank| {
+        let launch_rows = if a.graph_topologies && rank.device().kind() == BackendKind::Cuda {
+            graph_topologies(rank)?
+        } else {
+            Vec::new()
+        };
         // Every rank measures (so that all of them are at the same place when the pipelines
         // start, and a GPU shared by ranks is as busy as in a pipeline); rank 0 reports.
         let mut rows = single_device(rank, &a)?;
         rank.synchronize()?;
         rank.communicator().exchange(&[])?;
         if rank.world_size() > 1 {
-            rows.extend(pipelines(rank, &a)?);
+            rows.extend(pipelines(rank)?);
         }
+        rows.extend(launch_rows);
         Ok(rows)
     })?;
     println!(
@@ -109,7 +157,7 @@ fn run() -> Result<()> {
 
 /// Whole calls of tiny copy-engine pipelines (8x8 blocks), walked and replayed, on every
 /// rank at once; rank 0 reports.
-fn pipelines(rank: &Rank, a: &Args) -> Result<Rows> {
+fn pipelines(rank: &Rank) -> Result<Rows> {
     let d = rank.world_size();
     let dt = DType::BF16;
     let mut rows = Vec::new();
@@ -121,19 +169,34 @@ fn pipelines(rank: &Rank, a: &Args) -> Result<Rows> {
                     lower: lower.clone(),
                     ..ExecOptions::default()
                 };
-                let us = host_us(rank, a.calls, || {
-                    exec.run_with(rank, inputs, None, &o).map(|_| ())
+                // Warm up (the first calls lower, capture and learn addresses).
+                for _ in 0..3 {
+                    exec.run_with(rank, inputs, None, &o)?;
+                }
+                let (mut setups, mut launches) = (Vec::new(), Vec::new());
+                let burst = burst_us(rank, || {
+                    let r = exec.run_with(rank, inputs, None, &o)?;
+                    setups.push(r.stats.replay_setup.nanos as f64 / 1e3);
+                    launches.push(r.stats.graph_launch.nanos as f64 / 1e3);
+                    Ok(())
                 })?;
                 let r = exec.run_with(rank, inputs, None, &o)?;
                 let how = match r.replay {
                     ReplayStatus::Replayed => format!(
-                        "replayed: {} graph nodes, launch {:.1} us",
+                        "replayed: {} graph nodes, setup {:.1} us, launch {:.1} us",
                         r.stats.graph_nodes,
-                        r.stats.graph_launch.nanos as f64 / 1e3
+                        median(setups),
+                        median(launches)
                     ),
                     other => format!("{} host-IR nodes, {other:?}", r.stats.nodes_executed),
                 };
-                rows.push((format!("{what}, {mode} ({how})"), us));
+                rows.push((
+                    format!(
+                        "{what}, {mode} ({how}; device {:.1} us per call)",
+                        burst.device
+                    ),
+                    burst.host,
+                ));
             }
             Ok::<_, fusion::Error>(())
         };
@@ -267,4 +330,218 @@ fn single_device(rank: &Rank, a: &Args) -> Result<Rows> {
             ),
         ])
     }
+}
+
+/// Launch cost of captured graphs of `n` copy kernels: on one stream, on two streams
+/// joined once at the end, and on two streams with a fork and a join around every kernel.
+fn graph_topologies(rank: &Rank) -> Result<Rows> {
+    let dev = rank.device();
+    dev.ensure_streams(2)?;
+    let src = dev.allocate(0, DType::BF16, &[64, 64])?;
+    let dst = dev.allocate(0, DType::BF16, &[64, 64])?;
+    let copy = |s| {
+        dev.execute(
+            s,
+            Kernel::Copy {
+                src: &src,
+                dst: &dst,
+            },
+        )
+    };
+    let mut rows = Vec::new();
+    for n in [4usize, 16, 64] {
+        let shapes: [(&str, &dyn Fn() -> Result<()>); 3] = [
+            ("one stream", &|| (0..n).try_for_each(|_| copy(0))),
+            ("two streams, one join", &|| {
+                dev.stream_wait(1, 0)?;
+                for i in 0..n {
+                    copy(i % 2)?;
+                }
+                dev.stream_wait(0, 1)
+            }),
+            ("two streams, fork and join per kernel", &|| {
+                for i in 0..n {
+                    if i % 2 == 1 {
+                        dev.stream_wait(1, 0)?;
+                        copy(1)?;
+                        dev.stream_wait(0, 1)?;
+                    } else {
+                        copy(0)?;
+                    }
+                }
+                Ok(())
+            }),
+        ];
+        for (what, record) in shapes {
+            rank.synchronize()?;
+            dev.begin_capture(0)?;
+            let recorded = record();
+            let graph = dev.end_capture();
+            recorded?;
+            let graph = graph?;
+            let mut t = Vec::new();
+            for _ in 0..50 {
+                rank.synchronize()?;
+                let start = Instant::now();
+                graph.launch()?;
+                t.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            rank.synchronize()?;
+            rows.push((
+                format!(
+                    "graph launch, {n} copy kernels, {what} ({} nodes)",
+                    graph.nodes()
+                ),
+                median(t),
+            ));
+        }
+    }
+    rows.extend(graph_node_kinds(rank)?);
+    Ok(rows)
+}
+
+/// Launch cost of one-stream graphs of 4 and 32 nodes of one kind each (memset, copy on
+/// the device, copy to the next rank's device, flag write, flag wait, external event
+/// record), recorded straight through the driver on a stream of this example's own.
+fn graph_node_kinds(rank: &Rank) -> Result<Rows> {
+    use cudarc::driver::sys;
+    let fail = |what: &str, r: sys::CUresult| -> Result<()> {
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(fusion::Error::World(format!("{what}: {r:?}")))
+        }
+    };
+    let dev = rank.device();
+    let bytes = 64 * 64 * 2;
+    let a = dev.allocate(0, DType::BF16, &[64, 64])?;
+    let b = dev.allocate(0, DType::BF16, &[64, 64])?;
+    let flags = rank.to_device(&Tensor::full(&[64], DType::F32, 1.0))?;
+    let (pa, pb, pf) = (
+        a.device_ptr().unwrap_or(0),
+        b.device_ptr().unwrap_or(0),
+        flags.device_ptr().unwrap_or(0),
+    );
+    // The next rank's buffer, for copies between devices (peer access is on in a world).
+    let all = rank.communicator().exchange(&[pb as i64])?;
+    let peer = all[(rank.index() + 1) % rank.world_size()][0] as u64;
+    rank.synchronize()?;
+    let mut stream: sys::CUstream = std::ptr::null_mut();
+    let mut event: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: the rank's thread has its device's context current.
+    unsafe {
+        fail("cuStreamCreate", sys::cuStreamCreate(&mut stream, 1))?;
+        fail("cuEventCreate", sys::cuEventCreate(&mut event, 2))?;
+    }
+    // The flag words hold 1.0f (nonzero), so a wait for >= 1 passes at once.
+    let one_f32 = 1.0f32.to_bits();
+    type Record<'a> = &'a dyn Fn() -> sys::CUresult;
+    let kinds: [(&str, Record<'_>); 7] = [
+        ("memset", &|| unsafe {
+            sys::cuMemsetD32Async(pa, 0, 16, stream)
+        }),
+        ("copy on the device", &|| unsafe {
+            sys::cuMemcpyAsync(pb, pa, bytes, stream)
+        }),
+        ("copy to the next rank", &|| unsafe {
+            sys::cuMemcpyAsync(peer, pa, bytes, stream)
+        }),
+        ("flag write", &|| unsafe {
+            sys::cuStreamWriteValue32_v2(stream, pf, one_f32, 0)
+        }),
+        ("flag wait", &|| unsafe {
+            sys::cuStreamWaitValue32_v2(stream, pf, 1, 0)
+        }),
+        ("external event record", &|| unsafe {
+            sys::cuEventRecordWithFlags(event, stream, 1)
+        }),
+        ("allocation and free (two nodes)", &|| unsafe {
+            let mut p = 0;
+            match sys::cuMemAllocAsync(&mut p, bytes, stream) {
+                sys::CUresult::CUDA_SUCCESS => sys::cuMemFreeAsync(p, stream),
+                e => e,
+            }
+        }),
+    ];
+    let mut rows = Vec::new();
+    for (what, record) in kinds {
+        for n in [4usize, 32] {
+            match launch_us(n, record, stream) {
+                Ok(us) => rows.push((format!("graph launch, {n} nodes of one kind: {what}"), us)),
+                Err(e) => rows.push((
+                    format!("graph launch, {n} nodes of one kind: {what}: {e}"),
+                    f64::NAN,
+                )),
+            }
+        }
+    }
+    // SAFETY: our own stream and event, idle.
+    unsafe {
+        sys::cuStreamSynchronize(stream);
+        sys::cuEventDestroy_v2(event);
+        sys::cuStreamDestroy_v2(stream);
+    }
+    rank.communicator().exchange(&[])?;
+    Ok(rows)
+}
+
+/// Median host time of launching a graph of `n` operations recorded by `record` on
+/// `stream` (which the graph is launched on too).
+fn launch_us(
+    n: usize,
+    record: &dyn Fn() -> cudarc::driver::sys::CUresult,
+    stream: cudarc::driver::sys::CUstream,
+) -> Result<f64> {
+    use cudarc::driver::sys;
+    let fail = |what: &str, r: sys::CUresult| -> Result<()> {
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(fusion::Error::World(format!("{what}: {r:?}")))
+        }
+    };
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: capturing our own stream; every recorded operation names memory of
+    // this rank (or the next rank's, reachable by peer access).
+    unsafe {
+        fail(
+            "cuStreamBeginCapture",
+            sys::cuStreamBeginCapture_v2(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            ),
+        )?;
+        let mut first = sys::CUresult::CUDA_SUCCESS;
+        for _ in 0..n {
+            let r = record();
+            if first == sys::CUresult::CUDA_SUCCESS {
+                first = r;
+            }
+        }
+        let ended = sys::cuStreamEndCapture(stream, &mut graph);
+        fail("recording", first)?;
+        fail("cuStreamEndCapture", ended)?;
+        fail(
+            "cuGraphInstantiate",
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
+        )?;
+    }
+    let mut t = Vec::new();
+    for _ in 0..50 {
+        // SAFETY: launching the graph just made on our stream.
+        unsafe {
+            fail("cuStreamSynchronize", sys::cuStreamSynchronize(stream))?;
+            let start = Instant::now();
+            fail("cuGraphLaunch", sys::cuGraphLaunch(exec, stream))?;
+            t.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    // SAFETY: done with the graph.
+    unsafe {
+        fail("cuStreamSynchronize", sys::cuStreamSynchronize(stream))?;
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
+    Ok(median(t))
 }

@@ -181,9 +181,27 @@ fn cases_for(d: usize) -> Vec<Case> {
 /// refilled with fresh values each call (so the graph replays), then on new buffers while
 /// the old ones stay alive (so the inputs moved): every output must match bit for bit.
 fn graphs_match_eager(world: &World, options: &ExecOptions) {
+    graphs_match_eager_with(world, options, OutputsFrom::Caller);
+    graphs_match_eager_with(world, options, OutputsFrom::Executor);
+}
+
+/// Who allocates a call's outputs in [`graphs_match_eager_with`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OutputsFrom {
+    /// The caller passes the first call's outputs to every later call.
+    Caller,
+    /// The executor: each call's outputs are dropped before the next call, which then
+    /// writes into the same buffers again.
+    Executor,
+}
+
+fn graphs_match_eager_with(world: &World, options: &ExecOptions, from: OutputsFrom) {
     let d = world.size();
     for case in cases_for(d) {
-        println!("{}: graphs against eager calls on {d} ranks", case.name);
+        println!(
+            "{}: graphs against eager calls on {d} ranks, outputs from the {from:?}",
+            case.name
+        );
         let with = FusionExecutor::new(case.fusion.clone());
         let without = FusionExecutor::new(case.fusion.clone());
         let eager = ExecOptions {
@@ -199,6 +217,7 @@ fn graphs_match_eager(world: &World, options: &ExecOptions) {
                 let mut kept = Vec::new();
                 let mut statuses = Vec::new();
                 let mut outputs: Option<Vec<Tensor>> = None;
+                let mut last_addresses: Vec<Option<u64>> = Vec::new();
                 for call in 0..8u64 {
                     if call == 5 {
                         // Move the inputs: new buffers while the old ones stay allocated.
@@ -215,6 +234,9 @@ fn graphs_match_eager(world: &World, options: &ExecOptions) {
                     // Outputs in the same buffers every call (the first call's), so only
                     // the inputs decide whether a graph replays.
                     let g = match &outputs {
+                        _ if from == OutputsFrom::Executor => {
+                            with.run_with(rank, &refs, None, options)?
+                        }
                         None => {
                             let g = with.run_with(rank, &refs, None, options)?;
                             outputs = Some(g.outputs.clone());
@@ -237,6 +259,19 @@ fn graphs_match_eager(world: &World, options: &ExecOptions) {
                             g.replay
                         );
                     }
+                    // Outputs the caller let go of are written again from the third call
+                    // (the second allocates the ones it keeps).
+                    let addresses: Vec<Option<u64>> =
+                        g.outputs.iter().map(Tensor::device_ptr).collect();
+                    if from == OutputsFrom::Executor && call >= 3 {
+                        assert_eq!(
+                            addresses, last_addresses,
+                            "{}: call {call} on rank {} got new outputs",
+                            case.name,
+                            rank.index()
+                        );
+                    }
+                    last_addresses = addresses;
                     // A replayed call reports its one launch and the graph's size.
                     let replayed = g.replay == ReplayStatus::Replayed;
                     assert_eq!(g.stats.graph_launch.count, u32::from(replayed));
@@ -308,6 +343,9 @@ fn replayed_calls_match_eager_calls_over_nccl_on_two_gpus() {
         ..ExecOptions::default()
     };
     graphs_match_eager(&world, &options);
+    // NCCL's graph-mixing support is off (set by the first communicator unless the
+    // environment chose), which the replayed calls above relied on.
+    assert!(std::env::var_os("NCCL_GRAPH_MIXING_SUPPORT").is_some());
 }
 
 /// Every rank's outputs of one eager call of each case on `world` against the same call on

@@ -24,9 +24,10 @@ use std::sync::Arc;
 use clap::Parser;
 use fusion::core::hir::CommBackend;
 use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
+use fusion::runtime::backend::Kernel;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
-use measure::{device_ms, host_us, random, rel_error};
+use measure::{device_ms, host_us, median, random, rel_error};
 use report::Row;
 
 #[derive(Parser, Debug, Clone)]
@@ -300,6 +301,36 @@ fn run_ag(
 }
 
 /// GEMM+RS variants on one rank.
+/// Median device ms of `x @ w` computed as `pieces` GEMMs of consecutive row ranges on one
+/// stream; every block of `pieces / d` ranges after the first adds a running sum of the
+/// previous block's shape, as the ring's steps do.
+fn gemm_in_row_pieces(rank: &Rank, a: &Args, x: &Tensor, w: &Tensor, pieces: usize) -> Result<f64> {
+    let dev = rank.device();
+    let (m, n) = (x.shape()[0], w.shape()[1]);
+    let rows = m / pieces;
+    let per_block = pieces / rank.world_size();
+    let out = dev.allocate(0, x.dtype(), &[m, n])?;
+    let sum = rank.to_device(&random(&[rows, n], x.dtype(), 7)?)?;
+    device_ms(rank, a.iters, a.warmup, || {
+        for p in 0..pieces {
+            let dst = out.narrow(0, p * rows, rows)?;
+            dev.execute(
+                0,
+                Kernel::Gemm {
+                    a: &x.narrow(0, p * rows, rows)?,
+                    b: w,
+                    bias: None,
+                    accumulate: p >= per_block,
+                    addend: (p >= per_block).then_some(&sum),
+                    epilogue: &[],
+                    dst: &dst,
+                },
+            )?;
+        }
+        Ok(())
+    })
+}
+
 fn run_rs(
     rank: &Rank,
     a: &Args,
@@ -372,6 +403,23 @@ fn run_rs(
         None,
     )?;
     out.push(("gemm_alone".into(), s));
+    // The same GEMM as the ring computes it with `c` row ranges per block: `d c` GEMMs of
+    // `m / (d c)` rows back to back, those after the first block's adding a running sum
+    // (the floor the ring's GEMMs set, without any transfer).
+    for c in list(&a.rs_subchunks) {
+        let pieces = d * c;
+        if m % pieces != 0 {
+            continue;
+        }
+        let ms = gemm_in_row_pieces(rank, a, &a_local.squeeze(0)?, &b_local.squeeze(0)?, pieces)?;
+        out.push((
+            format!("gemm_alone_rows{pieces}"),
+            Sample {
+                ms,
+                ..Sample::default()
+            },
+        ));
+    }
     let partial = partial.reshape(&[1, d, m / d, n])?;
     let (s, _) = variant(rank, a, &e.reduce_scatter, &[&partial], &seq_o, None)?;
     out.push(("comm_alone".into(), s));
@@ -492,9 +540,19 @@ fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64,
         .fold((0.0, 0), |acc, x| (acc.0.max(x.0), x.1)))
 }
 
-/// (stream iterations, mode, us per call, host-IR nodes walked, how the call ran, us of a
-/// replayed call's graph launch and the graph's nodes).
-type HostPerCall = (usize, &'static str, f64, usize, String, f64, usize);
+/// One row of the host time per call: iterations, mode, microseconds per call, host-IR
+/// nodes walked, replay status, and for replayed calls the median setup and launch
+/// microseconds and the graph's nodes.
+struct HostPerCall {
+    iterations: usize,
+    mode: &'static str,
+    us: f64,
+    nodes: usize,
+    status: String,
+    setup: f64,
+    launch: f64,
+    graph_nodes: usize,
+}
 
 /// Host time per call of a tiny collective AG+GEMM pipeline over NCCL with `s` stream
 /// iterations: walking the host program (graphs off), and replaying its CUDA graph (the
@@ -515,14 +573,14 @@ fn host_per_iterations(world: &World, dt: DType, iterations: &[usize]) -> Result
             let per_rank = world.run(|rank| {
                 let a = rank.shard(&host_a, 1)?;
                 let b = rank.to_device(&host_b)?;
-                let mut launches = Vec::new();
+                let (mut setups, mut launches) = (Vec::new(), Vec::new());
                 let us = host_us(rank, 200, || {
                     let r = exec.run_with(rank, &[&a, &b], None, &o)?;
+                    setups.push(r.stats.replay_setup.nanos as f64 / 1e3);
                     launches.push(r.stats.graph_launch.nanos as f64 / 1e3);
                     Ok(())
                 })?;
-                launches.sort_by(f64::total_cmp);
-                let launch = launches[launches.len() / 2];
+                let (setup, launch) = (median(setups), median(launches));
                 let last = exec.run_with(rank, &[&a, &b], None, &o)?;
                 rank.synchronize()?;
                 let all =
@@ -533,17 +591,18 @@ fn host_per_iterations(world: &World, dt: DType, iterations: &[usize]) -> Result
                     .collect::<Result<Vec<_>>>()?
                     .into_iter()
                     .fold(0.0, f64::max);
-                Ok((
-                    worst,
-                    last.stats.nodes_executed,
-                    format!("{:?}", last.replay),
+                Ok(HostPerCall {
+                    iterations: s,
+                    mode,
+                    us: worst,
+                    nodes: last.stats.nodes_executed,
+                    status: format!("{:?}", last.replay),
+                    setup,
                     launch,
-                    last.stats.graph_nodes,
-                ))
+                    graph_nodes: last.stats.graph_nodes,
+                })
             })?;
-            let (us, nodes, status, launch, graph_nodes) =
-                per_rank.into_iter().next().expect("a rank");
-            rows.push((s, mode, us, nodes, status, launch, graph_nodes));
+            rows.push(per_rank.into_iter().next().expect("a rank"));
         }
     }
     Ok(rows)
@@ -688,16 +747,24 @@ fn run() -> Result<()> {
     }
     let iterations = list(&a.host_iterations);
     if !iterations.is_empty() {
-        for (s, mode, us, nodes, status, launch, graph_nodes) in
-            host_per_iterations(&world, dt, &iterations)?
+        for HostPerCall {
+            iterations: s,
+            mode,
+            us,
+            nodes,
+            status,
+            setup,
+            launch,
+            graph_nodes,
+        } in host_per_iterations(&world, dt, &iterations)?
         {
             if reports {
                 println!(
-                    "host per call: collective AG+GEMM, {s:>2} stream iterations, {mode:<8} {us:8.1} us ({nodes} host-IR nodes walked; {status}; graph launch {launch:.1} us, {graph_nodes} graph nodes)"
+                    "host per call: collective AG+GEMM, {s:>2} stream iterations, {mode:<8} {us:8.1} us ({nodes} host-IR nodes walked; {status}; setup {setup:.1} us, graph launch {launch:.1} us, {graph_nodes} graph nodes)"
                 );
             }
             host_lines.push_str(&format!(
-                "{{\"case\": \"host_per_call\", \"devices\": {d}, \"iterations\": {s}, \"mode\": \"{mode}\", \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"status\": \"{status}\", \"graph_launch_us\": {launch:.3}, \"graph_nodes\": {graph_nodes}}}\n"
+                "{{\"case\": \"host_per_call\", \"devices\": {d}, \"iterations\": {s}, \"mode\": \"{mode}\", \"us_per_call\": {us:.3}, \"nodes\": {nodes}, \"status\": \"{status}\", \"replay_setup_us\": {setup:.3}, \"graph_launch_us\": {launch:.3}, \"graph_nodes\": {graph_nodes}}}\n"
             ));
         }
     }

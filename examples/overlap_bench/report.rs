@@ -59,6 +59,7 @@ pub fn print_table(rows: &[Row]) {
             .iter()
             .filter(|r| {
                 !matches!(r.variant.as_str(), "comm_alone" | "gemm_alone")
+                    && !r.variant.starts_with("gemm_alone_rows")
                     && !r.variant.ends_with("_fullbuf")
             })
             .min_by(|a, b| a.ms.total_cmp(&b.ms));

@@ -28,7 +28,7 @@ use crate::eval::{
 };
 use crate::replay::{
     capture_plan, graphs_enabled, has_copy_engine_transfers, Address, EagerReason, GraphSlot,
-    ReplayStatus, Step,
+    ReplayStatus, Step, CAPTURE_ARENA_LIMIT,
 };
 use crate::tensor::Tensor;
 use crate::trace::{write_call_trace, CallTrace};
@@ -147,7 +147,26 @@ pub struct RunReport {
 }
 
 /// One program and rank's graphs, locked by that rank while it runs.
-type SharedSlot = Arc<Mutex<GraphSlot>>;
+type SharedSlot = Arc<Mutex<ReplaySlot>>;
+
+/// A program and rank's graphs, and the outputs of its last call through them.
+struct ReplaySlot {
+    graphs: GraphSlot,
+    /// The outputs this executor allocated for the last call: when the caller has let
+    /// go of all of them, the next call writes into them again (no allocation, and the
+    /// same addresses, so the same graph), as a free and a new allocation on the main
+    /// stream would.
+    outputs: Vec<Tensor>,
+}
+
+/// The last call's outputs `kept` by a slot, when nobody else holds any of them.
+fn reusable_outputs(kept: &[Tensor]) -> Option<Vec<Tensor>> {
+    let free = !kept.is_empty()
+        && kept
+            .iter()
+            .all(|t| t.device_buffer().is_none_or(|b| Arc::strong_count(b) == 1));
+    free.then(|| kept.to_vec())
+}
 
 /// What a call needs to know about its program beyond the nodes, worked out once.
 struct ProgramFacts {
@@ -157,10 +176,17 @@ struct ProgramFacts {
     copy_engine: bool,
     /// A hash of its text (the same on every rank and process for the same program).
     text_hash: u64,
+    /// Whether it can be captured as a device graph, worked out once: replayed calls
+    /// must not walk the program.
+    capture: std::result::Result<(), EagerReason>,
+    /// The most bytes, and buffers, one eager call of it allocated on any rank: the size
+    /// of a captured call's arena.
+    call_bytes: AtomicUsize,
+    call_allocations: AtomicUsize,
 }
 
 impl ProgramFacts {
-    fn of(program: &HostProgram) -> Self {
+    fn of(program: &HostProgram, backend: BackendKind) -> Self {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
         program.to_string().hash(&mut h);
@@ -168,7 +194,32 @@ impl ProgramFacts {
             receives: copy_engine_receives(program),
             copy_engine: has_copy_engine_transfers(program),
             text_hash: h.finish(),
+            capture: capture_plan(program, backend),
+            call_bytes: AtomicUsize::new(0),
+            call_allocations: AtomicUsize::new(0),
         }
+    }
+
+    /// Notes what an eager call allocated.
+    fn note_allocations(&self, stats: &ExecStats) {
+        self.call_bytes
+            .fetch_max(stats.allocated_bytes, Ordering::Relaxed);
+        self.call_allocations
+            .fetch_max(stats.allocations, Ordering::Relaxed);
+    }
+
+    /// The arena a captured call gets (see [`CAPTURE_ARENA_LIMIT`]): room for everything
+    /// an eager call allocated, or 0 (no arena) for calls that allocate more than the limit
+    /// or whose allocations are not known yet.
+    fn arena_bytes(&self) -> usize {
+        let (bytes, count) = (
+            self.call_bytes.load(Ordering::Relaxed),
+            self.call_allocations.load(Ordering::Relaxed),
+        );
+        if count == 0 || bytes > CAPTURE_ARENA_LIMIT {
+            return 0;
+        }
+        crate::backend::capture_arena_bytes(bytes, count)
     }
 
     /// The identity of a call with `inputs` (see [`CallStart::identity`]): the program and
@@ -242,12 +293,12 @@ impl FusionExecutor {
         }
     }
 
-    fn facts(&self, program: &Arc<HostProgram>) -> Arc<ProgramFacts> {
+    fn facts(&self, program: &Arc<HostProgram>, backend: BackendKind) -> Arc<ProgramFacts> {
         self.facts
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .entry(Arc::as_ptr(program) as usize)
-            .or_insert_with(|| Arc::new(ProgramFacts::of(program)))
+            .or_insert_with(|| Arc::new(ProgramFacts::of(program, backend)))
             .clone()
     }
 
@@ -319,8 +370,9 @@ impl FusionExecutor {
         outputs: Option<&[&Tensor]>,
         options: &ExecOptions,
     ) -> Result<RunReport> {
+        let call_start = std::time::Instant::now();
         let (program, symbols) = self.prepare(rank, inputs, options)?;
-        let facts = self.facts(&program);
+        let facts = self.facts(&program, rank.backend());
         let trace_dir = options.resolved_trace_dir();
         let ctx = CallContext {
             device: rank.device(),
@@ -339,7 +391,7 @@ impl FusionExecutor {
             rerun: false,
         })?;
         let (ex, replay) = self.run_program(
-            rank, &program, &facts, &ctx, &symbols, inputs, outputs, options,
+            rank, &program, &facts, &ctx, &symbols, inputs, outputs, options, call_start,
         )?;
         let trace_file = match &trace_dir {
             Some(dir) => {
@@ -387,18 +439,18 @@ impl FusionExecutor {
         inputs: &[&Tensor],
         outputs: Option<&[&Tensor]>,
         options: &ExecOptions,
+        call_start: std::time::Instant,
     ) -> Result<(Execution, ReplayStatus)> {
         let eager = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
-            Ok((
-                execute(program, ctx, symbols, inputs, outputs)?,
-                ReplayStatus::Eager(reason),
-            ))
+            let ex = execute(program, ctx, symbols, inputs, outputs)?;
+            facts.note_allocations(&ex.stats);
+            Ok((ex, ReplayStatus::Eager(reason)))
         };
         if !graphs_enabled(options.graphs) {
             return eager(EagerReason::Disabled);
         }
-        if let Err(reason) = capture_plan(program, rank.backend()) {
-            return eager(reason);
+        if let Err(reason) = &facts.capture {
+            return eager(reason.clone());
         }
         if facts.copy_engine {
             if let Err(why) = rank.communicator().copy_engine_capture() {
@@ -431,11 +483,20 @@ impl FusionExecutor {
                 rank.index(),
                 rank.communicator().instance(),
             ))
-            .or_insert_with(|| Arc::new(Mutex::new(GraphSlot::Fresh)))
+            .or_insert_with(|| {
+                Arc::new(Mutex::new(ReplaySlot {
+                    graphs: GraphSlot::Fresh,
+                    outputs: Vec::new(),
+                }))
+            })
             .clone();
-        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let ReplaySlot {
+            graphs: slot,
+            outputs: kept,
+        } = &mut *guard;
         // The first call, and programs that never replay, run exactly as without graphs.
-        match &*slot {
+        match slot {
             GraphSlot::Fresh => {
                 *slot = GraphSlot::Warm;
                 return eager(EagerReason::FirstCall);
@@ -443,16 +504,25 @@ impl FusionExecutor {
             GraphSlot::Never(reason) => return eager(reason.clone()),
             _ => {}
         }
-        // The outputs live outside the graph: given, or allocated here for this call.
+        // The outputs live outside the graph: given, the last call's when the caller let
+        // go of them, or allocated here for this call.
         let owned: Vec<Tensor> = match outputs {
             Some(o) => o.iter().map(|t| (*t).clone()).collect(),
-            None => output_layouts(program, symbols, rank.index(), options.number_of_streams)?
-                .into_iter()
-                .map(|l| match l {
-                    Some((dtype, shape)) => device.allocate(0, dtype, &shape),
-                    None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
-                })
-                .collect::<Result<_>>()?,
+            None => match reusable_outputs(kept) {
+                Some(reused) => reused,
+                None => {
+                    let fresh =
+                        output_layouts(program, symbols, rank.index(), options.number_of_streams)?
+                            .into_iter()
+                            .map(|l| match l {
+                                Some((dtype, shape)) => device.allocate(0, dtype, &shape),
+                                None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                    kept.clone_from(&fresh);
+                    fresh
+                }
+            },
         };
         let outs: Vec<&Tensor> = owned.iter().collect();
         let addresses: Vec<Address> = inputs
@@ -475,10 +545,9 @@ impl FusionExecutor {
                     rerun: true,
                 })?;
             }
-            Ok((
-                execute(program, ctx, symbols, inputs, Some(&outs))?,
-                ReplayStatus::Eager(reason),
-            ))
+            let ex = execute(program, ctx, symbols, inputs, Some(&outs))?;
+            facts.note_allocations(&ex.stats);
+            Ok((ex, ReplayStatus::Eager(reason)))
         };
         match slot.step(&addresses) {
             Step::Eager(reason) => run_eagerly(reason),
@@ -486,10 +555,16 @@ impl FusionExecutor {
                 let graph = slot.graph(i).expect("a ready graph");
                 let start = std::time::Instant::now();
                 graph.launch()?;
+                let launch_nanos = start.elapsed().as_nanos() as u64;
+                rank.communicator().graph_launched()?;
                 let stats = ExecStats {
+                    replay_setup: crate::eval::HostTime {
+                        count: 1,
+                        nanos: start.duration_since(call_start).as_nanos() as u64,
+                    },
                     graph_launch: crate::eval::HostTime {
                         count: 1,
-                        nanos: start.elapsed().as_nanos() as u64,
+                        nanos: launch_nanos,
                     },
                     graph_nodes: graph.nodes(),
                     ..ExecStats::default()
@@ -516,7 +591,7 @@ impl FusionExecutor {
                 Ok((ex, ReplayStatus::Replayed))
             }
             Step::Capture => {
-                if let Err(e) = device.begin_capture() {
+                if let Err(e) = device.begin_capture(facts.arena_bytes()) {
                     *slot = GraphSlot::Never(EagerReason::CaptureFailed(e.to_string()));
                     return run_eagerly(EagerReason::CaptureFailed(e.to_string()));
                 }
@@ -526,6 +601,7 @@ impl FusionExecutor {
                     (Ok(ex), Ok(graph)) => {
                         // Nothing ran while recording: this call's work is the first launch.
                         graph.launch()?;
+                        rank.communicator().graph_launched()?;
                         let nodes = graph.nodes();
                         slot.install(addresses, graph);
                         Ok((ex, ReplayStatus::Captured(nodes)))

@@ -140,6 +140,12 @@ pub fn graphs_enabled(requested: bool) -> bool {
     requested && *ENV.get_or_init(|| std::env::var("FUSION_GRAPHS").map_or(true, |v| v != "0"))
 }
 
+/// Calls that allocate at most this many bytes (on any rank, in an eager call) are
+/// captured with their buffers in an arena owned by the graph, instead of allocation
+/// nodes in it: such nodes add a few microseconds to every launch, which matters for small
+/// calls; the arena holds the sum of a call's buffers rather than their peak.
+pub const CAPTURE_ARENA_LIMIT: usize = 64 << 20;
+
 /// Graphs kept per program and rank (for alternating buffers, e.g. outputs kept while the
 /// next call runs); the oldest goes first.
 pub(crate) const GRAPHS_PER_SLOT: usize = 4;

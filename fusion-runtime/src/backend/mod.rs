@@ -171,6 +171,14 @@ pub(crate) fn gemm_addend<'a>(
     })
 }
 
+/// Bytes of a capture arena for `count` buffers of `bytes` in all (alignment included).
+pub fn capture_arena_bytes(bytes: usize, count: usize) -> usize {
+    bytes + count * CAPTURE_ARENA_ALIGN
+}
+
+/// Alignment of the buffers of a capture arena (the stream-ordered allocator's).
+pub const CAPTURE_ARENA_ALIGN: usize = 256;
+
 /// A call recorded on a device that can be replayed with one launch (a CUDA graph).
 pub trait DeviceGraph: Send + Sync {
     /// Launches the recorded work on the device's main stream.
@@ -216,8 +224,10 @@ pub trait Device: Send + Sync {
     /// Blocks the host until all streams are idle.
     fn synchronize(&self) -> Result<()>;
     /// Starts recording the calling thread's work on the main stream instead of running
-    /// it (see `crate::replay`). Backends without graphs say so.
-    fn begin_capture(&self) -> Result<()> {
+    /// it (see `crate::replay`). With `arena_bytes` above 0, the buffers the recorded
+    /// work allocates come from memory of that size set aside for the graph, so that the
+    /// graph holds no allocation nodes (cheaper launches). Backends without graphs say so.
+    fn begin_capture(&self, _arena_bytes: usize) -> Result<()> {
         Err(crate::error::Error::Backend {
             backend: self.kind().name(),
             reason: "this backend cannot record graphs".into(),

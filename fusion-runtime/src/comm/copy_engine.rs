@@ -1224,7 +1224,7 @@ mod tests {
                 None => {
                     let capture = call == capture_at;
                     if capture {
-                        dev.begin_capture()?;
+                        dev.begin_capture(0)?;
                     }
                     let recv = engine
                         .landing_buffer(0, DType::F32, &[n])?

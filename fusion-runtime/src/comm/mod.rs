@@ -25,6 +25,7 @@ pub(crate) mod ipc;
 mod landing;
 pub mod local;
 pub mod nccl;
+pub(crate) mod nccl_graphs;
 pub mod remote;
 pub(crate) mod signals;
 
@@ -111,6 +112,12 @@ pub trait Communicator: Send + Sync {
     /// buffers (which must then come from [`crate::backend::Device::allocate_shared`]).
     fn shares_receive_buffers(&self) -> bool {
         false
+    }
+    /// A device graph of this rank was just launched on its main stream: communicators
+    /// whose calls outside graphs must not overlap a running graph (NCCL without
+    /// graph-mixing support) remember it.
+    fn graph_launched(&self) -> Result<()> {
+        Ok(())
     }
     /// A call of a host program starts: transfers are numbered per call from here.
     fn begin_call(&self, _call: &CallStart) -> Result<()> {

@@ -24,6 +24,7 @@ use fusion_core::DType;
 
 use super::copy_engine::{CopyEngine, Transfer};
 use super::local::LocalCommunicator;
+use super::nccl_graphs::{turn_off_graph_mixing, GraphFence};
 use super::Communicator;
 use crate::backend::cuda::{CudaDevice, WorldHealth};
 use crate::backend::{Device, Kernel, StreamHandle};
@@ -102,6 +103,7 @@ impl NcclRankState {
 
 /// Creates one world communicator per device of `ordinals` (call from any one thread).
 pub(crate) fn init_world(ordinals: &[usize]) -> Result<Vec<RawComm>> {
+    turn_off_graph_mixing();
     let n = ordinals.len();
     let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); n];
     let devs: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
@@ -152,6 +154,7 @@ pub(crate) fn init_rank(
     size: usize,
     index: usize,
 ) -> Result<RawComm> {
+    turn_off_graph_mixing();
     device.bind_thread()?;
     let mut c: ncclComm_t = std::ptr::null_mut();
     // SAFETY: every member calls this with the same id and its own index.
@@ -214,6 +217,8 @@ pub struct NcclCommunicator {
     group: Mutex<Option<Group>>,
     /// See [`Communicator::instance`].
     instance: u64,
+    /// The last graph launch, which NCCL calls outside graphs wait for.
+    graph_fence: GraphFence,
 }
 
 /// Work that must happen after a group's transfers are issued.
@@ -248,6 +253,7 @@ impl NcclCommunicator {
             copy_engine,
             group: Mutex::new(None),
             instance: super::next_instance(),
+            graph_fence: GraphFence::new(),
         }
     }
 
@@ -317,6 +323,7 @@ impl NcclCommunicator {
         if let Some(why) = &self.state.unavailable {
             return Err(self.err(format!("no NCCL communicator: {why}")));
         }
+        self.graph_fence.settle(&self.device)?;
         let index = team
             .iter()
             .position(|&r| r == self.rank)
@@ -1100,6 +1107,14 @@ impl Communicator for NcclCommunicator {
 
     fn shares_receive_buffers(&self) -> bool {
         self.copy_engine.has_ipc_peers()
+    }
+
+    fn graph_launched(&self) -> Result<()> {
+        if self.state.unavailable.is_some() {
+            return Ok(());
+        }
+        self.graph_fence.launched();
+        Ok(())
     }
 
     fn begin_call(&self, call: &super::CallStart) -> Result<()> {

@@ -41,8 +41,11 @@ pub struct ExecStats {
     /// Host time per kind of leaf node (not loops or branches), indexed by
     /// `NodeKind as usize`: where the interpreter's time goes (see [`Self::host_profile`]).
     pub host_by_kind: [HostTime; NodeKind::ALL.len()],
+    /// A replayed call: the host time from the call's start to its graph launch (finding
+    /// the program, allocating the outputs, matching the addresses), count 1.
+    pub replay_setup: HostTime,
     /// A replayed call: the host time of its one graph launch (count 1), so that a call's
-    /// host time splits into the launch and everything around it.
+    /// host time splits into the setup, the launch and what follows.
     pub graph_launch: HostTime,
     /// A replayed call: the nodes of the graph it launched.
     pub graph_nodes: usize,

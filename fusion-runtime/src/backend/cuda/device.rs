@@ -9,6 +9,7 @@ use cudarc::cublas::sys::cublasHandle_t;
 use cudarc::driver::{result, sys, CudaContext};
 use fusion_core::DType;
 
+use super::capture_arena::CaptureArena;
 use super::kernels::KernelCache;
 use super::libs::driver_err;
 use super::lt::LtPlans;
@@ -69,6 +70,8 @@ pub struct CudaDevice {
     health: Arc<WorldHealth>,
     /// Memory peers in other processes map (launched worlds with such peers).
     arena: std::sync::OnceLock<Arc<SharedArena>>,
+    /// While a call is captured: the memory its buffers come from (see `capture_arena`).
+    pub(crate) capture_arena: Mutex<Option<Arc<CaptureArena>>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -102,6 +105,7 @@ impl CudaDevice {
             poison: std::env::var("FUSION_POISON").is_ok_and(|v| v == "1"),
             health,
             arena: std::sync::OnceLock::new(),
+            capture_arena: Mutex::new(None),
         };
         dev.shared.bind()?;
         configure_pool(ordinal)?;
@@ -203,6 +207,15 @@ impl CudaDevice {
         let numel: usize = shape.iter().product();
         let bytes = numel * dtype.size_bytes();
         let raw = self.raw_stream(stream)?;
+        let arena = self
+            .capture_arena
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(buf) = arena.and_then(|a| a.take(bytes)) {
+            self.poison_new(crate::tensor::DeviceBuffer::ptr(&buf), bytes, raw)?;
+            return Ok(Tensor::from_device(dtype, shape, Arc::new(buf)));
+        }
         let buf = CudaBuffer::alloc(&self.shared, raw, bytes)?;
         self.poison_new(buf_ptr(&buf), bytes, raw)?;
         Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
@@ -568,8 +581,8 @@ impl Device for CudaDevice {
         Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
     }
 
-    fn begin_capture(&self) -> Result<()> {
-        self.begin_capture_main()
+    fn begin_capture(&self, arena_bytes: usize) -> Result<()> {
+        self.begin_capture_main(arena_bytes)
     }
 
     fn end_capture(&self) -> Result<Box<dyn crate::backend::DeviceGraph>> {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
+use super::capture_arena::CaptureArena;
 use super::device::{CudaDevice, DeviceShared};
 use crate::backend::DeviceGraph;
 use crate::error::Result;
@@ -31,6 +32,8 @@ pub(crate) struct CudaGraph {
     exec: sys::CUgraphExec,
     stream: sys::CUstream,
     nodes: usize,
+    /// The memory of the buffers the captured call allocated, which every launch uses.
+    _arena: Option<Arc<CaptureArena>>,
 }
 
 // SAFETY: graph handles are driver handles, usable from any thread with the context
@@ -65,10 +68,17 @@ impl Drop for CudaGraph {
 }
 
 impl CudaDevice {
-    /// Starts capturing the calling thread's work on the main stream.
-    pub(crate) fn begin_capture_main(&self) -> Result<()> {
+    /// Starts capturing the calling thread's work on the main stream; with `arena_bytes`
+    /// above 0 the buffers the call allocates come from an arena of that size made now
+    /// (see `capture_arena`), as long as it has room.
+    pub(crate) fn begin_capture_main(&self, arena_bytes: usize) -> Result<()> {
         self.shared().bind()?;
         let s = self.raw_stream(0)?;
+        let arena = if arena_bytes > 0 {
+            Some(CaptureArena::new(self.shared(), arena_bytes)?)
+        } else {
+            None
+        };
         // SAFETY: a stream of this device, not capturing yet.
         check(
             unsafe {
@@ -78,12 +88,22 @@ impl CudaDevice {
                 )
             },
             "cuStreamBeginCapture",
-        )
+        )?;
+        *self
+            .capture_arena
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = arena;
+        Ok(())
     }
 
     /// Ends the capture started by [`Self::begin_capture_main`] and instantiates it.
     /// Every stream still capturing is joined into the main stream first.
     pub(crate) fn end_capture_main(&self) -> Result<CudaGraph> {
+        let arena = self
+            .capture_arena
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
         self.shared().bind()?;
         let main = self.raw_stream(0)?;
         let mut join_error = None;
@@ -121,6 +141,7 @@ impl CudaDevice {
         unsafe {
             let _ = sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes);
         }
+        write_graph_dot(graph, self.shared().ordinal);
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
         // SAFETY: instantiating the captured graph.
         let inst = check(
@@ -134,12 +155,44 @@ impl CudaDevice {
             }
             return Err(e);
         }
+        // Upload the graph's work now, so that the first launch costs what the later ones do.
+        // SAFETY: an instantiated graph of this device and a stream of it.
+        let uploaded = check(unsafe { sys::cuGraphUpload(exec, main.0) }, "cuGraphUpload");
+        if let Err(e) = uploaded {
+            // SAFETY: destroying the handles we own, once.
+            unsafe {
+                let _ = sys::cuGraphExecDestroy(exec);
+                let _ = sys::cuGraphDestroy(graph);
+            }
+            return Err(e);
+        }
         Ok(CudaGraph {
             device: self.shared().clone(),
             graph,
             exec,
             stream: main.0,
             nodes,
+            _arena: arena,
         })
+    }
+}
+
+/// With `FUSION_GRAPH_DOT=<dir>`, writes each captured graph's topology (the driver's dot
+/// format: node kinds, kernels, edges) to `<dir>/graph-<device>-<n>.dot`, to see what a
+/// replayed call launches.
+fn write_graph_dot(graph: sys::CUgraph, ordinal: usize) {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let Some(dir) = std::env::var_os("FUSION_GRAPH_DOT").filter(|d| !d.is_empty()) else {
+        return;
+    };
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::path::Path::new(&dir).join(format!("graph-{ordinal}-{n}.dot"));
+    let Ok(c_path) = std::ffi::CString::new(path.to_string_lossy().as_bytes()) else {
+        return;
+    };
+    // SAFETY: a valid graph and a NUL-terminated path; flags 0 print the default details.
+    let r = unsafe { sys::cuGraphDebugDotPrint(graph, c_path.as_ptr(), 0) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        tracing::warn!("writing {}: {r:?}", path.display());
     }
 }

@@ -7,6 +7,7 @@
 //! f32 accumulation. NCCL communication lives in
 //! `comm::nccl`.
 
+mod capture_arena;
 mod codegen;
 mod device;
 mod gemm;

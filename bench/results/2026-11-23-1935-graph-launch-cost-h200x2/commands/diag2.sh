@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/dot" "$OUT/dot2"
+source scripts/gpu-env.sh
+export FUSION_BACKEND=cuda
+B=.gpu/bin
+timeout 150 $B/host_costs --devices 2 --graph-topologies > $OUT/host_costs.log 2>&1; echo "host_costs rc=$?"
+FUSION_GRAPH_DOT=$OUT/dot timeout 150 $B/overlap_bench --devices 2 --ops ag --shapes 4096,1024,1024 --transports "" --chunks 2 --streams 2 --rs-subchunks "" --iters 5 --warmup 2 --host-iterations 2,16 > $OUT/hpc.log 2>&1; echo "hpc rc=$?"
+timeout 200 $B/overlap_bench --devices 2 --ops rs --shapes 16384,8192,2048 --transports "" --rs-subchunks 1,2,4 --chunks 2 --streams 4 --host-iterations "" --json $OUT/rs.jsonl > $OUT/rs.log 2>&1; echo "rs rc=$?"
+(cd $OUT && tar czf dots.tgz dot && rm -rf dot dot2)
+cat $OUT/host_costs.log; grep "host per call" $OUT/hpc.log; grep -v "^ *[0-9.]* *[0-9.]*" $OUT/rs.log | head -40

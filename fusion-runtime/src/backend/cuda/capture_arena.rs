@@ -1,0 +1,143 @@
+//! Memory for the buffers a captured call allocates, set aside before the capture.
+//!
+//! A stream-ordered allocation recorded in a graph becomes a memory node, and a graph
+//! with memory nodes costs a few microseconds more at every launch. A small call's
+//! buffers therefore come from one allocation made before the capture and owned by the
+//! graph: handed out in order, never reused within the call (the arena holds the sum of
+//! the call's allocations), freed with the graph.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::driver::{result, sys};
+
+use super::device::DeviceShared;
+use crate::error::Result;
+use crate::tensor::DeviceBuffer;
+
+#[cfg(test)]
+use crate::backend::capture_arena_bytes as arena_bytes;
+use crate::backend::CAPTURE_ARENA_ALIGN as ALIGN;
+
+/// One allocation made before a capture, handed out in order during it.
+pub(crate) struct CaptureArena {
+    shared: Arc<DeviceShared>,
+    base: sys::CUdeviceptr,
+    size: usize,
+    next: Mutex<usize>,
+}
+
+impl std::fmt::Debug for CaptureArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CaptureArena(device {}, {} bytes)",
+            self.shared.ordinal, self.size
+        )
+    }
+}
+
+impl CaptureArena {
+    /// Allocates `size` bytes on the device (outside any capture: the call synchronizes).
+    pub(crate) fn new(shared: &Arc<DeviceShared>, size: usize) -> Result<Arc<CaptureArena>> {
+        shared.bind()?;
+        // SAFETY: the device's context is current.
+        let base = unsafe { result::malloc_sync(size.max(1)) }.map_err(|e| {
+            super::libs::driver_err(
+                &format!(
+                    "allocating a {size}-byte arena for a captured call on device {}",
+                    shared.ordinal
+                ),
+                e,
+            )
+        })?;
+        Ok(Arc::new(CaptureArena {
+            shared: shared.clone(),
+            base,
+            size,
+            next: Mutex::new(0),
+        }))
+    }
+
+    /// The next `bytes` of the arena, or `None` when it has no room left (the caller then
+    /// allocates as usual).
+    pub(crate) fn take(self: &Arc<Self>, bytes: usize) -> Option<ArenaBuffer> {
+        let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        let (start, end) = place(*next, bytes, self.size)?;
+        *next = end;
+        Some(ArenaBuffer {
+            arena: self.clone(),
+            ptr: self.base + start as u64,
+            bytes,
+        })
+    }
+}
+
+/// Where `bytes` go in an arena of `size` bytes whose first `used` bytes are taken: the
+/// aligned start and the end, or `None` when they do not fit.
+fn place(used: usize, bytes: usize, size: usize) -> Option<(usize, usize)> {
+    let start = used.div_ceil(ALIGN) * ALIGN;
+    let end = start.checked_add(bytes.max(1))?;
+    (end <= size).then_some((start, end))
+}
+
+impl Drop for CaptureArena {
+    fn drop(&mut self) {
+        if self.shared.bind().is_ok() {
+            // SAFETY: the allocation made in `new`, freed once, when neither the graph nor
+            // any buffer of it is left.
+            unsafe {
+                let _ = result::free_sync(self.base);
+            }
+        }
+    }
+}
+
+/// A buffer of a [`CaptureArena`]: it keeps the arena alive and frees nothing itself.
+#[derive(Debug)]
+pub(crate) struct ArenaBuffer {
+    arena: Arc<CaptureArena>,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl DeviceBuffer for ArenaBuffer {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len_bytes(&self) -> usize {
+        self.bytes
+    }
+    fn device(&self) -> usize {
+        self.arena.shared.ordinal
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_arena_sized_by_arena_bytes_holds_every_allocation_aligned() {
+        let sizes = [1usize, 300, 256, 0, 4097, 255];
+        let size = arena_bytes(sizes.iter().sum(), sizes.len());
+        let mut used = 0;
+        for s in sizes {
+            let (start, end) = place(used, s, size).expect("fits");
+            assert_eq!(start % ALIGN, 0);
+            assert!(start >= used && end - start == s.max(1));
+            used = end;
+        }
+    }
+
+    #[test]
+    fn an_allocation_past_the_end_does_not_fit() {
+        assert_eq!(place(0, 512, 512), Some((0, 512)));
+        assert_eq!(place(1, 256, 512), Some((256, 512)));
+        assert_eq!(place(257, 256, 512), None);
+        assert_eq!(place(0, usize::MAX, 512), None);
+    }
+}
