@@ -9,14 +9,16 @@
 #      CUDA-graph replay of copy-engine pipelines, the flag hand-off unit test, examples),
 #      the layer benchmark against PyTorch (bench/run-layers.sh) and host cost per call
 #      (scripts/gpu-host.sh 2)
-#   c: the D = 2 overlap table against PyTorch (bench/run-overlap.sh with SKIP_D2=1 on two
-#      GPUs), for the rows that must not get slower and GEMM+RS with 4 row ranges
+#   c: issue 13's call: replayed calls (scripts/gpu-replay-x2.sh: the CUDA-graph tests,
+#      host_costs) and the D = 2 overlap table against PyTorch (bench/run-overlap.sh with
+#      SKIP_D2=1 on two GPUs: the rows that must not get slower, GEMM+RS with 4 row ranges
+#      and the GEMM in row pieces, the host time per replayed call for 2-16 iterations)
 # Everything lands under $OUT, packed into $OUT/results.tgz by scripts/gpu-session.sh.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
     a) exec bash scripts/gpu-session.sh gpu-launch gpu-buffers gpu-timeline gpu-soak ;;
     b) exec bash scripts/gpu-session.sh gpu-check run-layers-x2 gpu-host ;;
-    c) exec bash scripts/gpu-session.sh run-overlap-x2 ;;
+    c) exec bash scripts/gpu-session.sh gpu-replay-x2 run-overlap-x2 ;;
     *) echo "usage: scripts/gpu-x2.sh a|b|c" >&2; exit 2 ;;
 esac

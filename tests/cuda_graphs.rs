@@ -265,7 +265,8 @@ fn graphs_match_eager_with(world: &World, options: &ExecOptions, from: OutputsFr
                         g.outputs.iter().map(Tensor::device_ptr).collect();
                     if from == OutputsFrom::Executor && call >= 3 {
                         assert_eq!(
-                            addresses, last_addresses,
+                            addresses,
+                            last_addresses,
                             "{}: call {call} on rank {} got new outputs",
                             case.name,
                             rank.index()

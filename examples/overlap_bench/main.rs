@@ -164,9 +164,15 @@ fn variant(
     let ms = device_ms(rank, a.iters, a.warmup, || {
         exec.run_with(rank, inputs, None, o).map(|_| ())
     })?;
-    // One more call for the output, memory and host profile (untraced: trace markers
-    // would add host time), and one traced call when traces were asked for.
+    // One more call for the output (replayed where the timed calls were), one walked call
+    // for the memory and host profile (a replayed call walks nothing; untraced: trace
+    // markers would add host time), and one traced call when traces were asked for.
     let report = exec.run_with(rank, inputs, None, o)?;
+    let walked = ExecOptions {
+        graphs: false,
+        ..o.clone()
+    };
+    let profile = exec.run_with(rank, inputs, None, &walked)?;
     let trace = if a.trace.is_empty() {
         None
     } else {
@@ -185,10 +191,10 @@ fn variant(
         Sample {
             ms,
             relerr,
-            peak_bytes: report.stats.peak_live_bytes,
-            nodes: report.stats.nodes_executed,
+            peak_bytes: profile.stats.peak_live_bytes,
+            nodes: profile.stats.nodes_executed,
             trace,
-            host: report
+            host: profile
                 .stats
                 .host_profile()
                 .into_iter()
@@ -300,22 +306,32 @@ fn run_ag(
     Ok(out)
 }
 
-/// GEMM+RS variants on one rank.
-/// Median device ms of `x @ w` computed as `pieces` GEMMs of consecutive row ranges on one
-/// stream; every block of `pieces / d` ranges after the first adds a running sum of the
-/// previous block's shape, as the ring's steps do.
-fn gemm_in_row_pieces(rank: &Rank, a: &Args, x: &Tensor, w: &Tensor, pieces: usize) -> Result<f64> {
+/// Median device ms of `x @ w` computed as `pieces` GEMMs of consecutive row ranges, taking
+/// turns on `streams` streams (joined at the end); every block of `pieces / d` ranges after
+/// the first adds a running sum of the previous block's shape, as the ring's steps do.
+fn gemm_in_row_pieces(
+    rank: &Rank,
+    a: &Args,
+    x: &Tensor,
+    w: &Tensor,
+    pieces: usize,
+    streams: usize,
+) -> Result<f64> {
     let dev = rank.device();
     let (m, n) = (x.shape()[0], w.shape()[1]);
     let rows = m / pieces;
     let per_block = pieces / rank.world_size();
     let out = dev.allocate(0, x.dtype(), &[m, n])?;
     let sum = rank.to_device(&random(&[rows, n], x.dtype(), 7)?)?;
+    dev.ensure_streams(streams)?;
     device_ms(rank, a.iters, a.warmup, || {
+        for s in 1..streams {
+            dev.stream_wait(s, 0)?;
+        }
         for p in 0..pieces {
             let dst = out.narrow(0, p * rows, rows)?;
             dev.execute(
-                0,
+                p % streams,
                 Kernel::Gemm {
                     a: &x.narrow(0, p * rows, rows)?,
                     b: w,
@@ -327,10 +343,14 @@ fn gemm_in_row_pieces(rank: &Rank, a: &Args, x: &Tensor, w: &Tensor, pieces: usi
                 },
             )?;
         }
+        for s in 1..streams {
+            dev.stream_wait(0, s)?;
+        }
         Ok(())
     })
 }
 
+/// GEMM+RS variants on one rank.
 fn run_rs(
     rank: &Rank,
     a: &Args,
@@ -411,14 +431,24 @@ fn run_rs(
         if m % pieces != 0 {
             continue;
         }
-        let ms = gemm_in_row_pieces(rank, a, &a_local.squeeze(0)?, &b_local.squeeze(0)?, pieces)?;
-        out.push((
-            format!("gemm_alone_rows{pieces}"),
-            Sample {
-                ms,
-                ..Sample::default()
-            },
-        ));
+        for streams in [1, 2] {
+            let ms = gemm_in_row_pieces(
+                rank,
+                a,
+                &a_local.squeeze(0)?,
+                &b_local.squeeze(0)?,
+                pieces,
+                streams,
+            )?;
+            let tag = if streams == 1 { "" } else { "_s2" };
+            out.push((
+                format!("gemm_alone_rows{pieces}{tag}"),
+                Sample {
+                    ms,
+                    ..Sample::default()
+                },
+            ));
+        }
     }
     let partial = partial.reshape(&[1, d, m / d, n])?;
     let (s, _) = variant(rank, a, &e.reduce_scatter, &[&partial], &seq_o, None)?;

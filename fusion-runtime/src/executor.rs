@@ -224,19 +224,24 @@ impl ProgramFacts {
 
     /// The identity of a call with `inputs` (see [`CallStart::identity`]): the program and
     /// the inputs' dtypes and shapes.
-    fn identity(&self, inputs: &[&Tensor]) -> Option<u64> {
-        use std::hash::{Hash, Hasher};
-        if !self.copy_engine {
-            return None;
-        }
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.text_hash.hash(&mut h);
-        for t in inputs {
-            dtype_code(t.dtype()).hash(&mut h);
-            t.shape().hash(&mut h);
-        }
-        Some(h.finish())
+    fn identity(&self, inputs: &[&Tensor], number_of_streams: usize) -> Option<u64> {
+        self.copy_engine
+            .then(|| call_identity(self.text_hash, number_of_streams, inputs))
     }
+}
+
+/// A call's identity: its program's text, the stream count (which the text leaves open and
+/// which sizes the per-stream buffers), and the inputs' dtypes and shapes.
+fn call_identity(text_hash: u64, number_of_streams: usize, inputs: &[&Tensor]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    text_hash.hash(&mut h);
+    number_of_streams.hash(&mut h);
+    for t in inputs {
+        dtype_code(t.dtype()).hash(&mut h);
+        t.shape().hash(&mut h);
+    }
+    h.finish()
 }
 
 /// Where the executor's fusions come from.
@@ -387,7 +392,7 @@ impl FusionExecutor {
             race_check: options.race_check || race_check_from_env(),
         };
         rank.communicator().begin_call(&CallStart {
-            identity: facts.identity(inputs),
+            identity: facts.identity(inputs, options.number_of_streams),
             rerun: false,
         })?;
         let (ex, replay) = self.run_program(
@@ -541,7 +546,7 @@ impl FusionExecutor {
             if matches!(reason, EagerReason::CaptureFailed(_)) {
                 // The same call again: its transfers are numbered from the start.
                 rank.communicator().begin_call(&CallStart {
-                    identity: facts.identity(inputs),
+                    identity: facts.identity(inputs, options.number_of_streams),
                     rerun: true,
                 })?;
             }
@@ -790,4 +795,20 @@ fn dtype_from_code(c: i64) -> Option<DType> {
     [DType::F32, DType::BF16, DType::F16]
         .get(usize::try_from(c).ok()?)
         .copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn call_identities_differ_by_stream_count_and_inputs() {
+        let a = Tensor::zeros(&[2, 8], DType::BF16);
+        let b = Tensor::zeros(&[4, 8], DType::BF16);
+        let id = |streams, t: &Tensor| call_identity(7, streams, &[t]);
+        assert_eq!(id(2, &a), id(2, &a));
+        assert_ne!(id(2, &a), id(4, &a), "the same text with more streams");
+        assert_ne!(id(2, &a), id(2, &b), "other shapes");
+        assert_ne!(id(2, &a), call_identity(8, 2, &[&a]), "another program");
+    }
 }

@@ -10,6 +10,7 @@ use cudarc::driver::{result, sys, CudaContext};
 use fusion_core::DType;
 
 use super::capture_arena::CaptureArena;
+use super::free_list::FreeList;
 use super::kernels::KernelCache;
 use super::libs::driver_err;
 use super::lt::LtPlans;
@@ -28,6 +29,8 @@ pub(crate) struct DeviceShared {
     pub ordinal: usize,
     pub ctx: Arc<CudaContext>,
     pub main_stream: Mutex<Option<RawStream>>,
+    /// Freed buffers kept for the next allocation of their size on their stream.
+    pub free_list: FreeList,
 }
 
 impl DeviceShared {
@@ -94,6 +97,7 @@ impl CudaDevice {
             ordinal,
             ctx,
             main_stream: Mutex::new(None),
+            free_list: FreeList::default(),
         });
         let dev = CudaDevice {
             shared,
@@ -323,8 +327,16 @@ impl Drop for CudaDevice {
                 let _ = result::stream::destroy(s.stream.0);
             }
         }
-        // Every stream is idle now: free the GEMM plans' workspaces.
+        // Every stream is idle now: free the GEMM plans' workspaces and the kept buffers
+        // (later frees go to the driver).
         self.lt.release();
+        self.shared.free_list.close();
+        for (_, ptr) in self.shared.free_list.drain() {
+            // SAFETY: kept buffers of this device, idle, freed once.
+            unsafe {
+                let _ = result::free_sync(ptr);
+            }
+        }
     }
 }
 

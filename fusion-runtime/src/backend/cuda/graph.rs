@@ -89,6 +89,7 @@ impl CudaDevice {
             },
             "cuStreamBeginCapture",
         )?;
+        self.shared().free_list.set_capturing(true);
         *self
             .capture_arena
             .lock()
@@ -104,6 +105,7 @@ impl CudaDevice {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
+        self.shared().free_list.set_capturing(false);
         self.shared().bind()?;
         let main = self.raw_stream(0)?;
         let mut join_error = None;

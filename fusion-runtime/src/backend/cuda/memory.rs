@@ -1,6 +1,7 @@
 //! Device buffers from the stream-ordered allocator.
 //!
-//! A buffer is freed on the stream it was allocated on, after the work enqueued there;
+//! A buffer is freed on the stream it was allocated on, after the work enqueued there (or
+//! kept for the next allocation of its size on that stream, see `free_list`);
 //! the host program joins worker streams into the main stream before top-level frees, so
 //! work on other streams is ordered before the free as well. The device's memory pool keeps
 //! freed memory cached (release threshold = all), so repeated calls do not hit the driver.
@@ -28,6 +29,8 @@ pub(crate) struct CudaBuffer {
     bytes: usize,
     stream: RawStream,
     shared: Arc<DeviceShared>,
+    /// Allocated outside a capture: may be kept for reuse when dropped (see `free_list`).
+    kept: bool,
 }
 
 impl CudaBuffer {
@@ -37,9 +40,32 @@ impl CudaBuffer {
         stream: RawStream,
         bytes: usize,
     ) -> crate::error::Result<CudaBuffer> {
+        let size = bytes.max(1);
+        let kept = !shared.free_list.capturing();
+        if let Some(ptr) = shared.free_list.take(stream, size) {
+            return Ok(CudaBuffer {
+                ptr,
+                bytes,
+                stream,
+                shared: shared.clone(),
+                kept,
+            });
+        }
         shared.bind()?;
         // SAFETY: the stream belongs to this device's context, which is current.
-        let ptr = unsafe { result::malloc_async(stream.0, bytes.max(1)) }.map_err(|e| {
+        let mut allocated = unsafe { result::malloc_async(stream.0, size) };
+        if matches!(&allocated, Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) {
+            // The kept buffers go back to the pool first.
+            for (s, p) in shared.free_list.drain() {
+                // SAFETY: kept buffers of this device, each freed once on its stream.
+                unsafe {
+                    let _ = result::free_async(p, s.0);
+                }
+            }
+            // SAFETY: as above.
+            allocated = unsafe { result::malloc_async(stream.0, size) };
+        }
+        let ptr = allocated.map_err(|e| {
             super::libs::driver_err(
                 &format!("allocating {bytes} bytes on device {}", shared.ordinal),
                 e,
@@ -50,12 +76,21 @@ impl CudaBuffer {
             bytes,
             stream,
             shared: shared.clone(),
+            kept,
         })
     }
 }
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        if self.kept
+            && self
+                .shared
+                .free_list
+                .keep(self.stream, self.ptr, self.bytes.max(1))
+        {
+            return;
+        }
         if self.shared.bind().is_ok() {
             // SAFETY: the pointer came from malloc_async on this device and is freed once.
             unsafe {

@@ -10,6 +10,7 @@
 mod capture_arena;
 mod codegen;
 mod device;
+mod free_list;
 mod gemm;
 mod graph;
 pub(crate) mod health;
