@@ -155,6 +155,10 @@ impl SignalBoard {
 
 impl Drop for SignalBoard {
     fn drop(&mut self) {
+        if crate::backend::cuda::a_device_is_stuck() {
+            // A device may still wait on these flags; freeing them could wait for it.
+            return;
+        }
         // SAFETY: the allocation made in `new`; the devices are idle when a world ends.
         unsafe {
             let _ = sys::cuMemFreeHost(self.host as *mut std::ffi::c_void);

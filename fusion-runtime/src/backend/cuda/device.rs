@@ -225,13 +225,20 @@ impl CudaDevice {
         Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
     }
 
-    /// Blocks until `stream` is idle, polling so that a failed world or a timeout ends
-    /// the wait with an error instead of a hang.
-    pub(crate) fn wait_stream(&self, stream: RawStream, what: &str) -> Result<()> {
+    /// Blocks until `event` is reached, polling like [`Self::wait_stream`].
+    fn wait_event(&self, event: RawEvent, what: &str) -> Result<()> {
+        self.poll(what, || {
+            // SAFETY: querying an event of this context.
+            unsafe { sys::cuEventQuery(event.0) }
+        })
+    }
+
+    /// Polls `query` (a stream or event query) until it succeeds; a failed world or the
+    /// timeout ends the wait with an error instead of a hang.
+    fn poll(&self, what: &str, query: impl Fn() -> sys::CUresult) -> Result<()> {
         let start = Instant::now();
         loop {
-            // SAFETY: querying a stream of the current context.
-            match unsafe { sys::cuStreamQuery(stream.0) } {
+            match query() {
                 sys::CUresult::CUDA_SUCCESS => return Ok(()),
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 other => {
@@ -256,6 +263,15 @@ impl CudaDevice {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
+    }
+
+    /// Blocks until `stream` is idle, polling so that a failed world or a timeout ends
+    /// the wait with an error instead of a hang.
+    pub(crate) fn wait_stream(&self, stream: RawStream, what: &str) -> Result<()> {
+        self.poll(what, || {
+            // SAFETY: querying a stream of this context.
+            unsafe { sys::cuStreamQuery(stream.0) }
+        })
     }
 }
 
@@ -293,6 +309,38 @@ impl Drop for CudaDevice {
             .unwrap_or_else(PoisonError::into_inner);
         *main_stream = None;
         if self.shared.bind().is_err() {
+            return;
+        }
+        // A stream that never gets idle (its work waits for a failed peer) would hang every
+        // synchronizing call below: then the streams, handles and memory are left to the
+        // process's end, which the error that failed the world is bringing.
+        let pending: Vec<RawStream> = self
+            .copy_streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .copied()
+            .chain(
+                self.streams
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .iter()
+                    .map(|s| s.stream),
+            )
+            .collect();
+        let stuck = pending
+            .into_iter()
+            .any(|s| self.wait_stream(s, "closing the device").is_err());
+        if stuck {
+            super::DEVICE_STUCK.store(true, std::sync::atomic::Ordering::Release);
+            self.shared.free_list.close();
+            // Nor is the context released (releasing the last reference would wait too).
+            std::mem::forget(self.shared.ctx.clone());
+            tracing::warn!(
+                "device {} closes with work that never finished; its memory is left to the \
+                 process's end",
+                self.shared.ordinal
+            );
             return;
         }
         let (used, spare) =
@@ -379,14 +427,12 @@ impl Device for CudaDevice {
                 }
             }
         };
-        // SAFETY: recorded timing events of this context.
-        unsafe {
-            result::event::synchronize(a.0).map_err(|e| driver_err("cuEventSynchronize", e))?;
-            result::event::synchronize(b.0).map_err(|e| driver_err("cuEventSynchronize", e))?;
-            result::event::elapsed(a.0, b.0)
-        }
-        .map(f64::from)
-        .map_err(|e| driver_err("cuEventElapsedTime", e))
+        self.wait_event(a, "a timing marker")?;
+        self.wait_event(b, "a timing marker")?;
+        // SAFETY: recorded timing events of this context, both reached.
+        unsafe { result::event::elapsed(a.0, b.0) }
+            .map(f64::from)
+            .map_err(|e| driver_err("cuEventElapsedTime", e))
     }
 
     fn clear_markers(&self) {

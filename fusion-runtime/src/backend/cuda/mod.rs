@@ -32,3 +32,15 @@ pub use user_buffers::CudaElement;
 pub(crate) use graph::stream_is_capturing;
 pub(crate) use health::WorldHealth;
 pub(crate) use memory::RawStream;
+
+/// Set when a device closes with work that never finished (its stream waits for a peer
+/// that failed, e.g. on a copy-engine flag inside a replayed graph): from then on memory
+/// that such work may still touch is left to the process's end instead of being freed,
+/// since freeing it would wait for the device forever.
+pub(crate) static DEVICE_STUCK: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a device of this process closed stuck (see [`DEVICE_STUCK`]).
+pub(crate) fn a_device_is_stuck() -> bool {
+    DEVICE_STUCK.load(std::sync::atomic::Ordering::Acquire)
+}
