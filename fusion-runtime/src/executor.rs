@@ -222,8 +222,8 @@ impl ProgramFacts {
         crate::backend::capture_arena_bytes(bytes, count)
     }
 
-    /// The identity of a call with `inputs` (see [`CallStart::identity`]): the program and
-    /// the inputs' dtypes and shapes.
+    /// The identity of a call with `inputs` on `number_of_streams` streams (see
+    /// [`CallStart::identity`] and [`call_identity`]); `None` without copy-engine transfers.
     fn identity(&self, inputs: &[&Tensor], number_of_streams: usize) -> Option<u64> {
         self.copy_engine
             .then(|| call_identity(self.text_hash, number_of_streams, inputs))
