@@ -801,6 +801,43 @@ fn dtype_from_code(c: i64) -> Option<DType> {
 mod tests {
     use super::*;
 
+    /// A device buffer that is only an address (nothing reads it here).
+    #[derive(Debug)]
+    struct Address(u64);
+
+    impl crate::tensor::DeviceBuffer for Address {
+        fn ptr(&self) -> u64 {
+            self.0
+        }
+        fn len_bytes(&self) -> usize {
+            64
+        }
+        fn device(&self) -> usize {
+            0
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    #[test]
+    fn kept_outputs_are_written_again_only_when_nobody_else_holds_one() {
+        let device = |a| Tensor::from_device(DType::F32, &[16], Arc::new(Address(a)));
+        let kept = vec![device(0x1000), device(0x2000)];
+        assert!(reusable_outputs(&[]).is_none(), "nothing kept yet");
+        let callers = kept.clone();
+        assert!(reusable_outputs(&kept).is_none(), "the caller holds them");
+        let view = callers[1].reshape(&[4, 4]).unwrap();
+        drop(callers);
+        assert!(reusable_outputs(&kept).is_none(), "a view of one is alive");
+        drop(view);
+        let again = reusable_outputs(&kept).expect("let go of");
+        assert_eq!(
+            again.iter().map(Tensor::device_ptr).collect::<Vec<_>>(),
+            vec![Some(0x1000), Some(0x2000)]
+        );
+    }
+
     #[test]
     fn call_identities_differ_by_stream_count_and_inputs() {
         let a = Tensor::zeros(&[2, 8], DType::BF16);
