@@ -57,7 +57,9 @@ impl DeviceGraph for CudaGraph {
 
 impl Drop for CudaGraph {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
+        // A graph on a device that closed stuck may still be running: left to the
+        // process's end (see `DEVICE_STUCK`).
+        if !super::a_device_is_stuck() && self.device.bind().is_ok() {
             // SAFETY: handles made by `end_capture`, destroyed once.
             unsafe {
                 let _ = sys::cuGraphExecDestroy(self.exec);
