@@ -305,6 +305,20 @@ fn graphs_match_eager_with(world: &World, options: &ExecOptions, from: OutputsFr
     }
 }
 
+/// This test binary again, running only the (ignored) test `name`: for tests that need a
+/// process of their own.
+fn this_test_alone(name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args([
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    c
+}
+
 fn gpu_world(n: usize) -> Option<World> {
     if fusion::runtime::backend::cuda::device_count() < n {
         eprintln!("skipping: fewer than {n} GPUs visible");
@@ -402,14 +416,7 @@ fn copy_engine_pipelines_on_two_ranks_sharing_the_visible_gpus() {
         .iter()
         .any(|(k, v)| std::env::var(k).as_deref() != Ok(*v))
     {
-        let status = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                name,
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+        let status = this_test_alone(name)
             .envs(SHARED_GPU_ENVIRONMENT)
             .status()
             .unwrap();
@@ -474,14 +481,7 @@ fn a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang() {
             return;
         }
         let start = std::time::Instant::now();
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                name,
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
+        let mut child = this_test_alone(name)
             .env("FUSION_TEST_OWN_PROCESS", "1")
             .spawn()
             .unwrap();
