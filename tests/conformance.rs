@@ -1175,16 +1175,30 @@ fn matmul_rs_ring_pipeline_accumulates_in_the_gemm() {
     // buffer and none in the output. Also in
     // row ranges (5 rows in 2 and 3 ranges: uneven), and with fewer streams than needed
     // to keep every running sum's stream apart.
+    // The GEMMs on the caller's stream, or taking turns on two compute streams; every call
+    // checked for stream-order races.
     use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
     for d in device_counts() {
-        for (c, streams) in [(1, 4), (2, 4), (3, 4), (2, 1), (3, 2)] {
+        for (c, streams, compute) in [
+            (1, 4, 1),
+            (2, 4, 1),
+            (3, 4, 1),
+            (2, 1, 1),
+            (3, 2, 1),
+            (1, 4, 2),
+            (2, 4, 2),
+            (3, 3, 2),
+            (2, 1, 2),
+        ] {
             let o = ExecOptions {
                 number_of_streams: streams,
                 lower: LowerOptions {
                     reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
                     reduce_scatter_subchunks: Some(c),
+                    ring_compute_streams: compute,
                     ..Default::default()
                 },
+                race_check: true,
                 ..ExecOptions::default()
             };
             let (r, expected) = run_matmul_rs(d, 5, 3, 80 + c as u64, &o);
@@ -1205,11 +1219,19 @@ fn matmul_rs_ring_pipeline_accumulates_in_the_gemm() {
                 "{receives:?}"
             );
             assert!(!text.contains("reduction("), "no reduction kernel:\n{text}");
+            assert_eq!(
+                text.contains("ComputeStream"),
+                compute == 2,
+                "GEMMs on the compute streams only when asked for:\n{text}"
+            );
             assert_close(
                 &expected,
                 &r.outputs[0],
                 tolerance(),
-                &format!("matmul_RS ring, {c} row ranges, {streams} streams"),
+                &format!(
+                    "matmul_RS ring, {c} row ranges, {streams} streams, {compute} compute \
+                     streams"
+                ),
             );
         }
     }

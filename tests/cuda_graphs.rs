@@ -305,6 +305,36 @@ fn graphs_match_eager_with(world: &World, options: &ExecOptions, from: OutputsFr
     }
 }
 
+/// For a test that needs a process of its own: true in that process (go on with the
+/// test); otherwise runs it there (when `gpus` GPUs are visible), fails unless it ends
+/// successfully within `limit`, and returns false.
+fn in_own_process(name: &str, gpus: usize, limit: std::time::Duration) -> bool {
+    if std::env::var_os("FUSION_TEST_OWN_PROCESS").is_some() {
+        return true;
+    }
+    if fusion::runtime::backend::cuda::device_count() < gpus {
+        eprintln!("skipping: fewer than {gpus} GPUs visible");
+        return false;
+    }
+    let start = std::time::Instant::now();
+    let mut child = this_test_alone(name)
+        .env("FUSION_TEST_OWN_PROCESS", "1")
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{name} in its own process did not end in {limit:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(status.success(), "{name} in its own process: {status}");
+    false
+}
+
 /// This test binary again, running only the (ignored) test `name`: for tests that need a
 /// process of their own.
 fn this_test_alone(name: &str) -> std::process::Command {
@@ -465,41 +495,32 @@ fn replayed_calls_match_eager_calls_over_copy_engines_on_two_gpus() {
     // through device flags, so the pipeline is captured with its transfers.
     let Some(world) = gpu_world(2) else { return };
     graphs_match_eager(&world, &ExecOptions::default());
+    // The ring with its GEMMs taking turns on two compute streams (4 row ranges).
+    let two_compute = ExecOptions {
+        lower: LowerOptions {
+            reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
+            reduce_scatter_subchunks: Some(4),
+            ring_compute_streams: 2,
+            ..LowerOptions::default()
+        },
+        ..ExecOptions::default()
+    };
+    graphs_match_eager(&world, &two_compute);
 }
 
 #[test]
 #[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
 fn a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang() {
     // Rank 1 replays the copy-engine AG+GEMM pipeline while rank 0 has stopped with an
-    // error: rank 1's device waits inside the graph for a flag that never comes. The run
-    // must end with the error, and closing the world must not wait for that device. The
-    // device stays stuck until the process ends, so this runs in a process of its own.
+    // error: rank 1's device would wait inside the graph for a flag that never comes,
+    // until the failed world lets every flag wait through (`SignalBoard::release_all`).
+    // The run must end with the error, and closing the world and dropping the executor
+    // afterwards must not hang. It hung (2026-11-23, 20:37: an NCCL abort or a free
+    // waiting for the blocked device) and then crashed (the executor's buffers freed on
+    // streams of a closed device), so it runs in a process of its own.
     let name = "a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang";
-    if std::env::var_os("FUSION_TEST_OWN_PROCESS").is_none() {
-        if fusion::runtime::backend::cuda::device_count() < 2 {
-            eprintln!("skipping: fewer than 2 GPUs visible");
-            return;
-        }
-        let start = std::time::Instant::now();
-        let mut child = this_test_alone(name)
-            .env("FUSION_TEST_OWN_PROCESS", "1")
-            .spawn()
-            .unwrap();
-        // The process must end by itself (the world's timeout is 10 s).
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if start.elapsed() > std::time::Duration::from_secs(90) {
-                let _ = child.kill();
-                panic!(
-                    "{name} in its own process did not end in 90 s (an open problem on \
-                     2x H200, 2026-11-23: docs/PERFORMANCE.md, \"Replayed calls on 2x H200\")"
-                );
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        };
-        assert!(status.success(), "{name} in its own process: {status}");
+    // The process must end by itself (the world's timeout is 10 s).
+    if !in_own_process(name, 2, std::time::Duration::from_secs(90)) {
         return;
     }
     let Some(world) = gpu_world(2) else { return };
@@ -511,6 +532,8 @@ fn a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang() {
     let exec = FusionExecutor::new(case.fusion.clone());
     let inputs = (case.inputs)(5, 2);
     let start = std::time::Instant::now();
+    // Where the run is, on stderr: if it hangs, the last line says where.
+    let step = |what: &str| eprintln!("[{:7.3} s] {what}", start.elapsed().as_secs_f64());
     let result = world.run(|rank| {
         let local = common::distribute(rank, &inputs)?;
         let refs: Vec<&Tensor> = local.iter().collect();
@@ -520,19 +543,64 @@ fn a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang() {
         rank.synchronize()?;
         rank.communicator().exchange(&[])?;
         if rank.index() == 0 {
+            step("rank 0 stops");
             return Err(fusion::Error::World("rank 0 stops before its call".into()));
         }
-        let r = exec.run_with(rank, &refs, None, &ExecOptions::default())?;
+        let r = exec.run_with(rank, &refs, None, &ExecOptions::default());
+        step(&format!("rank 1 call returned: ok = {}", r.is_ok()));
+        let r = r?;
         assert_eq!(r.replay, ReplayStatus::Replayed);
-        rank.to_host(&r.outputs[0])?;
+        let host = rank.to_host(&r.outputs[0]);
+        step(&format!("rank 1 output read: ok = {}", host.is_ok()));
+        host?;
         Ok(())
     });
+    step("the run returned");
     let err = result.expect_err("rank 0 failed");
     assert!(err.to_string().contains("rank 0 stops"), "{err}");
     drop(world);
+    step("the world closed");
+    drop(exec);
+    step("the executor dropped");
     assert!(
         start.elapsed() < std::time::Duration::from_secs(60),
         "took {:?}",
         start.elapsed()
     );
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn executors_and_outputs_may_outlive_their_world() {
+    // The world closes first (its devices idle, their streams destroyed); the executor's
+    // kept outputs and graphs, and an output the caller still holds, are freed after it.
+    // Their frees must not use the destroyed streams (a crash before the fix). In a
+    // process of its own, since a crash would take the other tests with it.
+    let name = "executors_and_outputs_may_outlive_their_world";
+    if !in_own_process(name, 2, std::time::Duration::from_secs(90)) {
+        return;
+    }
+    let Some(world) = gpu_world(2) else { return };
+    let mut held = Vec::new();
+    let mut executors = Vec::new();
+    for case in cases_for(2) {
+        let exec = FusionExecutor::new(case.fusion.clone());
+        let inputs = (case.inputs)(7, 2);
+        let outputs = world
+            .run(|rank| {
+                let local = common::distribute(rank, &inputs)?;
+                let refs: Vec<&Tensor> = local.iter().collect();
+                let mut last = None;
+                for _ in 0..4 {
+                    last = Some(exec.run(rank, &refs)?);
+                }
+                Ok(last.expect("four calls"))
+            })
+            .unwrap();
+        held.push(outputs);
+        executors.push(exec);
+    }
+    drop(world);
+    drop(executors);
+    drop(held);
 }

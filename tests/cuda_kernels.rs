@@ -408,6 +408,50 @@ fn gemm_epilogues_match_the_cpu_backend() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn batched_gemms_with_outer_batch_axes_match_the_cpu_backend() {
+    // Rank-4 GEMMs: cuBLAS's strided batch over the inner batch axis and a loop over the
+    // outer one, whose offsets are in each operand's own element size. With an epilogue
+    // or an f32 output the product is stored in f32 from bf16/f16 operands (the MLP block
+    // without stream lowering on 2 devices read its second batch from wrong addresses).
+    use UnaryOp::GeluTanh;
+    gpu_rank_run(|rank| {
+        for dt in DTYPES {
+            let a = Tensor::randn(&[3, 2, 24, 40], dt, 21);
+            let b = Tensor::randn(&[1, 2, 40, 32], dt, 22);
+            for (ops, out) in [
+                (&[][..], dt),
+                (&[][..], DType::F32),
+                (&[GeluTanh][..], dt),
+                (&[GeluTanh][..], DType::F32),
+            ] {
+                let what = format!("batched gemm [3, 2], epilogue {ops:?}, into {out}");
+                compare_within(rank, &what, dt, tol(dt).max(1e-4), &|dev, up| {
+                    let a = up(&a)?;
+                    // B broadcast over the outer axis (stride 0), as a gathered matmul has.
+                    let b = up(&b)?.expand(&[3, 2, 40, 32])?;
+                    let dst = dev.allocate(0, out, &[3, 2, 24, 32])?;
+                    dev.execute(
+                        0,
+                        Kernel::Gemm {
+                            a: &a,
+                            b: &b,
+                            bias: None,
+                            accumulate: false,
+                            addend: None,
+                            epilogue: ops,
+                            dst: &dst,
+                        },
+                    )?;
+                    Ok(vec![dst])
+                })?;
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
 fn missing_cuda_libraries_are_reported_with_a_fix() {
     if driver_present() {
         eprintln!("skipping: a CUDA driver is present (this checks the no-driver message)");

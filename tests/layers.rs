@@ -59,7 +59,18 @@ fn options(streams: usize, subchunks: Option<usize>) -> ExecOptions {
 }
 
 fn run_mlp(d: usize, dt: DType, act: UnaryOp, o: &ExecOptions, salt: u64) -> (Run, RefArray) {
-    let Shape { m, h, f } = SHAPE;
+    run_mlp_at(SHAPE, d, dt, act, o, salt)
+}
+
+fn run_mlp_at(
+    shape: Shape,
+    d: usize,
+    dt: DType,
+    act: UnaryOp,
+    o: &ExecOptions,
+    salt: u64,
+) -> (Run, RefArray) {
+    let Shape { m, h, f } = shape;
     let x = input(&[d, m, h], 1, dt, seed(d, salt));
     let w1 = input(&[d, h, f], h, dt, seed(d, salt + 1));
     let w2 = input(&[d, f, h], f * d, dt, seed(d, salt + 2));
@@ -118,6 +129,40 @@ fn mlp_block_is_one_pipeline() {
                     tolerance_for(dt),
                     &format!("TP MLP ({}) {dt}", act.name()),
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn mlp_block_at_aligned_shapes_with_and_without_stream_lowering() {
+    // Sizes a GPU runs through its aligned paths (cuBLASLt plans and epilogues, vectorized
+    // kernels), which the odd SHAPE never reaches; the stream-lowered pipeline and the
+    // plain program (collectives around whole GEMMs) against the same f64 reference.
+    let shape = || Shape {
+        m: 24,
+        h: 32,
+        f: 64,
+    };
+    for d in device_counts() {
+        for dt in DTYPES {
+            for act in [UnaryOp::GeluTanh, UnaryOp::Relu] {
+                for lowered in [true, false] {
+                    let mut o = ExecOptions::default();
+                    if !lowered {
+                        o.lower = o.lower.without_pass("StreamParallelType");
+                    }
+                    let (r, expected) = run_mlp_at(shape(), d, dt, act, &o, 30);
+                    assert_close(
+                        &expected,
+                        &r.outputs[0],
+                        tolerance_for(dt),
+                        &format!(
+                            "TP MLP ({}) {dt} on {d} devices, stream lowering {lowered}",
+                            act.name()
+                        ),
+                    );
+                }
             }
         }
     }

@@ -173,9 +173,10 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
         any::<bool>(),
         0..3usize,
         0..4usize,
+        1..4usize,
     )
         .prop_map(
-            |(buffers, first, p2p_nccl, coll_ce, seed, pipeline, chunks)| LowerOptions {
+            |(buffers, first, p2p_nccl, coll_ce, seed, pipeline, chunks, compute)| LowerOptions {
                 stream_buffers: buffers,
                 compute_first_streams: first,
                 p2p_backend: if p2p_nccl {
@@ -199,6 +200,7 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
                     ReduceScatterPipeline::Ring,
                 ][pipeline],
                 reduce_scatter_subchunks: (chunks > 0).then_some(chunks),
+                ring_compute_streams: compute,
                 ..LowerOptions::default()
             },
         )

@@ -61,9 +61,13 @@ struct Args {
     )]
     transports: String,
     /// Row sub-chunks per device block of the copy-engine GEMM+RS pipeline to try besides
-    /// the default (`LowerOptions::reduce_scatter_subchunks`), with the push/peer transport.
+    /// the default (`LowerOptions::reduce_scatter_subchunks`), with the transports of
+    /// `--rs-subchunk-transports`.
     #[arg(long, default_value = "1,2,4")]
     rs_subchunks: String,
+    /// Transports (of `--transports`) with which the `--rs-subchunks` variants run.
+    #[arg(long, default_value = "push/peer")]
+    rs_subchunk_transports: String,
     /// Variants (names as printed) to run once more with a trace; rank 0's timeline is
     /// printed.
     #[arg(long, default_value = "")]
@@ -376,7 +380,7 @@ fn run_rs(
         let mut o = opts(d, CommBackend::CopyEngine, true, true);
         let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
         out.push((format!("p2p_ce_{tag}_n{d}"), s));
-        if t == "push/peer" {
+        if a.rs_subchunk_transports.split(',').any(|x| x.trim() == t) {
             // Both pipelines with each block in `c` row ranges: direct (partials sent to
             // their owner, summed round by round) and the ring (running sums added in the
             // GEMM epilogue); what the defaults already give is not run twice.
@@ -388,11 +392,36 @@ fn run_rs(
                     let mut oc = o.clone();
                     oc.lower.reduce_scatter_subchunks = Some(c);
                     oc.lower.reduce_scatter_pipeline = pipeline;
-                    if oc.lower.reduce_scatter_plan(d) == o.lower.reduce_scatter_plan(d) {
-                        continue;
+                    // The ring also with its GEMMs taking turns on two compute streams.
+                    let computes = if pipeline == ReduceScatterPipeline::Ring {
+                        &[1, 2][..]
+                    } else {
+                        &[1][..]
+                    };
+                    // And the ring with a pool stream per row range: on fewer, the GEMM
+                    // that adds the sum of iteration `i - c` also waits for the later
+                    // exchanges queued on that iteration's stream.
+                    let streams = if pipeline == ReduceScatterPipeline::Ring && c > d {
+                        vec![d, c]
+                    } else {
+                        vec![d]
+                    };
+                    for (&compute, &n) in computes
+                        .iter()
+                        .flat_map(|c| streams.iter().map(move |n| (c, n)))
+                    {
+                        oc.lower.ring_compute_streams = compute;
+                        oc.number_of_streams = n;
+                        if oc.lower.reduce_scatter_plan(d) == o.lower.reduce_scatter_plan(d)
+                            && compute == o.lower.ring_compute_streams
+                            && n == d
+                        {
+                            continue;
+                        }
+                        let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &oc, check)?;
+                        let suffix = if compute == 1 { "" } else { "_c2" };
+                        out.push((format!("p2p_ce_{tag}_n{n}_{name}{c}{suffix}"), s));
                     }
-                    let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &oc, check)?;
-                    out.push((format!("p2p_ce_{tag}_n{d}_{name}{c}"), s));
                 }
             }
             // The same pipeline with every iteration's GEMM and transfer on one pool

@@ -164,6 +164,7 @@ fn stream_string(p: &HostProgram, s: StreamId) -> String {
     match &p.streams[s.index()] {
         StreamDef::Captured => format!("Stream {}", s.index()),
         StreamDef::Pool(i) => format!("Stream {}", p.ir.display_scalar(*i)),
+        StreamDef::Compute(i) => format!("ComputeStream {}", p.ir.display_scalar(*i)),
     }
 }
 

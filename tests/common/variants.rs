@@ -488,6 +488,19 @@ fn family_options(family: Family, base: LowerOptions) -> Vec<(String, LowerOptio
                         ));
                     }
                 }
+                v.push((
+                    format!(
+                        ", P2P over {}, Ring in 2 row ranges on two compute streams",
+                        b.name()
+                    ),
+                    LowerOptions {
+                        p2p_backend: b,
+                        reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
+                        reduce_scatter_subchunks: Some(2),
+                        ring_compute_streams: 2,
+                        ..base.clone()
+                    },
+                ));
             }
             v
         }

@@ -30,7 +30,14 @@ pub enum StreamDef {
     Captured,
     /// Worker stream `index` of the pool (`index` is evaluated, usually `i % numberOfStreams`).
     Pool(ScalarId),
+    /// Compute stream `index` (below [`COMPUTE_STREAMS`]): streams apart from the pool, for
+    /// GEMMs that take turns so that one's tail overlaps the next one's start without ever
+    /// queueing behind a pool stream's transfers.
+    Compute(ScalarId),
 }
+
+/// How many compute streams ([`StreamDef::Compute`]) a device has beside its pool.
+pub const COMPUTE_STREAMS: usize = 2;
 
 /// Identifies a communication (or a coalesced group) so that `Wait` can name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -98,6 +98,11 @@ pub struct LowerOptions {
     pub reduce_scatter_subchunks: Option<usize>,
     /// How P2P reduce-scatter pipelines reduce (see [`ReduceScatterPipeline`]).
     pub reduce_scatter_pipeline: ReduceScatterPipeline,
+    /// Streams the ring reduce-scatter's GEMMs take turns on: 1 runs them on the caller's
+    /// stream; 2 alternates two compute streams ([`crate::hir::StreamDef::Compute`]), so
+    /// that the tail of one GEMM overlaps the start of the next. Values are clamped to
+    /// `1..=COMPUTE_STREAMS`; a ring whose loop computes more than its GEMM uses one.
+    pub ring_compute_streams: usize,
 }
 
 impl Default for LowerOptions {
@@ -112,6 +117,7 @@ impl Default for LowerOptions {
             compute_first_streams: true,
             reduce_scatter_subchunks: None,
             reduce_scatter_pipeline: ReduceScatterPipeline::Auto,
+            ring_compute_streams: 1,
         }
     }
 }

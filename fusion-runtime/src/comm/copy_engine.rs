@@ -644,6 +644,15 @@ impl CopyEngine {
         t.sending == (self.registry.mode == CopyMode::Pull)
     }
 
+    /// The world failed: every device-side hand-off wait of this process's ranks is let
+    /// through (see [`SignalBoard::release_all`]), so no device stays blocked on a flag a
+    /// failed rank will never set, and closing the devices cannot hang on it.
+    pub(crate) fn release_device_waits(&self) {
+        if let Some(board) = &self.registry.signals {
+            board.release_all();
+        }
+    }
+
     /// Whether some peer is reached over CUDA IPC.
     pub(crate) fn has_ipc_peers(&self) -> bool {
         self.ipc.as_ref().is_some_and(|s| {

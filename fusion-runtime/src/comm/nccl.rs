@@ -1088,12 +1088,15 @@ impl Communicator for NcclCommunicator {
     fn abort(&self, reason: &str) {
         self.health.fail(self.rank, reason);
         self.host.abort(reason);
+        // Before NCCL's abort, which frees device memory and so waits for the device.
+        self.copy_engine.release_device_waits();
         self.state.abort_all();
     }
 
     fn abort_for(&self, failed_rank: usize, reason: &str) {
         self.health.fail(failed_rank, reason);
         self.host.abort_for(failed_rank, reason);
+        self.copy_engine.release_device_waits();
         self.state.abort_all();
     }
 

@@ -46,8 +46,9 @@ pub(crate) struct SignalBoard {
     ranks: usize,
 }
 
-// SAFETY: the board is a block of pinned host memory read and written by devices only
-// (through stream memory operations); the host never touches it after zeroing it.
+// SAFETY: the board is a block of pinned host memory read and written by devices
+// (through stream memory operations); the host writes it only when zeroing it and when a
+// failed world lets every wait through (volatile stores of whole words).
 unsafe impl Send for SignalBoard {}
 unsafe impl Sync for SignalBoard {}
 
@@ -101,6 +102,21 @@ impl SignalBoard {
         }
         let word = ((src * self.ranks + dst) * SLOTS + index) * 2 + (flag == Flag::Done) as usize;
         Some(self.device + (word * std::mem::size_of::<u32>()) as u64)
+    }
+
+    /// Sets every flag to 1, from the host: every wait on the board, enqueued or still to
+    /// come, goes through. Only for a world that failed: a rank that stopped never sets
+    /// the flags its peers' graphs or streams wait for, and those devices would stay busy
+    /// until the process ends (and every synchronizing call, a free or an NCCL abort
+    /// among them, would hang). What the released transfers copy is garbage; the failed
+    /// world never runs again.
+    pub(crate) fn release_all(&self) {
+        for i in 0..Self::words(self.ranks) {
+            // SAFETY: `i` is inside the allocation of `new`; a device reads it through
+            // its mapping, never through a Rust reference.
+            unsafe { std::ptr::write_volatile(self.host.add(i), 1) };
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Enqueues `*address = value` on `stream`, after the stream's earlier work (with a

@@ -12,7 +12,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use fusion_core::hir::{
-    for_each_node, CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef, P2P,
+    for_each_node, CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef,
+    COMPUTE_STREAMS, P2P,
 };
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
@@ -172,6 +173,12 @@ pub fn node_ids(program: &HostProgram) -> HashMap<*const Node, usize> {
     ids
 }
 
+/// The stream handle of compute stream `index` on a device with `number_of_streams` pool
+/// streams: after the caller's stream (handle 0) and the pool (handles `1..=n`).
+pub(crate) fn compute_stream_handle(number_of_streams: usize, index: usize) -> StreamHandle {
+    1 + number_of_streams + index
+}
+
 /// Runs `program` on one rank with the symbol values bound from the inputs
 /// ([`bind_inputs`]). `outputs`, when given, are written in place.
 pub fn execute(
@@ -191,7 +198,8 @@ pub fn execute(
             actual: inputs.len(),
         });
     }
-    ctx.device.ensure_streams(ctx.number_of_streams)?;
+    ctx.device
+        .ensure_streams(ctx.number_of_streams + COMPUTE_STREAMS)?;
     let mut ev = Evaluator::new(program, ctx, symbols);
     if ctx.race_check {
         ev.race = Some(RaceChecker::new(program, ctx.rank, ctx.number_of_streams));
@@ -727,6 +735,22 @@ impl<'a> Evaluator<'a> {
                     });
                 }
                 Ok(1 + v as usize)
+            }
+            StreamDef::Compute(i) => {
+                let v = self.eval(*i)?;
+                if v < 0 || v as usize >= COMPUTE_STREAMS {
+                    return Err(Error::Backend {
+                        backend: "evaluator",
+                        reason: format!(
+                            "compute stream index {v} outside the {COMPUTE_STREAMS} compute \
+                             streams"
+                        ),
+                    });
+                }
+                Ok(compute_stream_handle(
+                    self.ctx.number_of_streams,
+                    v as usize,
+                ))
             }
         }
     }

@@ -460,7 +460,7 @@ pub(super) fn emit(
         from,
         to,
         worker,
-        original,
+        compute: original,
     };
     ring_step.emit(p, &sums, operands, backend, &mut reduce)?;
     body.push(Node::IfThenElse {

@@ -14,15 +14,19 @@
 //!
 //! ```text
 //! FOR i in 0..D*c:
-//!   SetCurrentStream S; IF j > 0: Synchronize Stream((i - c) mod numberOfStreams)   (the sum arrived)
+//!   SetCurrentStream C; IF j > 0: Synchronize Stream((i - c) mod numberOfStreams)   (the sum arrived)
 //!   sum = (j == D-1 ? this device's output block : acc[j]), rows of i % c
 //!   j == 0 ? sum = a[block] @ b
 //!          : sum = a[block] @ b + acc[j]          (in place unless j == D-1)
-//!   IF j != D-1: SetCurrentStream Stream(i mod numberOfStreams); Synchronize S
+//!   IF j != D-1: SetCurrentStream Stream(i mod numberOfStreams); Synchronize C
 //!                recv next step's sum into acc[j+1] (from rank + 1), send sum (to rank - 1)
 //!   SetCurrentStream S
 //! FOR i: Synchronize Stream(i mod numberOfStreams)
 //! ```
+//!
+//! `C` is the caller's stream `S`, or with `LowerOptions::ring_compute_streams` at 2,
+//! `ComputeStream (i % 2)` (both forked from `S` before the loop and joined after it), so
+//! that consecutive GEMMs overlap each other's first and last waves.
 //!
 //! [`ReduceScatterPipeline::Ring`]: crate::lower::ReduceScatterPipeline::Ring
 
@@ -34,7 +38,7 @@ use super::{
     require_world_mesh, slice_tensor, stream_error, LoopGroup, ReduceScatterFold, Schedule, Slicer,
 };
 use crate::error::Result;
-use crate::hir::{CommBackend, ForLoop, HostProgram, Node, StreamDef, StreamId};
+use crate::hir::{CommBackend, ForLoop, HostProgram, Node, StreamDef, StreamId, COMPUTE_STREAMS};
 use crate::ir::{axis_map, Expr, NamedScalar, Op, ParallelType, ScalarId, ScalarOp, TensorId};
 use crate::pass::PassContext;
 
@@ -135,13 +139,17 @@ pub(super) fn emit(
     let original = p.new_stream(StreamDef::Captured);
     let worker = p.new_stream(StreamDef::Pool(pool_index));
     let arrived = p.new_stream(StreamDef::Pool(arrived_index));
+    let compute = ComputeStreams::new(p, ctx, g.exprs.len(), index, original);
     nodes.push(Node::GetCurrentStream { stream: original });
     nodes.push(fork_loop(index, loop_axis, zero, stop, original, worker));
+    compute.fork(original, &mut nodes);
 
     // The first step's sums start here: nothing arrived for them (and the stream of
     // iteration i - c may be one the loop never uses, which a graph capture refuses).
     let mut body = vec![
-        Node::SetCurrentStream { stream: original },
+        Node::SetCurrentStream {
+            stream: compute.current,
+        },
         Node::IfThenElse {
             cond: is_first,
             then_body: Vec::new(),
@@ -192,9 +200,13 @@ pub(super) fn emit(
         from,
         to,
         worker,
-        original,
+        compute: compute.current,
     };
     ring_step.emit(p, &sums, operands, backend, &mut body)?;
+    if compute.current != original {
+        // Back on the caller's stream, for the join right after the loop.
+        body.push(Node::SetCurrentStream { stream: original });
+    }
     nodes.push(Node::ForLoop(ForLoop {
         index,
         axis: loop_axis,
@@ -202,9 +214,80 @@ pub(super) fn emit(
         stop,
         body,
     }));
-    // Join: the caller's stream waits for every pool stream's transfers.
+    // Join: the caller's stream waits for every pool stream's transfers (and for the
+    // compute streams' GEMMs).
     nodes.push(join_loop(index, loop_axis, zero, stop, worker));
+    compute.join(&mut nodes);
     Ok(nodes)
+}
+
+/// The streams a ring's GEMMs run on: the caller's, or (with
+/// [`LowerOptions::ring_compute_streams`] at 2 and the GEMM alone in the loop) the two
+/// compute streams, iteration `i` on `ComputeStream (i % 2)`. GEMM `i + 1` then starts
+/// while GEMM `i`'s last tiles finish; the two write different running sums, and the
+/// exchange of iteration `i` waits for the stream its GEMM ran on. With anything else in
+/// the loop the caller's stream stays: its intermediates' slots are reused every
+/// `numberOfStreams` iterations, which two alternating streams would not order.
+///
+/// [`LowerOptions::ring_compute_streams`]: crate::lower::LowerOptions::ring_compute_streams
+struct ComputeStreams {
+    /// The stream of the loop's iteration.
+    current: StreamId,
+    /// Every compute stream, to fork from and join into the caller's (empty when the
+    /// GEMMs run on the caller's stream).
+    all: Vec<StreamId>,
+}
+
+impl ComputeStreams {
+    fn new(
+        p: &mut HostProgram,
+        ctx: &PassContext,
+        loop_exprs: usize,
+        index: ScalarId,
+        original: StreamId,
+    ) -> Self {
+        let wanted = ctx.options.ring_compute_streams.clamp(1, COMPUTE_STREAMS);
+        if wanted == 1 || loop_exprs != 1 {
+            if wanted > 1 {
+                tracing::debug!(
+                    "the ring's GEMMs stay on the caller's stream: its loop computes more \
+                     than the GEMM"
+                );
+            }
+            return ComputeStreams {
+                current: original,
+                all: Vec::new(),
+            };
+        }
+        let count = p.ir.constant(wanted as i64);
+        let turn = p.ir.binary(ScalarOp::Mod, index, count);
+        let current = p.new_stream(StreamDef::Compute(turn));
+        let all = (0..wanted as i64)
+            .map(|k| {
+                let k = p.ir.constant(k);
+                p.new_stream(StreamDef::Compute(k))
+            })
+            .collect();
+        ComputeStreams { current, all }
+    }
+
+    /// Every compute stream waits for the caller's work so far (the GEMMs' operands).
+    fn fork(&self, original: StreamId, nodes: &mut Vec<Node>) {
+        for &s in &self.all {
+            nodes.push(Node::SetCurrentStream { stream: s });
+            nodes.push(Node::Synchronize { stream: original });
+        }
+        if !self.all.is_empty() {
+            nodes.push(Node::SetCurrentStream { stream: original });
+        }
+    }
+
+    /// The caller's stream (current) waits for every compute stream.
+    fn join(&self, nodes: &mut Vec<Node>) {
+        for &s in &self.all {
+            nodes.push(Node::Synchronize { stream: s });
+        }
+    }
 }
 
 /// Allocates (into `nodes`) the running sums of a ring over `d` devices, one block per
@@ -229,9 +312,10 @@ pub(super) fn allocate_running_sums(
 
 /// One ring step once its GEMM's operands are bound: the GEMM onto the running sum of
 /// `step` (in place, `acc[step] += a @ b`; a plain GEMM when `is_first`; into this device's
-/// block of the output when `is_last`, `out = acc[step] + a @ b`), then, unless `is_last`,
-/// on the iteration's pool stream after the GEMM, the exchange that sends the new sum to
-/// `to` and receives the sum of `next_step` from `from` into `acc[next_step]`.
+/// block of the output when `is_last`, `out = acc[step] + a @ b`) on the current stream,
+/// `compute`, then, unless `is_last`, on the iteration's pool stream after the GEMM, the
+/// exchange that sends the new sum to `to` and receives the sum of `next_step` from
+/// `from` into `acc[next_step]`; the step ends back on `compute`.
 pub(super) struct RingStep {
     pub(super) step: ScalarId,
     pub(super) is_first: ScalarId,
@@ -240,7 +324,7 @@ pub(super) struct RingStep {
     pub(super) from: ScalarId,
     pub(super) to: ScalarId,
     pub(super) worker: StreamId,
-    pub(super) original: StreamId,
+    pub(super) compute: StreamId,
 }
 
 impl RingStep {
@@ -280,7 +364,7 @@ impl RingStep {
                 stream: self.worker,
             },
             Node::Synchronize {
-                stream: self.original,
+                stream: self.compute,
             },
         ];
         let next = sums.bind_slot(p, self.next_step, &mut exchange)?;
@@ -293,7 +377,7 @@ impl RingStep {
             else_body: exchange,
         });
         body.push(Node::SetCurrentStream {
-            stream: self.original,
+            stream: self.compute,
         });
         Ok(())
     }

@@ -31,6 +31,9 @@ pub(crate) struct DeviceShared {
     pub main_stream: Mutex<Option<RawStream>>,
     /// Freed buffers kept for the next allocation of their size on their stream.
     pub free_list: FreeList,
+    /// The device closed idle and its streams are destroyed: memory that outlived it (a
+    /// tensor or an executor dropped after the world) is freed without a stream.
+    pub closed: std::sync::atomic::AtomicBool,
 }
 
 impl DeviceShared {
@@ -39,6 +42,11 @@ impl DeviceShared {
         self.ctx
             .bind_to_thread()
             .map_err(|e| driver_err(&format!("binding device {}", self.ordinal), e))
+    }
+
+    /// Whether the device closed idle (see [`DeviceShared::closed`]).
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
@@ -98,6 +106,7 @@ impl CudaDevice {
             ctx,
             main_stream: Mutex::new(None),
             free_list: FreeList::default(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         });
         let dev = CudaDevice {
             shared,
@@ -364,6 +373,10 @@ impl Drop for CudaDevice {
                 let _ = result::stream::destroy(s.0);
             }
         }
+        // From here on, buffers still alive are freed without their (destroyed) streams.
+        self.shared
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
         let streams =
             std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner));
         for s in streams {

@@ -369,7 +369,13 @@ fn cublas_gemm(
     };
     let (opa, lda) = op_ld(lx, transposed);
     let (opb, ldb) = op_ld(ly, transposed);
-    let es = dst.dtype().size_bytes() as u64;
+    // Bytes per element of each operand: the product may be stored in another dtype
+    // (bf16 operands, f32 output) than the operands are read in.
+    let (ex, ey, ec) = (
+        x.dtype().size_bytes() as u64,
+        y.dtype().size_bytes() as u64,
+        c.dtype().size_bytes() as u64,
+    );
     // Batch axes: the last one is cuBLAS's strided batch, the others loop here.
     let nb = r - 2;
     let (batch, sx, sy, sc) = if nb == 0 {
@@ -410,9 +416,9 @@ fn cublas_gemm(
             oc += i * c.strides()[d] as i64;
         }
         let (px, py, pc) = (
-            ptr(x) + (ox as u64).wrapping_mul(es),
-            ptr(y) + (oy as u64).wrapping_mul(es),
-            ptr(&c) + (oc as u64).wrapping_mul(es),
+            ptr(x) + (ox as u64).wrapping_mul(ex),
+            ptr(y) + (oy as u64).wrapping_mul(ey),
+            ptr(&c) + (oc as u64).wrapping_mul(ec),
         );
         dev.shared().bind()?;
         // SAFETY: pointers, leading dimensions and strides describe the operands' views

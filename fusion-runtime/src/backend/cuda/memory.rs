@@ -91,11 +91,21 @@ impl Drop for CudaBuffer {
         {
             return;
         }
-        if self.shared.bind().is_ok() {
-            // SAFETY: the pointer came from malloc_async on this device and is freed once.
+        if self.shared.bind().is_err() {
+            return;
+        }
+        if self.shared.is_closed() {
+            // The device closed idle and its streams are gone: a plain free.
+            // SAFETY: the pointer came from malloc_async on this device, freed once; the
+            // device has no work left.
             unsafe {
-                let _ = result::free_async(self.ptr, self.stream.0);
+                let _ = result::free_sync(self.ptr);
             }
+            return;
+        }
+        // SAFETY: the pointer came from malloc_async on this device and is freed once.
+        unsafe {
+            let _ = result::free_async(self.ptr, self.stream.0);
         }
     }
 }

@@ -259,6 +259,11 @@ impl SharedArena {
             return;
         }
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.device.is_closed() {
+            // The device closed idle (its streams are gone): the chunk is free now.
+            inner.free.push((chunk, None));
+            return;
+        }
         let ev = match inner.spare_events.pop() {
             Some(e) => Some(e),
             None => {

@@ -7,7 +7,7 @@
 //!
 //! The model, per rank (the evaluator calls the checker where it calls the device):
 //! - A stream runs its work in the order it was enqueued. Stream 0 is the caller's; the
-//!   pool streams are `1..=numberOfStreams`.
+//!   pool streams are `1..=numberOfStreams`, the compute streams the ones after them.
 //! - `waiter` waiting for `waitee` (`Synchronize`, and `Wait` on a communication, which
 //!   the evaluator turns into the same event record + stream wait) orders everything
 //!   enqueued on `waiter` afterwards after everything enqueued on `waitee` so far.
@@ -167,9 +167,10 @@ pub(crate) struct RaceChecker<'a> {
 }
 
 impl<'a> RaceChecker<'a> {
-    /// A checker for a call of `program` on `rank` with `number_of_streams` pool streams.
+    /// A checker for a call of `program` on `rank` with `number_of_streams` pool streams
+    /// (and the compute streams after them).
     pub(crate) fn new(program: &'a HostProgram, rank: usize, number_of_streams: usize) -> Self {
-        let n = number_of_streams + 1;
+        let n = number_of_streams + 1 + fusion_core::hir::COMPUTE_STREAMS;
         let mut c = RaceChecker {
             program,
             rank,
