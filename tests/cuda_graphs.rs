@@ -560,6 +560,12 @@ fn a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang() {
     assert!(err.to_string().contains("rank 0 stops"), "{err}");
     drop(world);
     step("the world closed");
+    // The failed world released the flag waits, so the devices closed idle: their memory
+    // was freed, not left to the process's end.
+    assert!(
+        !fusion::runtime::backend::cuda::a_device_is_stuck(),
+        "a device closed stuck"
+    );
     drop(exec);
     step("the executor dropped");
     assert!(

@@ -66,6 +66,9 @@ pub(crate) struct BlasHandle(pub cublasHandle_t);
 // SAFETY: used only from the rank thread that owns the device, one call at a time.
 unsafe impl Send for BlasHandle {}
 
+/// How long a closing device of a failed world waits for its streams to get idle.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
 /// A CUDA device driven by one rank thread.
 pub struct CudaDevice {
     shared: Arc<DeviceShared>,
@@ -274,6 +277,31 @@ impl CudaDevice {
         }
     }
 
+    /// Waits, when the device closes, until `stream` is idle: false if it never gets
+    /// there. Up to the world's timeout; once the world failed, up to [`CLOSE_GRACE`]: its
+    /// device-side hand-off waits are released then (`SignalBoard::release_all`), so what
+    /// still runs after that waits for something that will not come.
+    fn drains(&self, stream: RawStream) -> bool {
+        let start = Instant::now();
+        loop {
+            // SAFETY: querying a stream of this context.
+            match unsafe { sys::cuStreamQuery(stream.0) } {
+                sys::CUresult::CUDA_SUCCESS => return true,
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                _ => return false,
+            }
+            let limit = if self.health.check(self.shared.ordinal).is_err() {
+                CLOSE_GRACE.min(self.health.timeout())
+            } else {
+                self.health.timeout()
+            };
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
     /// Blocks until `stream` is idle, polling so that a failed world or a timeout ends
     /// the wait with an error instead of a hang.
     pub(crate) fn wait_stream(&self, stream: RawStream, what: &str) -> Result<()> {
@@ -337,9 +365,7 @@ impl Drop for CudaDevice {
                     .map(|s| s.stream),
             )
             .collect();
-        let stuck = pending
-            .into_iter()
-            .any(|s| self.wait_stream(s, "closing the device").is_err());
+        let stuck = pending.into_iter().any(|s| !self.drains(s));
         if stuck {
             super::DEVICE_STUCK.store(true, std::sync::atomic::Ordering::Release);
             self.shared.free_list.close();
@@ -352,6 +378,11 @@ impl Drop for CudaDevice {
             );
             return;
         }
+        // Every stream is idle and about to be destroyed: from here on, buffers still alive
+        // are freed without their streams.
+        self.shared
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
         let (used, spare) =
             std::mem::take(&mut *self.markers.lock().unwrap_or_else(PoisonError::into_inner));
         for e in used.into_iter().chain(spare) {
@@ -373,10 +404,6 @@ impl Drop for CudaDevice {
                 let _ = result::stream::destroy(s.0);
             }
         }
-        // From here on, buffers still alive are freed without their (destroyed) streams.
-        self.shared
-            .closed
-            .store(true, std::sync::atomic::Ordering::Release);
         let streams =
             std::mem::take(&mut *self.streams.lock().unwrap_or_else(PoisonError::into_inner));
         for s in streams {

@@ -40,7 +40,9 @@ pub(crate) use memory::RawStream;
 pub(crate) static DEVICE_STUCK: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
-/// Whether a device of this process closed stuck (see [`DEVICE_STUCK`]).
-pub(crate) fn a_device_is_stuck() -> bool {
+/// Whether a device of this process closed with work that never finished: its memory,
+/// graphs and context were then left to the process's end (a failed world whose device
+/// waits were not all released; a `tracing` warning names the device).
+pub fn a_device_is_stuck() -> bool {
     DEVICE_STUCK.load(std::sync::atomic::Ordering::Acquire)
 }
