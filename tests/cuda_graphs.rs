@@ -610,3 +610,39 @@ fn executors_and_outputs_may_outlive_their_world() {
     drop(executors);
     drop(held);
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn graphs_of_finished_runs_are_dropped() {
+    // One `World::run` per step, as a training loop may do: every run has a communicator
+    // of its own, so its calls capture graphs of their own; the graphs and kept outputs of
+    // the runs before are dropped (they piled up, one slot per run, before).
+    let world = gpu_world(1).expect("a GPU");
+    for case in cases_for(1) {
+        let exec = FusionExecutor::new(case.fusion.clone());
+        let inputs = (case.inputs)(3, 1);
+        for step in 0..5 {
+            let statuses = world
+                .run(|rank| {
+                    let local = common::distribute(rank, &inputs)?;
+                    let refs: Vec<&Tensor> = local.iter().collect();
+                    let mut statuses = Vec::new();
+                    for _ in 0..3 {
+                        let r = exec.run_with(rank, &refs, None, &ExecOptions::default())?;
+                        statuses.push(r.replay);
+                    }
+                    rank.synchronize()?;
+                    Ok(statuses)
+                })
+                .unwrap();
+            assert_eq!(
+                statuses[0][2],
+                ReplayStatus::Replayed,
+                "{}, step {step}: {:?}",
+                case.name,
+                statuses[0]
+            );
+            assert_eq!(exec.graph_slots(), 1, "{}, step {step}", case.name);
+        }
+    }
+}

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use fusion_core::generic::GenericFusion;
 use fusion_core::hir::HostProgram;
@@ -19,7 +19,7 @@ use fusion_core::lower::{lower, LowerOptions};
 use fusion_core::DType;
 
 use crate::backend::BackendKind;
-use crate::comm::CallStart;
+use crate::comm::{CallStart, Communicator};
 use crate::error::{Error, Result};
 use crate::eval::{
     bind_dtypes, bind_inputs, check_didx_extents, copy_engine_receives, execute, output_layouts,
@@ -149,6 +149,12 @@ pub struct RunReport {
 /// One program and rank's graphs, locked by that rank while it runs.
 type SharedSlot = Arc<Mutex<ReplaySlot>>;
 
+/// A graph slot's program (address), rank and communicator instance.
+type SlotKey = (usize, usize, u64);
+
+/// A graph slot and the communicator its graphs were captured with.
+type SlotEntry = (Weak<dyn Communicator>, SharedSlot);
+
 /// A program and rank's graphs, and the outputs of its last call through them.
 struct ReplaySlot {
     graphs: GraphSlot,
@@ -264,8 +270,10 @@ pub struct FusionExecutor {
     name: String,
     /// Traced calls so far, per rank: the number in the next trace file's name.
     traced_calls: Mutex<HashMap<usize, usize>>,
-    /// Device graphs per (program, rank, communicator instance).
-    graphs: Mutex<HashMap<(usize, usize, u64), SharedSlot>>,
+    /// Device graphs per (program, rank, communicator instance), with the communicator:
+    /// slots whose communicator is gone (its `World::run` ended) are dropped when a new
+    /// slot is made, so a run per step does not keep every step's graphs and outputs.
+    graphs: Mutex<HashMap<SlotKey, SlotEntry>>,
     /// Facts per cached program (keyed by its address, stable while it is cached).
     facts: Mutex<HashMap<usize, Arc<ProgramFacts>>>,
 }
@@ -352,6 +360,13 @@ impl FusionExecutor {
     /// How many times this executor has lowered a program.
     pub fn lowering_count(&self) -> usize {
         self.lowerings.load(Ordering::SeqCst)
+    }
+
+    /// How many graph slots (one per program, rank and communicator, holding that rank's
+    /// device graphs and kept outputs) the executor holds: those of finished runs are
+    /// dropped when a later run makes its own.
+    pub fn graph_slots(&self) -> usize {
+        self.graphs.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Runs with default options and returns the outputs.
@@ -479,22 +494,31 @@ impl FusionExecutor {
                 .map_or_else(|| format!("#{i}"), |&t| program.ir.tensor_name(t));
             return eager(EagerReason::HostInput(name));
         }
-        let slot = self
-            .graphs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry((
+        let slot = {
+            let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+            let key = (
                 Arc::as_ptr(program) as usize,
                 rank.index(),
                 rank.communicator().instance(),
-            ))
-            .or_insert_with(|| {
-                Arc::new(Mutex::new(ReplaySlot {
-                    graphs: GraphSlot::Fresh,
-                    outputs: Vec::new(),
-                }))
-            })
-            .clone();
+            );
+            if !graphs.contains_key(&key) {
+                // No call can be using a slot whose communicator is gone.
+                graphs.retain(|_, (comm, _)| comm.strong_count() > 0);
+            }
+            graphs
+                .entry(key)
+                .or_insert_with(|| {
+                    (
+                        Arc::downgrade(rank.communicator_arc()),
+                        Arc::new(Mutex::new(ReplaySlot {
+                            graphs: GraphSlot::Fresh,
+                            outputs: Vec::new(),
+                        })),
+                    )
+                })
+                .1
+                .clone()
+        };
         let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
         let ReplaySlot {
             graphs: slot,

@@ -506,6 +506,11 @@ impl Rank {
         self.comm.as_ref()
     }
 
+    /// The communicator as shared (what outlives this run only while the run lasts).
+    pub(crate) fn communicator_arc(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
     /// Copies a host tensor to this rank's device.
     pub fn to_device(&self, t: &Tensor) -> Result<Tensor> {
         if self.device.is_resident(t) {
