@@ -46,6 +46,7 @@ pub use fusion_runtime as runtime;
 
 pub use fusion_core::builder::Axis;
 pub use fusion_core::ir::ParallelType;
+pub use fusion_core::lower::{LowerOptions, Pipelining};
 pub use fusion_core::DType;
 pub use fusion_runtime::{
     concat, BackendKind, CudaElement, Error, Result, RunReport, Tensor1, Tensor2, Tensor3, Tensor4,
@@ -221,8 +222,8 @@ pub use fusion_runtime::ExecOptions;
 pub mod prelude {
     pub use crate::{
         concat, fusion, Axis, BackendKind, DType, Error, ExecOptions, FusionBuilder,
-        FusionExecutor, ParallelType, Rank, Ranked, Result, Tensor, Tensor1, Tensor2, Tensor3,
-        Tensor4, Tensor5, Tensor6, World,
+        FusionExecutor, LowerOptions, ParallelType, Pipelining, Rank, Ranked, Result, Tensor,
+        Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6, World,
     };
 }
 
