@@ -44,6 +44,10 @@ extern crate self as fusion;
 pub use fusion_core as core;
 pub use fusion_runtime as runtime;
 
+/// candle tensors in and out of fusions without a copy (the `candle` feature).
+#[cfg(feature = "candle")]
+pub use fusion_candle as candle;
+
 pub use fusion_core::builder::Axis;
 pub use fusion_core::ir::ParallelType;
 pub use fusion_core::lower::{LowerOptions, Pipelining};
