@@ -46,17 +46,23 @@ pub enum Error {
     Output {
         name: String,
         #[source]
-        source: fusion_runtime::Error,
+        source: Box<fusion_runtime::Error>,
     },
     /// A broken invariant of the adapter (a bug: please report it).
     #[error("internal error in fusion-candle: {0}")]
     Internal(String),
     /// An error of the fusion runtime.
     #[error(transparent)]
-    Fusion(#[from] fusion_runtime::Error),
+    Fusion(Box<fusion_runtime::Error>),
     /// An error of candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+impl From<fusion_runtime::Error> for Error {
+    fn from(e: fusion_runtime::Error) -> Self {
+        Error::Fusion(Box::new(e))
+    }
 }
 
 /// `Result` with the adapter's [`Error`].
@@ -66,7 +72,7 @@ impl From<Error> for fusion_runtime::Error {
     /// Lets an adapter error leave a closure given to `World::run` with `?`.
     fn from(e: Error) -> Self {
         match e {
-            Error::Fusion(e) => e,
+            Error::Fusion(e) => *e,
             other => fusion_runtime::Error::World(other.to_string()),
         }
     }

@@ -119,7 +119,7 @@ pub fn output(
     let shape = t.shape().to_vec();
     let taken = |e: fusion_runtime::Error| Error::Output {
         name: name.into(),
-        source: e,
+        source: Box::new(e),
     };
     let tensor = match t.dtype() {
         fusion_core::DType::F32 => {

@@ -1,0 +1,297 @@
+//! The example's command line and run: the world, the weights file, the timed steps on
+//! every rank, the check against candle alone, the report.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::{DType as CDType, Device, Tensor as CTensor};
+use clap::{Parser, ValueEnum};
+
+use fusion::prelude::*;
+
+use crate::layer::{self, Config, RankLayer, Reference, Replays};
+
+/// The command line (also built by the tests).
+#[derive(Parser, Debug, Clone)]
+#[command(about = "A Llama decoder layer in candle with its tensor-parallel parts as fusions")]
+pub struct Args {
+    /// Devices [default: every GPU, else 4 simulated CPU devices; a launcher's world]
+    #[arg(long)]
+    pub devices: Option<usize>,
+    /// Element type of the layer (the reference is always f32)
+    #[arg(long, value_enum, default_value_t = Dt::F32)]
+    pub dtype: Dt,
+    /// Tokens of the prefill step
+    #[arg(long, default_value_t = 64)]
+    pub prefill: usize,
+    /// Decode steps after the prefill
+    #[arg(long, default_value_t = 8)]
+    pub decode_steps: usize,
+    /// Tokens per decode step
+    #[arg(long, default_value_t = 1)]
+    pub decode_tokens: usize,
+    /// Llama-3-8B's layer sizes (hidden 4096, 32 heads, 8 KV heads, FFN 14336) instead of
+    /// a small layer
+    #[arg(long)]
+    pub llama3_8b: bool,
+    /// The safetensors file of the layer's weights (written with random weights first if
+    /// missing) [default: a file in the temporary directory named after the sizes]
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    /// Seed of the random weights and inputs
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+}
+
+/// `--dtype` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Dt {
+    F32,
+    Bf16,
+}
+
+impl Dt {
+    fn candle(self) -> CDType {
+        match self {
+            Dt::F32 => CDType::F32,
+            Dt::Bf16 => CDType::BF16,
+        }
+    }
+
+    /// Relative-error tolerance of the check against the f32 reference.
+    fn tolerance(self) -> f64 {
+        match self {
+            Dt::F32 => 1e-4,
+            Dt::Bf16 => 1e-2,
+        }
+    }
+}
+
+/// What one rank measured: per step, its wall time and replays.
+struct RankRun {
+    steps: Vec<(usize, f64, Replays)>,
+    /// Relative error of every step (computed on rank 0 of the world, empty elsewhere).
+    errors: Vec<f64>,
+}
+
+/// Runs the layer as `args` say, prints what it measured, and fails when a step's output
+/// is off the reference by more than the dtype's tolerance.
+pub fn run(args: Args) -> fusion_candle::Result<()> {
+    let cfg = if args.llama3_8b {
+        Config::llama3_8b()
+    } else {
+        Config::small()
+    };
+    let world = World::auto(args.devices)?;
+    let d = world.size();
+    cfg.check_split(d)?;
+    let path = args.weights.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!(
+            "fusion-llama-layer-{}-{}-{}-{}-seed{}.safetensors",
+            cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn, args.seed
+        ))
+    });
+    if !path.exists() {
+        layer::write_weights(&cfg, &path, args.seed)?;
+    }
+    let steps = step_tokens(&args);
+    let total: usize = steps.iter().sum();
+    let inputs = random_rows(total, cfg.hidden, args.seed + 100)?;
+    let runs =
+        world.run(|rank| run_rank(rank, &args, cfg, &path, &steps, &inputs).map_err(Into::into))?;
+    report(&world, &args, cfg, &steps, &runs);
+    let worst = runs
+        .iter()
+        .flat_map(|r| &r.errors)
+        .fold(0.0f64, |a, &e| a.max(e));
+    if worst > args.dtype.tolerance() || worst.is_nan() {
+        return Err(fusion_candle::Error::Internal(format!(
+            "relative error {worst:.2e} above the {:?} tolerance {:.0e}",
+            args.dtype,
+            args.dtype.tolerance()
+        )));
+    }
+    Ok(())
+}
+
+/// Tokens of every step: the prefill, then the decode steps.
+fn step_tokens(args: &Args) -> Vec<usize> {
+    std::iter::once(args.prefill)
+        .chain(std::iter::repeat_n(args.decode_tokens, args.decode_steps))
+        .filter(|&t| t > 0)
+        .collect()
+}
+
+/// `[rows, hidden]` of deterministic inputs (the same in every process).
+fn random_rows(rows: usize, hidden: usize, seed: u64) -> candle_core::Result<CTensor> {
+    let v = fusion::Tensor::randn(&[rows * hidden], DType::F32, seed)
+        .to_f32_vec()
+        .map_err(candle_core::Error::wrap)?;
+    CTensor::from_vec(v, (rows, hidden), &Device::Cpu)
+}
+
+/// The candle device of a rank.
+fn candle_device(rank: &Rank) -> fusion_candle::Result<Device> {
+    match rank.backend() {
+        BackendKind::Cpu => Ok(Device::Cpu),
+        other => Err(fusion_candle::Error::Internal(format!(
+            "this build runs the candle layer on the CPU only, not on {other:?} devices"
+        ))),
+    }
+}
+
+/// This rank's part of every step, timed; then the check against the reference.
+fn run_rank(
+    rank: &Rank,
+    args: &Args,
+    cfg: Config,
+    path: &std::path::Path,
+    steps: &[usize],
+    inputs: &CTensor,
+) -> fusion_candle::Result<RankRun> {
+    let (d, r) = (rank.world_size(), rank.index());
+    let device = candle_device(rank)?;
+    let weights = layer::load_weights(path, &Device::Cpu)?;
+    let mut layer = RankLayer::new(rank, cfg, &weights, args.dtype.candle(), &device)?;
+    // Every step's rows for this rank, moved to its device before the timing.
+    let mut xs = Vec::new();
+    let mut start = 0;
+    for &t in steps {
+        let m = t.div_ceil(d);
+        let padded = inputs
+            .narrow(0, start, t)?
+            .pad_with_zeros(0, 0, d * m - t)?;
+        xs.push(
+            padded
+                .narrow(0, r * m, m)?
+                .to_dtype(args.dtype.candle())?
+                .to_device(&device)?,
+        );
+        start += t;
+    }
+    let mut timed = Vec::new();
+    let mut outputs = Vec::new();
+    for (x, &t) in xs.iter().zip(steps) {
+        let clock = Instant::now();
+        let (y, replays) = layer.forward(rank, x, t)?;
+        device.synchronize()?;
+        rank.synchronize()?;
+        timed.push((t, clock.elapsed().as_secs_f64() * 1e3, replays));
+        outputs.push(y);
+    }
+    // The check, outside the timing: every rank's rows of every step, against candle alone.
+    let mut reference = (r == 0)
+        .then(|| Reference::new(cfg, &weights))
+        .transpose()?;
+    let mut errors = Vec::new();
+    let mut start = 0;
+    for (y, &t) in outputs.iter().zip(steps) {
+        let mine = fusion_candle::input(rank, "y", &y.to_device(&Device::Cpu)?)?;
+        let parts = rank.gather_to_host(&mine)?;
+        if let Some(reference) = reference.as_mut() {
+            let rows = parts
+                .iter()
+                .map(|p| {
+                    let v = p.to_f32_vec()?;
+                    Ok(CTensor::from_vec(
+                        v,
+                        (p.shape()[0], cfg.hidden),
+                        &Device::Cpu,
+                    )?)
+                })
+                .collect::<fusion_candle::Result<Vec<_>>>()?;
+            let got = CTensor::cat(&rows, 0)?.narrow(0, 0, t)?;
+            let want = reference.forward(&inputs.narrow(0, start, t)?)?;
+            errors.push(relative_error(&got, &want)?);
+        }
+        start += t;
+    }
+    Ok(RankRun {
+        steps: timed,
+        errors,
+    })
+}
+
+/// `‖got − want‖ / ‖want‖` in f64.
+fn relative_error(got: &CTensor, want: &CTensor) -> candle_core::Result<f64> {
+    let got = got.to_dtype(CDType::F64)?;
+    let want = want.to_dtype(CDType::F64)?;
+    let diff = (&got - &want)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+    let norm = want.sqr()?.sum_all()?.to_scalar::<f64>()?;
+    Ok((diff / norm.max(f64::MIN_POSITIVE)).sqrt())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn report(world: &World, args: &Args, cfg: Config, steps: &[usize], runs: &[RankRun]) {
+    let Some(first) = runs.first() else {
+        return;
+    };
+    println!("candle_llama: a Llama decoder layer in candle, its tensor-parallel parts as fusions");
+    println!(
+        "  backend {}, {} ranks ({} in this process), dtype {:?}",
+        world.backend().name(),
+        world.size(),
+        runs.len(),
+        args.dtype
+    );
+    println!(
+        "  hidden {}, {} heads ({} KV) of {}, FFN {}; prefill {} tokens, {} decode steps of {}",
+        cfg.hidden,
+        cfg.heads,
+        cfg.kv_heads,
+        cfg.head_dim(),
+        cfg.ffn,
+        args.prefill,
+        args.decode_steps,
+        args.decode_tokens
+    );
+    // Steps are timed on every rank; the slowest rank's time is the step's.
+    let per_step: Vec<(f64, Replays)> = (0..first.steps.len())
+        .map(|i| {
+            let ms = runs.iter().map(|r| r.steps[i].1).fold(0.0, f64::max);
+            let mut rep = Replays::default();
+            for r in runs {
+                rep.calls += r.steps[i].2.calls;
+                rep.replayed += r.steps[i].2.replayed;
+            }
+            (ms, rep)
+        })
+        .collect();
+    let errors: Vec<f64> = runs.iter().flat_map(|r| r.errors.iter().copied()).collect();
+    if let Some((ms, rep)) = per_step.first() {
+        println!(
+            "  prefill: {:.3} ms, {}/{} fusion calls replayed",
+            ms, rep.replayed, rep.calls
+        );
+    }
+    if per_step.len() > 1 {
+        let decode = &per_step[1..];
+        let replayed: usize = decode.iter().map(|s| s.1.replayed).sum();
+        let calls: usize = decode.iter().map(|s| s.1.calls).sum();
+        println!(
+            "  decode: median {:.3} ms per step of {} tokens over {} steps, {replayed}/{calls} \
+             fusion calls replayed",
+            median(decode.iter().map(|s| s.0).collect()),
+            steps.get(1).copied().unwrap_or(0),
+            decode.len()
+        );
+    }
+    if !errors.is_empty() {
+        let worst = errors.iter().copied().fold(0.0f64, f64::max);
+        println!(
+            "  check: max relative error {worst:.2e} over {} steps against candle alone in f32 \
+             (tolerance {:.0e}): {}",
+            errors.len(),
+            args.dtype.tolerance(),
+            if worst <= args.dtype.tolerance() {
+                "ok"
+            } else {
+                "FAILED"
+            }
+        );
+    }
+}
