@@ -10,6 +10,8 @@ mod common;
 mod fusions;
 #[path = "../examples/candle_llama/layer.rs"]
 mod layer;
+#[path = "../examples/candle_llama/tp.rs"]
+mod tp;
 
 use std::time::Duration;
 
@@ -31,6 +33,8 @@ fn args(devices: Option<usize>, dtype: Dt, decode_tokens: usize) -> Args {
         llama3_8b: false,
         weights: Some(weights),
         seed: 11,
+        candle_tp: false,
+        candle_only: false,
     }
 }
 

@@ -9,7 +9,8 @@ use clap::{Parser, ValueEnum};
 
 use fusion::prelude::*;
 
-use crate::layer::{self, Config, RankLayer, Reference, Replays};
+use crate::layer::{self, CandleLayer, Config, RankLayer, Reference, Replays};
+use crate::tp;
 
 /// The command line (also built by the tests).
 #[derive(Parser, Debug, Clone)]
@@ -41,6 +42,36 @@ pub struct Args {
     /// Seed of the random weights and inputs
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Run the layer the way candle's own tensor parallelism does (`llama_multiprocess`:
+    /// column- and row-parallel linears, a blocking NCCL all-reduce after each block), as
+    /// the point of comparison
+    #[arg(long, conflicts_with = "candle_only")]
+    pub candle_tp: bool,
+    /// Run the whole layer in candle alone on every rank (no communication)
+    #[arg(long)]
+    pub candle_only: bool,
+}
+
+/// How the layer runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Sequence- and tensor-parallel, the three blocks as fusions.
+    Fusions,
+    /// candle's own tensor parallelism.
+    CandleTp,
+    /// The whole layer in candle on each rank.
+    Candle,
+}
+
+impl Args {
+    /// The mode the flags ask for.
+    pub fn mode(&self) -> Mode {
+        match (self.candle_tp, self.candle_only) {
+            (true, _) => Mode::CandleTp,
+            (false, true) => Mode::Candle,
+            (false, false) => Mode::Fusions,
+        }
+    }
 }
 
 /// `--dtype` values.
@@ -151,44 +182,65 @@ fn run_rank(
 ) -> fusion_candle::Result<RankRun> {
     let (d, r) = (rank.world_size(), rank.index());
     let device = candle_device(rank)?;
+    let dtype = args.dtype.candle();
     let weights = layer::load_weights(path, &Device::Cpu)?;
-    let mut layer = RankLayer::new(rank, cfg, &weights, args.dtype.candle(), &device)?;
-    // Every step's rows for this rank, moved to its device before the timing.
+    let mode = args.mode();
+    // Every step's input for this rank, on its device before the timing: its rows of the
+    // tokens (padded to a multiple of the rank count) for the fusions, every token for
+    // candle's own tensor parallelism and for candle alone.
     let mut xs = Vec::new();
     let mut start = 0;
     for &t in steps {
-        let m = t.div_ceil(d);
-        let padded = inputs
-            .narrow(0, start, t)?
-            .pad_with_zeros(0, 0, d * m - t)?;
-        xs.push(
-            padded
-                .narrow(0, r * m, m)?
-                .to_dtype(args.dtype.candle())?
-                .to_device(&device)?,
-        );
+        let all = inputs.narrow(0, start, t)?;
+        let x = if mode == Mode::Fusions {
+            let m = t.div_ceil(d);
+            all.pad_with_zeros(0, 0, d * m - t)?.narrow(0, r * m, m)?
+        } else {
+            all
+        };
+        xs.push(x.to_dtype(dtype)?.to_device(&device)?);
         start += t;
     }
+    let mut step: Box<dyn FnMut(&CTensor, usize) -> fusion_candle::Result<(CTensor, Replays)>> =
+        match mode {
+            Mode::Fusions => {
+                let mut layer = RankLayer::new(rank, cfg, &weights, dtype, &device)?;
+                Box::new(move |x, t| layer.forward(rank, x, t))
+            }
+            Mode::Candle => {
+                let mut layer = CandleLayer::part(cfg, &weights, 0, 1, dtype, &device)?;
+                Box::new(move |x, _| Ok((layer.forward(x)?, Replays::default())))
+            }
+            Mode::CandleTp => {
+                let mut layer = CandleLayer::part(cfg, &weights, r, d, dtype, &device)?;
+                let mut all_reduce = tp::all_reduce(rank, &device)?;
+                Box::new(move |x, _| {
+                    Ok((layer.forward_with(x, &mut all_reduce)?, Replays::default()))
+                })
+            }
+        };
     let mut timed = Vec::new();
     let mut outputs = Vec::new();
     for (x, &t) in xs.iter().zip(steps) {
         let clock = Instant::now();
-        let (y, replays) = layer.forward(rank, x, t)?;
+        let (y, replays) = step(x, t)?;
         device.synchronize()?;
         rank.synchronize()?;
         timed.push((t, clock.elapsed().as_secs_f64() * 1e3, replays));
         outputs.push(y);
     }
-    // The check, outside the timing: every rank's rows of every step, against candle alone.
+    drop(step);
+    // The check, outside the timing: every step against candle alone in f32, on rank 0
+    // (the fusions' rows gathered from every rank; the other modes hold every token).
     let mut reference = (r == 0)
         .then(|| Reference::new(cfg, &weights))
         .transpose()?;
     let mut errors = Vec::new();
     let mut start = 0;
     for (y, &t) in outputs.iter().zip(steps) {
-        let mine = fusion_candle::input(rank, "y", &y.to_device(&Device::Cpu)?)?;
-        let parts = rank.gather_to_host(&mine)?;
-        if let Some(reference) = reference.as_mut() {
+        let got = if mode == Mode::Fusions {
+            let mine = fusion_candle::input(rank, "y", &y.to_device(&Device::Cpu)?)?;
+            let parts = rank.gather_to_host(&mine)?;
             let rows = parts
                 .iter()
                 .map(|p| {
@@ -200,7 +252,11 @@ fn run_rank(
                     )?)
                 })
                 .collect::<fusion_candle::Result<Vec<_>>>()?;
-            let got = CTensor::cat(&rows, 0)?.narrow(0, 0, t)?;
+            CTensor::cat(&rows, 0)?.narrow(0, 0, t)?
+        } else {
+            y.to_device(&Device::Cpu)?
+        };
+        if let Some(reference) = reference.as_mut() {
             let want = reference.forward(&inputs.narrow(0, start, t)?)?;
             errors.push(relative_error(&got, &want)?);
         }
@@ -230,7 +286,14 @@ fn report(world: &World, args: &Args, cfg: Config, steps: &[usize], runs: &[Rank
     let Some(first) = runs.first() else {
         return;
     };
-    println!("candle_llama: a Llama decoder layer in candle, its tensor-parallel parts as fusions");
+    println!(
+        "candle_llama: a Llama decoder layer in candle, {}",
+        match args.mode() {
+            Mode::Fusions => "its tensor-parallel parts as fusions",
+            Mode::CandleTp => "candle's own tensor parallelism (all-reduce per block)",
+            Mode::Candle => "candle alone on every rank",
+        }
+    );
     println!(
         "  backend {}, {} ranks ({} in this process), dtype {:?}",
         world.backend().name(),

@@ -230,63 +230,121 @@ pub fn attention(
         .to_dtype(dt)
 }
 
-/// The whole layer on one device, in f32: what every rank's output is checked against.
-pub struct Reference {
+/// The layer in candle alone, whole or one rank's share of it as candle's own tensor
+/// parallelism splits it (`llama_multiprocess`: column-parallel Q, K, V, gate and up
+/// projections, row-parallel output and down projections, each followed by an
+/// all-reduce of the partial sums). With one part it is the whole layer: in f32 on the
+/// CPU, the reference every rank's output is checked against.
+pub struct CandleLayer {
     cfg: Config,
-    w: HashMap<String, CTensor>,
+    parts: usize,
+    dtype: CDType,
+    /// `[hidden, n]` blocks of the column-parallel projections, `[n, hidden]` of the
+    /// row-parallel ones (transposed once, so a step multiplies without a copy).
+    wq: CTensor,
+    wk: CTensor,
+    wv: CTensor,
+    wo: CTensor,
+    wg: CTensor,
+    wu: CTensor,
+    wd: CTensor,
+    norm_in: CTensor,
+    norm_post: CTensor,
     k: Option<CTensor>,
     v: Option<CTensor>,
     pos: usize,
 }
 
-impl Reference {
+/// The reference: the whole layer in f32 on the CPU.
+pub type Reference = CandleLayer;
+
+impl CandleLayer {
+    /// The whole layer in f32 on the CPU.
     pub fn new(cfg: Config, weights: &HashMap<String, CTensor>) -> candle_core::Result<Self> {
-        let w = weights
-            .iter()
-            .map(|(n, t)| Ok((n.clone(), t.to_dtype(CDType::F32)?)))
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Reference {
+        CandleLayer::part(cfg, weights, 0, 1, CDType::F32, &Device::Cpu)
+    }
+
+    /// Part `r` of `parts` of the layer, in `dtype` on `device`.
+    pub fn part(
+        cfg: Config,
+        weights: &HashMap<String, CTensor>,
+        r: usize,
+        parts: usize,
+        dtype: CDType,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        cfg.check_split(parts)?;
+        let hd = cfg.head_dim();
+        let (qn, kvn, fr) = (
+            cfg.heads / parts * hd,
+            cfg.kv_heads / parts * hd,
+            cfg.ffn / parts,
+        );
+        let put = |t: CTensor| -> candle_core::Result<CTensor> {
+            t.to_dtype(dtype)?.to_device(device)?.force_contiguous()
+        };
+        let column = |name: &str, n: usize| put(weights[name].narrow(0, r * n, n)?.t()?);
+        let row = |name: &str, n: usize| put(weights[name].narrow(1, r * n, n)?.t()?);
+        Ok(CandleLayer {
             cfg,
-            w,
+            parts,
+            dtype,
+            wq: column("self_attn.q_proj.weight", qn)?,
+            wk: column("self_attn.k_proj.weight", kvn)?,
+            wv: column("self_attn.v_proj.weight", kvn)?,
+            wo: row("self_attn.o_proj.weight", qn)?,
+            wg: column("mlp.gate_proj.weight", fr)?,
+            wu: column("mlp.up_proj.weight", fr)?,
+            wd: row("mlp.down_proj.weight", fr)?,
+            norm_in: put(weights["input_layernorm.weight"].clone())?,
+            norm_post: put(weights["post_attention_layernorm.weight"].clone())?,
             k: None,
             v: None,
             pos: 0,
         })
     }
 
-    /// The layer's output for the next `x` `[tokens, hidden]` (prefill or decode step).
-    pub fn forward(&mut self, x: &CTensor) -> candle_core::Result<CTensor> {
+    /// The whole layer's output for the next `x` `[tokens, hidden]` (every token, on every
+    /// part); `all_reduce` sums a partial result over the parts (the identity for one).
+    pub fn forward_with(
+        &mut self,
+        x: &CTensor,
+        all_reduce: &mut dyn FnMut(CTensor) -> candle_core::Result<CTensor>,
+    ) -> candle_core::Result<CTensor> {
         let c = self.cfg;
         let (t, hd) = (x.dim(0)?, c.head_dim());
-        let w = |n: &str| &self.w[n];
-        let x = x.to_dtype(CDType::F32)?;
-        let xn = rms_norm(&x, w("input_layernorm.weight"), c.eps)?;
-        let proj = |n: &str, heads: usize| -> candle_core::Result<CTensor> {
-            xn.matmul(&w(n).t()?)?.reshape((t, heads, hd))
-        };
+        let (qh, kvh) = (c.heads / self.parts, c.kv_heads / self.parts);
+        let x = x.to_dtype(self.dtype)?;
+        let xn = rms_norm(&x, &self.norm_in, c.eps)?;
         let q = rope(
-            &proj("self_attn.q_proj.weight", c.heads)?,
+            &xn.matmul(&self.wq)?.reshape((t, qh, hd))?,
             self.pos,
             c.rope_theta,
         )?;
         let k = rope(
-            &proj("self_attn.k_proj.weight", c.kv_heads)?,
+            &xn.matmul(&self.wk)?.reshape((t, kvh, hd))?,
             self.pos,
             c.rope_theta,
         )?;
-        let v = proj("self_attn.v_proj.weight", c.kv_heads)?;
+        let v = xn.matmul(&self.wv)?.reshape((t, kvh, hd))?;
         let k = append(self.k.take(), k)?;
         let v = append(self.v.take(), v)?;
         let a = attention(&q, &k, &v, self.pos)?;
         self.k = Some(k);
         self.v = Some(v);
         self.pos += t;
-        let h = (&x + a.matmul(&w("self_attn.o_proj.weight").t()?)?)?;
-        let hn = rms_norm(&h, w("post_attention_layernorm.weight"), c.eps)?;
-        let g = hn.matmul(&w("mlp.gate_proj.weight").t()?)?.silu()?;
-        let u = hn.matmul(&w("mlp.up_proj.weight").t()?)?;
-        let mlp = (g * u)?.matmul(&w("mlp.down_proj.weight").t()?)?;
-        h + mlp
+        let h = (&x + all_reduce(a.matmul(&self.wo)?)?)?;
+        let hn = rms_norm(&h, &self.norm_post, c.eps)?;
+        let act = (hn.matmul(&self.wg)?.silu()? * hn.matmul(&self.wu)?)?;
+        h + all_reduce(act.matmul(&self.wd)?)?
+    }
+
+    /// The output of a layer of one part (no all-reduce).
+    pub fn forward(&mut self, x: &CTensor) -> candle_core::Result<CTensor> {
+        if self.parts != 1 {
+            candle_core::bail!("a part of {} needs forward_with an all-reduce", self.parts)
+        }
+        self.forward_with(x, &mut |t| Ok(t))
     }
 }
 

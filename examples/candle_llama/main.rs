@@ -19,6 +19,7 @@
 mod app;
 mod fusions;
 mod layer;
+mod tp;
 
 use clap::Parser;
 
