@@ -98,6 +98,9 @@ impl Dt {
     }
 }
 
+/// One step of the layer on one rank: its input and token count to its output.
+type Step<'a> = dyn FnMut(&CTensor, usize) -> fusion_candle::Result<(CTensor, Replays)> + 'a;
+
 /// What one rank measured: per step, its wall time and replays.
 struct RankRun {
     steps: Vec<(usize, f64, Replays)>,
@@ -201,24 +204,21 @@ fn run_rank(
         xs.push(x.to_dtype(dtype)?.to_device(&device)?);
         start += t;
     }
-    let mut step: Box<dyn FnMut(&CTensor, usize) -> fusion_candle::Result<(CTensor, Replays)>> =
-        match mode {
-            Mode::Fusions => {
-                let mut layer = RankLayer::new(rank, cfg, &weights, dtype, &device)?;
-                Box::new(move |x, t| layer.forward(rank, x, t))
-            }
-            Mode::Candle => {
-                let mut layer = CandleLayer::part(cfg, &weights, 0, 1, dtype, &device)?;
-                Box::new(move |x, _| Ok((layer.forward(x)?, Replays::default())))
-            }
-            Mode::CandleTp => {
-                let mut layer = CandleLayer::part(cfg, &weights, r, d, dtype, &device)?;
-                let mut all_reduce = tp::all_reduce(rank, &device)?;
-                Box::new(move |x, _| {
-                    Ok((layer.forward_with(x, &mut all_reduce)?, Replays::default()))
-                })
-            }
-        };
+    let mut step: Box<Step> = match mode {
+        Mode::Fusions => {
+            let mut layer = RankLayer::new(rank, cfg, &weights, dtype, &device)?;
+            Box::new(move |x, t| layer.forward(rank, x, t))
+        }
+        Mode::Candle => {
+            let mut layer = CandleLayer::part(cfg, &weights, 0, 1, dtype, &device)?;
+            Box::new(move |x, _| Ok((layer.forward(x)?, Replays::default())))
+        }
+        Mode::CandleTp => {
+            let mut layer = CandleLayer::part(cfg, &weights, r, d, dtype, &device)?;
+            let mut all_reduce = tp::all_reduce(rank, &device)?;
+            Box::new(move |x, _| Ok((layer.forward_with(x, &mut all_reduce)?, Replays::default())))
+        }
+    };
     let mut timed = Vec::new();
     let mut outputs = Vec::new();
     for (x, &t) in xs.iter().zip(steps) {
