@@ -4,6 +4,13 @@
 
 use fusion::prelude::*;
 
+#[path = "../layer_bench/blocks.rs"]
+mod blocks;
+
+/// The SiLU-gated MLP block `ReduceScatter((silu(AG(x) Wg) * (AG(x) Wu)) Wd)`, the same
+/// fusion the layer benchmark measures.
+pub use blocks::gated_mlp;
+
 fusion! {
     /// Column-parallel QKV projection of the gathered rows: x `[d @ DIDx, m, h]` (this
     /// rank's tokens), w `[d @ DIDx, h, q]` (this rank's heads' Q, K and V columns) ->
@@ -23,22 +30,6 @@ fusion! {
         w: Tensor<T, [d @ DIDx, f, h]>,
     ) -> Tensor<T, [d @ DIDx, m, h]> {
         let partial: Tensor<T, [d @ Stream, d @ DIDx, m, h]> = matmul(a, w);
-        sum(partial, 1)
-    }
-
-    /// The SiLU-gated MLP block `ReduceScatter((silu(AG(x) Wg) * (AG(x) Wu)) Wd)`: one
-    /// gather of the rows for both projections, the product in the first GEMMs'
-    /// epilogue kernel, the down projection's partial sums reduce-scattered.
-    pub fn gated_mlp<T: Float, d, m, h, f>(
-        x: Tensor<T, [d @ DIDx, m, h]>,
-        wg: Tensor<T, [d @ DIDx, h, f]>,
-        wu: Tensor<T, [d @ DIDx, h, f]>,
-        wd: Tensor<T, [d @ DIDx, f, h]>,
-    ) -> Tensor<T, [d @ DIDx, m, h]> {
-        let rows = broadcast(x, [false, true, false, false]);
-        let act: Tensor<T, [d @ Stream, d @ DIDx, m, f]> =
-            silu(matmul(rows, wg)) * matmul(rows, wu);
-        let partial: Tensor<T, [d @ Stream, d @ DIDx, m, h]> = matmul(act, wd);
         sum(partial, 1)
     }
 }

@@ -348,16 +348,6 @@ impl CandleLayer {
     }
 }
 
-/// A call's only output, taken out of its report (so no other view of it stays alive).
-fn first_output(mut report: fusion::RunReport) -> fusion_candle::Result<fusion::Tensor> {
-    if report.outputs.is_empty() {
-        return Err(fusion_candle::Error::Internal(
-            "a fusion call returned no output".into(),
-        ));
-    }
-    Ok(report.outputs.swap_remove(0))
-}
-
 /// The cache with `new` appended along the token axis.
 fn append(cache: Option<CTensor>, new: CTensor) -> candle_core::Result<CTensor> {
     match cache {
@@ -475,27 +465,24 @@ impl RankLayer {
         tokens: usize,
     ) -> fusion_candle::Result<(CTensor, Replays)> {
         let c = self.cfg;
-        let (d, hd) = (self.d, c.head_dim());
-        let m = x.dim(0)?;
+        let (d, hd, m) = (self.d, c.head_dim(), x.dim(0)?);
         let (qh, kvh) = (c.heads / d, c.kv_heads / d);
         let mut replays = Replays::default();
-        let mut count = |status: &ReplayStatus| {
-            replays.calls += 1;
-            replays.replayed += usize::from(*status == ReplayStatus::Replayed);
+        let rows = |t: &CTensor, name: &str| -> fusion_candle::Result<_> {
+            Ok(fusion_candle::input(rank, name, &t.unsqueeze(0)?)?.try_into()?)
         };
+        let w = |t: &fusion::Tensor| t.clone().try_into();
         let xn = rms_norm(x, &self.w.norm_in, c.eps)?;
-        let input = |t: &CTensor, name: &str| fusion_candle::input(rank, name, &t.unsqueeze(0)?);
         // Every token's Q, K, V for this rank's heads, rows gathered from every rank.
         let report = qkv::run_with(
             rank,
-            &input(&xn, "x_norm")?.try_into()?,
-            &self.w.qkv.clone().try_into()?,
+            &rows(&xn, "x_norm")?,
+            &w(&self.w.qkv)?,
             None,
             &self.options,
         )?;
-        count(&report.replay);
-        let all = fusion_candle::output(rank, "qkv", first_output(report)?, &self.device);
-        let all = all?
+        let all = self.finish(rank, &mut replays, report, "qkv")?;
+        let all = all
             .reshape((d * m, (qh + 2 * kvh) * hd))?
             .narrow(0, 0, tokens)?;
         let q = all.narrow(1, 0, qh * hd)?.reshape((tokens, qh, hd))?;
@@ -517,29 +504,44 @@ impl RankLayer {
             .pad_with_zeros(0, 0, d * m - tokens)?
             .reshape((d, 1, m, qh * hd))?
             .to_dtype(self.dtype)?;
-        let report = out_proj::run_with(
-            rank,
-            &fusion_candle::input(rank, "attention", &a)?.try_into()?,
-            &self.w.o.clone().try_into()?,
-            None,
-            &self.options,
-        )?;
-        count(&report.replay);
-        let o = fusion_candle::output(rank, "o", first_output(report)?, &self.device);
-        let h = (x + o?.reshape((m, c.hidden))?)?;
+        let a = fusion_candle::input(rank, "attention", &a)?.try_into()?;
+        let report = out_proj::run_with(rank, &a, &w(&self.w.o)?, None, &self.options)?;
+        let o = self.finish(rank, &mut replays, report, "o")?;
+        let h = (x + o.reshape((m, c.hidden))?)?;
         let hn = rms_norm(&h, &self.w.norm_post, c.eps)?;
+        let (g, u, dw) = (w(&self.w.gate)?, w(&self.w.up)?, w(&self.w.down)?);
         let report = gated_mlp::run_with(
             rank,
-            &input(&hn, "h_norm")?.try_into()?,
-            &self.w.gate.clone().try_into()?,
-            &self.w.up.clone().try_into()?,
-            &self.w.down.clone().try_into()?,
+            &rows(&hn, "h_norm")?,
+            &g,
+            &u,
+            &dw,
             None,
             &self.options,
         )?;
-        count(&report.replay);
-        let mlp = fusion_candle::output(rank, "mlp", first_output(report)?, &self.device);
-        let y = (h + mlp?.reshape((m, c.hidden))?)?;
+        let mlp = self.finish(rank, &mut replays, report, "mlp")?;
+        let y = (h + mlp.reshape((m, c.hidden))?)?;
         Ok((y, replays))
+    }
+
+    /// A call's output as a candle tensor, counting whether the call replayed.
+    fn finish(
+        &self,
+        rank: &Rank,
+        replays: &mut Replays,
+        mut report: fusion::RunReport,
+        name: &str,
+    ) -> fusion_candle::Result<CTensor> {
+        replays.calls += 1;
+        replays.replayed += usize::from(report.replay == ReplayStatus::Replayed);
+        if report.outputs.len() != 1 {
+            return Err(fusion_candle::Error::Internal(format!(
+                "fusion call `{name}` returned {} outputs",
+                report.outputs.len()
+            )));
+        }
+        // Taken out of the report, so that no other view of the output stays alive.
+        let out = report.outputs.swap_remove(0);
+        fusion_candle::output(rank, name, out, &self.device)
     }
 }

@@ -47,44 +47,27 @@ pub trait HostElement: sealed::Sealed + Copy + Send + Sync + fmt::Debug + 'stati
     fn from_memory(m: HostMemory) -> std::result::Result<Vec<Self>, HostMemory>;
 }
 
-impl HostElement for f32 {
-    const DTYPE: DType = DType::F32;
-    fn into_memory(v: Vec<Self>) -> HostMemory {
-        HostMemory::F32(v)
-    }
-    fn from_memory(m: HostMemory) -> std::result::Result<Vec<Self>, HostMemory> {
-        match m {
-            HostMemory::F32(v) => Ok(v),
-            other => Err(other),
+/// `HostElement` for an element type held in the `HostMemory` variant of that name.
+macro_rules! host_element {
+    ($t:ty, $variant:ident) => {
+        impl HostElement for $t {
+            const DTYPE: DType = DType::$variant;
+            fn into_memory(v: Vec<Self>) -> HostMemory {
+                HostMemory::$variant(v)
+            }
+            fn from_memory(m: HostMemory) -> std::result::Result<Vec<Self>, HostMemory> {
+                match m {
+                    HostMemory::$variant(v) => Ok(v),
+                    other => Err(other),
+                }
+            }
         }
-    }
+    };
 }
 
-impl HostElement for bf16 {
-    const DTYPE: DType = DType::BF16;
-    fn into_memory(v: Vec<Self>) -> HostMemory {
-        HostMemory::BF16(v)
-    }
-    fn from_memory(m: HostMemory) -> std::result::Result<Vec<Self>, HostMemory> {
-        match m {
-            HostMemory::BF16(v) => Ok(v),
-            other => Err(other),
-        }
-    }
-}
-
-impl HostElement for f16 {
-    const DTYPE: DType = DType::F16;
-    fn into_memory(v: Vec<Self>) -> HostMemory {
-        HostMemory::F16(v)
-    }
-    fn from_memory(m: HostMemory) -> std::result::Result<Vec<Self>, HostMemory> {
-        match m {
-            HostMemory::F16(v) => Ok(v),
-            other => Err(other),
-        }
-    }
-}
+host_element!(f32, F32);
+host_element!(bf16, BF16);
+host_element!(f16, F16);
 
 /// The elements behind a [`HostBuffer`].
 #[doc(hidden)]
