@@ -497,11 +497,21 @@ impl IpcPeer {
             },
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: granting this device access to the imported pool.
-        check(
-            unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) },
-            &format!("granting device {ordinal} access to rank {peer}'s pool"),
-        )?;
+        // A pool of this very GPU (processes sharing one) is reachable already; the access
+        // of its own device may not be set again.
+        let mut location = access.location;
+        let mut has = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        // SAFETY: querying the imported pool's access for a valid device.
+        let queried = unsafe { sys::cuMemPoolGetAccess(&mut has, pool, &mut location) };
+        if queried != sys::CUresult::CUDA_SUCCESS
+            || has != sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        {
+            // SAFETY: granting this device access to the imported pool.
+            check(
+                unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) },
+                &format!("granting device {ordinal} access to rank {peer}'s pool"),
+            )?;
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -840,7 +850,10 @@ fn allocation_base(ptr: u64, rank: usize) -> Result<u64> {
     if r != sys::CUresult::CUDA_SUCCESS {
         return Err(Error::Communication {
             rank,
-            reason: format!("cuMemGetAddressRange on a transfer buffer: {r:?}"),
+            reason: format!(
+                "cuMemGetAddressRange on a transfer buffer: {}",
+                crate::backend::cuda::cu_text(r)
+            ),
         });
     }
     Ok(base)
