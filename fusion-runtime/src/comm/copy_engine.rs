@@ -361,14 +361,17 @@ impl CopyRegistry {
 
     /// Waits (host) until `get` finds something in `slot`: spinning first, since the peer
     /// is usually a few microseconds away, then sleeping with timeouts and health checks.
+    /// `t` is the transfer `rank` waits in and `what` what it waits for from the peer
+    /// (`receive buffer`, `copy`), for the error.
     fn wait_for<T: Copy>(
         &self,
         rank: usize,
-        key: Key,
+        t: &Transfer,
         slot: &Slot,
         what: &str,
         get: impl Fn(&Slot) -> Option<T>,
     ) -> Result<T> {
+        let key = t.key;
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -400,11 +403,17 @@ impl CopyRegistry {
             let waited = start.elapsed();
             let limit = self.health.timeout();
             if waited > limit {
+                let peer = if key.0 == rank { key.1 } else { key.0 };
+                let node = t
+                    .label
+                    .as_deref()
+                    .map_or_else(String::new, |l| format!("{l}, "));
                 break Err(Error::Timeout {
                     rank,
                     what: format!(
-                        "{what} of copy-engine transfer {} -> {} #{}",
-                        key.0, key.1, key.2
+                        "the wait for rank {peer}'s {what} ({node}copy-engine transfer #{} \
+                         from rank {} to rank {})",
+                        key.2, key.0, key.1
                     ),
                     seconds: waited.as_secs_f64(),
                 });
@@ -532,14 +541,12 @@ impl CopyEngine {
     }
 
     /// Says what the next transfer is (a P2P node of the program), for the error of a
-    /// device wait that times out; `what` is only called where device waits are watched.
+    /// wait for it that times out (on the host or on the device).
     pub(crate) fn describe_next(&self, what: &dyn Fn() -> String) {
-        if self.registry.waits.is_some() {
-            *self
-                .next_label
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(what().into());
-        }
+        *self
+            .next_label
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(what().into());
     }
 
     /// A call starts: transfers are numbered from 0 again, and receive buffers are kept
@@ -946,11 +953,9 @@ impl CopyEngine {
             let own = self.device.raw_stream(t.stream)?;
             match route {
                 Route::Events(slot) => {
-                    let done =
-                        self.registry
-                            .wait_for(self.rank, t.key, slot, "the peer's copy", |s| {
-                                s.done.get().copied()
-                            })?;
+                    let done = self
+                        .registry
+                        .wait_for(self.rank, t, slot, "copy", |s| s.done.get().copied())?;
                     self.stream_wait(t, done)?;
                     self.registry.remove(t.key);
                 }
@@ -1086,11 +1091,11 @@ impl CopyEngine {
             None => {
                 let key = Self::address_key(t);
                 let slot = self.registry.slot(key);
-                let post =
-                    self.registry
-                        .wait_for(self.rank, t.key, &slot, "the peer's buffer", |s| {
-                            s.post.get().copied()
-                        });
+                let post = self
+                    .registry
+                    .wait_for(self.rank, t, &slot, "receive buffer", |s| {
+                        s.post.get().copied()
+                    });
                 self.registry.remove(key);
                 let post = post?;
                 if let (Some(k), Some(theirs)) = (landed_key, post.identity) {
@@ -1145,9 +1150,7 @@ impl CopyEngine {
     ) -> Result<()> {
         let post = self
             .registry
-            .wait_for(self.rank, t.key, slot, "the peer's buffer", |s| {
-                s.post.get().copied()
-            })?;
+            .wait_for(self.rank, t, slot, "buffer", |s| s.post.get().copied())?;
         if post.bytes != t.buf.nbytes() {
             return Err(self.err(format!(
                 "copy-engine transfer {:?}: the peer's buffer has {} bytes, this one {}",

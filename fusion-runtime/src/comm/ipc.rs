@@ -585,8 +585,8 @@ impl IpcPeer {
                 return Ok(m);
             }
             let what = match kind {
-                Kind::Post => "the peer's buffer",
-                Kind::Done => "the peer's copy",
+                Kind::Post => "buffer",
+                Kind::Done => "copy",
             };
             pause(
                 start,
@@ -594,8 +594,9 @@ impl IpcPeer {
                 me,
                 self.peer,
                 &format!(
-                    "{what} of copy-engine transfer {} -> {} #{} (CUDA IPC)",
-                    key.0, key.1, key.2
+                    "the wait for rank {}'s {what} (copy-engine transfer #{} from rank {} to \
+                     rank {}, CUDA IPC)",
+                    self.peer, key.2, key.0, key.1
                 ),
             )?;
         }

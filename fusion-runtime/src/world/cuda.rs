@@ -289,6 +289,7 @@ pub fn cuda_world_without_peer_access(
 /// of a pair to no.
 fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) -> Result<World> {
     check_libraries(true)?;
+    let timeout = super::timeout_from_env()?;
     let visible = device_count();
     let n = devices.unwrap_or(visible);
     if n == 0 || n > visible {
@@ -316,11 +317,13 @@ fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) 
         no_peer_access,
     };
     comms.ensure_nccl()?;
+    // `FUSION_TIMEOUT` bounds its waits, as it does `World::local_default`'s.
     Ok(World::in_process(
         BackendKind::Cuda,
         devices.into_iter().map(|d| d as Arc<dyn Device>).collect(),
         Some(Box::new(comms)),
-    ))
+    )
+    .with_timeout(timeout))
 }
 
 /// A world of `ranks` ranks on this process's GPUs, rank `r` on GPU `r % visible`. With
@@ -337,6 +340,7 @@ fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) 
 /// run eagerly (never replayed as graphs).
 pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
     check_libraries(true)?;
+    let timeout = super::timeout_from_env()?;
     let visible = device_count();
     if ranks == 0 || visible == 0 {
         return Err(Error::World(format!(
@@ -364,11 +368,13 @@ pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
         ipc_ranks: Arc::new((0..ranks).collect()),
         no_peer_access,
     };
+    // `FUSION_TIMEOUT` bounds its waits, as it does `World::local_default`'s.
     Ok(World::in_process(
         BackendKind::Cuda,
         devices.into_iter().map(|d| d as Arc<dyn Device>).collect(),
         Some(Box::new(comms)),
-    ))
+    )
+    .with_timeout(timeout))
 }
 
 /// Device `ordinal` as `cuda:0 (uuid …, bus 0000:…)`, and its UUID alone.
@@ -659,6 +665,9 @@ pub(super) fn launched_cuda_world(
         let state = connect_ipc(*rank, device, own, &session, &peers_info, &world_hosts[i])?;
         Ok((comm, state))
     })?;
+    if shares_a_gpu {
+        refuse_missing_ipc(&session, &local, &setups)?;
+    }
     let mut states = Vec::new();
     let mut ipc = Vec::new();
     for (comm, state) in setups {
@@ -703,6 +712,38 @@ pub(super) fn launched_cuda_world(
         world_hosts,
         Some(Box::new(comms)),
     ))
+}
+
+/// In a launched world whose processes share a GPU (no NCCL), every rank of this process
+/// must reach every rank of another process over CUDA IPC: the first pair that does not is
+/// an error at world time (rather than at the first transfer).
+fn refuse_missing_ipc(
+    session: &Session,
+    local: &[(usize, Arc<CudaDevice>)],
+    setups: &[(Option<crate::comm::nccl::RawComm>, Option<IpcState>)],
+) -> Result<()> {
+    let topo = &session.topology;
+    for ((rank, _), (_, state)) in local.iter().zip(setups) {
+        for peer in 0..topo.ranks.len() {
+            if topo.link(*rank, peer) == Link::SameProcess {
+                continue;
+            }
+            if !state.as_ref().is_some_and(|s| s.peers.contains_key(&peer)) {
+                return Err(Error::World(format!(
+                    "processes of this launched world share a GPU, so they have no NCCL and \
+                     their transfers need CUDA IPC, but rank {rank} could not connect to rank \
+                     {peer} over it (see the warnings above; {}): give each process a GPU of \
+                     its own instead",
+                    if ipc_allowed() {
+                        "both must run on one host"
+                    } else {
+                        "FUSION_IPC=0 turns it off"
+                    }
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Connects `rank`'s IPC peers (the ranks of other processes on this host that prepared

@@ -83,7 +83,7 @@ pub(crate) fn local_ordinals(
     }
     let fit = visible.count / per_process;
     let fix = format!(
-        "start at most {} on this node (torchrun --nproc-per-node {fit}), give each \
+        "Start at most {} on this node (torchrun --nproc-per-node {fit}), give each \
          process GPUs of its own with CUDA_VISIBLE_DEVICES, or run several ranks in one \
          process (FUSION_DEVICES_PER_PROCESS)",
         plural(fit, "process", "processes"),

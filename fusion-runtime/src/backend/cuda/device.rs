@@ -66,6 +66,9 @@ pub(crate) struct BlasHandle(pub cublasHandle_t);
 // SAFETY: used only from the rank thread that owns the device, one call at a time.
 unsafe impl Send for BlasHandle {}
 
+/// How much longer than the world's timeout a host wait on the device lasts (see `poll`).
+const WATCHDOG_MARGIN: Duration = Duration::from_millis(250);
+
 /// How long a closing device of a failed world waits for its streams to get idle.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -270,7 +273,10 @@ impl CudaDevice {
             }
             self.health.check(self.rank)?;
             let waited = start.elapsed();
-            if waited > self.health.timeout() {
+            // A little past the timeout: a device-side flag wait behind this one has been
+            // counting since the device reached it, and the watchdog's error (naming the
+            // peer and the transfer) says more than this one.
+            if waited > self.health.timeout() + WATCHDOG_MARGIN {
                 return Err(Error::Timeout {
                     rank: self.rank,
                     what: format!("{what} on device {}", self.shared.ordinal),
