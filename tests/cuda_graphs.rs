@@ -14,7 +14,7 @@ use fusion::core::lower::{lower, LowerOptions, ReduceScatterPipeline};
 use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::eval::copy_engine_receives;
 use fusion::runtime::replay::{capture_plan, has_copy_engine_transfers, EagerReason, ReplayStatus};
-use fusion::runtime::world::{cuda_world, cuda_world_sharing_gpus};
+use fusion::runtime::world::{cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access};
 use fusion::{DType, ExecOptions, FusionExecutor, Tensor, World};
 
 #[test]
@@ -632,4 +632,36 @@ fn graphs_of_finished_runs_are_dropped() {
             assert_eq!(exec.graph_slots(), 1, "{}, step {step}", case.name);
         }
     }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn gpus_without_peer_access_fall_back_to_nccl_p2p() {
+    // GPUs 0 and 1 taken as having no peer access (what PCIe cards without it answer):
+    // no error; the copy-engine pipelines' transfers between them go through NCCL P2P,
+    // the transport lines say so, and the results still match the CPU backend.
+    if fusion::runtime::backend::cuda::device_count() < 2 {
+        eprintln!("skipping: fewer than 2 GPUs visible");
+        return;
+    }
+    let world = cuda_world_without_peer_access(Some(2), &[(0, 1)]).unwrap();
+    let lines = world.transports();
+    println!("{}", lines.join("\n"));
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for l in &lines {
+        assert!(
+            l.contains("NCCL P2P") && l.contains("no peer access"),
+            "{l}"
+        );
+    }
+    eager_calls_match_the_cpu_backend(&world);
+    let with_access = cuda_world(Some(2)).unwrap();
+    assert!(
+        with_access
+            .transports()
+            .iter()
+            .all(|l| l.contains("copy engines (peer access")),
+        "{:?}",
+        with_access.transports()
+    );
 }
