@@ -275,6 +275,9 @@ fn rank_one_gets(signal: &str) -> Vec<Ended> {
     for e in ended.iter().filter(|e| e.rank != 1) {
         assert_eq!(e.code, Some(0), "{}", e.log());
         let seen = seen_after(e);
+        if let Some(line) = e.stdout.lines().find(|l| l.starts_with("FAULT-SEEN")) {
+            println!("{signal}: {line}");
+        }
         println!(
             "{signal}: rank {} saw it {seen:.2} s into its call and exited {:.2} s after the \
              signal",

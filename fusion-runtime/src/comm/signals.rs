@@ -266,8 +266,9 @@ impl SignalBoard {
             flags: flags as u32,
             alias: 0,
         };
-        // The arrival marks need no barrier: they order nothing, the host only reads them.
-        let mark = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
+        // (The v2 API takes no `NO_MEMORY_BARRIER` for the arrival marks: every write here
+        // comes after a fence.)
+        let mark = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT;
         // SAFETY: plain-data parameter blocks, zeroed then filled field by field.
         let mut ops: [sys::CUstreamBatchMemOpParams; 4] = unsafe { std::mem::zeroed() };
         ops[0].writeValue = write(arrival, 1, mark);
