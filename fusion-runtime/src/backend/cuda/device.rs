@@ -258,7 +258,9 @@ impl CudaDevice {
         let start = Instant::now();
         loop {
             match query() {
-                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                // Done; but if the world failed meanwhile, what finished may be work whose
+                // flag waits were let through (`SignalBoard::release_all`): an error then.
+                sys::CUresult::CUDA_SUCCESS => return self.health.check(self.rank),
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 other => {
                     return Err(Error::Backend {
