@@ -79,9 +79,12 @@ pub struct Running {
     start: Instant,
     children: Vec<(usize, Child)>,
     /// Each process's stdout and stderr so far, read on threads as it comes.
-    output: Vec<(Arc<Mutex<String>>, Arc<Mutex<String>>)>,
+    output: Vec<(Said, Said)>,
     readers: Vec<std::thread::JoinHandle<()>>,
 }
+
+/// What one stream of a process has said so far.
+type Said = Arc<Mutex<String>>;
 
 /// Copies everything `from` says into `into`, as it comes.
 fn collect(
