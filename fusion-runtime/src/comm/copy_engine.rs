@@ -514,8 +514,6 @@ pub(crate) struct CopyEngine {
     /// next such copy starts after it, so a P2P pipeline's chunks arrive one at a time in
     /// the order the loop uses them instead of sharing the link and landing together.
     last_inbound: Mutex<Option<Event>>,
-    /// What the next transfer is, when the caller said (see [`Self::describe_next`]).
-    next_label: Mutex<Option<Arc<str>>>,
 }
 
 impl CopyEngine {
@@ -536,17 +534,7 @@ impl CopyEngine {
             call: Mutex::new(CallState::default()),
             landing: Mutex::new(Landing::default()),
             last_inbound: Mutex::new(None),
-            next_label: Mutex::new(None),
         }
-    }
-
-    /// Says what the next transfer is (a P2P node of the program), for the error of a
-    /// wait for it that times out (on the host or on the device).
-    pub(crate) fn describe_next(&self, what: &dyn Fn() -> String) {
-        *self
-            .next_label
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(what().into());
     }
 
     /// A call starts: transfers are numbered from 0 again, and receive buffers are kept
@@ -655,13 +643,16 @@ impl CopyEngine {
         }
     }
 
-    /// A transfer of `buf` with `peer` (sending when `sending`), numbered in program order.
+    /// A transfer of `buf` with `peer` (sending when `sending`), numbered in program order;
+    /// `label` says what it is in the program (for the error of a wait for it that times
+    /// out, on the host or on the device).
     pub(crate) fn transfer(
         &self,
         stream: crate::backend::StreamHandle,
         peer: usize,
         buf: &Tensor,
         sending: bool,
+        label: Option<Arc<str>>,
     ) -> Result<Transfer> {
         if !buf.is_contiguous() || buf.device_ptr().is_none() {
             return Err(self.err(format!(
@@ -686,11 +677,6 @@ impl CopyEngine {
         let mut call = self.call.lock().unwrap_or_else(PoisonError::into_inner);
         let n = call.indices.entry((src, dst)).or_insert(0);
         *n += 1;
-        let label = self
-            .next_label
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
         Ok(Transfer {
             key,
             stream,
@@ -1381,8 +1367,8 @@ mod tests {
                         .landing_buffer(0, DType::F32, &[n])?
                         .expect("a kept buffer");
                     let group = [
-                        engine.transfer(0, peer, &send, true)?,
-                        engine.transfer(0, peer, &recv, false)?,
+                        engine.transfer(0, peer, &send, true, None)?,
+                        engine.transfer(0, peer, &recv, false, None)?,
                     ];
                     let ran = engine.run_group(&group);
                     if capture {
@@ -1486,8 +1472,8 @@ mod tests {
                 .landing_buffer(0, DType::F32, &[n])?
                 .unwrap_or_else(|| fixed.clone());
             let group = [
-                engine.transfer(0, 1 - r, &send, true)?,
-                engine.transfer(0, 1 - r, &recv, false)?,
+                engine.transfer(0, 1 - r, &send, true, None)?,
+                engine.transfer(0, 1 - r, &recv, false, None)?,
             ];
             engine.run_group(&group)?;
             if call >= 10 {
@@ -1577,8 +1563,8 @@ mod tests {
             identity: Some(3),
             rerun: false,
         });
-        engines[0].describe_next(&|| "the test's receive from rank 1".into());
-        let t = engines[0].transfer(0, 1, &buf, false).unwrap();
+        let what = Some("the test's receive from rank 1".into());
+        let t = engines[0].transfer(0, 1, &buf, false, what).unwrap();
         engines[0].run_group(&[t]).unwrap();
         let start = std::time::Instant::now();
         let err = devs[0].synchronize().expect_err("rank 1 never sends");

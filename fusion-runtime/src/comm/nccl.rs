@@ -282,6 +282,9 @@ pub struct NcclCommunicator {
     instance: u64,
     /// The last graph launch, which NCCL calls outside graphs wait for.
     graph_fence: GraphFence,
+    /// What the next send or receive is in the program (see
+    /// [`Communicator::describe_next_transfer`]); taken by that send or receive.
+    next_label: Mutex<Option<Arc<str>>>,
 }
 
 /// Work that must happen after a group's transfers are issued.
@@ -317,6 +320,7 @@ impl NcclCommunicator {
             group: Mutex::new(None),
             instance: super::next_instance(),
             graph_fence: GraphFence::new(),
+            next_label: Mutex::new(None),
         }
     }
 
@@ -331,7 +335,14 @@ impl NcclCommunicator {
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("copy-engine transfer with rank {peer}: not a peer")));
         }
-        let t = self.copy_engine.transfer(stream, peer, buf, sending)?;
+        let label = self
+            .next_label
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let t = self
+            .copy_engine
+            .transfer(stream, peer, buf, sending, label)?;
         let mut group = self.group.lock().unwrap_or_else(PoisonError::into_inner);
         match group.as_mut() {
             Some(g) => {
@@ -343,6 +354,15 @@ impl NcclCommunicator {
                 self.copy_engine.run_group(&[t])
             }
         }
+    }
+
+    /// Drops the description of a send or receive that NCCL carries (it is for copy-engine
+    /// transfers only; a later collective's transfers must not take it).
+    fn forget_label(&self) {
+        self.next_label
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
     }
 
     /// Whether a copy-engine transfer with `peer` runs on the copy engines (a GPU of this
@@ -503,11 +523,14 @@ impl NcclCommunicator {
         let mut transfers = Vec::new();
         for (i, &peer) in c.team.iter().enumerate() {
             if peer != self.rank {
-                transfers.push(self.copy_engine.transfer(s, peer, &x, true)?);
-                transfers.push(
-                    self.copy_engine
-                        .transfer(s, peer, &buf.select(0, i)?, false)?,
-                );
+                transfers.push(self.copy_engine.transfer(s, peer, &x, true, None)?);
+                transfers.push(self.copy_engine.transfer(
+                    s,
+                    peer,
+                    &buf.select(0, i)?,
+                    false,
+                    None,
+                )?);
             }
         }
         self.copy_engine.run_group(&transfers)?;
@@ -554,14 +577,20 @@ impl NcclCommunicator {
         let mut transfers = Vec::new();
         for (i, &peer) in c.team.iter().enumerate() {
             if peer != self.rank {
-                transfers.push(
-                    self.copy_engine
-                        .transfer(s, peer, &blocks.select(0, i)?, true)?,
-                );
-                transfers.push(
-                    self.copy_engine
-                        .transfer(s, peer, &slots.select(0, i)?, false)?,
-                );
+                transfers.push(self.copy_engine.transfer(
+                    s,
+                    peer,
+                    &blocks.select(0, i)?,
+                    true,
+                    None,
+                )?);
+                transfers.push(self.copy_engine.transfer(
+                    s,
+                    peer,
+                    &slots.select(0, i)?,
+                    false,
+                    None,
+                )?);
             }
         }
         self.copy_engine.run_group(&transfers)?;
@@ -1044,6 +1073,7 @@ impl Communicator for NcclCommunicator {
         if backend == CommBackend::CopyEngine && self.by_copy_engine(peer) {
             return self.copy_transfer(stream, peer, buf, true);
         }
+        self.forget_label();
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("send to rank {peer}: not a peer")));
         }
@@ -1083,6 +1113,7 @@ impl Communicator for NcclCommunicator {
         if backend == CommBackend::CopyEngine && self.by_copy_engine(peer) {
             return self.copy_transfer(stream, peer, buf, false);
         }
+        self.forget_label();
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("recv from rank {peer}: not a peer")));
         }
@@ -1137,7 +1168,10 @@ impl Communicator for NcclCommunicator {
     }
 
     fn describe_next_transfer(&self, what: &dyn Fn() -> String) {
-        self.copy_engine.describe_next(what);
+        *self
+            .next_label
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(what().into());
     }
 
     fn abort(&self, reason: &str) {

@@ -294,7 +294,10 @@ fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) 
     let n = devices.unwrap_or(visible);
     if n == 0 || n > visible {
         return Err(Error::World(format!(
-            "asked for {n} CUDA devices, {visible} are visible"
+            "asked for {n} CUDA devices, but {}: ask for at most {visible} (--devices, \
+             FUSION_DEVICES), make more GPUs visible, or use cuda_world_sharing_gpus to put \
+             several ranks on one GPU",
+            Visible::from_env(visible).describe()
         )));
     }
     let health = Arc::new(WorldHealth::new(super::DEFAULT_TIMEOUT));
