@@ -28,6 +28,6 @@ pub mod lower;
 pub mod pass;
 mod print;
 
-pub use dtype::DType;
-pub use error::{AxisRef, Error, Result};
+pub use dtype::{DType, DTypeSpec};
+pub use error::{AxisRef, Culprit, Error, Result, Site};
 pub use print::{node_string, tensor_string};

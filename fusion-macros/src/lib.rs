@@ -23,8 +23,6 @@ mod check;
 mod expand;
 mod parse;
 mod span;
-#[cfg(test)]
-mod tests;
 
 use proc_macro::TokenStream;
 

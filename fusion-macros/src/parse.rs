@@ -19,6 +19,8 @@ use proc_macro2::{Span, TokenStream};
 use syn::parse::{Parse, ParseStream};
 use syn::{bracketed, parenthesized, Attribute, Ident, LitInt, Token, Visibility};
 
+use fusion_core::ir::ScalarOp;
+
 use crate::span::SpanRange;
 
 /// Everything inside `fusion! { ... }`.
@@ -78,20 +80,11 @@ pub enum Dim {
     Lit { value: i64, span: Span },
     /// `lhs op rhs`.
     Bin {
-        op: DimOp,
+        op: ScalarOp,
         lhs: Box<Dim>,
         rhs: Box<Dim>,
         span: SpanRange,
     },
-}
-
-/// Arithmetic on extents.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DimOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
 }
 
 impl Dim {
@@ -366,10 +359,10 @@ pub fn parse_dim(input: ParseStream) -> syn::Result<Dim> {
     loop {
         let op = if input.peek(Token![+]) && !input.peek(Token![+=]) {
             input.parse::<Token![+]>()?;
-            DimOp::Add
+            ScalarOp::Add
         } else if input.peek(Token![-]) && !input.peek(Token![->]) && !input.peek(Token![-=]) {
             input.parse::<Token![-]>()?;
-            DimOp::Sub
+            ScalarOp::Sub
         } else {
             return Ok(lhs);
         };
@@ -383,10 +376,10 @@ fn parse_term(input: ParseStream) -> syn::Result<Dim> {
     loop {
         let op = if input.peek(Token![*]) && !input.peek(Token![*=]) {
             input.parse::<Token![*]>()?;
-            DimOp::Mul
+            ScalarOp::Mul
         } else if input.peek(Token![/]) && !input.peek(Token![/=]) {
             input.parse::<Token![/]>()?;
-            DimOp::Div
+            ScalarOp::Div
         } else {
             return Ok(lhs);
         };
@@ -395,7 +388,7 @@ fn parse_term(input: ParseStream) -> syn::Result<Dim> {
     }
 }
 
-fn bin(op: DimOp, lhs: Dim, rhs: Dim) -> Dim {
+fn bin(op: ScalarOp, lhs: Dim, rhs: Dim) -> Dim {
     let span = lhs.span().to(rhs.span());
     Dim::Bin {
         op,
@@ -450,10 +443,10 @@ pub fn dim_from_expr(e: &syn::Expr) -> syn::Result<Dim> {
         Expr::Group(g) => dim_from_expr(&g.expr),
         Expr::Binary(b) => {
             let op = match b.op {
-                BinOp::Add(_) => DimOp::Add,
-                BinOp::Sub(_) => DimOp::Sub,
-                BinOp::Mul(_) => DimOp::Mul,
-                BinOp::Div(_) => DimOp::Div,
+                BinOp::Add(_) => ScalarOp::Add,
+                BinOp::Sub(_) => ScalarOp::Sub,
+                BinOp::Mul(_) => ScalarOp::Mul,
+                BinOp::Div(_) => ScalarOp::Div,
                 _ => {
                     return Err(SpanRange::of(&b.op)
                         .error("extents combine with `+`, `-`, `*` and `/` only"))

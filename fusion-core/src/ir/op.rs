@@ -25,11 +25,12 @@ pub enum UnaryOp {
 }
 
 impl UnaryOp {
-    /// Every unary op, for tables and tests.
+    /// Every unary op, in the order the DSL lists them (`fusion!` takes its op names
+    /// from here).
     pub const ALL: [UnaryOp; 10] = [
-        UnaryOp::Neg,
         UnaryOp::Relu,
         UnaryOp::Gelu,
+        UnaryOp::Neg,
         UnaryOp::Exp,
         UnaryOp::Tanh,
         UnaryOp::Sigmoid,
@@ -110,7 +111,7 @@ pub enum BinaryOp {
 }
 
 impl BinaryOp {
-    /// Every binary op, for tables and tests.
+    /// Every binary op (`fusion!` takes the names of its named forms from here).
     pub const ALL: [BinaryOp; 6] = [
         BinaryOp::Add,
         BinaryOp::Sub,
@@ -164,6 +165,9 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// Every reduction (`fusion!` takes its op names from here).
+    pub const ALL: [ReduceOp; 2] = [ReduceOp::Sum, ReduceOp::Max];
+
     /// DSL and dump name.
     pub fn name(self) -> &'static str {
         match self {

@@ -7,7 +7,7 @@
 //! unlike its input gets a `set` after it.
 
 use super::resharding::{classify, describe, MeshContext, Resharding};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Site};
 use std::collections::HashMap;
 
 use crate::ir::{
@@ -109,7 +109,8 @@ fn reshard_input(
         return Err(Error::Resharding {
             expr: describe(f, &e),
             reason: format!(
-                "input `{}` would need a resharding that {reason}",
+                "its input `{}` would have to be resharded to the result's layout first, \
+                 and that copy cannot be lowered: {reason}",
                 f.tensor_name(x)
             ),
         });
@@ -226,4 +227,32 @@ fn split_reduction(f: &mut Fusion, id: ExprId, ctx: MeshContext) -> Result<Split
             Ok(Split::After(set))
         }
     }
+}
+
+/// What lowering will certainly reject, found without the world size (DESIGN.md section
+/// 3, rule 4): each expression an output needs is taken through [`insert_reshardings`]
+/// on its own, and the errors that do not depend on the world size are returned with the
+/// expression they are about. Errors of [`crate::builder::problems`] come first; when
+/// there are any, the reshardings are not looked at.
+pub fn check(f: &Fusion) -> Vec<(Site, Error)> {
+    let problems = crate::builder::problems(f);
+    if !problems.is_empty() {
+        return problems;
+    }
+    let ctx = MeshContext { world_size: None };
+    super::live_exprs(f)
+        .into_iter()
+        .filter_map(|id| {
+            let mut scratch = f.clone();
+            match insert_reshardings(&mut scratch, &mut vec![id], ctx) {
+                Err(e) if !needs_world_size(&e) => Some((Site::Expr(id), e)),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// True for the errors a resharding raises only because the world size is unknown.
+fn needs_world_size(e: &Error) -> bool {
+    matches!(e, Error::Resharding { reason, .. } if reason.contains("world size is needed"))
 }

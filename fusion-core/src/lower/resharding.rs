@@ -85,15 +85,10 @@ pub(crate) fn stored_index(f: &Fusion, t: TensorId, pos: usize) -> usize {
         .expect("axis is stored")
 }
 
-/// Describes an expression for error messages: `T3 = set(a)`.
+/// Describes an expression for error messages: `set(a)`, `matmul(x, w)`.
 pub(crate) fn describe(f: &Fusion, e: &Expr) -> String {
     let ins: Vec<String> = e.inputs.iter().map(|&t| f.tensor_name(t)).collect();
-    format!(
-        "{} = {}({})",
-        f.tensor_name(e.output),
-        e.op.name(),
-        ins.join(", ")
-    )
+    format!("{}({})", e.op.name(), ins.join(", "))
 }
 
 /// Classifies expression `e` of fusion `f`.
@@ -153,14 +148,20 @@ fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
             if !same {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
-                    reason: "the DIDx→Stream pipeline needs input and output on the same mesh"
-                        .into(),
+                    reason: format!(
+                        "turning the DIDx axis of `{}` into a Stream axis (the P2P pipeline) \
+                         needs both on the same mesh, but they live on {in_mesh} and \
+                         {out_mesh}",
+                        f.tensor_name(x)
+                    ),
                 });
             }
             if c.is_some() {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
-                    reason: "the DIDx→Stream pipeline cannot also shard the result along                              another axis (two shardings would change at once); copy in two                              steps"
+                    reason: "the DIDx→Stream pipeline cannot also shard the result along \
+                             another axis (two shardings would change at once); copy in two \
+                             steps"
                         .into(),
                 });
             }
@@ -250,11 +251,12 @@ fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
                     reason: format!(
-                        "two shardings change at once: `{}` is sharded on axis {} but `{}` on \
-                         axis {} (an all-to-all); reshard through an unsharded tensor",
+                        "two shardings change at once: `{}` is sharded on axis {} but the \
+                         result on axis {} (an all-to-all); reshard through an unsharded \
+                         tensor: first copy to a tensor with no DIDx axis (`let full: \
+                         Tensor<..> = x;`), then shard the other axis",
                         f.tensor_name(x),
                         stored_index(f, x, p),
-                        f.tensor_name(y),
                         stored_index(f, y, c)
                     ),
                 });
@@ -267,7 +269,9 @@ fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
                     reason: format!(
-                        "sharded on meshes of different sizes ({} and {} devices)",
+                        "`{}` is sharded over {} devices but the result over {}; a \
+                         sharded-to-sharded copy needs meshes of one size",
+                        f.tensor_name(x),
                         src.len(),
                         dst.len()
                     ),
@@ -335,8 +339,9 @@ fn classify_reduction(
             if !same {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
-                    reason: "a ReduceScatter needs input and output on the same mesh; insert a \
-                             `set` before or after the reduction"
+                    reason: "a ReduceScatter needs input and output on the same mesh; reduce \
+                             on the input's mesh, then copy to the other mesh (a `set`, or a \
+                             `let` annotated with that mesh)"
                         .into(),
                 });
             }
@@ -375,19 +380,4 @@ fn with_root(mesh: &[usize], root: usize) -> Vec<usize> {
         team.push(root);
     }
     team
-}
-
-/// Checks, before the world size is known, that every resharding can be lowered.
-pub fn check_reshardings(f: &Fusion) -> Result<()> {
-    let ctx = MeshContext { world_size: None };
-    for e in f.exprs() {
-        if matches!(e.op, Op::Set | Op::Reduction { .. }) {
-            match classify(f, e, ctx) {
-                Ok(_) => {}
-                Err(Error::Resharding { reason, .. }) if reason.contains("world size") => {}
-                Err(err) => return Err(err),
-            }
-        }
-    }
-    Ok(())
 }

@@ -1,91 +1,69 @@
-//! Body expressions: variables, op calls and infix arithmetic, checked op by op.
+//! Body expressions: variables, op calls and infix arithmetic, each a builder call.
 
+use fusion_core::ir::{BinaryOp, ReduceOp, ScalarId, TensorId, UnaryOp};
+use fusion_core::DTypeSpec;
+use proc_macro2::TokenStream;
+use quote::quote;
 use syn::{BinOp, Expr, ExprCall, Lit, UnOp};
 
-use super::dims::DimId;
-use super::model::{Binary, DType, Reduce, Tid, Unary};
-use super::{Checker, Step};
+use super::locate::{label, CallSpans};
+use super::{emit, Checker};
 use crate::parse::dim_from_expr;
 use crate::span::{suggest, SpanRange};
 
-/// One op of the DSL: its name and the argument list shown in messages.
+/// What an op of the DSL builds.
+#[derive(Clone, Copy)]
+enum Kind {
+    Set,
+    Unary(UnaryOp),
+    Cast,
+    Binary(BinaryOp),
+    Reduce(ReduceOp),
+    Broadcast,
+    Matmul,
+    Linear,
+    Select,
+    Slice,
+    Split,
+}
+
+/// One op of the DSL: its name, the argument list shown in messages, and its arity.
 struct OpSig {
     name: &'static str,
+    kind: Kind,
     args: &'static str,
     min: usize,
     max: usize,
 }
 
-const fn sig(name: &'static str, args: &'static str, min: usize, max: usize) -> OpSig {
-    OpSig {
+/// Every op the DSL knows; the elementwise functions and reductions are `fusion_core`'s.
+fn ops() -> Vec<OpSig> {
+    let sig = |name, kind, args, min, max| OpSig {
         name,
+        kind,
         args,
         min,
         max,
-    }
-}
-
-/// Every op the DSL knows.
-const OPS: &[OpSig] = &[
-    sig("set", "x", 1, 1),
-    sig("relu", "x", 1, 1),
-    sig("gelu", "x", 1, 1),
-    sig("neg", "x", 1, 1),
-    sig("exp", "x", 1, 1),
-    sig("tanh", "x", 1, 1),
-    sig("sigmoid", "x", 1, 1),
-    sig("abs", "x", 1, 1),
-    sig("sqrt", "x", 1, 1),
-    sig("gelu_tanh", "x", 1, 1),
-    sig("silu", "x", 1, 1),
-    sig("cast", "x, dtype", 2, 2),
-    sig("add", "a, b", 2, 2),
-    sig("sub", "a, b", 2, 2),
-    sig("mul", "a, b", 2, 2),
-    sig("div", "a, b", 2, 2),
-    sig("maximum", "a, b", 2, 2),
-    sig("minimum", "a, b", 2, 2),
-    sig("sum", "x, axis or [axes]", 2, 2),
-    sig("max", "x, axis or [axes]", 2, 2),
-    sig("broadcast", "x, [flags]", 2, 2),
-    sig("matmul", "a, b", 2, 2),
-    sig("linear", "x, w, bias?", 2, 3),
-    sig("select", "x, axis, index", 3, 3),
-    sig("slice", "x, axis, start, stop", 4, 4),
-    sig("split", "x, axis, outer", 3, 3),
-];
-
-fn unary(name: &str) -> Option<Unary> {
-    Some(match name {
-        "relu" => Unary::Relu,
-        "gelu" => Unary::Gelu,
-        "neg" => Unary::Neg,
-        "exp" => Unary::Exp,
-        "tanh" => Unary::Tanh,
-        "sigmoid" => Unary::Sigmoid,
-        "abs" => Unary::Abs,
-        "sqrt" => Unary::Sqrt,
-        "gelu_tanh" => Unary::GeluTanh,
-        "silu" => Unary::Silu,
-        _ => return None,
-    })
-}
-
-fn binary(name: &str) -> Option<Binary> {
-    Some(match name {
-        "add" => Binary::Add,
-        "sub" => Binary::Sub,
-        "mul" => Binary::Mul,
-        "div" => Binary::Div,
-        "maximum" => Binary::Max,
-        "minimum" => Binary::Min,
-        _ => return None,
-    })
+    };
+    let mut v = vec![sig("set", Kind::Set, "x", 1, 1)];
+    v.extend(UnaryOp::ALL.map(|u| sig(u.name(), Kind::Unary(u), "x", 1, 1)));
+    v.push(sig("cast", Kind::Cast, "x, dtype", 2, 2));
+    v.extend(BinaryOp::ALL.map(|b| sig(b.name(), Kind::Binary(b), "a, b", 2, 2)));
+    v.extend(ReduceOp::ALL.map(|r| sig(r.name(), Kind::Reduce(r), "x, axis or [axes]", 2, 2)));
+    v.extend([
+        sig("broadcast", Kind::Broadcast, "x, [flags]", 2, 2),
+        sig("matmul", Kind::Matmul, "a, b", 2, 2),
+        sig("linear", Kind::Linear, "x, w, bias?", 2, 3),
+        sig("select", Kind::Select, "x, axis, index", 3, 3),
+        sig("slice", Kind::Slice, "x, axis, start, stop", 4, 4),
+        sig("split", Kind::Split, "x, axis, outer", 3, 3),
+    ]);
+    v
 }
 
 impl Checker {
     /// Evaluates an expression to a tensor; `None` after an error (already recorded).
-    pub(super) fn eval(&mut self, e: &Expr) -> Option<Tid> {
+    pub(super) fn eval(&mut self, e: &Expr) -> Option<TensorId> {
         let span = SpanRange::of(e);
         match e {
             Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
@@ -93,13 +71,13 @@ impl Checker {
             }
             Expr::Paren(p) => self.eval(&p.expr),
             Expr::Group(g) => self.eval(&g.expr),
-            Expr::Call(call) => self.call(call),
+            Expr::Call(call) => self.call(e, call),
             Expr::Binary(b) => {
                 let op = match b.op {
-                    BinOp::Add(_) => Binary::Add,
-                    BinOp::Sub(_) => Binary::Sub,
-                    BinOp::Mul(_) => Binary::Mul,
-                    BinOp::Div(_) => Binary::Div,
+                    BinOp::Add(_) => BinaryOp::Add,
+                    BinOp::Sub(_) => BinaryOp::Sub,
+                    BinOp::Mul(_) => BinaryOp::Mul,
+                    BinOp::Div(_) => BinaryOp::Div,
                     _ => {
                         self.errors.push(SpanRange::of(&b.op).error(
                             "unsupported operator: fusions combine tensors with `+ - * /` and \
@@ -109,14 +87,13 @@ impl Checker {
                     }
                 };
                 let (l, r) = (self.eval(&b.left), self.eval(&b.right));
-                let (l, r) = (l?, r?);
-                let res = self.m.binary(op, l, r, span);
-                self.op_result(res)
+                let spans = CallSpans::of(e, &[&b.left, &b.right]);
+                self.build(e, &spans, Kind::Binary(op), &[l?, r?], &[])
             }
             Expr::Unary(u) if matches!(u.op, UnOp::Neg(_)) => {
                 let x = self.eval(&u.expr)?;
-                let res = self.m.unary(Unary::Neg, x, span);
-                self.op_result(res)
+                let spans = CallSpans::of(e, &[&u.expr]);
+                self.build(e, &spans, Kind::Unary(UnaryOp::Neg), &[x], &[])
             }
             Expr::Lit(_) => {
                 self.errors.push(span.error(
@@ -134,7 +111,7 @@ impl Checker {
             }
             Expr::MethodCall(mc) => {
                 let name = mc.method.to_string();
-                let hint = if OPS.iter().any(|o| o.name == name) {
+                let hint = if ops().iter().any(|o| o.name == name) {
                     format!("; write `{name}(x, ..)`")
                 } else {
                     String::new()
@@ -154,7 +131,7 @@ impl Checker {
         }
     }
 
-    fn lookup(&mut self, ident: &syn::Ident) -> Option<Tid> {
+    fn lookup(&mut self, ident: &syn::Ident) -> Option<TensorId> {
         let name = ident.to_string();
         if let Some(v) = self.vars.iter().rev().find(|v| v.name == name) {
             return v.value;
@@ -177,28 +154,7 @@ impl Checker {
         None
     }
 
-    /// Records a successful op's step, or its error.
-    fn op_result(&mut self, r: syn::Result<Tid>) -> Option<Tid> {
-        match r {
-            Ok(out) => {
-                let e = self.m.exprs.last().expect("an op adds an expression");
-                debug_assert_eq!(e.output, out);
-                self.steps.push(Step::Op {
-                    out,
-                    op: e.op.clone(),
-                    inputs: e.inputs.clone(),
-                });
-                Some(out)
-            }
-            Err(e) => {
-                self.errors.push(e);
-                None
-            }
-        }
-    }
-
-    fn call(&mut self, call: &ExprCall) -> Option<Tid> {
-        let span = SpanRange::of(call);
+    fn call(&mut self, e: &Expr, call: &ExprCall) -> Option<TensorId> {
         let func = match &*call.func {
             Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
                 p.path.get_ident().expect("checked").clone()
@@ -210,16 +166,17 @@ impl Checker {
             }
         };
         let name = func.to_string();
-        let Some(op) = OPS.iter().find(|o| o.name == name) else {
+        let all = ops();
+        let Some(op) = all.iter().find(|o| o.name == name) else {
             let hint = if name == "min" {
                 "; for the elementwise minimum use `minimum(a, b)` (there is no min reduction)"
                     .to_string()
             } else {
-                match suggest(&name, OPS.iter().map(|o| o.name)) {
+                match suggest(&name, all.iter().map(|o| o.name)) {
                     Some(s) => format!("; did you mean `{s}`?"),
                     None => {
-                        let all: Vec<&str> = OPS.iter().map(|o| o.name).collect();
-                        format!("; the ops are {}", all.join(", "))
+                        let names: Vec<&str> = all.iter().map(|o| o.name).collect();
+                        format!("; the ops are {}", names.join(", "))
                     }
                 }
             };
@@ -251,80 +208,96 @@ impl Checker {
             )));
             return None;
         }
-        if let Some(u) = unary(&name) {
-            let x = self.eval(args[0])?;
-            let r = self.m.unary(u, x, span);
-            return self.op_result(r);
-        }
-        if let Some(b) = binary(&name) {
-            let (x, y) = (self.eval(args[0]), self.eval(args[1]));
-            let r = self.m.binary(b, x?, y?, span);
-            return self.op_result(r);
-        }
-        let r = match name.as_str() {
-            "set" => {
-                let x = self.eval(args[0])?;
-                self.m.set(x, span)
-            }
-            "cast" => {
-                let x = self.eval(args[0]);
-                let dt = self.dtype_arg(args[1]);
-                self.m.cast(x?, dt?, span)
-            }
-            "sum" | "max" => {
-                let x = self.eval(args[0]);
-                let axes = self.axes_arg(args[1], &name);
-                let op = if name == "sum" {
-                    Reduce::Sum
-                } else {
-                    Reduce::Max
-                };
-                self.m.reduce(op, x?, &axes?, span)
-            }
-            "broadcast" => {
-                let x = self.eval(args[0]);
-                let flags = self.flags_arg(args[1]);
-                self.m.broadcast(x?, &flags?, SpanRange::of(args[1]), span)
-            }
-            "matmul" => {
-                let (a, b) = (self.eval(args[0]), self.eval(args[1]));
-                self.m.matmul(a?, b?, span)
-            }
-            "linear" => {
-                let (x, w) = (self.eval(args[0]), self.eval(args[1]));
-                let bias = args.get(2).map(|b| self.eval(b));
-                let bias = match bias {
-                    Some(None) => return None,
-                    Some(Some(b)) => Some(b),
-                    None => None,
-                };
-                self.m.linear(x?, w?, bias, span)
-            }
-            "select" => {
-                let x = self.eval(args[0]);
-                let axis = self.axis_arg(args[1]);
-                let index = self.dim_arg(args[2]);
-                self.m.select(x?, axis?, index?, span)
-            }
-            "slice" => {
-                let x = self.eval(args[0]);
-                let axis = self.axis_arg(args[1]);
-                let start = self.dim_arg(args[2]);
-                let stop = self.dim_arg(args[3]);
-                self.m.slice(x?, axis?, start?, stop?, span)
-            }
-            "split" => {
-                let x = self.eval(args[0]);
-                let axis = self.axis_arg(args[1]);
-                let outer = self.dim_arg(args[2]);
-                self.m.split(x?, axis?, outer?, span)
-            }
-            other => unreachable!("op table and dispatch disagree on `{other}`"),
+        let spans = CallSpans::of(e, &args);
+        // Tensor operands first (all of them, so that their errors are all reported),
+        // then the other arguments.
+        let tensors = match op.kind {
+            Kind::Binary(_) | Kind::Matmul | Kind::Linear => args.len(),
+            _ => 1,
         };
-        self.op_result(r)
+        let ts: Vec<Option<TensorId>> = args[..tensors].iter().map(|a| self.eval(a)).collect();
+        let rest = &args[tensors..];
+        let extra = match op.kind {
+            Kind::Cast => self.dtype_arg(rest[0]).map(Extra::DType).map(|x| vec![x]),
+            Kind::Reduce(r) => self.axes_arg(rest[0], r).map(|a| vec![Extra::Axes(a)]),
+            Kind::Broadcast => self.flags_arg(rest[0]).map(|f| vec![Extra::Flags(f)]),
+            Kind::Select | Kind::Slice | Kind::Split => {
+                let axis = self.axis_arg(rest[0]).map(Extra::Axis);
+                let dims: Vec<_> = rest[1..].iter().map(|a| self.dim_arg(a)).collect();
+                let dims: Option<Vec<Extra>> = dims.into_iter().map(|d| d.map(Extra::Dim)).collect();
+                axis.zip(dims).map(|(a, d)| [vec![a], d].concat())
+            }
+            _ => Some(vec![]),
+        };
+        let ts: Option<Vec<TensorId>> = ts.into_iter().collect();
+        self.build(e, &spans, op.kind, &ts?, &extra?)
     }
 
-    fn dtype_arg(&mut self, e: &Expr) -> Option<DType> {
+    /// One op as a builder call: checked now, repeated in `build()`; an unnamed result
+    /// is called by its source in messages.
+    fn build(
+        &mut self,
+        e: &Expr,
+        spans: &CallSpans,
+        kind: Kind,
+        ts: &[TensorId],
+        extra: &[Extra],
+    ) -> Option<TensorId> {
+        let t: Vec<_> = ts.iter().map(|&t| emit::tensor(t)).collect();
+        let x = t.first().cloned();
+        let fc = emit::fc();
+        let extra_tokens: Vec<TokenStream> = extra.iter().map(|a| self.tokens(a)).collect();
+        let call = match kind {
+            Kind::Set => quote!(set(#x)),
+            Kind::Unary(u) => {
+                let u = emit::variant(&u);
+                quote!(unary(#fc::ir::UnaryOp::#u, #x))
+            }
+            Kind::Binary(op) => {
+                let (op, y) = (emit::variant(&op), &t[1]);
+                quote!(binary(#fc::ir::BinaryOp::#op, #x, #y))
+            }
+            Kind::Reduce(op) => {
+                let op = emit::variant(&op);
+                quote!(reduce(#fc::ir::ReduceOp::#op, #x, #(#extra_tokens),*))
+            }
+            Kind::Matmul => quote!(matmul(#(#t),*)),
+            Kind::Linear => {
+                let bias = match t.get(2) {
+                    Some(b) => quote!(::core::option::Option::Some(#b)),
+                    None => quote!(::core::option::Option::None),
+                };
+                let w = &t[1];
+                quote!(linear(#x, #w, #bias))
+            }
+            Kind::Cast => quote!(cast(#x, #(#extra_tokens),*)),
+            Kind::Broadcast => quote!(broadcast(#x, #(#extra_tokens),*)),
+            Kind::Select => quote!(select(#x, #(#extra_tokens),*)),
+            Kind::Slice => quote!(slice(#x, #(#extra_tokens),*)),
+            Kind::Split => quote!(split(#x, #(#extra_tokens),*)),
+        };
+        let before = self.b.fusion().tensor_count();
+        let out = self.record(spans, call, |b| apply(b, kind, ts, extra))?;
+        if out.index() >= before && !self.named.contains(&out) {
+            self.b.name(out, &label(e));
+        }
+        Some(out)
+    }
+
+    fn tokens(&mut self, a: &Extra) -> TokenStream {
+        match a {
+            Extra::DType(d) => emit::dtype(*d, &self.dtype_params),
+            Extra::Axes(v) => quote!(&[#(#v),*]),
+            Extra::Axis(a) => quote!(#a),
+            Extra::Flags(f) => quote!(&[#(#f),*]),
+            Extra::Dim(d) => {
+                let d = self.emit_dim(*d);
+                quote!(#d)
+            }
+        }
+    }
+
+    fn dtype_arg(&mut self, e: &Expr) -> Option<DTypeSpec> {
         if let Expr::Path(p) = e {
             if let Some(i) = p.path.get_ident() {
                 return self.resolve_dtype(i);
@@ -336,11 +309,11 @@ impl Checker {
         None
     }
 
-    fn axis_arg(&mut self, e: &Expr) -> Option<(usize, SpanRange)> {
+    fn axis_arg(&mut self, e: &Expr) -> Option<usize> {
         if let Expr::Lit(l) = e {
             if let Lit::Int(i) = &l.lit {
                 if let Ok(v) = i.base10_parse::<usize>() {
-                    return Some((v, SpanRange::single(i.span())));
+                    return Some(v);
                 }
             }
         }
@@ -351,7 +324,7 @@ impl Checker {
         None
     }
 
-    fn axes_arg(&mut self, e: &Expr, op: &str) -> Option<Vec<(usize, SpanRange)>> {
+    fn axes_arg(&mut self, e: &Expr, op: ReduceOp) -> Option<Vec<usize>> {
         match e {
             Expr::Lit(_) => self.axis_arg(e).map(|a| vec![a]),
             Expr::Array(a) if !a.elems.is_empty() => {
@@ -360,7 +333,7 @@ impl Checker {
             }
             _ => {
                 let tensor = matches!(e, Expr::Path(_) | Expr::Call(_) | Expr::Binary(_));
-                let hint = if op == "max" && tensor {
+                let hint = if op == ReduceOp::Max && tensor {
                     "; `max` reduces over axes: for the elementwise maximum of two tensors use \
                      `maximum(a, b)`"
                 } else {
@@ -398,15 +371,50 @@ impl Checker {
         None
     }
 
-    fn dim_arg(&mut self, e: &Expr) -> Option<(DimId, SpanRange)> {
+    fn dim_arg(&mut self, e: &Expr) -> Option<ScalarId> {
         match dim_from_expr(e) {
-            Ok(d) => self
-                .resolve_dim(&d, false, true)
-                .map(|id| (id, SpanRange::of(e))),
+            Ok(d) => self.resolve_dim(&d, false, true),
             Err(err) => {
                 self.errors.push(err);
                 None
             }
         }
+    }
+}
+
+/// An op argument that is not a tensor.
+#[derive(Clone)]
+enum Extra {
+    DType(DTypeSpec),
+    Axes(Vec<usize>),
+    Axis(usize),
+    Flags(Vec<bool>),
+    Dim(ScalarId),
+}
+
+/// The builder call of an op.
+fn apply(
+    b: &mut fusion_core::builder::FusionBuilder,
+    kind: Kind,
+    t: &[TensorId],
+    extra: &[Extra],
+) -> fusion_core::Result<TensorId> {
+    let dim = |i: usize| match extra.get(i) {
+        Some(Extra::Dim(d)) => *d,
+        _ => unreachable!("dimension arguments follow the axis"),
+    };
+    match (kind, extra.first()) {
+        (Kind::Set, _) => b.set(t[0]),
+        (Kind::Unary(u), _) => b.unary(u, t[0]),
+        (Kind::Binary(op), _) => b.binary(op, t[0], t[1]),
+        (Kind::Matmul, _) => b.matmul(t[0], t[1]),
+        (Kind::Linear, _) => b.linear(t[0], t[1], t.get(2).copied()),
+        (Kind::Cast, Some(Extra::DType(d))) => b.cast(t[0], *d),
+        (Kind::Reduce(op), Some(Extra::Axes(a))) => b.reduce(op, t[0], a),
+        (Kind::Broadcast, Some(Extra::Flags(f))) => b.broadcast(t[0], f),
+        (Kind::Select, Some(&Extra::Axis(a))) => b.select(t[0], a, dim(1)),
+        (Kind::Slice, Some(&Extra::Axis(a))) => b.slice(t[0], a, dim(1), dim(2)),
+        (Kind::Split, Some(&Extra::Axis(a))) => b.split(t[0], a, dim(1)),
+        _ => unreachable!("the op table and the arguments agree"),
     }
 }
