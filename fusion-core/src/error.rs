@@ -81,14 +81,12 @@ pub enum Error {
         hint: String,
         culprit: Culprit,
     },
-    /// Operand dtypes disagree (a name is a dtype's or a dtype parameter's).
-    #[error("{op}: `{lhs}` is `{lhs_dtype}` but `{rhs}` is `{rhs_dtype}`; convert one with `cast(x, {lhs_dtype})`")]
+    /// Operand dtypes disagree.
+    #[error("{op}: {lhs} but {rhs}; convert one with `cast(x, {})`", lhs.dtype)]
     DTypeMismatch {
         op: String,
-        lhs: String,
-        lhs_dtype: String,
-        rhs: String,
-        rhs_dtype: String,
+        lhs: Box<DTypeRef>,
+        rhs: Box<DTypeRef>,
         culprit: Culprit,
     },
     /// A declared type (`declare`, an annotated `let`, a return type) disagrees with the
@@ -175,6 +173,20 @@ impl std::fmt::Display for AxisRef {
             "axis {} of `{}` has extent `{}`",
             self.axis, self.tensor, self.extent
         )
+    }
+}
+
+/// A named tensor and its dtype (a dtype's or a dtype parameter's name), for mismatch
+/// errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DTypeRef {
+    pub tensor: String,
+    pub dtype: String,
+}
+
+impl std::fmt::Display for DTypeRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}` is `{}`", self.tensor, self.dtype)
     }
 }
 

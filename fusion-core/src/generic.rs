@@ -28,8 +28,8 @@
 
 use std::fmt;
 
-pub use crate::dtype::DTypeSpec;
 use crate::dtype::DType;
+pub use crate::dtype::DTypeSpec;
 use crate::error::{Error, Result};
 use crate::ir::Fusion;
 

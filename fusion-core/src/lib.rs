@@ -29,5 +29,5 @@ pub mod pass;
 mod print;
 
 pub use dtype::{DType, DTypeSpec};
-pub use error::{AxisRef, Culprit, Error, Result, Site};
+pub use error::{AxisRef, Culprit, DTypeRef, Error, Result, Site};
 pub use print::{node_string, tensor_string};

@@ -427,43 +427,14 @@ fn parse_atom(input: ParseStream) -> syn::Result<Dim> {
 
 /// Converts an op argument (`s`, `4`, `k / 2`) to a dimension expression.
 pub fn dim_from_expr(e: &syn::Expr) -> syn::Result<Dim> {
-    use syn::{BinOp, Expr, Lit};
-    match e {
-        Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
-            Ok(Dim::Sym(p.path.get_ident().expect("checked").clone()))
+    let whole = |input: ParseStream| {
+        let d = parse_dim(input)?;
+        if !input.is_empty() {
+            return Err(input.error("extents combine with `+`, `-`, `*` and `/` only"));
         }
-        Expr::Lit(l) => match &l.lit {
-            Lit::Int(i) => Ok(Dim::Lit {
-                value: i.base10_parse()?,
-                span: i.span(),
-            }),
-            _ => Err(SpanRange::of(e).error("expected an integer extent or index")),
-        },
-        Expr::Paren(p) => dim_from_expr(&p.expr),
-        Expr::Group(g) => dim_from_expr(&g.expr),
-        Expr::Binary(b) => {
-            let op = match b.op {
-                BinOp::Add(_) => ScalarOp::Add,
-                BinOp::Sub(_) => ScalarOp::Sub,
-                BinOp::Mul(_) => ScalarOp::Mul,
-                BinOp::Div(_) => ScalarOp::Div,
-                _ => {
-                    return Err(SpanRange::of(&b.op)
-                        .error("extents combine with `+`, `-`, `*` and `/` only"))
-                }
-            };
-            Ok(Dim::Bin {
-                op,
-                lhs: Box::new(dim_from_expr(&b.left)?),
-                rhs: Box::new(dim_from_expr(&b.right)?),
-                span: SpanRange::of(e),
-            })
-        }
-        _ => Err(SpanRange::of(e).error(
-            "expected a dimension: a symbol from the fusion's generics, an integer, or `+ - * /` \
-             of them",
-        )),
-    }
+        Ok(d)
+    };
+    syn::parse::Parser::parse2(whole, quote::ToTokens::to_token_stream(e))
 }
 
 impl Parse for Body {

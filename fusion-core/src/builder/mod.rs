@@ -184,6 +184,7 @@ impl FusionBuilder {
         mesh: DeviceMesh,
     ) -> Result<TensorId> {
         let dtype = self.known(dtype.into())?;
+        check_mesh(&mesh)?;
         let domains = axes
             .iter()
             .map(|a| IterDomain {
@@ -286,6 +287,7 @@ impl FusionBuilder {
         mesh: DeviceMesh,
     ) -> Result<TensorId> {
         let dtype = self.known(dtype.into())?;
+        check_mesh(&mesh)?;
         let name = self.f.tensor_name(t);
         let actual = self.dtype(t);
         let declared = |reason: String, culprit| Error::Declared {
@@ -567,6 +569,34 @@ impl FusionBuilder {
     /// declaration, so no op is to blame).
     fn check_annotations(&self, t: TensorId, declared: bool) -> Result<()> {
         validate::check_tensor_annotations(&self.f, t, declared)
+    }
+}
+
+/// An explicit mesh lists distinct devices, at least one (argument 3 of `input_on` and
+/// `declare_on`).
+fn check_mesh(mesh: &DeviceMesh) -> Result<()> {
+    let DeviceMesh::Devices(d) = mesh else {
+        return Ok(());
+    };
+    let error = |reason: String, culprit| Error::Argument {
+        op: "mesh".into(),
+        reason,
+        culprit,
+    };
+    if d.is_empty() {
+        let reason = "a mesh lists at least one device; the world mesh (no `mesh`) is every \
+                      device";
+        return Err(error(reason.into(), Culprit::Arg(3)));
+    }
+    match (0..d.len()).find(|&i| d[..i].contains(&d[i])) {
+        Some(i) => Err(error(
+            format!(
+                "device {} is listed twice; a mesh lists distinct devices",
+                d[i]
+            ),
+            Culprit::Element { arg: 3, index: i },
+        )),
+        None => Ok(()),
     }
 }
 

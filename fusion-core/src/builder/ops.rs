@@ -2,7 +2,7 @@
 
 use super::{FusionBuilder, LiteralFact};
 use crate::dtype::DTypeSpec;
-use crate::error::{AxisRef, Culprit, Error, Result};
+use crate::error::{AxisRef, Culprit, DTypeRef, Error, Result};
 use crate::ir::{
     axis_map, BinaryOp, IterDomain, IterKind, Op, ParallelType, ReduceOp, ScalarId, ScalarOp,
     TensorId, UnaryOp,
@@ -491,19 +491,30 @@ impl FusionBuilder {
     fn same_dtype(&self, op: &str, a: TensorId, b: TensorId) -> Result<()> {
         let (da, db) = (self.dtype(a), self.dtype(b));
         if da != db {
+            let side = |t: TensorId, d| {
+                Box::new(DTypeRef {
+                    tensor: self.f.tensor_name(t),
+                    dtype: self.dtype_name(d),
+                })
+            };
             return Err(Error::DTypeMismatch {
                 op: op.to_string(),
-                lhs: self.f.tensor_name(a),
-                lhs_dtype: self.dtype_name(da),
-                rhs: self.f.tensor_name(b),
-                rhs_dtype: self.dtype_name(db),
+                lhs: side(a, da),
+                rhs: side(b, db),
                 culprit: Culprit::Call,
             });
         }
         Ok(())
     }
 
-    fn rank_error(&self, op: &str, t: TensorId, expected: &str, actual: usize, arg: usize) -> Error {
+    fn rank_error(
+        &self,
+        op: &str,
+        t: TensorId,
+        expected: &str,
+        actual: usize,
+        arg: usize,
+    ) -> Error {
         Error::Rank {
             op: op.into(),
             tensor: self.f.tensor_name(t),

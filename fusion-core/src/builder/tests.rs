@@ -19,7 +19,12 @@ fn axes(b: &mut FusionBuilder, spec: &[(&str, ParallelType)]) -> Vec<Axis> {
         .collect()
 }
 
-fn input(b: &mut FusionBuilder, name: &str, dt: impl Into<DTypeSpec>, spec: &[(&str, ParallelType)]) -> TensorId {
+fn input(
+    b: &mut FusionBuilder,
+    name: &str,
+    dt: impl Into<DTypeSpec>,
+    spec: &[(&str, ParallelType)],
+) -> TensorId {
     let a = axes(b, spec);
     b.input(name, dt, &a).unwrap()
 }
@@ -35,7 +40,10 @@ fn a_dtype_parameter_equals_only_itself() {
     let z = input(&mut b, "z", DType::BF16, &[("n", S)]);
     let w = input(&mut b, "w", T, &[("n", S)]);
     let e = b.add(x, y).unwrap_err().to_string();
-    assert_eq!(e, "add: `x` is `T` but `y` is `U`; convert one with `cast(x, T)`");
+    assert_eq!(
+        e,
+        "add: `x` is `T` but `y` is `U`; convert one with `cast(x, T)`"
+    );
     let e = b.mul(x, z).unwrap_err();
     assert_eq!(e.culprit(), Some(Culprit::Call));
     assert!(e.to_string().contains("`z` is `bf16`"), "{e}");
@@ -54,7 +62,10 @@ fn a_dtype_parameter_equals_only_itself() {
          `cast(x, T)`"
     );
     assert_eq!(e.culprit(), Some(Culprit::Arg(1)));
-    assert!(b.cast(x, DTypeSpec::Param(2)).is_err(), "no third parameter");
+    assert!(
+        b.cast(x, DTypeSpec::Param(2)).is_err(),
+        "no third parameter"
+    );
     b.output(s).unwrap();
     let e = b.build().unwrap_err().to_string();
     assert!(e.contains("generic over [\"T\", \"U\"]"), "{e}");
@@ -70,12 +81,19 @@ fn a_poisoned_stand_in_is_checked_against_and_never_builds() {
     b.name(h, "h");
     // What reads the stand-in is checked with its declared type...
     let e = b.add(h, c).unwrap_err().to_string();
-    assert!(e.contains("axis 1 of `h` has extent `n` but axis 1 of `c` has extent `k`"), "{e}");
+    assert!(
+        e.contains("axis 1 of `h` has extent `n` but axis 1 of `c` has extent `k`"),
+        "{e}"
+    );
     // ... and what is computed from it is poisoned too.
     let r = b.add(h, a).unwrap();
     assert!(b.is_poisoned(r) && !b.is_poisoned(a));
     b.output(r).unwrap();
-    assert!(b.build().unwrap_err().to_string().contains("a definition failed"));
+    assert!(b
+        .build()
+        .unwrap_err()
+        .to_string()
+        .contains("a definition failed"));
 }
 
 #[test]
@@ -115,7 +133,10 @@ fn errors_name_the_argument_at_fault() {
     let k = b.symbol("k");
     let e = b.declare(x, DType::F32, &[Axis::serial(k)]).unwrap_err();
     assert_eq!(e.culprit(), Some(Culprit::Arg(2)));
-    assert!(e.to_string().contains("its type is `Tensor<f32, [4, 8]>`"), "{e}");
+    assert!(
+        e.to_string().contains("its type is `Tensor<f32, [4, 8]>`"),
+        "{e}"
+    );
     let ax = axes(&mut b, &[("4", S), ("k", S)]);
     assert_eq!(at(b.declare(x, DType::F32, &ax)), el(2, 1));
     let ax = axes(&mut b, &[("4", St), ("8", St)]);
@@ -134,7 +155,10 @@ fn literal_comparisons_are_recorded() {
     b.split(m, 1, two).unwrap();
     assert_eq!(
         b.literal_facts(),
-        [LiteralFact::Eq(16, 16), LiteralFact::Divides { n: 4, by: 2 }]
+        [
+            LiteralFact::Eq(16, 16),
+            LiteralFact::Divides { n: 4, by: 2 }
+        ]
     );
 }
 
@@ -151,7 +175,9 @@ fn re_declaring_the_same_layout_adds_no_copy() {
     // Another layout or another mesh copies.
     let serial = axes(&mut b, &[("m", S), ("n", S)]);
     assert_ne!(b.declare(y, DType::F32, &serial).unwrap(), y);
-    let on = b.declare_on(y, DType::F32, &st, DeviceMesh::devices([0])).unwrap();
+    let on = b
+        .declare_on(y, DType::F32, &st, DeviceMesh::devices([0]))
+        .unwrap();
     assert_ne!(on, y);
     assert_eq!(b.fusion().tensor(on).mesh, DeviceMesh::devices([0]));
 }
@@ -185,7 +211,13 @@ fn problems_are_all_found_once_each_with_their_site() {
             }
         ]
     );
-    assert!(found[0].1.to_string().contains("DIDx extent `e` differs from `d`"));
-    assert!(found[1].1.to_string().contains("`matmul` takes DIDx axes from two operands"));
+    assert!(found[0]
+        .1
+        .to_string()
+        .contains("DIDx extent `e` differs from `d`"));
+    assert!(found[1]
+        .1
+        .to_string()
+        .contains("`matmul` takes DIDx axes from two operands"));
     assert_eq!(validate(b.fusion()), Err(found[0].1.clone()));
 }

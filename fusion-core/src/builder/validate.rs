@@ -19,7 +19,10 @@ pub(super) fn check_tensor_annotations(f: &Fusion, t: TensorId, declared: bool) 
             continue;
         }
         // An op of two or more operands that took a DIDx axis from two of them.
-        let op = f.definition(t).map(|e| f.expr(e)).filter(|e| e.inputs.len() > 1);
+        let op = f
+            .definition(t)
+            .map(|e| f.expr(e))
+            .filter(|e| e.inputs.len() > 1);
         let reason = match op {
             Some(e) if p == ParallelType::DIDx && !declared => format!(
                 "axes {axes:?} are all DIDx: `{}` takes DIDx axes from two operands, and a \
@@ -46,7 +49,10 @@ pub(super) fn check_tensor_annotations(f: &Fusion, t: TensorId, declared: bool) 
 
 /// Whole-fusion checks; the first problem [`problems`] finds.
 pub fn validate(f: &Fusion) -> Result<()> {
-    problems(f).into_iter().next().map_or(Ok(()), |(_, e)| Err(e))
+    problems(f)
+        .into_iter()
+        .next()
+        .map_or(Ok(()), |(_, e)| Err(e))
 }
 
 /// Every problem of the whole-fusion checks, with the tensor (and axis) it is about, in

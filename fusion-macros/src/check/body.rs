@@ -1,5 +1,6 @@
 //! Body expressions: variables, op calls and infix arithmetic, each a builder call.
 
+use fusion_core::builder::FusionBuilder;
 use fusion_core::ir::{BinaryOp, ReduceOp, ScalarId, TensorId, UnaryOp};
 use fusion_core::DTypeSpec;
 use proc_macro2::TokenStream;
@@ -86,14 +87,14 @@ impl Checker {
                         return None;
                     }
                 };
-                let (l, r) = (self.eval(&b.left), self.eval(&b.right));
+                let ts = [self.eval(&b.left), self.eval(&b.right)];
                 let spans = CallSpans::of(e, &[&b.left, &b.right]);
-                self.build(e, &spans, Kind::Binary(op), &[l?, r?], &[])
+                self.apply(e, &spans, Kind::Binary(op), &ts, &[])
             }
             Expr::Unary(u) if matches!(u.op, UnOp::Neg(_)) => {
-                let x = self.eval(&u.expr)?;
+                let x = self.eval(&u.expr);
                 let spans = CallSpans::of(e, &[&u.expr]);
-                self.build(e, &spans, Kind::Unary(UnaryOp::Neg), &[x], &[])
+                self.apply(e, &spans, Kind::Unary(UnaryOp::Neg), &[x], &[])
             }
             Expr::Lit(_) => {
                 self.errors.push(span.error(
@@ -209,92 +210,112 @@ impl Checker {
             return None;
         }
         let spans = CallSpans::of(e, &args);
-        // Tensor operands first (all of them, so that their errors are all reported),
-        // then the other arguments.
+        // Every tensor operand and argument is looked at, so that all their errors are
+        // reported, before the op is built.
         let tensors = match op.kind {
             Kind::Binary(_) | Kind::Matmul | Kind::Linear => args.len(),
             _ => 1,
         };
         let ts: Vec<Option<TensorId>> = args[..tensors].iter().map(|a| self.eval(a)).collect();
-        let rest = &args[tensors..];
-        let extra = match op.kind {
-            Kind::Cast => self.dtype_arg(rest[0]).map(Extra::DType).map(|x| vec![x]),
-            Kind::Reduce(r) => self.axes_arg(rest[0], r).map(|a| vec![Extra::Axes(a)]),
-            Kind::Broadcast => self.flags_arg(rest[0]).map(|f| vec![Extra::Flags(f)]),
-            Kind::Select | Kind::Slice | Kind::Split => {
-                let axis = self.axis_arg(rest[0]).map(Extra::Axis);
-                let dims: Vec<_> = rest[1..].iter().map(|a| self.dim_arg(a)).collect();
-                let dims: Option<Vec<Extra>> = dims.into_iter().map(|d| d.map(Extra::Dim)).collect();
-                axis.zip(dims).map(|(a, d)| [vec![a], d].concat())
-            }
-            _ => Some(vec![]),
-        };
-        let ts: Option<Vec<TensorId>> = ts.into_iter().collect();
-        self.build(e, &spans, op.kind, &ts?, &extra?)
+        self.apply(e, &spans, op.kind, &ts, &args[tensors..])
     }
 
-    /// One op as a builder call: checked now, repeated in `build()`; an unnamed result
-    /// is called by its source in messages.
-    fn build(
+    /// Builds op `kind` of tensor operands `ts` (`None` where one failed) and the other
+    /// arguments `rest`, once all of them are looked at.
+    fn apply(
         &mut self,
         e: &Expr,
         spans: &CallSpans,
         kind: Kind,
-        ts: &[TensorId],
-        extra: &[Extra],
+        ts: &[Option<TensorId>],
+        rest: &[&Expr],
     ) -> Option<TensorId> {
-        let t: Vec<_> = ts.iter().map(|&t| emit::tensor(t)).collect();
-        let x = t.first().cloned();
         let fc = emit::fc();
-        let extra_tokens: Vec<TokenStream> = extra.iter().map(|a| self.tokens(a)).collect();
-        let call = match kind {
-            Kind::Set => quote!(set(#x)),
+        let t = |i: usize| ts.get(i).copied().flatten().map(emit::tensor);
+        let (x, tx) = (ts[0], t(0));
+        match kind {
+            Kind::Set => {
+                let x = x?;
+                self.op(e, spans, quote!(set(#tx)), |b| b.set(x))
+            }
             Kind::Unary(u) => {
-                let u = emit::variant(&u);
-                quote!(unary(#fc::ir::UnaryOp::#u, #x))
+                let (x, v) = (x?, emit::variant(&u));
+                let call = quote!(unary(#fc::ir::UnaryOp::#v, #tx));
+                self.op(e, spans, call, |b| b.unary(u, x))
             }
             Kind::Binary(op) => {
-                let (op, y) = (emit::variant(&op), &t[1]);
-                quote!(binary(#fc::ir::BinaryOp::#op, #x, #y))
+                let (x, y, v, ty) = (x?, ts[1]?, emit::variant(&op), t(1));
+                let call = quote!(binary(#fc::ir::BinaryOp::#v, #tx, #ty));
+                self.op(e, spans, call, |b| b.binary(op, x, y))
             }
-            Kind::Reduce(op) => {
-                let op = emit::variant(&op);
-                quote!(reduce(#fc::ir::ReduceOp::#op, #x, #(#extra_tokens),*))
+            Kind::Matmul => {
+                let (x, y, ty) = (x?, ts[1]?, t(1));
+                self.op(e, spans, quote!(matmul(#tx, #ty)), |b| b.matmul(x, y))
             }
-            Kind::Matmul => quote!(matmul(#(#t),*)),
             Kind::Linear => {
-                let bias = match t.get(2) {
-                    Some(b) => quote!(::core::option::Option::Some(#b)),
+                let (x, w, tw) = (x?, ts[1]?, t(1));
+                let bias = match ts.get(2) {
+                    Some(bias) => Some((*bias)?),
+                    None => None,
+                };
+                let tb = match t(2) {
+                    Some(tb) => quote!(::core::option::Option::Some(#tb)),
                     None => quote!(::core::option::Option::None),
                 };
-                let w = &t[1];
-                quote!(linear(#x, #w, #bias))
+                let call = quote!(linear(#tx, #tw, #tb));
+                self.op(e, spans, call, |b| b.linear(x, w, bias))
             }
-            Kind::Cast => quote!(cast(#x, #(#extra_tokens),*)),
-            Kind::Broadcast => quote!(broadcast(#x, #(#extra_tokens),*)),
-            Kind::Select => quote!(select(#x, #(#extra_tokens),*)),
-            Kind::Slice => quote!(slice(#x, #(#extra_tokens),*)),
-            Kind::Split => quote!(split(#x, #(#extra_tokens),*)),
-        };
+            Kind::Cast => {
+                let d = self.dtype_arg(rest[0]);
+                let (x, d) = (x?, d?);
+                let dt = emit::dtype(d, &self.dtype_params);
+                self.op(e, spans, quote!(cast(#tx, #dt)), |b| b.cast(x, d))
+            }
+            Kind::Reduce(r) => {
+                let axes = self.axes_arg(rest[0], r);
+                let (x, axes, v) = (x?, axes?, emit::variant(&r));
+                let call = quote!(reduce(#fc::ir::ReduceOp::#v, #tx, &[#(#axes),*]));
+                self.op(e, spans, call, |b| b.reduce(r, x, &axes))
+            }
+            Kind::Broadcast => {
+                let flags = self.flags_arg(rest[0]);
+                let (x, flags) = (x?, flags?);
+                let call = quote!(broadcast(#tx, &[#(#flags),*]));
+                self.op(e, spans, call, |b| b.broadcast(x, &flags))
+            }
+            Kind::Select | Kind::Slice | Kind::Split => {
+                let axis = self.axis_arg(rest[0]);
+                let dims: Vec<_> = rest[1..].iter().map(|a| self.dim_arg(a)).collect();
+                let dims: Vec<ScalarId> = dims.into_iter().collect::<Option<_>>()?;
+                let (x, axis) = (x?, axis?);
+                let d: Vec<_> = dims.iter().map(|&d| self.emit_dim(d)).collect();
+                let (method, view): (_, fn(&mut FusionBuilder, _, _, &[_]) -> _) = match kind {
+                    Kind::Select => ("select", |b, x, a, d| b.select(x, a, d[0])),
+                    Kind::Slice => ("slice", |b, x, a, d| b.slice(x, a, d[0], d[1])),
+                    _ => ("split", |b, x, a, d| b.split(x, a, d[0])),
+                };
+                let method = syn::Ident::new(method, proc_macro2::Span::call_site());
+                let call = quote!(#method(#tx, #axis, #(#d),*));
+                self.op(e, spans, call, |b| view(b, x, axis, &dims))
+            }
+        }
+    }
+
+    /// One op as a builder call: checked now, repeated in `build()`; an unnamed result
+    /// is called by its source in messages.
+    fn op(
+        &mut self,
+        e: &Expr,
+        spans: &CallSpans,
+        call: TokenStream,
+        f: impl FnOnce(&mut FusionBuilder) -> fusion_core::Result<TensorId>,
+    ) -> Option<TensorId> {
         let before = self.b.fusion().tensor_count();
-        let out = self.record(spans, call, |b| apply(b, kind, ts, extra))?;
+        let out = self.record(spans, call, f)?;
         if out.index() >= before && !self.named.contains(&out) {
             self.b.name(out, &label(e));
         }
         Some(out)
-    }
-
-    fn tokens(&mut self, a: &Extra) -> TokenStream {
-        match a {
-            Extra::DType(d) => emit::dtype(*d, &self.dtype_params),
-            Extra::Axes(v) => quote!(&[#(#v),*]),
-            Extra::Axis(a) => quote!(#a),
-            Extra::Flags(f) => quote!(&[#(#f),*]),
-            Extra::Dim(d) => {
-                let d = self.emit_dim(*d);
-                quote!(#d)
-            }
-        }
     }
 
     fn dtype_arg(&mut self, e: &Expr) -> Option<DTypeSpec> {
@@ -379,42 +400,5 @@ impl Checker {
                 None
             }
         }
-    }
-}
-
-/// An op argument that is not a tensor.
-#[derive(Clone)]
-enum Extra {
-    DType(DTypeSpec),
-    Axes(Vec<usize>),
-    Axis(usize),
-    Flags(Vec<bool>),
-    Dim(ScalarId),
-}
-
-/// The builder call of an op.
-fn apply(
-    b: &mut fusion_core::builder::FusionBuilder,
-    kind: Kind,
-    t: &[TensorId],
-    extra: &[Extra],
-) -> fusion_core::Result<TensorId> {
-    let dim = |i: usize| match extra.get(i) {
-        Some(Extra::Dim(d)) => *d,
-        _ => unreachable!("dimension arguments follow the axis"),
-    };
-    match (kind, extra.first()) {
-        (Kind::Set, _) => b.set(t[0]),
-        (Kind::Unary(u), _) => b.unary(u, t[0]),
-        (Kind::Binary(op), _) => b.binary(op, t[0], t[1]),
-        (Kind::Matmul, _) => b.matmul(t[0], t[1]),
-        (Kind::Linear, _) => b.linear(t[0], t[1], t.get(2).copied()),
-        (Kind::Cast, Some(Extra::DType(d))) => b.cast(t[0], *d),
-        (Kind::Reduce(op), Some(Extra::Axes(a))) => b.reduce(op, t[0], a),
-        (Kind::Broadcast, Some(Extra::Flags(f))) => b.broadcast(t[0], f),
-        (Kind::Select, Some(&Extra::Axis(a))) => b.select(t[0], a, dim(1)),
-        (Kind::Slice, Some(&Extra::Axis(a))) => b.slice(t[0], a, dim(1), dim(2)),
-        (Kind::Split, Some(&Extra::Axis(a))) => b.split(t[0], a, dim(1)),
-        _ => unreachable!("the op table and the arguments agree"),
     }
 }

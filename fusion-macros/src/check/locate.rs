@@ -41,7 +41,9 @@ impl CallSpans {
             Some(Culprit::Element { arg: i, index }) => {
                 arg(i).map(|a| a.1.get(index).copied().unwrap_or(a.0))
             }
-            Some(Culprit::Args { first, last }) => arg(first).zip(arg(last)).map(|(a, b)| a.0.to(b.0)),
+            Some(Culprit::Args { first, last }) => {
+                arg(first).zip(arg(last)).map(|(a, b)| a.0.to(b.0))
+            }
             Some(Culprit::Call) | None => None,
         };
         found.unwrap_or(self.whole)
@@ -56,9 +58,13 @@ impl CallSpans {
 /// A short source form of an expression, to name the unnamed tensor it computes in
 /// messages: `matmul(x, w)`, `a + b`, `broadcast(x, [..])`.
 pub fn label(e: &Expr) -> String {
-    let list = |args: &mut dyn Iterator<Item = &Expr>| args.map(label).collect::<Vec<_>>().join(", ");
+    let list =
+        |args: &mut dyn Iterator<Item = &Expr>| args.map(label).collect::<Vec<_>>().join(", ");
     match e {
-        Expr::Path(p) => p.path.get_ident().map_or_else(|| "..".into(), |i| i.to_string()),
+        Expr::Path(p) => p
+            .path
+            .get_ident()
+            .map_or_else(|| "..".into(), |i| i.to_string()),
         Expr::Lit(l) => quote::quote!(#l).to_string(),
         Expr::Paren(p) => format!("({})", label(&p.expr)),
         Expr::Group(g) => label(&g.expr),

@@ -287,7 +287,8 @@ impl Checker {
             self.made.insert(TensorId::from_index(i), spans.whole);
         }
         let new_facts = &self.b.literal_facts()[facts..];
-        self.facts.extend(new_facts.iter().map(|&f| (f, spans.whole)));
+        self.facts
+            .extend(new_facts.iter().map(|&f| (f, spans.whole)));
         match result {
             Ok(t) => {
                 let (t_ident, b) = (emit::tensor(t), emit::builder());
@@ -338,7 +339,9 @@ impl Checker {
         };
         match site {
             Site::Tensor { tensor, axis } => match (self.decls.get(&tensor), axis) {
-                (Some(d), Some(index)) => d.at(Some(fusion_core::Culprit::Element { arg: 2, index })),
+                (Some(d), Some(index)) => {
+                    d.at(Some(fusion_core::Culprit::Element { arg: 2, index }))
+                }
                 (Some(d), None) => d.whole,
                 (None, _) => made(tensor),
             },
@@ -386,27 +389,12 @@ impl Checker {
                 _ => ok = false,
             }
         }
+        let devices = ty.mesh.iter().flat_map(|m| &m.devices);
         let mesh = match &ty.mesh {
             None => DeviceMesh::World,
-            Some(m) => {
-                if m.devices.is_empty() {
-                    ok = false;
-                    self.errors.push(m.span.error(
-                        "a mesh lists at least one device; leave `mesh` out for every device",
-                    ));
-                }
-                for (i, &(d, s)) in m.devices.iter().enumerate() {
-                    if m.devices[..i].iter().any(|x| x.0 == d) {
-                        ok = false;
-                        self.errors.push(syn::Error::new(
-                            s,
-                            format!("device {d} is listed twice; a mesh lists distinct devices"),
-                        ));
-                    }
-                }
-                DeviceMesh::devices(m.devices.iter().map(|x| x.0).collect::<Vec<_>>())
-            }
+            Some(_) => DeviceMesh::devices(devices.clone().map(|d| d.0).collect::<Vec<_>>()),
         };
+        let device_spans = devices.map(|d| SpanRange::single(d.1)).collect();
         let axis_spans = ty.axes.iter().map(|a| a.span).collect();
         let mesh_span = ty.mesh.as_ref().map_or(ty.span, |m| m.span);
         let spans = CallSpans {
@@ -415,7 +403,7 @@ impl Checker {
                 (first, vec![]),
                 (SpanRange::single(ty.dtype.span()), vec![]),
                 (ty.axes_span, axis_spans),
-                (mesh_span, vec![]),
+                (mesh_span, device_spans),
             ],
         };
         let dtype = dtype?;
