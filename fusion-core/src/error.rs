@@ -116,9 +116,10 @@ pub enum Error {
         axis: Option<usize>,
         reason: String,
     },
-    /// A pass name that no pass answers to.
-    #[error("unknown pass `{0}` (known: {1})")]
-    UnknownPass(String, String),
+    /// A pass name that no pass answers to: the name, the known names, and a suggestion
+    /// (`; did you mean ..?`) or nothing.
+    #[error("unknown pass `{0}` (known: {1}){2}")]
+    UnknownPass(String, String, String),
     /// A pass failed on a program it should accept.
     #[error("pass `{pass}`: {reason}")]
     Pass { pass: &'static str, reason: String },

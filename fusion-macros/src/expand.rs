@@ -19,12 +19,9 @@ use syn::Ident;
 use fusion_core::builder::LiteralFact;
 use fusion_core::{DType, DTypeSpec};
 
-use crate::check::{emit, Checked};
+use crate::check::emit::{self, fc};
+use crate::check::Checked;
 use crate::parse::FusionDef;
-
-fn fc() -> TokenStream {
-    quote!(::fusion::__private::fusion_core)
-}
 
 fn fr() -> TokenStream {
     quote!(::fusion::__private::fusion_runtime)
@@ -44,7 +41,16 @@ pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
 /// The entry point and module of a fusion with errors: same signatures, no body.
 pub fn stub(def: &FusionDef) -> TokenStream {
     let fc = fc();
-    let params = &def.dtype_params;
+    // A repeated dtype parameter is reported by the checker; the stub renames the repeats.
+    let params: Vec<Ident> = def
+        .dtype_params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match def.dtype_params[..i].contains(p) {
+            true => format_ident!("__repeated_dtype{}", i, span = Span::mixed_site()),
+            false => p.clone(),
+        })
+        .collect();
     let build = quote! {
         #[allow(non_snake_case)]
         pub fn build(#(#params: #fc::DType),*) -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {

@@ -23,6 +23,8 @@ mod check;
 mod expand;
 mod parse;
 mod span;
+#[cfg(test)]
+mod tests;
 
 use proc_macro::TokenStream;
 

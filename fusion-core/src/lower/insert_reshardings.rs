@@ -202,7 +202,8 @@ fn split_reduction(f: &mut Fusion, id: ExprId, ctx: MeshContext) -> Result<Split
                 .collect();
             let mesh = f.tensor(x).mesh.clone();
             let dtype = f.tensor(y).dtype;
-            let tmp = f.new_tensor(None, dtype, domains, mesh);
+            let name = f.tensor(x).name.as_ref().map(|n| format!("{n}_reduced"));
+            let tmp = f.new_tensor(name, dtype, domains, mesh);
             f.expr_mut(id).output = tmp;
             f.set_definition(tmp, id);
             // `y` is now a set's output: it stores the same axes but reduces none.
@@ -222,7 +223,15 @@ fn split_reduction(f: &mut Fusion, id: ExprId, ctx: MeshContext) -> Result<Split
             let set_expr = f.expr(set).clone();
             classify(f, &set_expr, ctx).map_err(|err| Error::Resharding {
                 expr: describe(f, &e),
-                reason: err.to_string(),
+                reason: format!(
+                    "it reduces locally, keeping the sharding of `{}`, so its result must be \
+                     copied to the declared layout after, and that copy cannot be lowered: {}",
+                    f.tensor_name(x),
+                    match err {
+                        Error::Resharding { reason, .. } => reason,
+                        other => other.to_string(),
+                    }
+                ),
             })?;
             Ok(Split::After(set))
         }

@@ -9,8 +9,8 @@ use syn::{BinOp, Expr, ExprCall, Lit, UnOp};
 
 use super::locate::{label, CallSpans};
 use super::{emit, Checker};
-use crate::parse::dim_from_expr;
-use crate::span::{suggest, SpanRange};
+use crate::span::SpanRange;
+use fusion_core::suggest;
 
 /// What an op of the DSL builds.
 #[derive(Clone, Copy)]
@@ -28,36 +28,25 @@ enum Kind {
     Split,
 }
 
-/// One op of the DSL: its name, the argument list shown in messages, and its arity.
-struct OpSig {
-    name: &'static str,
-    kind: Kind,
-    args: &'static str,
-    min: usize,
-    max: usize,
-}
+/// One op of the DSL: its name, what it builds, the argument list shown in messages,
+/// and the least and most arguments it takes.
+type OpSig = (&'static str, Kind, &'static str, usize, usize);
 
 /// Every op the DSL knows; the elementwise functions and reductions are `fusion_core`'s.
 fn ops() -> Vec<OpSig> {
-    let sig = |name, kind, args, min, max| OpSig {
-        name,
-        kind,
-        args,
-        min,
-        max,
-    };
-    let mut v = vec![sig("set", Kind::Set, "x", 1, 1)];
-    v.extend(UnaryOp::ALL.map(|u| sig(u.name(), Kind::Unary(u), "x", 1, 1)));
-    v.push(sig("cast", Kind::Cast, "x, dtype", 2, 2));
-    v.extend(BinaryOp::ALL.map(|b| sig(b.name(), Kind::Binary(b), "a, b", 2, 2)));
-    v.extend(ReduceOp::ALL.map(|r| sig(r.name(), Kind::Reduce(r), "x, axis or [axes]", 2, 2)));
+    let mut v: Vec<OpSig> = vec![("set", Kind::Set, "x", 1, 1)];
+    v.extend(UnaryOp::ALL.map(|u| (u.name(), Kind::Unary(u), "x", 1, 1)));
+    v.push(("cast", Kind::Cast, "x, dtype", 2, 2));
+    v.extend(BinaryOp::ALL.map(|b| (b.name(), Kind::Binary(b), "a, b", 2, 2)));
+    let axes = "x, axis or [axes]";
+    v.extend(ReduceOp::ALL.map(|r| (r.name(), Kind::Reduce(r), axes, 2, 2)));
     v.extend([
-        sig("broadcast", Kind::Broadcast, "x, [flags]", 2, 2),
-        sig("matmul", Kind::Matmul, "a, b", 2, 2),
-        sig("linear", Kind::Linear, "x, w, bias?", 2, 3),
-        sig("select", Kind::Select, "x, axis, index", 3, 3),
-        sig("slice", Kind::Slice, "x, axis, start, stop", 4, 4),
-        sig("split", Kind::Split, "x, axis, outer", 3, 3),
+        ("broadcast", Kind::Broadcast, "x, [flags]", 2, 2),
+        ("matmul", Kind::Matmul, "a, b", 2, 2),
+        ("linear", Kind::Linear, "x, w, bias?", 2, 3),
+        ("select", Kind::Select, "x, axis, index", 3, 3),
+        ("slice", Kind::Slice, "x, axis, start, stop", 4, 4),
+        ("split", Kind::Split, "x, axis, outer", 3, 3),
     ]);
     v
 }
@@ -112,7 +101,7 @@ impl Checker {
             }
             Expr::MethodCall(mc) => {
                 let name = mc.method.to_string();
-                let hint = if ops().iter().any(|o| o.name == name) {
+                let hint = if ops().iter().any(|o| o.0 == name) {
                     format!("; write `{name}(x, ..)`")
                 } else {
                     String::new()
@@ -168,15 +157,15 @@ impl Checker {
         };
         let name = func.to_string();
         let all = ops();
-        let Some(op) = all.iter().find(|o| o.name == name) else {
+        let Some(&(_, kind, sig, min, max)) = all.iter().find(|o| o.0 == name) else {
             let hint = if name == "min" {
                 "; for the elementwise minimum use `minimum(a, b)` (there is no min reduction)"
                     .to_string()
             } else {
-                match suggest(&name, all.iter().map(|o| o.name)) {
+                match suggest(&name, all.iter().map(|o| o.0)) {
                     Some(s) => format!("; did you mean `{s}`?"),
                     None => {
-                        let names: Vec<&str> = all.iter().map(|o| o.name).collect();
+                        let names: Vec<&str> = all.iter().map(|o| o.0).collect();
                         format!("; the ops are {}", names.join(", "))
                     }
                 }
@@ -194,16 +183,15 @@ impl Checker {
             return None;
         };
         let args: Vec<&Expr> = call.args.iter().collect();
-        if args.len() < op.min || args.len() > op.max {
+        if args.len() < min || args.len() > max {
             let parens = SpanRange::single(call.paren_token.span.join());
-            let want = if op.min == op.max {
-                format!("{} argument{}", op.min, if op.min == 1 { "" } else { "s" })
+            let want = if min == max {
+                format!("{min} argument{}", if min == 1 { "" } else { "s" })
             } else {
-                format!("{} or {} arguments", op.min, op.max)
+                format!("{min} or {max} arguments")
             };
             self.errors.push(parens.error(format!(
-                "`{name}` takes {want}, `{name}({})`, but {} {} given",
-                op.args,
+                "`{name}` takes {want}, `{name}({sig})`, but {} {} given",
                 args.len(),
                 if args.len() == 1 { "was" } else { "were" }
             )));
@@ -212,12 +200,12 @@ impl Checker {
         let spans = CallSpans::of(e, &args);
         // Every tensor operand and argument is looked at, so that all their errors are
         // reported, before the op is built.
-        let tensors = match op.kind {
+        let tensors = match kind {
             Kind::Binary(_) | Kind::Matmul | Kind::Linear => args.len(),
             _ => 1,
         };
         let ts: Vec<Option<TensorId>> = args[..tensors].iter().map(|a| self.eval(a)).collect();
-        self.apply(e, &spans, op.kind, &ts, &args[tensors..])
+        self.apply(e, &spans, kind, &ts, &args[tensors..])
     }
 
     /// Builds op `kind` of tensor operands `ts` (`None` where one failed) and the other
@@ -285,7 +273,10 @@ impl Checker {
             }
             Kind::Select | Kind::Slice | Kind::Split => {
                 let axis = self.axis_arg(rest[0]);
-                let dims: Vec<_> = rest[1..].iter().map(|a| self.dim_arg(a)).collect();
+                let dims: Vec<_> = rest[1..]
+                    .iter()
+                    .map(|a| self.resolve_dim(a, false, true))
+                    .collect();
                 let dims: Vec<ScalarId> = dims.into_iter().collect::<Option<_>>()?;
                 let (x, axis) = (x?, axis?);
                 let d: Vec<_> = dims.iter().map(|&d| self.emit_dim(d)).collect();
@@ -369,19 +360,14 @@ impl Checker {
     }
 
     fn flags_arg(&mut self, e: &Expr) -> Option<Vec<bool>> {
+        let flag = |x: &Expr| match x {
+            Expr::Lit(syn::ExprLit {
+                lit: Lit::Bool(b), ..
+            }) => Some(b.value),
+            _ => None,
+        };
         if let Expr::Array(a) = e {
-            let flags: Option<Vec<bool>> = a
-                .elems
-                .iter()
-                .map(|x| match x {
-                    Expr::Lit(l) => match &l.lit {
-                        Lit::Bool(b) => Some(b.value),
-                        _ => None,
-                    },
-                    _ => None,
-                })
-                .collect();
-            if let Some(f) = flags {
+            if let Some(f) = a.elems.iter().map(flag).collect() {
                 return Some(f);
             }
         }
@@ -390,15 +376,5 @@ impl Checker {
              a new axis of extent 1)",
         ));
         None
-    }
-
-    fn dim_arg(&mut self, e: &Expr) -> Option<ScalarId> {
-        match dim_from_expr(e) {
-            Ok(d) => self.resolve_dim(&d, false, true),
-            Err(err) => {
-                self.errors.push(err);
-                None
-            }
-        }
     }
 }

@@ -16,14 +16,15 @@ pub mod locate;
 use std::collections::{HashMap, HashSet};
 
 use fusion_core::builder::{Axis, FusionBuilder, LiteralFact};
-use fusion_core::ir::{DeviceMesh, ParallelType, Scalar, ScalarId, TensorId};
+use fusion_core::ir::{DeviceMesh, ParallelType, Scalar, ScalarId, ScalarOp, TensorId};
 use fusion_core::{DType, DTypeSpec, Site};
 use proc_macro2::TokenStream;
 use quote::quote;
-use syn::Ident;
+use syn::{Expr, Ident};
 
-use crate::parse::{Dim, FusionDef, TensorType, DTYPE_BOUND};
-use crate::span::{suggest, Errors, SpanRange};
+use crate::parse::{FusionDef, TensorType, DTYPE_BOUND};
+use crate::span::{combined, SpanRange};
+use fusion_core::suggest;
 use locate::CallSpans;
 
 /// A fusion that passed every check: the statements of its `build()` and the literal
@@ -40,16 +41,7 @@ pub fn check(def: &FusionDef) -> Result<Checked, syn::Error> {
     let mut c = Checker {
         b: FusionBuilder::with_dtype_params(&params),
         dtype_params: def.dtype_params.clone(),
-        errors: Errors::default(),
-        dims: HashMap::new(),
-        bound: HashSet::new(),
-        vars: Vec::new(),
-        stmts: Vec::new(),
-        emitted: HashSet::new(),
-        made: HashMap::new(),
-        decls: HashMap::new(),
-        named: HashSet::new(),
-        facts: Vec::new(),
+        ..Checker::default()
     };
     c.run(def);
     if c.errors.is_empty() {
@@ -58,7 +50,7 @@ pub fn check(def: &FusionDef) -> Result<Checked, syn::Error> {
             c.errors.push(span.error(e));
         }
     }
-    match c.errors.combined() {
+    match combined(c.errors) {
         Some(e) => Err(e),
         None => Ok(Checked {
             stmts: c.stmts,
@@ -84,10 +76,11 @@ struct Declared {
     spans: CallSpans,
 }
 
+#[derive(Default)]
 struct Checker {
     b: FusionBuilder,
     dtype_params: Vec<Ident>,
-    errors: Errors,
+    errors: Vec<syn::Error>,
     /// The generic dimension symbols.
     dims: HashMap<String, ScalarId>,
     /// Symbols that some input's shape binds at call time.
@@ -157,7 +150,8 @@ impl Checker {
         }
         for (i, t) in def.dtype_params.iter().enumerate() {
             let unresolved = input_dtypes.len() < def.params.len();
-            if !unresolved && !input_dtypes.contains(&DTypeSpec::Param(i)) {
+            let repeated = def.dtype_params[..i].contains(t);
+            if !unresolved && !repeated && !input_dtypes.contains(&DTypeSpec::Param(i)) {
                 self.errors.push(syn::Error::new(
                     t.span(),
                     format!(
@@ -286,9 +280,8 @@ impl Checker {
         for i in tensors..self.b.fusion().tensor_count() {
             self.made.insert(TensorId::from_index(i), spans.whole);
         }
-        let new_facts = &self.b.literal_facts()[facts..];
-        self.facts
-            .extend(new_facts.iter().map(|&f| (f, spans.whole)));
+        let new = self.b.literal_facts()[facts..].iter();
+        self.facts.extend(new.map(|&f| (f, spans.whole)));
         match result {
             Ok(t) => {
                 let (t_ident, b) = (emit::tensor(t), emit::builder());
@@ -311,18 +304,13 @@ impl Checker {
         let b = emit::builder();
         let value = match self.b.fusion().scalar_node(id).clone() {
             Scalar::Const(v) => quote!(#b.constant(#v)),
+            Scalar::Symbol(s) => quote!(#b.symbol(#s)),
             Scalar::Binary(op, x, y) => {
                 let (x, y, op) = (self.emit_dim(x), self.emit_dim(y), emit::variant(&op));
                 let fc = emit::fc();
                 quote!(#b.scalar_op(#fc::ir::ScalarOp::#op, #x, #y))
             }
-            other => {
-                let name = match other {
-                    Scalar::Symbol(s) => s,
-                    _ => unreachable!("extents of the DSL are symbols, literals and arithmetic"),
-                };
-                quote!(#b.symbol(#name))
-            }
+            other => unreachable!("a DSL extent is a symbol, a literal or arithmetic: {other:?}"),
         };
         self.stmts.push(quote!(let #ident = #value;));
         ident
@@ -331,12 +319,8 @@ impl Checker {
     /// The source behind a whole-fusion problem: the declared axis (or type) of a
     /// declared tensor, else the call that made the tensor or the expression.
     fn site(&self, site: Site) -> SpanRange {
-        let made = |t: TensorId| {
-            self.made
-                .get(&t)
-                .copied()
-                .unwrap_or_else(|| SpanRange::single(proc_macro2::Span::call_site()))
-        };
+        let call_site = SpanRange::single(proc_macro2::Span::call_site());
+        let made = |t| self.made.get(&t).copied().unwrap_or(call_site);
         match site {
             Site::Tensor { tensor, axis } => match (self.decls.get(&tensor), axis) {
                 (Some(d), Some(index)) => {
@@ -451,11 +435,7 @@ impl Checker {
 
     fn resolve_par(&mut self, p: &Ident) -> Option<ParallelType> {
         let s = p.to_string();
-        let all = [
-            ParallelType::DIDx,
-            ParallelType::Stream,
-            ParallelType::Serial,
-        ];
+        let all = ParallelType::ALL;
         if let Some(&found) = all.iter().find(|t| t.name() == s) {
             return Some(found);
         }
@@ -476,58 +456,80 @@ impl Checker {
         None
     }
 
-    /// Resolves an extent. `positive`: literals must be at least 1 (axis extents).
-    /// `bound`: symbols must be extents of some input (scalar op arguments).
-    fn resolve_dim(&mut self, d: &Dim, positive: bool, bound: bool) -> Option<ScalarId> {
-        match d {
-            Dim::Sym(i) => {
-                let name = i.to_string();
-                let Some(&id) = self.dims.get(&name) else {
-                    let hint = match suggest(&name, self.dims.keys().map(String::as_str)) {
-                        Some(s) => format!("; did you mean `{s}`?"),
-                        None => format!(
-                            "; declare it in the fusion's generics, e.g. `fn f<.., {name}>`"
-                        ),
-                    };
-                    let what = if self.vars.iter().any(|v| v.name == name) {
-                        format!("`{name}` is a tensor, not a dimension symbol")
-                    } else {
-                        format!("unknown dimension `{name}`")
-                    };
-                    self.errors
-                        .push(syn::Error::new(i.span(), format!("{what}{hint}")));
-                    return None;
-                };
-                if bound && !self.bound.contains(&name) {
-                    self.errors.push(syn::Error::new(
-                        i.span(),
+    /// Resolves an extent: a symbol, an integer, or `+ - * /` of them. `positive`:
+    /// literals must be at least 1 (axis extents). `bound`: symbols must be extents of
+    /// some input (scalar op arguments).
+    fn resolve_dim(&mut self, e: &Expr, positive: bool, bound: bool) -> Option<ScalarId> {
+        let error = |span: SpanRange, msg: String| span.error(msg);
+        let at = SpanRange::of(e);
+        let result = match e {
+            Expr::Paren(p) => return self.resolve_dim(&p.expr, positive, bound),
+            Expr::Group(g) => return self.resolve_dim(&g.expr, positive, bound),
+            Expr::Path(p) if p.path.get_ident().is_some() => {
+                let name = p.path.get_ident().expect("checked").to_string();
+                match self.dims.get(&name) {
+                    None => {
+                        let hint = match suggest(&name, self.dims.keys().map(String::as_str)) {
+                            Some(s) => format!("; did you mean `{s}`?"),
+                            None => format!(
+                                "; declare it in the fusion's generics, e.g. `fn f<.., {name}>`"
+                            ),
+                        };
+                        let what = if self.vars.iter().any(|v| v.name == name) {
+                            format!("`{name}` is a tensor, not a dimension symbol")
+                        } else {
+                            format!("unknown dimension `{name}`")
+                        };
+                        Err(error(at, format!("{what}{hint}")))
+                    }
+                    Some(_) if bound && !self.bound.contains(&name) => Err(error(
+                        at,
                         format!(
                             "dimension `{name}` is not an extent of any input, so its value is \
                              unknown when the fusion runs; use a dimension of an input or a \
                              literal"
                         ),
-                    ));
-                    return None;
+                    )),
+                    Some(&id) => Ok(id),
                 }
-                Some(id)
             }
-            Dim::Lit { value, span } => {
-                if positive && *value < 1 {
-                    self.errors.push(syn::Error::new(
-                        *span,
-                        format!("extent {value} is not positive; an axis has extent 1 or more"),
-                    ));
-                    return None;
-                }
-                Some(self.b.constant(*value))
+            Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Int(i),
+                ..
+            }) => match i.base10_parse::<i64>() {
+                Ok(v) if positive && v < 1 => Err(error(
+                    at,
+                    format!("extent {v} is not positive; an axis has extent 1 or more"),
+                )),
+                Ok(v) => Ok(self.b.constant(v)),
+                Err(e) => Err(e),
+            },
+            Expr::Binary(b) if scalar_op(&b.op).is_some() => {
+                let x = self.resolve_dim(&b.left, false, bound);
+                let y = self.resolve_dim(&b.right, false, bound);
+                let op = scalar_op(&b.op).expect("checked");
+                return Some(self.b.scalar_op(op, x?, y?));
             }
-            Dim::Bin { op, lhs, rhs, .. } => {
-                let a = self.resolve_dim(lhs, false, bound);
-                let b = self.resolve_dim(rhs, false, bound);
-                Some(self.b.scalar_op(*op, a?, b?))
-            }
-        }
+            _ => Err(error(
+                at,
+                "expected a dimension: a symbol from the fusion's generics (`m`), an integer \
+                 (`1024`), or `+ - * /` of them"
+                    .into(),
+            )),
+        };
+        result.map_err(|e| self.errors.push(e)).ok()
     }
+}
+
+/// The extent arithmetic of `+ - * /`.
+fn scalar_op(op: &syn::BinOp) -> Option<ScalarOp> {
+    Some(match op {
+        syn::BinOp::Add(_) => ScalarOp::Add,
+        syn::BinOp::Sub(_) => ScalarOp::Sub,
+        syn::BinOp::Mul(_) => ScalarOp::Mul,
+        syn::BinOp::Div(_) => ScalarOp::Div,
+        _ => return None,
+    })
 }
 
 /// The dimension symbols an extent mentions.
