@@ -56,11 +56,22 @@ impl MeshContext {
         }
     }
 
-    fn same_mesh(&self, a: &DeviceMesh, b: &DeviceMesh) -> bool {
+    /// Whether two meshes are the same; `None` when that depends on the world size.
+    fn same_mesh(&self, a: &DeviceMesh, b: &DeviceMesh) -> Option<bool> {
         match (self.devices(a), self.devices(b)) {
-            (Some(x), Some(y)) => x == y,
-            _ => a == b,
+            (Some(x), Some(y)) => Some(x == y),
+            _ => (a == b).then_some(true),
         }
+    }
+
+    /// [`MeshContext::same_mesh`], or the error that the world size is needed to lower
+    /// expression `e`.
+    fn same_mesh_of(&self, f: &Fusion, e: &Expr) -> Result<bool> {
+        let (a, b) = (&f.tensor(e.inputs[0]).mesh, &f.tensor(e.output).mesh);
+        self.same_mesh(a, b).ok_or_else(|| Error::Resharding {
+            expr: describe(f, e),
+            reason: format!("the world size is needed to compare the meshes {a} and {b}"),
+        })
     }
 
     fn size(&self, mesh: &DeviceMesh) -> Option<usize> {
@@ -113,7 +124,7 @@ pub fn inconsistent_inputs(f: &Fusion, e: &Expr, ctx: MeshContext) -> Vec<usize>
     let mut bad = Vec::new();
     for (i, &t) in e.inputs.iter().enumerate() {
         let p = sharded_axis(f, ctx, t);
-        let ok_mesh = ctx.same_mesh(&f.tensor(t).mesh, out_mesh);
+        let ok_mesh = ctx.same_mesh(&f.tensor(t).mesh, out_mesh) == Some(true);
         let consistent = match (p, c) {
             (None, None) => true,
             (Some(p), Some(c)) => map.producer_axis(i, c) == Some(p),
@@ -142,7 +153,7 @@ fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
     let map = axis_map(f, e);
     let (p, c) = (sharded_axis(f, ctx, x), sharded_axis(f, ctx, y));
     let (in_mesh, out_mesh) = (&f.tensor(x).mesh, &f.tensor(y).mesh);
-    let same = ctx.same_mesh(in_mesh, out_mesh);
+    let same = ctx.same_mesh_of(f, e)?;
     if let (Some(p), Some(s)) = (p, f.find_parallel_axis(y, ParallelType::Stream)) {
         if map.producer_axis(0, s) == Some(p) {
             if !same {
@@ -318,7 +329,7 @@ fn classify_reduction(
     }
     let p = p.expect("reduces_sharded");
     let (in_mesh, out_mesh) = (&f.tensor(x).mesh, &f.tensor(y).mesh);
-    let same = ctx.same_mesh(in_mesh, out_mesh);
+    let same = ctx.same_mesh_of(f, e)?;
     let src = ctx.devices(in_mesh).ok_or_else(|| Error::Resharding {
         expr: describe(f, e),
         reason: "the world size is needed to lower this reduction".into(),
