@@ -60,6 +60,15 @@ impl Axis {
             parallel: ParallelType::Stream,
         }
     }
+
+    /// The iteration domain of a declared axis.
+    fn domain(&self) -> IterDomain {
+        IterDomain {
+            extent: self.extent,
+            parallel: self.parallel,
+            kind: IterKind::Iteration,
+        }
+    }
 }
 
 /// A comparison of literal extents that a check relied on (a front end may assert it
@@ -185,14 +194,7 @@ impl FusionBuilder {
     ) -> Result<TensorId> {
         let dtype = self.known(dtype.into())?;
         check_mesh(&mesh)?;
-        let domains = axes
-            .iter()
-            .map(|a| IterDomain {
-                extent: a.extent,
-                parallel: a.parallel,
-                kind: IterKind::Iteration,
-            })
-            .collect();
+        let domains = axes.iter().map(|a| a.domain()).collect();
         let t = self.new_tensor(Some(name.to_string()), dtype, domains, mesh);
         self.check_annotations(t, true)
             .map_err(|e| blame_axis(e, 2))?;
@@ -222,14 +224,7 @@ impl FusionBuilder {
         mesh: DeviceMesh,
     ) -> Result<TensorId> {
         let dtype = self.known(dtype.into())?;
-        let domains = axes
-            .iter()
-            .map(|a| IterDomain {
-                extent: a.extent,
-                parallel: a.parallel,
-                kind: IterKind::Iteration,
-            })
-            .collect();
+        let domains = axes.iter().map(|a| a.domain()).collect();
         let t = self.new_tensor(None, dtype, domains, mesh);
         self.poisoned.insert(t);
         self.declared.insert(t);

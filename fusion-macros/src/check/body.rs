@@ -12,20 +12,14 @@ use super::{emit, Checker};
 use crate::span::SpanRange;
 use fusion_core::suggest;
 
-/// What an op of the DSL builds.
+/// What an op of the DSL builds: one of `fusion_core`'s elementwise functions or
+/// reductions, or the builder method of that name (`set`, `cast`, `matmul`, ..).
 #[derive(Clone, Copy)]
 enum Kind {
-    Set,
     Unary(UnaryOp),
-    Cast,
     Binary(BinaryOp),
     Reduce(ReduceOp),
-    Broadcast,
-    Matmul,
-    Linear,
-    Select,
-    Slice,
-    Split,
+    Method(&'static str),
 }
 
 /// One op of the DSL: its name, what it builds, the argument list shown in messages,
@@ -34,19 +28,20 @@ type OpSig = (&'static str, Kind, &'static str, usize, usize);
 
 /// Every op the DSL knows; the elementwise functions and reductions are `fusion_core`'s.
 fn ops() -> Vec<OpSig> {
-    let mut v: Vec<OpSig> = vec![("set", Kind::Set, "x", 1, 1)];
+    let method = |name, args, min, max| (name, Kind::Method(name), args, min, max);
+    let mut v: Vec<OpSig> = vec![method("set", "x", 1, 1)];
     v.extend(UnaryOp::ALL.map(|u| (u.name(), Kind::Unary(u), "x", 1, 1)));
-    v.push(("cast", Kind::Cast, "x, dtype", 2, 2));
+    v.push(method("cast", "x, dtype", 2, 2));
     v.extend(BinaryOp::ALL.map(|b| (b.name(), Kind::Binary(b), "a, b", 2, 2)));
     let axes = "x, axis or [axes]";
     v.extend(ReduceOp::ALL.map(|r| (r.name(), Kind::Reduce(r), axes, 2, 2)));
     v.extend([
-        ("broadcast", Kind::Broadcast, "x, [flags]", 2, 2),
-        ("matmul", Kind::Matmul, "a, b", 2, 2),
-        ("linear", Kind::Linear, "x, w, bias?", 2, 3),
-        ("select", Kind::Select, "x, axis, index", 3, 3),
-        ("slice", Kind::Slice, "x, axis, start, stop", 4, 4),
-        ("split", Kind::Split, "x, axis, outer", 3, 3),
+        method("broadcast", "x, [flags]", 2, 2),
+        method("matmul", "a, b", 2, 2),
+        method("linear", "x, w, bias?", 2, 3),
+        method("select", "x, axis, index", 3, 3),
+        method("slice", "x, axis, start, stop", 4, 4),
+        method("split", "x, axis, outer", 3, 3),
     ]);
     v
 }
@@ -201,7 +196,7 @@ impl Checker {
         // Every tensor operand and argument is looked at, so that all their errors are
         // reported, before the op is built.
         let tensors = match kind {
-            Kind::Binary(_) | Kind::Matmul | Kind::Linear => args.len(),
+            Kind::Binary(_) | Kind::Method("matmul" | "linear") => args.len(),
             _ => 1,
         };
         let ts: Vec<Option<TensorId>> = args[..tensors].iter().map(|a| self.eval(a)).collect();
@@ -222,7 +217,7 @@ impl Checker {
         let t = |i: usize| ts.get(i).copied().flatten().map(emit::tensor);
         let (x, tx) = (ts[0], t(0));
         match kind {
-            Kind::Set => {
+            Kind::Method("set") => {
                 let x = x?;
                 self.op(e, spans, quote!(set(#tx)), |b| b.set(x))
             }
@@ -236,11 +231,11 @@ impl Checker {
                 let call = quote!(binary(#fc::ir::BinaryOp::#v, #tx, #ty));
                 self.op(e, spans, call, |b| b.binary(op, x, y))
             }
-            Kind::Matmul => {
+            Kind::Method("matmul") => {
                 let (x, y, ty) = (x?, ts[1]?, t(1));
                 self.op(e, spans, quote!(matmul(#tx, #ty)), |b| b.matmul(x, y))
             }
-            Kind::Linear => {
+            Kind::Method("linear") => {
                 let (x, w, tw) = (x?, ts[1]?, t(1));
                 let bias = match ts.get(2) {
                     Some(bias) => Some((*bias)?),
@@ -253,7 +248,7 @@ impl Checker {
                 let call = quote!(linear(#tx, #tw, #tb));
                 self.op(e, spans, call, |b| b.linear(x, w, bias))
             }
-            Kind::Cast => {
+            Kind::Method("cast") => {
                 let d = self.dtype_arg(rest[0]);
                 let (x, d) = (x?, d?);
                 let dt = emit::dtype(d, &self.dtype_params);
@@ -265,13 +260,15 @@ impl Checker {
                 let call = quote!(reduce(#fc::ir::ReduceOp::#v, #tx, &[#(#axes),*]));
                 self.op(e, spans, call, |b| b.reduce(r, x, &axes))
             }
-            Kind::Broadcast => {
+            Kind::Method("broadcast") => {
                 let flags = self.flags_arg(rest[0]);
                 let (x, flags) = (x?, flags?);
                 let call = quote!(broadcast(#tx, &[#(#flags),*]));
                 self.op(e, spans, call, |b| b.broadcast(x, &flags))
             }
-            Kind::Select | Kind::Slice | Kind::Split => {
+            Kind::Method(method) => {
+                // The views: `select(x, axis, index)`, `slice(x, axis, start, stop)`,
+                // `split(x, axis, outer)`.
                 let axis = self.axis_arg(rest[0]);
                 let dims: Vec<_> = rest[1..]
                     .iter()
@@ -280,10 +277,10 @@ impl Checker {
                 let dims: Vec<ScalarId> = dims.into_iter().collect::<Option<_>>()?;
                 let (x, axis) = (x?, axis?);
                 let d: Vec<_> = dims.iter().map(|&d| self.emit_dim(d)).collect();
-                let (method, view): (_, fn(&mut FusionBuilder, _, _, &[_]) -> _) = match kind {
-                    Kind::Select => ("select", |b, x, a, d| b.select(x, a, d[0])),
-                    Kind::Slice => ("slice", |b, x, a, d| b.slice(x, a, d[0], d[1])),
-                    _ => ("split", |b, x, a, d| b.split(x, a, d[0])),
+                let view: fn(&mut FusionBuilder, _, _, &[_]) -> _ = match method {
+                    "select" => |b, x, a, d| b.select(x, a, d[0]),
+                    "slice" => |b, x, a, d| b.slice(x, a, d[0], d[1]),
+                    _ => |b, x, a, d| b.split(x, a, d[0]),
                 };
                 let method = syn::Ident::new(method, proc_macro2::Span::call_site());
                 let call = quote!(#method(#tx, #axis, #(#d),*));
