@@ -14,37 +14,29 @@ use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
 const F32: DType = DType::F32;
 
 fn sym_axes(b: &mut FusionBuilder, spec: &[(&str, ParallelType)]) -> Vec<Axis> {
-    spec.iter()
-        .map(|&(s, p)| Axis {
-            extent: b.symbol(s),
-            parallel: p,
-        })
-        .collect()
+    let axis = |&(s, parallel): &(&str, ParallelType)| Axis {
+        extent: b.symbol(s),
+        parallel,
+    };
+    spec.iter().map(axis).collect()
 }
 
-/// AllGather + matmul as a P2P pipeline (`[d @ DIDx, m, k] x [k, n] -> [d @ Stream, m, n]`).
-fn ag_matmul_p2p() -> Fusion {
+/// AllGather + matmul: as the P2P pipeline (`[d @ DIDx, m, k] x [k, n]` to
+/// `[d @ Stream, m, n]`), or, `chunked`, as the collective in a loop over `s` chunks.
+fn ag_matmul(chunked: bool) -> Fusion {
     let mut b = FusionBuilder::new();
-    let ta = sym_axes(&mut b, &[("d", Dx), ("m", S), ("k", S)]);
+    let (lead, out): (&[_], &[_]) = match chunked {
+        true => (&[("s", S)], &[("s", St), ("d", S)]),
+        false => (&[], &[("d", St)]),
+    };
+    let ta = sym_axes(&mut b, &[lead, &[("d", Dx), ("m", S), ("k", S)]].concat());
     let tb = sym_axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
+    let (x, w) = (
+        b.input("a", F32, &ta).unwrap(),
+        b.input("b", F32, &tb).unwrap(),
+    );
     let c = b.matmul(x, w).unwrap();
-    let o = sym_axes(&mut b, &[("d", St), ("m", S), ("n", S)]);
-    let c = b.declare(c, F32, &o).unwrap();
-    b.output(c).unwrap();
-    b.build().unwrap()
-}
-
-/// AllGather + matmul with the collective, pipelined over `s`.
-fn ag_matmul_collective() -> Fusion {
-    let mut b = FusionBuilder::new();
-    let ta = sym_axes(&mut b, &[("s", S), ("d", Dx), ("m", S), ("k", S)]);
-    let tb = sym_axes(&mut b, &[("k", S), ("n", S)]);
-    let x = b.input("a", F32, &ta).unwrap();
-    let w = b.input("b", F32, &tb).unwrap();
-    let c = b.matmul(x, w).unwrap();
-    let o = sym_axes(&mut b, &[("s", St), ("d", S), ("m", S), ("n", S)]);
+    let o = sym_axes(&mut b, &[out, &[("m", S), ("n", S)]].concat());
     let c = b.declare(c, F32, &o).unwrap();
     b.output(c).unwrap();
     b.build().unwrap()
@@ -53,7 +45,7 @@ fn ag_matmul_collective() -> Fusion {
 #[test]
 fn unknown_pass_names_are_rejected() {
     let err = lower(
-        &ag_matmul_p2p(),
+        &ag_matmul(false),
         2,
         &LowerOptions::default().without_pass("StreamParalelType"),
     )
@@ -73,7 +65,7 @@ fn unknown_pass_names_are_rejected() {
 #[test]
 fn disabling_communication_conversion_is_an_error_not_a_wrong_program() {
     let opts = LowerOptions::default().without_pass("ConvertOpToCommunication");
-    let err = lower(&ag_matmul_collective(), 2, &opts).unwrap_err();
+    let err = lower(&ag_matmul(true), 2, &opts).unwrap_err();
     assert!(
         err.to_string().contains("ConvertOpToCommunication"),
         "{err}"
@@ -86,7 +78,7 @@ fn dumps_are_recorded_after_each_pass() {
         dump_passes: true,
         ..LowerOptions::default()
     };
-    let lowered = lower(&ag_matmul_p2p(), 4, &opts).unwrap();
+    let lowered = lower(&ag_matmul(false), 4, &opts).unwrap();
     let names: Vec<&str> = lowered.dumps.iter().map(|d| d.pass).collect();
     assert_eq!(
         names,
@@ -294,7 +286,7 @@ fn check_accepts_what_lowers_and_places_problems() {
         b.output(y).unwrap();
         assert_eq!(check(&b.build().unwrap()), []);
     }
-    assert_eq!(check(&ag_matmul_p2p()), []);
+    assert_eq!(check(&ag_matmul(false)), []);
     let mut b = FusionBuilder::new();
     let ta = sym_axes(&mut b, &[("m", S)]);
     let a = b.input_on("a", F32, &ta, DeviceMesh::devices([0])).unwrap();

@@ -192,8 +192,7 @@ impl FusionBuilder {
         axes: &[Axis],
         mesh: DeviceMesh,
     ) -> Result<TensorId> {
-        let dtype = self.known(dtype.into())?;
-        check_mesh(&mesh)?;
+        let dtype = self.declared_type(dtype.into(), &mesh)?;
         let domains = axes.iter().map(|a| a.domain()).collect();
         let t = self.new_tensor(Some(name.to_string()), dtype, domains, mesh);
         self.check_annotations(t, true)
@@ -281,8 +280,7 @@ impl FusionBuilder {
         axes: &[Axis],
         mesh: DeviceMesh,
     ) -> Result<TensorId> {
-        let dtype = self.known(dtype.into())?;
-        check_mesh(&mesh)?;
+        let dtype = self.declared_type(dtype.into(), &mesh)?;
         let name = self.f.tensor_name(t);
         let actual = self.dtype(t);
         let declared = |reason: String, culprit| Error::Declared {
@@ -476,6 +474,12 @@ impl FusionBuilder {
     }
 
     // ----- helpers shared with the ops -----
+
+    /// Checks the dtype and mesh of a declared type (`input_on`, `declare_on`).
+    fn declared_type(&self, dtype: DTypeSpec, mesh: &DeviceMesh) -> Result<DTypeSpec> {
+        check_mesh(mesh)?;
+        self.known(dtype)
+    }
 
     /// Checks that a dtype parameter exists.
     fn known(&self, d: DTypeSpec) -> Result<DTypeSpec> {
