@@ -3,12 +3,10 @@
 //! Every variant names the tensor (by its user-given name when it has one) and, where it
 //! applies, the axis, so that a message can be acted on without reading the IR. Errors of
 //! a builder call also say which argument of the call is at fault ([`Culprit`]), and the
-//! whole-fusion checks say which tensor or expression ([`Site`]), so that a front end such
+//! whole-fusion checks say which tensor or expression (`builder::Site`), so that a front end such
 //! as `fusion!` can point at the source that caused them.
 
 use thiserror::Error;
-
-use crate::ir::{ExprId, TensorId};
 
 /// Result type of `fusion-core`.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -28,18 +26,6 @@ pub enum Culprit {
     Element { arg: usize, index: usize },
     /// Arguments `first..=last` together (a slice's range).
     Args { first: usize, last: usize },
-}
-
-/// Where a whole-fusion check (validation, lowerability) found a problem.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Site {
-    /// A tensor, and the axis (counted among its stored axes) when one is at fault.
-    Tensor {
-        tensor: TensorId,
-        axis: Option<usize>,
-    },
-    /// An expression.
-    Expr(ExprId),
 }
 
 /// What went wrong while building, checking or lowering a fusion.

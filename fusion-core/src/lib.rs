@@ -27,9 +27,8 @@ pub mod ir;
 pub mod lower;
 pub mod pass;
 mod print;
-mod suggest;
+pub mod suggest;
 
 pub use dtype::{DType, DTypeSpec};
-pub use error::{AxisRef, Culprit, DTypeRef, Error, Result, Site};
+pub use error::{AxisRef, Culprit, DTypeRef, Error, Result};
 pub use print::{node_string, tensor_string};
-pub use suggest::suggest;

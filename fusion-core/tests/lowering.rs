@@ -4,10 +4,11 @@
 //! fusion it rejects fails to lower on every world of two or more devices, and each
 //! rejection names the expression at fault.
 
+use fusion_core::builder::Site;
 use fusion_core::builder::{Axis, FusionBuilder};
 use fusion_core::ir::{DeviceMesh, Fusion, ParallelType};
 use fusion_core::lower::{check, lower, LowerOptions};
-use fusion_core::{DType, Error, Site};
+use fusion_core::{DType, Error};
 
 use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
 

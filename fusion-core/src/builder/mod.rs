@@ -25,7 +25,7 @@ use crate::ir::{
     ScalarOp, TensorId,
 };
 
-pub use validate::{problems, validate};
+pub use validate::{problems, validate, Site};
 
 /// One declared axis: an extent and how it is parallelized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,7 +2,6 @@
 //! whole-fusion problems with their sites.
 
 use super::*;
-use crate::error::Site;
 use crate::ir::{ReduceOp, UnaryOp};
 
 use ParallelType::{DIDx as Dx, Serial as S, Stream as St};

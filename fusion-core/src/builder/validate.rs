@@ -1,8 +1,20 @@
 //! Whole-fusion checks (DESIGN.md section 3): one DIDx and one Stream axis per tensor,
 //! inputs not Stream-parallel, one DIDx extent per mesh, whole Stream axes.
 
-use crate::error::{Error, Result, Site};
-use crate::ir::{DeviceMesh, Fusion, Op, ParallelType, ScalarId, TensorId};
+use crate::error::{Error, Result};
+use crate::ir::{DeviceMesh, ExprId, Fusion, Op, ParallelType, ScalarId, TensorId};
+
+/// Where a whole-fusion check (validation, lowerability) found a problem.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Site {
+    /// A tensor, and the axis (counted among its stored axes) when one is at fault.
+    Tensor {
+        tensor: TensorId,
+        axis: Option<usize>,
+    },
+    /// An expression.
+    Expr(ExprId),
+}
 
 /// At most one DIDx and one Stream axis. `declared`: the layout comes from a declaration
 /// (an input, `declare`, `parallelize`), so no op is to blame for it.

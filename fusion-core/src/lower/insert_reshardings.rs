@@ -7,7 +7,8 @@
 //! unlike its input gets a `set` after it.
 
 use super::resharding::{classify, describe, MeshContext, Resharding};
-use crate::error::{Error, Result, Site};
+use crate::builder::Site;
+use crate::error::{Error, Result};
 use std::collections::HashMap;
 
 use crate::ir::{

@@ -10,7 +10,7 @@ use syn::{BinOp, Expr, ExprCall, Lit, UnOp};
 use super::locate::{label, CallSpans};
 use super::{emit, Checker};
 use crate::span::SpanRange;
-use fusion_core::suggest;
+use fusion_core::suggest::suggest;
 
 /// What an op of the DSL builds: one of `fusion_core`'s elementwise functions or
 /// reductions, or the builder method of that name (`set`, `cast`, `matmul`, ..).

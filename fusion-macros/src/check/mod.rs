@@ -15,16 +15,17 @@ pub mod locate;
 
 use std::collections::{HashMap, HashSet};
 
+use fusion_core::builder::Site;
 use fusion_core::builder::{Axis, FusionBuilder, LiteralFact};
 use fusion_core::ir::{DeviceMesh, ParallelType, Scalar, ScalarId, ScalarOp, TensorId};
-use fusion_core::{DType, DTypeSpec, Site};
+use fusion_core::{DType, DTypeSpec};
 use proc_macro2::TokenStream;
 use quote::quote;
 use syn::{Expr, Ident};
 
 use crate::parse::{FusionDef, TensorType, DTYPE_BOUND};
 use crate::span::{combined, SpanRange};
-use fusion_core::suggest;
+use fusion_core::suggest::suggest;
 use locate::CallSpans;
 
 /// A fusion that passed every check: the statements of its `build()` and the literal
