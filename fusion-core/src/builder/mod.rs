@@ -149,11 +149,6 @@ impl FusionBuilder {
         self.poisoned.contains(&t)
     }
 
-    /// True for inputs, outputs and tensors a `declare` gave their layout.
-    pub fn is_declared(&self, t: TensorId) -> bool {
-        self.declared.contains(&t)
-    }
-
     /// The named dimension symbol `name`.
     pub fn symbol(&mut self, name: &str) -> ScalarId {
         self.f.symbol(name)

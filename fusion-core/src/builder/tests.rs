@@ -142,6 +142,14 @@ fn errors_name_the_argument_at_fault() {
     assert_eq!(at(b.declare(x, DType::F32, &ax)), el(2, 1));
     let ax = axes(&mut b, &[("s", St), ("m", S)]);
     assert_eq!(at(b.input("in", DType::F32, &ax)), el(2, 0));
+    let ax = axes(&mut b, &[("m", S)]);
+    let twice = DeviceMesh::devices([0, 1, 0]);
+    assert_eq!(at(b.input_on("in", DType::F32, &ax, twice)), el(3, 2));
+    let none = DeviceMesh::devices([]);
+    assert_eq!(
+        at(b.declare_on(x, DType::F32, &ax, none)),
+        Some(Culprit::Arg(3))
+    );
 }
 
 #[test]
