@@ -19,7 +19,7 @@ use crate::hir::{for_each_node, CommBackend, HostProgram, Node};
 use crate::ir::{DeviceMesh, ExprId, Fusion, Op};
 use crate::pass::{PassContext, PassDump, PassManager};
 
-pub use insert_reshardings::insert_reshardings;
+pub use insert_reshardings::{check, insert_reshardings};
 pub use resharding::{classify, CommSpec, MeshContext, Resharding};
 
 /// Order in which a P2P pipeline visits the chunks of its stream loop.
@@ -204,6 +204,7 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
                         "its mesh {} names device {bad}, but the world has {world_size} devices",
                         f.tensor(t).mesh
                     ),
+                    culprit: None,
                 });
             }
             let unique: HashSet<_> = d.iter().collect();
@@ -212,6 +213,7 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
                     tensor: f.tensor_name(t),
                     axis: None,
                     reason: format!("mesh {} must list distinct devices", f.tensor(t).mesh),
+                    culprit: None,
                 });
             }
         }
@@ -220,7 +222,7 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
 }
 
 /// Expressions some output depends on, in topological (creation) order.
-fn live_exprs(f: &Fusion) -> Vec<ExprId> {
+pub(crate) fn live_exprs(f: &Fusion) -> Vec<ExprId> {
     let mut live = vec![false; f.exprs().len()];
     let mut stack: Vec<_> = f.outputs().to_vec();
     let mut seen = HashSet::new();
