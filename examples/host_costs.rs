@@ -9,8 +9,7 @@
 //! ```sh
 //! cargo run --release --example host_costs -- --devices 1
 //! # two ranks on the visible GPUs, both on GPU 0 on a one-GPU machine
-//! CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER \
-//!     cargo run --release --example host_costs -- --devices 2 --share-gpus
+//! cargo run --release --example host_costs -- --devices 2 --share-gpus
 //! ```
 
 #[path = "common/finish.rs"]

@@ -10,7 +10,7 @@ for ex in target/release/examples/*; do
     case "$ex" in *.d|*-*) continue ;; esac
     [ -x "$ex" ] && cp "$ex" .gpu/bin/
 done
-cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs --test layers --test epilogues 2>/dev/null \
+cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs --test layers --test epilogues --test faults 2>/dev/null \
   | python3 -c 'import sys, json
 for line in sys.stdin:
     m = json.loads(line)

@@ -14,7 +14,7 @@ use fusion::core::lower::{lower, LowerOptions, ReduceScatterPipeline};
 use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::eval::copy_engine_receives;
 use fusion::runtime::replay::{capture_plan, has_copy_engine_transfers, EagerReason, ReplayStatus};
-use fusion::runtime::world::{cuda_world, cuda_world_sharing_gpus, SHARED_GPU_ENVIRONMENT};
+use fusion::runtime::world::{cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access};
 use fusion::{DType, ExecOptions, FusionExecutor, Tensor, World};
 
 #[test]
@@ -437,29 +437,16 @@ fn eager_calls_match_the_cpu_backend(world: &World) {
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn copy_engine_pipelines_on_two_ranks_sharing_the_visible_gpus() {
     // Two ranks on whatever GPUs there are (both on GPU 0 on a one-GPU machine: their own
-    // streams, one context): the copy-engine pipelines hand off through device flags as
-    // between two GPUs, so their results are checked on one GPU too. (NCCL allows one rank per GPU: no collectives here.) Sharing a GPU
-    // needs an environment set before CUDA starts: this test runs itself again in a
-    // process of its own with it.
-    let name = "copy_engine_pipelines_on_two_ranks_sharing_the_visible_gpus";
-    if SHARED_GPU_ENVIRONMENT
-        .iter()
-        .any(|(k, v)| std::env::var(k).as_deref() != Ok(*v))
-    {
-        let status = this_test_alone(name)
-            .envs(SHARED_GPU_ENVIRONMENT)
-            .status()
-            .unwrap();
-        assert!(status.success(), "{name} in its own process: {status}");
-        return;
-    }
+    // streams, one context): the copy-engine pipelines run there as between two GPUs (the
+    // hand-offs through events and the host, not device flags), so their results are
+    // checked on one GPU too. (NCCL allows one rank per GPU: no collectives here.)
     let world = cuda_world_sharing_gpus(2).unwrap();
     eager_calls_match_the_cpu_backend(&world);
     if fusion::runtime::backend::cuda::device_count() >= 2 {
         return; // a GPU each: the other tests replay these pipelines
     }
-    // Ranks sharing a GPU run eagerly and say why: two graphs that wait for each other's
-    // flags on one GPU now and then never finished (on one H100, 2026-11-23).
+    // Ranks sharing a GPU run eagerly and say why: their hand-offs go through the host (a
+    // device-side flag wait for a peer on the same GPU can deadlock).
     let d = world.size();
     let case = cases_for(d)
         .into_iter()
@@ -645,4 +632,36 @@ fn graphs_of_finished_runs_are_dropped() {
             assert_eq!(exec.graph_slots(), 1, "{}, step {step}", case.name);
         }
     }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn gpus_without_peer_access_fall_back_to_nccl_p2p() {
+    // GPUs 0 and 1 taken as having no peer access (what PCIe cards without it answer):
+    // no error; the copy-engine pipelines' transfers between them go through NCCL P2P,
+    // the transport lines say so, and the results still match the CPU backend.
+    if fusion::runtime::backend::cuda::device_count() < 2 {
+        eprintln!("skipping: fewer than 2 GPUs visible");
+        return;
+    }
+    let world = cuda_world_without_peer_access(Some(2), &[(0, 1)]).unwrap();
+    let lines = world.transports();
+    println!("{}", lines.join("\n"));
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for l in &lines {
+        assert!(
+            l.contains("NCCL P2P") && l.contains("no peer access"),
+            "{l}"
+        );
+    }
+    eager_calls_match_the_cpu_backend(&world);
+    let with_access = cuda_world(Some(2)).unwrap();
+    assert!(
+        with_access
+            .transports()
+            .iter()
+            .all(|l| l.contains("copy engines (peer access")),
+        "{:?}",
+        with_access.transports()
+    );
 }

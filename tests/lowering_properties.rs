@@ -95,6 +95,8 @@ fn documented(e: &fusion::core::Error) -> bool {
             | E::AxisOutOfRange { .. }
             | E::ExtentMismatch { .. }
             | E::DTypeMismatch { .. }
+            | E::Argument { .. }
+            | E::Declared { .. }
     )
 }
 

@@ -1,4 +1,4 @@
-//! Element types a tensor can hold.
+//! Element types a tensor can hold, and dtype parameters standing for one.
 
 use std::fmt;
 
@@ -54,5 +54,23 @@ impl DType {
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// The element type a tensor is declared with: a concrete one, or a dtype parameter of a
+/// generic fusion (`T: Float`), which equals only itself until a binding picks a dtype
+/// for it (see [`crate::generic`]). The builder checks a generic fusion once with its
+/// parameters; each binding builds a fusion of concrete dtypes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DTypeSpec {
+    /// A concrete dtype, the same for every binding.
+    Fixed(DType),
+    /// Dtype parameter number `i` (an index into the fusion's parameter list).
+    Param(usize),
+}
+
+impl From<DType> for DTypeSpec {
+    fn from(d: DType) -> Self {
+        DTypeSpec::Fixed(d)
     }
 }

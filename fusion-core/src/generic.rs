@@ -29,17 +29,9 @@
 use std::fmt;
 
 use crate::dtype::DType;
+pub use crate::dtype::DTypeSpec;
 use crate::error::{Error, Result};
 use crate::ir::Fusion;
-
-/// The element type an input is declared with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DTypeSpec {
-    /// A concrete dtype, the same for every binding.
-    Fixed(DType),
-    /// Dtype parameter number `i` (an index into [`GenericFusion::params`]).
-    Param(usize),
-}
 
 type BuildFn = dyn Fn(&[DType]) -> Result<Fusion> + Send + Sync;
 

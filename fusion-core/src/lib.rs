@@ -27,7 +27,8 @@ pub mod ir;
 pub mod lower;
 pub mod pass;
 mod print;
+pub mod suggest;
 
-pub use dtype::DType;
-pub use error::{AxisRef, Error, Result};
+pub use dtype::{DType, DTypeSpec};
+pub use error::{AxisRef, Culprit, DTypeRef, Error, Result};
 pub use print::{node_string, tensor_string};

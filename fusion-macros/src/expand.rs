@@ -16,26 +16,15 @@ use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::Ident;
 
-use crate::check::annotate::{Declared, Fact};
-use crate::check::dims::{DimId, DimNode};
-use crate::check::model::{Binary, DType, Mesh, Op, Par, Reduce, Tid, Unary};
-use crate::check::{Checked, Step};
-use crate::parse::{DimOp, FusionDef};
+use fusion_core::builder::LiteralFact;
+use fusion_core::{DType, DTypeSpec};
 
-fn fc() -> TokenStream {
-    quote!(::fusion::__private::fusion_core)
-}
+use crate::check::emit::{self, fc};
+use crate::check::Checked;
+use crate::parse::FusionDef;
 
 fn fr() -> TokenStream {
     quote!(::fusion::__private::fusion_runtime)
-}
-
-fn t_ident(t: Tid) -> Ident {
-    format_ident!("__t{}", t.0, span = Span::mixed_site())
-}
-
-fn d_ident(d: DimId) -> Ident {
-    format_ident!("__d{}", d.0, span = Span::mixed_site())
 }
 
 fn hygienic(name: &str) -> Ident {
@@ -52,7 +41,16 @@ pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
 /// The entry point and module of a fusion with errors: same signatures, no body.
 pub fn stub(def: &FusionDef) -> TokenStream {
     let fc = fc();
-    let params = &def.dtype_params;
+    // A repeated dtype parameter is reported by the checker; the stub renames the repeats.
+    let params: Vec<Ident> = def
+        .dtype_params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match def.dtype_params[..i].contains(p) {
+            true => format_ident!("__repeated_dtype{}", i, span = Span::mixed_site()),
+            false => p.clone(),
+        })
+        .collect();
     let build = quote! {
         #[allow(non_snake_case)]
         pub fn build(#(#params: #fc::DType),*) -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
@@ -158,7 +156,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
                 Some(i) => quote!(#fc::generic::DTypeSpec::Param(#i)),
                 None => {
                     let d = DType::from_name(&name).unwrap_or(DType::F32);
-                    let d = dtype(d, &[]);
+                    let d = emit::dtype(DTypeSpec::Fixed(d), &[]);
                     quote!(#fc::generic::DTypeSpec::Fixed(#d))
                 }
             }
@@ -300,222 +298,15 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
     }
 }
 
-/// A dtype in the generated `build`: a constant, or the parameter `build` takes.
-fn dtype(d: DType, params: &[Ident]) -> TokenStream {
-    let fc = fc();
-    match d {
-        DType::F32 => quote!(#fc::DType::F32),
-        DType::BF16 => quote!(#fc::DType::BF16),
-        DType::F16 => quote!(#fc::DType::F16),
-        DType::Param(i) => {
-            let p = &params[i];
-            quote!(#p)
-        }
-    }
-}
-
-fn axes(decl: &Declared) -> TokenStream {
-    let fc = fc();
-    let list = decl.axes.iter().map(|&(e, p, _)| {
-        let d = d_ident(e);
-        match p {
-            Par::Serial => quote!(#fc::builder::Axis::serial(#d)),
-            Par::DIDx => quote!(#fc::builder::Axis::didx(#d)),
-            Par::Stream => quote!(#fc::builder::Axis::stream(#d)),
-        }
-    });
-    quote!(&[#(#list),*])
-}
-
-fn mesh(m: &Mesh) -> TokenStream {
-    let fc = fc();
-    match m {
-        Mesh::World => quote!(#fc::ir::DeviceMesh::World),
-        Mesh::Devices(d) => quote!(#fc::ir::DeviceMesh::devices([#(#d),*])),
-    }
-}
-
-/// The extents the steps use, with everything they are built from, in arena order.
-fn used_dims(checked: &Checked) -> Vec<DimId> {
-    let dims = &checked.model.dims;
-    let mut used = vec![false; dims.len()];
-    let mut stack = Vec::new();
-    for s in &checked.steps {
-        match s {
-            Step::Input { decl, .. } | Step::Declare { decl, .. } => {
-                stack.extend(decl.axes.iter().map(|a| a.0));
-            }
-            Step::Op { op, .. } => match op {
-                Op::Select { index, .. } => stack.push(*index),
-                Op::Slice { start, stop, .. } => stack.extend([*start, *stop]),
-                Op::Split { outer, .. } => stack.push(*outer),
-                _ => {}
-            },
-            _ => {}
-        }
-    }
-    while let Some(d) = stack.pop() {
-        if std::mem::replace(&mut used[d.0 as usize], true) {
-            continue;
-        }
-        if let DimNode::Bin(_, a, b) = dims.node(d) {
-            stack.extend([*a, *b]);
-        }
-    }
-    (0..dims.len() as u32)
-        .map(DimId)
-        .filter(|d| used[d.0 as usize])
-        .collect()
-}
-
+/// The generated `build`: the builder calls the checker made, in order.
 fn build_fn(checked: &Checked, params: &[Ident]) -> TokenStream {
-    let fc = fc();
-    let b = hygienic("__builder");
-    let dims = &checked.model.dims;
-    let dim_lets = used_dims(checked).into_iter().map(|d| {
-        let id = d_ident(d);
-        let value = match dims.node(d) {
-            DimNode::Const(v) => quote!(#b.constant(#v)),
-            DimNode::Sym(s) => quote!(#b.symbol(#s)),
-            DimNode::Bin(op, x, y) => {
-                let op = match op {
-                    DimOp::Add => quote!(Add),
-                    DimOp::Sub => quote!(Sub),
-                    DimOp::Mul => quote!(Mul),
-                    DimOp::Div => quote!(Div),
-                };
-                let (x, y) = (d_ident(*x), d_ident(*y));
-                quote!(#b.scalar_op(#fc::ir::ScalarOp::#op, #x, #y))
-            }
-        };
-        quote!(let #id = #value;)
-    });
-    let steps = checked.steps.iter().map(|s| step(&b, s, params));
+    let (fc, b, stmts) = (fc(), emit::builder(), &checked.stmts);
     quote! {
         #[allow(non_snake_case)]
         pub fn build(#(#params: #fc::DType),*) -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
             let mut #b = #fc::builder::FusionBuilder::new();
-            #(#dim_lets)*
-            #(#steps)*
+            #(#stmts)*
             #b.build()
-        }
-    }
-}
-
-fn step(b: &Ident, s: &Step, params: &[Ident]) -> TokenStream {
-    let fc = fc();
-    match s {
-        Step::Input { out, name, decl } => {
-            let (t, dt, ax) = (t_ident(*out), dtype(decl.dtype, params), axes(decl));
-            match decl.mesh {
-                Mesh::World => quote!(let #t = #b.input(#name, #dt, #ax)?;),
-                ref m => {
-                    let m = mesh(m);
-                    quote!(let #t = #b.input_on(#name, #dt, #ax, #m)?;)
-                }
-            }
-        }
-        Step::Op { out, op, inputs } => {
-            let t = t_ident(*out);
-            let ins: Vec<Ident> = inputs.iter().map(|&i| t_ident(i)).collect();
-            let x = &ins[0];
-            let call = match op {
-                Op::Set => quote!(#b.set(#x)),
-                Op::Unary(u) => {
-                    let u = match u {
-                        Unary::Neg => quote!(Neg),
-                        Unary::Relu => quote!(Relu),
-                        Unary::Gelu => quote!(Gelu),
-                        Unary::Exp => quote!(Exp),
-                        Unary::Tanh => quote!(Tanh),
-                        Unary::Sigmoid => quote!(Sigmoid),
-                        Unary::Abs => quote!(Abs),
-                        Unary::Sqrt => quote!(Sqrt),
-                        Unary::GeluTanh => quote!(GeluTanh),
-                        Unary::Silu => quote!(Silu),
-                    };
-                    quote!(#b.unary(#fc::ir::UnaryOp::#u, #x))
-                }
-                Op::Cast(d) => {
-                    let d = dtype(*d, params);
-                    quote!(#b.cast(#x, #d))
-                }
-                Op::Binary(op) => {
-                    let op = match op {
-                        Binary::Add => quote!(Add),
-                        Binary::Sub => quote!(Sub),
-                        Binary::Mul => quote!(Mul),
-                        Binary::Div => quote!(Div),
-                        Binary::Max => quote!(Max),
-                        Binary::Min => quote!(Min),
-                    };
-                    let y = &ins[1];
-                    quote!(#b.binary(#fc::ir::BinaryOp::#op, #x, #y))
-                }
-                Op::Reduce { op, axes } => {
-                    let op = match op {
-                        Reduce::Sum => quote!(Sum),
-                        Reduce::Max => quote!(Max),
-                    };
-                    quote!(#b.reduce(#fc::ir::ReduceOp::#op, #x, &[#(#axes),*]))
-                }
-                Op::Broadcast { flags } => quote!(#b.broadcast(#x, &[#(#flags),*])),
-                Op::Matmul => {
-                    let y = &ins[1];
-                    quote!(#b.matmul(#x, #y))
-                }
-                Op::Linear => {
-                    let w = &ins[1];
-                    match ins.get(2) {
-                        Some(bias) => {
-                            quote!(#b.linear(#x, #w, ::core::option::Option::Some(#bias)))
-                        }
-                        None => quote!(#b.linear(#x, #w, ::core::option::Option::None)),
-                    }
-                }
-                Op::Select { axis, index } => {
-                    let i = d_ident(*index);
-                    quote!(#b.select(#x, #axis, #i))
-                }
-                Op::Slice { axis, start, stop } => {
-                    let (s, e) = (d_ident(*start), d_ident(*stop));
-                    quote!(#b.slice(#x, #axis, #s, #e))
-                }
-                Op::Split { axis, outer } => {
-                    let o = d_ident(*outer);
-                    quote!(#b.split(#x, #axis, #o))
-                }
-            };
-            quote!(let #t = #call?;)
-        }
-        Step::Declare {
-            out,
-            src,
-            decl,
-            set_mesh,
-        } => {
-            let (t, s, dt, ax) = (
-                t_ident(*out),
-                t_ident(*src),
-                dtype(decl.dtype, params),
-                axes(decl),
-            );
-            let m = set_mesh.then(|| {
-                let m = mesh(&decl.mesh);
-                quote!(#b.set_mesh(#t, #m);)
-            });
-            quote! {
-                let #t = #b.declare(#s, #dt, #ax)?;
-                #m
-            }
-        }
-        Step::Name { t, name } => {
-            let t = t_ident(*t);
-            quote!(#b.name(#t, #name);)
-        }
-        Step::Output { out, src } => {
-            let (t, s) = (t_ident(*out), t_ident(*src));
-            quote!(let #t = #b.output(#s)?;)
         }
     }
 }
@@ -523,12 +314,12 @@ fn step(b: &Ident, s: &Step, params: &[Ident]) -> TokenStream {
 fn static_asserts(checked: &Checked) -> TokenStream {
     let mut seen: Vec<String> = Vec::new();
     let mut out = TokenStream::new();
-    for (fact, span) in &checked.model.facts {
+    for (fact, span) in &checked.facts {
         let cond = match *fact {
-            Fact::Eq(a, b) => quote!(#a == #b),
-            Fact::Divides { n, by } => quote!(#by > 0 && #n % #by == 0),
-            Fact::Lt(a, b) => quote!(#a < #b),
-            Fact::Le(a, b) => quote!(#a <= #b),
+            LiteralFact::Eq(a, b) => quote!(#a == #b),
+            LiteralFact::Divides { n, by } => quote!(#by > 0 && #n % #by == 0),
+            LiteralFact::Lt(a, b) => quote!(#a < #b),
+            LiteralFact::Le(a, b) => quote!(#a <= #b),
         };
         let key = cond.to_string();
         if seen.contains(&key) {

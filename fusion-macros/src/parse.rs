@@ -7,7 +7,7 @@
 //! ret     := type | `(` type,* `)`
 //! type    := `Tensor` `<` (dtype | dtype-param) `,` `[` axis,* `]` (`,` `mesh` `=` `[` int,* `]`)? `>`
 //! axis    := dim (`@` parallel)?
-//! dim     := symbol | int | dim (`+`|`-`|`*`|`/`) dim | `(` dim `)`
+//! dim     := symbol | int | dim (`+`|`-`|`*`|`/`) dim | `(` dim `)` (a Rust expression)
 //! body    := (`let` name (`:` type)? `=` expr `;`)* expr
 //! ```
 //!
@@ -61,48 +61,13 @@ pub struct TensorType {
     pub span: SpanRange,
 }
 
-/// One axis: an extent and an optional `@ Parallel`.
+/// One axis: an extent and an optional `@ Parallel`. The extent is an expression the
+/// checker reads: a symbol, an integer, or `+ - * /` of them.
 #[derive(Clone)]
 pub struct AxisSpec {
-    pub dim: Dim,
+    pub dim: syn::Expr,
     pub parallel: Option<Ident>,
     pub span: SpanRange,
-}
-
-/// An extent expression.
-#[derive(Clone)]
-pub enum Dim {
-    /// A dimension symbol (a generic parameter).
-    Sym(Ident),
-    /// A literal extent.
-    Lit { value: i64, span: Span },
-    /// `lhs op rhs`.
-    Bin {
-        op: DimOp,
-        lhs: Box<Dim>,
-        rhs: Box<Dim>,
-        span: SpanRange,
-    },
-}
-
-/// Arithmetic on extents.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DimOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
-}
-
-impl Dim {
-    /// The source range of the whole expression.
-    pub fn span(&self) -> SpanRange {
-        match self {
-            Dim::Sym(i) => SpanRange::single(i.span()),
-            Dim::Lit { span, .. } => SpanRange::single(*span),
-            Dim::Bin { span, .. } => *span,
-        }
-    }
 }
 
 /// `mesh = [0, 1]`: the devices a tensor lives on.
@@ -152,17 +117,18 @@ impl Parse for FusionDef {
         let (dims, dtype_params) = parse_generics(input)?;
         let content;
         parenthesized!(content in input);
-        let mut params = Vec::new();
-        while !content.is_empty() {
-            let name: Ident = content.parse()?;
-            content.parse::<Token![:]>()?;
-            let ty: TensorType = content.parse()?;
-            params.push(Param { name, ty });
-            if content.is_empty() {
-                break;
-            }
-            content.parse::<Token![,]>()?;
-        }
+        let param = |input: ParseStream| {
+            let name: Ident = input.parse()?;
+            input.parse::<Token![:]>()?;
+            Ok(Param {
+                name,
+                ty: input.parse()?,
+            })
+        };
+        let params = content
+            .parse_terminated(param, Token![,])?
+            .into_iter()
+            .collect();
         if !input.peek(Token![->]) {
             return Err(syn::Error::new(
                 name.span(),
@@ -283,14 +249,8 @@ impl Parse for TensorType {
         let content;
         let bracket = bracketed!(content in input);
         let axes_span = SpanRange::single(bracket.span.join());
-        let mut axes = Vec::new();
-        while !content.is_empty() {
-            axes.push(parse_axis(&content)?);
-            if content.is_empty() {
-                break;
-            }
-            content.parse::<Token![,]>()?;
-        }
+        let axes = content.parse_terminated(parse_axis, Token![,])?;
+        let axes = axes.into_iter().collect();
         let mut mesh = None;
         if input.peek(Token![,]) {
             input.parse::<Token![,]>()?;
@@ -338,8 +298,8 @@ fn parse_mesh(input: ParseStream) -> syn::Result<MeshSpec> {
 }
 
 fn parse_axis(input: ParseStream) -> syn::Result<AxisSpec> {
-    let dim = parse_dim(input)?;
-    let mut span = dim.span();
+    let dim: syn::Expr = input.parse()?;
+    let mut span = SpanRange::of(&dim);
     let parallel = if input.peek(Token![@]) {
         input.parse::<Token![@]>()?;
         let p: Ident = input.parse().map_err(|e| {
@@ -358,119 +318,6 @@ fn parse_axis(input: ParseStream) -> syn::Result<AxisSpec> {
         parallel,
         span,
     })
-}
-
-/// `dim := term ((+|-) term)*`
-pub fn parse_dim(input: ParseStream) -> syn::Result<Dim> {
-    let mut lhs = parse_term(input)?;
-    loop {
-        let op = if input.peek(Token![+]) && !input.peek(Token![+=]) {
-            input.parse::<Token![+]>()?;
-            DimOp::Add
-        } else if input.peek(Token![-]) && !input.peek(Token![->]) && !input.peek(Token![-=]) {
-            input.parse::<Token![-]>()?;
-            DimOp::Sub
-        } else {
-            return Ok(lhs);
-        };
-        let rhs = parse_term(input)?;
-        lhs = bin(op, lhs, rhs);
-    }
-}
-
-fn parse_term(input: ParseStream) -> syn::Result<Dim> {
-    let mut lhs = parse_atom(input)?;
-    loop {
-        let op = if input.peek(Token![*]) && !input.peek(Token![*=]) {
-            input.parse::<Token![*]>()?;
-            DimOp::Mul
-        } else if input.peek(Token![/]) && !input.peek(Token![/=]) {
-            input.parse::<Token![/]>()?;
-            DimOp::Div
-        } else {
-            return Ok(lhs);
-        };
-        let rhs = parse_atom(input)?;
-        lhs = bin(op, lhs, rhs);
-    }
-}
-
-fn bin(op: DimOp, lhs: Dim, rhs: Dim) -> Dim {
-    let span = lhs.span().to(rhs.span());
-    Dim::Bin {
-        op,
-        lhs: Box::new(lhs),
-        rhs: Box::new(rhs),
-        span,
-    }
-}
-
-fn parse_atom(input: ParseStream) -> syn::Result<Dim> {
-    if input.peek(syn::token::Paren) {
-        let content;
-        parenthesized!(content in input);
-        let d = parse_dim(&content)?;
-        if !content.is_empty() {
-            return Err(content.error("expected `)` after the dimension"));
-        }
-        return Ok(d);
-    }
-    if input.peek(LitInt) {
-        let lit: LitInt = input.parse()?;
-        let value = lit.base10_parse::<i64>()?;
-        return Ok(Dim::Lit {
-            value,
-            span: lit.span(),
-        });
-    }
-    if input.peek(Ident) {
-        return Ok(Dim::Sym(input.parse()?));
-    }
-    Err(input.error(
-        "expected a dimension: a symbol from the fusion's generics (`m`), an integer \
-         (`1024`), or `+ - * /` of them",
-    ))
-}
-
-/// Converts an op argument (`s`, `4`, `k / 2`) to a dimension expression.
-pub fn dim_from_expr(e: &syn::Expr) -> syn::Result<Dim> {
-    use syn::{BinOp, Expr, Lit};
-    match e {
-        Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
-            Ok(Dim::Sym(p.path.get_ident().expect("checked").clone()))
-        }
-        Expr::Lit(l) => match &l.lit {
-            Lit::Int(i) => Ok(Dim::Lit {
-                value: i.base10_parse()?,
-                span: i.span(),
-            }),
-            _ => Err(SpanRange::of(e).error("expected an integer extent or index")),
-        },
-        Expr::Paren(p) => dim_from_expr(&p.expr),
-        Expr::Group(g) => dim_from_expr(&g.expr),
-        Expr::Binary(b) => {
-            let op = match b.op {
-                BinOp::Add(_) => DimOp::Add,
-                BinOp::Sub(_) => DimOp::Sub,
-                BinOp::Mul(_) => DimOp::Mul,
-                BinOp::Div(_) => DimOp::Div,
-                _ => {
-                    return Err(SpanRange::of(&b.op)
-                        .error("extents combine with `+`, `-`, `*` and `/` only"))
-                }
-            };
-            Ok(Dim::Bin {
-                op,
-                lhs: Box::new(dim_from_expr(&b.left)?),
-                rhs: Box::new(dim_from_expr(&b.right)?),
-                span: SpanRange::of(e),
-            })
-        }
-        _ => Err(SpanRange::of(e).error(
-            "expected a dimension: a symbol from the fusion's generics, an integer, or `+ - * /` \
-             of them",
-        )),
-    }
 }
 
 impl Parse for Body {

@@ -1,7 +1,9 @@
 //! Starting a test binary as several processes of one launched world, the way torchrun
 //! would (with the explicit `FUSION_*` launcher variables), and collecting what each said.
 
+use std::io::Read;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A free TCP port on this host (bound and released; good enough for one test).
@@ -68,6 +70,162 @@ pub fn launch_exe(
     per_rank: impl Fn(usize) -> Vec<(String, String)>,
     limit: Duration,
 ) -> Vec<Ended> {
+    start_exe(exe, vars, size, ranks, args, env, per_rank).finish(limit)
+}
+
+/// Processes of a launched world that are still running: their output so far can be read
+/// and they can be signalled before [`Running::finish`] collects them.
+pub struct Running {
+    start: Instant,
+    children: Vec<(usize, Child)>,
+    /// Each process's stdout and stderr so far, read on threads as it comes.
+    output: Vec<(Said, Said)>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// What one stream of a process has said so far.
+type Said = Arc<Mutex<String>>;
+
+/// Copies everything `from` says into `into`, as it comes.
+fn collect(
+    mut from: impl Read + Send + 'static,
+    into: Arc<Mutex<String>>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = from.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            into.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    })
+}
+
+impl Running {
+    /// The index in this launch of `rank`.
+    fn position(&self, rank: usize) -> usize {
+        self.children
+            .iter()
+            .position(|(r, _)| *r == rank)
+            .expect("a launched rank")
+    }
+
+    /// `rank`'s process id.
+    pub fn pid(&self, rank: usize) -> u32 {
+        self.children[self.position(rank)].1.id()
+    }
+
+    /// Waits until `rank`'s stdout contains `needle` (false after `limit`, or once the
+    /// process has exited without saying it).
+    pub fn wait_for_output(&mut self, rank: usize, needle: &str, limit: Duration) -> bool {
+        let i = self.position(rank);
+        let said =
+            |o: &Arc<Mutex<String>>| o.lock().unwrap_or_else(|p| p.into_inner()).contains(needle);
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if said(&self.output[i].0) {
+                return true;
+            }
+            if matches!(self.children[i].1.try_wait(), Ok(Some(_))) {
+                std::thread::sleep(Duration::from_millis(100)); // its last output
+                return said(&self.output[i].0);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    /// Sends `signal` (`KILL`, `STOP`, `CONT`, ...) to `rank`'s process.
+    pub fn signal(&self, rank: usize, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid(rank).to_string())
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill -{signal} of rank {rank}: {status}");
+    }
+
+    /// Seconds since the processes started.
+    pub fn seconds(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// Waits until every process has exited or `until(rank)` says to stop waiting for it
+    /// (for a process the test froze); kills what is still running after `limit`, then
+    /// every process not yet ended (so none outlives the test), and collects them all.
+    pub fn finish_when(
+        mut self,
+        limit: Duration,
+        mut keep_waiting: impl FnMut(usize, &[Option<(Option<i32>, f64)>]) -> bool,
+    ) -> Vec<Ended> {
+        let mut codes: Vec<Option<(Option<i32>, f64)>> = vec![None; self.children.len()];
+        loop {
+            for (i, (_, c)) in self.children.iter_mut().enumerate() {
+                if codes[i].is_none() {
+                    if let Ok(Some(status)) = c.try_wait() {
+                        codes[i] = Some((status.code(), self.start.elapsed().as_secs_f64()));
+                    }
+                }
+            }
+            let waiting: Vec<usize> = (0..self.children.len())
+                .filter(|&i| codes[i].is_none())
+                .collect();
+            let go_on = waiting
+                .iter()
+                .any(|&i| keep_waiting(self.children[i].0, &codes));
+            if waiting.is_empty() || !go_on || self.start.elapsed() > limit {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for (i, (_, c)) in self.children.iter_mut().enumerate() {
+            if codes[i].is_none() {
+                let _ = c.kill();
+                let _ = c.wait();
+                codes[i] = Some((None, self.start.elapsed().as_secs_f64()));
+            }
+        }
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+        self.children
+            .iter()
+            .zip(&self.output)
+            .zip(codes)
+            .map(|(((rank, _), (out, err)), code)| {
+                let (code, seconds) = code.expect("waited");
+                let text =
+                    |s: &Arc<Mutex<String>>| s.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                Ended {
+                    rank: *rank,
+                    code,
+                    stdout: text(out),
+                    stderr: text(err),
+                    seconds,
+                }
+            })
+            .collect()
+    }
+
+    /// Waits for every process (killing any still running after `limit`).
+    pub fn finish(self, limit: Duration) -> Vec<Ended> {
+        self.finish_when(limit, |_, _| true)
+    }
+}
+
+/// Starts `exe` once per rank in `ranks` of a world of `size` (see [`launch_exe`]).
+pub fn start_exe(
+    exe: &std::path::Path,
+    vars: Vars,
+    size: usize,
+    ranks: &[usize],
+    args: &[&str],
+    env: &[(&str, String)],
+    per_rank: impl Fn(usize) -> Vec<(String, String)>,
+) -> Running {
     let port = free_port();
     let start = Instant::now();
     let mut children: Vec<(usize, Child)> = ranks
@@ -124,60 +282,23 @@ pub fn launch_exe(
         })
         .collect();
     // Drain the pipes on threads so a chatty child never blocks on a full pipe.
-    let readers: Vec<_> = children
-        .iter_mut()
-        .map(|(_, c)| {
-            let mut out = c.stdout.take().expect("piped");
-            let mut err = c.stderr.take().expect("piped");
-            (
-                std::thread::spawn(move || {
-                    let mut s = String::new();
-                    let _ = std::io::Read::read_to_string(&mut out, &mut s);
-                    s
-                }),
-                std::thread::spawn(move || {
-                    let mut s = String::new();
-                    let _ = std::io::Read::read_to_string(&mut err, &mut s);
-                    s
-                }),
-            )
-        })
-        .collect();
-    let mut codes: Vec<Option<(Option<i32>, f64)>> = vec![None; children.len()];
-    while codes.iter().any(Option::is_none) {
-        for (i, (_, c)) in children.iter_mut().enumerate() {
-            if codes[i].is_none() {
-                if let Ok(Some(status)) = c.try_wait() {
-                    codes[i] = Some((status.code(), start.elapsed().as_secs_f64()));
-                }
-            }
-        }
-        if start.elapsed() > limit {
-            for (i, (_, c)) in children.iter_mut().enumerate() {
-                if codes[i].is_none() {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                    codes[i] = Some((None, start.elapsed().as_secs_f64()));
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let mut output = Vec::new();
+    let mut readers = Vec::new();
+    for (_, c) in children.iter_mut() {
+        let (out, err) = (
+            Arc::new(Mutex::new(String::new())),
+            Arc::new(Mutex::new(String::new())),
+        );
+        readers.push(collect(c.stdout.take().expect("piped"), out.clone()));
+        readers.push(collect(c.stderr.take().expect("piped"), err.clone()));
+        output.push((out, err));
     }
-    children
-        .into_iter()
-        .zip(readers)
-        .zip(codes)
-        .map(|(((rank, _), (out, err)), code)| {
-            let (code, seconds) = code.expect("waited");
-            Ended {
-                rank,
-                code,
-                stdout: out.join().unwrap_or_default(),
-                stderr: err.join().unwrap_or_default(),
-                seconds,
-            }
-        })
-        .collect()
+    Running {
+        start,
+        children,
+        output,
+        readers,
+    }
 }
 
 /// Panics with every process's log unless all exited with status 0.

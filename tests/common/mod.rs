@@ -394,3 +394,20 @@ pub fn assert_close(expected: &RefArray, got: &Tensor, tol: f64, what: &str) {
     }
     assert!(e < tol, "{what}: relative error {e:.3e} >= {tol:.1e}");
 }
+
+/// insta settings that look for snapshots in `tests/snapshots/` of the repository the test
+/// runs in (the current directory or the first above it that has one: where `cargo test`
+/// and the staged GPU binaries run), not under the path the binary was built at; the
+/// build's own directory when none is found.
+pub fn snapshots_here() -> insta::Settings {
+    let mut settings = insta::Settings::clone_current();
+    let here = std::env::current_dir().ok().and_then(|d| {
+        d.ancestors()
+            .map(|a| a.join("tests").join("snapshots"))
+            .find(|p| p.is_dir())
+    });
+    settings.set_snapshot_path(here.unwrap_or_else(|| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots")
+    }));
+    settings
+}

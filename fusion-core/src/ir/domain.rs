@@ -28,6 +28,13 @@ pub enum ParallelType {
 }
 
 impl ParallelType {
+    /// Every parallel type (`fusion!` takes their names from here).
+    pub const ALL: [ParallelType; 3] = [
+        ParallelType::DIDx,
+        ParallelType::Stream,
+        ParallelType::Serial,
+    ];
+
     /// Name used in the DSL (`DIDx`, `Stream`) and in messages.
     pub fn name(self) -> &'static str {
         match self {

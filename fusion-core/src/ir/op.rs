@@ -22,14 +22,17 @@ pub enum UnaryOp {
     GeluTanh,
     /// `x * sigmoid(x)` (SiLU, the gated MLP's activation).
     Silu,
+    /// `1 / sqrt(x)` (the scale of RMS and layer norms).
+    Rsqrt,
 }
 
 impl UnaryOp {
-    /// Every unary op, for tables and tests.
-    pub const ALL: [UnaryOp; 10] = [
-        UnaryOp::Neg,
+    /// Every unary op, in the order the DSL lists them (`fusion!` takes its op names
+    /// from here).
+    pub const ALL: [UnaryOp; 11] = [
         UnaryOp::Relu,
         UnaryOp::Gelu,
+        UnaryOp::Neg,
         UnaryOp::Exp,
         UnaryOp::Tanh,
         UnaryOp::Sigmoid,
@@ -37,6 +40,7 @@ impl UnaryOp {
         UnaryOp::Sqrt,
         UnaryOp::GeluTanh,
         UnaryOp::Silu,
+        UnaryOp::Rsqrt,
     ];
 
     /// DSL and dump name.
@@ -52,6 +56,7 @@ impl UnaryOp {
             UnaryOp::Sqrt => "sqrt",
             UnaryOp::GeluTanh => "gelu_tanh",
             UnaryOp::Silu => "silu",
+            UnaryOp::Rsqrt => "rsqrt",
         }
     }
 
@@ -71,6 +76,7 @@ impl UnaryOp {
                 0.5 * x * (1.0 + inner.tanh())
             }
             UnaryOp::Silu => x / (1.0 + (-x).exp()),
+            UnaryOp::Rsqrt => 1.0 / x.sqrt(),
         }
     }
 }
@@ -110,7 +116,7 @@ pub enum BinaryOp {
 }
 
 impl BinaryOp {
-    /// Every binary op, for tables and tests.
+    /// Every binary op (`fusion!` takes the names of its named forms from here).
     pub const ALL: [BinaryOp; 6] = [
         BinaryOp::Add,
         BinaryOp::Sub,
@@ -164,6 +170,9 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// Every reduction (`fusion!` takes its op names from here).
+    pub const ALL: [ReduceOp; 2] = [ReduceOp::Sum, ReduceOp::Max];
+
     /// DSL and dump name.
     pub fn name(self) -> &'static str {
         match self {
@@ -334,6 +343,9 @@ mod tests {
         assert!(close(UnaryOp::GeluTanh.apply_f64(-2.0), -0.045_402_3));
         assert!(close(UnaryOp::Silu.apply_f64(1.0), 0.731_058_6));
         assert!(close(UnaryOp::Silu.apply_f64(-3.0), -0.142_277_2));
+        assert!(close(UnaryOp::Rsqrt.apply_f64(4.0), 0.5));
+        assert!(close(UnaryOp::Rsqrt.apply_f64(0.01), 10.0));
+        assert!(UnaryOp::Rsqrt.apply_f64(0.0).is_infinite());
         for (i, op) in UnaryOp::ALL.iter().enumerate() {
             assert!(
                 UnaryOp::ALL[..i].iter().all(|o| o.name() != op.name()),

@@ -82,7 +82,8 @@ pub enum Scalar {
     Binary(ScalarOp, ScalarId, ScalarId),
 }
 
-/// Displays a scalar expression in the nvFuser dump style: `( i0 * i2 )`.
+/// Displays a scalar expression in the nvFuser dump style, `( i0 * i2 )`, or with `{:#}`
+/// as the DSL writes it, `i0 * i2` (inner operations in parentheses), for messages.
 pub struct ScalarDisplay<'a> {
     pub(crate) scalars: &'a [Scalar],
     pub(crate) id: ScalarId,
@@ -96,19 +97,21 @@ impl fmt::Display for ScalarDisplay<'_> {
             Scalar::Named(NamedScalar::Rank) => f.write_str("deviceIdx.x"),
             Scalar::Named(NamedScalar::NumberOfStreams) => f.write_str("numberOfStreams"),
             Scalar::LoopIndex { name, .. } => f.write_str(name),
-            Scalar::Binary(op, a, b) => write!(
-                f,
-                "( {} {} {} )",
-                ScalarDisplay {
+            Scalar::Binary(op, a, b) => {
+                let side = |id: ScalarId| ScalarDisplay {
                     scalars: self.scalars,
-                    id: *a
-                },
-                op.symbol(),
-                ScalarDisplay {
-                    scalars: self.scalars,
-                    id: *b
+                    id,
+                };
+                let (a, b, op) = (side(*a), side(*b), op.symbol());
+                if !f.alternate() {
+                    return write!(f, "( {a} {op} {b} )");
                 }
-            ),
+                let nested = |id: &ScalarDisplay| match &self.scalars[id.id.index()] {
+                    Scalar::Binary(..) => format!("({id:#})"),
+                    _ => format!("{id:#}"),
+                };
+                write!(f, "{} {op} {}", nested(&a), nested(&b))
+            }
         }
     }
 }

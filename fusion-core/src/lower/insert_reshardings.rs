@@ -7,6 +7,7 @@
 //! unlike its input gets a `set` after it.
 
 use super::resharding::{classify, describe, MeshContext, Resharding};
+use crate::builder::Site;
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 
@@ -109,7 +110,8 @@ fn reshard_input(
         return Err(Error::Resharding {
             expr: describe(f, &e),
             reason: format!(
-                "input `{}` would need a resharding that {reason}",
+                "its input `{}` would have to be resharded to the result's layout first, \
+                 and that copy cannot be lowered: {reason}",
                 f.tensor_name(x)
             ),
         });
@@ -201,7 +203,8 @@ fn split_reduction(f: &mut Fusion, id: ExprId, ctx: MeshContext) -> Result<Split
                 .collect();
             let mesh = f.tensor(x).mesh.clone();
             let dtype = f.tensor(y).dtype;
-            let tmp = f.new_tensor(None, dtype, domains, mesh);
+            let name = f.tensor(x).name.as_ref().map(|n| format!("{n}_reduced"));
+            let tmp = f.new_tensor(name, dtype, domains, mesh);
             f.expr_mut(id).output = tmp;
             f.set_definition(tmp, id);
             // `y` is now a set's output: it stores the same axes but reduces none.
@@ -221,9 +224,45 @@ fn split_reduction(f: &mut Fusion, id: ExprId, ctx: MeshContext) -> Result<Split
             let set_expr = f.expr(set).clone();
             classify(f, &set_expr, ctx).map_err(|err| Error::Resharding {
                 expr: describe(f, &e),
-                reason: err.to_string(),
+                reason: format!(
+                    "it reduces locally, keeping the sharding of `{}`, so its result must be \
+                     copied to the declared layout after, and that copy cannot be lowered: {}",
+                    f.tensor_name(x),
+                    match err {
+                        Error::Resharding { reason, .. } => reason,
+                        other => other.to_string(),
+                    }
+                ),
             })?;
             Ok(Split::After(set))
         }
     }
+}
+
+/// What lowering will certainly reject, found without the world size (DESIGN.md section
+/// 3, rule 4): each expression an output needs is taken through [`insert_reshardings`]
+/// on its own, and the errors that do not depend on the world size are returned with the
+/// expression they are about. Errors of [`crate::builder::problems`] come first; when
+/// there are any, the reshardings are not looked at.
+pub fn check(f: &Fusion) -> Vec<(Site, Error)> {
+    let problems = crate::builder::problems(f);
+    if !problems.is_empty() {
+        return problems;
+    }
+    let ctx = MeshContext { world_size: None };
+    super::live_exprs(f)
+        .into_iter()
+        .filter_map(|id| {
+            let mut scratch = f.clone();
+            match insert_reshardings(&mut scratch, &mut vec![id], ctx) {
+                Err(e) if !needs_world_size(&e) => Some((Site::Expr(id), e)),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// True for the errors a resharding raises only because the world size is unknown.
+fn needs_world_size(e: &Error) -> bool {
+    matches!(e, Error::Resharding { reason, .. } if reason.contains("world size is needed"))
 }

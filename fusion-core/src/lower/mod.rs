@@ -20,7 +20,7 @@ use crate::hir::{for_each_node, CommBackend, HostProgram, Node};
 use crate::ir::{DeviceMesh, ExprId, Fusion, Op, ScalarId};
 use crate::pass::{PassContext, PassDump, PassManager};
 
-pub use insert_reshardings::insert_reshardings;
+pub use insert_reshardings::{check, insert_reshardings};
 pub use pipelining::{PipelineDecision, Pipelining, AUTO_MIN_CHUNK_ROWS};
 pub use resharding::{classify, CommSpec, MeshContext, Resharding};
 
@@ -229,6 +229,7 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
                         "its mesh {} names device {bad}, but the world has {world_size} devices",
                         f.tensor(t).mesh
                     ),
+                    culprit: None,
                 });
             }
             let unique: HashSet<_> = d.iter().collect();
@@ -237,6 +238,7 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
                     tensor: f.tensor_name(t),
                     axis: None,
                     reason: format!("mesh {} must list distinct devices", f.tensor(t).mesh),
+                    culprit: None,
                 });
             }
         }
@@ -245,7 +247,7 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
 }
 
 /// Expressions some output depends on, in topological (creation) order.
-fn live_exprs(f: &Fusion) -> Vec<ExprId> {
+pub(crate) fn live_exprs(f: &Fusion) -> Vec<ExprId> {
     let mut live = vec![false; f.exprs().len()];
     let mut stack: Vec<_> = f.outputs().to_vec();
     let mut seen = HashSet::new();

@@ -56,11 +56,22 @@ impl MeshContext {
         }
     }
 
-    fn same_mesh(&self, a: &DeviceMesh, b: &DeviceMesh) -> bool {
+    /// Whether two meshes are the same; `None` when that depends on the world size.
+    fn same_mesh(&self, a: &DeviceMesh, b: &DeviceMesh) -> Option<bool> {
         match (self.devices(a), self.devices(b)) {
-            (Some(x), Some(y)) => x == y,
-            _ => a == b,
+            (Some(x), Some(y)) => Some(x == y),
+            _ => (a == b).then_some(true),
         }
+    }
+
+    /// [`MeshContext::same_mesh`], or the error that the world size is needed to lower
+    /// expression `e`.
+    fn same_mesh_of(&self, f: &Fusion, e: &Expr) -> Result<bool> {
+        let (a, b) = (&f.tensor(e.inputs[0]).mesh, &f.tensor(e.output).mesh);
+        self.same_mesh(a, b).ok_or_else(|| Error::Resharding {
+            expr: describe(f, e),
+            reason: format!("the world size is needed to compare the meshes {a} and {b}"),
+        })
     }
 
     fn size(&self, mesh: &DeviceMesh) -> Option<usize> {
@@ -85,15 +96,10 @@ pub(crate) fn stored_index(f: &Fusion, t: TensorId, pos: usize) -> usize {
         .expect("axis is stored")
 }
 
-/// Describes an expression for error messages: `T3 = set(a)`.
+/// Describes an expression for error messages: `set(a)`, `matmul(x, w)`.
 pub(crate) fn describe(f: &Fusion, e: &Expr) -> String {
     let ins: Vec<String> = e.inputs.iter().map(|&t| f.tensor_name(t)).collect();
-    format!(
-        "{} = {}({})",
-        f.tensor_name(e.output),
-        e.op.name(),
-        ins.join(", ")
-    )
+    format!("{}({})", e.op.name(), ins.join(", "))
 }
 
 /// Classifies expression `e` of fusion `f`.
@@ -118,7 +124,7 @@ pub fn inconsistent_inputs(f: &Fusion, e: &Expr, ctx: MeshContext) -> Vec<usize>
     let mut bad = Vec::new();
     for (i, &t) in e.inputs.iter().enumerate() {
         let p = sharded_axis(f, ctx, t);
-        let ok_mesh = ctx.same_mesh(&f.tensor(t).mesh, out_mesh);
+        let ok_mesh = ctx.same_mesh(&f.tensor(t).mesh, out_mesh) == Some(true);
         let consistent = match (p, c) {
             (None, None) => true,
             (Some(p), Some(c)) => map.producer_axis(i, c) == Some(p),
@@ -147,20 +153,26 @@ fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
     let map = axis_map(f, e);
     let (p, c) = (sharded_axis(f, ctx, x), sharded_axis(f, ctx, y));
     let (in_mesh, out_mesh) = (&f.tensor(x).mesh, &f.tensor(y).mesh);
-    let same = ctx.same_mesh(in_mesh, out_mesh);
+    let same = ctx.same_mesh_of(f, e)?;
     if let (Some(p), Some(s)) = (p, f.find_parallel_axis(y, ParallelType::Stream)) {
         if map.producer_axis(0, s) == Some(p) {
             if !same {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
-                    reason: "the DIDx→Stream pipeline needs input and output on the same mesh"
-                        .into(),
+                    reason: format!(
+                        "turning the DIDx axis of `{}` into a Stream axis (the P2P pipeline) \
+                         needs both on the same mesh, but they live on {in_mesh} and \
+                         {out_mesh}",
+                        f.tensor_name(x)
+                    ),
                 });
             }
             if c.is_some() {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
-                    reason: "the DIDx→Stream pipeline cannot also shard the result along                              another axis (two shardings would change at once); copy in two                              steps"
+                    reason: "the DIDx→Stream pipeline cannot also shard the result along \
+                             another axis (two shardings would change at once); copy in two \
+                             steps"
                         .into(),
                 });
             }
@@ -250,11 +262,12 @@ fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
                     reason: format!(
-                        "two shardings change at once: `{}` is sharded on axis {} but `{}` on \
-                         axis {} (an all-to-all); reshard through an unsharded tensor",
+                        "two shardings change at once: `{}` is sharded on axis {} but the \
+                         result on axis {} (an all-to-all); reshard through an unsharded \
+                         tensor: first copy to a tensor with no DIDx axis (`let full: \
+                         Tensor<..> = x;`), then shard the other axis",
                         f.tensor_name(x),
                         stored_index(f, x, p),
-                        f.tensor_name(y),
                         stored_index(f, y, c)
                     ),
                 });
@@ -267,7 +280,9 @@ fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
                     reason: format!(
-                        "sharded on meshes of different sizes ({} and {} devices)",
+                        "`{}` is sharded over {} devices but the result over {}; a \
+                         sharded-to-sharded copy needs meshes of one size",
+                        f.tensor_name(x),
                         src.len(),
                         dst.len()
                     ),
@@ -314,7 +329,7 @@ fn classify_reduction(
     }
     let p = p.expect("reduces_sharded");
     let (in_mesh, out_mesh) = (&f.tensor(x).mesh, &f.tensor(y).mesh);
-    let same = ctx.same_mesh(in_mesh, out_mesh);
+    let same = ctx.same_mesh_of(f, e)?;
     let src = ctx.devices(in_mesh).ok_or_else(|| Error::Resharding {
         expr: describe(f, e),
         reason: "the world size is needed to lower this reduction".into(),
@@ -335,8 +350,9 @@ fn classify_reduction(
             if !same {
                 return Err(Error::Resharding {
                     expr: describe(f, e),
-                    reason: "a ReduceScatter needs input and output on the same mesh; insert a \
-                             `set` before or after the reduction"
+                    reason: "a ReduceScatter needs input and output on the same mesh; reduce \
+                             on the input's mesh, then copy to the other mesh (a `set`, or a \
+                             `let` annotated with that mesh)"
                         .into(),
                 });
             }
@@ -375,19 +391,4 @@ fn with_root(mesh: &[usize], root: usize) -> Vec<usize> {
         team.push(root);
     }
     team
-}
-
-/// Checks, before the world size is known, that every resharding can be lowered.
-pub fn check_reshardings(f: &Fusion) -> Result<()> {
-    let ctx = MeshContext { world_size: None };
-    for e in f.exprs() {
-        if matches!(e.op, Op::Set | Op::Reduction { .. }) {
-            match classify(f, e, ctx) {
-                Ok(_) => {}
-                Err(Error::Resharding { reason, .. }) if reason.contains("world size") => {}
-                Err(err) => return Err(err),
-            }
-        }
-    }
-    Ok(())
 }

@@ -94,7 +94,9 @@ impl PassManager {
         let known = self.names();
         for n in names {
             if !known.contains(&n.as_str()) {
-                return Err(Error::UnknownPass(n.clone(), known.join(", ")));
+                let hint = crate::suggest::suggest(n, known.iter().copied())
+                    .map_or_else(String::new, |s| format!("; did you mean `{s}`?"));
+                return Err(Error::UnknownPass(n.clone(), known.join(", "), hint));
             }
         }
         Ok(())

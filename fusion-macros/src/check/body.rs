@@ -1,91 +1,54 @@
-//! Body expressions: variables, op calls and infix arithmetic, checked op by op.
+//! Body expressions: variables, op calls and infix arithmetic, each a builder call.
 
+use fusion_core::builder::FusionBuilder;
+use fusion_core::ir::{BinaryOp, ReduceOp, ScalarId, TensorId, UnaryOp};
+use fusion_core::DTypeSpec;
+use proc_macro2::TokenStream;
+use quote::quote;
 use syn::{BinOp, Expr, ExprCall, Lit, UnOp};
 
-use super::dims::DimId;
-use super::model::{Binary, DType, Reduce, Tid, Unary};
-use super::{Checker, Step};
-use crate::parse::dim_from_expr;
-use crate::span::{suggest, SpanRange};
+use super::locate::{label, CallSpans};
+use super::{emit, Checker};
+use crate::span::SpanRange;
+use fusion_core::suggest::suggest;
 
-/// One op of the DSL: its name and the argument list shown in messages.
-struct OpSig {
-    name: &'static str,
-    args: &'static str,
-    min: usize,
-    max: usize,
+/// What an op of the DSL builds: one of `fusion_core`'s elementwise functions or
+/// reductions, or the builder method of that name (`set`, `cast`, `matmul`, ..).
+#[derive(Clone, Copy)]
+enum Kind {
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    Reduce(ReduceOp),
+    Method(&'static str),
 }
 
-const fn sig(name: &'static str, args: &'static str, min: usize, max: usize) -> OpSig {
-    OpSig {
-        name,
-        args,
-        min,
-        max,
-    }
-}
+/// One op of the DSL: its name, what it builds, the argument list shown in messages,
+/// and the least and most arguments it takes.
+type OpSig = (&'static str, Kind, &'static str, usize, usize);
 
-/// Every op the DSL knows.
-const OPS: &[OpSig] = &[
-    sig("set", "x", 1, 1),
-    sig("relu", "x", 1, 1),
-    sig("gelu", "x", 1, 1),
-    sig("neg", "x", 1, 1),
-    sig("exp", "x", 1, 1),
-    sig("tanh", "x", 1, 1),
-    sig("sigmoid", "x", 1, 1),
-    sig("abs", "x", 1, 1),
-    sig("sqrt", "x", 1, 1),
-    sig("gelu_tanh", "x", 1, 1),
-    sig("silu", "x", 1, 1),
-    sig("cast", "x, dtype", 2, 2),
-    sig("add", "a, b", 2, 2),
-    sig("sub", "a, b", 2, 2),
-    sig("mul", "a, b", 2, 2),
-    sig("div", "a, b", 2, 2),
-    sig("maximum", "a, b", 2, 2),
-    sig("minimum", "a, b", 2, 2),
-    sig("sum", "x, axis or [axes]", 2, 2),
-    sig("max", "x, axis or [axes]", 2, 2),
-    sig("broadcast", "x, [flags]", 2, 2),
-    sig("matmul", "a, b", 2, 2),
-    sig("linear", "x, w, bias?", 2, 3),
-    sig("select", "x, axis, index", 3, 3),
-    sig("slice", "x, axis, start, stop", 4, 4),
-    sig("split", "x, axis, outer", 3, 3),
-];
-
-fn unary(name: &str) -> Option<Unary> {
-    Some(match name {
-        "relu" => Unary::Relu,
-        "gelu" => Unary::Gelu,
-        "neg" => Unary::Neg,
-        "exp" => Unary::Exp,
-        "tanh" => Unary::Tanh,
-        "sigmoid" => Unary::Sigmoid,
-        "abs" => Unary::Abs,
-        "sqrt" => Unary::Sqrt,
-        "gelu_tanh" => Unary::GeluTanh,
-        "silu" => Unary::Silu,
-        _ => return None,
-    })
-}
-
-fn binary(name: &str) -> Option<Binary> {
-    Some(match name {
-        "add" => Binary::Add,
-        "sub" => Binary::Sub,
-        "mul" => Binary::Mul,
-        "div" => Binary::Div,
-        "maximum" => Binary::Max,
-        "minimum" => Binary::Min,
-        _ => return None,
-    })
+/// Every op the DSL knows; the elementwise functions and reductions are `fusion_core`'s.
+fn ops() -> Vec<OpSig> {
+    let method = |name, args, min, max| (name, Kind::Method(name), args, min, max);
+    let mut v: Vec<OpSig> = vec![method("set", "x", 1, 1)];
+    v.extend(UnaryOp::ALL.map(|u| (u.name(), Kind::Unary(u), "x", 1, 1)));
+    v.push(method("cast", "x, dtype", 2, 2));
+    v.extend(BinaryOp::ALL.map(|b| (b.name(), Kind::Binary(b), "a, b", 2, 2)));
+    let axes = "x, axis or [axes]";
+    v.extend(ReduceOp::ALL.map(|r| (r.name(), Kind::Reduce(r), axes, 2, 2)));
+    v.extend([
+        method("broadcast", "x, [flags]", 2, 2),
+        method("matmul", "a, b", 2, 2),
+        method("linear", "x, w, bias?", 2, 3),
+        method("select", "x, axis, index", 3, 3),
+        method("slice", "x, axis, start, stop", 4, 4),
+        method("split", "x, axis, outer", 3, 3),
+    ]);
+    v
 }
 
 impl Checker {
     /// Evaluates an expression to a tensor; `None` after an error (already recorded).
-    pub(super) fn eval(&mut self, e: &Expr) -> Option<Tid> {
+    pub(super) fn eval(&mut self, e: &Expr) -> Option<TensorId> {
         let span = SpanRange::of(e);
         match e {
             Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
@@ -93,13 +56,13 @@ impl Checker {
             }
             Expr::Paren(p) => self.eval(&p.expr),
             Expr::Group(g) => self.eval(&g.expr),
-            Expr::Call(call) => self.call(call),
+            Expr::Call(call) => self.call(e, call),
             Expr::Binary(b) => {
                 let op = match b.op {
-                    BinOp::Add(_) => Binary::Add,
-                    BinOp::Sub(_) => Binary::Sub,
-                    BinOp::Mul(_) => Binary::Mul,
-                    BinOp::Div(_) => Binary::Div,
+                    BinOp::Add(_) => BinaryOp::Add,
+                    BinOp::Sub(_) => BinaryOp::Sub,
+                    BinOp::Mul(_) => BinaryOp::Mul,
+                    BinOp::Div(_) => BinaryOp::Div,
                     _ => {
                         self.errors.push(SpanRange::of(&b.op).error(
                             "unsupported operator: fusions combine tensors with `+ - * /` and \
@@ -108,15 +71,14 @@ impl Checker {
                         return None;
                     }
                 };
-                let (l, r) = (self.eval(&b.left), self.eval(&b.right));
-                let (l, r) = (l?, r?);
-                let res = self.m.binary(op, l, r, span);
-                self.op_result(res)
+                let ts = [self.eval(&b.left), self.eval(&b.right)];
+                let spans = CallSpans::of(e, &[&b.left, &b.right]);
+                self.apply(e, &spans, Kind::Binary(op), &ts, &[])
             }
             Expr::Unary(u) if matches!(u.op, UnOp::Neg(_)) => {
-                let x = self.eval(&u.expr)?;
-                let res = self.m.unary(Unary::Neg, x, span);
-                self.op_result(res)
+                let x = self.eval(&u.expr);
+                let spans = CallSpans::of(e, &[&u.expr]);
+                self.apply(e, &spans, Kind::Unary(UnaryOp::Neg), &[x], &[])
             }
             Expr::Lit(_) => {
                 self.errors.push(span.error(
@@ -134,7 +96,7 @@ impl Checker {
             }
             Expr::MethodCall(mc) => {
                 let name = mc.method.to_string();
-                let hint = if OPS.iter().any(|o| o.name == name) {
+                let hint = if ops().iter().any(|o| o.0 == name) {
                     format!("; write `{name}(x, ..)`")
                 } else {
                     String::new()
@@ -154,7 +116,7 @@ impl Checker {
         }
     }
 
-    fn lookup(&mut self, ident: &syn::Ident) -> Option<Tid> {
+    fn lookup(&mut self, ident: &syn::Ident) -> Option<TensorId> {
         let name = ident.to_string();
         if let Some(v) = self.vars.iter().rev().find(|v| v.name == name) {
             return v.value;
@@ -177,28 +139,7 @@ impl Checker {
         None
     }
 
-    /// Records a successful op's step, or its error.
-    fn op_result(&mut self, r: syn::Result<Tid>) -> Option<Tid> {
-        match r {
-            Ok(out) => {
-                let e = self.m.exprs.last().expect("an op adds an expression");
-                debug_assert_eq!(e.output, out);
-                self.steps.push(Step::Op {
-                    out,
-                    op: e.op.clone(),
-                    inputs: e.inputs.clone(),
-                });
-                Some(out)
-            }
-            Err(e) => {
-                self.errors.push(e);
-                None
-            }
-        }
-    }
-
-    fn call(&mut self, call: &ExprCall) -> Option<Tid> {
-        let span = SpanRange::of(call);
+    fn call(&mut self, e: &Expr, call: &ExprCall) -> Option<TensorId> {
         let func = match &*call.func {
             Expr::Path(p) if p.qself.is_none() && p.path.get_ident().is_some() => {
                 p.path.get_ident().expect("checked").clone()
@@ -210,16 +151,17 @@ impl Checker {
             }
         };
         let name = func.to_string();
-        let Some(op) = OPS.iter().find(|o| o.name == name) else {
+        let all = ops();
+        let Some(&(_, kind, sig, min, max)) = all.iter().find(|o| o.0 == name) else {
             let hint = if name == "min" {
                 "; for the elementwise minimum use `minimum(a, b)` (there is no min reduction)"
                     .to_string()
             } else {
-                match suggest(&name, OPS.iter().map(|o| o.name)) {
+                match suggest(&name, all.iter().map(|o| o.0)) {
                     Some(s) => format!("; did you mean `{s}`?"),
                     None => {
-                        let all: Vec<&str> = OPS.iter().map(|o| o.name).collect();
-                        format!("; the ops are {}", all.join(", "))
+                        let names: Vec<&str> = all.iter().map(|o| o.0).collect();
+                        format!("; the ops are {}", names.join(", "))
                     }
                 }
             };
@@ -236,95 +178,135 @@ impl Checker {
             return None;
         };
         let args: Vec<&Expr> = call.args.iter().collect();
-        if args.len() < op.min || args.len() > op.max {
+        if args.len() < min || args.len() > max {
             let parens = SpanRange::single(call.paren_token.span.join());
-            let want = if op.min == op.max {
-                format!("{} argument{}", op.min, if op.min == 1 { "" } else { "s" })
+            let want = if min == max {
+                format!("{min} argument{}", if min == 1 { "" } else { "s" })
             } else {
-                format!("{} or {} arguments", op.min, op.max)
+                format!("{min} or {max} arguments")
             };
             self.errors.push(parens.error(format!(
-                "`{name}` takes {want}, `{name}({})`, but {} {} given",
-                op.args,
+                "`{name}` takes {want}, `{name}({sig})`, but {} {} given",
                 args.len(),
                 if args.len() == 1 { "was" } else { "were" }
             )));
             return None;
         }
-        if let Some(u) = unary(&name) {
-            let x = self.eval(args[0])?;
-            let r = self.m.unary(u, x, span);
-            return self.op_result(r);
-        }
-        if let Some(b) = binary(&name) {
-            let (x, y) = (self.eval(args[0]), self.eval(args[1]));
-            let r = self.m.binary(b, x?, y?, span);
-            return self.op_result(r);
-        }
-        let r = match name.as_str() {
-            "set" => {
-                let x = self.eval(args[0])?;
-                self.m.set(x, span)
-            }
-            "cast" => {
-                let x = self.eval(args[0]);
-                let dt = self.dtype_arg(args[1]);
-                self.m.cast(x?, dt?, span)
-            }
-            "sum" | "max" => {
-                let x = self.eval(args[0]);
-                let axes = self.axes_arg(args[1], &name);
-                let op = if name == "sum" {
-                    Reduce::Sum
-                } else {
-                    Reduce::Max
-                };
-                self.m.reduce(op, x?, &axes?, span)
-            }
-            "broadcast" => {
-                let x = self.eval(args[0]);
-                let flags = self.flags_arg(args[1]);
-                self.m.broadcast(x?, &flags?, SpanRange::of(args[1]), span)
-            }
-            "matmul" => {
-                let (a, b) = (self.eval(args[0]), self.eval(args[1]));
-                self.m.matmul(a?, b?, span)
-            }
-            "linear" => {
-                let (x, w) = (self.eval(args[0]), self.eval(args[1]));
-                let bias = args.get(2).map(|b| self.eval(b));
-                let bias = match bias {
-                    Some(None) => return None,
-                    Some(Some(b)) => Some(b),
-                    None => None,
-                };
-                self.m.linear(x?, w?, bias, span)
-            }
-            "select" => {
-                let x = self.eval(args[0]);
-                let axis = self.axis_arg(args[1]);
-                let index = self.dim_arg(args[2]);
-                self.m.select(x?, axis?, index?, span)
-            }
-            "slice" => {
-                let x = self.eval(args[0]);
-                let axis = self.axis_arg(args[1]);
-                let start = self.dim_arg(args[2]);
-                let stop = self.dim_arg(args[3]);
-                self.m.slice(x?, axis?, start?, stop?, span)
-            }
-            "split" => {
-                let x = self.eval(args[0]);
-                let axis = self.axis_arg(args[1]);
-                let outer = self.dim_arg(args[2]);
-                self.m.split(x?, axis?, outer?, span)
-            }
-            other => unreachable!("op table and dispatch disagree on `{other}`"),
+        let spans = CallSpans::of(e, &args);
+        // Every tensor operand and argument is looked at, so that all their errors are
+        // reported, before the op is built.
+        let tensors = match kind {
+            Kind::Binary(_) | Kind::Method("matmul" | "linear") => args.len(),
+            _ => 1,
         };
-        self.op_result(r)
+        let ts: Vec<Option<TensorId>> = args[..tensors].iter().map(|a| self.eval(a)).collect();
+        self.apply(e, &spans, kind, &ts, &args[tensors..])
     }
 
-    fn dtype_arg(&mut self, e: &Expr) -> Option<DType> {
+    /// Builds op `kind` of tensor operands `ts` (`None` where one failed) and the other
+    /// arguments `rest`, once all of them are looked at.
+    fn apply(
+        &mut self,
+        e: &Expr,
+        spans: &CallSpans,
+        kind: Kind,
+        ts: &[Option<TensorId>],
+        rest: &[&Expr],
+    ) -> Option<TensorId> {
+        let fc = emit::fc();
+        let t = |i: usize| ts.get(i).copied().flatten().map(emit::tensor);
+        let (x, tx) = (ts[0], t(0));
+        match kind {
+            Kind::Method("set") => {
+                let x = x?;
+                self.op(e, spans, quote!(set(#tx)), |b| b.set(x))
+            }
+            Kind::Unary(u) => {
+                let (x, v) = (x?, emit::variant(&u));
+                let call = quote!(unary(#fc::ir::UnaryOp::#v, #tx));
+                self.op(e, spans, call, |b| b.unary(u, x))
+            }
+            Kind::Binary(op) => {
+                let (x, y, v, ty) = (x?, ts[1]?, emit::variant(&op), t(1));
+                let call = quote!(binary(#fc::ir::BinaryOp::#v, #tx, #ty));
+                self.op(e, spans, call, |b| b.binary(op, x, y))
+            }
+            Kind::Method("matmul") => {
+                let (x, y, ty) = (x?, ts[1]?, t(1));
+                self.op(e, spans, quote!(matmul(#tx, #ty)), |b| b.matmul(x, y))
+            }
+            Kind::Method("linear") => {
+                let (x, w, tw) = (x?, ts[1]?, t(1));
+                let bias = match ts.get(2) {
+                    Some(bias) => Some((*bias)?),
+                    None => None,
+                };
+                let tb = match t(2) {
+                    Some(tb) => quote!(::core::option::Option::Some(#tb)),
+                    None => quote!(::core::option::Option::None),
+                };
+                let call = quote!(linear(#tx, #tw, #tb));
+                self.op(e, spans, call, |b| b.linear(x, w, bias))
+            }
+            Kind::Method("cast") => {
+                let d = self.dtype_arg(rest[0]);
+                let (x, d) = (x?, d?);
+                let dt = emit::dtype(d, &self.dtype_params);
+                self.op(e, spans, quote!(cast(#tx, #dt)), |b| b.cast(x, d))
+            }
+            Kind::Reduce(r) => {
+                let axes = self.axes_arg(rest[0], r);
+                let (x, axes, v) = (x?, axes?, emit::variant(&r));
+                let call = quote!(reduce(#fc::ir::ReduceOp::#v, #tx, &[#(#axes),*]));
+                self.op(e, spans, call, |b| b.reduce(r, x, &axes))
+            }
+            Kind::Method("broadcast") => {
+                let flags = self.flags_arg(rest[0]);
+                let (x, flags) = (x?, flags?);
+                let call = quote!(broadcast(#tx, &[#(#flags),*]));
+                self.op(e, spans, call, |b| b.broadcast(x, &flags))
+            }
+            Kind::Method(method) => {
+                // The views: `select(x, axis, index)`, `slice(x, axis, start, stop)`,
+                // `split(x, axis, outer)`.
+                let axis = self.axis_arg(rest[0]);
+                let dims: Vec<_> = rest[1..]
+                    .iter()
+                    .map(|a| self.resolve_dim(a, false, true))
+                    .collect();
+                let dims: Vec<ScalarId> = dims.into_iter().collect::<Option<_>>()?;
+                let (x, axis) = (x?, axis?);
+                let d: Vec<_> = dims.iter().map(|&d| self.emit_dim(d)).collect();
+                let view: fn(&mut FusionBuilder, _, _, &[_]) -> _ = match method {
+                    "select" => |b, x, a, d| b.select(x, a, d[0]),
+                    "slice" => |b, x, a, d| b.slice(x, a, d[0], d[1]),
+                    _ => |b, x, a, d| b.split(x, a, d[0]),
+                };
+                let method = syn::Ident::new(method, proc_macro2::Span::call_site());
+                let call = quote!(#method(#tx, #axis, #(#d),*));
+                self.op(e, spans, call, |b| view(b, x, axis, &dims))
+            }
+        }
+    }
+
+    /// One op as a builder call: checked now, repeated in `build()`; an unnamed result
+    /// is called by its source in messages.
+    fn op(
+        &mut self,
+        e: &Expr,
+        spans: &CallSpans,
+        call: TokenStream,
+        f: impl FnOnce(&mut FusionBuilder) -> fusion_core::Result<TensorId>,
+    ) -> Option<TensorId> {
+        let before = self.b.fusion().tensor_count();
+        let out = self.record(spans, call, f)?;
+        if out.index() >= before && !self.named.contains(&out) {
+            self.b.name(out, &label(e));
+        }
+        Some(out)
+    }
+
+    fn dtype_arg(&mut self, e: &Expr) -> Option<DTypeSpec> {
         if let Expr::Path(p) = e {
             if let Some(i) = p.path.get_ident() {
                 return self.resolve_dtype(i);
@@ -336,11 +318,11 @@ impl Checker {
         None
     }
 
-    fn axis_arg(&mut self, e: &Expr) -> Option<(usize, SpanRange)> {
+    fn axis_arg(&mut self, e: &Expr) -> Option<usize> {
         if let Expr::Lit(l) = e {
             if let Lit::Int(i) = &l.lit {
                 if let Ok(v) = i.base10_parse::<usize>() {
-                    return Some((v, SpanRange::single(i.span())));
+                    return Some(v);
                 }
             }
         }
@@ -351,7 +333,7 @@ impl Checker {
         None
     }
 
-    fn axes_arg(&mut self, e: &Expr, op: &str) -> Option<Vec<(usize, SpanRange)>> {
+    fn axes_arg(&mut self, e: &Expr, op: ReduceOp) -> Option<Vec<usize>> {
         match e {
             Expr::Lit(_) => self.axis_arg(e).map(|a| vec![a]),
             Expr::Array(a) if !a.elems.is_empty() => {
@@ -360,7 +342,7 @@ impl Checker {
             }
             _ => {
                 let tensor = matches!(e, Expr::Path(_) | Expr::Call(_) | Expr::Binary(_));
-                let hint = if op == "max" && tensor {
+                let hint = if op == ReduceOp::Max && tensor {
                     "; `max` reduces over axes: for the elementwise maximum of two tensors use \
                      `maximum(a, b)`"
                 } else {
@@ -375,19 +357,14 @@ impl Checker {
     }
 
     fn flags_arg(&mut self, e: &Expr) -> Option<Vec<bool>> {
+        let flag = |x: &Expr| match x {
+            Expr::Lit(syn::ExprLit {
+                lit: Lit::Bool(b), ..
+            }) => Some(b.value),
+            _ => None,
+        };
         if let Expr::Array(a) = e {
-            let flags: Option<Vec<bool>> = a
-                .elems
-                .iter()
-                .map(|x| match x {
-                    Expr::Lit(l) => match &l.lit {
-                        Lit::Bool(b) => Some(b.value),
-                        _ => None,
-                    },
-                    _ => None,
-                })
-                .collect();
-            if let Some(f) = flags {
+            if let Some(f) = a.elems.iter().map(flag).collect() {
                 return Some(f);
             }
         }
@@ -396,17 +373,5 @@ impl Checker {
              a new axis of extent 1)",
         ));
         None
-    }
-
-    fn dim_arg(&mut self, e: &Expr) -> Option<(DimId, SpanRange)> {
-        match dim_from_expr(e) {
-            Ok(d) => self
-                .resolve_dim(&d, false, true)
-                .map(|id| (id, SpanRange::of(e))),
-            Err(err) => {
-                self.errors.push(err);
-                None
-            }
-        }
     }
 }

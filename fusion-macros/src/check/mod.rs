@@ -1,78 +1,61 @@
-//! Checking: resolves names and types, infers every tensor's shape and sharding the way
-//! the builder will, and records the builder calls the expansion emits (a [`Step`] list).
+//! Checking: resolves names and types, then drives `fusion_core`'s own `FusionBuilder`
+//! op by op (with the dtype parameters symbolic) and its lowerability check, so the rules
+//! applied here are the ones the fusion is built and lowered with. Each builder error
+//! becomes a `syn::Error` at the source of the argument it blames ([`locate`]); each
+//! successful call is recorded as the statement of the generated `build()` that makes it
+//! again ([`emit`]).
 //!
 //! Errors are collected, not returned at the first: a failing expression yields no tensor
-//! and everything depending on it stays quiet, so independent mistakes are all reported.
+//! (or, under an annotation, a poisoned stand-in of the declared type) and everything
+//! depending on it stays quiet, so independent mistakes are all reported.
 
-pub mod annotate;
 mod body;
-pub mod dims;
-pub mod model;
-pub mod ops;
-mod rules;
+pub mod emit;
+pub mod locate;
 
 use std::collections::{HashMap, HashSet};
 
-use syn::Ident;
+use fusion_core::builder::Site;
+use fusion_core::builder::{Axis, FusionBuilder, LiteralFact};
+use fusion_core::ir::{DeviceMesh, ParallelType, Scalar, ScalarId, ScalarOp, TensorId};
+use fusion_core::{DType, DTypeSpec};
+use proc_macro2::TokenStream;
+use quote::quote;
+use syn::{Expr, Ident};
 
-use crate::parse::{Dim, FusionDef, TensorType};
-use crate::span::{suggest, Errors, SpanRange};
-use annotate::Declared;
-use dims::DimId;
-use model::{DType, Mesh, Model, Op, Par, Tid};
+use crate::parse::{FusionDef, TensorType, DTYPE_BOUND};
+use crate::span::{combined, SpanRange};
+use fusion_core::suggest::suggest;
+use locate::CallSpans;
 
-/// One builder call of the generated `build()`.
-#[derive(Clone, Debug)]
-pub enum Step {
-    /// `let out = b.input(name, ..)` (or `input_on` with a mesh).
-    Input {
-        out: Tid,
-        name: String,
-        decl: Declared,
-    },
-    /// `let out = b.<op>(inputs..)`.
-    Op { out: Tid, op: Op, inputs: Vec<Tid> },
-    /// `let out = b.declare(src, ..)`, then `b.set_mesh(out, ..)` if the mesh changes.
-    Declare {
-        out: Tid,
-        src: Tid,
-        decl: Declared,
-        set_mesh: bool,
-    },
-    /// `b.name(t, name)`.
-    Name { t: Tid, name: String },
-    /// `let out = b.output(src)`.
-    Output { out: Tid, src: Tid },
-}
-
-/// A fusion that passed every check: the model and the builder calls that rebuild it.
+/// A fusion that passed every check: the statements of its `build()` and the literal
+/// facts its checks relied on (asserted again with `static_assertions`).
 pub struct Checked {
-    pub model: Model,
-    pub steps: Vec<Step>,
+    pub stmts: Vec<TokenStream>,
+    pub facts: Vec<(LiteralFact, SpanRange)>,
 }
 
 /// Checks one fusion; all independent errors are combined into one.
 pub fn check(def: &FusionDef) -> Result<Checked, syn::Error> {
+    let params: Vec<String> = def.dtype_params.iter().map(|p| p.to_string()).collect();
+    let params: Vec<&str> = params.iter().map(String::as_str).collect();
     let mut c = Checker {
-        m: Model::default(),
-        errors: Errors::default(),
-        dims: HashMap::new(),
-        bound: HashSet::new(),
-        vars: Vec::new(),
-        steps: Vec::new(),
+        b: FusionBuilder::with_dtype_params(&params),
+        dtype_params: def.dtype_params.clone(),
+        ..Checker::default()
     };
     c.run(def);
     if c.errors.is_empty() {
-        c.m.validate(&mut c.errors);
+        for (site, e) in fusion_core::lower::check(c.b.fusion()) {
+            let span = c.site(site);
+            c.errors.push(span.error(e));
+        }
     }
-    if c.errors.is_empty() {
-        c.m.check_lowerable(&mut c.errors);
-    }
-    match c.errors.combined() {
+    match combined(c.errors) {
         Some(e) => Err(e),
         None => Ok(Checked {
-            model: c.m,
-            steps: c.steps,
+            stmts: c.stmts,
+            facts: c.facts,
         }),
     }
 }
@@ -80,19 +63,39 @@ pub fn check(def: &FusionDef) -> Result<Checked, syn::Error> {
 /// A name in scope: what it is bound to (`None` after an error) and where.
 struct Var {
     name: String,
-    value: Option<Tid>,
+    value: Option<TensorId>,
     what: &'static str,
 }
 
+/// A resolved `Tensor<dtype, [axes], mesh = ..>` and its source, as the arguments of
+/// `input_on(name, dtype, axes, mesh)` and `declare_on(t, dtype, axes, mesh)`.
+#[derive(Clone)]
+struct Declared {
+    dtype: DTypeSpec,
+    axes: Vec<Axis>,
+    mesh: DeviceMesh,
+    spans: CallSpans,
+}
+
+#[derive(Default)]
 struct Checker {
-    m: Model,
-    errors: Errors,
+    b: FusionBuilder,
+    dtype_params: Vec<Ident>,
+    errors: Vec<syn::Error>,
     /// The generic dimension symbols.
-    dims: HashMap<String, DimId>,
+    dims: HashMap<String, ScalarId>,
     /// Symbols that some input's shape binds at call time.
     bound: HashSet<String>,
     vars: Vec<Var>,
-    steps: Vec<Step>,
+    /// The statements of `build()`, and the extents they have defined.
+    stmts: Vec<TokenStream>,
+    emitted: HashSet<ScalarId>,
+    /// The source of the call that made each tensor, and of each tensor's declaration.
+    made: HashMap<TensorId, SpanRange>,
+    decls: HashMap<TensorId, CallSpans>,
+    /// Tensors named by the source (parameters, `let`s, outputs), as `build()` names them.
+    named: HashSet<TensorId>,
+    facts: Vec<(LiteralFact, SpanRange)>,
 }
 
 impl Checker {
@@ -115,7 +118,7 @@ impl Checker {
                 ));
                 continue;
             }
-            let id = self.m.dims.symbol(&name);
+            let id = self.b.symbol(&name);
             self.dims.insert(name, id);
         }
         for (i, t) in def.dtype_params.iter().enumerate() {
@@ -126,41 +129,30 @@ impl Checker {
                     format!("`{name}` is declared twice; each generic parameter appears once"),
                 ));
             }
-            self.m.dtype_params.push(name);
         }
         let mut input_dtypes = Vec::new();
         for p in &def.params {
-            let decl = self.resolve_type(&p.ty);
-            input_dtypes.extend(decl.as_ref().map(|d| d.dtype));
-            if let Some(d) = &decl {
-                for &(e, _, _) in &d.axes {
-                    let mut syms = Vec::new();
-                    self.m.dims.symbols(e, &mut syms);
-                    self.bound.extend(syms);
-                }
-            }
+            let decl = self.resolve_type(&p.ty, SpanRange::single(p.name.span()));
             let value = decl.and_then(|d| {
-                let name = p.name.to_string();
-                match self.m.input(&name, &d) {
-                    Ok(t) => {
-                        self.steps.push(Step::Input {
-                            out: t,
-                            name,
-                            decl: d,
-                        });
-                        Some(t)
-                    }
-                    Err(e) => {
-                        self.errors.push(e);
-                        None
-                    }
+                input_dtypes.push(d.dtype);
+                for a in &d.axes {
+                    self.bound.extend(symbols(self.b.fusion(), a.extent));
                 }
+                let name = p.name.to_string();
+                let call = self.declaration("input_on", quote!(#name), &d);
+                let t = self.record(&d.spans, call, |b| {
+                    b.input_on(&name, d.dtype, &d.axes, d.mesh.clone())
+                })?;
+                self.decls.insert(t, d.spans.clone());
+                self.named.insert(t);
+                Some(t)
             });
             self.bind(&p.name, value, "a parameter");
         }
         for (i, t) in def.dtype_params.iter().enumerate() {
             let unresolved = input_dtypes.len() < def.params.len();
-            if !unresolved && !input_dtypes.contains(&DType::Param(i)) {
+            let repeated = def.dtype_params[..i].contains(t);
+            if !unresolved && !repeated && !input_dtypes.contains(&DTypeSpec::Param(i)) {
                 self.errors.push(syn::Error::new(
                     t.span(),
                     format!(
@@ -178,28 +170,25 @@ impl Checker {
             }
         };
         for l in &body.lets {
-            let before = self.m.tensors.len();
-            let value = self.eval(&l.expr);
-            let value = match &l.ty {
-                None => value,
-                Some(ty) => {
-                    let decl = self.resolve_type(ty);
-                    match (value, decl) {
-                        (Some(t), Some(d)) => {
-                            // Messages about the annotation name the new binding.
-                            if self.m.tv(t).name.is_none() {
-                                self.m.tv_mut(t).name = Some(l.name.to_string());
-                            }
-                            self.annotate(t, &d)
+            let before = self.b.fusion().tensor_count();
+            let mut value = self.eval(&l.expr);
+            if let Some(ty) = &l.ty {
+                let decl = self.resolve_type(ty, SpanRange::of(&l.expr));
+                value = match (value, decl) {
+                    (Some(t), Some(d)) => {
+                        // Messages about the annotation name the new binding.
+                        if !self.named.contains(&t) {
+                            self.b.name(t, &l.name.to_string());
                         }
-                        // Keep checking what follows with the declared type.
-                        (None, Some(d)) => Some(self.recover(&d)),
-                        (_, None) => None,
+                        self.annotate(t, &d)
                     }
-                }
-            };
+                    // Keep checking what follows with the declared type.
+                    (None, Some(d)) => self.b.poisoned(d.dtype, &d.axes, d.mesh).ok(),
+                    (_, None) => None,
+                };
+            }
             if let Some(t) = value {
-                if t.0 >= before || self.m.tv(t).name.is_none() {
+                if t.index() >= before || !self.named.contains(&t) {
                     self.name(t, &l.name.to_string());
                 }
             }
@@ -214,18 +203,21 @@ impl Checker {
             syn::Expr::Tuple(t) => t.elems.iter().collect(),
             e => vec![e],
         };
-        let values: Vec<Option<Tid>> = elems.iter().map(|e| self.eval(e)).collect();
-        let decls: Vec<Option<Declared>> =
-            def.outputs.iter().map(|ty| self.resolve_type(ty)).collect();
-        if decls.is_empty() {
+        let values: Vec<Option<TensorId>> = elems.iter().map(|e| self.eval(e)).collect();
+        let decls: Vec<Option<Declared>> = elems
+            .iter()
+            .zip(&def.outputs)
+            .map(|(e, ty)| self.resolve_type(ty, SpanRange::of(e)))
+            .collect();
+        if def.outputs.is_empty() {
             return; // reported: a fusion returns at least one tensor
         }
-        if values.len() != decls.len() {
+        if values.len() != def.outputs.len() {
             self.errors.push(SpanRange::of(tail).error(format!(
                 "this returns {} tensor(s), but the return type of `{}` declares {}",
                 values.len(),
                 def.name,
-                decls.len()
+                def.outputs.len()
             )));
             return;
         }
@@ -235,74 +227,121 @@ impl Checker {
             let Some(t) = self.annotate(t, &d) else {
                 continue;
             };
-            match self.m.output(t, d.span) {
-                Ok(out) => {
-                    self.steps.push(Step::Output { out, src: t });
-                    if self.m.tv(out).name.is_none() {
-                        let name = if n == 1 {
-                            "output".to_string()
-                        } else {
-                            format!("output{i}")
-                        };
-                        self.name(out, &name);
-                    }
-                }
-                Err(e) => self.errors.push(e),
+            let s = emit::tensor(t);
+            let Some(out) = self.record(&d.spans, quote!(output(#s)), |b| b.output(t)) else {
+                continue;
+            };
+            if !self.named.contains(&out) {
+                let name = if n == 1 {
+                    "output".to_string()
+                } else {
+                    format!("output{i}")
+                };
+                self.name(out, &name);
             }
         }
     }
 
-    /// `declare` unless the tensor already has exactly this annotation.
-    fn annotate(&mut self, t: Tid, d: &Declared) -> Option<Tid> {
-        if self.m.already_has(t, d) {
-            return Some(t);
+    /// `declare_on` (which keeps `t` when it already has exactly this layout).
+    fn annotate(&mut self, t: TensorId, d: &Declared) -> Option<TensorId> {
+        let s = emit::tensor(t);
+        let call = self.declaration("declare_on", quote!(#s), d);
+        let out = self.record(&d.spans, call, |b| {
+            b.declare_on(t, d.dtype, &d.axes, d.mesh.clone())
+        })?;
+        self.decls.insert(out, d.spans.clone());
+        Some(out)
+    }
+
+    /// `input_on(first, dtype, axes, mesh)` or `declare_on(..)` as tokens.
+    fn declaration(&mut self, method: &str, first: TokenStream, d: &Declared) -> TokenStream {
+        for a in &d.axes {
+            self.emit_dim(a.extent);
         }
-        let set_mesh = self.m.tv(t).mesh != d.mesh;
-        match self.m.declare(t, d) {
-            Ok(out) => {
-                self.steps.push(Step::Declare {
-                    out,
-                    src: t,
-                    decl: d.clone(),
-                    set_mesh,
-                });
-                Some(out)
+        let method = Ident::new(method, proc_macro2::Span::call_site());
+        let (dt, axes, mesh) = (
+            emit::dtype(d.dtype, &self.dtype_params),
+            emit::axes(&d.axes),
+            emit::mesh(&d.mesh),
+        );
+        quote!(#method(#first, #dt, #axes, #mesh))
+    }
+
+    /// Makes one builder call. On success, records the statement that makes it again in
+    /// `build()` (`let __tN = __builder.<call>?;`); on failure, the error at its culprit.
+    /// The tensors it makes and the facts it relies on take the call's source.
+    fn record(
+        &mut self,
+        spans: &CallSpans,
+        call: TokenStream,
+        f: impl FnOnce(&mut FusionBuilder) -> fusion_core::Result<TensorId>,
+    ) -> Option<TensorId> {
+        let (tensors, facts) = (self.b.fusion().tensor_count(), self.b.literal_facts().len());
+        let result = f(&mut self.b);
+        for i in tensors..self.b.fusion().tensor_count() {
+            self.made.insert(TensorId::from_index(i), spans.whole);
+        }
+        let new = self.b.literal_facts()[facts..].iter();
+        self.facts.extend(new.map(|&f| (f, spans.whole)));
+        match result {
+            Ok(t) => {
+                let (t_ident, b) = (emit::tensor(t), emit::builder());
+                self.stmts.push(quote!(let #t_ident = #b.#call?;));
+                Some(t)
             }
             Err(e) => {
-                self.errors.push(e);
+                self.errors.push(spans.error(&e));
                 None
             }
         }
     }
 
-    /// A stand-in tensor of the declared type after an error (never expanded).
-    fn recover(&mut self, d: &Declared) -> Tid {
-        let axes = d
-            .axes
-            .iter()
-            .map(|&(e, p, s)| model::Ax {
-                extent: e,
-                par: p,
-                kind: model::Kind::Iter,
-                origin: Some(s),
-            })
-            .collect();
-        let t = self
-            .m
-            .new_tensor(d.dtype, axes, d.mesh.clone(), d.span, "let");
-        self.m.declared.push(t);
-        t
+    /// Defines an extent (and what it is made of) in `build()`, once.
+    fn emit_dim(&mut self, id: ScalarId) -> Ident {
+        let ident = emit::dim(id);
+        if !self.emitted.insert(id) {
+            return ident;
+        }
+        let b = emit::builder();
+        let value = match self.b.fusion().scalar_node(id).clone() {
+            Scalar::Const(v) => quote!(#b.constant(#v)),
+            Scalar::Symbol(s) => quote!(#b.symbol(#s)),
+            Scalar::Binary(op, x, y) => {
+                let (x, y, op) = (self.emit_dim(x), self.emit_dim(y), emit::variant(&op));
+                let fc = emit::fc();
+                quote!(#b.scalar_op(#fc::ir::ScalarOp::#op, #x, #y))
+            }
+            other => unreachable!("a DSL extent is a symbol, a literal or arithmetic: {other:?}"),
+        };
+        self.stmts.push(quote!(let #ident = #value;));
+        ident
     }
 
-    fn name(&mut self, t: Tid, name: &str) {
-        self.m.tv_mut(t).name = Some(name.to_string());
-        self.steps.push(Step::Name {
-            t,
-            name: name.to_string(),
-        });
+    /// The source behind a whole-fusion problem: the declared axis (or type) of a
+    /// declared tensor, else the call that made the tensor or the expression.
+    fn site(&self, site: Site) -> SpanRange {
+        let call_site = SpanRange::single(proc_macro2::Span::call_site());
+        let made = |t| self.made.get(&t).copied().unwrap_or(call_site);
+        match site {
+            Site::Tensor { tensor, axis } => match (self.decls.get(&tensor), axis) {
+                (Some(d), Some(index)) => {
+                    d.at(Some(fusion_core::Culprit::Element { arg: 2, index }))
+                }
+                (Some(d), None) => d.whole,
+                (None, _) => made(tensor),
+            },
+            Site::Expr(e) => made(self.b.fusion().expr(e).output),
+        }
     }
 
-    fn bind(&mut self, ident: &Ident, value: Option<Tid>, what: &'static str) {
+    fn name(&mut self, t: TensorId, name: &str) {
+        self.b.name(t, name);
+        self.named.insert(t);
+        let (t, b) = (emit::tensor(t), emit::builder());
+        self.stmts.push(quote!(#b.name(#t, #name);));
+    }
+
+    fn bind(&mut self, ident: &Ident, value: Option<TensorId>, what: &'static str) {
         let name = ident.to_string();
         if let Some(prev) = self.vars.iter().find(|v| v.name == name) {
             self.errors.push(syn::Error::new(
@@ -318,7 +357,8 @@ impl Checker {
     }
 
     /// `Tensor<dtype, [axes], mesh = ..>` with names resolved; `None` after errors.
-    fn resolve_type(&mut self, ty: &TensorType) -> Option<Declared> {
+    /// `first` is the source of what the type applies to (a parameter, a value).
+    fn resolve_type(&mut self, ty: &TensorType, first: SpanRange) -> Option<Declared> {
         let mut ok = true;
         let dtype = self.resolve_dtype(&ty.dtype);
         ok &= dtype.is_some();
@@ -326,69 +366,62 @@ impl Checker {
         for a in &ty.axes {
             let e = self.resolve_dim(&a.dim, true, false);
             let p = match &a.parallel {
-                None => Some(Par::Serial),
+                None => Some(ParallelType::Serial),
                 Some(p) => self.resolve_par(p),
             };
             match (e, p) {
-                (Some(e), Some(p)) => axes.push((e, p, a.span)),
+                (Some(extent), Some(parallel)) => axes.push(Axis { extent, parallel }),
                 _ => ok = false,
             }
         }
+        let devices = ty.mesh.iter().flat_map(|m| &m.devices);
         let mesh = match &ty.mesh {
-            None => Mesh::World,
-            Some(m) => {
-                if m.devices.is_empty() {
-                    ok = false;
-                    self.errors.push(m.span.error(
-                        "a mesh lists at least one device; leave `mesh` out for every device",
-                    ));
-                }
-                for (i, &(d, s)) in m.devices.iter().enumerate() {
-                    if m.devices[..i].iter().any(|x| x.0 == d) {
-                        ok = false;
-                        self.errors.push(syn::Error::new(
-                            s,
-                            format!("device {d} is listed twice; a mesh lists distinct devices"),
-                        ));
-                    }
-                }
-                Mesh::Devices(m.devices.iter().map(|x| x.0).collect())
-            }
+            None => DeviceMesh::World,
+            Some(_) => DeviceMesh::devices(devices.clone().map(|d| d.0).collect::<Vec<_>>()),
+        };
+        let device_spans = devices.map(|d| SpanRange::single(d.1)).collect();
+        let axis_spans = ty.axes.iter().map(|a| a.span).collect();
+        let mesh_span = ty.mesh.as_ref().map_or(ty.span, |m| m.span);
+        let spans = CallSpans {
+            whole: ty.span,
+            args: vec![
+                (first, vec![]),
+                (SpanRange::single(ty.dtype.span()), vec![]),
+                (ty.axes_span, axis_spans),
+                (mesh_span, device_spans),
+            ],
         };
         let dtype = dtype?;
-        ok.then(|| Declared {
+        ok.then_some(Declared {
             dtype,
-            dtype_span: SpanRange::single(ty.dtype.span()),
             axes,
-            axes_span: ty.axes_span,
             mesh,
-            span: ty.span,
+            spans,
         })
     }
 
     /// `f32`, `bf16`, `f16` or one of the fusion's dtype parameters; `None` after an error.
-    fn resolve_dtype(&mut self, i: &Ident) -> Option<DType> {
+    fn resolve_dtype(&mut self, i: &Ident) -> Option<DTypeSpec> {
         let name = i.to_string();
         if let Some(d) = DType::from_name(&name) {
-            return Some(d);
+            return Some(DTypeSpec::Fixed(d));
         }
-        if let Some(p) = self.m.dtype_params.iter().position(|p| *p == name) {
-            return Some(DType::Param(p));
+        if let Some(p) = self.dtype_params.iter().position(|p| *p == name) {
+            return Some(DTypeSpec::Param(p));
         }
-        let known = DType::NAMES
-            .iter()
-            .copied()
-            .chain(self.m.dtype_params.iter().map(String::as_str));
+        let params: Vec<String> = self.dtype_params.iter().map(|p| p.to_string()).collect();
+        let known = ["f32", "bf16", "f16"]
+            .into_iter()
+            .chain(params.iter().map(String::as_str));
         let hint = match suggest(&name, known) {
             Some(s) => format!("; did you mean `{s}`?"),
             None if self.dims.contains_key(&name) => format!(
-                "; `{name}` is a dimension symbol: declare a dtype parameter as `{name}: {}`",
-                crate::parse::DTYPE_BOUND
+                "; `{name}` is a dimension symbol: declare a dtype parameter as `{name}: \
+                 {DTYPE_BOUND}`"
             ),
             None if name.starts_with(|c: char| c.is_ascii_uppercase()) => format!(
                 "; to make it a dtype parameter, declare it in the fusion's generics as \
-                 `{name}: {}`",
-                crate::parse::DTYPE_BOUND
+                 `{name}: {DTYPE_BOUND}`"
             ),
             None => "; the element types are `f32`, `bf16` and `f16`, or a dtype parameter \
                      (`T: Float` in the generics)"
@@ -401,82 +434,110 @@ impl Checker {
         None
     }
 
-    fn resolve_par(&mut self, p: &Ident) -> Option<Par> {
+    fn resolve_par(&mut self, p: &Ident) -> Option<ParallelType> {
         let s = p.to_string();
-        match s.as_str() {
-            "DIDx" => Some(Par::DIDx),
-            "Stream" => Some(Par::Stream),
-            "Serial" => Some(Par::Serial),
-            _ => {
-                let hint = if s.starts_with("DID") {
-                    "; only `DIDx` exists: the device mesh is 1-D".to_string()
-                } else {
-                    match suggest(&s, ["DIDx", "Stream", "Serial"]) {
-                        Some(x) => format!("; did you mean `{x}`?"),
-                        None => "; an axis is `@ DIDx` (sharded over the devices), `@ Stream` \
-                                 (pipelined over streams), or serial (no `@`)"
-                            .into(),
-                    }
-                };
-                self.errors.push(syn::Error::new(
-                    p.span(),
-                    format!("unknown parallel type `{s}`{hint}"),
-                ));
-                None
-            }
+        let all = ParallelType::ALL;
+        if let Some(&found) = all.iter().find(|t| t.name() == s) {
+            return Some(found);
         }
+        let hint = if s.starts_with("DID") {
+            "; only `DIDx` exists: the device mesh is 1-D".to_string()
+        } else {
+            match suggest(&s, all.iter().map(|t| t.name())) {
+                Some(x) => format!("; did you mean `{x}`?"),
+                None => "; an axis is `@ DIDx` (sharded over the devices), `@ Stream` \
+                         (pipelined over streams), or serial (no `@`)"
+                    .into(),
+            }
+        };
+        self.errors.push(syn::Error::new(
+            p.span(),
+            format!("unknown parallel type `{s}`{hint}"),
+        ));
+        None
     }
 
-    /// Resolves an extent. `positive`: literals must be at least 1 (axis extents).
-    /// `bound`: symbols must be extents of some input (scalar op arguments).
-    fn resolve_dim(&mut self, d: &Dim, positive: bool, bound: bool) -> Option<DimId> {
-        match d {
-            Dim::Sym(i) => {
-                let name = i.to_string();
-                let Some(&id) = self.dims.get(&name) else {
-                    let hint = match suggest(&name, self.dims.keys().map(String::as_str)) {
-                        Some(s) => format!("; did you mean `{s}`?"),
-                        None => format!(
-                            "; declare it in the fusion's generics, e.g. `fn f<.., {name}>`"
-                        ),
-                    };
-                    let what = if self.vars.iter().any(|v| v.name == name) {
-                        format!("`{name}` is a tensor, not a dimension symbol")
-                    } else {
-                        format!("unknown dimension `{name}`")
-                    };
-                    self.errors
-                        .push(syn::Error::new(i.span(), format!("{what}{hint}")));
-                    return None;
-                };
-                if bound && !self.bound.contains(&name) {
-                    self.errors.push(syn::Error::new(
-                        i.span(),
+    /// Resolves an extent: a symbol, an integer, or `+ - * /` of them. `positive`:
+    /// literals must be at least 1 (axis extents). `bound`: symbols must be extents of
+    /// some input (scalar op arguments).
+    fn resolve_dim(&mut self, e: &Expr, positive: bool, bound: bool) -> Option<ScalarId> {
+        let error = |span: SpanRange, msg: String| span.error(msg);
+        let at = SpanRange::of(e);
+        let result = match e {
+            Expr::Paren(p) => return self.resolve_dim(&p.expr, positive, bound),
+            Expr::Group(g) => return self.resolve_dim(&g.expr, positive, bound),
+            Expr::Path(p) if p.path.get_ident().is_some() => {
+                let name = p.path.get_ident().expect("checked").to_string();
+                match self.dims.get(&name) {
+                    None => {
+                        let hint = match suggest(&name, self.dims.keys().map(String::as_str)) {
+                            Some(s) => format!("; did you mean `{s}`?"),
+                            None => format!(
+                                "; declare it in the fusion's generics, e.g. `fn f<.., {name}>`"
+                            ),
+                        };
+                        let what = if self.vars.iter().any(|v| v.name == name) {
+                            format!("`{name}` is a tensor, not a dimension symbol")
+                        } else {
+                            format!("unknown dimension `{name}`")
+                        };
+                        Err(error(at, format!("{what}{hint}")))
+                    }
+                    Some(_) if bound && !self.bound.contains(&name) => Err(error(
+                        at,
                         format!(
                             "dimension `{name}` is not an extent of any input, so its value is \
                              unknown when the fusion runs; use a dimension of an input or a \
                              literal"
                         ),
-                    ));
-                    return None;
+                    )),
+                    Some(&id) => Ok(id),
                 }
-                Some(id)
             }
-            Dim::Lit { value, span } => {
-                if positive && *value < 1 {
-                    self.errors.push(syn::Error::new(
-                        *span,
-                        format!("extent {value} is not positive; an axis has extent 1 or more"),
-                    ));
-                    return None;
-                }
-                Some(self.m.dims.constant(*value))
+            Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Int(i),
+                ..
+            }) => match i.base10_parse::<i64>() {
+                Ok(v) if positive && v < 1 => Err(error(
+                    at,
+                    format!("extent {v} is not positive; an axis has extent 1 or more"),
+                )),
+                Ok(v) => Ok(self.b.constant(v)),
+                Err(e) => Err(e),
+            },
+            Expr::Binary(b) if scalar_op(&b.op).is_some() => {
+                let x = self.resolve_dim(&b.left, false, bound);
+                let y = self.resolve_dim(&b.right, false, bound);
+                let op = scalar_op(&b.op).expect("checked");
+                return Some(self.b.scalar_op(op, x?, y?));
             }
-            Dim::Bin { op, lhs, rhs, .. } => {
-                let a = self.resolve_dim(lhs, false, bound);
-                let b = self.resolve_dim(rhs, false, bound);
-                Some(self.m.dims.binary(*op, a?, b?))
-            }
-        }
+            _ => Err(error(
+                at,
+                "expected a dimension: a symbol from the fusion's generics (`m`), an integer \
+                 (`1024`), or `+ - * /` of them"
+                    .into(),
+            )),
+        };
+        result.map_err(|e| self.errors.push(e)).ok()
+    }
+}
+
+/// The extent arithmetic of `+ - * /`.
+fn scalar_op(op: &syn::BinOp) -> Option<ScalarOp> {
+    Some(match op {
+        syn::BinOp::Add(_) => ScalarOp::Add,
+        syn::BinOp::Sub(_) => ScalarOp::Sub,
+        syn::BinOp::Mul(_) => ScalarOp::Mul,
+        syn::BinOp::Div(_) => ScalarOp::Div,
+        _ => return None,
+    })
+}
+
+/// The dimension symbols an extent mentions.
+fn symbols(f: &fusion_core::ir::Fusion, id: ScalarId) -> Vec<String> {
+    match f.scalar_node(id) {
+        Scalar::Symbol(s) => vec![s.clone()],
+        Scalar::Binary(_, a, b) => [symbols(f, *a), symbols(f, *b)].concat(),
+        _ => vec![],
     }
 }

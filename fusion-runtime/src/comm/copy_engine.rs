@@ -22,9 +22,10 @@ use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 
+use super::device_waits::DeviceWaits;
 use super::ipc::{IpcDevice, IpcPeer};
 use super::landing::Landing;
-use super::signals::{Flag, SignalBoard, SLOTS};
+use super::signals::{Flag, SignalBoard, Site, SLOTS};
 use crate::backend::cuda::{CudaDevice, WorldHealth};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -142,13 +143,19 @@ pub(crate) struct CopyRegistry {
     streams: CopyStreams,
     /// Idle events per rank of this process, ready to be recorded again.
     events: HashMap<usize, Mutex<Vec<Event>>>,
+    /// The watchdog over the device flag waits (declared before the board: it stops
+    /// before the board is freed).
+    waits: Option<DeviceWaits>,
     /// Device flags for the hand-offs between this process's GPUs (push mode), when the
-    /// devices have stream memory operations.
-    signals: Option<SignalBoard>,
+    /// devices have stream memory operations and no two ranks share a GPU.
+    signals: Option<Arc<SignalBoard>>,
     /// Kept receive buffers their receivers made known.
     landed: Mutex<HashMap<LandedKey, Landed>>,
     /// Whether two of these ranks share a GPU (one context).
     shares_gpus: bool,
+    /// Pairs of these ranks (lower rank first) whose GPUs cannot reach each other's
+    /// memory: their transfers go through NCCL instead of the copy engines.
+    no_peer_access: std::collections::HashSet<(usize, usize)>,
 }
 
 /// Transfer events created and not yet destroyed, in this process (see
@@ -166,31 +173,53 @@ pub(crate) fn live_events() -> usize {
 const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 impl CopyRegistry {
-    /// A registry for the ranks of this process: `(rank, context)` each.
+    /// A registry for the ranks of this process: `(rank, context)` each. The hand-offs go
+    /// through device flags in push mode between ranks on different GPUs; ranks that share
+    /// a GPU hand off through events (a device-side wait there can deadlock, see
+    /// `comm::signals`), as does `FUSION_CE_SIGNALS=0`.
     pub(crate) fn new(
         contexts: Vec<(usize, sys::CUcontext)>,
         health: Arc<WorldHealth>,
         mode: CopyMode,
     ) -> Self {
+        let shares_gpus = contexts
+            .iter()
+            .enumerate()
+            .any(|(i, a)| contexts[..i].iter().any(|b| b.1 == a.1));
+        let flags = mode == CopyMode::Push
+            && !shares_gpus
+            && std::env::var("FUSION_CE_SIGNALS").as_deref() != Ok("0");
+        Self::with_flags(contexts, health, mode, flags)
+    }
+
+    /// A registry with device-flag hand-offs when `flags` (and there are two ranks).
+    fn with_flags(
+        contexts: Vec<(usize, sys::CUcontext)>,
+        health: Arc<WorldHealth>,
+        mode: CopyMode,
+        flags: bool,
+    ) -> Self {
         let events = contexts
             .iter()
             .map(|&(r, _)| (r, Mutex::new(Vec::new())))
             .collect();
-        let signals = if mode == CopyMode::Push
-            && contexts.len() > 1
-            && std::env::var("FUSION_CE_SIGNALS").as_deref() != Ok("0")
-        {
-            let ranks = contexts.iter().map(|&(r, _)| r + 1).max().unwrap_or(0);
-            Self::make_board(contexts[0].1, ranks)
+        let ranks = contexts.iter().map(|&(r, _)| r + 1).max().unwrap_or(0);
+        let signals = if flags && contexts.len() > 1 {
+            Self::make_board(contexts[0].1, ranks).map(Arc::new)
         } else {
             None
         };
+        let waits = signals
+            .as_ref()
+            .map(|b| DeviceWaits::start(b.clone(), health.clone(), ranks));
         let shares_gpus = contexts
             .iter()
             .enumerate()
             .any(|(i, a)| contexts[..i].iter().any(|b| b.1 == a.1));
         CopyRegistry {
             shares_gpus,
+            no_peer_access: Default::default(),
+            waits,
             slots: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             sleep_lock: Mutex::new(()),
@@ -228,6 +257,13 @@ impl CopyRegistry {
                 None
             }
         }
+    }
+
+    /// This registry with the transfers between the pairs in `pairs` (ranks of GPUs that
+    /// cannot access each other's memory) left to NCCL.
+    pub(crate) fn without_peer_access(mut self, pairs: &[(usize, usize)]) -> Self {
+        self.no_peer_access = pairs.iter().map(|&(a, b)| (a.min(b), a.max(b))).collect();
+        self
     }
 
     /// Makes a kept receive buffer known (the first call of its identity). Whether its
@@ -325,14 +361,17 @@ impl CopyRegistry {
 
     /// Waits (host) until `get` finds something in `slot`: spinning first, since the peer
     /// is usually a few microseconds away, then sleeping with timeouts and health checks.
+    /// `t` is the transfer `rank` waits in and `what` what it waits for from the peer
+    /// (`receive buffer`, `copy`), for the error.
     fn wait_for<T: Copy>(
         &self,
         rank: usize,
-        key: Key,
+        t: &Transfer,
         slot: &Slot,
         what: &str,
         get: impl Fn(&Slot) -> Option<T>,
     ) -> Result<T> {
+        let key = t.key;
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -364,11 +403,17 @@ impl CopyRegistry {
             let waited = start.elapsed();
             let limit = self.health.timeout();
             if waited > limit {
+                let peer = if key.0 == rank { key.1 } else { key.0 };
+                let node = t
+                    .label
+                    .as_deref()
+                    .map_or_else(String::new, |l| format!("{l}, "));
                 break Err(Error::Timeout {
                     rank,
                     what: format!(
-                        "{what} of copy-engine transfer {} -> {} #{}",
-                        key.0, key.1, key.2
+                        "the wait for rank {peer}'s {what} ({node}copy-engine transfer #{} \
+                         from rank {} to rank {})",
+                        key.2, key.0, key.1
                     ),
                     seconds: waited.as_secs_f64(),
                 });
@@ -419,6 +464,8 @@ pub(crate) struct Transfer {
     pub index: usize,
     /// The call it belongs to (counted per rank, the same on both sides).
     pub call: u64,
+    /// What it is in the program (for a device wait that times out).
+    pub label: Option<Arc<str>>,
 }
 
 /// Where a rank stands in its calls.
@@ -514,6 +561,9 @@ impl CopyEngine {
         if let Some(ev) = last {
             self.registry.give_event(ev);
         }
+        if let Some(w) = &self.registry.waits {
+            w.begin_call(self.rank, call.identity);
+        }
     }
 
     /// The next kept receive buffer of this call (see [`Landing`]); `None` when this rank
@@ -542,19 +592,18 @@ impl CopyEngine {
         if self.has_ipc_peers() {
             return Err("transfers over CUDA IPC hand off through the host".into());
         }
+        if self.registry.shares_gpus {
+            // A device-side wait for a peer on the same GPU can deadlock (see
+            // `comm::signals`), so these ranks hand off through events and the host.
+            return Err(
+                "ranks of this world share a GPU: their copy-engine hand-offs go through \
+                 events and the host, which a graph cannot hold"
+                    .into(),
+            );
+        }
         if self.registry.signals.is_none() {
             return Err(
                 "device flags are off (FUSION_CE_SIGNALS=0, or no stream memory operations)".into(),
-            );
-        }
-        if self.registry.shares_gpus {
-            // Seen on one H100 (2026-11-23): two ranks replaying pipelines on one GPU, each
-            // graph waiting for the other's flags, now and then never finished (their eager
-            // calls, each stream on a hardware queue of its own, always did).
-            return Err(
-                "ranks of this world share a GPU, which CUDA does not promise to run \
-                 their two graphs on at once while each waits for the other's flags"
-                    .into(),
             );
         }
         Ok(())
@@ -594,13 +643,16 @@ impl CopyEngine {
         }
     }
 
-    /// A transfer of `buf` with `peer` (sending when `sending`), numbered in program order.
+    /// A transfer of `buf` with `peer` (sending when `sending`), numbered in program order;
+    /// `label` says what it is in the program (for the error of a wait for it that times
+    /// out, on the host or on the device).
     pub(crate) fn transfer(
         &self,
         stream: crate::backend::StreamHandle,
         peer: usize,
         buf: &Tensor,
         sending: bool,
+        label: Option<Arc<str>>,
     ) -> Result<Transfer> {
         if !buf.is_contiguous() || buf.device_ptr().is_none() {
             return Err(self.err(format!(
@@ -632,6 +684,7 @@ impl CopyEngine {
             sending,
             index: *n - 1,
             call: call.calls,
+            label,
         })
     }
 
@@ -676,9 +729,16 @@ impl CopyEngine {
         })
     }
 
-    /// Whether `peer` is a GPU of this process (reached through the shared registry).
+    /// Whether `peer` is a GPU of this process reached through the shared registry (one
+    /// this rank's GPU has peer access to).
     pub(crate) fn reaches_in_process(&self, peer: usize) -> bool {
-        self.registry.contexts.contains_key(&peer)
+        self.registry.contexts.contains_key(&peer) && !self.lacks_peer_access(peer)
+    }
+
+    /// Whether `peer` is a GPU of this process without peer access to this rank's GPU.
+    pub(crate) fn lacks_peer_access(&self, peer: usize) -> bool {
+        let pair = (self.rank.min(peer), self.rank.max(peer));
+        self.registry.no_peer_access.contains(&pair)
     }
 
     fn new_event(&self) -> Result<Event> {
@@ -751,6 +811,8 @@ impl CopyEngine {
     /// Runs a group of transfers: posts first, then copies, then waits for the copies of
     /// this rank's posted buffers.
     pub(crate) fn run_group(&self, group: &[Transfer]) -> Result<()> {
+        // A failed world enqueues nothing more (its flags may no longer be waited for).
+        self.registry.health.check(self.rank)?;
         let mut ipc = self
             .ipc
             .as_ref()
@@ -787,6 +849,18 @@ impl CopyEngine {
                  (FUSION_CE_SIGNALS=0 hands off through events, without this limit)",
                 t.0.key.0, t.0.key.1
             )));
+        }
+        if let (Some(board), Some(waits)) = (&self.registry.signals, &self.registry.waits) {
+            for (t, _) in group
+                .iter()
+                .zip(&routes)
+                .filter(|(_, r)| matches!(r, Route::Flags))
+            {
+                board.note_used(t.key.0, t.key.1, t.index);
+                if let Some(what) = &t.label {
+                    waits.label(self.rank, t.key.0, t.key.1, t.index, what.clone());
+                }
+            }
         }
         // One receive (a P2P pipeline's step): it waits for the previous one to land.
         let in_order = group.iter().filter(|t| !t.sending).count() == 1;
@@ -865,18 +939,13 @@ impl CopyEngine {
             let own = self.device.raw_stream(t.stream)?;
             match route {
                 Route::Events(slot) => {
-                    let done =
-                        self.registry
-                            .wait_for(self.rank, t.key, slot, "the peer's copy", |s| {
-                                s.done.get().copied()
-                            })?;
+                    let done = self
+                        .registry
+                        .wait_for(self.rank, t, slot, "copy", |s| s.done.get().copied())?;
                     self.stream_wait(t, done)?;
                     self.registry.remove(t.key);
                 }
-                Route::Flags => {
-                    let done = self.flag(t, Flag::Done)?;
-                    SignalBoard::take(own, done)?;
-                }
+                Route::Flags => self.take(own, t, Flag::Done)?,
                 Route::Ipc => {
                     let state = ipc.as_mut().expect("an IPC transfer has IPC state");
                     let IpcState { device, peers } = &mut **state;
@@ -910,13 +979,41 @@ impl CopyEngine {
         .map_err(|e| self.err(format!("cuStreamWaitEvent: {e:?}")))
     }
 
+    /// `flag` of transfer `t`.
+    fn site(t: &Transfer, flag: Flag) -> Site {
+        Site {
+            src: t.key.0,
+            dst: t.key.1,
+            index: t.index,
+            flag,
+        }
+    }
+
     /// The device address of `flag` of transfer `t`.
     fn flag(&self, t: &Transfer, flag: Flag) -> Result<u64> {
         self.registry
             .signals
             .as_ref()
-            .and_then(|b| b.address(t.key.0, t.key.1, t.index, flag))
+            .and_then(|b| b.address(Self::site(t, flag)))
             .ok_or_else(|| self.err(format!("no device flag for transfer {:?}", t.key)))
+    }
+
+    /// Enqueues on `stream` the wait for `flag` of transfer `t` (and its reset).
+    fn take(
+        &self,
+        stream: crate::backend::cuda::RawStream,
+        t: &Transfer,
+        flag: Flag,
+    ) -> Result<()> {
+        let site = Self::site(t, flag);
+        let board = self.registry.signals.as_ref();
+        match (
+            board.and_then(|b| b.address(site)),
+            board.and_then(|b| b.arrival_address(site)),
+        ) {
+            (Some(address), Some(arrival)) => SignalBoard::take(stream, address, arrival),
+            _ => Err(self.err(format!("no device flag for transfer {:?}", t.key))),
+        }
     }
 
     /// The registry key of a flag hand-off's address post (its own key space: the call and
@@ -980,11 +1077,11 @@ impl CopyEngine {
             None => {
                 let key = Self::address_key(t);
                 let slot = self.registry.slot(key);
-                let post =
-                    self.registry
-                        .wait_for(self.rank, t.key, &slot, "the peer's buffer", |s| {
-                            s.post.get().copied()
-                        });
+                let post = self
+                    .registry
+                    .wait_for(self.rank, t, &slot, "receive buffer", |s| {
+                        s.post.get().copied()
+                    });
                 self.registry.remove(key);
                 let post = post?;
                 if let (Some(k), Some(theirs)) = (landed_key, post.identity) {
@@ -1003,8 +1100,7 @@ impl CopyEngine {
             )));
         }
         let raw = self.copy_stream_after(t, copy_key, own)?;
-        let ready = self.flag(t, Flag::Ready)?;
-        SignalBoard::take(raw, ready)?;
+        self.take(raw, t, Flag::Ready)?;
         if bytes > 0 {
             let mine = t.buf.device_ptr().expect("checked");
             // A unified-address copy (the driver sees both devices from the pointers):
@@ -1013,7 +1109,11 @@ impl CopyEngine {
             // stream saw the done flag; peer access is enabled between the devices.
             let r = unsafe { sys::cuMemcpyAsync(ptr, mine, bytes, raw.0) };
             if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(self.err(format!("cuMemcpyAsync (to rank {}): {r:?}", t.key.1)));
+                return Err(self.err(format!(
+                    "cuMemcpyAsync (to rank {}): {}",
+                    t.key.1,
+                    crate::backend::cuda::cu_text(r)
+                )));
             }
         }
         SignalBoard::write(raw, self.flag(t, Flag::Done)?, 1)?;
@@ -1036,9 +1136,7 @@ impl CopyEngine {
     ) -> Result<()> {
         let post = self
             .registry
-            .wait_for(self.rank, t.key, slot, "the peer's buffer", |s| {
-                s.post.get().copied()
-            })?;
+            .wait_for(self.rank, t, slot, "buffer", |s| s.post.get().copied())?;
         if post.bytes != t.buf.nbytes() {
             return Err(self.err(format!(
                 "copy-engine transfer {:?}: the peer's buffer has {} bytes, this one {}",
@@ -1102,20 +1200,58 @@ impl Drop for CopyEngine {
     }
 }
 
-/// Enables peer access between every pair of the given devices (idempotent), for the
-/// contexts and for each device's current memory pool: our buffers come from the
-/// stream-ordered allocator, whose pool memory peers can only reach after
-/// `cuMemPoolSetAccess` (without it the driver silently stages peer copies through the
-/// host).
-pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
+/// Whether the GPU of ordinal `a` can access memory of the GPU of ordinal `b`, as the
+/// driver answers.
+fn can_access_peer(a: usize, b: usize) -> Result<bool> {
+    let dev = |o: usize| {
+        result::device::get(o as i32).map_err(|e| Error::Backend {
+            backend: "cuda",
+            reason: format!("cuDeviceGet({o}): {e:?}"),
+        })
+    };
+    let (da, db) = (dev(a)?, dev(b)?);
+    let mut can: std::ffi::c_int = 0;
+    // SAFETY: a plain query of two valid devices.
+    crate::backend::cuda::cu_check(
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) },
+        &format!("cuDeviceCanAccessPeer({a}, {b})"),
+    )?;
+    Ok(can != 0)
+}
+
+/// Enables peer access between the pairs of the given devices (idempotent) whose GPUs can
+/// reach each other, for the contexts and for each device's current memory pool: our
+/// buffers come from the stream-ordered allocator, whose pool memory peers can only reach
+/// after `cuMemPoolSetAccess` (without it the driver silently stages peer copies through
+/// the host). Returns the pairs (positions in `devices`, lower first) whose GPUs cannot,
+/// by the driver's answer or because `deny(ordinal a, ordinal b)` says so (a test hook
+/// that plays GPUs without peer access): their transfers go through NCCL instead.
+pub(crate) fn enable_peer_access(
+    devices: &[Arc<CudaDevice>],
+    deny: &dyn Fn(usize, usize) -> bool,
+) -> Result<Vec<(usize, usize)>> {
+    let ordinal = |i: usize| devices[i].shared().ordinal;
+    let mut reach: HashMap<(usize, usize), bool> = HashMap::new();
+    for i in 0..devices.len() {
+        for j in 0..devices.len() {
+            let (a, b) = (ordinal(i), ordinal(j));
+            if a == b || reach.contains_key(&(a, b)) {
+                continue;
+            }
+            let can = !deny(a.min(b), a.max(b)) && can_access_peer(a, b)?;
+            reach.insert((a, b), can);
+        }
+    }
+    let both = |a: usize, b: usize| a == b || (reach[&(a, b)] && reach[&(b, a)]);
     for a in devices {
         a.shared().bind()?;
-        let ordinal = a.shared().ordinal;
-        // Other GPUs, once each (ranks that share a GPU need no peer access to it).
+        let own = a.shared().ordinal;
+        // Other GPUs that reach this one, once each (ranks that share a GPU need no peer
+        // access to it).
         let mut others: Vec<usize> = devices
             .iter()
             .map(|b| b.shared().ordinal)
-            .filter(|&o| o != ordinal)
+            .filter(|&o| o != own && both(own, o))
             .collect();
         others.sort_unstable();
         others.dedup();
@@ -1129,56 +1265,48 @@ pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
-        let cu_dev = result::device::get(ordinal as i32).map_err(|e| Error::Backend {
+        let cu_dev = result::device::get(own as i32).map_err(|e| Error::Backend {
             backend: "cuda",
-            reason: format!("cuDeviceGet({ordinal}): {e:?}"),
+            reason: format!("cuDeviceGet({own}): {e:?}"),
         })?;
         // SAFETY: the current pool of a live device; `peers` lists valid devices.
         unsafe {
             let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            let r = sys::cuDeviceGetMemPool(&mut pool, cu_dev);
-            if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(Error::Backend {
-                    backend: "cuda",
-                    reason: format!("memory pool of device {ordinal}: {r:?}"),
-                });
-            }
-            let r = if peers.is_empty() {
-                sys::CUresult::CUDA_SUCCESS
-            } else {
-                sys::cuMemPoolSetAccess(pool, peers.as_ptr(), peers.len())
-            };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(Error::Backend {
-                    backend: "cuda",
-                    reason: format!(
-                        "granting peers access to device {ordinal}'s memory pool: {r:?}"
-                    ),
-                });
+            crate::backend::cuda::cu_check(
+                sys::cuDeviceGetMemPool(&mut pool, cu_dev),
+                &format!("memory pool of device {own}"),
+            )?;
+            if !peers.is_empty() {
+                crate::backend::cuda::cu_check(
+                    sys::cuMemPoolSetAccess(pool, peers.as_ptr(), peers.len()),
+                    &format!("granting peers access to device {own}'s memory pool"),
+                )?;
             }
         }
         for b in devices {
-            if b.shared().ordinal == ordinal {
+            let other = b.shared().ordinal;
+            if other == own || !both(own, other) {
                 continue;
             }
             // SAFETY: contexts of two live devices; the current context is `a`'s.
             let r = unsafe { sys::cuCtxEnablePeerAccess(b.shared().ctx.cu_ctx(), 0) };
-            match r {
-                sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
-                other => {
-                    return Err(Error::Backend {
-                        backend: "cuda",
-                        reason: format!(
-                            "enabling peer access from device {} to {}: {other:?} (copy-engine transfers need NVLink or PCIe peer access)",
-                            a.shared().ordinal,
-                            b.shared().ordinal
-                        ),
-                    })
-                }
+            if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                crate::backend::cuda::cu_check(
+                    r,
+                    &format!("enabling peer access from device {own} to {other}"),
+                )?;
             }
         }
     }
-    Ok(())
+    let mut lacking = Vec::new();
+    for i in 0..devices.len() {
+        for j in i + 1..devices.len() {
+            if !both(ordinal(i), ordinal(j)) {
+                lacking.push((i, j));
+            }
+        }
+    }
+    Ok(lacking)
 }
 
 #[cfg(test)]
@@ -1239,8 +1367,8 @@ mod tests {
                         .landing_buffer(0, DType::F32, &[n])?
                         .expect("a kept buffer");
                     let group = [
-                        engine.transfer(0, peer, &send, true)?,
-                        engine.transfer(0, peer, &recv, false)?,
+                        engine.transfer(0, peer, &send, true, None)?,
+                        engine.transfer(0, peer, &recv, false, None)?,
                     ];
                     let ran = engine.run_group(&group);
                     if capture {
@@ -1269,23 +1397,40 @@ mod tests {
     }
 
     /// Two ranks on GPU 0 (two device objects, one context): a hand-off between them is
-    /// the same as between two GPUs, the copy a local one. `flags`: with the flag board,
-    /// else hand-offs through events.
+    /// the same as between two GPUs, the copy a local one. `flags`: with the flag board
+    /// (which a world of ranks sharing a GPU never uses, see `CopyRegistry::new`; these
+    /// tests load every kernel before any flag wait and free nothing during one, so no
+    /// driver call of one rank waits for the other's flag wait), else hand-offs through
+    /// events.
     fn two_ranks_on_one_gpu(
         flags: bool,
     ) -> (Vec<Arc<CudaDevice>>, Arc<CopyRegistry>, Vec<CopyEngine>) {
-        let health = Arc::new(WorldHealth::new(std::time::Duration::from_secs(30)));
+        two_ranks_on_one_gpu_with(flags, std::time::Duration::from_secs(30))
+    }
+
+    fn two_ranks_on_one_gpu_with(
+        flags: bool,
+        timeout: std::time::Duration,
+    ) -> (Vec<Arc<CudaDevice>>, Arc<CopyRegistry>, Vec<CopyEngine>) {
+        let health = Arc::new(WorldHealth::new(timeout));
         let devs: Vec<Arc<CudaDevice>> = (0..2)
-            .map(|_| CudaDevice::new(0, health.clone()).map(Arc::new))
+            .map(|r| CudaDevice::new(0, r, health.clone()).map(Arc::new))
             .collect::<Result<_>>()
             .unwrap();
         let ctx = devs[0].shared().ctx.cu_ctx();
-        let mut registry = CopyRegistry::new(vec![(0, ctx), (1, ctx)], health, CopyMode::Push);
-        assert!(registry.signals.is_some(), "the flag board was made");
-        if !flags {
-            registry.signals = None;
-        }
-        let registry = Arc::new(registry);
+        let shared = CopyRegistry::new(vec![(0, ctx), (1, ctx)], health.clone(), CopyMode::Push);
+        assert!(
+            shared.signals.is_none() && shared.waits.is_none(),
+            "ranks sharing a GPU hand off through events"
+        );
+        drop(shared);
+        let registry = Arc::new(CopyRegistry::with_flags(
+            vec![(0, ctx), (1, ctx)],
+            health,
+            CopyMode::Push,
+            flags,
+        ));
+        assert_eq!(registry.signals.is_some(), flags, "the flag board was made");
         let engines: Vec<CopyEngine> = (0..2)
             .map(|r| {
                 CopyEngine::new(
@@ -1327,8 +1472,8 @@ mod tests {
                 .landing_buffer(0, DType::F32, &[n])?
                 .unwrap_or_else(|| fixed.clone());
             let group = [
-                engine.transfer(0, 1 - r, &send, true)?,
-                engine.transfer(0, 1 - r, &recv, false)?,
+                engine.transfer(0, 1 - r, &send, true, None)?,
+                engine.transfer(0, 1 - r, &recv, false, None)?,
             ];
             engine.run_group(&group)?;
             if call >= 10 {
@@ -1402,5 +1547,50 @@ mod tests {
             .filter(|l| l.confirmed)
             .count();
         assert_eq!(confirmed, 2);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+    fn a_device_wait_for_a_rank_that_never_sends_ends_in_an_error() {
+        // Rank 0 receives from rank 1, which never sends: rank 0's stream waits for the
+        // done flag on the device. The watchdog fails the world after the timeout, naming
+        // both ranks and the transfer, and lets the wait through, so the device drains.
+        let timeout = std::time::Duration::from_secs(2);
+        let (devs, registry, engines) = two_ranks_on_one_gpu_with(true, timeout);
+        devs[0].bind_thread().unwrap();
+        let buf = devs[0].allocate(0, DType::F32, &[1024]).unwrap();
+        engines[0].begin_call(&CallStart {
+            identity: Some(3),
+            rerun: false,
+        });
+        let what = Some("the test's receive from rank 1".into());
+        let t = engines[0].transfer(0, 1, &buf, false, what).unwrap();
+        engines[0].run_group(&[t]).unwrap();
+        let start = std::time::Instant::now();
+        let err = devs[0].synchronize().expect_err("rank 1 never sends");
+        let waited = start.elapsed();
+        assert!(
+            waited >= timeout && waited < timeout + std::time::Duration::from_secs(3),
+            "{waited:?}"
+        );
+        let text = err.to_string();
+        assert!(matches!(err, Error::Timeout { rank: 0, .. }), "{text}");
+        for needle in ["rank 1's copy", "the test's receive from rank 1"] {
+            assert!(text.contains(needle), "{needle}: {text}");
+        }
+        // Rank 1's next call is refused with the same cause.
+        let other = engines[1].run_group(&[]).unwrap_err();
+        assert!(
+            matches!(&other, Error::PeerFailed { failed_rank: 0, .. }),
+            "{other}"
+        );
+        drop(engines);
+        drop(registry);
+        drop(buf);
+        drop(devs);
+        assert!(
+            !crate::backend::cuda::a_device_is_stuck(),
+            "the released device drained"
+        );
     }
 }

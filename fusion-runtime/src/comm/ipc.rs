@@ -497,11 +497,21 @@ impl IpcPeer {
             },
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: granting this device access to the imported pool.
-        check(
-            unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) },
-            &format!("granting device {ordinal} access to rank {peer}'s pool"),
-        )?;
+        // A pool of this very GPU (processes sharing one) is reachable already; the access
+        // of its own device may not be set again.
+        let mut location = access.location;
+        let mut has = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        // SAFETY: querying the imported pool's access for a valid device.
+        let queried = unsafe { sys::cuMemPoolGetAccess(&mut has, pool, &mut location) };
+        if queried != sys::CUresult::CUDA_SUCCESS
+            || has != sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        {
+            // SAFETY: granting this device access to the imported pool.
+            check(
+                unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) },
+                &format!("granting device {ordinal} access to rank {peer}'s pool"),
+            )?;
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -575,8 +585,8 @@ impl IpcPeer {
                 return Ok(m);
             }
             let what = match kind {
-                Kind::Post => "the peer's buffer",
-                Kind::Done => "the peer's copy",
+                Kind::Post => "buffer",
+                Kind::Done => "copy",
             };
             pause(
                 start,
@@ -584,8 +594,9 @@ impl IpcPeer {
                 me,
                 self.peer,
                 &format!(
-                    "{what} of copy-engine transfer {} -> {} #{} (CUDA IPC)",
-                    key.0, key.1, key.2
+                    "the wait for rank {}'s {what} (copy-engine transfer #{} from rank {} to \
+                     rank {}, CUDA IPC)",
+                    self.peer, key.2, key.0, key.1
                 ),
             )?;
         }
@@ -840,7 +851,10 @@ fn allocation_base(ptr: u64, rank: usize) -> Result<u64> {
     if r != sys::CUresult::CUDA_SUCCESS {
         return Err(Error::Communication {
             rank,
-            reason: format!("cuMemGetAddressRange on a transfer buffer: {r:?}"),
+            reason: format!(
+                "cuMemGetAddressRange on a transfer buffer: {}",
+                crate::backend::cuda::cu_text(r)
+            ),
         });
     }
     Ok(base)

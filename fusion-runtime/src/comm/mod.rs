@@ -21,6 +21,7 @@
 //! | SendRecv | root (the sender) | `receiver`: a copy of the sender's input |
 
 pub(crate) mod copy_engine;
+mod device_waits;
 pub(crate) mod ipc;
 mod landing;
 pub mod local;
@@ -91,6 +92,10 @@ pub trait Communicator: Send + Sync {
     fn group_start(&self) -> Result<()>;
     /// Ends a group, issuing its transfers.
     fn group_end(&self) -> Result<()>;
+    /// Says what the next [`Self::send`] or [`Self::recv`] is in the program (e.g. the
+    /// P2P receive of a tensor in a stream-loop iteration), so that a wait for it that
+    /// times out can say so. `what` is only called by communicators that keep it.
+    fn describe_next_transfer(&self, _what: &dyn Fn() -> String) {}
     /// Marks the world as failed by this rank, so peers stop waiting with an error.
     fn abort(&self, reason: &str);
     /// Marks the world as failed because of rank `failed_rank` (this rank failed because

@@ -101,6 +101,41 @@ impl NcclRankState {
     }
 }
 
+/// An NCCL failure in NCCL's own words: the result's name, `ncclGetErrorString` and
+/// `ncclGetLastError` (NCCL's last message on this thread, naming what it found).
+pub(crate) fn nccl_text(e: &nccl::NcclError) -> String {
+    let text = |p: *const std::ffi::c_char| -> Option<String> {
+        // SAFETY: NCCL returns NUL-terminated strings it owns (or null).
+        (!p.is_null())
+            .then(|| {
+                unsafe { std::ffi::CStr::from_ptr(p) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .filter(|s| !s.trim().is_empty())
+    };
+    // SAFETY: plain queries; `ncclGetLastError` takes no communicator (it is unused).
+    let (what, last) = unsafe {
+        (
+            text(cudarc::nccl::sys::ncclGetErrorString(e.0)),
+            text(cudarc::nccl::sys::ncclGetLastError(std::ptr::null_mut())),
+        )
+    };
+    let mut s = format!("{:?}", e.0);
+    if let Some(w) = what {
+        s.push_str(&format!(" ({w})"));
+    }
+    if let Some(l) = last {
+        s.push_str(&format!(": {}", l.trim()));
+    }
+    s
+}
+
+/// The version of the NCCL this process loaded (`ncclGetVersion`'s code), or 0.
+pub(crate) fn nccl_version() -> i32 {
+    nccl::get_nccl_version().unwrap_or(0)
+}
+
 /// Creates one world communicator per device of `ordinals` (call from any one thread).
 pub(crate) fn init_world(ordinals: &[usize]) -> Result<Vec<RawComm>> {
     turn_off_graph_mixing();
@@ -111,7 +146,7 @@ pub(crate) fn init_world(ordinals: &[usize]) -> Result<Vec<RawComm>> {
     unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n as i32, devs.as_ptr()) }.map_err(|e| {
         Error::Backend {
             backend: "nccl",
-            reason: format!("ncclCommInitAll over {n} devices: {e:?}"),
+            reason: format!("ncclCommInitAll over {n} devices: {}", nccl_text(&e)),
         }
     })?;
     Ok(comms.into_iter().map(RawComm).collect())
@@ -121,7 +156,7 @@ pub(crate) fn init_world(ordinals: &[usize]) -> Result<Vec<RawComm>> {
 pub(crate) fn unique_id() -> Result<ncclUniqueId> {
     nccl::get_uniqueid().map_err(|e| Error::Backend {
         backend: "nccl",
-        reason: format!("ncclGetUniqueId: {e:?}"),
+        reason: format!("ncclGetUniqueId: {}", nccl_text(&e)),
     })
 }
 
@@ -161,7 +196,10 @@ pub(crate) fn init_rank(
     unsafe { nccl::comm_init_rank(&mut c, size as i32, id, index as i32) }.map_err(|e| {
         Error::Backend {
             backend: "nccl",
-            reason: format!("ncclCommInitRank (rank {index} of {size}): {e:?}"),
+            reason: format!(
+                "ncclCommInitRank (rank {index} of {size}): {}",
+                nccl_text(&e)
+            ),
         }
     })?;
     Ok(RawComm(c))
@@ -178,8 +216,11 @@ pub(crate) fn async_error(comm: RawComm) -> Option<String> {
             cudarc::nccl::sys::ncclResult_t::ncclSuccess,
         )
         | (_, cudarc::nccl::sys::ncclResult_t::ncclInProgress) => None,
-        (cudarc::nccl::sys::ncclResult_t::ncclSuccess, e) => Some(format!("{e:?}")),
-        (r, _) => Some(format!("ncclCommGetAsyncError: {r:?}")),
+        (cudarc::nccl::sys::ncclResult_t::ncclSuccess, e) => Some(nccl_text(&nccl::NcclError(e))),
+        (r, _) => Some(format!(
+            "ncclCommGetAsyncError: {}",
+            nccl_text(&nccl::NcclError(r))
+        )),
     }
 }
 
@@ -196,6 +237,28 @@ fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
         ReduceOp::Sum => ncclRedOp_t::ncclSum,
         ReduceOp::Max => ncclRedOp_t::ncclMax,
     }
+}
+
+/// How `rank` reaches each other rank of a world of `size` through `engine`, one line per
+/// peer (for dumps): copy-engine P2P transfers run on the copy engines where the engine
+/// reaches the peer, and through NCCL P2P elsewhere; collectives always through NCCL.
+pub(crate) fn transport_lines(rank: usize, size: usize, engine: &CopyEngine) -> Vec<String> {
+    (0..size)
+        .filter(|&p| p != rank)
+        .map(|p| {
+            let how = if engine.reaches_in_process(p) {
+                "copy engines (peer access, same process)"
+            } else if engine.lacks_peer_access(p) {
+                "NCCL P2P (same process, but the GPUs have no peer access to each other: \
+                 copy-engine transfers fall back to NCCL P2P)"
+            } else if engine.reaches_over_ipc(p) {
+                "copy engines over CUDA IPC (another process of this host)"
+            } else {
+                "NCCL P2P (copy-engine transfers fall back to NCCL P2P)"
+            };
+            format!("rank {rank} -> rank {p}: {how}; collectives NCCL")
+        })
+        .collect()
 }
 
 /// `t` with axis `axis` moved to the front.
@@ -219,6 +282,9 @@ pub struct NcclCommunicator {
     instance: u64,
     /// The last graph launch, which NCCL calls outside graphs wait for.
     graph_fence: GraphFence,
+    /// What the next send or receive is in the program (see
+    /// [`Communicator::describe_next_transfer`]); taken by that send or receive.
+    next_label: Mutex<Option<Arc<str>>>,
 }
 
 /// Work that must happen after a group's transfers are issued.
@@ -254,6 +320,7 @@ impl NcclCommunicator {
             group: Mutex::new(None),
             instance: super::next_instance(),
             graph_fence: GraphFence::new(),
+            next_label: Mutex::new(None),
         }
     }
 
@@ -268,7 +335,14 @@ impl NcclCommunicator {
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("copy-engine transfer with rank {peer}: not a peer")));
         }
-        let t = self.copy_engine.transfer(stream, peer, buf, sending)?;
+        let label = self
+            .next_label
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let t = self
+            .copy_engine
+            .transfer(stream, peer, buf, sending, label)?;
         let mut group = self.group.lock().unwrap_or_else(PoisonError::into_inner);
         match group.as_mut() {
             Some(g) => {
@@ -282,6 +356,15 @@ impl NcclCommunicator {
         }
     }
 
+    /// Drops the description of a send or receive that NCCL carries (it is for copy-engine
+    /// transfers only; a later collective's transfers must not take it).
+    fn forget_label(&self) {
+        self.next_label
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+
     /// Whether a copy-engine transfer with `peer` runs on the copy engines (a GPU of this
     /// process, or of another process of this host over CUDA IPC); otherwise it goes
     /// through NCCL.
@@ -291,19 +374,7 @@ impl NcclCommunicator {
 
     /// How this rank reaches every peer, one line each.
     pub(crate) fn transports(&self) -> Vec<String> {
-        (0..self.world_size)
-            .filter(|&p| p != self.rank)
-            .map(|p| {
-                let how = if self.copy_engine.reaches_in_process(p) {
-                    "copy engines (peer access, same process); collectives NCCL"
-                } else if self.copy_engine.reaches_over_ipc(p) {
-                    "copy engines over CUDA IPC (another process); collectives NCCL"
-                } else {
-                    "NCCL (P2P and collectives; copy-engine transfers fall back to NCCL P2P)"
-                };
-                format!("rank {} -> rank {p}: {how}", self.rank)
-            })
-            .collect()
+        transport_lines(self.rank, self.world_size, &self.copy_engine)
     }
 
     fn err(&self, reason: String) -> Error {
@@ -313,8 +384,8 @@ impl NcclCommunicator {
         }
     }
 
-    fn nccl_err(&self, what: &str, e: impl std::fmt::Debug) -> Error {
-        self.err(format!("{what}: {e:?}"))
+    fn nccl_err(&self, what: &str, e: nccl::NcclError) -> Error {
+        self.err(format!("{what}: {}", nccl_text(&e)))
     }
 
     /// The communicator of `team` (the world's when the team is every device in order).
@@ -452,11 +523,14 @@ impl NcclCommunicator {
         let mut transfers = Vec::new();
         for (i, &peer) in c.team.iter().enumerate() {
             if peer != self.rank {
-                transfers.push(self.copy_engine.transfer(s, peer, &x, true)?);
-                transfers.push(
-                    self.copy_engine
-                        .transfer(s, peer, &buf.select(0, i)?, false)?,
-                );
+                transfers.push(self.copy_engine.transfer(s, peer, &x, true, None)?);
+                transfers.push(self.copy_engine.transfer(
+                    s,
+                    peer,
+                    &buf.select(0, i)?,
+                    false,
+                    None,
+                )?);
             }
         }
         self.copy_engine.run_group(&transfers)?;
@@ -503,14 +577,20 @@ impl NcclCommunicator {
         let mut transfers = Vec::new();
         for (i, &peer) in c.team.iter().enumerate() {
             if peer != self.rank {
-                transfers.push(
-                    self.copy_engine
-                        .transfer(s, peer, &blocks.select(0, i)?, true)?,
-                );
-                transfers.push(
-                    self.copy_engine
-                        .transfer(s, peer, &slots.select(0, i)?, false)?,
-                );
+                transfers.push(self.copy_engine.transfer(
+                    s,
+                    peer,
+                    &blocks.select(0, i)?,
+                    true,
+                    None,
+                )?);
+                transfers.push(self.copy_engine.transfer(
+                    s,
+                    peer,
+                    &slots.select(0, i)?,
+                    false,
+                    None,
+                )?);
             }
         }
         self.copy_engine.run_group(&transfers)?;
@@ -993,6 +1073,7 @@ impl Communicator for NcclCommunicator {
         if backend == CommBackend::CopyEngine && self.by_copy_engine(peer) {
             return self.copy_transfer(stream, peer, buf, true);
         }
+        self.forget_label();
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("send to rank {peer}: not a peer")));
         }
@@ -1032,6 +1113,7 @@ impl Communicator for NcclCommunicator {
         if backend == CommBackend::CopyEngine && self.by_copy_engine(peer) {
             return self.copy_transfer(stream, peer, buf, false);
         }
+        self.forget_label();
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("recv from rank {peer}: not a peer")));
         }
@@ -1083,6 +1165,13 @@ impl Communicator for NcclCommunicator {
         }
         drop(g.keep);
         self.copy_engine.run_group(&g.copies)
+    }
+
+    fn describe_next_transfer(&self, what: &dyn Fn() -> String) {
+        *self
+            .next_label
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(what().into());
     }
 
     fn abort(&self, reason: &str) {

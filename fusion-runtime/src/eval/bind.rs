@@ -137,6 +137,7 @@ pub fn check_didx_extents(f: &Fusion, symbols: &SymbolBindings, world_size: usiz
                             "is DIDx-sharded over {devices} devices, but its extent {} is {v}",
                             f.display_scalar(d.extent)
                         ),
+                        culprit: None,
                     }))
                 }
                 _ => {}

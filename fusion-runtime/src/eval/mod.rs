@@ -1015,6 +1015,21 @@ impl<'a> Evaluator<'a> {
         let peer = peer as usize;
         let in_group = self.group_start.is_some();
         let start = if in_group { None } else { self.mark()? };
+        let describe = || {
+            let (what, to) = match x.direction {
+                P2PDirection::Send => ("send", "to"),
+                P2PDirection::Recv => ("receive", "from"),
+            };
+            let mut s = format!(
+                "the P2P {what} of `{}` {to} rank {peer}",
+                self.p.ir.tensor_name(x.buffer)
+            );
+            if let Some(i) = self.chunk {
+                s.push_str(&format!(" in stream-loop iteration {i}"));
+            }
+            s
+        };
+        self.ctx.comm.describe_next_transfer(&describe);
         match x.direction {
             P2PDirection::Send => {
                 let buf = self.get(x.buffer)?.clone();

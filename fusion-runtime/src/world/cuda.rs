@@ -7,7 +7,11 @@
 //! a peer, bootstraps (rank 0's NCCL unique id travels in its info), joins the NCCL world
 //! communicator, and connects a transport to every peer by where it lives: the copy engines
 //! in the same process, the copy engines over CUDA IPC in another process of the host
-//! (when both sides manage to connect; else NCCL), NCCL across hosts.
+//! (when both sides manage to connect; else NCCL), NCCL across hosts. GPUs of one process
+//! without peer access to each other (PCIe cards that cannot reach each other's memory)
+//! are no error: that pair's transfers go through NCCL too, and the transports say so.
+//! The launch checks of `gpu_layout` run before the rendezvous and right after it, before
+//! NCCL starts.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -16,6 +20,7 @@ use std::time::Duration;
 use cudarc::driver::sys;
 
 use super::bootstrap::{self, Session};
+use super::gpu_layout::{check_ranks, local_ordinals, RankGpu, Visible};
 use super::launcher::LaunchSpec;
 use super::topology::{host_name, Link, RankInfo};
 use super::{RunComms, World};
@@ -25,8 +30,8 @@ use crate::comm::copy_engine::{enable_peer_access, CopyEngine, CopyMode, CopyReg
 use crate::comm::ipc::{IpcDevice, IpcInfo, IpcPeer};
 use crate::comm::local::LocalCommunicator;
 use crate::comm::nccl::{
-    async_error, id_bytes, id_from_bytes, init_rank, init_world, unique_id, NcclCommunicator,
-    NcclRankState,
+    async_error, id_bytes, id_from_bytes, init_rank, init_world, nccl_version, unique_id,
+    NcclCommunicator, NcclRankState,
 };
 use crate::comm::remote::wire::{Reader, Writer};
 use crate::comm::Communicator;
@@ -56,9 +61,25 @@ struct CudaComms {
     ipc: Vec<Option<Arc<Mutex<IpcState>>>>,
     /// Rank in the launched world of each rank of this world.
     ipc_ranks: Arc<Vec<usize>>,
+    /// Pairs of this world's ranks (lower first) in this process whose GPUs have no peer
+    /// access to each other: their transfers go through NCCL.
+    no_peer_access: Vec<(usize, usize)>,
 }
 
 impl CudaComms {
+    /// A copy-engine registry over this process's ranks.
+    fn registry(&self) -> CopyRegistry {
+        CopyRegistry::new(
+            self.local
+                .iter()
+                .map(|(r, d)| (*r, d.shared().ctx.cu_ctx()))
+                .collect(),
+            self.health.clone(),
+            CopyMode::from_env(),
+        )
+        .without_peer_access(&self.no_peer_access)
+    }
+
     /// The NCCL state of every local rank, (re)made when missing or aborted (in-process
     /// worlds only; a launched world's communicators cannot be rebuilt alone).
     fn ensure_nccl(&self) -> Result<Vec<Arc<NcclRankState>>> {
@@ -112,14 +133,7 @@ impl RunComms for CudaComms {
         }
         self.health.set_timeout(timeout);
         let states = self.ensure_nccl()?;
-        let copies = Arc::new(CopyRegistry::new(
-            self.local
-                .iter()
-                .map(|(r, d)| (*r, d.shared().ctx.cu_ctx()))
-                .collect(),
-            self.health.clone(),
-            CopyMode::from_env(),
-        ));
+        let copies = Arc::new(self.registry());
         Ok(self
             .local
             .iter()
@@ -194,6 +208,20 @@ impl RunComms for CudaComms {
                 ipc_ranks[r] = b.data[0] as usize;
             }
         }
+        // The pairs without peer access, in the group's ranks.
+        let sub_rank = |world_rank: usize| {
+            local
+                .iter()
+                .zip(hosts)
+                .find(|(&i, _)| self.local[i].0 == world_rank)
+                .map(|(_, h)| h.membership().rank)
+        };
+        let no_peer_access = self
+            .no_peer_access
+            .iter()
+            .filter_map(|&(a, b)| Some((sub_rank(a)?, sub_rank(b)?)))
+            .map(|(a, b)| (a.min(b), a.max(b)))
+            .collect();
         Ok(Box::new(CudaComms {
             size: sub_size,
             local: members,
@@ -202,36 +230,22 @@ impl RunComms for CudaComms {
             health: self.health.clone(),
             ipc: local.iter().map(|&i| self.ipc[i].clone()).collect(),
             ipc_ranks: Arc::new(ipc_ranks),
+            no_peer_access,
         }))
     }
 
     fn transports(&self) -> Vec<String> {
         let mut lines = Vec::new();
+        let registry = Arc::new(self.registry());
         for (i, (r, device)) in self.local.iter().enumerate() {
             let engine = CopyEngine::new(
                 *r,
                 device.clone(),
-                Arc::new(CopyRegistry::new(
-                    self.local
-                        .iter()
-                        .map(|(r, d)| (*r, d.shared().ctx.cu_ctx()))
-                        .collect(),
-                    self.health.clone(),
-                    CopyMode::from_env(),
-                )),
+                registry.clone(),
                 self.ipc[i].clone(),
                 self.ipc_ranks.clone(),
             );
-            for p in (0..self.size).filter(|p| p != r) {
-                let how = if engine.reaches_in_process(p) {
-                    "copy engines (peer access, same process)"
-                } else if engine.reaches_over_ipc(p) {
-                    "copy engines over CUDA IPC (another process of this host)"
-                } else {
-                    "NCCL (copy-engine transfers fall back to NCCL P2P)"
-                };
-                lines.push(format!("rank {r} -> rank {p}: {how}; collectives NCCL"));
-            }
+            lines.extend(crate::comm::nccl::transport_lines(*r, self.size, &engine));
         }
         lines
     }
@@ -256,21 +270,45 @@ fn on_each<I: Send, T: Send>(items: Vec<I>, f: impl Fn(I) -> Result<T> + Sync) -
 
 /// A world of `devices` GPUs of this process (all visible ones when `None`).
 pub fn cuda_world(devices: Option<usize>) -> Result<World> {
+    cuda_world_with(devices, &|_, _| false)
+}
+
+/// [`cuda_world`], with the GPUs of every pair in `pairs` (ordinals) taken as having no
+/// peer access to each other, whatever the driver says: what PCIe cards without peer
+/// access give, on GPUs that have it. Their transfers go through NCCL P2P, and
+/// [`World::transports`] (and `FUSION_DUMP=host_ir`) say so.
+pub fn cuda_world_without_peer_access(
+    devices: Option<usize>,
+    pairs: &[(usize, usize)],
+) -> Result<World> {
+    let pairs: Vec<(usize, usize)> = pairs.iter().map(|&(a, b)| (a.min(b), a.max(b))).collect();
+    cuda_world_with(devices, &|a, b| pairs.contains(&(a, b)))
+}
+
+/// [`cuda_world`], with `deny(a, b)` (ordinals, `a < b`) forcing the peer-access answer
+/// of a pair to no.
+fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) -> Result<World> {
     check_libraries(true)?;
+    let timeout = super::timeout_from_env()?;
     let visible = device_count();
     let n = devices.unwrap_or(visible);
     if n == 0 || n > visible {
         return Err(Error::World(format!(
-            "asked for {n} CUDA devices, {visible} are visible"
+            "asked for {n} CUDA devices, but {}: ask for at most {visible} (--devices, \
+             FUSION_DEVICES), make more GPUs visible, or use cuda_world_sharing_gpus to put \
+             several ranks on one GPU",
+            Visible::from_env(visible).describe()
         )));
     }
     let health = Arc::new(WorldHealth::new(super::DEFAULT_TIMEOUT));
     let devices: Vec<Arc<CudaDevice>> = (0..n)
-        .map(|i| CudaDevice::new(i, health.clone()).map(Arc::new))
+        .map(|i| CudaDevice::new(i, i, health.clone()).map(Arc::new))
         .collect::<Result<_>>()?;
-    if n > 1 {
-        enable_peer_access(&devices)?;
-    }
+    let no_peer_access = if n > 1 {
+        enable_peer_access(&devices, deny)?
+    } else {
+        Vec::new()
+    };
     let comms = CudaComms {
         size: n,
         local: devices.iter().cloned().enumerate().collect(),
@@ -279,31 +317,33 @@ pub fn cuda_world(devices: Option<usize>) -> Result<World> {
         health,
         ipc: vec![None; n],
         ipc_ranks: Arc::new((0..n).collect()),
+        no_peer_access,
     };
     comms.ensure_nccl()?;
+    // `FUSION_TIMEOUT` bounds its waits, as it does `World::local_default`'s.
     Ok(World::in_process(
         BackendKind::Cuda,
         devices.into_iter().map(|d| d as Arc<dyn Device>).collect(),
         Some(Box::new(comms)),
-    ))
+    )
+    .with_timeout(timeout))
 }
 
 /// A world of `ranks` ranks on this process's GPUs, rank `r` on GPU `r % visible`. With
 /// fewer GPUs than ranks, several ranks share a GPU (each with its own streams, in the
-/// GPU's one context): a layout for checking copy-engine pipelines, their device-flag
-/// hand-offs and their graph capture on a machine with fewer GPUs than the world. NCCL
-/// cannot put two ranks on one GPU, so in such a world collectives and NCCL transfers
-/// fail with an error that says so. With enough GPUs it is [`cuda_world`].
+/// GPU's one context): a layout for checking copy-engine pipelines on a machine with fewer
+/// GPUs than the world. NCCL cannot put two ranks on one GPU, so in such a world
+/// collectives and NCCL transfers fail with an error that says so. With enough GPUs it is
+/// [`cuda_world`].
 ///
-/// Ranks that share a GPU wait for each other's flags on one device, so two of CUDA's
-/// defaults must change in the environment before the process starts
-/// ([`SHARED_GPU_ENVIRONMENT`]): more hardware queues (with the default 8, a stream waiting
-/// for a peer's flag holds up every stream that shares its queue, the peer's included), and
-/// kernels loaded when the process starts (a kernel loaded at its first launch may
-/// synchronize the context, which then waits for the other rank's streams). Without them
-/// this returns an error naming them.
+/// Ranks that share a GPU hand off through events and the host, never through device
+/// flags: a device-side wait for a peer on the same GPU can wait for work the peer's host
+/// thread has not submitted, while that thread waits in the driver for the shared
+/// context (see `docs/ARCHITECTURE.md`, "Copy-engine transfers"). Their calls therefore
+/// run eagerly (never replayed as graphs).
 pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
     check_libraries(true)?;
+    let timeout = super::timeout_from_env()?;
     let visible = device_count();
     if ranks == 0 || visible == 0 {
         return Err(Error::World(format!(
@@ -313,25 +353,11 @@ pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
     if ranks <= visible {
         return cuda_world(Some(ranks));
     }
-    let unset: Vec<String> = SHARED_GPU_ENVIRONMENT
-        .iter()
-        .filter(|(k, v)| std::env::var(k).as_deref() != Ok(*v))
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    if !unset.is_empty() {
-        return Err(Error::World(format!(
-            "{ranks} ranks sharing {visible} GPU(s) need {} in the environment before the \
-             process starts: more hardware queues, so that a stream waiting for a peer's flag \
-             holds up no other stream, and kernels loaded at the start, so that no first \
-             launch synchronizes the context while the other rank's streams wait",
-            unset.join(" ")
-        )));
-    }
     let health = Arc::new(WorldHealth::new(super::DEFAULT_TIMEOUT));
     let devices: Vec<Arc<CudaDevice>> = (0..ranks)
-        .map(|r| CudaDevice::new(r % visible, health.clone()).map(Arc::new))
+        .map(|r| CudaDevice::new(r % visible, r, health.clone()).map(Arc::new))
         .collect::<Result<_>>()?;
-    enable_peer_access(&devices)?;
+    let no_peer_access = enable_peer_access(&devices, &|_, _| false)?;
     let comms = CudaComms {
         size: ranks,
         local: devices.iter().cloned().enumerate().collect(),
@@ -343,24 +369,19 @@ pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
         health,
         ipc: vec![None; ranks],
         ipc_ranks: Arc::new((0..ranks).collect()),
+        no_peer_access,
     };
+    // `FUSION_TIMEOUT` bounds its waits, as it does `World::local_default`'s.
     Ok(World::in_process(
         BackendKind::Cuda,
         devices.into_iter().map(|d| d as Arc<dyn Device>).collect(),
         Some(Box::new(comms)),
-    ))
+    )
+    .with_timeout(timeout))
 }
 
-/// The environment a world whose ranks share GPUs needs ([`cuda_world_sharing_gpus`]): the
-/// most hardware queues CUDA allows (one per stream of every rank on the GPU), and every
-/// module loaded when the process starts.
-pub const SHARED_GPU_ENVIRONMENT: [(&str, &str); 2] = [
-    ("CUDA_DEVICE_MAX_CONNECTIONS", "32"),
-    ("CUDA_MODULE_LOADING", "EAGER"),
-];
-
-/// `uuid GPU-…, bus 0000:…` of device `ordinal`.
-fn device_description(ordinal: usize) -> String {
+/// Device `ordinal` as `cuda:0 (uuid …, bus 0000:…)`, and its UUID alone.
+fn device_description(ordinal: usize) -> (String, String) {
     let mut dev: sys::CUdevice = 0;
     let mut uuid = sys::CUuuid { bytes: [0; 16] };
     let mut bus = [0 as std::ffi::c_char; 32];
@@ -373,15 +394,24 @@ fn device_description(ordinal: usize) -> String {
         )
     };
     if a != sys::CUresult::CUDA_SUCCESS {
-        return format!("cuda:{ordinal}");
+        return (format!("cuda:{ordinal}"), format!("cuda:{ordinal}?"));
     }
     let uuid = if b == sys::CUresult::CUDA_SUCCESS {
-        uuid.bytes
+        let hex: String = uuid
+            .bytes
             .iter()
             .map(|x| format!("{:02x}", *x as u8))
-            .collect::<String>()
+            .collect();
+        format!(
+            "GPU-{}-{}-{}-{}-{}",
+            &hex[..8],
+            &hex[8..12],
+            &hex[12..16],
+            &hex[16..20],
+            &hex[20..]
+        )
     } else {
-        "?".into()
+        format!("cuda:{ordinal}?")
     };
     let bus = if c == sys::CUresult::CUDA_SUCCESS {
         // SAFETY: the driver wrote a NUL-terminated string.
@@ -391,7 +421,7 @@ fn device_description(ordinal: usize) -> String {
     } else {
         "?".into()
     };
-    format!("cuda:{ordinal} (uuid {uuid}, bus {bus})")
+    (format!("cuda:{ordinal} (uuid {uuid}, bus {bus})"), uuid)
 }
 
 /// The backend part of a rank's bootstrap info.
@@ -402,6 +432,12 @@ struct CudaInfo {
     ordinal: usize,
     /// How to reach this rank over IPC, when it prepared for it.
     ipc: Option<IpcInfo>,
+    /// The GPU's UUID (two ranks of different processes must not share one).
+    uuid: String,
+    /// What the rank's process sees.
+    visible: Visible,
+    /// The NCCL version the process loaded.
+    nccl_version: i32,
 }
 
 impl CudaInfo {
@@ -412,6 +448,12 @@ impl CudaInfo {
             Some(i) => w.u8(1).u64(i.pool_fd as u64).str(&i.inbox),
             None => w.u8(0),
         };
+        w.str(&self.uuid).usize(self.visible.count);
+        match &self.visible.cuda_visible_devices {
+            Some(v) => w.u8(1).str(v),
+            None => w.u8(0),
+        };
+        w.u64(self.nccl_version as u32 as u64);
         w.0
     }
 
@@ -426,10 +468,23 @@ impl CudaInfo {
             }),
             _ => None,
         };
+        let uuid = r.str()?;
+        let count = r.usize()?;
+        let cuda_visible_devices = match r.u8()? {
+            1 => Some(r.str()?),
+            _ => None,
+        };
+        let nccl_version = r.u64()? as u32 as i32;
         Ok(CudaInfo {
             nccl_id,
             ordinal,
             ipc,
+            uuid,
+            visible: Visible {
+                count,
+                cuda_visible_devices,
+            },
+            nccl_version,
         })
     }
 }
@@ -440,57 +495,56 @@ fn ipc_allowed() -> bool {
     std::env::var("FUSION_IPC").map_or(true, |v| v != "0")
 }
 
-/// The device ordinals of this process's ranks: `per_process` of them (`all` visible
-/// when `None`... see [`launched_cuda_world`]).
-fn local_ordinals(spec: &LaunchSpec, per_process: usize, visible: usize) -> Result<Vec<usize>> {
-    // With one GPU visible per process (the launcher set CUDA_VISIBLE_DEVICES), it is 0;
-    // otherwise this process takes its block of the node's GPUs.
-    let first = if visible == per_process {
-        0
-    } else {
-        spec.local_process * per_process
-    };
-    if first + per_process > visible {
-        return Err(Error::World(format!(
-            "process {} (local rank {} of {} on this node) needs GPUs {first}..{} but {visible} \
-             are visible (set CUDA_VISIBLE_DEVICES per process, or fewer processes per node)",
-            spec.process,
-            spec.local_process,
-            spec.local_processes,
-            first + per_process
-        )));
-    }
-    Ok((first..first + per_process).collect())
+/// A launched world in which processes of one host may share GPUs: ranks on different
+/// GPUs as in [`super::World::from_env`]; when two processes share a GPU, that world has
+/// no NCCL (which allows one rank per GPU), and its processes hand off over CUDA IPC (the
+/// copy engines, through the host). For checking launched pipelines and failures on a
+/// machine with fewer GPUs than processes, as [`cuda_world_sharing_gpus`] does within
+/// one process; one rank per process. `World::from_env` refuses such a layout with an
+/// error that says what to do.
+pub fn launched_world_sharing_gpus() -> Result<World> {
+    let spec = LaunchSpec::from_env()?.ok_or_else(|| {
+        Error::World("launched_world_sharing_gpus: no launcher variables found".into())
+    })?;
+    let timeout = super::timeout_from_env()?;
+    launched_cuda_world(spec, None, timeout, true)
 }
 
 /// A launched CUDA world: `per_process` (`None`: 1; `all`: every visible GPU) ranks in this
-/// process.
+/// process; with `sharing`, processes may share GPUs (see
+/// [`launched_world_sharing_gpus`]).
 pub(super) fn launched_cuda_world(
     spec: LaunchSpec,
     per_process: Option<&str>,
     timeout: Duration,
+    sharing: bool,
 ) -> Result<World> {
     check_libraries(true)?;
-    let visible = device_count();
+    let visible = Visible::from_env(device_count());
     let per_process = match per_process {
         None => 1,
-        Some("all") => visible,
+        Some("all") => visible.count.max(1),
         Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
             Error::World(format!(
                 "FUSION_DEVICES_PER_PROCESS={v}: expected a positive number or `all`"
             ))
         })?,
     };
-    if per_process == 0 {
-        return Err(Error::World("no CUDA devices are visible".into()));
-    }
-    let ordinals = local_ordinals(&spec, per_process, visible)?;
+    let ordinals = if sharing && visible.count > 0 {
+        let first = spec.local_process * per_process;
+        (first..first + per_process)
+            .map(|o| o % visible.count)
+            .collect()
+    } else {
+        local_ordinals(&spec, per_process, &visible)?
+    };
     let size = spec.processes * per_process;
     let first = spec.process * per_process;
     let health = Arc::new(WorldHealth::new(timeout));
     let devices: Vec<Arc<CudaDevice>> = ordinals
         .iter()
-        .map(|&o| CudaDevice::new(o, health.clone()).map(Arc::new))
+        .enumerate()
+        .map(|(i, &o)| CudaDevice::new(o, first + i, health.clone()).map(Arc::new))
         .collect::<Result<_>>()?;
     // Exportable memory only when a peer may be another process of this host.
     let wants_ipc = ipc_allowed() && spec.local_processes > 1;
@@ -515,30 +569,39 @@ pub(super) fn launched_cuda_world(
             None
         });
     }
-    if devices.len() > 1 {
-        enable_peer_access(&devices)?;
-    }
+    let lacking = if devices.len() > 1 {
+        enable_peer_access(&devices, &|_, _| false)?
+    } else {
+        Vec::new()
+    };
     let nccl_id = if spec.process == 0 {
         id_bytes(&unique_id()?)
     } else {
         Vec::new()
     };
     let host = host_name();
+    let nccl = nccl_version();
     let infos: Vec<RankInfo> = devices
         .iter()
         .enumerate()
-        .map(|(i, d)| RankInfo {
-            rank: first + i,
-            host: host.clone(),
-            pid: std::process::id(),
-            process: spec.process,
-            device: device_description(d.shared().ordinal),
-            extra: CudaInfo {
-                nccl_id: if i == 0 { nccl_id.clone() } else { Vec::new() },
-                ordinal: d.shared().ordinal,
-                ipc: ipc_devices[i].as_ref().map(IpcDevice::info),
+        .map(|(i, d)| {
+            let (device, uuid) = device_description(d.shared().ordinal);
+            RankInfo {
+                rank: first + i,
+                host: host.clone(),
+                pid: std::process::id(),
+                process: spec.process,
+                device,
+                extra: CudaInfo {
+                    nccl_id: if i == 0 { nccl_id.clone() } else { Vec::new() },
+                    ordinal: d.shared().ordinal,
+                    ipc: ipc_devices[i].as_ref().map(IpcDevice::info),
+                    uuid,
+                    visible: visible.clone(),
+                    nccl_version: nccl,
+                }
+                .encode(),
             }
-            .encode(),
         })
         .collect();
     let session = Arc::new(bootstrap::bootstrap(spec, size, infos, timeout)?);
@@ -548,6 +611,28 @@ pub(super) fn launched_cuda_world(
         .iter()
         .map(|r| CudaInfo::decode(&r.extra))
         .collect::<Result<Vec<_>>>()?;
+    // Every rank has every rank's info now: each finds the same mistakes, before NCCL.
+    let gpus: Vec<RankGpu> = session
+        .topology
+        .ranks
+        .iter()
+        .zip(&peers_info)
+        .map(|(r, c)| RankGpu {
+            rank: r.rank,
+            host: r.host.clone(),
+            process: r.process,
+            uuid: c.uuid.clone(),
+            ordinal: c.ordinal,
+            visible: c.visible.clone(),
+            nccl: c.nccl_version,
+        })
+        .collect();
+    check_ranks(&gpus, sharing)?;
+    let shares_a_gpu = gpus.iter().enumerate().any(|(i, a)| {
+        gpus[..i]
+            .iter()
+            .any(|b| b.uuid == a.uuid && b.process != a.process)
+    });
     let id = id_from_bytes(&peers_info[0].nccl_id)?;
     let local: Vec<(usize, Arc<CudaDevice>)> = devices
         .iter()
@@ -571,7 +656,11 @@ pub(super) fn launched_cuda_world(
         ipc_devices.into_iter().map(Mutex::new).collect();
     let setups = on_each(local.iter().enumerate().collect(), |(i, (rank, device))| {
         device.bind_thread()?;
-        let comm = init_rank(device, id, size, *rank)?;
+        let comm = if shares_a_gpu {
+            None
+        } else {
+            Some(init_rank(device, id, size, *rank)?)
+        };
         let own = ipc_devices[i]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -579,10 +668,20 @@ pub(super) fn launched_cuda_world(
         let state = connect_ipc(*rank, device, own, &session, &peers_info, &world_hosts[i])?;
         Ok((comm, state))
     })?;
+    if shares_a_gpu {
+        refuse_missing_ipc(&session, &local, &setups)?;
+    }
     let mut states = Vec::new();
     let mut ipc = Vec::new();
     for (comm, state) in setups {
-        states.push(Arc::new(NcclRankState::new(comm)));
+        states.push(Arc::new(match comm {
+            Some(c) => NcclRankState::new(c),
+            None => NcclRankState::unavailable(
+                "processes of this launched world share a GPU (launched_world_sharing_gpus), \
+                 and NCCL allows one rank per GPU"
+                    .into(),
+            ),
+        }));
         ipc.push(state.map(|s| Arc::new(Mutex::new(s))));
     }
     watch_failures(&session, &health, &states);
@@ -590,10 +689,21 @@ pub(super) fn launched_cuda_world(
         size,
         local: local.clone(),
         nccl: Mutex::new(Some(states)),
-        source: NcclSource::Fixed,
+        source: if shares_a_gpu {
+            NcclSource::Unavailable(
+                "processes of this launched world share a GPU, and NCCL allows one rank per GPU"
+                    .into(),
+            )
+        } else {
+            NcclSource::Fixed
+        },
         health,
         ipc,
         ipc_ranks: Arc::new((0..size).collect()),
+        no_peer_access: lacking
+            .into_iter()
+            .map(|(a, b)| (first + a, first + b))
+            .collect(),
     };
     Ok(World::launched_with_hosts(
         BackendKind::Cuda,
@@ -605,6 +715,38 @@ pub(super) fn launched_cuda_world(
         world_hosts,
         Some(Box::new(comms)),
     ))
+}
+
+/// In a launched world whose processes share a GPU (no NCCL), every rank of this process
+/// must reach every rank of another process over CUDA IPC: the first pair that does not is
+/// an error at world time (rather than at the first transfer).
+fn refuse_missing_ipc(
+    session: &Session,
+    local: &[(usize, Arc<CudaDevice>)],
+    setups: &[(Option<crate::comm::nccl::RawComm>, Option<IpcState>)],
+) -> Result<()> {
+    let topo = &session.topology;
+    for ((rank, _), (_, state)) in local.iter().zip(setups) {
+        for peer in 0..topo.ranks.len() {
+            if topo.link(*rank, peer) == Link::SameProcess {
+                continue;
+            }
+            if !state.as_ref().is_some_and(|s| s.peers.contains_key(&peer)) {
+                return Err(Error::World(format!(
+                    "processes of this launched world share a GPU, so they have no NCCL and \
+                     their transfers need CUDA IPC, but rank {rank} could not connect to rank \
+                     {peer} over it (see the warnings above; {}): give each process a GPU of \
+                     its own instead",
+                    if ipc_allowed() {
+                        "both must run on one host"
+                    } else {
+                        "FUSION_IPC=0 turns it off"
+                    }
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Connects `rank`'s IPC peers (the ranks of other processes on this host that prepared

@@ -12,6 +12,7 @@
 
 mod bootstrap;
 mod cuda;
+mod gpu_layout;
 pub mod launcher;
 mod split;
 pub mod topology;
@@ -30,7 +31,10 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 pub use bootstrap::VERSION;
-pub use cuda::{cuda_world, cuda_world_sharing_gpus, SHARED_GPU_ENVIRONMENT};
+pub use cuda::{
+    cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
+    launched_world_sharing_gpus,
+};
 pub use launcher::{LaunchSpec, Launcher};
 pub use topology::{Link, RankInfo, Topology};
 
@@ -187,7 +191,7 @@ impl World {
             None => crate::backend::cuda::device_count() > 0,
         };
         if cuda {
-            cuda::launched_cuda_world(spec, per_process.as_deref(), timeout)
+            cuda::launched_cuda_world(spec, per_process.as_deref(), timeout, false)
         } else {
             let n = match per_process.as_deref() {
                 None => 1,

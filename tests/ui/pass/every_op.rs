@@ -17,6 +17,11 @@ fusion! {
         silu(gelu_tanh(sqrt(abs(sigmoid(tanh(exp(gelu(relu(neg(x))))))))))
     }
 
+    /// The scale of an RMS norm: `rsqrt` of each row's sum of squares.
+    fn inverse_norms<m, n>(x: Tensor<f32, [m, n]>) -> Tensor<f32, [m]> {
+        rsqrt(sum(x * x, 1))
+    }
+
     fn casts<m>(x: Tensor<f32, [m]>) -> (Tensor<bf16, [m]>, Tensor<f16, [m]>) {
         let h = cast(x, bf16);
         (h, cast(h, f16))
@@ -70,6 +75,13 @@ fn main() -> fusion::Result<()> {
 
         let u = unary(rank, &t(&[5], 4).try_into()?)?;
         assert_eq!(u.shape(), &[5]);
+        let x = t(&[3, 5], 15);
+        let norms = inverse_norms(rank, &x.clone().try_into()?)?;
+        let norms = host(rank, &norms)?;
+        for (row, got) in x.to_f32_vec()?.chunks(5).zip(norms) {
+            let want = 1.0 / row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>().sqrt();
+            assert!((f64::from(got) - want).abs() < 1e-5 * want, "rsqrt: {got} vs {want}");
+        }
         let (h, f) = casts(rank, &t(&[5], 5).try_into()?)?;
         assert_eq!((h.dtype(), f.dtype()), (DType::BF16, DType::F16));
         let (s, mx) = reductions(rank, &t(&[2, 3, 4], 6).try_into()?)?;

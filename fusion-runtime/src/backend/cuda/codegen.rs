@@ -62,6 +62,7 @@ fn unary(op: UnaryOp, x: &str) -> String {
             "(0.5f * {x} * (1.0f + tanhf(0.7978845608028654f * ({x} + 0.044715f * {x} * {x} * {x}))))"
         ),
         UnaryOp::Silu => format!("({x} / (1.0f + expf(-{x})))"),
+        UnaryOp::Rsqrt => format!("rsqrtf({x})"),
     }
 }
 
@@ -320,6 +321,7 @@ mod tests {
         let src = pointwise_source(&sig);
         for needle in [
             "erff(",
+            "rsqrtf(",
             "tanhf(",
             "fminf(",
             "ld_bf16(in1[o1])",

@@ -66,12 +66,17 @@ pub(crate) struct BlasHandle(pub cublasHandle_t);
 // SAFETY: used only from the rank thread that owns the device, one call at a time.
 unsafe impl Send for BlasHandle {}
 
+/// How much longer than the world's timeout a host wait on the device lasts (see `poll`).
+const WATCHDOG_MARGIN: Duration = Duration::from_millis(250);
+
 /// How long a closing device of a failed world waits for its streams to get idle.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// A CUDA device driven by one rank thread.
 pub struct CudaDevice {
     shared: Arc<DeviceShared>,
+    /// The rank this device serves (several ranks may share one GPU).
+    rank: usize,
     streams: Mutex<Vec<StreamSlot>>,
     /// Timing events for traces: recorded ones, and spares to reuse.
     markers: Mutex<(Vec<RawEvent>, Vec<RawEvent>)>,
@@ -95,9 +100,10 @@ impl std::fmt::Debug for CudaDevice {
 }
 
 impl CudaDevice {
-    /// Opens device `ordinal` (primary context, a main stream). `FUSION_POISON=1` fills
-    /// every allocation with NaN bytes so unwritten outputs show up in tests.
-    pub(crate) fn new(ordinal: usize, health: Arc<WorldHealth>) -> Result<CudaDevice> {
+    /// Opens device `ordinal` (primary context, a main stream) for rank `rank`.
+    /// `FUSION_POISON=1` fills every allocation with NaN bytes so unwritten outputs show
+    /// up in tests.
+    pub(crate) fn new(ordinal: usize, rank: usize, health: Arc<WorldHealth>) -> Result<CudaDevice> {
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| driver_err(&format!("opening device {ordinal}"), e))?;
         // The host program orders streams itself; cudarc's per-buffer tracking would add
@@ -113,6 +119,7 @@ impl CudaDevice {
         });
         let dev = CudaDevice {
             shared,
+            rank,
             streams: Mutex::new(Vec::new()),
             markers: Mutex::new((Vec::new(), Vec::new())),
             copy_streams: Mutex::new(std::collections::HashMap::new()),
@@ -251,21 +258,30 @@ impl CudaDevice {
         let start = Instant::now();
         loop {
             match query() {
-                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                // Done; but if the world failed meanwhile, what finished may be work whose
+                // flag waits were let through (`SignalBoard::release_all`): an error then.
+                sys::CUresult::CUDA_SUCCESS => return self.health.check(self.rank),
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 other => {
                     return Err(Error::Backend {
                         backend: "cuda",
-                        reason: format!("{what} on device {}: {other:?}", self.shared.ordinal),
+                        reason: format!(
+                            "{what} on device {}: {}",
+                            self.shared.ordinal,
+                            super::cu_text(other)
+                        ),
                     })
                 }
             }
-            self.health.check(self.shared.ordinal)?;
+            self.health.check(self.rank)?;
             let waited = start.elapsed();
-            if waited > self.health.timeout() {
+            // A little past the timeout: a device-side flag wait behind this one has been
+            // counting since the device reached it, and the watchdog's error (naming the
+            // peer and the transfer) says more than this one.
+            if waited > self.health.timeout() + WATCHDOG_MARGIN {
                 return Err(Error::Timeout {
-                    rank: self.shared.ordinal,
-                    what: what.to_string(),
+                    rank: self.rank,
+                    what: format!("{what} on device {}", self.shared.ordinal),
                     seconds: waited.as_secs_f64(),
                 });
             }
@@ -290,7 +306,7 @@ impl CudaDevice {
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 _ => return false,
             }
-            let limit = if self.health.check(self.shared.ordinal).is_err() {
+            let limit = if self.health.check(self.rank).is_err() {
                 CLOSE_GRACE.min(self.health.timeout())
             } else {
                 self.health.timeout()
@@ -367,7 +383,7 @@ impl Drop for CudaDevice {
             .collect();
         let stuck = pending.into_iter().any(|s| !self.drains(s));
         if stuck {
-            super::DEVICE_STUCK.store(true, std::sync::atomic::Ordering::Release);
+            super::mark_device_stuck();
             self.shared.free_list.close();
             // Nor is the context released (releasing the last reference would wait too).
             std::mem::forget(self.shared.ctx.clone());

@@ -6,10 +6,20 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
+/// Why a world failed.
+#[derive(Clone, Debug)]
+struct Failure {
+    /// The rank at fault (for a timeout: the rank that waited).
+    rank: usize,
+    reason: String,
+    /// A wait that outlasted the timeout: (the rank that waited, what for, seconds).
+    timeout: Option<(usize, String, f64)>,
+}
+
 /// Shared by the devices and communicators of one CUDA world.
 #[derive(Debug)]
 pub(crate) struct WorldHealth {
-    failed: Mutex<Option<(usize, String)>>,
+    failed: Mutex<Option<Failure>>,
     /// Ranks of other processes that ended their part (waits for them cannot complete).
     departed: Mutex<std::collections::HashMap<usize, String>>,
     timeout: Mutex<Duration>,
@@ -24,12 +34,40 @@ impl WorldHealth {
         }
     }
 
+    fn set(&self, failure: Failure) -> bool {
+        let mut f = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
+        if f.is_some() {
+            return false;
+        }
+        *f = Some(failure);
+        true
+    }
+
     /// Records the first failure.
     pub(crate) fn fail(&self, rank: usize, reason: &str) {
-        let mut f = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
-        if f.is_none() {
-            *f = Some((rank, reason.to_string()));
+        self.set(Failure {
+            rank,
+            reason: reason.to_string(),
+            timeout: None,
+        });
+    }
+
+    /// Records that `waiter` waited `seconds` for `what` (a device-side wait past the
+    /// timeout), unless the world failed already; whether this was the first failure.
+    /// `waiter` gets a [`Error::Timeout`] from then on, every other rank a `PeerFailed`
+    /// naming it.
+    pub(crate) fn fail_timeout(&self, waiter: usize, what: &str, seconds: f64) -> bool {
+        let reason = Error::Timeout {
+            rank: waiter,
+            what: what.to_string(),
+            seconds,
         }
+        .to_string();
+        self.set(Failure {
+            rank: waiter,
+            reason,
+            timeout: Some((waiter, what.to_string(), seconds)),
+        })
     }
 
     /// Forgets a failure (a new `World::run` starts healthy).
@@ -37,22 +75,34 @@ impl WorldHealth {
         *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = None;
     }
 
+    /// The rank at fault and why, once the world failed.
     pub(crate) fn failure(&self) -> Option<(usize, String)> {
         self.failed
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+            .as_ref()
+            .map(|f| (f.rank, f.reason.clone()))
     }
 
-    /// `Err(PeerFailed)` once any rank has failed.
+    /// `Err` once any rank has failed: `Timeout` for the rank whose wait timed out,
+    /// `PeerFailed` for every other.
     pub(crate) fn check(&self, rank: usize) -> Result<()> {
-        match self.failure() {
-            Some((failed_rank, reason)) => Err(Error::PeerFailed {
-                rank,
-                failed_rank,
-                reason,
-            }),
+        let failed = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
+        match failed.as_ref() {
             None => Ok(()),
+            Some(Failure {
+                timeout: Some((waiter, what, seconds)),
+                ..
+            }) if *waiter == rank => Err(Error::Timeout {
+                rank,
+                what: what.clone(),
+                seconds: *seconds,
+            }),
+            Some(f) => Err(Error::PeerFailed {
+                rank,
+                failed_rank: f.rank,
+                reason: f.reason.clone(),
+            }),
         }
     }
 
@@ -88,5 +138,33 @@ impl WorldHealth {
 
     pub(crate) fn set_timeout(&self, t: Duration) {
         *self.timeout.lock().unwrap_or_else(PoisonError::into_inner) = t;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timed_out_wait_is_a_timeout_for_its_rank_and_a_failed_peer_for_the_others() {
+        let h = WorldHealth::new(Duration::from_secs(10));
+        assert!(h.check(0).is_ok());
+        assert!(h.fail_timeout(1, "the device's wait for rank 0's copy", 10.2));
+        assert!(
+            !h.fail_timeout(0, "another", 11.0),
+            "the first failure stays"
+        );
+        h.fail(2, "later");
+        match h.check(1) {
+            Err(Error::Timeout { rank: 1, what, .. }) => assert!(what.contains("rank 0's copy")),
+            other => panic!("{other:?}"),
+        }
+        let e = h.check(0).unwrap_err();
+        assert!(
+            matches!(&e, Error::PeerFailed { failed_rank: 1, reason, .. } if reason.contains("timed out after 10.2 s")),
+            "{e}"
+        );
+        h.reset();
+        assert!(h.check(1).is_ok());
     }
 }

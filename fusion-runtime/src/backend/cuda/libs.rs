@@ -83,8 +83,23 @@ pub(crate) fn cu_check(r: cudarc::driver::sys::CUresult, what: &str) -> Result<(
     } else {
         Err(Error::Backend {
             backend: "cuda",
-            reason: format!("{what}: {r:?}"),
+            reason: format!("{what}: {}", cu_text(r)),
         })
+    }
+}
+
+/// A driver result with the driver's own description (`cuGetErrorString`), e.g.
+/// `CUDA_ERROR_INVALID_VALUE (invalid argument)`.
+pub(crate) fn cu_text(r: cudarc::driver::sys::CUresult) -> String {
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: the driver writes a pointer to a static string (or fails).
+    let ok = unsafe { cudarc::driver::sys::cuGetErrorString(r, &mut text) };
+    if ok == cudarc::driver::sys::CUresult::CUDA_SUCCESS && !text.is_null() {
+        // SAFETY: a NUL-terminated static string of the driver.
+        let s = unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy();
+        format!("{r:?} ({s})")
+    } else {
+        format!("{r:?}")
     }
 }
 

@@ -25,8 +25,8 @@ mod user_buffers;
 mod word_hash;
 
 pub use device::CudaDevice;
-pub(crate) use libs::cu_check;
 pub use libs::{check_libraries, device_count, driver_present};
+pub(crate) use libs::{cu_check, cu_text};
 pub use user_buffers::CudaElement;
 
 pub(crate) use graph::stream_is_capturing;
@@ -45,4 +45,10 @@ pub(crate) static DEVICE_STUCK: std::sync::atomic::AtomicBool =
 /// waits were not all released; a `tracing` warning names the device).
 pub fn a_device_is_stuck() -> bool {
     DEVICE_STUCK.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Records that a device of this process has work that will never finish (see
+/// [`a_device_is_stuck`]).
+pub(crate) fn mark_device_stuck() {
+    DEVICE_STUCK.store(true, std::sync::atomic::Ordering::Release);
 }

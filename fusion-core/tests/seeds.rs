@@ -8,11 +8,11 @@
 //! the loop body's compute nodes follow the seed. Deallocations are off here, as in the
 //! seeds (they ran without `InsertDeallocations`).
 
-use fusion::core::builder::{Axis, FusionBuilder};
-use fusion::core::hir::HostProgram;
-use fusion::core::ir::{Fusion, ParallelType, ScalarId};
-use fusion::core::lower::{lower, LowerOptions};
-use fusion::DType;
+use fusion_core::builder::{Axis, FusionBuilder};
+use fusion_core::hir::HostProgram;
+use fusion_core::ir::{Fusion, ParallelType, ScalarId};
+use fusion_core::lower::{lower, LowerOptions};
+use fusion_core::DType;
 
 use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
 
