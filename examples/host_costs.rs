@@ -383,7 +383,7 @@ fn graph_topologies(rank: &Rank) -> Result<Rows> {
             for _ in 0..50 {
                 rank.synchronize()?;
                 let start = Instant::now();
-                graph.launch()?;
+                graph.launch(None)?;
                 t.push(start.elapsed().as_secs_f64() * 1e6);
             }
             rank.synchronize()?;
@@ -404,7 +404,7 @@ fn graph_topologies(rank: &Rank) -> Result<Rows> {
 /// the device, copy to the next rank's device, flag write, flag wait, external event
 /// record), recorded straight through the driver on a stream of this example's own.
 fn graph_node_kinds(rank: &Rank) -> Result<Rows> {
-    use cudarc::driver::sys;
+    use fusion::runtime::cudarc::driver::sys;
     let fail = |what: &str, r: sys::CUresult| -> Result<()> {
         if r == sys::CUresult::CUDA_SUCCESS {
             Ok(())
@@ -489,10 +489,10 @@ fn graph_node_kinds(rank: &Rank) -> Result<Rows> {
 /// `stream` (which the graph is launched on too).
 fn launch_us(
     n: usize,
-    record: &dyn Fn() -> cudarc::driver::sys::CUresult,
-    stream: cudarc::driver::sys::CUstream,
+    record: &dyn Fn() -> fusion::runtime::cudarc::driver::sys::CUresult,
+    stream: fusion::runtime::cudarc::driver::sys::CUstream,
 ) -> Result<f64> {
-    use cudarc::driver::sys;
+    use fusion::runtime::cudarc::driver::sys;
     let fail = |what: &str, r: sys::CUresult| -> Result<()> {
         if r == sys::CUresult::CUDA_SUCCESS {
             Ok(())

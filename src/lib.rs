@@ -48,9 +48,11 @@ pub use fusion_core::builder::Axis;
 pub use fusion_core::ir::ParallelType;
 pub use fusion_core::DType;
 pub use fusion_runtime::{
-    concat, BackendKind, CudaElement, Error, Result, RunReport, Tensor1, Tensor2, Tensor3, Tensor4,
+    concat, BackendKind, CallTarget, Error, Result, RunReport, Tensor1, Tensor2, Tensor3, Tensor4,
     Tensor5, Tensor6,
 };
+#[cfg(feature = "cuda")]
+pub use fusion_runtime::{CudaElement, OnStream};
 
 /// # Example
 ///
@@ -130,6 +132,34 @@ pub use fusion_runtime::World;
 ///     rank.to_host(&mine)?.to_f32_vec()
 /// })?;
 /// assert_eq!(rows, [vec![1., 2., 3.], vec![4., 5., 6.]]);
+/// # Ok::<(), fusion::Error>(())
+/// ```
+///
+/// A rank is also a long-lived handle: keep it in a struct and call fusions on it from a
+/// thread of your own (each rank of a multi-rank world from its own thread).
+///
+/// ```
+/// use fusion::prelude::*;
+///
+/// fusion! {
+///     fn scale<m>(x: Tensor<f32, [m]>, s: Tensor<f32, [m]>) -> Tensor<f32, [m]> { x * s }
+/// }
+///
+/// struct Layer { rank: Rank, s: Ranked<1> }
+/// impl Layer {
+///     fn forward(&self, x: &Ranked<1>) -> fusion::Result<Ranked<1>> {
+///         scale(&self.rank, x, &self.s) // no thread, no communicator per call
+///     }
+/// }
+///
+/// let world = World::local(1)?;
+/// let layer = Layer { rank: world.rank()?, s: Tensor::full(&[2], DType::F32, 3.0).try_into()? };
+/// let y = std::thread::spawn(move || {
+///     layer.forward(&Tensor::full(&[2], DType::F32, 2.0).try_into()?)?.to_f32_vec()
+/// })
+/// .join()
+/// .unwrap()?;
+/// assert_eq!(y, [6.0, 6.0]);
 /// # Ok::<(), fusion::Error>(())
 /// ```
 pub use fusion_runtime::Rank;
@@ -220,7 +250,7 @@ pub use fusion_runtime::ExecOptions;
 /// The names most programs use.
 pub mod prelude {
     pub use crate::{
-        concat, fusion, Axis, BackendKind, DType, Error, ExecOptions, FusionBuilder,
+        concat, fusion, Axis, BackendKind, CallTarget, DType, Error, ExecOptions, FusionBuilder,
         FusionExecutor, ParallelType, Rank, Ranked, Result, Tensor, Tensor1, Tensor2, Tensor3,
         Tensor4, Tensor5, Tensor6, World,
     };

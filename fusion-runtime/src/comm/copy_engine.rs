@@ -1122,10 +1122,7 @@ pub(crate) fn enable_peer_access(devices: &[Arc<CudaDevice>]) -> Result<()> {
         let peers: Vec<sys::CUmemAccessDesc> = others
             .iter()
             .map(|&o| sys::CUmemAccessDesc {
-                location: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: o as i32,
-                },
+                location: crate::backend::cuda::device_location(o as i32),
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
@@ -1224,7 +1221,7 @@ mod tests {
             )?;
             let recv = match &graph {
                 Some(g) => {
-                    g.launch()?;
+                    g.launch(None)?;
                     how.push("replayed");
                     engine
                         .landing_buffer(0, DType::F32, &[n])?
@@ -1247,7 +1244,7 @@ mod tests {
                         let g = dev.end_capture();
                         ran?;
                         let g = g?;
-                        g.launch()?;
+                        g.launch(None)?;
                         graph = Some(g);
                         how.push("captured");
                     } else {

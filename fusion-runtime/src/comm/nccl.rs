@@ -114,6 +114,7 @@ pub(crate) fn init_world(ordinals: &[usize]) -> Result<Vec<RawComm>> {
             reason: format!("ncclCommInitAll over {n} devices: {e:?}"),
         }
     })?;
+    crate::counters::communicators_created(n as u64);
     Ok(comms.into_iter().map(RawComm).collect())
 }
 
@@ -164,6 +165,7 @@ pub(crate) fn init_rank(
             reason: format!("ncclCommInitRank (rank {index} of {size}): {e:?}"),
         }
     })?;
+    crate::counters::communicators_created(1);
     Ok(RawComm(c))
 }
 
@@ -243,6 +245,7 @@ impl NcclCommunicator {
         health: Arc<WorldHealth>,
         copy_engine: CopyEngine,
     ) -> Self {
+        crate::counters::communicators_created(1);
         NcclCommunicator {
             rank,
             world_size,

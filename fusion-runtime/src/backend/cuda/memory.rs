@@ -83,6 +83,11 @@ impl CudaBuffer {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        // A replay on a caller's stream may have used the buffer: its free (or its reuse
+        // from the free list) comes after that replay.
+        if let Err(e) = self.shared.after_replays(self.stream) {
+            tracing::warn!("freeing a device buffer: {e}");
+        }
         if self.kept
             && self
                 .shared
