@@ -25,6 +25,8 @@ pub use backend::BackendKind;
 /// and [`Rank::on`] take.
 #[cfg(feature = "cuda")]
 pub use cudarc;
+#[cfg(feature = "cuda")]
+pub use error::NcclFailure;
 pub use error::{Error, Result};
 pub use executor::{ExecOptions, FusionExecutor, RunReport};
 pub use ranked::{Ranked, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6};
