@@ -192,20 +192,29 @@ mod tests {
         }
         let e = driver().unwrap_err();
         let source = e.source().expect("a source");
-        assert!(source.downcast_ref::<cudarc::driver::DriverError>().is_some());
+        assert!(source
+            .downcast_ref::<cudarc::driver::DriverError>()
+            .is_some());
         assert_eq!(e.to_string(), "CUDA driver: CUDA_ERROR_OUT_OF_MEMORY");
         let e: Error = cudarc::cublas::result::CublasError(
             cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
         )
         .into();
-        assert!(e.source().is_some() && e.to_string().contains("NOT_SUPPORTED"), "{e}");
-        let e: Error = cudarc::nccl::result::NcclError(
-            cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage,
-        )
-        .into();
+        assert!(
+            e.source().is_some() && e.to_string().contains("NOT_SUPPORTED"),
+            "{e}"
+        );
+        let e: Error =
+            cudarc::nccl::result::NcclError(cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage)
+                .into();
         let source = e.source().expect("a source");
-        let kept = source.downcast_ref::<NcclFailure>().expect("the NCCL error");
-        assert_eq!((kept.0).0, cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage);
+        let kept = source
+            .downcast_ref::<NcclFailure>()
+            .expect("the NCCL error");
+        assert_eq!(
+            (kept.0).0,
+            cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage
+        );
         assert!(e.to_string().contains("ncclInvalidUsage"), "{e}");
     }
 }

@@ -432,6 +432,7 @@ impl FusionExecutor {
         options: &ExecOptions,
     ) -> Result<RunReport> {
         let call_start = std::time::Instant::now();
+        let scope = crate::observe::CallScope::enter(&self.name, rank.index());
         let (program, symbols) = self.prepare(rank, inputs, options)?;
         let facts = self.facts(&program, rank.backend());
         let trace_dir = options.resolved_trace_dir();
@@ -464,6 +465,7 @@ impl FusionExecutor {
             start: call_start,
         };
         let (ex, replay) = self.run_program(&call)?;
+        scope.ran(&replay);
         let trace_file = match &trace_dir {
             Some(dir) => {
                 let call = {

@@ -11,6 +11,7 @@ pub mod counters;
 mod error;
 pub mod eval;
 pub mod executor;
+mod observe;
 mod ranked;
 pub mod replay;
 pub mod tensor;

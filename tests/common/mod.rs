@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cases;
+pub mod handles;
 pub mod launch;
 pub mod reference;
 pub mod variants;

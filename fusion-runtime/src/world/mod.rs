@@ -113,7 +113,6 @@ enum Hosts {
 /// thread, over the same handles. A failed call fails the world for good: every later
 /// call on any of its handles returns an error naming the rank that failed.
 pub struct World {
-    shared: Arc<WorldShared>,
     /// This process's ranks: (index in the world, device).
     local: Vec<(usize, Arc<dyn Device>)>,
     hosts: Hosts,
@@ -125,6 +124,9 @@ pub struct World {
     splits: AtomicU64,
     /// The rank handles, made at their first use (after [`World::with_timeout`]).
     ranks: Mutex<Option<Vec<Rank>>>,
+    /// Dropped last: a launched world's session waits for every rank's goodbye, which the
+    /// communicators above say when they go.
+    shared: Arc<WorldShared>,
 }
 
 impl World {

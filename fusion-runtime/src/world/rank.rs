@@ -126,10 +126,12 @@ impl Drop for CallGuard<'_> {
 
 struct RankInner {
     index: usize,
-    world: Arc<WorldShared>,
     device: Arc<dyn Device>,
     comm: Arc<dyn Communicator>,
     calls: CallLock,
+    /// Dropped last: a launched world's session, when this holds its last reference,
+    /// waits for every rank's goodbye, which this rank's communicator says when it goes.
+    world: Arc<WorldShared>,
 }
 
 /// One rank of a world: a long-lived handle (`Send + Sync + 'static`, an `Arc` inside:
