@@ -57,13 +57,16 @@ fn layers_keep_their_handles_and_calls_make_no_thread_and_no_communicator() {
     assert_eq!(ran.communicators_created, end.communicators_created);
 }
 
+/// A span's name and fields.
+type SpanRecord = (String, HashMap<String, String>);
+
 /// Records the spans it sees (name, fields) and the order of their enters and exits.
 #[derive(Default)]
 struct Recorder {
     /// The most verbose level it listens to.
     debug: bool,
     next: AtomicU64,
-    spans: Mutex<HashMap<u64, (String, HashMap<String, String>)>>,
+    spans: Mutex<HashMap<u64, SpanRecord>>,
     /// (span id, entered?) in the order they happened, with the thread.
     log: Mutex<Vec<(u64, bool, std::thread::ThreadId)>>,
 }

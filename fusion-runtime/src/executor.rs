@@ -28,7 +28,7 @@ use crate::eval::{
 };
 use crate::replay::{
     capture_plan, graphs_enabled, has_copy_engine_transfers, Address, EagerReason, GraphSlot,
-    ReplayStatus, Step, CAPTURE_ARENA_LIMIT,
+    ReplayStatus, Step, CAPTURE_ARENA_LIMIT, GRAPHS_PER_SLOT,
 };
 use crate::tensor::Tensor;
 use crate::trace::{write_call_trace, CallTrace};
@@ -155,14 +155,15 @@ type SlotKey = (usize, usize, u64);
 /// A graph slot and the communicator its graphs were captured with.
 type SlotEntry = (Weak<dyn Communicator>, SharedSlot);
 
-/// A program and rank's graphs, and the outputs of its last call through them.
+/// A program and rank's graphs, and the outputs of its last calls through them.
 struct ReplaySlot {
     graphs: GraphSlot,
-    /// The outputs this executor allocated for the last call: when the caller has let
-    /// go of all of them, the next call writes into them again (no allocation, and the
-    /// same addresses, so the same graph), as a free and a new allocation on the main
-    /// stream would.
-    outputs: Vec<Tensor>,
+    /// The outputs this executor allocated for the last call on each stream (the rank's
+    /// own, or a caller's): when the caller has let go of all of them, the next call on
+    /// the same stream writes into them again (no allocation, and the same addresses, so
+    /// the same graph), as a free and a new allocation on that stream would. At most
+    /// [`GRAPHS_PER_SLOT`] streams, the oldest dropped first.
+    outputs: Vec<(Option<CallerStream>, Vec<Tensor>)>,
 }
 
 /// The last call's outputs `kept` by a slot, when nobody else holds any of them.
@@ -465,6 +466,7 @@ impl FusionExecutor {
             start: call_start,
         };
         let (ex, replay) = self.run_program(&call)?;
+        rank.device().hand_out(&ex.outputs, on);
         scope.ran(&replay);
         let trace_file = match &trace_dir {
             Some(dir) => {
@@ -572,25 +574,40 @@ impl FusionExecutor {
             GraphSlot::Never(reason) => return eager(reason.clone()),
             _ => {}
         }
-        // The outputs live outside the graph: given, the last call's when the caller let
-        // go of them, or allocated here for this call.
+        // The outputs live outside the graph: given, the last call's on this stream when
+        // the caller let go of them, or allocated here for this call.
         let owned: Vec<Tensor> = match outputs {
             Some(o) => o.iter().map(|t| (*t).clone()).collect(),
-            None => match reusable_outputs(kept) {
-                Some(reused) => reused,
-                None => {
-                    let fresh =
-                        output_layouts(program, symbols, rank.index(), options.number_of_streams)?
-                            .into_iter()
-                            .map(|l| match l {
-                                Some((dtype, shape)) => device.allocate(0, dtype, &shape),
-                                None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
-                            })
-                            .collect::<Result<Vec<_>>>()?;
-                    kept.clone_from(&fresh);
-                    fresh
+            None => {
+                let entry = kept.iter().position(|(s, _)| *s == on);
+                match entry.and_then(|i| reusable_outputs(&kept[i].1)) {
+                    Some(reused) => reused,
+                    None => {
+                        let fresh = output_layouts(
+                            program,
+                            symbols,
+                            rank.index(),
+                            options.number_of_streams,
+                        )?
+                        .into_iter()
+                        .map(|l| match l {
+                            Some((dtype, shape)) => device.allocate(0, dtype, &shape),
+                            None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                        match entry {
+                            Some(i) => kept[i].1.clone_from(&fresh),
+                            None => {
+                                if kept.len() >= GRAPHS_PER_SLOT {
+                                    kept.remove(0);
+                                }
+                                kept.push((on, fresh.clone()));
+                            }
+                        }
+                        fresh
+                    }
                 }
-            },
+            }
         };
         let outs: Vec<&Tensor> = owned.iter().collect();
         let addresses: Vec<Address> = inputs

@@ -302,6 +302,10 @@ pub trait Device: Send + Sync {
     fn end_replay(&self, on: Option<CallerStream>) -> Result<()> {
         no_caller_streams(self.kind(), on)
     }
+    /// A call on the caller's stream `on` hands out `outputs`: buffers of them that the
+    /// device frees later first wait for that stream, where the caller's work may still
+    /// read them.
+    fn hand_out(&self, _outputs: &[Tensor], _on: Option<CallerStream>) {}
     /// Starts recording the calling thread's work on the main stream instead of running
     /// it (see `crate::replay`). With `arena_bytes` above 0, the buffers the recorded
     /// work allocates come from memory of that size set aside for the graph, so that the

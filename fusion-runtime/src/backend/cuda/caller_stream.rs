@@ -13,13 +13,20 @@
 //! device counts such work (an epoch, bumped by walks, replays on the main stream,
 //! allocations on it and user buffers that made it wait), and the caller's stream waits
 //! for the main stream only when the epoch moved or the stream changed since it last did.
-//! After the launch one event is recorded on the caller's stream (the *tail*); the main
-//! stream waits for it before its next work, and a buffer's free on any of the device's
-//! streams waits for it too. So a loop of replayed calls on one stream costs one event
-//! record per call and no waits.
+//! After the launch one event is recorded on the caller's stream (the *tail*). So a loop
+//! of replayed calls on one stream costs one event record per call and no waits.
 //!
-//! The per-thread default stream's handle names another stream on each thread: such a
-//! stream is the same caller's stream only on the same thread ([`CallerStream`]).
+//! After a call on a caller's stream, the device's own streams owe that stream a join:
+//! before the device's next work on them, or a free of memory the call (or the caller's
+//! work after it, reading the outputs) may still use, they wait for the tail, and for an
+//! event recorded on the caller's stream at that moment, which also covers the caller's
+//! work enqueued there since the call. That event can only be recorded where the stream
+//! means the same stream and is not being captured: the per-thread default stream's
+//! handle names another stream on each thread, so it is recorded only on the thread whose
+//! stream it is ([`CallerStream`]); elsewhere the join covers the call itself, and the
+//! caller orders its own later work on that stream before letting go of the outputs
+//! (see `Rank::on_per_thread_stream`). The caller's stream must stay alive until the
+//! rank's next call or synchronization.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -52,11 +59,17 @@ pub(crate) struct CallerChain {
 struct ChainState {
     /// The caller's stream last ordered after the main stream, at which epoch.
     synced: Option<(CallerStream, u64)>,
-    /// Recorded on the caller's stream after its last replay (what it marks is waited for
-    /// while `pending`).
+    /// The caller's stream of the last call, while the device's streams owe it a join.
+    last: Option<CallerStream>,
+    /// Whether `tail` marks the end of the last call's replay (a walk needs none: its work
+    /// ran on the device's streams).
+    tail_recorded: bool,
+    /// Recorded on the caller's stream after its last replay.
     tail: Option<ChainEvent>,
     /// Recorded on one stream for another to wait for (joins at call boundaries).
     join: Option<ChainEvent>,
+    /// Recorded on the caller's stream when the device's streams join it later.
+    late: Option<ChainEvent>,
 }
 
 impl ChainState {
@@ -99,50 +112,92 @@ impl CallerChain {
         self.epoch.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// Makes `stream` (one of the device's) wait for the last replay on a caller's stream,
-    /// if one is pending; `main` says whether it is the main stream, after which nothing
-    /// is pending any more (every later use of the device's streams starts there).
-    pub(crate) fn after_replays(&self, stream: sys::CUstream, main: bool) -> Result<()> {
+    /// Makes `stream` (one of the device's) wait for the caller's stream of the last call,
+    /// when a join is owed (see the module documentation); `main` says whether it is the
+    /// main stream, after which nothing is owed any more (every later use of the device's
+    /// streams starts there).
+    pub(crate) fn after_callers(&self, stream: sys::CUstream, main: bool) -> Result<()> {
         if !self.pending.load(Ordering::Acquire) {
             return Ok(());
         }
-        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(tail) = st.tail else {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(caller) = st.last else {
             return Ok(());
         };
-        // SAFETY: the tail event was recorded on a caller's stream; the stream is live.
-        unsafe {
-            result::stream::wait_event(
-                stream,
-                tail.0,
-                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
+        let wait = |event: ChainEvent| {
+            // SAFETY: an event recorded on a live stream of the device's context.
+            unsafe {
+                result::stream::wait_event(
+                    stream,
+                    event.0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| driver_err("joining a caller's stream", e))
+        };
+        if st.tail_recorded {
+            if let Some(tail) = st.tail {
+                wait(tail)?;
+            }
         }
-        .map_err(|e| driver_err("waiting for a replay on a caller's stream", e))?;
+        let here = caller
+            .thread
+            .is_none_or(|t| t == std::thread::current().id());
+        if here && !super::stream_is_capturing(RawStream(raw(caller))) {
+            let late = ChainState::event(&mut st.late)?;
+            // SAFETY: an event of this context recorded on the caller's live stream.
+            unsafe { result::event::record(late.0, raw(caller)) }
+                .map_err(|e| driver_err("joining a caller's stream", e))?;
+            wait(late)?;
+        }
         if main {
+            st.last = None;
+            st.tail_recorded = false;
             self.pending.store(false, Ordering::Release);
         }
         Ok(())
     }
 
+    /// Makes `stream` (one of the device's) wait for the work enqueued on the caller's
+    /// stream `caller` so far, where that can be recorded from here (see the module
+    /// documentation): before freeing a call's output that the caller's work on that
+    /// stream may still read.
+    pub(crate) fn join_caller(&self, stream: sys::CUstream, caller: CallerStream) -> Result<()> {
+        if !caller
+            .thread
+            .is_none_or(|t| t == std::thread::current().id())
+            || super::stream_is_capturing(RawStream(raw(caller)))
+        {
+            return Ok(());
+        }
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let late = ChainState::event(&mut st.late)?;
+        order(late, stream, raw(caller))
+    }
+
     /// Destroys the chain's events (the device's streams are idle).
     pub(crate) fn release(&self) {
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        for e in [st.tail.take(), st.join.take()].into_iter().flatten() {
+        for e in [st.tail.take(), st.join.take(), st.late.take()]
+            .into_iter()
+            .flatten()
+        {
             // SAFETY: events created by this chain, destroyed once.
             unsafe {
                 let _ = result::event::destroy(e.0);
             }
         }
         st.synced = None;
+        st.last = None;
         self.pending.store(false, Ordering::Release);
     }
 }
 
 impl DeviceShared {
-    /// Makes `stream` (one of the device's) wait for the last replay on a caller's stream,
-    /// if one is pending (before a free on it: the replay may have used the memory).
-    pub(crate) fn after_replays(&self, stream: RawStream) -> Result<()> {
+    /// Makes `stream` (one of the device's) wait for the caller's stream of the last call
+    /// when a join is owed (before a free on it: that call, or the caller's work after it,
+    /// may still use the memory).
+    pub(crate) fn after_callers(&self, stream: RawStream) -> Result<()> {
         if !self.chain.pending.load(Ordering::Acquire) || self.is_closed() {
             return Ok(());
         }
@@ -151,7 +206,7 @@ impl DeviceShared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .is_some_and(|m| m == stream);
-        self.chain.after_replays(stream.0, main)
+        self.chain.after_callers(stream.0, main)
     }
 
     /// The main stream, or an error once the device closed.
@@ -212,7 +267,7 @@ impl CudaDevice {
     pub(crate) fn chain_begin_walk(&self, on: Option<CallerStream>) -> Result<()> {
         let shared = self.shared();
         let main = shared.main_raw()?;
-        shared.chain.after_replays(main.0, true)?;
+        shared.chain.after_callers(main.0, true)?;
         if let Some(s) = on {
             self.not_capturing(s)?;
             let mut st = shared
@@ -240,6 +295,10 @@ impl CudaDevice {
             let join = ChainState::event(&mut st.join)?;
             order(join, raw(s), main.0)?;
             st.synced = Some((s, shared.chain.epoch.load(Ordering::Acquire)));
+            // The caller's work after the call may read its outputs: frees join it first.
+            st.last = Some(s);
+            st.tail_recorded = false;
+            shared.chain.pending.store(true, Ordering::Release);
         }
         Ok(())
     }
@@ -249,7 +308,7 @@ impl CudaDevice {
         let shared = self.shared();
         let Some(s) = on else {
             let main = shared.main_raw()?;
-            return shared.chain.after_replays(main.0, true);
+            return shared.chain.after_callers(main.0, true);
         };
         self.not_capturing(s)?;
         let epoch = shared.chain.epoch.load(Ordering::Acquire);
@@ -267,7 +326,7 @@ impl CudaDevice {
         // caller's stream ran last): the main stream takes in that replay first, then the
         // caller's stream waits for the main stream.
         let main = shared.main_raw()?;
-        shared.chain.after_replays(main.0, true)?;
+        shared.chain.after_callers(main.0, true)?;
         let mut st = shared
             .chain
             .state
@@ -295,6 +354,8 @@ impl CudaDevice {
         // SAFETY: an event of this context recorded on the caller's live stream.
         unsafe { result::event::record(tail.0, raw(s)) }
             .map_err(|e| driver_err("recording the end of a replay on a caller's stream", e))?;
+        st.last = Some(s);
+        st.tail_recorded = true;
         shared.chain.pending.store(true, Ordering::Release);
         Ok(())
     }

@@ -229,7 +229,7 @@ impl CudaDevice {
         if stream == 0 {
             // A buffer of the main stream: after the replays on callers' streams that may
             // have used its memory, and before any replay that uses it.
-            self.shared.chain.after_replays(raw.0, true)?;
+            self.shared.chain.after_callers(raw.0, true)?;
             self.shared.chain.bump();
         }
         let arena = self
@@ -677,7 +677,7 @@ impl Device for CudaDevice {
             c
         };
         let raw = self.raw_stream(0)?;
-        self.shared.chain.after_replays(raw.0, true)?;
+        self.shared.chain.after_callers(raw.0, true)?;
         self.wait_stream(raw, "download")?;
         let mut bytes = vec![0u8; src.nbytes()];
         if !bytes.is_empty() {
@@ -688,6 +688,16 @@ impl Device for CudaDevice {
             .map_err(|e| driver_err("copying to the host", e))?;
         }
         Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
+    }
+
+    fn hand_out(&self, outputs: &[Tensor], on: Option<crate::backend::CallerStream>) {
+        for t in outputs {
+            if let Some(b) = t.device_buffer() {
+                if let Some(b) = b.as_any().downcast_ref::<CudaBuffer>() {
+                    *b.caller.lock().unwrap_or_else(PoisonError::into_inner) = on;
+                }
+            }
+        }
     }
 
     fn begin_walk(&self, on: Option<crate::backend::CallerStream>) -> Result<()> {
@@ -717,7 +727,7 @@ impl Device for CudaDevice {
     fn synchronize(&self) -> Result<()> {
         self.shared
             .chain
-            .after_replays(self.raw_stream(0)?.0, true)?;
+            .after_callers(self.raw_stream(0)?.0, true)?;
         let streams: Vec<RawStream> = self
             .streams
             .lock()

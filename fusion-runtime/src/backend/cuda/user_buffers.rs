@@ -100,7 +100,7 @@ fn user_after_main(shared: &DeviceShared, user: sys::CUstream) -> Result<()> {
         .unwrap_or_else(PoisonError::into_inner);
     match main {
         Some(m) => {
-            shared.after_replays(m)?;
+            shared.after_callers(m)?;
             stream_after(shared, user, m.0)
         }
         None => Ok(()),
@@ -110,7 +110,7 @@ fn user_after_main(shared: &DeviceShared, user: sys::CUstream) -> Result<()> {
 /// Makes the device's main stream wait for the buffer's stream `user`.
 fn main_after_user(dev: &CudaDevice, user: sys::CUstream) -> Result<()> {
     let main = dev.raw_stream(0)?;
-    dev.shared().after_replays(main)?;
+    dev.shared().after_callers(main)?;
     stream_after(dev.shared(), main.0, user)?;
     // A replay on a caller's stream must now come after this wait too.
     dev.shared().chain.bump();
