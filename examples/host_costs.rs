@@ -1,6 +1,7 @@
 //! Host cost of the device operations a host program is made of: how long the calling
 //! thread spends enqueuing one GEMM, one stream wait and one copy kernel (device work is
-//! not waited for), a `Matmul` node and a one-GEMM call (rank 0). On several ranks, also
+//! not waited for), a `Matmul` node and a one-GEMM call (rank 0), replayed also on the
+//! caller's stream (`Rank::on`) and the per-thread default stream. On several ranks, also
 //! whole calls of tiny copy-engine pipelines, walked and replayed as CUDA graphs: the
 //! AllGather+GEMM ring and the GEMM+ReduceScatter ring with 1, 2, 4 and 8 row ranges per
 //! block (`D`, `2 D`, `4 D`, `8 D` stream iterations). These bound how fine a pipeline can
@@ -26,7 +27,7 @@ use fusion::core::hir::NodeKind;
 use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
 use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::replay::ReplayStatus;
-use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
+use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, RunReport, Tensor, World};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -313,7 +314,8 @@ fn single_device(rank: &Rank, a: &Args) -> Result<Rows> {
         let how = exec
             .run_with(rank, &[&xa, &y], None, &ExecOptions::default())?
             .replay;
-        Ok(vec![
+        let stream_rows = caller_streams(rank, a.calls, &exec, &[&xa, &y], call_graph)?;
+        let mut rows = vec![
             (format!("GEMM {m}x{k}x{n} bf16"), plain),
             (format!("GEMM {m}x{k}x{n} bf16, accumulating"), acc),
             ("stream wait (event record + wait)".to_string(), wait),
@@ -328,8 +330,61 @@ fn single_device(rank: &Rank, a: &Args) -> Result<Rows> {
                 format!("one-GEMM fusion call, graphs on ({how:?})"),
                 call_graph,
             ),
-        ])
+        ];
+        rows.extend(stream_rows);
+        Ok(rows)
     }
+}
+
+/// The replayed one-GEMM call on the caller's streams (`Rank::on`: a stream of the
+/// caller's, and the per-thread default stream), against the same call on the rank's own
+/// stream measured before (`main`) and again after them, in this process.
+fn caller_streams(
+    rank: &Rank,
+    calls: usize,
+    exec: &FusionExecutor,
+    inputs: &[&Tensor],
+    main: f64,
+) -> Result<Rows> {
+    if rank.backend() != BackendKind::Cuda {
+        return Ok(Vec::new());
+    }
+    let graphs = ExecOptions::default();
+    let stream = rank.cuda_context()?.new_stream()?;
+    let on_stream = rank.on(&stream);
+    let per_thread = rank.on_per_thread_stream();
+    let mut rows = Vec::new();
+    let mut on = |what: &str, target: &dyn Fn() -> Result<RunReport>| -> Result<f64> {
+        for _ in 0..3 {
+            target()?; // the stream's first calls: its outputs, its sync with the rank
+        }
+        let us = host_us(rank, calls, || target().map(|_| ()))?;
+        let how = target()?.replay;
+        rows.push((
+            format!("one-GEMM fusion call, graphs on, {what} ({how:?})"),
+            us,
+        ));
+        Ok(us)
+    };
+    let mine = on("on the caller's stream (Rank::on)", &|| {
+        exec.run_with(&on_stream, inputs, None, &graphs)
+    })?;
+    let ptds = on("on the per-thread default stream", &|| {
+        exec.run_with(&per_thread, inputs, None, &graphs)
+    })?;
+    let again = on("on the rank's stream again", &|| {
+        exec.run_with(rank, inputs, None, &graphs)
+    })?;
+    let baseline = (main + again) / 2.0;
+    rows.push((
+        "caller's stream minus the rank's own stream (mean of before and after)".to_string(),
+        mine - baseline,
+    ));
+    rows.push((
+        "per-thread default stream minus the rank's own stream".to_string(),
+        ptds - baseline,
+    ));
+    Ok(rows)
 }
 
 /// Launch cost of captured graphs of `n` copy kernels: on one stream, on two streams
