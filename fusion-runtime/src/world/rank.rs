@@ -450,7 +450,9 @@ impl Rank {
     /// This rank on the caller's `stream` (a cudarc stream of the rank's device context,
     /// e.g. a stream of `rank.cuda_context()?`, or candle's `CudaDevice::cuda_stream()`):
     /// a fusion called with `&rank.on(&stream)` behaves like one more op on that stream.
-    /// A stream of another device or context is an error at the call.
+    /// A stream of another device or context is an error at the call, and so is a stream
+    /// being captured into a graph of yours. Keep the stream alive until the rank's next
+    /// call or synchronization.
     pub fn on<'a>(&'a self, stream: &'a cudarc::driver::CudaStream) -> OnStream<'a> {
         OnStream {
             rank: self,
@@ -459,8 +461,10 @@ impl Rank {
     }
 
     /// This rank on the calling thread's per-thread default stream (what candle's CUDA
-    /// device uses by default; the handle names another stream on each thread, so the
-    /// call must be made on the thread whose stream is meant).
+    /// device uses by default). The handle names another stream on each thread: make the
+    /// call on the thread whose stream is meant, and drop its outputs on that thread (or
+    /// synchronize the stream first), since only there can their free be ordered after
+    /// your work on that stream.
     pub fn on_per_thread_stream(&self) -> OnStream<'_> {
         OnStream {
             rank: self,

@@ -18,7 +18,8 @@
 //! copied in there); when the buffer is given back ([`Tensor::into_cuda_slice`], the end of
 //! a borrow, or the drop of an owned tensor), the buffer's stream waits for the main
 //! stream (so cudarc reads there see the call's results, and a free there comes after
-//! them). No host thread blocks for either.
+//! them). No host thread blocks for either. Calls on the buffer's own stream
+//! (`Rank::on`) add no waits of their own: that stream orders them with the caller's work.
 //!
 //! The buffer must live in the rank's device context (`Rank::cuda_context`: allocate
 //! with `rank.cuda_context()?.new_stream()?` or any stream of that context, or of
