@@ -5,7 +5,7 @@
 # read by the caller's kernel there, no host wait in between, 1,000 calls with fresh inputs
 # walked and replayed, and on the per-thread default streams of two threads; a capturing
 # stream is refused with the reason), the cudarc-buffer tests, the single-GPU conformance
-# cases, and host_costs (the replayed one-GEMM call on the rank's own stream, on a caller's
+# cases and CUDA-graph tests (those needing two GPUs skip), and host_costs (the replayed one-GEMM call on the rank's own stream, on a caller's
 # stream and on the per-thread default stream, in one process) twice.
 # Usage: scripts/gpu-caller-stream.sh   (logs in $OUT, a short table last)
 set -u
@@ -23,6 +23,7 @@ source scripts/gpu-lib.sh
 step test-caller_stream 180 $BIN/test-caller_stream --ignored --test-threads=1 --nocapture
 step test-cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
 step test-conformance-1gpu 240 $BIN/test-conformance --test-threads=1
+step test-cuda_graphs 240 $BIN/test-cuda_graphs --ignored --test-threads=1
 STEP_PATTERN='rror|us per call'
 step host-costs-1 120 $BIN/host_costs --devices 1
 step host-costs-2 120 $BIN/host_costs --devices 1
