@@ -176,7 +176,6 @@ fn reusable_outputs(kept: &[Tensor]) -> Option<Vec<Tensor>> {
 }
 
 /// One call, as the executor runs it.
-#[derive(Clone, Copy)]
 struct Call<'a> {
     rank: &'a Rank,
     /// The caller's stream, when the call was given one.
@@ -466,8 +465,12 @@ impl FusionExecutor {
             start: call_start,
         };
         let (ex, replay) = self.run_program(&call)?;
-        rank.device().hand_out(&ex.outputs, on);
-        scope.ran(&replay);
+        rank.device().hand_out(&ex.outputs, call.on.as_ref());
+        scope.ran(match replay {
+            ReplayStatus::Replayed => "replayed",
+            ReplayStatus::Captured(_) => "captured",
+            ReplayStatus::Eager(_) => "walked",
+        });
         let trace_file = match &trace_dir {
             Some(dir) => {
                 let call = {
@@ -506,7 +509,7 @@ impl FusionExecutor {
     fn run_program(&self, call: &Call<'_>) -> Result<(Execution, ReplayStatus)> {
         let Call {
             rank,
-            on,
+            ref on,
             program,
             facts,
             ctx,
@@ -516,6 +519,7 @@ impl FusionExecutor {
             options,
             start: call_start,
         } = *call;
+        let on = on.as_ref();
         let device = rank.device();
         // A walk (eager, or captured and launched) runs on the device's own streams,
         // joined to the caller's stream at both ends.
@@ -579,7 +583,7 @@ impl FusionExecutor {
         let owned: Vec<Tensor> = match outputs {
             Some(o) => o.iter().map(|t| (*t).clone()).collect(),
             None => {
-                let entry = kept.iter().position(|(s, _)| *s == on);
+                let entry = kept.iter().position(|(s, _)| s.as_ref() == on);
                 match entry.and_then(|i| reusable_outputs(&kept[i].1)) {
                     Some(reused) => reused,
                     None => {
@@ -601,7 +605,7 @@ impl FusionExecutor {
                                 if kept.len() >= GRAPHS_PER_SLOT {
                                     kept.remove(0);
                                 }
-                                kept.push((on, fresh.clone()));
+                                kept.push((on.cloned(), fresh.clone()));
                             }
                         }
                         fresh

@@ -386,7 +386,7 @@ impl<T: CallTarget + ?Sized> CallTarget for &T {
 pub(crate) enum StreamChoice<'a> {
     /// A cudarc stream.
     #[cfg(feature = "cuda")]
-    Cudarc(&'a cudarc::driver::CudaStream),
+    Cudarc(&'a std::sync::Arc<cudarc::driver::CudaStream>),
     /// The calling thread's per-thread default stream.
     #[cfg(feature = "cuda")]
     PerThread,
@@ -451,9 +451,9 @@ impl Rank {
     /// e.g. a stream of `rank.cuda_context()?`, or candle's `CudaDevice::cuda_stream()`):
     /// a fusion called with `&rank.on(&stream)` behaves like one more op on that stream.
     /// A stream of another device or context is an error at the call, and so is a stream
-    /// being captured into a graph of yours. Keep the stream alive until the rank's next
-    /// call or synchronization.
-    pub fn on<'a>(&'a self, stream: &'a cudarc::driver::CudaStream) -> OnStream<'a> {
+    /// being captured into a graph of yours. The rank keeps a reference to the stream while
+    /// it may still order work after it (outputs handed out on it, kept outputs).
+    pub fn on<'a>(&'a self, stream: &'a Arc<cudarc::driver::CudaStream>) -> OnStream<'a> {
         OnStream {
             rank: self,
             stream: StreamChoice::Cudarc(stream),

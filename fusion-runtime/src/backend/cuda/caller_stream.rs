@@ -25,11 +25,11 @@
 //! handle names another stream on each thread, so it is recorded only on the thread whose
 //! stream it is ([`CallerStream`]); elsewhere the join covers the call itself, and the
 //! caller orders its own later work on that stream before letting go of the outputs
-//! (see `Rank::on_per_thread_stream`). The caller's stream must stay alive until the
-//! rank's next call or synchronization.
+//! (see `Rank::on_per_thread_stream`). The device holds the caller's cudarc stream (an
+//! `Arc`, in [`CallerStream`]) while it may still order work after it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{result, sys, CudaStream};
 
@@ -102,7 +102,7 @@ fn order(event: ChainEvent, waiter: sys::CUstream, waitee: sys::CUstream) -> Res
     }
 }
 
-fn raw(s: CallerStream) -> sys::CUstream {
+fn raw(s: &CallerStream) -> sys::CUstream {
     s.raw as sys::CUstream
 }
 
@@ -121,7 +121,7 @@ impl CallerChain {
             return Ok(());
         }
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(caller) = st.last else {
+        let Some(caller) = st.last.clone() else {
             return Ok(());
         };
         let wait = |event: ChainEvent| {
@@ -143,10 +143,10 @@ impl CallerChain {
         let here = caller
             .thread
             .is_none_or(|t| t == std::thread::current().id());
-        if here && !super::stream_is_capturing(RawStream(raw(caller))) {
+        if here && !super::stream_is_capturing(RawStream(raw(&caller))) {
             let late = ChainState::event(&mut st.late)?;
             // SAFETY: an event of this context recorded on the caller's live stream.
-            unsafe { result::event::record(late.0, raw(caller)) }
+            unsafe { result::event::record(late.0, raw(&caller)) }
                 .map_err(|e| driver_err("joining a caller's stream", e))?;
             wait(late)?;
         }
@@ -162,7 +162,7 @@ impl CallerChain {
     /// stream `caller` so far, where that can be recorded from here (see the module
     /// documentation): before freeing a call's output that the caller's work on that
     /// stream may still read.
-    pub(crate) fn join_caller(&self, stream: sys::CUstream, caller: CallerStream) -> Result<()> {
+    pub(crate) fn join_caller(&self, stream: sys::CUstream, caller: &CallerStream) -> Result<()> {
         if !caller
             .thread
             .is_none_or(|t| t == std::thread::current().id())
@@ -223,7 +223,11 @@ impl DeviceShared {
 
 impl CudaDevice {
     /// The caller's `stream` as a call target, checked to belong to this device's context.
-    pub(crate) fn caller_stream(&self, rank: usize, stream: &CudaStream) -> Result<CallerStream> {
+    pub(crate) fn caller_stream(
+        &self,
+        rank: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<CallerStream> {
         let ours = &self.shared().ctx;
         let theirs = stream.context();
         if theirs.cu_ctx() != ours.cu_ctx() {
@@ -242,11 +246,14 @@ impl CudaDevice {
                 ),
             });
         }
-        Ok(CallerStream::from_raw(stream.cu_stream() as usize))
+        Ok(CallerStream::from_raw(
+            stream.cu_stream() as usize,
+            stream.clone(),
+        ))
     }
 
     /// An error when `on` is being captured into a graph of the caller's.
-    fn not_capturing(&self, on: CallerStream) -> Result<()> {
+    fn not_capturing(&self, on: &CallerStream) -> Result<()> {
         if super::stream_is_capturing(RawStream(raw(on))) {
             return Err(Error::Backend {
                 backend: "cuda",
@@ -264,7 +271,7 @@ impl CudaDevice {
     }
 
     /// See [`crate::backend::Device::begin_walk`].
-    pub(crate) fn chain_begin_walk(&self, on: Option<CallerStream>) -> Result<()> {
+    pub(crate) fn chain_begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
         let shared = self.shared();
         let main = shared.main_raw()?;
         shared.chain.after_callers(main.0, true)?;
@@ -282,7 +289,7 @@ impl CudaDevice {
     }
 
     /// See [`crate::backend::Device::end_walk`].
-    pub(crate) fn chain_end_walk(&self, on: Option<CallerStream>) -> Result<()> {
+    pub(crate) fn chain_end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
         let shared = self.shared();
         shared.chain.bump();
         if let Some(s) = on {
@@ -294,9 +301,9 @@ impl CudaDevice {
                 .unwrap_or_else(PoisonError::into_inner);
             let join = ChainState::event(&mut st.join)?;
             order(join, raw(s), main.0)?;
-            st.synced = Some((s, shared.chain.epoch.load(Ordering::Acquire)));
+            st.synced = Some((s.clone(), shared.chain.epoch.load(Ordering::Acquire)));
             // The caller's work after the call may read its outputs: frees join it first.
-            st.last = Some(s);
+            st.last = Some(s.clone());
             st.tail_recorded = false;
             shared.chain.pending.store(true, Ordering::Release);
         }
@@ -304,7 +311,7 @@ impl CudaDevice {
     }
 
     /// See [`crate::backend::Device::begin_replay`].
-    pub(crate) fn chain_begin_replay(&self, on: Option<CallerStream>) -> Result<()> {
+    pub(crate) fn chain_begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
         let shared = self.shared();
         let Some(s) = on else {
             let main = shared.main_raw()?;
@@ -318,7 +325,11 @@ impl CudaDevice {
                 .state
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            if st.synced == Some((s, epoch)) {
+            if st
+                .synced
+                .as_ref()
+                .is_some_and(|(x, e)| x == s && *e == epoch)
+            {
                 return Ok(());
             }
         }
@@ -334,12 +345,12 @@ impl CudaDevice {
             .unwrap_or_else(PoisonError::into_inner);
         let join = ChainState::event(&mut st.join)?;
         order(join, raw(s), main.0)?;
-        st.synced = Some((s, epoch));
+        st.synced = Some((s.clone(), epoch));
         Ok(())
     }
 
     /// See [`crate::backend::Device::end_replay`].
-    pub(crate) fn chain_end_replay(&self, on: Option<CallerStream>) -> Result<()> {
+    pub(crate) fn chain_end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
         let shared = self.shared();
         let Some(s) = on else {
             shared.chain.bump();
@@ -354,7 +365,7 @@ impl CudaDevice {
         // SAFETY: an event of this context recorded on the caller's live stream.
         unsafe { result::event::record(tail.0, raw(s)) }
             .map_err(|e| driver_err("recording the end of a replay on a caller's stream", e))?;
-        st.last = Some(s);
+        st.last = Some(s.clone());
         st.tail_recorded = true;
         shared.chain.pending.store(true, Ordering::Release);
         Ok(())

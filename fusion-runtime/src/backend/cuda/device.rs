@@ -690,29 +690,29 @@ impl Device for CudaDevice {
         Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
     }
 
-    fn hand_out(&self, outputs: &[Tensor], on: Option<crate::backend::CallerStream>) {
+    fn hand_out(&self, outputs: &[Tensor], on: Option<&crate::backend::CallerStream>) {
         for t in outputs {
             if let Some(b) = t.device_buffer() {
                 if let Some(b) = b.as_any().downcast_ref::<CudaBuffer>() {
-                    *b.caller.lock().unwrap_or_else(PoisonError::into_inner) = on;
+                    *b.caller.lock().unwrap_or_else(PoisonError::into_inner) = on.cloned();
                 }
             }
         }
     }
 
-    fn begin_walk(&self, on: Option<crate::backend::CallerStream>) -> Result<()> {
+    fn begin_walk(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
         self.chain_begin_walk(on)
     }
 
-    fn end_walk(&self, on: Option<crate::backend::CallerStream>) -> Result<()> {
+    fn end_walk(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
         self.chain_end_walk(on)
     }
 
-    fn begin_replay(&self, on: Option<crate::backend::CallerStream>) -> Result<()> {
+    fn begin_replay(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
         self.chain_begin_replay(on)
     }
 
-    fn end_replay(&self, on: Option<crate::backend::CallerStream>) -> Result<()> {
+    fn end_replay(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
         self.chain_end_replay(on)
     }
 

@@ -43,7 +43,7 @@ unsafe impl Send for CudaGraph {}
 unsafe impl Sync for CudaGraph {}
 
 impl DeviceGraph for CudaGraph {
-    fn launch(&self, on: Option<crate::backend::CallerStream>) -> Result<()> {
+    fn launch(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
         let stream = on.map_or(self.stream, |s| s.raw as sys::CUstream);
         // SAFETY: an instantiated graph launched on a stream of its device (the main
         // stream, or the caller's, checked to belong to the device's context).

@@ -90,11 +90,12 @@ impl Drop for CudaBuffer {
     fn drop(&mut self) {
         // A replay on a caller's stream may have used the buffer: its free (or its reuse
         // from the free list) comes after that replay.
-        let caller = *self
+        let caller = self
             .caller
             .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let joined = match caller {
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let joined = match &caller {
             Some(c) if !self.shared.is_closed() => self.shared.chain.join_caller(self.stream.0, c),
             _ => Ok(()),
         };
