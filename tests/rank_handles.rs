@@ -318,10 +318,8 @@ fn a_call_on_a_cuda_stream_needs_a_cuda_rank() {
     let _serial = serial();
     let world = World::local(1).unwrap();
     let rank = world.rank().unwrap();
-    let layer = Layer::new(rank.clone(), &weights(1)).unwrap();
     let x: Ranked<3> = rank.shard(&input(1, 0), 0).unwrap().try_into().unwrap();
     let w: Ranked<3> = rank.shard(&weights(1), 0).unwrap().try_into().unwrap();
-    drop(layer);
     let err = row_parallel(&rank.on_per_thread_stream(), &x, &w).unwrap_err();
     assert!(err.to_string().contains("needs a CUDA rank"), "{err}");
 }
