@@ -314,7 +314,7 @@ fn single_device(rank: &Rank, a: &Args) -> Result<Rows> {
         let how = exec
             .run_with(rank, &[&xa, &y], None, &ExecOptions::default())?
             .replay;
-        let stream_rows = caller_streams(rank, a.calls, &exec, &[&xa, &y], call_graph)?;
+        let stream_rows = caller_streams(rank, a.calls, &exec, &[&xa, &y])?;
         let mut rows = vec![
             (format!("GEMM {m}x{k}x{n} bf16"), plain),
             (format!("GEMM {m}x{k}x{n} bf16, accumulating"), acc),
@@ -337,14 +337,14 @@ fn single_device(rank: &Rank, a: &Args) -> Result<Rows> {
 }
 
 /// The replayed one-GEMM call on the caller's streams (`Rank::on`: a stream of the
-/// caller's, and the per-thread default stream), against the same call on the rank's own
-/// stream measured before (`main`) and again after them, in this process.
+/// caller's, and the per-thread default stream) against the same call on the rank's own
+/// stream, in this process: rounds of `calls` calls of each, interleaved (own, caller's,
+/// per-thread, own, ...), each round from an idle device; medians of 9 rounds.
 fn caller_streams(
     rank: &Rank,
     calls: usize,
     exec: &FusionExecutor,
     inputs: &[&Tensor],
-    main: f64,
 ) -> Result<Rows> {
     if rank.backend() != BackendKind::Cuda {
         return Ok(Vec::new());
@@ -353,36 +353,53 @@ fn caller_streams(
     let stream = rank.cuda_context()?.new_stream()?;
     let on_stream = rank.on(&stream);
     let per_thread = rank.on_per_thread_stream();
-    let mut rows = Vec::new();
-    let mut on = |what: &str, target: &dyn Fn() -> Result<RunReport>| -> Result<f64> {
-        for _ in 0..3 {
-            target()?; // the stream's first calls: its outputs, its sync with the rank
+    let targets: [(&str, &dyn Fn() -> Result<RunReport>); 3] = [
+        ("on the rank's own stream", &|| {
+            exec.run_with(rank, inputs, None, &graphs)
+        }),
+        ("on the caller's stream (Rank::on)", &|| {
+            exec.run_with(&on_stream, inputs, None, &graphs)
+        }),
+        ("on the per-thread default stream", &|| {
+            exec.run_with(&per_thread, inputs, None, &graphs)
+        }),
+    ];
+    let mut rounds: [Vec<f64>; 3] = Default::default();
+    for round in 0..10 {
+        for (i, (_, target)) in targets.iter().enumerate() {
+            // Each stream's first calls (the first round is not counted): its outputs,
+            // its sync with the rank.
+            for _ in 0..3 {
+                target()?;
+            }
+            rank.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..calls {
+                target()?;
+            }
+            if round > 0 {
+                rounds[i].push(t.elapsed().as_secs_f64() * 1e6 / calls as f64);
+            }
         }
-        let us = host_us(rank, calls, || target().map(|_| ()))?;
+    }
+    rank.synchronize()?;
+    let mut rows = Vec::new();
+    let mut us = [0.0; 3];
+    for (i, (what, target)) in targets.iter().enumerate() {
+        us[i] = median(std::mem::take(&mut rounds[i]));
         let how = target()?.replay;
         rows.push((
-            format!("one-GEMM fusion call, graphs on, {what} ({how:?})"),
-            us,
+            format!("one-GEMM fusion call, graphs on, {what}, interleaved ({how:?})"),
+            us[i],
         ));
-        Ok(us)
-    };
-    let mine = on("on the caller's stream (Rank::on)", &|| {
-        exec.run_with(&on_stream, inputs, None, &graphs)
-    })?;
-    let ptds = on("on the per-thread default stream", &|| {
-        exec.run_with(&per_thread, inputs, None, &graphs)
-    })?;
-    let again = on("on the rank's stream again", &|| {
-        exec.run_with(rank, inputs, None, &graphs)
-    })?;
-    let baseline = (main + again) / 2.0;
+    }
     rows.push((
-        "caller's stream minus the rank's own stream (mean of before and after)".to_string(),
-        mine - baseline,
+        "caller's stream minus the rank's own stream".to_string(),
+        us[1] - us[0],
     ));
     rows.push((
         "per-thread default stream minus the rank's own stream".to_string(),
-        ptds - baseline,
+        us[2] - us[0],
     ));
     Ok(rows)
 }

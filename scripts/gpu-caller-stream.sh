@@ -6,7 +6,9 @@
 # walked and replayed, and on the per-thread default streams of two threads; a capturing
 # stream is refused with the reason), the cudarc-buffer tests, the single-GPU conformance
 # cases and CUDA-graph tests (those needing two GPUs skip), and host_costs (the replayed one-GEMM call on the rank's own stream, on a caller's
-# stream and on the per-thread default stream, in one process) twice.
+# stream and on the per-thread default stream, in one process) twice. When another
+# build's host_costs is staged as .gpu/bin/host_costs_base (e.g. the commit before a
+# change), the two alternate, for an A/B of the call's host cost in one device call.
 # Usage: scripts/gpu-caller-stream.sh   (logs in $OUT, a short table last)
 set -u
 cd "$(dirname "$0")/.."
@@ -25,9 +27,16 @@ step test-cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
 step test-conformance-1gpu 240 $BIN/test-conformance --test-threads=1
 step test-cuda_graphs 240 $BIN/test-cuda_graphs --ignored --test-threads=1
 STEP_PATTERN='rror|us per call'
-step host-costs-1 120 $BIN/host_costs --devices 1
-step host-costs-2 120 $BIN/host_costs --devices 1
+for i in 1 2; do
+    step host-costs-$i 120 $BIN/host_costs --devices 1
+    if [ -x $BIN/host_costs_base ]; then
+        step host-costs-base-$i 120 $BIN/host_costs_base --devices 1
+    fi
+done
 cat "$OUT/caller-stream-machine.txt"
 grep -h "caller's stream:\|per-thread streams" "$OUT/test-caller_stream.log"
-grep -h "one-GEMM fusion call, graphs on\|minus the rank" "$OUT"/host-costs-*.log
+for f in "$OUT"/host-costs-*.log; do
+    echo "$(basename "$f" .log):"
+    grep -h "one-GEMM fusion call\|minus the rank" "$f"
+done
 printf '%s\n' "${summary[@]}"

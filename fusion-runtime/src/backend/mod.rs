@@ -58,8 +58,9 @@ pub struct CallerStream {
     pub(crate) raw: usize,
     /// The thread whose per-thread default stream it is (`None` for every other stream).
     pub(crate) thread: Option<std::thread::ThreadId>,
-    /// The stream's owner, kept alive (`None` for streams that are never destroyed).
-    pub(crate) keep: Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
+    /// The stream's owner, kept alive (never read: holding it is the point; `None` for
+    /// streams that are never destroyed).
+    pub(crate) _keep: Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl std::fmt::Debug for CallerStream {
@@ -86,7 +87,7 @@ impl CallerStream {
         CallerStream {
             raw: Self::PER_THREAD_HANDLE,
             thread: Some(std::thread::current().id()),
-            keep: None,
+            _keep: None,
         }
     }
 
@@ -102,7 +103,7 @@ impl CallerStream {
             CallerStream {
                 raw,
                 thread: None,
-                keep: Some(keep),
+                _keep: Some(keep),
             }
         }
     }
