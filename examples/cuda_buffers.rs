@@ -22,6 +22,7 @@ use clap::{Parser, ValueEnum};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use fusion::prelude::*;
 use fusion::runtime::backend::cuda::{device_count, CudaElement};
+use fusion::runtime::cudarc;
 use half::{bf16, f16};
 
 fusion! {

@@ -1,6 +1,7 @@
 //! Host cost of the device operations a host program is made of: how long the calling
 //! thread spends enqueuing one GEMM, one stream wait and one copy kernel (device work is
-//! not waited for), a `Matmul` node and a one-GEMM call (rank 0). On several ranks, also
+//! not waited for), a `Matmul` node and a one-GEMM call (rank 0), replayed also on the
+//! caller's stream (`Rank::on`) and the per-thread default stream. On several ranks, also
 //! whole calls of tiny copy-engine pipelines, walked and replayed as CUDA graphs: the
 //! AllGather+GEMM ring and the GEMM+ReduceScatter ring with 1, 2, 4 and 8 row ranges per
 //! block (`D`, `2 D`, `4 D`, `8 D` stream iterations). These bound how fine a pipeline can
@@ -25,7 +26,7 @@ use fusion::core::hir::NodeKind;
 use fusion::core::lower::{LowerOptions, Pipelining, ReduceScatterPipeline};
 use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::replay::ReplayStatus;
-use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
+use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, RunReport, Tensor, World};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -316,7 +317,8 @@ fn single_device(rank: &Rank, a: &Args) -> Result<Rows> {
         let how = exec
             .run_with(rank, &[&xa, &y], None, &ExecOptions::default())?
             .replay;
-        Ok(vec![
+        let stream_rows = caller_streams(rank, a.calls, &exec, &[&xa, &y])?;
+        let mut rows = vec![
             (format!("GEMM {m}x{k}x{n} bf16"), plain),
             (format!("GEMM {m}x{k}x{n} bf16, accumulating"), acc),
             ("stream wait (event record + wait)".to_string(), wait),
@@ -331,8 +333,78 @@ fn single_device(rank: &Rank, a: &Args) -> Result<Rows> {
                 format!("one-GEMM fusion call, graphs on ({how:?})"),
                 call_graph,
             ),
-        ])
+        ];
+        rows.extend(stream_rows);
+        Ok(rows)
     }
+}
+
+/// The replayed one-GEMM call on the caller's streams (`Rank::on`: a stream of the
+/// caller's, and the per-thread default stream) against the same call on the rank's own
+/// stream, in this process: rounds of `calls` calls of each, interleaved (own, caller's,
+/// per-thread, own, ...), each round from an idle device; medians of 9 rounds.
+fn caller_streams(
+    rank: &Rank,
+    calls: usize,
+    exec: &FusionExecutor,
+    inputs: &[&Tensor],
+) -> Result<Rows> {
+    if rank.backend() != BackendKind::Cuda {
+        return Ok(Vec::new());
+    }
+    let graphs = ExecOptions::default();
+    let stream = rank.cuda_context()?.new_stream()?;
+    let on_stream = rank.on(&stream);
+    let per_thread = rank.on_per_thread_stream();
+    let targets: [(&str, &dyn Fn() -> Result<RunReport>); 3] = [
+        ("on the rank's own stream", &|| {
+            exec.run_with(rank, inputs, None, &graphs)
+        }),
+        ("on the caller's stream (Rank::on)", &|| {
+            exec.run_with(&on_stream, inputs, None, &graphs)
+        }),
+        ("on the per-thread default stream", &|| {
+            exec.run_with(&per_thread, inputs, None, &graphs)
+        }),
+    ];
+    let mut rounds: [Vec<f64>; 3] = Default::default();
+    for round in 0..10 {
+        for (i, (_, target)) in targets.iter().enumerate() {
+            // Each stream's first calls (the first round is not counted): its outputs,
+            // its sync with the rank.
+            for _ in 0..3 {
+                target()?;
+            }
+            rank.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..calls {
+                target()?;
+            }
+            if round > 0 {
+                rounds[i].push(t.elapsed().as_secs_f64() * 1e6 / calls as f64);
+            }
+        }
+    }
+    rank.synchronize()?;
+    let mut rows = Vec::new();
+    let mut us = [0.0; 3];
+    for (i, (what, target)) in targets.iter().enumerate() {
+        us[i] = median(std::mem::take(&mut rounds[i]));
+        let how = target()?.replay;
+        rows.push((
+            format!("one-GEMM fusion call, graphs on, {what}, interleaved ({how:?})"),
+            us[i],
+        ));
+    }
+    rows.push((
+        "caller's stream minus the rank's own stream".to_string(),
+        us[1] - us[0],
+    ));
+    rows.push((
+        "per-thread default stream minus the rank's own stream".to_string(),
+        us[2] - us[0],
+    ));
+    Ok(rows)
 }
 
 /// Launch cost of captured graphs of `n` copy kernels: on one stream, on two streams
@@ -386,7 +458,7 @@ fn graph_topologies(rank: &Rank) -> Result<Rows> {
             for _ in 0..50 {
                 rank.synchronize()?;
                 let start = Instant::now();
-                graph.launch()?;
+                graph.launch(None)?;
                 t.push(start.elapsed().as_secs_f64() * 1e6);
             }
             rank.synchronize()?;
@@ -407,7 +479,7 @@ fn graph_topologies(rank: &Rank) -> Result<Rows> {
 /// the device, copy to the next rank's device, flag write, flag wait, external event
 /// record), recorded straight through the driver on a stream of this example's own.
 fn graph_node_kinds(rank: &Rank) -> Result<Rows> {
-    use cudarc::driver::sys;
+    use fusion::runtime::cudarc::driver::sys;
     let fail = |what: &str, r: sys::CUresult| -> Result<()> {
         if r == sys::CUresult::CUDA_SUCCESS {
             Ok(())
@@ -492,10 +564,10 @@ fn graph_node_kinds(rank: &Rank) -> Result<Rows> {
 /// `stream` (which the graph is launched on too).
 fn launch_us(
     n: usize,
-    record: &dyn Fn() -> cudarc::driver::sys::CUresult,
-    stream: cudarc::driver::sys::CUstream,
+    record: &dyn Fn() -> fusion::runtime::cudarc::driver::sys::CUresult,
+    stream: fusion::runtime::cudarc::driver::sys::CUstream,
 ) -> Result<f64> {
-    use cudarc::driver::sys;
+    use fusion::runtime::cudarc::driver::sys;
     let fail = |what: &str, r: sys::CUresult| -> Result<()> {
         if r == sys::CUresult::CUDA_SUCCESS {
             Ok(())

@@ -4,13 +4,16 @@
 # unpacks them into .gpu/bin there). Usage: scripts/stage-gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The lent machines' driver is CUDA 13.0, and this machine has no nvcc to tell cudarc which
+# CUDA version to bind: name it (an application's own choice wins elsewhere, see README).
+export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 mkdir -p .gpu/bin
 cargo build --release --examples
 for ex in target/release/examples/*; do
     case "$ex" in *.d|*-*) continue ;; esac
     [ -x "$ex" ] && cp "$ex" .gpu/bin/
 done
-cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs --test layers --test epilogues --test faults 2>/dev/null \
+cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs --test layers --test epilogues --test faults --test caller_stream --test rank_handles 2>/dev/null \
   | python3 -c 'import sys, json
 for line in sys.stdin:
     m = json.loads(line)

@@ -53,9 +53,86 @@ pub use fusion_core::ir::ParallelType;
 pub use fusion_core::lower::{LowerOptions, Pipelining};
 pub use fusion_core::DType;
 pub use fusion_runtime::{
-    concat, BackendKind, CudaElement, Error, Result, RunReport, Tensor1, Tensor2, Tensor3, Tensor4,
-    Tensor5, Tensor6,
+    concat, BackendKind, Error, Result, RunReport, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5,
+    Tensor6,
 };
+
+/// # Example
+///
+/// A fusion inside your own program (README, "Using fusions inside your own program"): each
+/// rank's handle lives in a layer, each layer is driven from a thread of its own, and on
+/// GPUs every call runs on the layer's own CUDA stream, as one more op there.
+///
+/// ```
+/// use std::sync::Arc;
+/// use fusion::prelude::*;
+///
+/// fusion! {
+///     /// Row-parallel linear layer: each rank's block of `k`, summed over the ranks.
+///     pub fn row_parallel<d, m, k, n>(
+///         x: Tensor<f32, [d @ DIDx, m, k]>,
+///         w: Tensor<f32, [d @ DIDx, k, n]>,
+///     ) -> Tensor<f32, [m, n]> {
+///         sum(matmul(x, w), 0)
+///     }
+/// }
+///
+/// struct Layer {
+///     rank: Rank, // a long-lived handle: Arc inside, Send + Sync + 'static
+///     w: Ranked<3>,
+///     #[cfg(feature = "cuda")]
+///     stream: Option<Arc<fusion::runtime::cudarc::driver::CudaStream>>,
+/// }
+///
+/// impl Layer {
+///     fn forward(&self, x: &Ranked<3>) -> fusion::Result<Ranked<2>> {
+///         #[cfg(feature = "cuda")]
+///         if let Some(s) = &self.stream {
+///             return row_parallel(&self.rank.on(s), x, &self.w); // on the caller's stream
+///         }
+///         row_parallel(&self.rank, x, &self.w)
+///     }
+/// }
+///
+/// let world = World::local_default()?; // every GPU, else 4 simulated devices
+/// let d = world.size();
+/// let (w, x) = (Tensor::randn(&[d, 8, 4], DType::F32, 1), Tensor::randn(&[d, 2, 8], DType::F32, 2));
+/// let layers = world
+///     .ranks()?
+///     .into_iter()
+///     .map(|rank| {
+///         Ok(Layer {
+///             w: rank.shard(&w, 0)?.try_into()?,
+///             #[cfg(feature = "cuda")]
+///             stream: match rank.cuda_context() {
+///                 Ok(ctx) => Some(ctx.new_stream()?),
+///                 Err(_) => None, // simulated devices have no streams
+///             },
+///             rank,
+///         })
+///     })
+///     .collect::<fusion::Result<Vec<Layer>>>()?;
+/// std::thread::scope(|s| {
+///     let threads: Vec<_> = layers
+///         .iter()
+///         .map(|layer| {
+///             let x = &x;
+///             s.spawn(move || -> fusion::Result<()> {
+///                 for _ in 0..3 {
+///                     let y = layer.forward(&layer.rank.shard(x, 0)?.try_into()?)?;
+///                     assert_eq!(layer.rank.to_host(&y)?.shape(), &[2, 4]);
+///                 }
+///                 Ok(())
+///             })
+///         })
+///         .collect();
+///     threads.into_iter().try_for_each(|t| t.join().expect("a layer thread panicked"))
+/// })?;
+/// # Ok::<(), fusion::Error>(())
+/// ```
+pub use fusion_runtime::CallTarget;
+#[cfg(feature = "cuda")]
+pub use fusion_runtime::{CudaElement, OnStream};
 
 /// # Example
 ///
@@ -135,6 +212,34 @@ pub use fusion_runtime::World;
 ///     rank.to_host(&mine)?.to_f32_vec()
 /// })?;
 /// assert_eq!(rows, [vec![1., 2., 3.], vec![4., 5., 6.]]);
+/// # Ok::<(), fusion::Error>(())
+/// ```
+///
+/// A rank is also a long-lived handle: keep it in a struct and call fusions on it from a
+/// thread of your own (each rank of a multi-rank world from its own thread).
+///
+/// ```
+/// use fusion::prelude::*;
+///
+/// fusion! {
+///     fn scale<m>(x: Tensor<f32, [m]>, s: Tensor<f32, [m]>) -> Tensor<f32, [m]> { x * s }
+/// }
+///
+/// struct Layer { rank: Rank, s: Ranked<1> }
+/// impl Layer {
+///     fn forward(&self, x: &Ranked<1>) -> fusion::Result<Ranked<1>> {
+///         scale(&self.rank, x, &self.s) // no thread, no communicator per call
+///     }
+/// }
+///
+/// let world = World::local(1)?;
+/// let layer = Layer { rank: world.rank()?, s: Tensor::full(&[2], DType::F32, 3.0).try_into()? };
+/// let y = std::thread::spawn(move || {
+///     layer.forward(&Tensor::full(&[2], DType::F32, 2.0).try_into()?)?.to_f32_vec()
+/// })
+/// .join()
+/// .unwrap()?;
+/// assert_eq!(y, [6.0, 6.0]);
 /// # Ok::<(), fusion::Error>(())
 /// ```
 pub use fusion_runtime::Rank;
@@ -225,7 +330,7 @@ pub use fusion_runtime::ExecOptions;
 /// The names most programs use.
 pub mod prelude {
     pub use crate::{
-        concat, fusion, Axis, BackendKind, DType, Error, ExecOptions, FusionBuilder,
+        concat, fusion, Axis, BackendKind, CallTarget, DType, Error, ExecOptions, FusionBuilder,
         FusionExecutor, LowerOptions, ParallelType, Pipelining, Rank, Ranked, Result, Tensor,
         Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6, World,
     };

@@ -601,14 +601,15 @@ fn executors_and_outputs_may_outlive_their_world() {
 #[test]
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn graphs_of_finished_runs_are_dropped() {
-    // One `World::run` per step, as a training loop may do: every run has a communicator
-    // of its own, so its calls capture graphs of their own; the graphs and kept outputs of
-    // the runs before are dropped (they piled up, one slot per run, before).
-    let world = gpu_world(1).expect("a GPU");
+    // A world per step: every world has communicators of its own, so its calls capture
+    // graphs of their own; the graphs and kept outputs of the worlds before, which are gone,
+    // are dropped (they piled up, one slot per world, before). Within a world the slot
+    // lives as long as the world.
     for case in cases_for(1) {
         let exec = FusionExecutor::new(case.fusion.clone());
         let inputs = (case.inputs)(3, 1);
         for step in 0..5 {
+            let world = gpu_world(1).expect("a GPU");
             let statuses = world
                 .run(|rank| {
                     let local = common::distribute(rank, &inputs)?;

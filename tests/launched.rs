@@ -412,3 +412,66 @@ fn a_process_can_hold_several_ranks() {
         assert!(e.stdout.contains("PER-NODE-OK"), "{}", e.log());
     }
 }
+
+// ---------------------------------------------------------------- rank handles
+
+/// A process's rank handles kept in layers and driven from threads of its own, 1,000 calls
+/// each with fresh inputs; after each thread's first call, nothing more is made (no thread,
+/// no communicator). `FUSION_DEVICES_PER_PROCESS` ranks per process (1 or 2).
+#[test]
+#[ignore = "a rank process of `handles_of_a_launched_world_are_driven_from_threads`"]
+fn child_handles_from_threads() {
+    assert!(
+        in_child(),
+        "run by handles_of_a_launched_world_are_driven_from_threads"
+    );
+    use common::handles::{drive, weights, Layer};
+    let world = World::from_env().unwrap();
+    let process = LaunchSpec::from_env().unwrap().unwrap().process;
+    let ranks = if world.local_ranks().len() == 1 {
+        // One rank per process (torchrun's default): the process's handle, directly.
+        vec![world.rank().unwrap()]
+    } else {
+        let err = world.rank().unwrap_err().to_string();
+        assert!(err.contains("World::ranks"), "{err}");
+        world.ranks().unwrap()
+    };
+    let layers = ranks
+        .into_iter()
+        .map(|r| Layer::new(r, &weights(world.size())).unwrap())
+        .collect();
+    let start = std::time::Instant::now();
+    let (after_first, end) = drive(layers, 1000);
+    assert_eq!(
+        end, after_first,
+        "calls on handles made threads or communicators"
+    );
+    println!(
+        "HANDLES-OK process {process}: 1000 calls per rank in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn handles_of_a_launched_world_are_driven_from_threads() {
+    if in_child() {
+        return;
+    }
+    for per_process in ["1", "2"] {
+        let ended = launch(
+            2,
+            &[0, 1],
+            &child_args("child_handles_from_threads"),
+            &[
+                ("FUSION_TIMEOUT", "30".into()),
+                ("FUSION_DEVICES_PER_PROCESS", per_process.into()),
+            ],
+            |_| Vec::new(),
+            LIMIT,
+        );
+        expect_success(&ended);
+        for e in &ended {
+            assert!(e.stdout.contains("HANDLES-OK"), "{}", e.log());
+        }
+    }
+}

@@ -95,7 +95,14 @@ fn runtime_errors_name_the_tensor() {
         err.contains("input") && err.contains("expected dtype f32, got bf16"),
         "{err}"
     );
-    let err = world
+    // A failed call fails the world for good, naming the rank and the cause.
+    let again = world.run(|_| Ok(())).unwrap_err().to_string();
+    assert!(
+        again.contains("rank 0 failed") && again.contains("expected dtype f32"),
+        "{again}"
+    );
+    let err = World::local(1)
+        .unwrap()
         .run(|rank| {
             let x: Ranked<2> = Tensor::zeros(&[3, 4], F32).try_into()?;
             let bias: Ranked<1> = Tensor::zeros(&[5], F32).try_into()?;

@@ -149,13 +149,16 @@ fn main_loop(p: &HostProgram) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// Runs `p` on every rank of `world` with the race checker; the order each rank checked.
+/// Runs `p` on every rank of a world of `world`'s size with the race checker; the order
+/// each rank checked. A fresh world each time: a race fails the world that found it, for
+/// good, and the mutations below race on purpose.
 fn run_checked(
     world: &World,
     p: &HostProgram,
     inputs: &[(Tensor, Give)],
     streams: usize,
 ) -> fusion::Result<Vec<RaceCheck>> {
+    let world = World::local(world.size())?;
     world.run(|rank| {
         let local = distribute(rank, inputs)?;
         let refs: Vec<&Tensor> = local.iter().collect();

@@ -106,6 +106,8 @@ struct RankRun {
     steps: Vec<(usize, f64, Replays)>,
     /// Relative error of every step (computed on rank 0 of the world, empty elsewhere).
     errors: Vec<f64>,
+    /// Tensors the runtime copied from a device to the host during the timed steps.
+    host_copies: u64,
 }
 
 /// Runs the layer as `args` say, prints what it measured, and fails when a step's output
@@ -164,14 +166,36 @@ fn random_rows(rows: usize, hidden: usize, seed: u64) -> candle_core::Result<CTe
     CTensor::from_vec(v, (rows, hidden), &Device::Cpu)
 }
 
-/// The candle device of a rank.
+/// The candle device of a rank: the CPU for simulated devices, `cuda:n` for the rank on
+/// GPU `n` (candle's device, on its per-thread default stream).
 fn candle_device(rank: &Rank) -> fusion_candle::Result<Device> {
     match rank.backend() {
         BackendKind::Cpu => Ok(Device::Cpu),
-        other => Err(fusion_candle::Error::Internal(format!(
-            "this build runs the candle layer on the CPU only, not on {other:?} devices"
-        ))),
+        #[cfg(feature = "candle-cuda")]
+        BackendKind::Cuda => Ok(Device::new_cuda(rank.device().ordinal())?),
+        #[allow(unreachable_patterns)]
+        other => Err(candle_core::Error::msg(format!(
+            "the {} backend needs a build with the `candle-cuda` feature",
+            other.name()
+        ))
+        .into()),
     }
+}
+
+/// One step of the fusions' layer, called on the candle device's stream on a GPU.
+fn fusion_step(
+    layer: &mut RankLayer,
+    rank: &Rank,
+    device: &Device,
+    x: &CTensor,
+    tokens: usize,
+) -> fusion_candle::Result<(CTensor, Replays)> {
+    #[cfg(feature = "candle-cuda")]
+    if let Some(stream) = fusion_candle::stream_of(device) {
+        return layer.forward(&rank.on(&stream), x, tokens);
+    }
+    let _ = device;
+    layer.forward(rank, x, tokens)
 }
 
 /// This rank's part of every step, timed; then the check against the reference.
@@ -207,7 +231,8 @@ fn run_rank(
     let mut step: Box<Step> = match mode {
         Mode::Fusions => {
             let mut layer = RankLayer::new(rank, cfg, &weights, dtype, &device)?;
-            Box::new(move |x, t| layer.forward(rank, x, t))
+            let device = device.clone();
+            Box::new(move |x, t| fusion_step(&mut layer, rank, &device, x, t))
         }
         Mode::Candle => {
             let mut layer = CandleLayer::part(cfg, &weights, 0, 1, dtype, &device)?;
@@ -221,6 +246,8 @@ fn run_rank(
     };
     let mut timed = Vec::new();
     let mut outputs = Vec::new();
+    let copies = || fusion::runtime::counters::counters().device_to_host_copies;
+    let before = copies();
     for (x, &t) in xs.iter().zip(steps) {
         let clock = Instant::now();
         let (y, replays) = step(x, t)?;
@@ -229,6 +256,7 @@ fn run_rank(
         timed.push((t, clock.elapsed().as_secs_f64() * 1e3, replays));
         outputs.push(y);
     }
+    let host_copies = copies() - before;
     drop(step);
     // The check, outside the timing: every step against candle alone in f32, on rank 0
     // (the fusions' rows gathered from every rank; the other modes hold every token).
@@ -265,6 +293,7 @@ fn run_rank(
     Ok(RankRun {
         steps: timed,
         errors,
+        host_copies,
     })
 }
 
@@ -343,6 +372,10 @@ fn report(world: &World, args: &Args, cfg: Config, steps: &[usize], runs: &[Rank
             decode.len()
         );
     }
+    println!(
+        "  device-to-host copies by the runtime during the steps: {} (the check comes after)",
+        runs.iter().map(|r| r.host_copies).sum::<u64>()
+    );
     if !errors.is_empty() {
         let worst = errors.iter().copied().fold(0.0f64, f64::max);
         println!(

@@ -13,6 +13,7 @@ use fusion::prelude::*;
 use fusion::runtime::replay::ReplayStatus;
 
 use crate::fusions::{gated_mlp, out_proj, qkv};
+use fusion_candle::OutputBuffer;
 
 /// The layer's sizes.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -456,14 +457,17 @@ impl RankLayer {
 
     /// The layer for this rank's `m` rows of a step of `tokens` tokens (`tokens` padded up
     /// to a multiple of the rank count: a padded token comes after every real one, so no
-    /// real token attends to it, and its keys and values never enter the cache). Returns
-    /// this rank's rows of the output and how the step's fusion calls ran.
+    /// real token attends to it, and its keys and values never enter the cache). `call`
+    /// is the rank, on the candle device's stream for a GPU (`rank.on(..)`). Returns this
+    /// rank's rows of the output and how the step's fusion calls ran.
     pub fn forward(
         &mut self,
-        rank: &Rank,
+        call: &dyn CallTarget,
         x: &CTensor,
         tokens: usize,
     ) -> fusion_candle::Result<(CTensor, Replays)> {
+        let target = call.target();
+        let rank = target.rank();
         let c = self.cfg;
         let (d, hd, m) = (self.d, c.head_dim(), x.dim(0)?);
         let (qh, kvh) = (c.heads / d, c.kv_heads / d);
@@ -472,16 +476,18 @@ impl RankLayer {
             Ok(fusion_candle::input(rank, name, &t.unsqueeze(0)?)?.try_into()?)
         };
         let w = |t: &fusion::Tensor| t.clone().try_into();
+        let o = &self.options;
         let xn = rms_norm(x, &self.w.norm_in, c.eps)?;
         // Every token's Q, K, V for this rank's heads, rows gathered from every rank.
+        let out = self.output(rank, "qkv", &[d, 1, m, (qh + 2 * kvh) * hd])?;
         let report = qkv::run_with(
-            rank,
+            &call,
             &rows(&xn, "x_norm")?,
             &w(&self.w.qkv)?,
-            None,
-            &self.options,
+            Some(&out.tensor().try_into()?),
+            o,
         )?;
-        let all = self.finish(rank, &mut replays, report, "qkv")?;
+        let all = finish(&mut replays, report, out)?;
         let all = all
             .reshape((d * m, (qh + 2 * kvh) * hd))?
             .narrow(0, 0, tokens)?;
@@ -505,43 +511,51 @@ impl RankLayer {
             .reshape((d, 1, m, qh * hd))?
             .to_dtype(self.dtype)?;
         let a = fusion_candle::input(rank, "attention", &a)?.try_into()?;
-        let report = out_proj::run_with(rank, &a, &w(&self.w.o)?, None, &self.options)?;
-        let o = self.finish(rank, &mut replays, report, "o")?;
-        let h = (x + o.reshape((m, c.hidden))?)?;
+        let out = self.output(rank, "o", &[1, m, c.hidden])?;
+        let report = out_proj::run_with(
+            &call,
+            &a,
+            &w(&self.w.o)?,
+            Some(&out.tensor().try_into()?),
+            o,
+        )?;
+        let h = (x + finish(&mut replays, report, out)?.reshape((m, c.hidden))?)?;
         let hn = rms_norm(&h, &self.w.norm_post, c.eps)?;
         let (g, u, dw) = (w(&self.w.gate)?, w(&self.w.up)?, w(&self.w.down)?);
+        let out = self.output(rank, "mlp", &[1, m, c.hidden])?;
         let report = gated_mlp::run_with(
-            rank,
+            &call,
             &rows(&hn, "h_norm")?,
             &g,
             &u,
             &dw,
-            None,
-            &self.options,
+            Some(&out.tensor().try_into()?),
+            o,
         )?;
-        let mlp = self.finish(rank, &mut replays, report, "mlp")?;
-        let y = (h + mlp.reshape((m, c.hidden))?)?;
+        let y = (h + finish(&mut replays, report, out)?.reshape((m, c.hidden))?)?;
         Ok((y, replays))
     }
 
-    /// A call's output as a candle tensor, counting whether the call replayed.
-    fn finish(
+    /// Memory for a fusion output that becomes a candle tensor (no copy).
+    fn output(
         &self,
         rank: &Rank,
-        replays: &mut Replays,
-        mut report: fusion::RunReport,
         name: &str,
-    ) -> fusion_candle::Result<CTensor> {
-        replays.calls += 1;
-        replays.replayed += usize::from(report.replay == ReplayStatus::Replayed);
-        if report.outputs.len() != 1 {
-            return Err(fusion_candle::Error::Internal(format!(
-                "fusion call `{name}` returned {} outputs",
-                report.outputs.len()
-            )));
-        }
-        // Taken out of the report, so that no other view of the output stays alive.
-        let out = report.outputs.swap_remove(0);
-        fusion_candle::output(rank, name, out, &self.device)
+        shape: &[usize],
+    ) -> fusion_candle::Result<OutputBuffer> {
+        OutputBuffer::new(rank, name, self.dtype, shape, &self.device)
     }
+}
+
+/// A call's output as a candle tensor, counting whether the call replayed (the report,
+/// which holds a view of the output, is dropped first).
+fn finish(
+    replays: &mut Replays,
+    report: fusion::RunReport,
+    out: OutputBuffer,
+) -> fusion_candle::Result<CTensor> {
+    replays.calls += 1;
+    replays.replayed += usize::from(report.replay == ReplayStatus::Replayed);
+    drop(report);
+    out.into_candle()
 }

@@ -73,7 +73,7 @@ impl From<Error> for fusion_runtime::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::Fusion(e) => *e,
-            other => fusion_runtime::Error::World(other.to_string()),
+            other => fusion_runtime::Error::external(other),
         }
     }
 }

@@ -49,7 +49,10 @@
 //! the fusion tensor and moves its memory into the candle tensor; it refuses while another
 //! view of the output is alive, so the two libraries never share an output.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
+mod output;
 
 use candle_core::{CpuStorage, DeviceLocation, Storage};
 use fusion_runtime::tensor::HostElement;
@@ -59,11 +62,53 @@ use std::any::Any;
 use std::sync::Arc;
 
 pub use error::{Error, Result};
+pub use output::OutputBuffer;
 
 /// A rank-local fusion input that views the memory of candle tensor `t` (no copy). `name`
-/// is the tensor's name in errors.
+/// is the tensor's name in errors. A CUDA tensor's memory is read on the device in the
+/// order of the candle device's stream: call the fusion on that stream
+/// (`&rank.on(&candle_device.cuda_stream())`, see [`stream_of`]).
 pub fn input(rank: &Rank, name: &str, t: &candle_core::Tensor) -> Result<Tensor> {
     check_device(name, &t.device().location(), rank)?;
+    check_layout(name, t)?;
+    let shape = t.dims().to_vec();
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => match cpu {
+            CpuStorage::F32(v) => view_host(name, &shape, v, t),
+            CpuStorage::BF16(v) => view_host(name, &shape, v, t),
+            CpuStorage::F16(v) => view_host(name, &shape, v, t),
+            _ => Err(Error::DType {
+                name: name.into(),
+                dtype: t.dtype(),
+            }),
+        },
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(cuda) => cuda::view(rank, name, &shape, cuda, t),
+        #[allow(unreachable_patterns)]
+        _ => Err(Error::Device {
+            name: name.into(),
+            found: format!("{:?}", t.device().location()),
+            rank: rank.index(),
+            wanted: rank_device(rank),
+        }),
+    }
+}
+
+/// The candle CUDA stream of `device`, for calls in its order (`&rank.on(&stream)`);
+/// `None` for the CPU.
+#[cfg(feature = "cuda")]
+pub fn stream_of(
+    device: &candle_core::Device,
+) -> Option<Arc<fusion_runtime::cudarc::driver::CudaStream>> {
+    match device {
+        candle_core::Device::Cuda(d) => Some(d.cuda_stream()),
+        _ => None,
+    }
+}
+
+/// Contiguous from the start of its storage, or the error that says what to do.
+fn check_layout(name: &str, t: &candle_core::Tensor) -> Result<()> {
     let layout = t.layout();
     if !layout.is_contiguous() {
         return Err(Error::NotContiguous {
@@ -78,29 +123,12 @@ pub fn input(rank: &Rank, name: &str, t: &candle_core::Tensor) -> Result<Tensor>
             offset: layout.start_offset(),
         });
     }
-    let shape = t.dims().to_vec();
-    let (storage, _) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(cpu) => match cpu {
-            CpuStorage::F32(v) => view_host(name, &shape, v, t),
-            CpuStorage::BF16(v) => view_host(name, &shape, v, t),
-            CpuStorage::F16(v) => view_host(name, &shape, v, t),
-            _ => Err(Error::DType {
-                name: name.into(),
-                dtype: t.dtype(),
-            }),
-        },
-        _ => Err(Error::Device {
-            name: name.into(),
-            found: format!("{:?}", t.device().location()),
-            rank: rank.index(),
-            wanted: rank_device(rank),
-        }),
-    }
+    Ok(())
 }
 
-/// A candle tensor on `device` that owns the memory of fusion output `t` (no copy). The
-/// output must be whole (not a view of part of a buffer) and no other view of it alive.
+/// A candle tensor on the CPU that owns the memory of host output `t` of a fusion (no
+/// copy). The output must be whole (not a view of part of a buffer) and no other view of
+/// it alive. Outputs on a GPU are written into candle's memory instead: [`OutputBuffer`].
 pub fn output(
     rank: &Rank,
     name: &str,
@@ -108,12 +136,12 @@ pub fn output(
     device: &candle_core::Device,
 ) -> Result<candle_core::Tensor> {
     check_device(name, &device.location(), rank)?;
-    if !device.is_cpu() {
+    if !device.is_cpu() || !t.is_host() {
         return Err(Error::Device {
             name: name.into(),
             found: format!("{:?}", device.location()),
             rank: rank.index(),
-            wanted: rank_device(rank),
+            wanted: "the CPU (a fusion output on a GPU is written into an OutputBuffer)".into(),
         });
     }
     let shape = t.shape().to_vec();

@@ -1,6 +1,7 @@
 //! Expansion: a checked fusion becomes
 //!
-//! - `fn name(rank, a: &Ranked<RA>, ..) -> Result<Ranked<RO>>`, the typed entry point, and
+//! - `fn name(rank, a: &Ranked<RA>, ..) -> Result<Ranked<RO>>`, the typed entry point (the
+//!   rank is any `CallTarget`: a `Rank`, or a rank on the caller's stream), and
 //! - `mod name { build, executor, program, run_with, call, lowering_count, INPUTS,
 //!   DTYPE_PARAMS }`, the builder code and the options-taking runners; its executor is a
 //!   `static` built at the first call, which lowers once per input shapes (and world,
@@ -230,7 +231,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
         #(#attrs)*
         #[allow(clippy::too_many_arguments)]
         #vis fn #name(
-            #rank: &#fr::Rank,
+            #rank: &impl #fr::CallTarget,
             #(#params: &#param_tys,)*
         ) -> #fr::Result<#ret> {
             #name::call(#rank, #(#params,)* &<#fr::ExecOptions as ::core::default::Default>::default())
@@ -266,7 +267,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
 
             /// The host program for these inputs and options (lowered if needed).
             pub fn program(
-                #rank: &#fr::Rank,
+                #rank: &impl #fr::CallTarget,
                 #(#params: &#param_tys,)*
                 #options: &#fr::ExecOptions,
             ) -> #fr::Result<::std::sync::Arc<#fc::hir::HostProgram>> {
@@ -276,7 +277,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
             /// Runs with options, optionally into preallocated outputs; returns the
             /// outputs and statistics.
             pub fn run_with(
-                #rank: &#fr::Rank,
+                #rank: &impl #fr::CallTarget,
                 #(#params: &#param_tys,)*
                 #outputs: #outs_param,
                 #options: &#fr::ExecOptions,
@@ -286,7 +287,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
 
             /// Runs with options and returns the typed outputs.
             pub fn call(
-                #rank: &#fr::Rank,
+                #rank: &impl #fr::CallTarget,
                 #(#params: &#param_tys,)*
                 #options: &#fr::ExecOptions,
             ) -> #fr::Result<#ret> {

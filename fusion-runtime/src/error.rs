@@ -1,4 +1,9 @@
 //! Runtime errors: bad inputs at call time, backend failures, communication failures.
+//!
+//! [`Error`] is `#[non_exhaustive]` (new failure kinds are not breaking changes) and, with
+//! the `cuda` feature, converts from cudarc's driver, cuBLAS, cuBLASLt and NCCL errors,
+//! keeping them as its `source()`: an application that uses cudarc beside this library
+//! can use `?` across both.
 
 use thiserror::Error;
 
@@ -7,6 +12,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// What went wrong while running a fusion.
 #[derive(Debug, Clone, Error)]
+#[non_exhaustive]
 pub enum Error {
     /// Building or lowering the fusion failed.
     #[error(transparent)]
@@ -81,6 +87,11 @@ pub enum Error {
     /// The world or a rank was set up wrongly (world size, device count, environment).
     #[error("world: {0}")]
     World(String),
+    /// An error of the application or of another library, raised where this crate's
+    /// errors are returned (a closure given to `World::run`, an adapter): kept whole, as
+    /// the source.
+    #[error(transparent)]
+    External(std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>),
     /// A rank's closure panicked.
     #[error("rank {rank} panicked: {message}")]
     Panic {
@@ -93,6 +104,53 @@ pub enum Error {
     /// (boxed: it names both sides).
     #[error("race check: {0}")]
     Race(Box<crate::eval::RaceError>),
+    /// A CUDA driver call failed (cudarc's error, kept as the source). The message names
+    /// the driver's result code (cudarc's own text asks the driver library for it).
+    #[cfg(feature = "cuda")]
+    #[error("CUDA driver: {:?}", .0 .0)]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// A cuBLAS call failed (cudarc's error, kept as the source).
+    #[cfg(feature = "cuda")]
+    #[error("cuBLAS: {0}")]
+    Cublas(#[from] cudarc::cublas::result::CublasError),
+    /// A cuBLASLt call failed (cudarc's error, kept as the source).
+    #[cfg(feature = "cuda")]
+    #[error("cuBLASLt: {0}")]
+    CublasLt(#[from] cudarc::cublaslt::result::CublasError),
+    /// An NCCL call failed (cudarc's error inside [`NcclFailure`], kept as the source).
+    #[cfg(feature = "cuda")]
+    #[error("NCCL: {0}")]
+    Nccl(#[from] NcclFailure),
+}
+
+/// cudarc's NCCL error as a `std::error::Error` (cudarc's own type is not one): what
+/// [`Error::Nccl`] keeps as its source.
+#[cfg(feature = "cuda")]
+#[derive(Clone, PartialEq, Eq)]
+pub struct NcclFailure(pub cudarc::nccl::result::NcclError);
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for NcclFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclFailure({:?})", (self.0).0)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Display for NcclFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", (self.0).0)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::error::Error for NcclFailure {}
+
+#[cfg(feature = "cuda")]
+impl From<cudarc::nccl::result::NcclError> for Error {
+    fn from(e: cudarc::nccl::result::NcclError) -> Self {
+        Error::Nccl(NcclFailure(e))
+    }
 }
 
 impl From<crate::eval::RaceError> for Error {
@@ -106,6 +164,12 @@ fn axis_suffix(axis: Option<usize>) -> String {
 }
 
 impl Error {
+    /// Wraps another library's error (e.g. candle's) so `?` can return it from a closure
+    /// given to `World::run`.
+    pub fn external(e: impl std::error::Error + Send + Sync + 'static) -> Error {
+        Error::External(std::sync::Arc::new(e))
+    }
+
     /// True for errors caused by another rank's failure (not the root cause).
     pub fn is_secondary(&self) -> bool {
         matches!(self, Error::PeerFailed { .. })
@@ -122,5 +186,46 @@ impl Error {
             axis,
             reason: reason.into(),
         }
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn cudarc_errors_convert_and_stay_the_source() {
+        fn driver() -> Result<()> {
+            Err(cudarc::driver::DriverError(
+                cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+            ))?
+        }
+        let e = driver().unwrap_err();
+        let source = e.source().expect("a source");
+        assert!(source
+            .downcast_ref::<cudarc::driver::DriverError>()
+            .is_some());
+        assert_eq!(e.to_string(), "CUDA driver: CUDA_ERROR_OUT_OF_MEMORY");
+        let e: Error = cudarc::cublas::result::CublasError(
+            cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+        )
+        .into();
+        assert!(
+            e.source().is_some() && e.to_string().contains("NOT_SUPPORTED"),
+            "{e}"
+        );
+        let e: Error =
+            cudarc::nccl::result::NcclError(cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage)
+                .into();
+        let source = e.source().expect("a source");
+        let kept = source
+            .downcast_ref::<NcclFailure>()
+            .expect("the NCCL error");
+        assert_eq!(
+            (kept.0).0,
+            cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage
+        );
+        assert!(e.to_string().contains("ncclInvalidUsage"), "{e}");
     }
 }

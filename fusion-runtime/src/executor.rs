@@ -18,7 +18,7 @@ use fusion_core::ir::Fusion;
 use fusion_core::lower::{lower_for_shapes, LowerOptions};
 use fusion_core::DType;
 
-use crate::backend::BackendKind;
+use crate::backend::{BackendKind, CallerStream};
 use crate::comm::{CallStart, Communicator};
 use crate::error::{Error, Result};
 use crate::eval::{
@@ -28,11 +28,11 @@ use crate::eval::{
 };
 use crate::replay::{
     capture_plan, graphs_enabled, has_copy_engine_transfers, Address, EagerReason, GraphSlot,
-    ReplayStatus, Step, CAPTURE_ARENA_LIMIT,
+    ReplayStatus, Step, CAPTURE_ARENA_LIMIT, GRAPHS_PER_SLOT,
 };
 use crate::tensor::Tensor;
 use crate::trace::{write_call_trace, CallTrace};
-use crate::world::Rank;
+use crate::world::{CallTarget, Rank};
 
 /// Options of a call that change the lowered program or how it runs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -155,14 +155,15 @@ type SlotKey = (usize, usize, u64);
 /// A graph slot and the communicator its graphs were captured with.
 type SlotEntry = (Weak<dyn Communicator>, SharedSlot);
 
-/// A program and rank's graphs, and the outputs of its last call through them.
+/// A program and rank's graphs, and the outputs of its last calls through them.
 struct ReplaySlot {
     graphs: GraphSlot,
-    /// The outputs this executor allocated for the last call: when the caller has let
-    /// go of all of them, the next call writes into them again (no allocation, and the
-    /// same addresses, so the same graph), as a free and a new allocation on the main
-    /// stream would.
-    outputs: Vec<Tensor>,
+    /// The outputs this executor allocated for the last call on each stream (the rank's
+    /// own, or a caller's): when the caller has let go of all of them, the next call on
+    /// the same stream writes into them again (no allocation, and the same addresses, so
+    /// the same graph), as a free and a new allocation on that stream would. At most
+    /// [`GRAPHS_PER_SLOT`] streams, the oldest dropped first.
+    outputs: Vec<(Option<CallerStream>, Vec<Tensor>)>,
 }
 
 /// The last call's outputs `kept` by a slot, when nobody else holds any of them.
@@ -172,6 +173,22 @@ fn reusable_outputs(kept: &[Tensor]) -> Option<Vec<Tensor>> {
             .iter()
             .all(|t| t.device_buffer().is_none_or(|b| Arc::strong_count(b) == 1));
     free.then(|| kept.to_vec())
+}
+
+/// One call, as the executor runs it.
+struct Call<'a> {
+    rank: &'a Rank,
+    /// The caller's stream, when the call was given one.
+    on: Option<CallerStream>,
+    program: &'a Arc<HostProgram>,
+    facts: &'a ProgramFacts,
+    ctx: &'a CallContext<'a>,
+    symbols: &'a SymbolBindings,
+    inputs: &'a [&'a Tensor],
+    outputs: Option<&'a [&'a Tensor]>,
+    options: &'a ExecOptions,
+    /// When the call started (replayed calls report the host time to their launch).
+    start: std::time::Instant,
 }
 
 /// What a call needs to know about its program beyond the nodes, worked out once.
@@ -370,27 +387,52 @@ impl FusionExecutor {
     }
 
     /// Runs with default options and returns the outputs.
-    pub fn run(&self, rank: &Rank, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    pub fn run<T: CallTarget + ?Sized>(&self, rank: &T, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         Ok(self
             .run_with(rank, inputs, None, &ExecOptions::default())?
             .outputs)
     }
 
     /// Runs, writing the outputs into `outputs` (one per fusion output, this rank's shape).
-    pub fn run_into(&self, rank: &Rank, inputs: &[&Tensor], outputs: &[&Tensor]) -> Result<()> {
+    pub fn run_into<T: CallTarget + ?Sized>(
+        &self,
+        rank: &T,
+        inputs: &[&Tensor],
+        outputs: &[&Tensor],
+    ) -> Result<()> {
         self.run_with(rank, inputs, Some(outputs), &ExecOptions::default())?;
         Ok(())
     }
 
-    /// Runs with explicit options and optional preallocated outputs.
-    pub fn run_with(
+    /// Runs with explicit options and optional preallocated outputs, on a rank
+    /// ([`Rank`]) or a rank on the caller's stream (`Rank::on`). The call holds the rank
+    /// (one call at a time per rank); an error fails the rank's world for good.
+    pub fn run_with<T: CallTarget + ?Sized>(
+        &self,
+        rank: &T,
+        inputs: &[&Tensor],
+        outputs: Option<&[&Tensor]>,
+        options: &ExecOptions,
+    ) -> Result<RunReport> {
+        let target = rank.target();
+        let rank = target.rank();
+        rank.call(|| {
+            let on = target.caller_stream()?;
+            self.run_call(rank, on, inputs, outputs, options)
+        })
+    }
+
+    /// One call on `rank` (held), on the caller's stream `on` if given.
+    fn run_call(
         &self,
         rank: &Rank,
+        on: Option<CallerStream>,
         inputs: &[&Tensor],
         outputs: Option<&[&Tensor]>,
         options: &ExecOptions,
     ) -> Result<RunReport> {
         let call_start = std::time::Instant::now();
+        let scope = crate::observe::CallScope::enter(&self.name, rank.index());
         let (program, symbols) = self.prepare(rank, inputs, options)?;
         let facts = self.facts(&program, rank.backend());
         let trace_dir = options.resolved_trace_dir();
@@ -410,9 +452,25 @@ impl FusionExecutor {
             identity: facts.identity(inputs, options.number_of_streams),
             rerun: false,
         })?;
-        let (ex, replay) = self.run_program(
-            rank, &program, &facts, &ctx, &symbols, inputs, outputs, options, call_start,
-        )?;
+        let call = Call {
+            rank,
+            on,
+            program: &program,
+            facts: &facts,
+            ctx: &ctx,
+            symbols: &symbols,
+            inputs,
+            outputs,
+            options,
+            start: call_start,
+        };
+        let (ex, replay) = self.run_program(&call)?;
+        rank.device().hand_out(&ex.outputs, call.on.as_ref());
+        scope.ran(match replay {
+            ReplayStatus::Replayed => "replayed",
+            ReplayStatus::Captured(_) => "captured",
+            ReplayStatus::Eager(_) => "walked",
+        });
         let trace_file = match &trace_dir {
             Some(dir) => {
                 let call = {
@@ -446,25 +504,37 @@ impl FusionExecutor {
         })
     }
 
-    /// Runs `program` for this call: eagerly, or through a device graph (captured at the
+    /// Runs the call's program: eagerly, or through a device graph (captured at the
     /// second call of a program and rank, then launched while the addresses match).
-    #[allow(clippy::too_many_arguments)]
-    fn run_program(
-        &self,
-        rank: &Rank,
-        program: &Arc<HostProgram>,
-        facts: &ProgramFacts,
-        ctx: &CallContext<'_>,
-        symbols: &SymbolBindings,
-        inputs: &[&Tensor],
-        outputs: Option<&[&Tensor]>,
-        options: &ExecOptions,
-        call_start: std::time::Instant,
-    ) -> Result<(Execution, ReplayStatus)> {
+    fn run_program(&self, call: &Call<'_>) -> Result<(Execution, ReplayStatus)> {
+        let Call {
+            rank,
+            ref on,
+            program,
+            facts,
+            ctx,
+            symbols,
+            inputs,
+            outputs,
+            options,
+            start: call_start,
+        } = *call;
+        let on = on.as_ref();
+        let device = rank.device();
+        // A walk (eager, or captured and launched) runs on the device's own streams,
+        // joined to the caller's stream at both ends.
+        let walk = |run: &dyn Fn() -> Result<(Execution, ReplayStatus)>| {
+            device.begin_walk(on)?;
+            let result = run();
+            device.end_walk(on)?;
+            result
+        };
         let eager = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
-            let ex = execute(program, ctx, symbols, inputs, outputs)?;
-            facts.note_allocations(&ex.stats);
-            Ok((ex, ReplayStatus::Eager(reason)))
+            walk(&|| {
+                let ex = execute(program, ctx, symbols, inputs, outputs)?;
+                facts.note_allocations(&ex.stats);
+                Ok((ex, ReplayStatus::Eager(reason.clone())))
+            })
         };
         if !graphs_enabled(options.graphs) {
             return eager(EagerReason::Disabled);
@@ -483,7 +553,6 @@ impl FusionExecutor {
         if ctx.race_check {
             return eager(EagerReason::RaceChecked);
         }
-        let device = rank.device();
         if let Some(i) = inputs
             .iter()
             .position(|t| t.numel() > 0 && !device.is_resident(t))
@@ -494,31 +563,7 @@ impl FusionExecutor {
                 .map_or_else(|| format!("#{i}"), |&t| program.ir.tensor_name(t));
             return eager(EagerReason::HostInput(name));
         }
-        let slot = {
-            let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-            let key = (
-                Arc::as_ptr(program) as usize,
-                rank.index(),
-                rank.communicator().instance(),
-            );
-            if !graphs.contains_key(&key) {
-                // No call can be using a slot whose communicator is gone.
-                graphs.retain(|_, (comm, _)| comm.strong_count() > 0);
-            }
-            graphs
-                .entry(key)
-                .or_insert_with(|| {
-                    (
-                        Arc::downgrade(rank.communicator_arc()),
-                        Arc::new(Mutex::new(ReplaySlot {
-                            graphs: GraphSlot::Fresh,
-                            outputs: Vec::new(),
-                        })),
-                    )
-                })
-                .1
-                .clone()
-        };
+        let slot = self.slot(rank, program);
         let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
         let ReplaySlot {
             graphs: slot,
@@ -533,25 +578,40 @@ impl FusionExecutor {
             GraphSlot::Never(reason) => return eager(reason.clone()),
             _ => {}
         }
-        // The outputs live outside the graph: given, the last call's when the caller let
-        // go of them, or allocated here for this call.
+        // The outputs live outside the graph: given, the last call's on this stream when
+        // the caller let go of them, or allocated here for this call.
         let owned: Vec<Tensor> = match outputs {
             Some(o) => o.iter().map(|t| (*t).clone()).collect(),
-            None => match reusable_outputs(kept) {
-                Some(reused) => reused,
-                None => {
-                    let fresh =
-                        output_layouts(program, symbols, rank.index(), options.number_of_streams)?
-                            .into_iter()
-                            .map(|l| match l {
-                                Some((dtype, shape)) => device.allocate(0, dtype, &shape),
-                                None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
-                            })
-                            .collect::<Result<Vec<_>>>()?;
-                    kept.clone_from(&fresh);
-                    fresh
+            None => {
+                let entry = kept.iter().position(|(s, _)| s.as_ref() == on);
+                match entry.and_then(|i| reusable_outputs(&kept[i].1)) {
+                    Some(reused) => reused,
+                    None => {
+                        let fresh = output_layouts(
+                            program,
+                            symbols,
+                            rank.index(),
+                            options.number_of_streams,
+                        )?
+                        .into_iter()
+                        .map(|l| match l {
+                            Some((dtype, shape)) => device.allocate(0, dtype, &shape),
+                            None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                        match entry {
+                            Some(i) => kept[i].1.clone_from(&fresh),
+                            None => {
+                                if kept.len() >= GRAPHS_PER_SLOT {
+                                    kept.remove(0);
+                                }
+                                kept.push((on.cloned(), fresh.clone()));
+                            }
+                        }
+                        fresh
+                    }
                 }
-            },
+            }
         };
         let outs: Vec<&Tensor> = owned.iter().collect();
         let addresses: Vec<Address> = inputs
@@ -579,12 +639,14 @@ impl FusionExecutor {
             Ok((ex, ReplayStatus::Eager(reason)))
         };
         match slot.step(&addresses) {
-            Step::Eager(reason) => run_eagerly(reason),
+            Step::Eager(reason) => walk(&|| run_eagerly(reason.clone())),
             Step::Launch(i) => {
                 let graph = slot.graph(i).expect("a ready graph");
+                device.begin_replay(on)?;
                 let start = std::time::Instant::now();
-                graph.launch()?;
+                graph.launch(on)?;
                 let launch_nanos = start.elapsed().as_nanos() as u64;
+                device.end_replay(on)?;
                 rank.communicator().graph_launched()?;
                 let stats = ExecStats {
                     replay_setup: crate::eval::HostTime {
@@ -620,44 +682,95 @@ impl FusionExecutor {
                 Ok((ex, ReplayStatus::Replayed))
             }
             Step::Capture => {
-                if let Err(e) = device.begin_capture(facts.arena_bytes()) {
-                    *slot = GraphSlot::Never(EagerReason::CaptureFailed(e.to_string()));
-                    return run_eagerly(EagerReason::CaptureFailed(e.to_string()));
-                }
-                let recorded = execute(program, ctx, symbols, inputs, Some(&outs));
-                let graph = device.end_capture();
-                match (recorded, graph) {
-                    (Ok(ex), Ok(graph)) => {
-                        // Nothing ran while recording: this call's work is the first launch.
-                        graph.launch()?;
-                        rank.communicator().graph_launched()?;
-                        let nodes = graph.nodes();
-                        slot.install(addresses, graph);
-                        Ok((ex, ReplayStatus::Captured(nodes)))
-                    }
-                    (recorded, graph) => {
-                        let why = match (recorded, graph) {
-                            (Err(e), _) => e.to_string(),
-                            (_, Err(e)) => e.to_string(),
-                            _ => unreachable!("both succeeded above"),
-                        };
+                device.begin_walk(on)?;
+                let captured = self.capture(call, slot, addresses, &outs);
+                let result = match captured {
+                    Ok(status) => status,
+                    Err(why) => {
                         tracing::warn!("rank {}: capturing a graph failed: {why}", rank.index());
                         *slot = GraphSlot::Never(EagerReason::CaptureFailed(why.clone()));
                         run_eagerly(EagerReason::CaptureFailed(why))
                     }
-                }
+                };
+                device.end_walk(on)?;
+                result
             }
         }
     }
 
-    /// The host program for these inputs and options, lowering it if needed.
-    pub fn program(
+    /// Captures this call on the rank's main stream and launches the graph (nothing ran
+    /// while recording: this call's work is its first launch); the reason when capturing
+    /// failed (the caller then runs the call eagerly).
+    fn capture(
         &self,
-        rank: &Rank,
+        call: &Call<'_>,
+        slot: &mut GraphSlot,
+        addresses: Vec<Address>,
+        outs: &[&Tensor],
+    ) -> std::result::Result<Result<(Execution, ReplayStatus)>, String> {
+        let device = call.rank.device();
+        device
+            .begin_capture(call.facts.arena_bytes())
+            .map_err(|e| e.to_string())?;
+        let recorded = execute(
+            call.program,
+            call.ctx,
+            call.symbols,
+            call.inputs,
+            Some(outs),
+        );
+        let graph = device.end_capture();
+        match (recorded, graph) {
+            (Ok(ex), Ok(graph)) => {
+                let launched = graph
+                    .launch(None)
+                    .and_then(|()| call.rank.communicator().graph_launched());
+                let nodes = graph.nodes();
+                slot.install(addresses, graph);
+                Ok(launched.map(|()| (ex, ReplayStatus::Captured(nodes))))
+            }
+            (Err(e), _) | (_, Err(e)) => Err(e.to_string()),
+        }
+    }
+
+    /// The graph slot of `program` on `rank` with its communicator (made at the first
+    /// call; slots of communicators that are gone, with their worlds, are dropped then).
+    fn slot(&self, rank: &Rank, program: &Arc<HostProgram>) -> SharedSlot {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (
+            Arc::as_ptr(program) as usize,
+            rank.index(),
+            rank.communicator().instance(),
+        );
+        if !graphs.contains_key(&key) {
+            // No call can be using a slot whose communicator is gone.
+            graphs.retain(|_, (comm, _)| comm.strong_count() > 0);
+        }
+        graphs
+            .entry(key)
+            .or_insert_with(|| {
+                (
+                    Arc::downgrade(rank.communicator_arc()),
+                    Arc::new(Mutex::new(ReplaySlot {
+                        graphs: GraphSlot::Fresh,
+                        outputs: Vec::new(),
+                    })),
+                )
+            })
+            .1
+            .clone()
+    }
+
+    /// The host program for these inputs and options, lowering it if needed (a call of
+    /// the rank: ranks that bind extents from each other exchange them).
+    pub fn program<T: CallTarget + ?Sized>(
+        &self,
+        rank: &T,
         inputs: &[&Tensor],
         options: &ExecOptions,
     ) -> Result<Arc<HostProgram>> {
-        Ok(self.prepare(rank, inputs, options)?.0)
+        let rank = rank.target().rank;
+        rank.call(|| Ok(self.prepare(rank, inputs, options)?.0))
     }
 
     /// Binds the dtypes and the dimension symbols of a call and finds (or lowers) its

@@ -238,7 +238,7 @@ mod tests {
 
     struct FakeGraph;
     impl DeviceGraph for FakeGraph {
-        fn launch(&self) -> crate::Result<()> {
+        fn launch(&self, _on: Option<&crate::backend::CallerStream>) -> crate::Result<()> {
             Ok(())
         }
         fn nodes(&self) -> usize {

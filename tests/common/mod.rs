@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cases;
+pub mod handles;
 pub mod launch;
 pub mod reference;
 pub mod variants;
@@ -58,7 +59,7 @@ pub fn runnable(d: usize) -> bool {
     if std::env::var("FUSION_BACKEND").as_deref() != Ok("cuda") {
         return true;
     }
-    let gpus = fusion::runtime::backend::cuda::device_count();
+    let gpus = fusion::runtime::backend::visible_gpus();
     if d > gpus {
         eprintln!("skipping a world of {d} devices: {gpus} GPUs visible");
     }

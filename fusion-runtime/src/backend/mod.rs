@@ -5,6 +5,7 @@
 //! compute node of a host program to these kernels, so a backend implements only them.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 
 use fusion_core::ir::{BinaryOp, ReduceOp, UnaryOp};
@@ -32,9 +33,81 @@ impl BackendKind {
     }
 }
 
-/// A stream of a device: 0 is the stream current when a call starts (the caller's);
-/// `1..=n` are the worker pool.
+/// A stream of a device: 0 is the stream current when a call starts (the device's main
+/// stream, joined to the caller's stream when the call was given one); `1..=n` are the
+/// worker pool.
 pub type StreamHandle = usize;
+
+/// How many GPUs this process sees: 0 without a driver, without devices, or in a build
+/// without the `cuda` feature.
+pub fn visible_gpus() -> usize {
+    #[cfg(feature = "cuda")]
+    return cuda::device_count();
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
+/// The caller's stream of a call (`Rank::on`): a CUDA stream handle, and for the per-thread
+/// default stream, whose handle means another stream on each thread, the calling thread.
+/// It keeps the caller's stream object alive (a cudarc `CudaStream`) for as long as the
+/// device may still order work after it (buffers handed out on it, kept outputs, the join
+/// the device's streams owe it). Equal when the stream is.
+#[derive(Clone)]
+pub struct CallerStream {
+    /// The raw `CUstream`.
+    pub(crate) raw: usize,
+    /// The thread whose per-thread default stream it is (`None` for every other stream).
+    pub(crate) thread: Option<std::thread::ThreadId>,
+    /// The stream's owner, kept alive (never read: holding it is the point; `None` for
+    /// streams that are never destroyed).
+    pub(crate) _keep: Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for CallerStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CallerStream({:#x}, {:?})", self.raw, self.thread)
+    }
+}
+
+impl PartialEq for CallerStream {
+    fn eq(&self, other: &Self) -> bool {
+        (self.raw, self.thread) == (other.raw, other.thread)
+    }
+}
+
+impl Eq for CallerStream {}
+
+#[cfg(feature = "cuda")]
+impl CallerStream {
+    /// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
+    pub(crate) const PER_THREAD_HANDLE: usize = 0x2;
+
+    /// The calling thread's per-thread default stream.
+    pub(crate) fn per_thread() -> Self {
+        CallerStream {
+            raw: Self::PER_THREAD_HANDLE,
+            thread: Some(std::thread::current().id()),
+            _keep: None,
+        }
+    }
+
+    /// The stream behind `raw` (a per-thread handle is the calling thread's), kept alive
+    /// by `keep`.
+    pub(crate) fn from_raw(
+        raw: usize,
+        keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        if raw == Self::PER_THREAD_HANDLE {
+            Self::per_thread()
+        } else {
+            CallerStream {
+                raw,
+                thread: None,
+                _keep: Some(keep),
+            }
+        }
+    }
+}
 
 /// One instruction of a [`PointwiseProgram`]. Registers `0..inputs.len()` hold the inputs;
 /// instruction `i` writes register `inputs.len() + i`. Values are f32 in registers.
@@ -181,13 +254,26 @@ pub const CAPTURE_ARENA_ALIGN: usize = 256;
 
 /// A call recorded on a device that can be replayed with one launch (a CUDA graph).
 pub trait DeviceGraph: Send + Sync {
-    /// Launches the recorded work on the device's main stream.
-    fn launch(&self) -> Result<()>;
+    /// Launches the recorded work on the device's main stream, or on the caller's stream
+    /// `on` (see [`Device::begin_replay`]).
+    fn launch(&self, on: Option<&CallerStream>) -> Result<()>;
     /// Number of operations recorded.
     fn nodes(&self) -> usize;
 }
 
-/// A device as the evaluator sees it. Methods are called from the owning rank's thread.
+/// The answer of a backend without streams to a call on a caller's stream.
+fn no_caller_streams(kind: BackendKind, on: Option<&CallerStream>) -> Result<()> {
+    match on {
+        None => Ok(()),
+        Some(_) => Err(crate::error::Error::Backend {
+            backend: kind.name(),
+            reason: "this backend has no streams: call it without a CUDA stream".into(),
+        }),
+    }
+}
+
+/// A device as the evaluator sees it. Methods are called by one call of the rank at a time
+/// (from whichever thread holds the rank's call).
 pub trait Device: Send + Sync {
     /// The backend kind.
     fn kind(&self) -> BackendKind;
@@ -223,6 +309,32 @@ pub trait Device: Send + Sync {
     fn download(&self, t: &Tensor) -> Result<Tensor>;
     /// Blocks the host until all streams are idle.
     fn synchronize(&self) -> Result<()>;
+    /// A call that walks its program (eagerly, or capturing it) starts: with the caller's
+    /// stream `on`, the main stream waits for the work enqueued there so far. Without one,
+    /// the main stream is ordered after earlier calls' replays on callers' streams.
+    fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        no_caller_streams(self.kind(), on)
+    }
+    /// The walk of [`Device::begin_walk`] is done: the caller's stream `on` waits for the
+    /// main stream, so the caller's next work sees the outputs.
+    fn end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        no_caller_streams(self.kind(), on)
+    }
+    /// A replayed call is about to launch its graph (on the caller's stream `on`, or the
+    /// main stream): the launch stream is ordered after the device's earlier work it has
+    /// not waited for yet (nothing to do when the previous call ran on the same stream).
+    fn begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        no_caller_streams(self.kind(), on)
+    }
+    /// The graph was launched on `on`: later work of the device on its own streams (frees,
+    /// walks, downloads) is ordered after it.
+    fn end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        no_caller_streams(self.kind(), on)
+    }
+    /// A call on the caller's stream `on` hands out `outputs`: buffers of them that the
+    /// device frees later first wait for that stream, where the caller's work may still
+    /// read them.
+    fn hand_out(&self, _outputs: &[Tensor], _on: Option<&CallerStream>) {}
     /// Starts recording the calling thread's work on the main stream instead of running
     /// it (see `crate::replay`). With `arena_bytes` above 0, the buffers the recorded
     /// work allocates come from memory of that size set aside for the graph, so that the
@@ -253,6 +365,7 @@ pub trait Device: Send + Sync {
     }
     /// This device as a CUDA device, for the CUDA-only API (`Rank::cuda_context`, tensors
     /// over cudarc buffers).
+    #[cfg(feature = "cuda")]
     fn as_cuda(&self) -> Option<&cuda::CudaDevice> {
         None
     }

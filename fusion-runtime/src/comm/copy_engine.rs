@@ -1258,10 +1258,7 @@ pub(crate) fn enable_peer_access(
         let peers: Vec<sys::CUmemAccessDesc> = others
             .iter()
             .map(|&o| sys::CUmemAccessDesc {
-                location: sys::CUmemLocation {
-                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: o as i32,
-                },
+                location: crate::backend::cuda::device_location(o as i32),
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
@@ -1352,7 +1349,7 @@ mod tests {
             )?;
             let recv = match &graph {
                 Some(g) => {
-                    g.launch()?;
+                    g.launch(None)?;
                     how.push("replayed");
                     engine
                         .landing_buffer(0, DType::F32, &[n])?
@@ -1375,7 +1372,7 @@ mod tests {
                         let g = dev.end_capture();
                         ran?;
                         let g = g?;
-                        g.launch()?;
+                        g.launch(None)?;
                         graph = Some(g);
                         how.push("captured");
                     } else {

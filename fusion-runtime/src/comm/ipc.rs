@@ -363,10 +363,7 @@ fn exportable_pool(ordinal: i32) -> Result<sys::CUmemoryPool> {
     let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
     props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    props.location = sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: ordinal,
-    };
+    props.location = crate::backend::cuda::device_location(ordinal);
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: valid properties for a device pool.
     check(
@@ -491,10 +488,7 @@ impl IpcPeer {
         }
         check(imported, &format!("importing rank {peer}'s memory pool"))?;
         let access = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: ordinal as i32,
-            },
+            location: crate::backend::cuda::device_location(ordinal as i32),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // A pool of this very GPU (processes sharing one) is reachable already; the access

@@ -149,6 +149,7 @@ pub(crate) fn init_world(ordinals: &[usize]) -> Result<Vec<RawComm>> {
             reason: format!("ncclCommInitAll over {n} devices: {}", nccl_text(&e)),
         }
     })?;
+    crate::counters::communicators_created(n as u64);
     Ok(comms.into_iter().map(RawComm).collect())
 }
 
@@ -202,6 +203,7 @@ pub(crate) fn init_rank(
             ),
         }
     })?;
+    crate::counters::communicators_created(1);
     Ok(RawComm(c))
 }
 
@@ -309,6 +311,7 @@ impl NcclCommunicator {
         health: Arc<WorldHealth>,
         copy_engine: CopyEngine,
     ) -> Self {
+        crate::counters::communicators_created(1);
         NcclCommunicator {
             rank,
             world_size,

@@ -317,6 +317,8 @@ pub(crate) struct Evaluator<'a> {
     host_spans: Vec<HostSpan>,
     /// The stream-order checker, when the call asks for it.
     pub(crate) race: Option<RaceChecker<'a>>,
+    /// Whether every node gets a `tracing` span (and an NVTX range): something listens.
+    node_scopes: bool,
 }
 
 /// The values of a program's leaf scalars for a call: the dimension symbols, the rank and
@@ -575,6 +577,7 @@ impl<'a> Evaluator<'a> {
             host_origin: Instant::now(),
             host_spans: Vec::new(),
             race: None,
+            node_scopes: crate::observe::node_scopes_wanted(),
         }
     }
 
@@ -802,6 +805,9 @@ impl<'a> Evaluator<'a> {
             Some(ids) => ids.get(&(n as *const Node)).copied(),
             None => None,
         };
+        let _scope = self
+            .node_scopes
+            .then(|| crate::observe::NodeScope::enter(n, id));
         if id.is_some() {
             return self.run_node_traced(n, id);
         }

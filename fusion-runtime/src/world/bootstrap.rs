@@ -96,6 +96,7 @@ pub fn bootstrap(
                     info: info.encode(),
                 };
                 let addr = &addr;
+                crate::counters::thread_spawned();
                 s.spawn(move || join(addr, &hello, timeout).map(|(c, all)| (hello.rank, c, all)))
             })
             .collect();

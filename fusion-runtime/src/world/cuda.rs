@@ -257,7 +257,13 @@ impl RunComms for CudaComms {
 fn on_each<I: Send, T: Send>(items: Vec<I>, f: impl Fn(I) -> Result<T> + Sync) -> Result<Vec<T>> {
     let f = &f;
     std::thread::scope(|s| {
-        let handles: Vec<_> = items.into_iter().map(|x| s.spawn(move || f(x))).collect();
+        let handles: Vec<_> = items
+            .into_iter()
+            .map(|x| {
+                crate::counters::thread_spawned();
+                s.spawn(move || f(x))
+            })
+            .collect();
         handles
             .into_iter()
             .map(|h| {
@@ -827,7 +833,7 @@ fn watch_failures(
     let weak_session: Weak<Session> = Arc::downgrade(session);
     let (h, st) = (health.clone(), states.to_vec());
     let first_rank = session.fabrics.first().map_or(0, |f| f.0);
-    let _ = std::thread::Builder::new()
+    let _ = crate::counters::thread_builder()
         .name("fusion-nccl-watchdog".into())
         .spawn(move || loop {
             std::thread::sleep(Duration::from_millis(200));

@@ -1,44 +1,58 @@
 //! Worlds of ranks: the devices of this process, or the ranks of several processes and
 //! hosts started by a launcher (torchrun, srun, mpirun).
 //!
-//! [`World::run`] runs a closure on every rank of this process at once and returns each
-//! of those ranks' results. If a rank fails (error or panic), its communicator is aborted so
-//! every other rank's pending communication, in this process or another, returns an error
-//! instead of waiting forever; the root-cause error is returned.
+//! A world hands out one long-lived [`Rank`] handle per local rank (`rank`): it keeps the
+//! rank's device and communicators for the world's life, so an application stores it in
+//! its layers and calls fusions on it from its own threads. [`World::run`] runs a closure
+//! on every rank of this process at once over those handles and returns each rank's
+//! result. If a rank fails (error or panic), its communicator is aborted so every other
+//! rank's pending communication, in this process or another, returns an error instead of
+//! waiting forever; the root-cause error is returned, and the world is failed for good.
 //!
-//! Submodules: `launcher` (which rank this process is, from the environment),
-//! `bootstrap` and `topology` (the rendezvous on rank 0's process and what every rank
-//! learns there), `cuda` (CUDA worlds and their transports), `split` (sub-worlds).
+//! Submodules: `rank` (the handles, one call at a time each), `launcher` (which rank this
+//! process is, from the environment), `bootstrap` and `topology` (the rendezvous on rank
+//! 0's process and what every rank learns there), `cuda` (CUDA worlds and their
+//! transports), `split` (sub-worlds).
 
 mod bootstrap;
+#[cfg(feature = "cuda")]
 mod cuda;
+// Pure checks of a launch layout, used by CUDA worlds (unit-tested in every build).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod gpu_layout;
 pub mod launcher;
+mod rank;
 mod split;
 pub mod topology;
+#[cfg(feature = "cuda")]
 mod user_buffers;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::backend::cpu::CpuDevice;
 use crate::backend::{BackendKind, Device};
-use crate::comm::local::{Block, LocalCommunicator, LocalFabric, Membership};
+use crate::comm::local::{LocalCommunicator, LocalFabric, Membership};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 pub use bootstrap::VERSION;
+#[cfg(feature = "cuda")]
 pub use cuda::{
     cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
     launched_world_sharing_gpus,
 };
 pub use launcher::{LaunchSpec, Launcher};
+#[cfg(feature = "cuda")]
+pub use rank::OnStream;
+pub use rank::{CallTarget, Rank, Target};
 pub use topology::{Link, RankInfo, Topology};
 
 use bootstrap::Session;
+use rank::WorldShared;
 
 /// Default time a communication (or the bootstrap) may wait for its peers before failing;
 /// `FUSION_TIMEOUT` (seconds) overrides it.
@@ -60,10 +74,11 @@ pub fn timeout_from_env() -> Result<Duration> {
     }
 }
 
-/// Makes the communicators of one run for a device backend.
+/// Makes the communicators of a world's ranks for a device backend.
 pub(crate) trait RunComms: Send + Sync {
-    /// One communicator per local rank; `hosts` are their host-side endpoints (metadata
-    /// exchange and failure notification), in local order.
+    /// One communicator per local rank, made once per world (its rank handles keep them);
+    /// `hosts` are their host-side endpoints (metadata exchange and failure notification),
+    /// in local order.
     fn for_run(
         &self,
         hosts: &[Arc<LocalCommunicator>],
@@ -85,33 +100,39 @@ pub(crate) trait RunComms: Send + Sync {
     }
 }
 
-/// Where the host-side endpoints of a run come from.
+/// Where the host-side endpoints of the world's ranks come from.
 enum Hosts {
-    /// Every rank lives in this process: a fresh in-process fabric for every run.
-    PerRun,
-    /// Ranks in other processes too: endpoints on the rendezvous, kept for the world's life
-    /// (their sequence numbers continue from run to run, as the peers' do).
+    /// Every rank lives in this process: one in-process fabric, made with the ranks.
+    InProcess,
+    /// Ranks in other processes too: endpoints on the rendezvous, kept for the world's life.
     Fixed(Vec<Arc<LocalCommunicator>>),
 }
 
 /// A set of ranks, each with one device, that run fusions together. This process holds
-/// all of them ([`World::local`], one thread per device) or some of them (a launched world,
+/// all of them ([`World::local`], one device per rank) or some of them (a launched world,
 /// [`World::from_env`]).
+///
+/// The world hands out one long-lived [`Rank`] handle per local rank ([`World::ranks`],
+/// [`World::rank`]): the device, communicators, stream pool, lowered programs, graphs and
+/// kept buffers live as long as the handles, and calls on them spawn no thread and make no
+/// communicator. [`World::run`] runs a closure on every local rank at once, each on its own
+/// thread, over the same handles. A failed call fails the world for good: every later
+/// call on any of its handles returns an error naming the rank that failed.
 pub struct World {
-    /// Ranks in the world (every process's).
-    size: usize,
     /// This process's ranks: (index in the world, device).
     local: Vec<(usize, Arc<dyn Device>)>,
     hosts: Hosts,
     device_comms: Option<Box<dyn RunComms>>,
-    kind: BackendKind,
     timeout: Duration,
-    /// The launched world's rendezvous, topology and failure watch.
-    session: Option<Arc<Session>>,
     /// The key space of this world's messages on its fabric.
     space: u64,
     /// How many times this world was split (names the sub-worlds' key spaces).
     splits: AtomicU64,
+    /// The rank handles, made at their first use (after [`World::with_timeout`]).
+    ranks: Mutex<Option<Vec<Rank>>>,
+    /// Dropped last: a launched world's session waits for every rank's goodbye, which the
+    /// communicators above say when they go.
+    shared: Arc<WorldShared>,
 }
 
 impl World {
@@ -152,7 +173,8 @@ impl World {
             if let Some(n) = devices.or(n_env) {
                 if n != world.size() {
                     return Err(Error::World(format!(
-                        "{n} devices were asked for, but the launcher started a world of {}                          ranks",
+                        "{n} devices were asked for, but the launcher started a world of {} \
+                         ranks",
                         world.size()
                     )));
                 }
@@ -163,24 +185,25 @@ impl World {
         let timeout = timeout_from_env()?;
         let world = match backend_from_env()? {
             Some(BackendKind::Cpu) => World::local(n.unwrap_or(DEFAULT_CPU_DEVICES)),
-            Some(BackendKind::Cuda) => cuda::cuda_world(n),
-            None if crate::backend::cuda::device_count() > 0 => cuda::cuda_world(n),
+            Some(BackendKind::Cuda) => cuda_world_or_error(n),
+            None if crate::backend::visible_gpus() > 0 => cuda_world_or_error(n),
             None => World::local(n.unwrap_or(DEFAULT_CPU_DEVICES)),
         }?;
         Ok(world.with_timeout(timeout))
     }
 
     /// The world a launcher started this process in: one rank per process by default, or
-    /// `FUSION_DEVICES_PER_PROCESS` ranks (a number, or `all` GPUs of the node) each on its
-    /// own thread. Rank 0's process serves a rendezvous on `MASTER_ADDR:MASTER_PORT`
-    /// through which every rank learns the others (host, process, device) and the backend
-    /// its ids; the call returns once every rank has arrived, or fails naming the ranks
-    /// that did not within `FUSION_TIMEOUT` (60 s by default). After a failure a launched
-    /// world is finished: every rank must make a new one.
+    /// `FUSION_DEVICES_PER_PROCESS` ranks (a number, or `all` GPUs of the node). Rank 0's
+    /// process serves a rendezvous on `MASTER_ADDR:MASTER_PORT` through which every rank
+    /// learns the others (host, process, device) and the backend its ids; the call returns
+    /// once every rank has arrived, or fails naming the ranks that did not within
+    /// `FUSION_TIMEOUT` (60 s by default). The process's rank handle is [`World::rank`].
+    /// After a failure a launched world is finished: every rank must make a new one.
     pub fn from_env() -> Result<World> {
         let spec = LaunchSpec::from_env()?.ok_or_else(|| {
             Error::World(
-                "no launcher variables found (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*,                  SLURM_PROCID/SLURM_STEP_NUM_TASKS or FUSION_RANK/FUSION_WORLD_SIZE)"
+                "no launcher variables found (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, \
+                 SLURM_PROCID/SLURM_STEP_NUM_TASKS or FUSION_RANK/FUSION_WORLD_SIZE)"
                     .into(),
             )
         })?;
@@ -188,21 +211,23 @@ impl World {
         let per_process = std::env::var("FUSION_DEVICES_PER_PROCESS").ok();
         let cuda = match backend_from_env()? {
             Some(k) => k == BackendKind::Cuda,
-            None => crate::backend::cuda::device_count() > 0,
+            None => crate::backend::visible_gpus() > 0,
         };
         if cuda {
-            cuda::launched_cuda_world(spec, per_process.as_deref(), timeout, false)
-        } else {
-            let n = match per_process.as_deref() {
-                None => 1,
-                Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
-                    Error::World(format!(
-                        "FUSION_DEVICES_PER_PROCESS={v}: the CPU backend takes a positive number"
-                    ))
-                })?,
-            };
-            launched_cpu_world(spec, n, timeout)
+            #[cfg(feature = "cuda")]
+            return cuda::launched_cuda_world(spec, per_process.as_deref(), timeout, false);
+            #[cfg(not(feature = "cuda"))]
+            return Err(no_cuda_feature());
         }
+        let n = match per_process.as_deref() {
+            None => 1,
+            Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
+                Error::World(format!(
+                    "FUSION_DEVICES_PER_PROCESS={v}: the CPU backend takes a positive number"
+                ))
+            })?,
+        };
+        launched_cpu_world(spec, n, timeout)
     }
 
     /// A world whose ranks all live in this process.
@@ -212,15 +237,14 @@ impl World {
         device_comms: Option<Box<dyn RunComms>>,
     ) -> World {
         World {
-            size: devices.len(),
+            shared: Arc::new(WorldShared::new(devices.len(), kind, None)),
             local: devices.into_iter().enumerate().collect(),
-            hosts: Hosts::PerRun,
+            hosts: Hosts::InProcess,
             device_comms,
-            kind,
             timeout: DEFAULT_TIMEOUT,
-            session: None,
             space: 0,
             splits: AtomicU64::new(0),
+            ranks: Mutex::new(None),
         }
     }
 
@@ -254,31 +278,37 @@ impl World {
         hosts: Vec<Arc<LocalCommunicator>>,
         device_comms: Option<Box<dyn RunComms>>,
     ) -> World {
+        let timeout = session.timeout;
         World {
-            size: session.topology.ranks.len(),
+            shared: Arc::new(WorldShared::new(
+                session.topology.ranks.len(),
+                kind,
+                Some(session),
+            )),
             local,
             hosts: Hosts::Fixed(hosts),
             device_comms,
-            kind,
-            timeout: session.timeout,
-            session: Some(session),
+            timeout,
             space: 0,
             splits: AtomicU64::new(0),
+            ranks: Mutex::new(None),
         }
     }
 
     /// This world with another communication timeout (in-process worlds; a launched world
-    /// takes `FUSION_TIMEOUT`, since every process must agree on it).
+    /// takes `FUSION_TIMEOUT`, since every process must agree on it). Set it before taking
+    /// the rank handles: handles taken earlier keep the timeout they were made with.
     pub fn with_timeout(mut self, timeout: Duration) -> World {
-        if self.session.is_none() {
+        if self.shared.session.is_none() {
             self.timeout = timeout;
+            *self.ranks.get_mut().unwrap_or_else(PoisonError::into_inner) = None;
         }
         self
     }
 
     /// Number of ranks in the world (all processes').
     pub fn size(&self) -> usize {
-        self.size
+        self.shared.size
     }
 
     /// The indices of this process's ranks, in the order [`World::run`] returns results.
@@ -288,22 +318,22 @@ impl World {
 
     /// Whether some ranks live in other processes.
     pub fn is_launched(&self) -> bool {
-        self.session.is_some()
+        self.shared.session.is_some()
     }
 
     /// Where every rank lives, for a launched world (`None` in-process).
     pub fn topology(&self) -> Option<&Topology> {
-        self.session.as_ref().map(|s| &s.topology)
+        self.shared.session.as_ref().map(|s| &s.topology)
     }
 
     /// The launcher's view of this process, for a launched world.
     pub fn launch_spec(&self) -> Option<&LaunchSpec> {
-        self.session.as_ref().map(|s| &s.spec)
+        self.shared.session.as_ref().map(|s| &s.spec)
     }
 
     /// The backend of the devices.
     pub fn backend(&self) -> BackendKind {
-        self.kind
+        self.shared.kind
     }
 
     /// How each local rank reaches its peers: one line per (rank, peer), e.g.
@@ -315,36 +345,58 @@ impl World {
             .unwrap_or_default()
     }
 
-    fn host_endpoints(&self) -> Vec<Arc<LocalCommunicator>> {
-        match &self.hosts {
+    /// The rank and reason of the failure that ended this world, if one did (a failed call
+    /// on any of its handles, or, launched, a failure in another process).
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.shared.failure()
+    }
+
+    /// The handles of this process's ranks, in [`World::local_ranks`] order: cheap clones
+    /// (`Send + Sync + 'static`) of the long-lived handles, which keep the rank's device,
+    /// communicators, stream pool, programs and graphs across calls. Store them in layer
+    /// structs and call fusions on them from any thread, one call at a time per handle
+    /// (a second concurrent call on the same handle waits for the first). In a world of
+    /// several local ranks every rank must make the same calls in the same order, each
+    /// rank from its own thread. The communicators are made at the first call of this
+    /// (or of [`World::run`]), once for the world's life.
+    pub fn ranks(&self) -> Result<Vec<Rank>> {
+        let mut ranks = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(r) = ranks.as_ref() {
+            return Ok(r.clone());
+        }
+        let made = self.make_ranks()?;
+        *ranks = Some(made.clone());
+        Ok(made)
+    }
+
+    /// The handle of this process's one rank: what a process of a launched world with one
+    /// rank per process (torchrun's default) keeps. An error names the local ranks when
+    /// the process holds several (take [`World::ranks`] then).
+    pub fn rank(&self) -> Result<Rank> {
+        let mut ranks = self.ranks()?;
+        if ranks.len() != 1 {
+            return Err(Error::World(format!(
+                "this process holds ranks {:?} of the world; World::rank is for a process \
+                 with one rank: take World::ranks() and drive each from its own thread",
+                self.local_ranks()
+            )));
+        }
+        Ok(ranks.remove(0))
+    }
+
+    /// Makes the rank handles: the host endpoints, the device communicators (once per
+    /// world), one handle per local rank.
+    fn make_ranks(&self) -> Result<Vec<Rank>> {
+        let hosts: Vec<Arc<LocalCommunicator>> = match &self.hosts {
             Hosts::Fixed(v) => v.clone(),
-            Hosts::PerRun => {
-                let fabric = LocalFabric::new(self.size, self.timeout);
+            Hosts::InProcess => {
+                let fabric = LocalFabric::new(self.shared.size, self.timeout);
                 self.local
                     .iter()
                     .map(|(r, _)| Arc::new(fabric.communicator(*r)))
                     .collect()
             }
-        }
-    }
-
-    /// Runs `f` on every rank of this process, each on its own thread; returns the results
-    /// in [`World::local_ranks`] order, or the error of the rank that failed first (not one
-    /// that failed because of it). Every process of a launched world must call `run` the
-    /// same number of times.
-    pub fn run<T, F>(&self, f: F) -> Result<Vec<T>>
-    where
-        T: Send,
-        F: Fn(&Rank) -> Result<T> + Sync,
-    {
-        if let Some((failed_rank, reason)) = self.session.as_ref().and_then(|s| s.watch.failure()) {
-            return Err(Error::PeerFailed {
-                rank: self.local.first().map_or(0, |l| l.0),
-                failed_rank,
-                reason: format!("the world failed earlier and cannot run again: {reason}"),
-            });
-        }
-        let hosts = self.host_endpoints();
+        };
         let comms: Vec<Arc<dyn Communicator>> = match &self.device_comms {
             None => hosts
                 .iter()
@@ -352,43 +404,55 @@ impl World {
                 .collect(),
             Some(factory) => factory.for_run(&hosts, self.timeout)?,
         };
+        Ok(self
+            .local
+            .iter()
+            .zip(comms)
+            .map(|((r, device), comm)| Rank::new(*r, self.shared.clone(), device.clone(), comm))
+            .collect())
+    }
+
+    /// Runs `f` on every rank of this process, each on its own thread, with the world's
+    /// long-lived rank handles; returns the results in [`World::local_ranks`] order, or the
+    /// error of the rank that failed first (not one that failed because of it). A rank
+    /// whose closure fails (an error or a panic) fails the world for good. Every process of
+    /// a launched world must call `run` the same number of times.
+    pub fn run<T, F>(&self, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(&Rank) -> Result<T> + Sync,
+    {
+        let ranks = self.ranks()?;
+        if let Some((failed_rank, reason)) = self.shared.failure() {
+            return Err(Error::PeerFailed {
+                rank: self.local.first().map_or(0, |l| l.0),
+                failed_rank,
+                reason: format!("the world failed earlier and cannot run again: {reason}"),
+            });
+        }
         let results: Vec<Result<T>> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .local
+            let handles: Vec<_> = ranks
                 .iter()
-                .zip(&comms)
-                .map(|((r, device), comm)| {
-                    let rank = Rank {
-                        index: *r,
-                        size: self.size,
-                        kind: self.kind,
-                        device: device.clone(),
-                        comm: comm.clone(),
-                    };
+                .map(|rank| {
                     let f = &f;
-                    let r = *r;
+                    crate::counters::thread_spawned();
                     s.spawn(move || {
                         match catch_unwind(AssertUnwindSafe(|| {
-                            rank.device.bind_thread()?;
-                            f(&rank)
+                            rank.device().bind_thread()?;
+                            f(rank)
                         })) {
                             Ok(Ok(v)) => Ok(v),
                             Ok(Err(e)) => {
-                                match &e {
-                                    // Failed because another rank did: pass on the cause.
-                                    Error::PeerFailed {
-                                        failed_rank,
-                                        reason,
-                                        ..
-                                    } => rank.comm.abort_for(*failed_rank, reason),
-                                    _ => rank.comm.abort(&format!("rank {r} failed: {e}")),
-                                }
+                                rank.fail_world(&e);
                                 Err(e)
                             }
                             Err(payload) => {
-                                let message = panic_message(payload.as_ref());
-                                rank.comm.abort(&format!("rank {r} panicked: {message}"));
-                                Err(Error::Panic { rank: r, message })
+                                let e = Error::Panic {
+                                    rank: rank.index(),
+                                    message: panic_message(payload.as_ref()),
+                                };
+                                rank.fail_world(&e);
+                                Err(e)
                             }
                         }
                     })
@@ -423,6 +487,27 @@ impl World {
             None => Ok(values),
         }
     }
+}
+
+/// A CUDA world of `n` devices (all when `None`), or the error of a build without CUDA.
+fn cuda_world_or_error(n: Option<usize>) -> Result<World> {
+    #[cfg(feature = "cuda")]
+    return cuda::cuda_world(n);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = n;
+        Err(no_cuda_feature())
+    }
+}
+
+/// The error for asking for CUDA in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_feature() -> Error {
+    Error::World(
+        "FUSION_BACKEND=cuda, but this build of fusion has no CUDA backend: enable the `cuda` \
+         feature of `fusion` (on by default), or use FUSION_BACKEND=cpu"
+            .into(),
+    )
 }
 
 /// `FUSION_BACKEND`, when set.
@@ -472,110 +557,6 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "unknown panic payload".into()
-    }
-}
-
-/// One rank of a running world: its index, device and communicator.
-pub struct Rank {
-    index: usize,
-    size: usize,
-    kind: BackendKind,
-    device: Arc<dyn Device>,
-    comm: Arc<dyn Communicator>,
-}
-
-impl Rank {
-    /// This rank's index (its device's position in the world).
-    pub fn index(&self) -> usize {
-        self.index
-    }
-
-    /// Number of ranks in the world.
-    pub fn world_size(&self) -> usize {
-        self.size
-    }
-
-    /// The backend kind.
-    pub fn backend(&self) -> BackendKind {
-        self.kind
-    }
-
-    /// This rank's device.
-    pub fn device(&self) -> &dyn Device {
-        self.device.as_ref()
-    }
-
-    /// This rank's communicator.
-    pub fn communicator(&self) -> &dyn Communicator {
-        self.comm.as_ref()
-    }
-
-    /// The communicator as shared (what outlives this run only while the run lasts).
-    pub(crate) fn communicator_arc(&self) -> &Arc<dyn Communicator> {
-        &self.comm
-    }
-
-    /// Copies a host tensor to this rank's device.
-    pub fn to_device(&self, t: &Tensor) -> Result<Tensor> {
-        if self.device.is_resident(t) {
-            return Ok(t.clone());
-        }
-        self.device.upload(t)
-    }
-
-    /// Copies a tensor of this rank's device to the host (waiting for pending work).
-    pub fn to_host(&self, t: &Tensor) -> Result<Tensor> {
-        if t.is_host() {
-            return Ok(t.clone());
-        }
-        self.device.download(t)
-    }
-
-    /// This rank's shard of host tensor `full` along `axis`, whose extent must equal the
-    /// world size (a DIDx axis has one index per device), on this rank's device.
-    pub fn shard(&self, full: &Tensor, axis: usize) -> Result<Tensor> {
-        let tag = full.shard(axis, self.index, self.size)?.shard_tag();
-        let local = self.to_device(&full.shard(axis, self.index, self.size)?)?;
-        Ok(local.with_shard_tag(tag))
-    }
-
-    /// Splits `axis` of host tensor `full` into world-size blocks (`[.., n, ..]` becomes
-    /// `[.., D, n / D, ..]`) and returns this rank's block, of extent 1 on the new axis.
-    pub fn shard_split(&self, full: &Tensor, axis: usize) -> Result<Tensor> {
-        let n = full.shape().get(axis).copied().unwrap_or(0);
-        if axis >= full.rank() || n % self.size != 0 {
-            return Err(Error::bad_tensor(
-                "shard_split",
-                Some(axis),
-                format!(
-                    "extent {n} of shape {:?} is not divisible by the world size {}",
-                    full.shape(),
-                    self.size
-                ),
-            ));
-        }
-        self.shard(&full.split_axis(axis, self.size)?, axis)
-    }
-
-    /// Waits until all of this rank's queued device work is done.
-    pub fn synchronize(&self) -> Result<()> {
-        self.device.synchronize()
-    }
-
-    /// Every rank's copy of `t`, on the host, in rank order (a collective: every rank of
-    /// the world calls it). This is how a process of a launched world sees results that
-    /// other processes hold, e.g. to check them against a reference.
-    pub fn gather_to_host(&self, t: &Tensor) -> Result<Vec<Tensor>> {
-        let host = self.to_host(t)?;
-        let block = Block {
-            shape: host.shape().to_vec(),
-            data: host.to_f32_vec()?,
-        };
-        self.comm
-            .host_allgather(block)?
-            .into_iter()
-            .map(|b| Tensor::from_f32(&b.shape, &b.data, t.dtype()))
-            .collect()
     }
 }
 

@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::{Hosts, World};
+use super::{Hosts, World, WorldShared};
 use crate::comm::local::{LocalCommunicator, LocalFabric, Membership};
 use crate::error::{Error, Result};
 
@@ -30,13 +30,13 @@ impl World {
     /// ranks of this process, in order (one for a process with one rank). Every rank of
     /// the world must call it (it is collective on GPUs).
     pub fn split(&self, group_size: usize) -> Result<Vec<World>> {
-        if group_size == 0 || self.size % group_size != 0 {
+        if group_size == 0 || self.shared.size % group_size != 0 {
             return Err(Error::World(format!(
                 "cannot split a world of {} ranks into groups of {group_size}",
-                self.size
+                self.shared.size
             )));
         }
-        let groups: Vec<Vec<usize>> = (0..self.size / group_size)
+        let groups: Vec<Vec<usize>> = (0..self.shared.size / group_size)
             .map(|g| (g * group_size..(g + 1) * group_size).collect())
             .collect();
         self.split_groups(&groups)
@@ -46,7 +46,7 @@ impl World {
     /// a group's rank `i` is `groups[g][i]`). Returns the groups that hold ranks of this
     /// process, in the order of `groups`.
     pub fn split_groups(&self, groups: &[Vec<usize>]) -> Result<Vec<World>> {
-        let mut owner = vec![None; self.size];
+        let mut owner = vec![None; self.shared.size];
         for (g, members) in groups.iter().enumerate() {
             if members.is_empty() {
                 return Err(Error::World(format!("group {g} of the split is empty")));
@@ -56,7 +56,7 @@ impl World {
                     None => {
                         return Err(Error::World(format!(
                             "group {g} names rank {r}, outside the world of {} ranks",
-                            self.size
+                            self.shared.size
                         )))
                     }
                     Some(Some(other)) => {
@@ -108,14 +108,14 @@ impl World {
                         .collect();
                     (Hosts::Fixed(h.clone()), h)
                 }
-                Hosts::PerRun => {
+                Hosts::InProcess => {
                     // Every member is in this process: a fabric for the setup only.
                     let fabric = LocalFabric::new(size, self.timeout);
                     let h = local
                         .iter()
                         .map(|&pos| Arc::new(fabric.communicator(sub_rank(pos))))
                         .collect();
-                    (Hosts::PerRun, h)
+                    (Hosts::InProcess, h)
                 }
             };
             let device_comms = match &self.device_comms {
@@ -123,18 +123,21 @@ impl World {
                 None => None,
             };
             worlds.push(World {
-                size,
+                shared: Arc::new(WorldShared::new(
+                    size,
+                    self.shared.kind,
+                    self.shared.session.clone(),
+                )),
                 local: local
                     .iter()
                     .map(|&pos| (sub_rank(pos), self.local[pos].1.clone()))
                     .collect(),
                 hosts,
                 device_comms,
-                kind: self.kind,
                 timeout: self.timeout,
-                session: self.session.clone(),
                 space,
                 splits: Default::default(),
+                ranks: Default::default(),
             });
         }
         Ok(worlds)

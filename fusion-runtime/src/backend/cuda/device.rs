@@ -34,6 +34,8 @@ pub(crate) struct DeviceShared {
     /// The device closed idle and its streams are destroyed: memory that outlived it (a
     /// tensor or an executor dropped after the world) is freed without a stream.
     pub closed: std::sync::atomic::AtomicBool,
+    /// The order between the device's streams and the callers' streams its calls ran on.
+    pub chain: super::caller_stream::CallerChain,
 }
 
 impl DeviceShared {
@@ -116,6 +118,7 @@ impl CudaDevice {
             main_stream: Mutex::new(None),
             free_list: FreeList::default(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            chain: Default::default(),
         });
         let dev = CudaDevice {
             shared,
@@ -230,6 +233,12 @@ impl CudaDevice {
         let numel: usize = shape.iter().product();
         let bytes = numel * dtype.size_bytes();
         let raw = self.raw_stream(stream)?;
+        if stream == 0 {
+            // A buffer of the main stream: after the replays on callers' streams that may
+            // have used its memory, and before any replay that uses it.
+            self.shared.chain.after_callers(raw.0, true)?;
+            self.shared.chain.bump();
+        }
         let arena = self
             .capture_arena
             .lock()
@@ -434,6 +443,7 @@ impl Drop for CudaDevice {
         // Every stream is idle now: free the GEMM plans' workspaces and the kept buffers
         // (later frees go to the driver).
         self.lt.release();
+        self.shared.chain.release();
         self.shared.free_list.close();
         for (_, ptr) in self.shared.free_list.drain() {
             // SAFETY: kept buffers of this device, idle, freed once.
@@ -683,8 +693,10 @@ impl Device for CudaDevice {
             c
         };
         let raw = self.raw_stream(0)?;
+        self.shared.chain.after_callers(raw.0, true)?;
         self.wait_stream(raw, "download")?;
         let mut bytes = vec![0u8; src.nbytes()];
+        crate::counters::device_to_host_copy();
         if !bytes.is_empty() {
             // SAFETY: the device range is the contiguous view, the stream is idle.
             unsafe {
@@ -693,6 +705,32 @@ impl Device for CudaDevice {
             .map_err(|e| driver_err("copying to the host", e))?;
         }
         Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
+    }
+
+    fn hand_out(&self, outputs: &[Tensor], on: Option<&crate::backend::CallerStream>) {
+        for t in outputs {
+            if let Some(b) = t.device_buffer() {
+                if let Some(b) = b.as_any().downcast_ref::<CudaBuffer>() {
+                    *b.caller.lock().unwrap_or_else(PoisonError::into_inner) = on.cloned();
+                }
+            }
+        }
+    }
+
+    fn begin_walk(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
+        self.chain_begin_walk(on)
+    }
+
+    fn end_walk(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
+        self.chain_end_walk(on)
+    }
+
+    fn begin_replay(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
+        self.chain_begin_replay(on)
+    }
+
+    fn end_replay(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
+        self.chain_end_replay(on)
     }
 
     fn begin_capture(&self, arena_bytes: usize) -> Result<()> {
@@ -704,6 +742,9 @@ impl Device for CudaDevice {
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.shared
+            .chain
+            .after_callers(self.raw_stream(0)?.0, true)?;
         let streams: Vec<RawStream> = self
             .streams
             .lock()

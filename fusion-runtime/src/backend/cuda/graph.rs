@@ -25,7 +25,8 @@ pub(crate) fn stream_is_capturing(raw: super::memory::RawStream) -> bool {
         || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
 }
 
-/// An instantiated graph of one rank's call, launched on the rank's main stream.
+/// An instantiated graph of one rank's call, launched on the rank's main stream or on the
+/// caller's stream of a call.
 pub(crate) struct CudaGraph {
     device: Arc<DeviceShared>,
     graph: sys::CUgraph,
@@ -42,10 +43,12 @@ unsafe impl Send for CudaGraph {}
 unsafe impl Sync for CudaGraph {}
 
 impl DeviceGraph for CudaGraph {
-    fn launch(&self) -> Result<()> {
-        // SAFETY: an instantiated graph launched on a stream of its device.
+    fn launch(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
+        let stream = on.map_or(self.stream, |s| s.raw as sys::CUstream);
+        // SAFETY: an instantiated graph launched on a stream of its device (the main
+        // stream, or the caller's, checked to belong to the device's context).
         check(
-            unsafe { sys::cuGraphLaunch(self.exec, self.stream) },
+            unsafe { sys::cuGraphLaunch(self.exec, stream) },
             "cuGraphLaunch",
         )
     }

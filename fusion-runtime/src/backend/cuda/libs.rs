@@ -1,14 +1,58 @@
-//! Finding the CUDA libraries at run time (cudarc's dynamic loading) with clear errors.
+//! Finding the CUDA libraries at run time with clear errors.
 //!
-//! cudarc panics when a library it needs cannot be loaded, so every entry point checks
-//! presence first and turns absence into [`Error::MissingLibrary`] with a fix.
+//! With cudarc's dynamic loading (this crate's default), cudarc panics when a library it
+//! needs cannot be loaded, so every entry point checks presence first and turns absence
+//! into [`Error::MissingLibrary`] with a fix. An application may ask cudarc for linking
+//! instead (`dynamic-linking`, `static-linking`): the libraries are then part of the
+//! process already. The check works in every mode (cudarc's own presence functions exist
+//! only with dynamic loading): it asks the dynamic loader for the names cudarc loads, and
+//! for the sonames a linked process holds.
 
 use crate::error::{Error, Result};
 
+/// Whether library `name` (`cuda`, `cublas`, `cublasLt`, `nvrtc`, `nccl`) can be used: one
+/// of the file names cudarc's dynamic loading tries can be opened, or a versioned soname of
+/// it is loaded already (a process that linked it). `linked_only` sonames count only when
+/// already loaded, since cudarc's loading does not try them (`libnccl.so.2`).
+fn library_present(name: &str, linked_only: &[&str]) -> bool {
+    let loadable = [
+        format!("lib{name}.so"),
+        format!("lib{name}.so.13"),
+        format!("lib{name}.so.12"),
+        format!("lib{name}.so.11"),
+        format!("lib{name}.so.1"),
+    ];
+    let open = |file: &str, flags: libc::c_int| -> bool {
+        let Ok(c) = std::ffi::CString::new(file) else {
+            return false;
+        };
+        // SAFETY: dlopen of a NUL-terminated name; the handle is closed at once (the
+        // library stays loaded while cudarc or the process holds it).
+        unsafe {
+            let h = libc::dlopen(c.as_ptr(), flags);
+            if h.is_null() {
+                return false;
+            }
+            libc::dlclose(h);
+        }
+        true
+    };
+    loadable
+        .iter()
+        .any(|f| open(f, libc::RTLD_LAZY | libc::RTLD_LOCAL))
+        || linked_only
+            .iter()
+            .any(|f| open(f, libc::RTLD_LAZY | libc::RTLD_NOLOAD))
+}
+
 /// True when the CUDA driver library (`libcuda.so`) can be loaded.
 pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen candidate library names.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    library_present("cuda", &[])
+}
+
+/// True when cuBLASLt can be loaded (without it, GEMMs go to cuBLAS).
+pub(crate) fn cublas_lt_present() -> bool {
+    library_present("cublasLt", &[])
 }
 
 /// Number of visible CUDA devices; 0 when the driver is missing or fails to initialize.
@@ -25,12 +69,11 @@ pub fn device_count() -> usize {
 /// Checks the libraries the CUDA backend needs (`libcuda`, cuBLAS, NVRTC, and NCCL when
 /// `with_nccl`), naming what is missing and how to make it loadable.
 pub fn check_libraries(with_nccl: bool) -> Result<()> {
-    // SAFETY (all): presence checks only dlopen candidate names.
     let found = Presence {
         driver: driver_present(),
-        cublas: unsafe { cudarc::cublas::sys::is_culib_present() },
-        nvrtc: unsafe { cudarc::nvrtc::sys::is_culib_present() },
-        nccl: !with_nccl || unsafe { cudarc::nccl::sys::is_culib_present() },
+        cublas: library_present("cublas", &[]),
+        nvrtc: library_present("nvrtc", &[]),
+        nccl: !with_nccl || library_present("nccl", &["libnccl.so.2"]),
     };
     match first_missing(found) {
         Some(e) => Err(e),
@@ -74,6 +117,29 @@ fn first_missing(found: Presence) -> Option<Error> {
         library: library.into(),
         hint: hint.into(),
     })
+}
+
+/// The location of device `ordinal` as a `CUmemLocation`, in the bindings of every CUDA
+/// version cudarc may be built for: CUDA 13.2 moved `id` into a union (beside a localized
+/// form), so the field cannot be named in code that builds against both; in every version
+/// the struct is the location type followed by the `int` id.
+pub(crate) fn device_location(ordinal: i32) -> cudarc::driver::sys::CUmemLocation {
+    use cudarc::driver::sys;
+    const _: () = assert!(
+        std::mem::size_of::<sys::CUmemLocation>() == 2 * std::mem::size_of::<i32>(),
+        "CUmemLocation is not a type and an int id in these bindings"
+    );
+    // SAFETY: a plain C struct of a 32-bit enum and a 32-bit id (checked above), for which
+    // zero is a valid value; the id is written at its offset, right after the type.
+    unsafe {
+        let mut loc: sys::CUmemLocation = std::mem::zeroed();
+        loc.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        std::ptr::addr_of_mut!(loc)
+            .cast::<i32>()
+            .add(1)
+            .write(ordinal);
+        loc
+    }
 }
 
 /// A raw driver result as this crate's result (`what` names the call).

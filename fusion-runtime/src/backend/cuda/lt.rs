@@ -220,8 +220,7 @@ unsafe fn set_pref<T>(
 
 impl LtPlans {
     pub(crate) fn new() -> Self {
-        // SAFETY: only tries to dlopen candidate library names.
-        let present = unsafe { sys::is_culib_present() };
+        let present = super::libs::cublas_lt_present();
         if !present {
             tracing::debug!("libcublasLt not found: GEMMs use cuBLAS and a separate epilogue");
         }

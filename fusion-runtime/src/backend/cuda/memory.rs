@@ -31,6 +31,9 @@ pub(crate) struct CudaBuffer {
     shared: Arc<DeviceShared>,
     /// Allocated outside a capture: may be kept for reuse when dropped (see `free_list`).
     kept: bool,
+    /// The caller's stream this buffer was handed out on as a call's output: its free
+    /// first joins that stream, where the caller's work may still read it.
+    pub(crate) caller: std::sync::Mutex<Option<crate::backend::CallerStream>>,
 }
 
 impl CudaBuffer {
@@ -49,6 +52,7 @@ impl CudaBuffer {
                 stream,
                 shared: shared.clone(),
                 kept,
+                caller: Default::default(),
             });
         }
         shared.bind()?;
@@ -77,12 +81,27 @@ impl CudaBuffer {
             stream,
             shared: shared.clone(),
             kept,
+            caller: Default::default(),
         })
     }
 }
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        // A replay on a caller's stream may have used the buffer: its free (or its reuse
+        // from the free list) comes after that replay.
+        let caller = self
+            .caller
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let joined = match &caller {
+            Some(c) if !self.shared.is_closed() => self.shared.chain.join_caller(self.stream.0, c),
+            _ => Ok(()),
+        };
+        if let Err(e) = joined.and_then(|()| self.shared.after_callers(self.stream)) {
+            tracing::warn!("freeing a device buffer: {e}");
+        }
         if self.kept
             && self
                 .shared

@@ -7,6 +7,7 @@
 //! f32 accumulation. NCCL communication lives in
 //! `comm::nccl`.
 
+mod caller_stream;
 mod capture_arena;
 mod codegen;
 mod device;
@@ -26,7 +27,7 @@ mod word_hash;
 
 pub use device::CudaDevice;
 pub use libs::{check_libraries, device_count, driver_present};
-pub(crate) use libs::{cu_check, cu_text};
+pub(crate) use libs::{cu_check, cu_text, device_location};
 pub use user_buffers::CudaElement;
 
 pub(crate) use graph::stream_is_capturing;

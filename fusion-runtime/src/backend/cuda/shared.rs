@@ -75,10 +75,7 @@ fn prop(ordinal: usize) -> sys::CUmemAllocationProp {
     p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     p.requestedHandleTypes =
         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    p.location = sys::CUmemLocation {
-        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: ordinal as i32,
-    };
+    p.location = super::libs::device_location(ordinal as i32);
     p
 }
 
@@ -87,10 +84,7 @@ pub(crate) fn grant(va: sys::CUdeviceptr, size: usize, devices: &[i32]) -> Resul
     let descs: Vec<sys::CUmemAccessDesc> = devices
         .iter()
         .map(|&d| sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: d,
-            },
+            location: super::libs::device_location(d),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         })
         .collect();

@@ -18,7 +18,8 @@
 //! copied in there); when the buffer is given back ([`Tensor::into_cuda_slice`], the end of
 //! a borrow, or the drop of an owned tensor), the buffer's stream waits for the main
 //! stream (so cudarc reads there see the call's results, and a free there comes after
-//! them). No host thread blocks for either.
+//! them). No host thread blocks for either. Calls on the buffer's own stream
+//! (`Rank::on`) add no waits of their own: that stream orders them with the caller's work.
 //!
 //! The buffer must live in the rank's device context (`Rank::cuda_context`: allocate
 //! with `rank.cuda_context()?.new_stream()?` or any stream of that context, or of
@@ -69,15 +70,19 @@ fn stream_after(shared: &DeviceShared, waiter: sys::CUstream, waitee: sys::CUstr
         .map_err(|e| driver_err("ordering a user buffer's stream", e))
 }
 
-/// Makes the buffer's stream `user` wait for the device's main stream; nothing to do when
-/// the device is gone (it synchronized its streams before).
+/// Makes the buffer's stream `user` wait for the device's main stream (which first takes
+/// in the last replay on a caller's stream); nothing to do when the device is gone (it
+/// synchronized its streams before).
 fn user_after_main(shared: &DeviceShared, user: sys::CUstream) -> Result<()> {
-    let main = shared
+    let main = *shared
         .main_stream
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
-    match *main {
-        Some(m) => stream_after(shared, user, m.0),
+    match main {
+        Some(m) => {
+            shared.after_callers(m)?;
+            stream_after(shared, user, m.0)
+        }
         None => Ok(()),
     }
 }
@@ -85,7 +90,11 @@ fn user_after_main(shared: &DeviceShared, user: sys::CUstream) -> Result<()> {
 /// Makes the device's main stream wait for the buffer's stream `user`.
 fn main_after_user(dev: &CudaDevice, user: sys::CUstream) -> Result<()> {
     let main = dev.raw_stream(0)?;
-    stream_after(dev.shared(), main.0, user)
+    dev.shared().after_callers(main)?;
+    stream_after(dev.shared(), main.0, user)?;
+    // A replay on a caller's stream must now come after this wait too.
+    dev.shared().chain.bump();
+    Ok(())
 }
 
 /// A `CudaSlice<T>` owned by a tensor.

@@ -73,6 +73,7 @@ pub struct LocalCommunicator {
 impl LocalCommunicator {
     /// The endpoint of `member` on `fabric`.
     pub fn new(fabric: Arc<dyn Fabric>, member: Membership) -> Self {
+        crate::counters::communicators_created(1);
         LocalCommunicator {
             fabric,
             member,

@@ -145,7 +145,7 @@ impl Watch {
             closing: std::sync::atomic::AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&watch);
-        std::thread::Builder::new()
+        crate::counters::thread_builder()
             .name("fusion-watch".into())
             .spawn(move || {
                 let mut reader = reader;

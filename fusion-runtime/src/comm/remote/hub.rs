@@ -181,7 +181,7 @@ impl HubState {
                 self.fail(rank, &format!("could not welcome rank {rank}: {e}"));
             }
             let state = Arc::clone(self);
-            std::thread::Builder::new()
+            crate::counters::thread_builder()
                 .name(format!("fusion-hub-rank{rank}"))
                 .spawn(move || state.serve(rank, a.stream))
                 .map_err(|e| Error::World(format!("starting a rendezvous thread: {e}")))?;
@@ -202,7 +202,7 @@ impl HubState {
             }
         };
         let state = Arc::clone(&self);
-        let worker = std::thread::Builder::new()
+        let worker = crate::counters::thread_builder()
             .name(format!("fusion-hub-work{rank}"))
             .spawn(move || state.work(writer, rx));
         let mut reader = stream;
@@ -310,7 +310,7 @@ impl HubState {
             lock(&self.watchers).push(push);
         }
         let state = Arc::clone(self);
-        let _ = std::thread::Builder::new()
+        let _ = crate::counters::thread_builder()
             .name("fusion-hub-watch".into())
             .spawn(move || {
                 let mut reader = stream;
@@ -384,7 +384,7 @@ impl Hub {
         });
         register_exit_hook(&state);
         let st = Arc::clone(&state);
-        let accept = std::thread::Builder::new()
+        let accept = crate::counters::thread_builder()
             .name("fusion-hub-accept".into())
             .spawn(move || accept_loop(st, listener))
             .map_err(|e| Error::World(format!("starting the rendezvous: {e}")))?;
@@ -427,7 +427,7 @@ fn accept_loop(state: Arc<HubState>, listener: TcpListener) {
             Ok((stream, _)) => {
                 let _ = stream.set_nonblocking(false);
                 let st = Arc::clone(&state);
-                let _ = std::thread::Builder::new()
+                let _ = crate::counters::thread_builder()
                     .name("fusion-hub-admit".into())
                     .spawn(move || st.admit(stream));
             }

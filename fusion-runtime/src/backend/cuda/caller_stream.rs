@@ -1,0 +1,373 @@
+//! Calls on the caller's stream: how a device keeps one order among its calls when some
+//! run on streams it does not own.
+//!
+//! A call that walks its program (eagerly, or capturing it) runs on the device's own
+//! streams: the main stream first waits for the caller's stream, and at the end the
+//! caller's stream waits for the main stream, so the call sits between the caller's
+//! earlier and later work (two event records and two waits; the walk itself costs far
+//! more). All memory of such a call is allocated and freed on the device's streams, which
+//! outlive any caller's stream.
+//!
+//! A replayed call launches its graph on the caller's stream itself. Its launch must come
+//! after the device's earlier work that the caller's stream has not waited for yet: the
+//! device counts such work (an epoch, bumped by walks, replays on the main stream,
+//! allocations on it and user buffers that made it wait), and the caller's stream waits
+//! for the main stream only when the epoch moved or the stream changed since it last did.
+//! After the launch one event is recorded on the caller's stream (the *tail*). So a loop
+//! of replayed calls on one stream costs one event record per call and no waits.
+//!
+//! After a call on a caller's stream, the device's own streams owe that stream a join:
+//! before the device's next work on them, or a free of memory the call (or the caller's
+//! work after it, reading the outputs) may still use, they wait for the tail, and for an
+//! event recorded on the caller's stream at that moment, which also covers the caller's
+//! work enqueued there since the call. That event can only be recorded where the stream
+//! means the same stream and is not being captured: the per-thread default stream's
+//! handle names another stream on each thread, so it is recorded only on the thread whose
+//! stream it is ([`CallerStream`]); elsewhere the join covers the call itself, and the
+//! caller orders its own later work on that stream before letting go of the outputs
+//! (see `Rank::on_per_thread_stream`). The device holds the caller's cudarc stream (an
+//! `Arc`, in [`CallerStream`]) while it may still order work after it.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::driver::{result, sys, CudaStream};
+
+use super::device::{CudaDevice, DeviceShared};
+use super::libs::driver_err;
+use super::memory::RawStream;
+use crate::backend::CallerStream;
+use crate::error::{Error, Result};
+
+/// A reusable event of the chain (created at first use, destroyed with the device).
+#[derive(Clone, Copy, Debug)]
+struct ChainEvent(sys::CUevent);
+// SAFETY: event handles are driver handles usable from any thread with the context current.
+unsafe impl Send for ChainEvent {}
+
+/// The order between a device's own streams and the callers' streams its calls ran on.
+#[derive(Debug, Default)]
+pub(crate) struct CallerChain {
+    /// A replay on a caller's stream left work the device's streams have not waited for.
+    pending: AtomicBool,
+    /// Bumped whenever the main stream gets work a later replay must come after.
+    epoch: AtomicU64,
+    state: Mutex<ChainState>,
+}
+
+#[derive(Debug, Default)]
+struct ChainState {
+    /// The caller's stream last ordered after the main stream, at which epoch.
+    synced: Option<(CallerStream, u64)>,
+    /// The caller's stream of the last call, while the device's streams owe it a join.
+    last: Option<CallerStream>,
+    /// Whether `tail` marks the end of the last call's replay (a walk needs none: its work
+    /// ran on the device's streams).
+    tail_recorded: bool,
+    /// Recorded on the caller's stream after its last replay.
+    tail: Option<ChainEvent>,
+    /// Recorded on one stream for another to wait for (joins at call boundaries).
+    join: Option<ChainEvent>,
+    /// Recorded on the caller's stream when the device's streams join it later.
+    late: Option<ChainEvent>,
+}
+
+impl ChainState {
+    fn event(slot: &mut Option<ChainEvent>) -> Result<ChainEvent> {
+        if let Some(e) = *slot {
+            return Ok(e);
+        }
+        let e = ChainEvent(
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| driver_err("creating an event for calls on a caller's stream", e))?,
+        );
+        *slot = Some(e);
+        Ok(e)
+    }
+}
+
+/// `waiter` waits for the work enqueued on `waitee` so far, through `event`.
+fn order(event: ChainEvent, waiter: sys::CUstream, waitee: sys::CUstream) -> Result<()> {
+    // SAFETY: an event and two live streams of the device's context (current).
+    unsafe {
+        result::event::record(event.0, waitee)
+            .and_then(|()| {
+                result::stream::wait_event(
+                    waiter,
+                    event.0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            })
+            .map_err(|e| driver_err("ordering a caller's stream and the device's streams", e))
+    }
+}
+
+fn raw(s: &CallerStream) -> sys::CUstream {
+    s.raw as sys::CUstream
+}
+
+impl CallerChain {
+    /// The main stream got work that a later replay on a caller's stream must follow.
+    pub(crate) fn bump(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Makes `stream` (one of the device's) wait for the caller's stream of the last call,
+    /// when a join is owed (see the module documentation); `main` says whether it is the
+    /// main stream, after which nothing is owed any more (every later use of the device's
+    /// streams starts there).
+    pub(crate) fn after_callers(&self, stream: sys::CUstream, main: bool) -> Result<()> {
+        if !self.pending.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(caller) = st.last.clone() else {
+            return Ok(());
+        };
+        let wait = |event: ChainEvent| {
+            // SAFETY: an event recorded on a live stream of the device's context.
+            unsafe {
+                result::stream::wait_event(
+                    stream,
+                    event.0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| driver_err("joining a caller's stream", e))
+        };
+        if st.tail_recorded {
+            if let Some(tail) = st.tail {
+                wait(tail)?;
+            }
+        }
+        let here = caller
+            .thread
+            .is_none_or(|t| t == std::thread::current().id());
+        if here && !super::stream_is_capturing(RawStream(raw(&caller))) {
+            let late = ChainState::event(&mut st.late)?;
+            // SAFETY: an event of this context recorded on the caller's live stream.
+            unsafe { result::event::record(late.0, raw(&caller)) }
+                .map_err(|e| driver_err("joining a caller's stream", e))?;
+            wait(late)?;
+        }
+        if main {
+            st.last = None;
+            st.tail_recorded = false;
+            self.pending.store(false, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Makes `stream` (one of the device's) wait for the work enqueued on the caller's
+    /// stream `caller` so far, where that can be recorded from here (see the module
+    /// documentation): before freeing a call's output that the caller's work on that
+    /// stream may still read.
+    pub(crate) fn join_caller(&self, stream: sys::CUstream, caller: &CallerStream) -> Result<()> {
+        if !caller
+            .thread
+            .is_none_or(|t| t == std::thread::current().id())
+            || super::stream_is_capturing(RawStream(raw(caller)))
+        {
+            return Ok(());
+        }
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let late = ChainState::event(&mut st.late)?;
+        order(late, stream, raw(caller))
+    }
+
+    /// Destroys the chain's events (the device's streams are idle).
+    pub(crate) fn release(&self) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        for e in [st.tail.take(), st.join.take(), st.late.take()]
+            .into_iter()
+            .flatten()
+        {
+            // SAFETY: events created by this chain, destroyed once.
+            unsafe {
+                let _ = result::event::destroy(e.0);
+            }
+        }
+        st.synced = None;
+        st.last = None;
+        self.pending.store(false, Ordering::Release);
+    }
+}
+
+impl DeviceShared {
+    /// Makes `stream` (one of the device's) wait for the caller's stream of the last call
+    /// when a join is owed (before a free on it: that call, or the caller's work after it,
+    /// may still use the memory).
+    pub(crate) fn after_callers(&self, stream: RawStream) -> Result<()> {
+        if !self.chain.pending.load(Ordering::Acquire) || self.is_closed() {
+            return Ok(());
+        }
+        let main = self
+            .main_stream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some_and(|m| m == stream);
+        self.chain.after_callers(stream.0, main)
+    }
+
+    /// The main stream, or an error once the device closed.
+    fn main_raw(&self) -> Result<RawStream> {
+        self.main_stream
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .ok_or_else(|| Error::Backend {
+                backend: "cuda",
+                reason: format!("device {} is closed", self.ordinal),
+            })
+    }
+}
+
+impl CudaDevice {
+    /// The caller's `stream` as a call target, checked to belong to this device's context.
+    pub(crate) fn caller_stream(
+        &self,
+        rank: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<CallerStream> {
+        let ours = &self.shared().ctx;
+        let theirs = stream.context();
+        if theirs.cu_ctx() != ours.cu_ctx() {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: format!(
+                    "rank {rank} runs on device {} but the stream given to Rank::on belongs to \
+                     {}; give a stream of the rank's context (rank.cuda_context()?.new_stream() \
+                     or the device's primary context)",
+                    ours.ordinal(),
+                    if theirs.ordinal() == ours.ordinal() {
+                        format!("another context of device {}", theirs.ordinal())
+                    } else {
+                        format!("device {}", theirs.ordinal())
+                    }
+                ),
+            });
+        }
+        Ok(CallerStream::from_raw(
+            stream.cu_stream() as usize,
+            stream.clone(),
+        ))
+    }
+
+    /// An error when `on` is being captured into a graph of the caller's.
+    fn not_capturing(&self, on: &CallerStream) -> Result<()> {
+        if super::stream_is_capturing(RawStream(raw(on))) {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: format!(
+                    "the stream given to Rank::on is being captured into a CUDA graph of the \
+                     caller's (device {}): a fusion call cannot be recorded into a capture it \
+                     does not own (its buffers and streams live beyond the caller's graph); \
+                     call the fusion outside the capture: from its second call it is replayed \
+                     as a CUDA graph of its own, one launch on that stream",
+                    self.shared().ordinal
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// See [`crate::backend::Device::begin_walk`].
+    pub(crate) fn chain_begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        let shared = self.shared();
+        let main = shared.main_raw()?;
+        shared.chain.after_callers(main.0, true)?;
+        if let Some(s) = on {
+            self.not_capturing(s)?;
+            let mut st = shared
+                .chain
+                .state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let join = ChainState::event(&mut st.join)?;
+            order(join, main.0, raw(s))?;
+        }
+        Ok(())
+    }
+
+    /// See [`crate::backend::Device::end_walk`].
+    pub(crate) fn chain_end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        let shared = self.shared();
+        shared.chain.bump();
+        if let Some(s) = on {
+            let main = shared.main_raw()?;
+            let mut st = shared
+                .chain
+                .state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let join = ChainState::event(&mut st.join)?;
+            order(join, raw(s), main.0)?;
+            st.synced = Some((s.clone(), shared.chain.epoch.load(Ordering::Acquire)));
+            // The caller's work after the call may read its outputs: frees join it first.
+            st.last = Some(s.clone());
+            st.tail_recorded = false;
+            shared.chain.pending.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// See [`crate::backend::Device::begin_replay`].
+    pub(crate) fn chain_begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        let shared = self.shared();
+        let Some(s) = on else {
+            let main = shared.main_raw()?;
+            return shared.chain.after_callers(main.0, true);
+        };
+        self.not_capturing(s)?;
+        let epoch = shared.chain.epoch.load(Ordering::Acquire);
+        {
+            let st = shared
+                .chain
+                .state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if st
+                .synced
+                .as_ref()
+                .is_some_and(|(x, e)| x == s && *e == epoch)
+            {
+                return Ok(());
+            }
+        }
+        // The caller's stream has not waited for the main stream's latest work (or another
+        // caller's stream ran last): the main stream takes in that replay first, then the
+        // caller's stream waits for the main stream.
+        let main = shared.main_raw()?;
+        shared.chain.after_callers(main.0, true)?;
+        let mut st = shared
+            .chain
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let join = ChainState::event(&mut st.join)?;
+        order(join, raw(s), main.0)?;
+        st.synced = Some((s.clone(), epoch));
+        Ok(())
+    }
+
+    /// See [`crate::backend::Device::end_replay`].
+    pub(crate) fn chain_end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        let shared = self.shared();
+        let Some(s) = on else {
+            shared.chain.bump();
+            return Ok(());
+        };
+        let mut st = shared
+            .chain
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let tail = ChainState::event(&mut st.tail)?;
+        // SAFETY: an event of this context recorded on the caller's live stream.
+        unsafe { result::event::record(tail.0, raw(s)) }
+            .map_err(|e| driver_err("recording the end of a replay on a caller's stream", e))?;
+        st.last = Some(s.clone());
+        st.tail_recorded = true;
+        shared.chain.pending.store(true, Ordering::Release);
+        Ok(())
+    }
+}

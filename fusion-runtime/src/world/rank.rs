@@ -1,0 +1,509 @@
+//! Rank handles: what a world hands out per local rank, kept by the application for as long
+//! as it likes and called from any thread.
+//!
+//! A [`Rank`] is a cheap clone of an `Arc`: every clone is the same rank, with the same
+//! device, communicator, stream pool, programs and graphs. Calls on a rank are serialized
+//! (one call at a time per rank, from whichever thread; a second caller waits), since a
+//! rank's communicator numbers its transfers in call order and its device records graphs
+//! on its streams. The lock is reentrant, so code running inside a call's closure (a
+//! borrowed CUDA buffer's) may call again on the same thread.
+//!
+//! A failed call fails the world for good: the failure is recorded where every handle of
+//! the world sees it, the communicator is aborted so that peers stop waiting, and every
+//! later call returns [`Error::PeerFailed`] naming the rank that failed.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::ThreadId;
+
+use super::bootstrap::Session;
+use crate::backend::{BackendKind, CallerStream, Device};
+use crate::comm::local::Block;
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// What a world and its rank handles share: the world's size and backend, its failure,
+/// and a launched world's session (kept open while any handle lives).
+pub(crate) struct WorldShared {
+    pub(crate) size: usize,
+    pub(crate) kind: BackendKind,
+    pub(crate) session: Option<Arc<Session>>,
+    failed: AtomicBool,
+    failure: Mutex<Option<(usize, String)>>,
+}
+
+impl WorldShared {
+    pub(crate) fn new(size: usize, kind: BackendKind, session: Option<Arc<Session>>) -> Self {
+        WorldShared {
+            size,
+            kind,
+            session,
+            failed: AtomicBool::new(false),
+            failure: Mutex::new(None),
+        }
+    }
+
+    /// The world's first failure: recorded by a handle of this process, or reported by
+    /// another process of a launched world.
+    pub(crate) fn failure(&self) -> Option<(usize, String)> {
+        if self.failed.load(Ordering::Acquire) {
+            return self
+                .failure
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+        }
+        self.session.as_ref().and_then(|s| s.watch.failure())
+    }
+
+    /// Records that `rank` failed the world (the first failure is kept).
+    fn fail(&self, rank: usize, reason: &str) {
+        let mut f = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
+        if f.is_none() {
+            *f = Some((rank, reason.to_string()));
+        }
+        self.failed.store(true, Ordering::Release);
+    }
+}
+
+/// One call at a time per rank, reentrant on the thread that holds it.
+#[derive(Default)]
+struct CallLock {
+    /// The thread in a call and how deep.
+    owner: Mutex<Option<(ThreadId, usize)>>,
+    released: Condvar,
+}
+
+impl CallLock {
+    /// Waits until no other thread is in a call, then enters.
+    fn enter(&self) -> CallGuard<'_> {
+        let me = std::thread::current().id();
+        let mut owner = self.owner.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            match owner.as_mut() {
+                None => {
+                    *owner = Some((me, 1));
+                    break;
+                }
+                Some((t, depth)) if *t == me => {
+                    *depth += 1;
+                    break;
+                }
+                Some(_) => {
+                    owner = self
+                        .released
+                        .wait(owner)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+        }
+        CallGuard { lock: self }
+    }
+}
+
+/// Leaves the call when dropped.
+struct CallGuard<'a> {
+    lock: &'a CallLock,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        let mut owner = self
+            .lock
+            .owner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, depth)) = owner.as_mut() {
+            *depth -= 1;
+            if *depth == 0 {
+                *owner = None;
+                self.lock.released.notify_one();
+            }
+        }
+    }
+}
+
+struct RankInner {
+    index: usize,
+    device: Arc<dyn Device>,
+    comm: Arc<dyn Communicator>,
+    calls: CallLock,
+    /// Dropped last: a launched world's session, when this holds its last reference,
+    /// waits for every rank's goodbye, which this rank's communicator says when it goes.
+    world: Arc<WorldShared>,
+}
+
+/// One rank of a world: a long-lived handle (`Send + Sync + 'static`, an `Arc` inside:
+/// clones are the same rank) that keeps its device, communicators, stream pool, lowered
+/// programs, graphs and kept buffers across calls. Take it from [`super::World::ranks`] or
+/// [`super::World::rank`] (or get `&Rank` inside [`super::World::run`]), store it in a
+/// layer, and pass it to the entry points `fusion!` generates. Calls on one rank run one
+/// at a time (a concurrent call from another thread waits); in a world of several ranks,
+/// every rank makes the same calls in the same order, as in any SPMD program.
+#[derive(Clone)]
+pub struct Rank(Arc<RankInner>);
+
+impl std::fmt::Debug for Rank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Rank({} of {}, {})",
+            self.0.index,
+            self.0.world.size,
+            self.0.world.kind.name()
+        )
+    }
+}
+
+impl Rank {
+    pub(crate) fn new(
+        index: usize,
+        world: Arc<WorldShared>,
+        device: Arc<dyn Device>,
+        comm: Arc<dyn Communicator>,
+    ) -> Rank {
+        Rank(Arc::new(RankInner {
+            index,
+            world,
+            device,
+            comm,
+            calls: CallLock::default(),
+        }))
+    }
+
+    /// This rank's index (its device's position in the world).
+    pub fn index(&self) -> usize {
+        self.0.index
+    }
+
+    /// Number of ranks in the world.
+    pub fn world_size(&self) -> usize {
+        self.0.world.size
+    }
+
+    /// The backend kind.
+    pub fn backend(&self) -> BackendKind {
+        self.0.world.kind
+    }
+
+    /// This rank's device.
+    pub fn device(&self) -> &dyn Device {
+        self.0.device.as_ref()
+    }
+
+    /// This rank's communicator.
+    pub fn communicator(&self) -> &dyn Communicator {
+        self.0.comm.as_ref()
+    }
+
+    /// The communicator as shared (graph slots hold it weakly: they go with the world).
+    pub(crate) fn communicator_arc(&self) -> &Arc<dyn Communicator> {
+        &self.0.comm
+    }
+
+    /// The world's failure, as this rank's error, if the world failed.
+    pub(crate) fn world_failure(&self) -> Option<Error> {
+        self.0
+            .world
+            .failure()
+            .map(|(failed_rank, reason)| Error::PeerFailed {
+                rank: self.0.index,
+                failed_rank,
+                reason: format!("the world failed earlier and cannot run again: {reason}"),
+            })
+    }
+
+    /// Fails the world because of `e` (this rank's error): every handle's later calls
+    /// fail, and the communicator is aborted so peers' pending communication ends. An
+    /// error caused by another rank's failure names that rank as the cause.
+    pub(crate) fn fail_world(&self, e: &Error) {
+        match e {
+            Error::PeerFailed {
+                failed_rank,
+                reason,
+                ..
+            } => {
+                self.0.world.fail(*failed_rank, reason);
+                self.0.comm.abort_for(*failed_rank, reason);
+            }
+            _ => {
+                let reason = format!("rank {} failed: {e}", self.0.index);
+                self.0.world.fail(self.0.index, &reason);
+                self.0.comm.abort(&reason);
+            }
+        }
+    }
+
+    /// Runs `f` as one call of this rank: after the calls of other threads on this rank
+    /// (one at a time), with the device bound to the calling thread, and only while the
+    /// world is healthy. An error (or a panic) of `f` fails the world.
+    pub(crate) fn call<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _guard = self.0.calls.enter();
+        if let Some(e) = self.world_failure() {
+            return Err(e);
+        }
+        let failed = FailOnUnwind(self);
+        let result = self.0.device.bind_thread().and_then(|()| f());
+        std::mem::forget(failed);
+        if let Err(e) = &result {
+            self.fail_world(e);
+        }
+        result
+    }
+
+    /// Copies a host tensor to this rank's device.
+    pub fn to_device(&self, t: &Tensor) -> Result<Tensor> {
+        if self.0.device.is_resident(t) {
+            return Ok(t.clone());
+        }
+        let _guard = self.0.calls.enter();
+        self.0.device.bind_thread()?;
+        self.0.device.upload(t)
+    }
+
+    /// Copies a tensor of this rank's device to the host (waiting for the calls that
+    /// produced it, on whichever stream they ran).
+    pub fn to_host(&self, t: &Tensor) -> Result<Tensor> {
+        if t.is_host() {
+            return Ok(t.clone());
+        }
+        let _guard = self.0.calls.enter();
+        self.0.device.bind_thread()?;
+        self.0.device.download(t)
+    }
+
+    /// This rank's shard of host tensor `full` along `axis`, whose extent must equal the
+    /// world size (a DIDx axis has one index per device), on this rank's device.
+    pub fn shard(&self, full: &Tensor, axis: usize) -> Result<Tensor> {
+        let size = self.world_size();
+        let tag = full.shard(axis, self.index(), size)?.shard_tag();
+        let local = self.to_device(&full.shard(axis, self.index(), size)?)?;
+        Ok(local.with_shard_tag(tag))
+    }
+
+    /// Splits `axis` of host tensor `full` into world-size blocks (`[.., n, ..]` becomes
+    /// `[.., D, n / D, ..]`) and returns this rank's block, of extent 1 on the new axis.
+    pub fn shard_split(&self, full: &Tensor, axis: usize) -> Result<Tensor> {
+        let size = self.world_size();
+        let n = full.shape().get(axis).copied().unwrap_or(0);
+        if axis >= full.rank() || n % size != 0 {
+            return Err(Error::bad_tensor(
+                "shard_split",
+                Some(axis),
+                format!(
+                    "extent {n} of shape {:?} is not divisible by the world size {size}",
+                    full.shape(),
+                ),
+            ));
+        }
+        self.shard(&full.split_axis(axis, size)?, axis)
+    }
+
+    /// Waits until all of this rank's queued device work is done.
+    pub fn synchronize(&self) -> Result<()> {
+        let _guard = self.0.calls.enter();
+        self.0.device.bind_thread()?;
+        self.0.device.synchronize()
+    }
+
+    /// Every rank's copy of `t`, on the host, in rank order (a collective: every rank of
+    /// the world calls it). This is how a process of a launched world sees results that
+    /// other processes hold, e.g. to check them against a reference.
+    pub fn gather_to_host(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        let host = self.to_host(t)?;
+        let block = Block {
+            shape: host.shape().to_vec(),
+            data: host.to_f32_vec()?,
+        };
+        let blocks = self.call(|| self.0.comm.host_allgather(block))?;
+        blocks
+            .into_iter()
+            .map(|b| Tensor::from_f32(&b.shape, &b.data, t.dtype()))
+            .collect()
+    }
+}
+
+/// Fails the world when a call unwinds (a panic inside the runtime).
+struct FailOnUnwind<'a>(&'a Rank);
+
+impl Drop for FailOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.0.fail_world(&Error::Panic {
+            rank: self.0.index(),
+            message: "a call on this rank panicked".into(),
+        });
+    }
+}
+
+/// Where a fusion call runs: a rank, and the caller's CUDA stream when it gave one
+/// ([`Rank::on`]). The entry points `fusion!` generates take any [`CallTarget`].
+#[derive(Clone, Copy, Debug)]
+pub struct Target<'a> {
+    pub(crate) rank: &'a Rank,
+    pub(crate) stream: Option<StreamChoice<'a>>,
+}
+
+impl Target<'_> {
+    /// The rank of the call.
+    pub fn rank(&self) -> &Rank {
+        self.rank
+    }
+
+    /// The caller's stream as the device sees it (checked against the rank's device).
+    pub(crate) fn caller_stream(&self) -> Result<Option<CallerStream>> {
+        match self.stream {
+            None => Ok(None),
+            Some(s) => s.resolve(self.rank).map(Some),
+        }
+    }
+}
+
+/// Something a fusion call runs on: a [`Rank`] (the rank's own streams) or a rank on the
+/// caller's stream ([`Rank::on`]).
+pub trait CallTarget {
+    /// The rank and stream of the call.
+    fn target(&self) -> Target<'_>;
+}
+
+impl CallTarget for Rank {
+    fn target(&self) -> Target<'_> {
+        Target {
+            rank: self,
+            stream: None,
+        }
+    }
+}
+
+impl<T: CallTarget + ?Sized> CallTarget for &T {
+    fn target(&self) -> Target<'_> {
+        (**self).target()
+    }
+}
+
+/// The caller's stream of a call, before it is checked against the rank's device.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum StreamChoice<'a> {
+    /// A cudarc stream.
+    #[cfg(feature = "cuda")]
+    Cudarc(&'a std::sync::Arc<cudarc::driver::CudaStream>),
+    /// The calling thread's per-thread default stream.
+    #[cfg(feature = "cuda")]
+    PerThread,
+    /// Never made in a build without CUDA.
+    #[cfg(not(feature = "cuda"))]
+    #[allow(dead_code)]
+    Never(std::marker::PhantomData<&'a ()>, std::convert::Infallible),
+}
+
+impl StreamChoice<'_> {
+    fn resolve(self, rank: &Rank) -> Result<CallerStream> {
+        #[cfg(feature = "cuda")]
+        {
+            let device = rank.device().as_cuda().ok_or_else(|| Error::Backend {
+                backend: rank.backend().name(),
+                reason: format!(
+                    "a call on a CUDA stream (Rank::on) needs a CUDA rank, but rank {} runs on \
+                     the {} backend",
+                    rank.index(),
+                    rank.backend().name()
+                ),
+            })?;
+            match self {
+                StreamChoice::Cudarc(s) => device.caller_stream(rank.index(), s),
+                StreamChoice::PerThread => Ok(CallerStream::per_thread()),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = rank;
+            match self {
+                StreamChoice::Never(_, never) => match never {},
+            }
+        }
+    }
+}
+
+/// A rank on the caller's CUDA stream ([`Rank::on`], [`Rank::on_per_thread_stream`]): pass
+/// `&rank.on(&stream)` wherever an entry point takes a rank. The call runs after the work
+/// enqueued on that stream so far, and the caller's next work there sees its outputs,
+/// with no host synchronization; a replayed call launches its graph on that stream.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy, Debug)]
+pub struct OnStream<'a> {
+    rank: &'a Rank,
+    stream: StreamChoice<'a>,
+}
+
+#[cfg(feature = "cuda")]
+impl CallTarget for OnStream<'_> {
+    fn target(&self) -> Target<'_> {
+        Target {
+            rank: self.rank,
+            stream: Some(self.stream),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Rank {
+    /// This rank on the caller's `stream` (a cudarc stream of the rank's device context,
+    /// e.g. a stream of `rank.cuda_context()?`, or candle's `CudaDevice::cuda_stream()`):
+    /// a fusion called with `&rank.on(&stream)` behaves like one more op on that stream.
+    /// A stream of another device or context is an error at the call, and so is a stream
+    /// being captured into a graph of yours. The rank keeps a reference to the stream while
+    /// it may still order work after it (outputs handed out on it, kept outputs).
+    pub fn on<'a>(&'a self, stream: &'a Arc<cudarc::driver::CudaStream>) -> OnStream<'a> {
+        OnStream {
+            rank: self,
+            stream: StreamChoice::Cudarc(stream),
+        }
+    }
+
+    /// This rank on the calling thread's per-thread default stream (what candle's CUDA
+    /// device uses by default). The handle names another stream on each thread: make the
+    /// call on the thread whose stream is meant, and drop its outputs on that thread (or
+    /// synchronize the stream first), since only there can their free be ordered after
+    /// your work on that stream.
+    pub fn on_per_thread_stream(&self) -> OnStream<'_> {
+        OnStream {
+            rank: self,
+            stream: StreamChoice::PerThread,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_call_lock_is_reentrant_and_serializes_threads() {
+        let lock = Arc::new(CallLock::default());
+        let inside = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let (lock, inside, most) = (lock.clone(), inside.clone(), most.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..200 {
+                        let _outer = lock.enter();
+                        let _inner = lock.enter(); // the same thread again: no deadlock
+                        let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(now, Ordering::SeqCst);
+                        std::thread::yield_now();
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(
+            most.load(Ordering::SeqCst),
+            1,
+            "two threads were in at once"
+        );
+    }
+}
