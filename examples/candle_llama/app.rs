@@ -9,7 +9,7 @@ use clap::{Parser, ValueEnum};
 
 use fusion::prelude::*;
 
-use crate::layer::{self, CandleLayer, Config, RankLayer, Reference, Replays};
+use crate::layer::{self, CandleLayer, Config, RankLayer, Replays};
 use crate::tp;
 
 /// The command line (also built by the tests).
@@ -260,14 +260,15 @@ fn run_rank(
     drop(step);
     // The check, outside the timing: every step against candle alone in f32, on rank 0
     // (the fusions' rows gathered from every rank; the other modes hold every token).
+    // The reference runs in f32 on the rank's device (a GPU computes it in moments).
     let mut reference = (r == 0)
-        .then(|| Reference::new(cfg, &weights))
+        .then(|| CandleLayer::part(cfg, &weights, 0, 1, CDType::F32, &device))
         .transpose()?;
     let mut errors = Vec::new();
     let mut start = 0;
     for (y, &t) in outputs.iter().zip(steps) {
         let got = if mode == Mode::Fusions {
-            let mine = fusion_candle::input(rank, "y", &y.to_device(&Device::Cpu)?)?;
+            let mine = fusion_candle::input(rank, "y", y)?;
             let parts = rank.gather_to_host(&mine)?;
             let rows = parts
                 .iter()
@@ -285,7 +286,9 @@ fn run_rank(
             y.to_device(&Device::Cpu)?
         };
         if let Some(reference) = reference.as_mut() {
-            let want = reference.forward(&inputs.narrow(0, start, t)?)?;
+            let want = reference
+                .forward(&inputs.narrow(0, start, t)?.to_device(&device)?)?
+                .to_device(&Device::Cpu)?;
             errors.push(relative_error(&got, &want)?);
         }
         start += t;

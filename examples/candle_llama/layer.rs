@@ -1,5 +1,6 @@
 //! One Llama decoder layer in candle: RMSNorm, rotary attention with grouped KV heads and
-//! a KV cache, and the SiLU-gated MLP. [`Reference`] runs it whole on one device;
+//! a KV cache, and the SiLU-gated MLP. [`CandleLayer`] runs it in candle alone (whole: the
+//! f32 reference; or one rank's share of candle's own tensor parallelism);
 //! [`RankLayer`] runs one rank's part of it, sequence- and tensor-parallel, with the QKV
 //! projection, the attention-output projection and the MLP block as fusions
 //! (`fusions.rs`) and everything else in candle.
@@ -255,9 +256,6 @@ pub struct CandleLayer {
     v: Option<CTensor>,
     pos: usize,
 }
-
-/// The reference: the whole layer in f32 on the CPU.
-pub type Reference = CandleLayer;
 
 impl CandleLayer {
     /// The whole layer in f32 on the CPU.
