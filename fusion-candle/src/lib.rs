@@ -67,7 +67,7 @@ pub use output::OutputBuffer;
 /// A rank-local fusion input that views the memory of candle tensor `t` (no copy). `name`
 /// is the tensor's name in errors. A CUDA tensor's memory is read on the device in the
 /// order of the candle device's stream: call the fusion on that stream
-/// (`&rank.on(&candle_device.cuda_stream())`, see [`stream_of`]).
+/// (`&rank.on(&candle_device.cuda_stream())`, see `stream_of` with the `cuda` feature).
 pub fn input(rank: &Rank, name: &str, t: &candle_core::Tensor) -> Result<Tensor> {
     check_device(name, &t.device().location(), rank)?;
     check_layout(name, t)?;

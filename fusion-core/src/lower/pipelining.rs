@@ -18,7 +18,7 @@ use crate::ir::{Fusion, IterKind, Op, ParallelType, ScalarId};
 /// Rows per chunk from which [`Pipelining::Auto`] pipelines a streamed GEMM.
 pub const AUTO_MIN_CHUNK_ROWS: usize = 256;
 
-/// When a fusion's `Stream` axes become pipelined host loops ([`crate::LowerOptions`]).
+/// When a fusion's `Stream` axes become pipelined host loops ([`crate::lower::LowerOptions`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Pipelining {
     /// Pipeline when every streamed GEMM has at least [`AUTO_MIN_CHUNK_ROWS`] rows per
