@@ -33,15 +33,17 @@ run() {
     timeout 240 "$BIN/candle_llama" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     summary+=("$(printf '%-22s rc=%d %3ds  %s' "$name" "$rc" $((SECONDS - start)) \
-        "$(grep -E 'prefill:|decode:|check:|copies' "$OUT/$name.log" | tr -s ' ' | tr '\n' '|' | cut -c1-300)")")
+        "$(grep -E 'prefill|decode:|check:|copies|error' "$OUT/$name.log" | tr -s ' ' | tr '\n' '|' | cut -c1-420)")")
 }
 W="$OUT/llama3-8b-layer.safetensors"
-common=(--llama3-8b --weights "$W" --prefill "$PREFILL" --decode-steps "$STEPS")
-run fusions-bf16 "${common[@]}" --dtype bf16
-run candle-tp-bf16 "${common[@]}" --dtype bf16 --candle-tp
-run candle-only-bf16 "${common[@]}" --dtype bf16 --candle-only
-run fusions-f32 "${common[@]}" --dtype f32 --decode-steps 8
+common=(--llama3-8b --weights "$W")
+full=(--prefill "$PREFILL" --decode-steps "$STEPS")
+run fusions-bf16 "${common[@]}" "${full[@]}" --dtype bf16
+run candle-tp-bf16 "${common[@]}" "${full[@]}" --dtype bf16 --candle-tp
+run candle-only-bf16 "${common[@]}" "${full[@]}" --dtype bf16 --candle-only
+run fusions-f32 "${common[@]}" --prefill "$PREFILL" --decode-steps 8 --dtype f32
 run fusions-bf16-decode8 "${common[@]}" --dtype bf16 --prefill 64 --decode-tokens 8 --decode-steps 50
+run candle-tp-bf16-decode8 "${common[@]}" --dtype bf16 --prefill 64 --decode-tokens 8 --decode-steps 50 --candle-tp
 rm -f "$W"
 cat "$OUT/machine.txt"
 printf '%s\n' "${summary[@]}"

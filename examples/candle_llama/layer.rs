@@ -11,7 +11,7 @@ use std::path::Path;
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor, D};
 use fusion::prelude::*;
-use fusion::runtime::replay::ReplayStatus;
+use fusion::runtime::replay::{EagerReason, ReplayStatus};
 
 use crate::fusions::{gated_mlp, out_proj, qkv};
 use fusion_candle::OutputBuffer;
@@ -373,6 +373,20 @@ pub struct RankWeights {
 pub struct Replays {
     pub calls: usize,
     pub replayed: usize,
+    /// Calls captured as a new graph (the same inputs and outputs seen again).
+    pub captured: usize,
+    /// Eager calls because an input or output was at another address than any graph's.
+    pub moved: usize,
+}
+
+impl Replays {
+    /// Adds another step's counts.
+    pub fn add(&mut self, other: &Replays) {
+        self.calls += other.calls;
+        self.replayed += other.replayed;
+        self.captured += other.captured;
+        self.moved += other.moved;
+    }
 }
 
 /// One rank's part of the layer: its weights, its heads' KV cache, its position.
@@ -553,7 +567,12 @@ fn finish(
     out: OutputBuffer,
 ) -> fusion_candle::Result<CTensor> {
     replays.calls += 1;
-    replays.replayed += usize::from(report.replay == ReplayStatus::Replayed);
+    match report.replay {
+        ReplayStatus::Replayed => replays.replayed += 1,
+        ReplayStatus::Captured(_) => replays.captured += 1,
+        ReplayStatus::Eager(EagerReason::Moved) => replays.moved += 1,
+        ReplayStatus::Eager(_) => {}
+    }
     drop(report);
     out.into_candle()
 }

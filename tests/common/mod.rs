@@ -188,6 +188,18 @@ pub struct Run {
     pub lowerings: usize,
 }
 
+/// Options that pipeline stream loops at any size: what the suites check (by default
+/// `Pipelining::Auto` gives their small shapes the unpipelined plan).
+pub fn always_pipelined() -> ExecOptions {
+    ExecOptions {
+        lower: fusion::core::lower::LowerOptions {
+            pipelining: Pipelining::Always,
+            ..Default::default()
+        },
+        ..ExecOptions::default()
+    }
+}
+
 /// Runs `fusion` on `d` simulated devices, with the race checker on, and assembles the
 /// outputs.
 pub fn run(
