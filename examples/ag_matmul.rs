@@ -31,7 +31,7 @@ struct Cli {
     #[arg(short, default_value_t = 4)]
     s: usize,
     /// Rows per chunk and device
-    #[arg(short, default_value_t = 64)]
+    #[arg(short, default_value_t = 256)]
     m: usize,
     /// Contracted dimension
     #[arg(short, default_value_t = 256)]

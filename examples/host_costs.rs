@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use fusion::core::hir::NodeKind;
-use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
+use fusion::core::lower::{LowerOptions, Pipelining, ReduceScatterPipeline};
 use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::replay::ReplayStatus;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, RunReport, Tensor, World};
@@ -166,7 +166,11 @@ fn pipelines(rank: &Rank) -> Result<Rows> {
             for (mode, graphs) in [("walked", false), ("graphs on", true)] {
                 let o = ExecOptions {
                     graphs,
-                    lower: lower.clone(),
+                    // Tiny pipelines are what this measures (Auto would not pipeline them).
+                    lower: LowerOptions {
+                        pipelining: Pipelining::Always,
+                        ..lower.clone()
+                    },
                     ..ExecOptions::default()
                 };
                 // Warm up (the first calls lower, capture and learn addresses).

@@ -33,7 +33,7 @@ struct Cli {
     #[arg(short, default_value_t = 4)]
     s: usize,
     /// Rows per chunk
-    #[arg(short, default_value_t = 128)]
+    #[arg(short, default_value_t = 256)]
     m: usize,
     /// Contracted dimension per device
     #[arg(short, default_value_t = 256)]

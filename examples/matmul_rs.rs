@@ -36,7 +36,7 @@ struct Cli {
     #[arg(short, default_value_t = 4)]
     s: usize,
     /// Rows per chunk and output block
-    #[arg(short, default_value_t = 32)]
+    #[arg(short, default_value_t = 256)]
     m: usize,
     /// Contracted dimension per device
     #[arg(short, default_value_t = 256)]

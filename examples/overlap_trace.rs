@@ -16,7 +16,7 @@ use clap::Parser;
 use fusion::core::builder::{Axis, FusionBuilder};
 use fusion::core::ir::Fusion;
 use fusion::runtime::trace::{busy_ms, chrome_trace, overlaps};
-use fusion::{DType, ExecOptions, FusionExecutor, Tensor, World};
+use fusion::{DType, ExecOptions, FusionExecutor, LowerOptions, Pipelining, Tensor, World};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -116,6 +116,10 @@ fn run() -> fusion::Result<()> {
     let b_full = Tensor::randn(&[args.k, args.n], dt, 2);
     let opts = ExecOptions {
         number_of_streams: args.streams,
+        lower: LowerOptions {
+            pipelining: Pipelining::Always, // the pipelines are what it traces, at any size
+            ..LowerOptions::default()
+        },
         ..ExecOptions::default()
     };
     let traced = ExecOptions {

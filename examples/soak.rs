@@ -349,6 +349,10 @@ fn run() -> fusion::Result<()> {
         b: Tensor::randn(&[k, n], dtype, 2),
         opts: ExecOptions {
             number_of_streams: cli.streams,
+            lower: fusion::LowerOptions {
+                pipelining: fusion::Pipelining::Always, // the pipeline's calls are soaked
+                ..fusion::LowerOptions::default()
+            },
             ..ExecOptions::default()
         },
         start: std::time::Instant::now(),

@@ -29,7 +29,7 @@ type R3 = Ranked<3>;
 #[derive(Parser, Debug)]
 struct Cli {
     /// Rows of x per device (M / devices)
-    #[arg(short, default_value_t = 128)]
+    #[arg(short, default_value_t = 256)]
     m: usize,
     /// Hidden size H
     #[arg(long, default_value_t = 256)]

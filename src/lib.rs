@@ -44,8 +44,13 @@ extern crate self as fusion;
 pub use fusion_core as core;
 pub use fusion_runtime as runtime;
 
+/// candle tensors in and out of fusions without a copy (the `candle` feature).
+#[cfg(feature = "candle")]
+pub use fusion_candle as candle;
+
 pub use fusion_core::builder::Axis;
 pub use fusion_core::ir::ParallelType;
+pub use fusion_core::lower::{LowerOptions, Pipelining};
 pub use fusion_core::DType;
 pub use fusion_runtime::{
     concat, BackendKind, Error, Result, RunReport, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5,
@@ -326,8 +331,8 @@ pub use fusion_runtime::ExecOptions;
 pub mod prelude {
     pub use crate::{
         concat, fusion, Axis, BackendKind, CallTarget, DType, Error, ExecOptions, FusionBuilder,
-        FusionExecutor, ParallelType, Rank, Ranked, Result, Tensor, Tensor1, Tensor2, Tensor3,
-        Tensor4, Tensor5, Tensor6, World,
+        FusionExecutor, LowerOptions, ParallelType, Pipelining, Rank, Ranked, Result, Tensor,
+        Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6, World,
     };
 }
 

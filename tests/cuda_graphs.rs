@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{cases, Give};
+use common::{always_pipelined, cases, Give};
 use fusion::core::hir::CommBackend;
 use fusion::core::ir::{Fusion, UnaryOp};
 use fusion::core::lower::{lower, LowerOptions, ReduceScatterPipeline};
@@ -77,7 +77,7 @@ fn the_cpu_backend_runs_eagerly_and_says_why() {
             let a = Tensor::randn(&[4, 3], DType::F32, 1);
             let b = Tensor::randn(&[3, 2], DType::F32, 2);
             for _ in 0..3 {
-                let r = exec.run_with(rank, &[&a, &b], None, &ExecOptions::default())?;
+                let r = exec.run_with(rank, &[&a, &b], None, &always_pipelined())?;
                 assert_eq!(
                     r.replay,
                     ReplayStatus::Eager(EagerReason::Backend(BackendKind::Cpu))
@@ -85,7 +85,7 @@ fn the_cpu_backend_runs_eagerly_and_says_why() {
             }
             let off = ExecOptions {
                 graphs: false,
-                ..ExecOptions::default()
+                ..always_pipelined()
             };
             let r = exec.run_with(rank, &[&a, &b], None, &off)?;
             assert_eq!(r.replay, ReplayStatus::Eager(EagerReason::Disabled));
@@ -361,7 +361,7 @@ fn gpu_world(n: usize) -> Option<World> {
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn replayed_calls_match_eager_calls_on_one_gpu() {
     let world = gpu_world(1).expect("a GPU");
-    graphs_match_eager(&world, &ExecOptions::default());
+    graphs_match_eager(&world, &always_pipelined());
     // The ring with one row range: fewer iterations than streams, so the first step's
     // stream of "the sum that arrived" is one the loop never forks (a capture refuses
     // waiting for it; the first step has nothing to wait for).
@@ -371,7 +371,7 @@ fn replayed_calls_match_eager_calls_on_one_gpu() {
             reduce_scatter_subchunks: Some(1),
             ..LowerOptions::default()
         },
-        ..ExecOptions::default()
+        ..always_pipelined()
     };
     graphs_match_eager(&world, &ring);
 }
@@ -385,7 +385,7 @@ fn replayed_calls_match_eager_calls_over_nccl_on_two_gpus() {
             p2p_backend: CommBackend::Nccl,
             ..LowerOptions::default()
         },
-        ..ExecOptions::default()
+        ..always_pipelined()
     };
     graphs_match_eager(&world, &options);
     // NCCL's graph-mixing support is off (set by the first communicator unless the
@@ -400,7 +400,7 @@ fn eager_calls_match_the_cpu_backend(world: &World) {
     let cpu = World::local(d).unwrap();
     let eager = ExecOptions {
         graphs: false,
-        ..ExecOptions::default()
+        ..always_pipelined()
     };
     for case in cases_for(d) {
         let inputs = (case.inputs)(7, d);
@@ -461,7 +461,7 @@ fn copy_engine_pipelines_on_two_ranks_sharing_the_visible_gpus() {
             (0..3)
                 .map(|_| {
                     Ok(exec
-                        .run_with(rank, &refs, None, &ExecOptions::default())?
+                        .run_with(rank, &refs, None, &always_pipelined())?
                         .replay)
                 })
                 .collect::<fusion::Result<Vec<_>>>()
@@ -481,7 +481,7 @@ fn replayed_calls_match_eager_calls_over_copy_engines_on_two_gpus() {
     // The default transport between two GPUs of one process: copy-engine P2P, handed off
     // through device flags, so the pipeline is captured with its transfers.
     let Some(world) = gpu_world(2) else { return };
-    graphs_match_eager(&world, &ExecOptions::default());
+    graphs_match_eager(&world, &always_pipelined());
     // The ring with its GEMMs taking turns on two compute streams (4 row ranges).
     let two_compute = ExecOptions {
         lower: LowerOptions {
@@ -490,7 +490,7 @@ fn replayed_calls_match_eager_calls_over_copy_engines_on_two_gpus() {
             ring_compute_streams: 2,
             ..LowerOptions::default()
         },
-        ..ExecOptions::default()
+        ..always_pipelined()
     };
     graphs_match_eager(&world, &two_compute);
 }
@@ -525,7 +525,7 @@ fn a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang() {
         let local = common::distribute(rank, &inputs)?;
         let refs: Vec<&Tensor> = local.iter().collect();
         for _ in 0..3 {
-            exec.run(rank, &refs)?;
+            exec.run_with(rank, &refs, None, &always_pipelined())?;
         }
         rank.synchronize()?;
         rank.communicator().exchange(&[])?;
@@ -533,7 +533,7 @@ fn a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang() {
             step("rank 0 stops");
             return Err(fusion::Error::World("rank 0 stops before its call".into()));
         }
-        let r = exec.run_with(rank, &refs, None, &ExecOptions::default());
+        let r = exec.run_with(rank, &refs, None, &always_pipelined());
         step(&format!("rank 1 call returned: ok = {}", r.is_ok()));
         let r = r?;
         assert_eq!(r.replay, ReplayStatus::Replayed);
@@ -585,7 +585,10 @@ fn executors_and_outputs_may_outlive_their_world() {
                 let refs: Vec<&Tensor> = local.iter().collect();
                 let mut last = None;
                 for _ in 0..4 {
-                    last = Some(exec.run(rank, &refs)?);
+                    last = Some(
+                        exec.run_with(rank, &refs, None, &always_pipelined())?
+                            .outputs,
+                    );
                 }
                 Ok(last.expect("four calls"))
             })
@@ -616,7 +619,7 @@ fn graphs_of_finished_runs_are_dropped() {
                     let refs: Vec<&Tensor> = local.iter().collect();
                     let mut statuses = Vec::new();
                     for _ in 0..3 {
-                        let r = exec.run_with(rank, &refs, None, &ExecOptions::default())?;
+                        let r = exec.run_with(rank, &refs, None, &always_pipelined())?;
                         statuses.push(r.replay);
                     }
                     rank.synchronize()?;

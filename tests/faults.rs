@@ -16,8 +16,8 @@ mod common;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::cases;
 use common::launch::{start_exe, Ended, Vars};
+use common::{always_pipelined, cases};
 use fusion::runtime::backend::cuda::{a_device_is_stuck, device_count};
 use fusion::runtime::world::LaunchSpec;
 use fusion::runtime::world::{cuda_world, cuda_world_sharing_gpus, launched_world_sharing_gpus};
@@ -70,11 +70,12 @@ impl Pipeline {
         }
     }
 
-    /// One call, its output read back (so the call's device work is waited for).
+    /// One call, its output read back (so the call's device work is waited for). The
+    /// P2P pipeline at any size (by default small chunks would get one Allgather).
     fn call(&self, rank: &Rank, inputs: &[Tensor]) -> fusion::Result<()> {
         let refs: Vec<&Tensor> = inputs.iter().collect();
-        let out = self.exec.run(rank, &refs)?;
-        rank.to_host(&out[0])?;
+        let report = self.exec.run_with(rank, &refs, None, &always_pipelined())?;
+        rank.to_host(&report.outputs[0])?;
         Ok(())
     }
 
@@ -142,7 +143,7 @@ fn a_rank_that_panics_in_the_middle_of_a_pipeline_fails_its_peer() {
             // Not read back: rank 0 runs ahead into calls rank 1 never joins (replayed
             // from graphs on two GPUs, its device waiting on their flags).
             let refs: Vec<&Tensor> = inputs.iter().collect();
-            p.exec.run(rank, &refs)?;
+            p.exec.run_with(rank, &refs, None, &always_pipelined())?;
         }
         rank.synchronize()
     });

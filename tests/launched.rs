@@ -442,6 +442,10 @@ fn child_handles_from_threads() {
         .collect();
     let start = std::time::Instant::now();
     let (after_first, end) = drive(layers, 1000);
+    // No process leaves (its goodbye makes rank 0's rendezvous act) before every process
+    // has counted: a barrier over the world, after the counts.
+    let token = Tensor::zeros(&[1], DType::F32);
+    world.run(|rank| rank.gather_to_host(&token)).unwrap();
     assert_eq!(
         end, after_first,
         "calls on handles made threads or communicators"

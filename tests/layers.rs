@@ -388,3 +388,58 @@ fn a_gather_scatter_loop_that_cannot_be_a_ring_is_a_lowering_error() {
     let err = fusion::core::lower::lower(&cases::tp_mlp(dt, UnaryOp::Relu), 2, &o).unwrap_err();
     assert!(err.to_string().contains("compute-first"), "{err}");
 }
+
+#[test]
+fn decode_sized_calls_run_one_collective_and_one_gemm_per_block() {
+    // `Pipelining::Auto` (the default, not the suites' `Always`): a few rows per device give
+    // the unpipelined plan (an Allgather, whole GEMMs, a ReduceScatter) and say so under the
+    // program; from AUTO_MIN_CHUNK_ROWS rows per chunk on, the same fusion is one pipeline.
+    use fusion::core::lower::AUTO_MIN_CHUNK_ROWS;
+    use fusion::{FusionExecutor, World};
+    let dt = DType::F32;
+    for d in [2, 4] {
+        for (m, pipelined) in [(2, false), (8, false), (AUTO_MIN_CHUNK_ROWS, true)] {
+            let (h, f) = (8, 4);
+            let x = input(&[d, m, h], 1, dt, seed(d, 90));
+            let w1 = input(&[d, h, f], h, dt, seed(d, 91));
+            let w2 = input(&[d, f, h], f * d, dt, seed(d, 92));
+            let exec = FusionExecutor::new(cases::tp_mlp(dt, UnaryOp::GeluTanh));
+            let o = ExecOptions::default();
+            let per_rank = World::local(d)
+                .unwrap()
+                .run(|rank| {
+                    let local = [rank.shard(&x, 0)?, rank.shard(&w1, 0)?, rank.shard(&w2, 0)?];
+                    let refs: Vec<&Tensor> = local.iter().collect();
+                    let out = exec.run_with(rank, &refs, None, &o)?.outputs.remove(0);
+                    Ok((rank.to_host(&out)?, exec.program(rank, &refs, &o)?))
+                })
+                .unwrap();
+            let program = &per_rank[0].1;
+            let text = program.to_string();
+            assert_eq!(
+                loops(program) > 0,
+                pipelined,
+                "{d} devices, {m} rows:\n{text}"
+            );
+            let top = kinds(&program.body);
+            if pipelined {
+                assert!(text.contains("// pipelining: on"), "{text}");
+            } else {
+                assert!(text.contains("// pipelining: off"), "{text}");
+                let comms = top
+                    .iter()
+                    .filter(|k| **k == NodeKind::Communication)
+                    .count();
+                assert_eq!(comms, 2, "one Allgather and one ReduceScatter: {top:?}");
+            }
+            let parts: Vec<Tensor> = per_rank.into_iter().map(|(t, _)| t).collect();
+            let y = fusion::concat(&parts, 0).unwrap();
+            assert_close(
+                &mlp_reference(&x, &w1, &w2, UnaryOp::GeluTanh),
+                &y,
+                tolerance_for(dt),
+                &format!("MLP block on {d} devices, {m} rows per device, pipelined {pipelined}"),
+            );
+        }
+    }
+}

@@ -125,6 +125,10 @@ fn a_traced_pipeline_draws_from_its_trace_files() {
     let _ = std::fs::remove_dir_all(&dir);
     let opts = ExecOptions {
         trace_dir: Some(dir.clone()),
+        lower: LowerOptions {
+            pipelining: Pipelining::Always, // the pipeline at these small shapes
+            ..LowerOptions::default()
+        },
         ..ExecOptions::default()
     };
     let a = Tensor::randn(&[d, 4, 8], DType::F32, 1);

@@ -146,6 +146,10 @@ fn every_call_writes_a_trace_per_rank_holding_every_node() {
     let dir = scratch("trace-files");
     let opts = ExecOptions {
         trace_dir: Some(dir.clone()),
+        lower: LowerOptions {
+            pipelining: Pipelining::Always, // the pipeline at these small shapes
+            ..LowerOptions::default()
+        },
         ..ExecOptions::default()
     };
     let a = Tensor::randn(&[d, 4, 8], DType::BF16, 1);
@@ -182,6 +186,10 @@ fn the_reduce_scatter_pipeline_is_traced_too() {
     let dir = scratch("trace-files-rs");
     let opts = ExecOptions {
         trace_dir: Some(dir.clone()),
+        lower: LowerOptions {
+            pipelining: Pipelining::Always, // the pipeline at these small shapes
+            ..LowerOptions::default()
+        },
         ..ExecOptions::default()
     };
     let a = Tensor::randn(&[d, d, 4, 6], DType::F32, 3);

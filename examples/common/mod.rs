@@ -27,6 +27,18 @@ pub struct Common {
     /// Print the host program the fusion lowers to
     #[arg(long)]
     pub dump: bool,
+    /// Whether stream loops are pipelined: `auto` from 256 rows per chunk on
+    /// (`LowerOptions::pipelining`), `always` or `never`
+    #[arg(long, value_enum, default_value_t = Pipe::Auto)]
+    pub pipelining: Pipe,
+}
+
+/// `--pipelining` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Pipe {
+    Auto,
+    Always,
+    Never,
 }
 
 /// `--dtype` values.
@@ -66,6 +78,14 @@ impl Common {
     pub fn options(&self) -> ExecOptions {
         ExecOptions {
             number_of_streams: self.streams,
+            lower: LowerOptions {
+                pipelining: match self.pipelining {
+                    Pipe::Auto => Pipelining::Auto,
+                    Pipe::Always => Pipelining::Always,
+                    Pipe::Never => Pipelining::Never,
+                },
+                ..LowerOptions::default()
+            },
             ..ExecOptions::default()
         }
     }

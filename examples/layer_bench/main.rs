@@ -190,6 +190,10 @@ fn run_block(
     out.push(("sequential".into(), ms, 0.0, peak));
     let mut o = ExecOptions {
         number_of_streams: a.streams,
+        lower: fusion::LowerOptions {
+            pipelining: fusion::Pipelining::Always, // compared with the sequential plan
+            ..fusion::LowerOptions::default()
+        },
         ..ExecOptions::default()
     };
     let (ms, err, peak, _) = timed(rank, a, e, &e.block, &refs, &o, Some(&reference))?;

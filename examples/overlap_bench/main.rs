@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use fusion::core::hir::CommBackend;
-use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
+use fusion::core::lower::{LowerOptions, Pipelining, ReduceScatterPipeline};
 use fusion::runtime::backend::Kernel;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
@@ -136,6 +136,8 @@ fn opts(
         p2p_backend: backend,
         collective_backend: backend,
         stream_buffers,
+        // The pipelines are what it measures, at every size of its sweeps.
+        pipelining: Pipelining::Always,
         ..LowerOptions::default()
     };
     if !stream_lowering {

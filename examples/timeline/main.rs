@@ -142,6 +142,10 @@ fn run_pipelines(args: &Args) -> fusion::Result<(Vec<Traced>, String)> {
     let json = args.out.join("json");
     let plain = ExecOptions {
         number_of_streams: args.streams,
+        lower: fusion::LowerOptions {
+            pipelining: fusion::Pipelining::Always, // the pipelines are what it draws
+            ..fusion::LowerOptions::default()
+        },
         ..ExecOptions::default()
     };
     let traced = ExecOptions {

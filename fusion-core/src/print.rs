@@ -369,6 +369,9 @@ impl fmt::Display for HostProgram {
             let _ = writeln!(s, "}} // Segment{i}");
         }
         s.push_str("} // %HostIrContainer\n");
+        for note in &self.notes {
+            let _ = writeln!(s, "// {note}");
+        }
         fmt.write_str(&s)
     }
 }

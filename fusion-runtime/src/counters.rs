@@ -1,11 +1,12 @@
-//! Counts of what the runtime creates, for tests and reports: threads it spawns and
-//! communicators it makes. A rank handle's calls create neither after the first call (the
+//! Counts of what the runtime creates and moves, for tests and reports: threads it
+//! spawns, communicators it makes, tensors it copies from a device to the host. A rank handle's calls create neither after the first call (the
 //! first may make a team's NCCL communicator), which tests check with these counts.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 static THREADS: AtomicU64 = AtomicU64::new(0);
 static COMMUNICATORS: AtomicU64 = AtomicU64::new(0);
+static DEVICE_TO_HOST: AtomicU64 = AtomicU64::new(0);
 
 /// What this process's runtime has created so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -16,6 +17,9 @@ pub struct RuntimeCounters {
     /// Communicators it made: host endpoints, rank communicators (in-process and NCCL
     /// ones) and NCCL communicators of worlds, sub-worlds and teams.
     pub communicators_created: u64,
+    /// Copies of tensors from a GPU to the host (`Rank::to_host`, `gather_to_host` of a
+    /// device tensor): activations that make a host round trip.
+    pub device_to_host_copies: u64,
 }
 
 /// The counts so far (they only grow).
@@ -23,6 +27,7 @@ pub fn counters() -> RuntimeCounters {
     RuntimeCounters {
         threads_spawned: THREADS.load(Ordering::Relaxed),
         communicators_created: COMMUNICATORS.load(Ordering::Relaxed),
+        device_to_host_copies: DEVICE_TO_HOST.load(Ordering::Relaxed),
     }
 }
 
@@ -34,6 +39,12 @@ pub(crate) fn thread_spawned() {
 /// Counts `n` communicators made.
 pub(crate) fn communicators_created(n: u64) {
     COMMUNICATORS.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Counts a copy of a tensor from a device to the host.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn device_to_host_copy() {
+    DEVICE_TO_HOST.fetch_add(1, Ordering::Relaxed);
 }
 
 /// A thread builder, counted as a spawned thread (for the runtime's named threads).

@@ -87,6 +87,11 @@ pub enum Error {
     /// The world or a rank was set up wrongly (world size, device count, environment).
     #[error("world: {0}")]
     World(String),
+    /// An error of the application or of another library, raised where this crate's
+    /// errors are returned (a closure given to `World::run`, an adapter): kept whole, as
+    /// the source.
+    #[error(transparent)]
+    External(std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>),
     /// A rank's closure panicked.
     #[error("rank {rank} panicked: {message}")]
     Panic {
@@ -159,6 +164,12 @@ fn axis_suffix(axis: Option<usize>) -> String {
 }
 
 impl Error {
+    /// Wraps another library's error (e.g. candle's) so `?` can return it from a closure
+    /// given to `World::run`.
+    pub fn external(e: impl std::error::Error + Send + Sync + 'static) -> Error {
+        Error::External(std::sync::Arc::new(e))
+    }
+
     /// True for errors caused by another rank's failure (not the root cause).
     pub fn is_secondary(&self) -> bool {
         matches!(self, Error::PeerFailed { .. })

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use fusion_core::generic::GenericFusion;
 use fusion_core::hir::HostProgram;
 use fusion_core::ir::Fusion;
-use fusion_core::lower::{lower, LowerOptions};
+use fusion_core::lower::{lower_for_shapes, LowerOptions};
 use fusion_core::DType;
 
 use crate::backend::{BackendKind, CallerStream};
@@ -880,7 +880,9 @@ impl FusionExecutor {
         if dump.fusion {
             eprintln!("{fusion}");
         }
-        let lowered = lower(fusion, rank.world_size(), &lower_options)?;
+        let lowered = lower_for_shapes(fusion, rank.world_size(), &lower_options, &|s| {
+            symbols.get(s)
+        })?;
         for d in &lowered.dumps {
             eprintln!("=== after pass {} ===\n{}", d.pass, d.program);
         }

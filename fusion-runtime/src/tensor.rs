@@ -27,34 +27,158 @@ pub trait DeviceBuffer: Send + Sync + fmt::Debug {
     fn as_any(&self) -> &dyn Any;
 }
 
-/// Host memory: raw bytes behind a lock.
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// An element type host tensors hold in its own type: `f32`, `half::bf16`, `half::f16`
+/// (what [`Tensor::from_host_vec`] takes and [`Tensor::into_host_vec`] gives back).
+pub trait HostElement: sealed::Sealed + Copy + Send + Sync + fmt::Debug + 'static {
+    /// The tensor dtype of this element type.
+    const DTYPE: DType;
+    /// Wraps a vector of these elements as host memory.
+    #[doc(hidden)]
+    fn into_memory(v: Vec<Self>) -> HostMemory;
+    /// Takes the vector back out of host memory of this element type.
+    #[doc(hidden)]
+    fn from_memory(m: HostMemory) -> std::result::Result<Vec<Self>, HostMemory>;
+}
+
+/// `HostElement` for an element type held in the `HostMemory` variant of that name.
+macro_rules! host_element {
+    ($t:ty, $variant:ident) => {
+        impl HostElement for $t {
+            const DTYPE: DType = DType::$variant;
+            fn into_memory(v: Vec<Self>) -> HostMemory {
+                HostMemory::$variant(v)
+            }
+            fn from_memory(m: HostMemory) -> std::result::Result<Vec<Self>, HostMemory> {
+                match m {
+                    HostMemory::$variant(v) => Ok(v),
+                    other => Err(other),
+                }
+            }
+        }
+    };
+}
+
+host_element!(f32, F32);
+host_element!(bf16, BF16);
+host_element!(f16, F16);
+
+/// The elements behind a [`HostBuffer`].
+#[doc(hidden)]
+pub enum HostMemory {
+    /// Elements the runtime owns, kept in their own type so that a finished output can be
+    /// handed to another library without a copy ([`Tensor::into_host_vec`]).
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    /// Elements another library owns, viewed read-only; `owner` keeps them alive.
+    Foreign {
+        ptr: *const u8,
+        len: usize,
+        owner: Arc<dyn Any + Send + Sync>,
+    },
+}
+
+// SAFETY: the foreign pointer is only read, under the buffer's lock, while `owner` (Send +
+// Sync) keeps the memory alive; the owned variants are plain vectors.
+unsafe impl Send for HostMemory {}
+// SAFETY: as above; every access goes through `HostBuffer`'s mutex.
+unsafe impl Sync for HostMemory {}
+
+impl fmt::Debug for HostMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HostMemory::F32(v) => write!(f, "F32({} elements)", v.len()),
+            HostMemory::BF16(v) => write!(f, "BF16({} elements)", v.len()),
+            HostMemory::F16(v) => write!(f, "F16({} elements)", v.len()),
+            HostMemory::Foreign { len, .. } => write!(f, "Foreign({len} bytes, read-only)"),
+        }
+    }
+}
+
+/// Views a slice of plain numbers as its bytes.
+fn as_bytes<T: HostElement>(v: &[T]) -> &[u8] {
+    // SAFETY: f32, bf16 and f16 have no padding and every value is initialized; u8 has
+    // alignment 1, and the length covers exactly the slice's bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Views a mutable slice of plain numbers as its bytes.
+fn as_bytes_mut<T: HostElement>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; moreover every byte pattern is a valid f32, bf16 or f16,
+    // so writes through the bytes cannot make an invalid value.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Host memory behind a lock: elements the runtime owns, or another library's, read-only.
 #[derive(Debug)]
 pub struct HostBuffer {
-    bytes: Mutex<Vec<u8>>,
+    memory: Mutex<HostMemory>,
 }
 
 impl HostBuffer {
-    fn new(bytes: Vec<u8>) -> Self {
+    fn new(memory: HostMemory) -> Self {
         HostBuffer {
-            bytes: Mutex::new(bytes),
+            memory: Mutex::new(memory),
         }
+    }
+
+    /// Zeroed memory for `numel` elements of `dtype`.
+    fn zeroed(dtype: DType, numel: usize) -> Self {
+        HostBuffer::new(match dtype {
+            DType::F32 => HostMemory::F32(vec![0.0; numel]),
+            DType::BF16 => HostMemory::BF16(vec![bf16::ZERO; numel]),
+            DType::F16 => HostMemory::F16(vec![f16::ZERO; numel]),
+        })
     }
 
     /// Runs `f` on the bytes (read).
     pub fn with<R>(&self, f: impl FnOnce(&[u8]) -> R) -> R {
-        let guard = self.bytes.lock().unwrap_or_else(|p| p.into_inner());
-        f(&guard)
+        let guard = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+        match &*guard {
+            HostMemory::F32(v) => f(as_bytes(v)),
+            HostMemory::BF16(v) => f(as_bytes(v)),
+            HostMemory::F16(v) => f(as_bytes(v)),
+            HostMemory::Foreign { ptr, len, .. } => {
+                // SAFETY: the constructor's contract (`Tensor::from_foreign_host`): `ptr`
+                // is valid for reads of `len` bytes while `owner` lives, which it does as
+                // long as this buffer, and nothing writes there meanwhile.
+                f(unsafe { std::slice::from_raw_parts(*ptr, *len) })
+            }
+        }
     }
 
-    /// Runs `f` on the bytes (write).
-    pub fn with_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        let mut guard = self.bytes.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut guard)
+    /// Runs `f` on the bytes (write); memory of another library is read-only.
+    pub fn with_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        let mut guard = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+        match &mut *guard {
+            HostMemory::F32(v) => Ok(f(as_bytes_mut(v))),
+            HostMemory::BF16(v) => Ok(f(as_bytes_mut(v))),
+            HostMemory::F16(v) => Ok(f(as_bytes_mut(v))),
+            HostMemory::Foreign { .. } => Err(Error::Tensor(
+                "this tensor views another library's memory read-only (e.g. a candle tensor \
+                 passed as an input); it cannot be written: pass it only as an input and let \
+                 the runtime allocate outputs"
+                    .into(),
+            )),
+        }
     }
 
     /// Size in bytes.
     pub fn len_bytes(&self) -> usize {
         self.with(|b| b.len())
+    }
+
+    /// Whether the memory belongs to another library (read-only).
+    pub fn is_foreign(&self) -> bool {
+        let guard = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+        matches!(&*guard, HostMemory::Foreign { .. })
     }
 }
 
@@ -214,11 +338,12 @@ impl Tensor {
                 data.len()
             )));
         }
-        let mut bytes = vec![0u8; numel * dtype.size_bytes()];
-        for (i, &v) in data.iter().enumerate() {
-            write_elem(&mut bytes, i, dtype, v);
-        }
-        Ok(Tensor::from_host_bytes(dtype, shape, bytes))
+        let memory = match dtype {
+            DType::F32 => HostMemory::F32(data.to_vec()),
+            DType::BF16 => HostMemory::BF16(data.iter().map(|&v| bf16::from_f32(v)).collect()),
+            DType::F16 => HostMemory::F16(data.iter().map(|&v| f16::from_f32(v)).collect()),
+        };
+        Ok(Tensor::over_host(dtype, shape, HostBuffer::new(memory)))
     }
 
     /// A contiguous host tensor over raw little-endian element bytes (checked length).
@@ -234,16 +359,20 @@ impl Tensor {
                 bytes.len()
             )));
         }
-        Ok(Tensor::from_host_bytes(dtype, shape, bytes))
+        let numel = expected / dtype.size_bytes();
+        let t = Tensor::over_host(dtype, shape, HostBuffer::zeroed(dtype, numel));
+        t.host("from_host_bytes")?
+            .with_mut(|dst| dst.copy_from_slice(&bytes))?;
+        Ok(t)
     }
 
-    fn from_host_bytes(dtype: DType, shape: &[usize], bytes: Vec<u8>) -> Tensor {
+    fn over_host(dtype: DType, shape: &[usize], buffer: HostBuffer) -> Tensor {
         Tensor {
             dtype,
             shape: shape.to_vec(),
             strides: contiguous_strides(shape),
             offset: 0,
-            storage: Storage::Host(Arc::new(HostBuffer::new(bytes))),
+            storage: Storage::Host(Arc::new(buffer)),
             shard: None,
         }
     }
@@ -251,7 +380,100 @@ impl Tensor {
     /// A host tensor of zeros.
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
         let numel: usize = shape.iter().product();
-        Tensor::from_host_bytes(dtype, shape, vec![0u8; numel * dtype.size_bytes()])
+        Tensor::over_host(dtype, shape, HostBuffer::zeroed(dtype, numel))
+    }
+
+    /// A contiguous host tensor that takes `data` as its memory, without a copy.
+    pub fn from_host_vec<T: HostElement>(shape: &[usize], data: Vec<T>) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        if data.len() != numel {
+            return Err(Error::Tensor(format!(
+                "from_host_vec: shape {shape:?} holds {numel} elements but {} were given",
+                data.len()
+            )));
+        }
+        Ok(Tensor::over_host(
+            T::DTYPE,
+            shape,
+            HostBuffer::new(T::into_memory(data)),
+        ))
+    }
+
+    /// A contiguous host tensor over another library's memory, read-only and without a
+    /// copy: `len` elements from `ptr`, kept alive by `owner` for as long as any view of
+    /// the tensor lives. Writing into the tensor (as an output) is an error.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` elements of `T` for as long as `owner` is
+    /// alive, and nothing may write there while a view of the tensor is in use.
+    pub unsafe fn from_foreign_host<T: HostElement>(
+        shape: &[usize],
+        ptr: *const T,
+        len: usize,
+        owner: Arc<dyn Any + Send + Sync>,
+    ) -> Result<Tensor> {
+        let numel: usize = shape.iter().product();
+        if len != numel {
+            return Err(Error::Tensor(format!(
+                "from_foreign_host: shape {shape:?} holds {numel} elements but the memory \
+                 has {len}"
+            )));
+        }
+        Ok(Tensor::over_host(
+            T::DTYPE,
+            shape,
+            HostBuffer::new(HostMemory::Foreign {
+                ptr: ptr.cast::<u8>(),
+                len: len * std::mem::size_of::<T>(),
+                owner,
+            }),
+        ))
+    }
+
+    /// The elements of a host tensor as the vector that holds them, without a copy: the
+    /// tensor must be the only view of memory the runtime allocated, whole and contiguous,
+    /// of element type `T`.
+    pub fn into_host_vec<T: HostElement>(self) -> Result<Vec<T>> {
+        if self.dtype != T::DTYPE {
+            return Err(Error::Tensor(format!(
+                "into_host_vec: the tensor holds {} elements, not {}",
+                self.dtype,
+                T::DTYPE
+            )));
+        }
+        let whole = self.offset == 0 && self.is_contiguous();
+        let numel = self.numel();
+        let Storage::Host(buffer) = self.storage else {
+            return Err(Error::Tensor(
+                "into_host_vec needs a host tensor; copy it to the host first (Rank::to_host)"
+                    .into(),
+            ));
+        };
+        if !whole || buffer.len_bytes() != numel * T::DTYPE.size_bytes() {
+            return Err(Error::Tensor(
+                "into_host_vec: the tensor is a view of part of its memory; take a \
+                 contiguous_copy() first"
+                    .into(),
+            ));
+        }
+        let buffer = Arc::try_unwrap(buffer).map_err(|b| {
+            Error::Tensor(format!(
+                "into_host_vec: {} other tensor(s) (views or clones) still use this memory; \
+                 drop them first",
+                Arc::strong_count(&b) - 1
+            ))
+        })?;
+        let memory = buffer
+            .memory
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner());
+        T::from_memory(memory).map_err(|_| {
+            Error::Tensor(
+                "into_host_vec: the memory belongs to another library (a tensor made by \
+                 from_foreign_host); it cannot be taken"
+                    .into(),
+            )
+        })
     }
 
     /// A host tensor filled with `value`.
@@ -429,8 +651,7 @@ impl Tensor {
             for_each_offset(&self.shape, &self.strides, self.offset, |o| {
                 write_elem(bytes, o, self.dtype, *it.next().expect("counted"))
             })
-        });
-        Ok(())
+        })
     }
 
     /// A new contiguous host tensor with the same values.
@@ -724,5 +945,49 @@ mod tests {
             mean.abs() < 0.1 && (var - 1.0).abs() < 0.15,
             "mean {mean} var {var}"
         );
+    }
+
+    #[test]
+    fn host_vectors_go_in_and_come_back_out_without_a_copy() {
+        let v: Vec<bf16> = (0..6).map(|i| bf16::from_f32(i as f32)).collect();
+        let at = v.as_ptr();
+        let t = Tensor::from_host_vec(&[2, 3], v).unwrap();
+        assert_eq!(t.dtype(), DType::BF16);
+        assert_eq!(t.to_f32_vec().unwrap(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let view = t.narrow(1, 1, 2).unwrap();
+        let err = t.clone().into_host_vec::<bf16>().unwrap_err().to_string();
+        assert!(err.contains("2 other tensor(s)"), "{err}");
+        let err = view
+            .clone()
+            .into_host_vec::<bf16>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("view of part"), "{err}");
+        drop(view);
+        let err = t.clone().into_host_vec::<f32>().unwrap_err().to_string();
+        assert!(err.contains("not f32"), "{err}");
+        let back = t.into_host_vec::<bf16>().unwrap();
+        assert_eq!(back.as_ptr(), at, "the same allocation");
+        assert!(Tensor::from_host_vec(&[4], vec![1.0f32; 3]).is_err());
+    }
+
+    #[test]
+    fn foreign_memory_is_read_in_place_and_never_written() {
+        let data: Arc<Vec<f32>> = Arc::new(vec![1.0, 2.0, 3.0, 4.0]);
+        let owner: Arc<dyn Any + Send + Sync> = data.clone();
+        // SAFETY: `data` is alive (held by `owner`) and never written.
+        let t = unsafe { Tensor::from_foreign_host(&[2, 2], data.as_ptr(), 4, owner) }.unwrap();
+        assert_eq!(Arc::strong_count(&data), 2, "the tensor keeps its owner");
+        assert_eq!(t.select(0, 1).unwrap().to_f32_vec().unwrap(), [3.0, 4.0]);
+        let err = t.write_f32(&[0.0; 4]).unwrap_err().to_string();
+        assert!(err.contains("read-only"), "{err}");
+        assert_eq!(*data, [1.0, 2.0, 3.0, 4.0]);
+        let err = t.into_host_vec::<f32>().unwrap_err().to_string();
+        assert!(err.contains("another library"), "{err}");
+        assert_eq!(Arc::strong_count(&data), 1, "dropped with the last view");
+        // SAFETY: as above.
+        let short =
+            unsafe { Tensor::from_foreign_host(&[5], data.as_ptr(), 4, data.clone() as Arc<_>) };
+        assert!(short.is_err());
     }
 }

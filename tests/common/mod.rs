@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use fusion::core::hir::{HostProgram, Node, NodeKind};
 use fusion::core::ir::Fusion;
+use fusion::core::lower::Pipelining;
 use fusion::runtime::eval::ExecStats;
 use fusion::{concat, DType, ExecOptions, FusionExecutor, Rank, Tensor, World};
 
@@ -187,6 +188,18 @@ pub struct Run {
     pub lowerings: usize,
 }
 
+/// Options that pipeline stream loops at any size: what the suites check (by default
+/// `Pipelining::Auto` gives their small shapes the unpipelined plan).
+pub fn always_pipelined() -> ExecOptions {
+    ExecOptions {
+        lower: fusion::core::lower::LowerOptions {
+            pipelining: Pipelining::Always,
+            ..Default::default()
+        },
+        ..ExecOptions::default()
+    }
+}
+
 /// Runs `fusion` on `d` simulated devices, with the race checker on, and assembles the
 /// outputs.
 pub fn run(
@@ -210,9 +223,16 @@ pub fn try_run(
 ) -> fusion::Result<Run> {
     let world = world(d);
     let exec = FusionExecutor::new(fusion.clone());
-    // Every case runs under the stream-order race checker (a race fails the run).
+    // Every case runs under the stream-order race checker (a race fails the run), and
+    // pipelines its stream loops at the suites' small shapes, where `Pipelining::Auto`
+    // would pick the unpipelined plan (a case that sets the option keeps its choice).
+    let mut lower = options.lower.clone();
+    if lower.pipelining == Pipelining::Auto {
+        lower.pipelining = Pipelining::Always;
+    }
     let options = &ExecOptions {
         race_check: true,
+        lower,
         ..options.clone()
     };
     let launched = world.is_launched();

@@ -374,6 +374,9 @@ pub struct HostProgram {
     pub aliases: Vec<(TensorId, TensorId)>,
     /// Number of devices the program was lowered for.
     pub world_size: usize,
+    /// Decisions lowering made from the call's shapes, printed as `//` lines under the
+    /// program (e.g. whether its stream loops were pipelined, and why).
+    pub notes: Vec<String>,
     next_comm: u32,
 }
 
@@ -389,6 +392,7 @@ impl HostProgram {
             streams: Vec::new(),
             segments: Vec::new(),
             world_size,
+            notes: Vec::new(),
             next_comm: 0,
         }
     }

@@ -10,16 +10,18 @@
 //! 5. Verify that nothing left in the program still needs a communication.
 
 mod insert_reshardings;
+pub mod pipelining;
 pub mod resharding;
 
 use std::collections::{BTreeSet, HashSet};
 
 use crate::error::{Error, Result};
 use crate::hir::{for_each_node, CommBackend, HostProgram, Node};
-use crate::ir::{DeviceMesh, ExprId, Fusion, Op};
+use crate::ir::{DeviceMesh, ExprId, Fusion, Op, ScalarId};
 use crate::pass::{PassContext, PassDump, PassManager};
 
 pub use insert_reshardings::{check, insert_reshardings};
+pub use pipelining::{PipelineDecision, Pipelining, AUTO_MIN_CHUNK_ROWS};
 pub use resharding::{classify, CommSpec, MeshContext, Resharding};
 
 /// Order in which a P2P pipeline visits the chunks of its stream loop.
@@ -103,6 +105,10 @@ pub struct LowerOptions {
     /// that the tail of one GEMM overlaps the start of the next. Values are clamped to
     /// `1..=COMPUTE_STREAMS`; a ring whose loop computes more than its GEMM uses one.
     pub ring_compute_streams: usize,
+    /// Whether stream loops are pipelined at a call's shapes ([`Pipelining`]): by default
+    /// only when every streamed GEMM has enough rows per chunk to hide a transfer
+    /// ([`AUTO_MIN_CHUNK_ROWS`]); decode-sized calls get one collective and one GEMM.
+    pub pipelining: Pipelining,
 }
 
 impl Default for LowerOptions {
@@ -118,6 +124,7 @@ impl Default for LowerOptions {
             reduce_scatter_subchunks: None,
             reduce_scatter_pipeline: ReduceScatterPipeline::Auto,
             ring_compute_streams: 1,
+            pipelining: Pipelining::Auto,
         }
     }
 }
@@ -165,8 +172,20 @@ pub struct Lowered {
     pub dumps: Vec<PassDump>,
 }
 
-/// Lowers `fusion` for a world of `world_size` devices.
+/// Lowers `fusion` for a world of `world_size` devices, without knowing the shapes of its
+/// calls ([`Pipelining::Auto`] then keeps every pipeline).
 pub fn lower(fusion: &Fusion, world_size: usize, options: &LowerOptions) -> Result<Lowered> {
+    lower_for_shapes(fusion, world_size, options, &|_| None)
+}
+
+/// Lowers `fusion` for a world of `world_size` devices and a call whose dimension symbols
+/// have the extents `extent` gives (what [`Pipelining::Auto`] decides from).
+pub fn lower_for_shapes(
+    fusion: &Fusion,
+    world_size: usize,
+    options: &LowerOptions,
+    extent: &dyn Fn(ScalarId) -> Option<i64>,
+) -> Result<Lowered> {
     if world_size == 0 {
         return Err(Error::Invalid("the world has no devices".into()));
     }
@@ -186,7 +205,13 @@ pub fn lower(fusion: &Fusion, world_size: usize, options: &LowerOptions) -> Resu
         .collect();
     let manager = PassManager::standard();
     manager.check_names(&options.disabled_passes)?;
-    let pctx = PassContext::new(world_size, options.clone());
+    let decision = pipelining::decide(fusion, world_size, options.pipelining, extent);
+    let mut options = options.clone();
+    if !decision.pipelined {
+        options.disabled_passes.insert("StreamParallelType".into());
+    }
+    program.notes.extend(decision.note);
+    let pctx = PassContext::new(world_size, options);
     let dumps = manager.run(&mut program, &pctx)?;
     verify(&program)?;
     Ok(Lowered { program, dumps })

@@ -66,8 +66,12 @@ fn main() -> fusion::Result<()> {
         let o = out_proj(rank, &rank.shard(&a, 1)?.try_into()?, &s(&w2, 0)?)?;
         assert_eq!(o.shape(), &[1, 4, 8]);
         // Lowered once each, into one stream loop with both pipelines.
-        let text = mlp::program(rank, &s(&x, 0)?, &s(&w1, 0)?, &s(&w2, 0)?, &ExecOptions::default())?
-            .to_string();
+        // Pipelined at any shape (by default only from 256 rows per chunk on).
+        let always = ExecOptions {
+            lower: LowerOptions { pipelining: Pipelining::Always, ..LowerOptions::default() },
+            ..ExecOptions::default()
+        };
+        let text = mlp::program(rank, &s(&x, 0)?, &s(&w1, 0)?, &s(&w2, 0)?, &always)?.to_string();
         assert_eq!(text.matches("P2PCommunication").count(), 4, "{text}");
         Ok(())
     })?;

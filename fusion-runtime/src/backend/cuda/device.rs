@@ -696,6 +696,7 @@ impl Device for CudaDevice {
         self.shared.chain.after_callers(raw.0, true)?;
         self.wait_stream(raw, "download")?;
         let mut bytes = vec![0u8; src.nbytes()];
+        crate::counters::device_to_host_copy();
         if !bytes.is_empty() {
             // SAFETY: the device range is the contiguous view, the stream is idle.
             unsafe {

@@ -31,7 +31,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
 use fusion_core::DType;
-use half::{bf16, f16};
 
 use super::device::{CudaDevice, DeviceShared};
 use super::libs::driver_err;
@@ -39,29 +38,9 @@ use super::memory::CudaBuffer;
 use crate::error::{Error, Result};
 use crate::tensor::{DeviceBuffer, Tensor};
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::bf16 {}
-    impl Sealed for half::f16 {}
-}
-
 /// An element type of a cudarc buffer that a tensor can view: `f32`, `half::bf16`,
-/// `half::f16`.
-pub trait CudaElement: sealed::Sealed + std::fmt::Debug + Send + Sync + 'static {
-    /// The tensor dtype of this element type.
-    const DTYPE: DType;
-}
-
-impl CudaElement for f32 {
-    const DTYPE: DType = DType::F32;
-}
-impl CudaElement for bf16 {
-    const DTYPE: DType = DType::BF16;
-}
-impl CudaElement for f16 {
-    const DTYPE: DType = DType::F16;
-}
+/// `half::f16` (the host element types).
+pub use crate::tensor::HostElement as CudaElement;
 
 /// Makes `waiter` wait for the work enqueued so far on `waitee` (no host blocking).
 fn stream_after(shared: &DeviceShared, waiter: sys::CUstream, waitee: sys::CUstream) -> Result<()> {

@@ -1,0 +1,116 @@
+//! Fusion outputs written straight into memory candle owns.
+
+use fusion_runtime::{Rank, Tensor};
+use half::{bf16, f16};
+
+use crate::{check_device, Error, Result};
+
+/// Memory for one fusion output that becomes a candle tensor without a copy: pass
+/// [`OutputBuffer::tensor`] as the call's output (`run_with(.., Some(&out), ..)`), then
+/// take the result with [`OutputBuffer::into_candle`]. On the CPU the runtime's own
+/// vector moves into candle; on a GPU the memory is a candle tensor from the start (made
+/// on the candle device's stream, which the call must then run on: `rank.on(..)`).
+pub struct OutputBuffer {
+    name: String,
+    device: candle_core::Device,
+    fusion: Tensor,
+    /// On a GPU: the candle tensor the fusion tensor views.
+    candle: Option<candle_core::Tensor>,
+}
+
+impl OutputBuffer {
+    /// An output of `shape` and `dtype` (f32, bf16 or f16) for `rank`, on candle device
+    /// `device` (the rank's). `name` names it in errors.
+    pub fn new(
+        rank: &Rank,
+        name: &str,
+        dtype: candle_core::DType,
+        shape: &[usize],
+        device: &candle_core::Device,
+    ) -> Result<OutputBuffer> {
+        check_device(name, &device.location(), rank)?;
+        let numel: usize = shape.iter().product();
+        let (fusion, candle) = match device {
+            candle_core::Device::Cpu => {
+                let t = match dtype {
+                    candle_core::DType::F32 => Tensor::from_host_vec(shape, vec![0f32; numel]),
+                    candle_core::DType::BF16 => {
+                        Tensor::from_host_vec(shape, vec![bf16::ZERO; numel])
+                    }
+                    candle_core::DType::F16 => Tensor::from_host_vec(shape, vec![f16::ZERO; numel]),
+                    other => {
+                        return Err(Error::DType {
+                            name: name.into(),
+                            dtype: other,
+                        })
+                    }
+                };
+                (t?, None)
+            }
+            _ => {
+                let t = candle_core::Tensor::zeros(shape, dtype, device)?;
+                (crate::input(rank, name, &t)?, Some(t))
+            }
+        };
+        Ok(OutputBuffer {
+            name: name.into(),
+            device: device.clone(),
+            fusion,
+            candle,
+        })
+    }
+
+    /// The output as a fusion tensor (a view of the buffer; drop every clone of it, and
+    /// the call's report, before [`OutputBuffer::into_candle`]).
+    pub fn tensor(&self) -> Tensor {
+        self.fusion.clone()
+    }
+
+    /// The written output as a candle tensor, owning the buffer; an error while a fusion
+    /// tensor over it is still alive (it could be written again).
+    pub fn into_candle(self) -> Result<candle_core::Tensor> {
+        match self.candle {
+            None => {
+                let rank_free = |e| Error::Output {
+                    name: self.name.clone(),
+                    source: Box::new(e),
+                };
+                let shape = self.fusion.shape().to_vec();
+                let t = match self.fusion.dtype() {
+                    fusion_core::DType::F32 => candle_core::Tensor::from_vec(
+                        self.fusion.into_host_vec::<f32>().map_err(rank_free)?,
+                        shape,
+                        &self.device,
+                    ),
+                    fusion_core::DType::BF16 => candle_core::Tensor::from_vec(
+                        self.fusion.into_host_vec::<bf16>().map_err(rank_free)?,
+                        shape,
+                        &self.device,
+                    ),
+                    fusion_core::DType::F16 => candle_core::Tensor::from_vec(
+                        self.fusion.into_host_vec::<f16>().map_err(rank_free)?,
+                        shape,
+                        &self.device,
+                    ),
+                };
+                Ok(t?)
+            }
+            Some(candle) => {
+                let others = self
+                    .fusion
+                    .device_buffer()
+                    .map_or(0, |b| std::sync::Arc::strong_count(b) - 1);
+                if others > 0 {
+                    return Err(Error::Output {
+                        name: self.name,
+                        source: Box::new(fusion_runtime::Error::Tensor(format!(
+                            "{others} other fusion tensor(s) (views, clones or a call's \
+                             report) still use this buffer; drop them first"
+                        ))),
+                    });
+                }
+                Ok(candle)
+            }
+        }
+    }
+}
