@@ -20,22 +20,8 @@
 //! | Broadcast | root | a copy of root's input |
 //! | SendRecv | root (the sender) | `receiver`: a copy of the sender's input |
 
-#[cfg(feature = "cuda")]
-pub(crate) mod copy_engine;
-#[cfg(feature = "cuda")]
-mod device_waits;
-#[cfg(feature = "cuda")]
-pub(crate) mod ipc;
-#[cfg(feature = "cuda")]
-mod landing;
 pub mod local;
-#[cfg(feature = "cuda")]
-pub mod nccl;
-#[cfg(feature = "cuda")]
-pub(crate) mod nccl_graphs;
 pub mod remote;
-#[cfg(feature = "cuda")]
-pub(crate) mod signals;
 
 use fusion_core::hir::{CommBackend, Communication};
 use fusion_core::DType;
@@ -48,7 +34,7 @@ use crate::tensor::Tensor;
 /// build without the `cuda` feature): a soak checks that the count stays flat.
 pub fn copy_engine_events_alive() -> usize {
     #[cfg(feature = "cuda")]
-    return copy_engine::live_events();
+    return crate::backend::cuda::comm::copy_engine::live_events();
     #[cfg(not(feature = "cuda"))]
     0
 }

@@ -14,18 +14,14 @@
 //! 0's process and what every rank learns there), `cuda` (CUDA worlds and their
 //! transports), `split` (sub-worlds).
 
-mod bootstrap;
-#[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod bootstrap;
 // Pure checks of a launch layout, used by CUDA worlds (unit-tested in every build).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-mod gpu_layout;
+pub(crate) mod gpu_layout;
 pub mod launcher;
 mod rank;
 mod split;
 pub mod topology;
-#[cfg(feature = "cuda")]
-mod user_buffers;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::AtomicU64;
@@ -39,12 +35,12 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-pub use bootstrap::VERSION;
 #[cfg(feature = "cuda")]
-pub use cuda::{
+pub use crate::backend::cuda::world::{
     cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
     launched_world_sharing_gpus,
 };
+pub use bootstrap::VERSION;
 pub use launcher::{LaunchSpec, Launcher};
 #[cfg(feature = "cuda")]
 pub use rank::OnStream;
@@ -215,7 +211,12 @@ impl World {
         };
         if cuda {
             #[cfg(feature = "cuda")]
-            return cuda::launched_cuda_world(spec, per_process.as_deref(), timeout, false);
+            return crate::backend::cuda::world::launched_cuda_world(
+                spec,
+                per_process.as_deref(),
+                timeout,
+                false,
+            );
             #[cfg(not(feature = "cuda"))]
             return Err(no_cuda_feature());
         }
@@ -492,7 +493,7 @@ impl World {
 /// A CUDA world of `n` devices (all when `None`), or the error of a build without CUDA.
 fn cuda_world_or_error(n: Option<usize>) -> Result<World> {
     #[cfg(feature = "cuda")]
-    return cuda::cuda_world(n);
+    return crate::backend::cuda::world::cuda_world(n);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = n;

@@ -35,7 +35,7 @@ use cudarc::driver::{result, sys, CudaStream};
 
 use super::device::{CudaDevice, DeviceShared};
 use super::libs::driver_err;
-use super::memory::RawStream;
+use super::memory::buffer::RawStream;
 use crate::backend::CallerStream;
 use crate::error::{Error, Result};
 

@@ -9,13 +9,13 @@ use cudarc::cublas::sys::cublasHandle_t;
 use cudarc::driver::{result, sys, CudaContext};
 use fusion_core::DType;
 
-use super::capture_arena::CaptureArena;
-use super::free_list::FreeList;
+use super::gemm::lt::LtPlans;
 use super::kernels::KernelCache;
 use super::libs::driver_err;
-use super::lt::LtPlans;
-use super::memory::{CudaBuffer, RawStream};
-use super::shared::SharedArena;
+use super::memory::buffer::{CudaBuffer, RawStream};
+use super::memory::capture_arena::CaptureArena;
+use super::memory::free_list::FreeList;
+use super::memory::shared_arena::SharedArena;
 use super::{gemm, health::WorldHealth};
 use crate::backend::{BackendKind, Device, DeviceMemory, Kernel, StreamHandle};
 use crate::error::{Error, Result};

@@ -9,15 +9,15 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::capture_arena::CaptureArena;
 use super::device::{CudaDevice, DeviceShared};
+use super::memory::capture_arena::CaptureArena;
 use crate::backend::DeviceGraph;
 use crate::error::Result;
 
 use super::libs::cu_check as check;
 
 /// Whether `raw` is recording a capture now (or its state cannot be read).
-pub(crate) fn stream_is_capturing(raw: super::memory::RawStream) -> bool {
+pub(crate) fn stream_is_capturing(raw: super::memory::buffer::RawStream) -> bool {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: querying a live stream.
     let r = unsafe { sys::cuStreamIsCapturing(raw.0, &mut status) };

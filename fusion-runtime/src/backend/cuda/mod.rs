@@ -4,35 +4,33 @@
 //! One [`CudaDevice`] per GPU, driven by one rank thread; kernels for elementwise ops,
 //! reductions and copies are generated, compiled with NVRTC once per process and cached;
 //! matmul and linear go to cuBLASLt (cached plans, epilogues in the GEMM) or cuBLAS, with
-//! f32 accumulation. NCCL communication lives in
-//! `comm::nccl`.
+//! f32 accumulation.
+//!
+//! Everything CUDA-only lives here, one folder per concern: `memory/` (buffers, the free
+//! list, capture arenas, memory shared with other processes, the caller's buffers),
+//! `gemm/` (cuBLASLt and cuBLAS), `kernels/` (generated elementwise and reduction
+//! kernels), `comm/` (the CUDA communicator: NCCL, copy-engine transfers, CUDA IPC) and
+//! `world/` (CUDA worlds: devices, communicators and transports per pair of ranks).
 
 mod caller_stream;
-mod capture_arena;
-mod codegen;
+pub(crate) mod comm;
 mod device;
-mod free_list;
 mod gemm;
 mod graph;
 pub(crate) mod health;
 mod kernels;
-mod launch_graphs;
-mod layout;
 mod libs;
-mod lt;
-mod memory;
-pub(crate) mod shared;
-mod user_buffers;
-mod word_hash;
+pub(crate) mod memory;
+pub(crate) mod world;
 
 pub use device::CudaDevice;
 pub use libs::{check_libraries, device_count, driver_present};
 pub(crate) use libs::{cu_check, cu_text, device_location};
-pub use user_buffers::CudaElement;
+pub use memory::user_buffers::CudaElement;
 
 pub(crate) use graph::stream_is_capturing;
 pub(crate) use health::WorldHealth;
-pub(crate) use memory::RawStream;
+pub(crate) use memory::buffer::RawStream;
 
 /// Set when a device closes with work that never finished (its stream waits for a peer
 /// that failed, e.g. on a copy-engine flag inside a replayed graph): from then on memory

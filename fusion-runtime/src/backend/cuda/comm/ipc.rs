@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
-use crate::backend::cuda::shared::{grant, map, unmap, SharedArena};
+use crate::backend::cuda::memory::shared_arena::{grant, map, unmap, SharedArena};
 use crate::backend::cuda::{CudaDevice, RawStream, WorldHealth};
 use crate::error::{Error, Result};
 

@@ -539,7 +539,7 @@ impl CopyEngine {
 
     /// A call starts: transfers are numbered from 0 again, and receive buffers are kept
     /// under `call.identity`.
-    pub(crate) fn begin_call(&self, call: &super::CallStart) {
+    pub(crate) fn begin_call(&self, call: &crate::comm::CallStart) {
         let mut state = self.call.lock().unwrap_or_else(PoisonError::into_inner);
         if !call.rerun {
             state.calls += 1;

@@ -15,12 +15,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::sys;
 
-use super::device::DeviceShared;
-use super::memory::RawStream;
+use super::buffer::RawStream;
+use crate::backend::cuda::device::DeviceShared;
 use crate::error::Result;
 use crate::tensor::DeviceBuffer;
 
-use super::libs::cu_check as check;
+use crate::backend::cuda::libs::cu_check as check;
 
 /// One exported chunk of device memory.
 #[derive(Debug)]
@@ -75,7 +75,7 @@ fn prop(ordinal: usize) -> sys::CUmemAllocationProp {
     p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     p.requestedHandleTypes =
         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    p.location = super::libs::device_location(ordinal as i32);
+    p.location = crate::backend::cuda::libs::device_location(ordinal as i32);
     p
 }
 
@@ -84,7 +84,7 @@ pub(crate) fn grant(va: sys::CUdeviceptr, size: usize, devices: &[i32]) -> Resul
     let descs: Vec<sys::CUmemAccessDesc> = devices
         .iter()
         .map(|&d| sys::CUmemAccessDesc {
-            location: super::libs::device_location(d),
+            location: crate::backend::cuda::libs::device_location(d),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         })
         .collect();

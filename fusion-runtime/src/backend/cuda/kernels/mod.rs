@@ -1,5 +1,8 @@
 //! Compiling (NVRTC, once per process per source) and launching the generated kernels.
 
+mod codegen;
+mod layout;
+
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -7,16 +10,14 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::{result, sys};
 use fusion_core::ir::ReduceOp;
 
-use super::codegen::{
-    pointwise_source, reduce_source, PointwiseSignature, ReduceSignature, MAX_RANK,
-};
-use super::device::CudaDevice;
-use super::layout::{needs_wide_index, Layout};
-use super::libs::driver_err;
-use super::memory::RawStream;
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::libs::driver_err;
+use crate::backend::cuda::memory::buffer::RawStream;
 use crate::backend::PointwiseProgram;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use codegen::{pointwise_source, reduce_source, PointwiseSignature, ReduceSignature, MAX_RANK};
+use layout::{needs_wide_index, Layout};
 
 const BLOCK: u32 = 256;
 /// Reductions of at most this many elements per output run one thread per output.

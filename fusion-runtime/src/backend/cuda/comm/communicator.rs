@@ -23,11 +23,11 @@ use fusion_core::ir::ReduceOp;
 use fusion_core::DType;
 
 use super::copy_engine::{CopyEngine, Transfer};
-use super::local::LocalCommunicator;
 use super::nccl_graphs::{turn_off_graph_mixing, GraphFence};
-use super::Communicator;
 use crate::backend::cuda::{CudaDevice, WorldHealth};
 use crate::backend::{Device, Kernel, StreamHandle};
+use crate::comm::local::LocalCommunicator;
+use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -321,7 +321,7 @@ impl NcclCommunicator {
             health,
             copy_engine,
             group: Mutex::new(None),
-            instance: super::next_instance(),
+            instance: crate::comm::next_instance(),
             graph_fence: GraphFence::new(),
             next_label: Mutex::new(None),
         }
@@ -1212,7 +1212,7 @@ impl Communicator for NcclCommunicator {
         Ok(())
     }
 
-    fn begin_call(&self, call: &super::CallStart) -> Result<()> {
+    fn begin_call(&self, call: &crate::comm::CallStart) -> Result<()> {
         self.copy_engine.begin_call(call);
         Ok(())
     }

@@ -18,8 +18,8 @@ use fusion_core::ir::UnaryOp;
 use fusion_core::DType;
 
 use super::launch_graphs::LaunchGraphs;
-use super::memory::RawStream;
 use super::word_hash::WordMap;
+use crate::backend::cuda::memory::buffer::RawStream;
 use crate::backend::StreamHandle;
 use crate::error::{Error, Result};
 
@@ -220,7 +220,7 @@ unsafe fn set_pref<T>(
 
 impl LtPlans {
     pub(crate) fn new() -> Self {
-        let present = super::libs::cublas_lt_present();
+        let present = crate::backend::cuda::libs::cublas_lt_present();
         if !present {
             tracing::debug!("libcublasLt not found: GEMMs use cuBLAS and a separate epilogue");
         }

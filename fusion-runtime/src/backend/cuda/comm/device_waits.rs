@@ -229,7 +229,9 @@ mod tests {
         let health = Arc::new(WorldHealth::new(Duration::from_secs(1)));
         // A board is needed only for its type here: the description reads the labels.
         let shared = Shared {
-            board: Arc::new(crate::comm::signals::tests_support::board_without_device(2)),
+            board: Arc::new(
+                crate::backend::cuda::comm::signals::tests_support::board_without_device(2),
+            ),
             health,
             labels: Mutex::new(HashMap::new()),
             calls: (0..2).map(|_| AtomicU64::new(7)).collect(),
@@ -262,7 +264,8 @@ mod tests {
 
     /// A watchdog over a board without a device (the test plays the device's part).
     fn watched(timeout: Duration) -> (Arc<SignalBoard>, Arc<WorldHealth>, DeviceWaits) {
-        let board = Arc::new(crate::comm::signals::tests_support::board_without_device(2));
+        let board =
+            Arc::new(crate::backend::cuda::comm::signals::tests_support::board_without_device(2));
         let health = Arc::new(WorldHealth::new(timeout));
         let waits = DeviceWaits::start(board.clone(), health.clone(), 2);
         (board, health, waits)

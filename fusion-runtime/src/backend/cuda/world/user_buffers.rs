@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::Rank;
 use crate::backend::cuda::{CudaDevice, CudaElement};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::world::Rank;
 
 impl Rank {
     /// This rank's CUDA device, or an error naming the backend.

@@ -32,9 +32,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::{result, sys, CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
 use fusion_core::DType;
 
-use super::device::{CudaDevice, DeviceShared};
-use super::libs::driver_err;
-use super::memory::CudaBuffer;
+use super::buffer::CudaBuffer;
+use crate::backend::cuda::device::{CudaDevice, DeviceShared};
+use crate::backend::cuda::libs::driver_err;
 use crate::error::{Error, Result};
 use crate::tensor::{DeviceBuffer, Tensor};
 

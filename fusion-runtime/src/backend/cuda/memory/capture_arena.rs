@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{result, sys};
 
-use super::device::DeviceShared;
+use crate::backend::cuda::device::DeviceShared;
 use crate::error::Result;
 use crate::tensor::DeviceBuffer;
 
@@ -43,7 +43,7 @@ impl CaptureArena {
         shared.bind()?;
         // SAFETY: the device's context is current.
         let base = unsafe { result::malloc_sync(size.max(1)) }.map_err(|e| {
-            super::libs::driver_err(
+            crate::backend::cuda::libs::driver_err(
                 &format!(
                     "allocating a {size}-byte arena for a captured call on device {}",
                     shared.ordinal
@@ -83,7 +83,7 @@ fn place(used: usize, bytes: usize, size: usize) -> Option<(usize, usize)> {
 
 impl Drop for CaptureArena {
     fn drop(&mut self) {
-        if !super::a_device_is_stuck() && self.shared.bind().is_ok() {
+        if !crate::backend::cuda::a_device_is_stuck() && self.shared.bind().is_ok() {
             // SAFETY: the allocation made in `new`, freed once, when neither the graph nor
             // any buffer of it is left.
             unsafe {

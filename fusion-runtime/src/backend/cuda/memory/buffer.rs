@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys};
 
-use super::device::DeviceShared;
+use crate::backend::cuda::device::DeviceShared;
 use crate::tensor::DeviceBuffer;
 
 /// A raw stream handle that may cross threads (the driver allows it).
@@ -70,7 +70,7 @@ impl CudaBuffer {
             allocated = unsafe { result::malloc_async(stream.0, size) };
         }
         let ptr = allocated.map_err(|e| {
-            super::libs::driver_err(
+            crate::backend::cuda::libs::driver_err(
                 &format!("allocating {bytes} bytes on device {}", shared.ordinal),
                 e,
             )

@@ -9,6 +9,10 @@
 //! with neither stride 1 are first copied to contiguous buffers. The last batch axis goes
 //! to cuBLAS as the strided batch; outer batch axes are looped on the host.
 
+pub(crate) mod launch_graphs;
+pub(crate) mod lt;
+mod word_hash;
+
 use std::ffi::c_void;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
@@ -16,11 +20,11 @@ use fusion_core::DType;
 
 use fusion_core::ir::{BinaryOp, UnaryOp};
 
-use super::device::CudaDevice;
-use super::lt::{LtEpilogue, LtMatrix, LtProblem};
+use crate::backend::cuda::device::CudaDevice;
 use crate::backend::{Device, Kernel, PointwiseInstr, PointwiseProgram, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use lt::{LtEpilogue, LtMatrix, LtProblem};
 
 /// How a row-major `rows x cols` matrix appears to cuBLAS.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

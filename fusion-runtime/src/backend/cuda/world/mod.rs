@@ -13,29 +13,33 @@
 //! The launch checks of `gpu_layout` run before the rendezvous and right after it, before
 //! NCCL starts.
 
+mod user_buffers;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use cudarc::driver::sys;
 
-use super::bootstrap::{self, Session};
-use super::gpu_layout::{check_ranks, local_ordinals, RankGpu, Visible};
-use super::launcher::LaunchSpec;
-use super::topology::{host_name, Link, RankInfo};
-use super::{RunComms, World};
-use crate::backend::cuda::{check_libraries, device_count, CudaDevice, WorldHealth};
-use crate::backend::{BackendKind, Device};
-use crate::comm::copy_engine::{enable_peer_access, CopyEngine, CopyMode, CopyRegistry, IpcState};
-use crate::comm::ipc::{IpcDevice, IpcInfo, IpcPeer};
-use crate::comm::local::LocalCommunicator;
-use crate::comm::nccl::{
+use crate::backend::cuda::comm::communicator::{
     async_error, id_bytes, id_from_bytes, init_rank, init_world, nccl_version, unique_id,
     NcclCommunicator, NcclRankState,
 };
+use crate::backend::cuda::comm::copy_engine::{
+    enable_peer_access, CopyEngine, CopyMode, CopyRegistry, IpcState,
+};
+use crate::backend::cuda::comm::ipc::{IpcDevice, IpcInfo, IpcPeer};
+use crate::backend::cuda::{check_libraries, device_count, CudaDevice, WorldHealth};
+use crate::backend::{BackendKind, Device};
+use crate::comm::local::LocalCommunicator;
 use crate::comm::remote::wire::{Reader, Writer};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::world::bootstrap::{self, Session};
+use crate::world::gpu_layout::{check_ranks, local_ordinals, RankGpu, Visible};
+use crate::world::topology::{host_name, Link, RankInfo};
+use crate::world::LaunchSpec;
+use crate::world::{RunComms, World};
 
 /// How the world communicators of a [`CudaComms`] come about.
 enum NcclSource {
@@ -245,7 +249,9 @@ impl RunComms for CudaComms {
                 self.ipc[i].clone(),
                 self.ipc_ranks.clone(),
             );
-            lines.extend(crate::comm::nccl::transport_lines(*r, self.size, &engine));
+            lines.extend(crate::backend::cuda::comm::communicator::transport_lines(
+                *r, self.size, &engine,
+            ));
         }
         lines
     }
@@ -295,7 +301,7 @@ pub fn cuda_world_without_peer_access(
 /// of a pair to no.
 fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) -> Result<World> {
     check_libraries(true)?;
-    let timeout = super::timeout_from_env()?;
+    let timeout = crate::world::timeout_from_env()?;
     let visible = device_count();
     let n = devices.unwrap_or(visible);
     if n == 0 || n > visible {
@@ -306,7 +312,7 @@ fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) 
             Visible::from_env(visible).describe()
         )));
     }
-    let health = Arc::new(WorldHealth::new(super::DEFAULT_TIMEOUT));
+    let health = Arc::new(WorldHealth::new(crate::world::DEFAULT_TIMEOUT));
     let devices: Vec<Arc<CudaDevice>> = (0..n)
         .map(|i| CudaDevice::new(i, i, health.clone()).map(Arc::new))
         .collect::<Result<_>>()?;
@@ -349,7 +355,7 @@ fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) 
 /// run eagerly (never replayed as graphs).
 pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
     check_libraries(true)?;
-    let timeout = super::timeout_from_env()?;
+    let timeout = crate::world::timeout_from_env()?;
     let visible = device_count();
     if ranks == 0 || visible == 0 {
         return Err(Error::World(format!(
@@ -359,7 +365,7 @@ pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
     if ranks <= visible {
         return cuda_world(Some(ranks));
     }
-    let health = Arc::new(WorldHealth::new(super::DEFAULT_TIMEOUT));
+    let health = Arc::new(WorldHealth::new(crate::world::DEFAULT_TIMEOUT));
     let devices: Vec<Arc<CudaDevice>> = (0..ranks)
         .map(|r| CudaDevice::new(r % visible, r, health.clone()).map(Arc::new))
         .collect::<Result<_>>()?;
@@ -502,7 +508,7 @@ fn ipc_allowed() -> bool {
 }
 
 /// A launched world in which processes of one host may share GPUs: ranks on different
-/// GPUs as in [`super::World::from_env`]; when two processes share a GPU, that world has
+/// GPUs as in [`World::from_env`]; when two processes share a GPU, that world has
 /// no NCCL (which allows one rank per GPU), and its processes hand off over CUDA IPC (the
 /// copy engines, through the host). For checking launched pipelines and failures on a
 /// machine with fewer GPUs than processes, as [`cuda_world_sharing_gpus`] does within
@@ -512,14 +518,14 @@ pub fn launched_world_sharing_gpus() -> Result<World> {
     let spec = LaunchSpec::from_env()?.ok_or_else(|| {
         Error::World("launched_world_sharing_gpus: no launcher variables found".into())
     })?;
-    let timeout = super::timeout_from_env()?;
+    let timeout = crate::world::timeout_from_env()?;
     launched_cuda_world(spec, None, timeout, true)
 }
 
 /// A launched CUDA world: `per_process` (`None`: 1; `all`: every visible GPU) ranks in this
 /// process; with `sharing`, processes may share GPUs (see
 /// [`launched_world_sharing_gpus`]).
-pub(super) fn launched_cuda_world(
+pub(crate) fn launched_cuda_world(
     spec: LaunchSpec,
     per_process: Option<&str>,
     timeout: Duration,
@@ -729,7 +735,10 @@ pub(super) fn launched_cuda_world(
 fn refuse_missing_ipc(
     session: &Session,
     local: &[(usize, Arc<CudaDevice>)],
-    setups: &[(Option<crate::comm::nccl::RawComm>, Option<IpcState>)],
+    setups: &[(
+        Option<crate::backend::cuda::comm::communicator::RawComm>,
+        Option<IpcState>,
+    )],
 ) -> Result<()> {
     let topo = &session.topology;
     for ((rank, _), (_, state)) in local.iter().zip(setups) {
