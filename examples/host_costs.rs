@@ -118,7 +118,7 @@ type Rows = Vec<(String, f64)>;
 fn run() -> Result<()> {
     let a = Args::parse();
     let world = if a.share_gpus {
-        fusion::runtime::world::cuda_world_sharing_gpus(a.devices.unwrap_or(2))?
+        fusion::runtime::backend::cuda::cuda_world_sharing_gpus(a.devices.unwrap_or(2))?
     } else {
         World::auto(a.devices)?
     };

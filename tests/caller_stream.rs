@@ -174,7 +174,7 @@ fn gpu_rank() -> Option<(World, Rank)> {
         eprintln!("skipping: no CUDA GPU");
         return None;
     }
-    let world = fusion::runtime::world::cuda_world(Some(1)).expect("a CUDA world");
+    let world = fusion::runtime::backend::cuda::cuda_world(Some(1)).expect("a CUDA world");
     let rank = world.rank().expect("its rank");
     Some((world, rank))
 }

@@ -5,9 +5,9 @@
 
 use cudarc::driver::CudaSlice;
 use fusion::prelude::*;
+use fusion::runtime::backend::cuda::cuda_world;
 use fusion::runtime::backend::cuda::device_count;
 use fusion::runtime::cudarc;
-use fusion::runtime::world::cuda_world;
 use half::bf16;
 
 fusion! {

@@ -11,10 +11,12 @@ use common::{always_pipelined, cases, Give};
 use fusion::core::hir::CommBackend;
 use fusion::core::ir::{Fusion, UnaryOp};
 use fusion::core::lower::{lower, LowerOptions, ReduceScatterPipeline};
+use fusion::runtime::backend::cuda::{
+    cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
+};
 use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::eval::copy_engine_receives;
 use fusion::runtime::replay::{capture_plan, has_copy_engine_transfers, EagerReason, ReplayStatus};
-use fusion::runtime::world::{cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access};
 use fusion::{DType, ExecOptions, FusionExecutor, Tensor, World};
 
 #[test]

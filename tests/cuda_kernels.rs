@@ -5,9 +5,9 @@
 
 use fusion::core::ir::{BinaryOp, ReduceOp, UnaryOp};
 use fusion::runtime::backend::cpu::CpuDevice;
+use fusion::runtime::backend::cuda::cuda_world;
 use fusion::runtime::backend::cuda::{check_libraries, device_count, driver_present};
 use fusion::runtime::backend::{Device, Kernel, PointwiseInstr, PointwiseProgram};
-use fusion::runtime::world::cuda_world;
 use fusion::{DType, Error, Rank, Result, Tensor};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];

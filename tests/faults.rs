@@ -19,8 +19,10 @@ use std::time::{Duration, Instant};
 use common::launch::{start_exe, Ended, Vars};
 use common::{always_pipelined, cases};
 use fusion::runtime::backend::cuda::{a_device_is_stuck, device_count};
+use fusion::runtime::backend::cuda::{
+    cuda_world, cuda_world_sharing_gpus, launched_world_sharing_gpus,
+};
 use fusion::runtime::world::LaunchSpec;
-use fusion::runtime::world::{cuda_world, cuda_world_sharing_gpus, launched_world_sharing_gpus};
 use fusion::{DType, Error, FusionExecutor, Rank, Tensor, World};
 
 /// The world's timeout: `FUSION_TIMEOUT`, else 3 s.

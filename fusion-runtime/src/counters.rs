@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 static THREADS: AtomicU64 = AtomicU64::new(0);
 static COMMUNICATORS: AtomicU64 = AtomicU64::new(0);
 static DEVICE_TO_HOST: AtomicU64 = AtomicU64::new(0);
+static TRANSFER_EVENTS: AtomicU64 = AtomicU64::new(0);
 
 /// What this process's runtime has created so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -51,4 +52,20 @@ pub(crate) fn device_to_host_copy() {
 pub(crate) fn thread_builder() -> std::thread::Builder {
     thread_spawned();
     std::thread::Builder::new()
+}
+
+/// Copy-engine transfer events alive in this process (CUDA worlds; 0 elsewhere): a soak
+/// checks that the count stays flat.
+pub fn transfer_events_alive() -> usize {
+    TRANSFER_EVENTS.load(Ordering::Relaxed) as usize
+}
+
+/// Counts a transfer event created (`alive` true) or destroyed.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn transfer_event(alive: bool) {
+    if alive {
+        TRANSFER_EVENTS.fetch_add(1, Ordering::Relaxed);
+    } else {
+        TRANSFER_EVENTS.fetch_sub(1, Ordering::Relaxed);
+    }
 }

@@ -18,8 +18,8 @@ use fusion_core::ir::Fusion;
 use fusion_core::lower::{lower_for_shapes, LowerOptions};
 use fusion_core::DType;
 
-use crate::backend::{BackendKind, CallerStream};
 use crate::comm::{CallStart, Communicator};
+use crate::device::{BackendKind, CallerStream};
 use crate::error::{Error, Result};
 use crate::eval::{
     bind_dtypes, bind_inputs, check_didx_extents, copy_engine_receives, execute, output_layouts,
@@ -242,7 +242,7 @@ impl ProgramFacts {
         if count == 0 || bytes > CAPTURE_ARENA_LIMIT {
             return 0;
         }
-        crate::backend::capture_arena_bytes(bytes, count)
+        crate::device::capture_arena_bytes(bytes, count)
     }
 
     /// The identity of a call with `inputs` on `number_of_streams` streams (see

@@ -8,18 +8,22 @@
 pub mod backend;
 pub mod comm;
 pub mod counters;
+mod device;
 mod error;
 pub mod eval;
 pub mod executor;
 mod observe;
 mod ranked;
 pub mod replay;
+pub mod streams;
 pub mod tensor;
 pub mod trace;
 pub mod world;
 
 #[cfg(feature = "cuda")]
 pub use backend::cuda::CudaElement;
+#[cfg(feature = "cuda")]
+pub use backend::cuda::OnStream;
 pub use backend::BackendKind;
 /// The cudarc version the runtime is built with: `CudaSlice`, `CudaView`, `CudaContext`,
 /// `CudaStream` of this crate are what [`Rank::from_cuda_slice`], [`Rank::with_cuda_view`]
@@ -32,6 +36,4 @@ pub use error::{Error, Result};
 pub use executor::{ExecOptions, FusionExecutor, RunReport};
 pub use ranked::{Ranked, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6};
 pub use tensor::{ShardTag, Tensor};
-#[cfg(feature = "cuda")]
-pub use world::OnStream;
 pub use world::{concat, CallTarget, Rank, World};

@@ -16,7 +16,7 @@ use std::fmt;
 
 use fusion_core::hir::{for_each_node, CommBackend, HostProgram, Node};
 
-use crate::backend::{BackendKind, DeviceGraph};
+use crate::device::{BackendKind, DeviceGraph};
 use crate::eval::copy_engine_receives;
 
 /// Why a call ran eagerly rather than from a graph.
@@ -238,7 +238,7 @@ mod tests {
 
     struct FakeGraph;
     impl DeviceGraph for FakeGraph {
-        fn launch(&self, _on: Option<&crate::backend::CallerStream>) -> crate::Result<()> {
+        fn launch(&self, _on: Option<&crate::device::CallerStream>) -> crate::Result<()> {
             Ok(())
         }
         fn nodes(&self) -> usize {

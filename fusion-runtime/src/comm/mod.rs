@@ -26,17 +26,23 @@ pub mod remote;
 use fusion_core::hir::{CommBackend, Communication};
 use fusion_core::DType;
 
-use crate::backend::StreamHandle;
+use crate::device::StreamHandle;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
 /// Copy-engine transfer events alive in this process (CUDA worlds; 0 elsewhere, and in a
 /// build without the `cuda` feature): a soak checks that the count stays flat.
 pub fn copy_engine_events_alive() -> usize {
-    #[cfg(feature = "cuda")]
-    return crate::backend::cuda::comm::copy_engine::live_events();
-    #[cfg(not(feature = "cuda"))]
-    0
+    crate::counters::transfer_events_alive()
+}
+
+/// A tensor's values in row-major order, as f32, with its shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    /// The tensor's shape.
+    pub shape: Vec<usize>,
+    /// Its values, row-major.
+    pub data: Vec<f32>,
 }
 
 /// What a communicator is told at the start of each call of a host program.
@@ -103,14 +109,14 @@ pub trait Communicator: Send + Sync {
     fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>>;
     /// Host-side allgather of one block per rank (every rank calls it at the same point);
     /// returns every rank's block in rank order.
-    fn host_allgather(&self, block: local::Block) -> Result<Vec<local::Block>>;
+    fn host_allgather(&self, block: Block) -> Result<Vec<Block>>;
     /// How this rank reaches each peer, one line per peer (for dumps); empty where there
     /// is nothing to choose (the CPU backend).
     fn transports(&self) -> Vec<String> {
         Vec::new()
     }
     /// Whether peers in other processes write into this rank's copy-engine receive
-    /// buffers (which must then come from [`crate::backend::Device::allocate_shared`]).
+    /// buffers (which must then come from [`crate::device::Device::allocate_shared`]).
     fn shares_receive_buffers(&self) -> bool {
         false
     }

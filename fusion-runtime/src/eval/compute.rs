@@ -7,7 +7,7 @@ use fusion_core::ir::{Expr, Op, TensorId, UnaryOp};
 use fusion_core::DType;
 
 use super::Evaluator;
-use crate::backend::{Kernel, PointwiseInstr, PointwiseProgram};
+use crate::device::{Kernel, PointwiseInstr, PointwiseProgram};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 

@@ -2,7 +2,7 @@
 //!
 //! Binds inputs (and preallocated outputs), evaluates scalars (extents, loop indices, the
 //! rank, the stream count), and walks the nodes: allocations, stream switches and waits,
-//! views, communications, and compute lowered to backend [`Kernel`](crate::backend::Kernel)s.
+//! views, communications, and compute lowered to backend [`Kernel`](crate::device::Kernel)s.
 
 mod bind;
 mod compute;
@@ -22,8 +22,8 @@ pub use race::{race_check_from_env, RaceCheck, RaceError};
 
 use race::RaceChecker;
 
-use crate::backend::{Device, StreamHandle};
 use crate::comm::Communicator;
+use crate::device::{Device, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 

@@ -11,8 +11,9 @@
 //!
 //! Submodules: `rank` (the handles, one call at a time each), `launcher` (which rank this
 //! process is, from the environment), `bootstrap` and `topology` (the rendezvous on rank
-//! 0's process and what every rank learns there), `cuda` (CUDA worlds and their
-//! transports), `split` (sub-worlds).
+//! 0's process and what every rank learns there), `split` (sub-worlds). The backends
+//! assemble their worlds on top of this one (`backend::cpu` [`World::local`],
+//! `backend::cuda::cuda_world`, and [`World::local_default`], which picks one).
 
 pub(crate) mod bootstrap;
 // Pure checks of a launch layout, used by CUDA worlds (unit-tested in every build).
@@ -28,27 +29,21 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::backend::cpu::CpuDevice;
-use crate::backend::{BackendKind, Device};
 use crate::comm::local::{LocalCommunicator, LocalFabric, Membership};
 use crate::comm::Communicator;
+use crate::device::{BackendKind, Device};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-#[cfg(feature = "cuda")]
-pub use crate::backend::cuda::world::{
-    cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
-    launched_world_sharing_gpus,
-};
 pub use bootstrap::VERSION;
 pub use launcher::{LaunchSpec, Launcher};
-#[cfg(feature = "cuda")]
-pub use rank::OnStream;
+#[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
+pub(crate) use rank::CallerStreamSource;
 pub use rank::{CallTarget, Rank, Target};
 pub use topology::{Link, RankInfo, Topology};
 
-use bootstrap::Session;
-use rank::WorldShared;
+pub(crate) use bootstrap::Session;
+pub(crate) use rank::WorldShared;
 
 /// Default time a communication (or the bootstrap) may wait for its peers before failing;
 /// `FUSION_TIMEOUT` (seconds) overrides it.
@@ -132,105 +127,6 @@ pub struct World {
 }
 
 impl World {
-    /// `n` simulated devices on the CPU backend, in this process.
-    pub fn local(n: usize) -> Result<World> {
-        if n == 0 {
-            return Err(Error::World("a world needs at least one device".into()));
-        }
-        Ok(World::in_process(
-            BackendKind::Cpu,
-            (0..n)
-                .map(|i| Arc::new(CpuDevice::new(i)) as Arc<dyn Device>)
-                .collect(),
-            None,
-        ))
-    }
-
-    /// The default world. Under a launcher (torchrun, srun, mpirun, or `FUSION_RANK`: see
-    /// [`launcher`]) the launched world ([`World::from_env`]); otherwise this process's
-    /// devices: `FUSION_BACKEND=cpu|cuda` decides; unset, every visible GPU if CUDA is
-    /// usable, else [`DEFAULT_CPU_DEVICES`] simulated devices (`FUSION_DEVICES` overrides
-    /// the count).
-    pub fn local_default() -> Result<World> {
-        World::auto(None)
-    }
-
-    /// Like [`World::local_default`], with `devices` devices when given (examples'
-    /// `--devices`). Under a launcher, `devices` must equal the launched world's size.
-    pub fn auto(devices: Option<usize>) -> Result<World> {
-        let n_env = match std::env::var("FUSION_DEVICES") {
-            Ok(v) => Some(v.parse::<usize>().map_err(|_| {
-                Error::World(format!("FUSION_DEVICES={v} is not a number of devices"))
-            })?),
-            Err(_) => None,
-        };
-        if LaunchSpec::from_env()?.is_some() {
-            let world = World::from_env()?;
-            if let Some(n) = devices.or(n_env) {
-                if n != world.size() {
-                    return Err(Error::World(format!(
-                        "{n} devices were asked for, but the launcher started a world of {} \
-                         ranks",
-                        world.size()
-                    )));
-                }
-            }
-            return Ok(world);
-        }
-        let n = devices.or(n_env);
-        let timeout = timeout_from_env()?;
-        let world = match backend_from_env()? {
-            Some(BackendKind::Cpu) => World::local(n.unwrap_or(DEFAULT_CPU_DEVICES)),
-            Some(BackendKind::Cuda) => cuda_world_or_error(n),
-            None if crate::backend::visible_gpus() > 0 => cuda_world_or_error(n),
-            None => World::local(n.unwrap_or(DEFAULT_CPU_DEVICES)),
-        }?;
-        Ok(world.with_timeout(timeout))
-    }
-
-    /// The world a launcher started this process in: one rank per process by default, or
-    /// `FUSION_DEVICES_PER_PROCESS` ranks (a number, or `all` GPUs of the node). Rank 0's
-    /// process serves a rendezvous on `MASTER_ADDR:MASTER_PORT` through which every rank
-    /// learns the others (host, process, device) and the backend its ids; the call returns
-    /// once every rank has arrived, or fails naming the ranks that did not within
-    /// `FUSION_TIMEOUT` (60 s by default). The process's rank handle is [`World::rank`].
-    /// After a failure a launched world is finished: every rank must make a new one.
-    pub fn from_env() -> Result<World> {
-        let spec = LaunchSpec::from_env()?.ok_or_else(|| {
-            Error::World(
-                "no launcher variables found (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, \
-                 SLURM_PROCID/SLURM_STEP_NUM_TASKS or FUSION_RANK/FUSION_WORLD_SIZE)"
-                    .into(),
-            )
-        })?;
-        let timeout = timeout_from_env()?;
-        let per_process = std::env::var("FUSION_DEVICES_PER_PROCESS").ok();
-        let cuda = match backend_from_env()? {
-            Some(k) => k == BackendKind::Cuda,
-            None => crate::backend::visible_gpus() > 0,
-        };
-        if cuda {
-            #[cfg(feature = "cuda")]
-            return crate::backend::cuda::world::launched_cuda_world(
-                spec,
-                per_process.as_deref(),
-                timeout,
-                false,
-            );
-            #[cfg(not(feature = "cuda"))]
-            return Err(no_cuda_feature());
-        }
-        let n = match per_process.as_deref() {
-            None => 1,
-            Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
-                Error::World(format!(
-                    "FUSION_DEVICES_PER_PROCESS={v}: the CPU backend takes a positive number"
-                ))
-            })?,
-        };
-        launched_cpu_world(spec, n, timeout)
-    }
-
     /// A world whose ranks all live in this process.
     pub(crate) fn in_process(
         kind: BackendKind,
@@ -250,7 +146,7 @@ impl World {
     }
 
     /// A launched world: this process's ranks and their endpoints on the rendezvous.
-    fn launched(
+    pub(crate) fn launched(
         kind: BackendKind,
         session: Arc<Session>,
         local: Vec<(usize, Arc<dyn Device>)>,
@@ -488,67 +384,6 @@ impl World {
             None => Ok(values),
         }
     }
-}
-
-/// A CUDA world of `n` devices (all when `None`), or the error of a build without CUDA.
-fn cuda_world_or_error(n: Option<usize>) -> Result<World> {
-    #[cfg(feature = "cuda")]
-    return crate::backend::cuda::world::cuda_world(n);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = n;
-        Err(no_cuda_feature())
-    }
-}
-
-/// The error for asking for CUDA in a build without the `cuda` feature.
-#[cfg(not(feature = "cuda"))]
-fn no_cuda_feature() -> Error {
-    Error::World(
-        "FUSION_BACKEND=cuda, but this build of fusion has no CUDA backend: enable the `cuda` \
-         feature of `fusion` (on by default), or use FUSION_BACKEND=cpu"
-            .into(),
-    )
-}
-
-/// `FUSION_BACKEND`, when set.
-fn backend_from_env() -> Result<Option<BackendKind>> {
-    match std::env::var("FUSION_BACKEND").as_deref() {
-        Err(_) => Ok(None),
-        Ok("cpu") => Ok(Some(BackendKind::Cpu)),
-        Ok("cuda") => Ok(Some(BackendKind::Cuda)),
-        Ok(other) => Err(Error::World(format!(
-            "FUSION_BACKEND={other}: expected `cpu` or `cuda`"
-        ))),
-    }
-}
-
-/// A launched world on the CPU backend: `per_process` simulated devices per process,
-/// talking over the TCP rendezvous.
-fn launched_cpu_world(spec: LaunchSpec, per_process: usize, timeout: Duration) -> Result<World> {
-    let size = spec.processes * per_process;
-    let first = spec.process * per_process;
-    let host = topology::host_name();
-    let infos = (0..per_process)
-        .map(|i| RankInfo {
-            rank: first + i,
-            host: host.clone(),
-            pid: std::process::id(),
-            process: spec.process,
-            device: format!("cpu {i}"),
-            extra: Vec::new(),
-        })
-        .collect();
-    let session = Arc::new(bootstrap::bootstrap(spec, size, infos, timeout)?);
-    let local = (0..per_process)
-        .map(|i| {
-            (
-                first + i,
-                Arc::new(CpuDevice::new(first + i)) as Arc<dyn Device>,
-            )
-        })
-        .collect();
-    Ok(World::launched(BackendKind::Cpu, session, local, None))
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {

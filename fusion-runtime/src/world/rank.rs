@@ -17,9 +17,9 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::ThreadId;
 
 use super::bootstrap::Session;
-use crate::backend::{BackendKind, CallerStream, Device};
 use crate::comm::local::Block;
 use crate::comm::Communicator;
+use crate::device::{BackendKind, CallerStream, Device};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -336,12 +336,12 @@ impl Drop for FailOnUnwind<'_> {
     }
 }
 
-/// Where a fusion call runs: a rank, and the caller's CUDA stream when it gave one
-/// ([`Rank::on`]). The entry points `fusion!` generates take any [`CallTarget`].
+/// Where a fusion call runs: a rank, and the caller's stream when it gave one (the CUDA
+/// backend's `Rank::on`). The entry points `fusion!` generates take any [`CallTarget`].
 #[derive(Clone, Copy, Debug)]
 pub struct Target<'a> {
     pub(crate) rank: &'a Rank,
-    pub(crate) stream: Option<StreamChoice<'a>>,
+    pub(crate) stream: Option<&'a dyn CallerStreamSource>,
 }
 
 impl Target<'_> {
@@ -359,8 +359,16 @@ impl Target<'_> {
     }
 }
 
+/// The caller's stream of a call, before it is checked against the rank's device: what a
+/// backend's stream target (the CUDA backend's `OnStream`) gives a [`Target`].
+pub(crate) trait CallerStreamSource: std::fmt::Debug + Sync {
+    /// The stream as the device of `rank` sees it, or an error that says why the call
+    /// cannot run on it there.
+    fn resolve(&self, rank: &Rank) -> Result<CallerStream>;
+}
+
 /// Something a fusion call runs on: a [`Rank`] (the rank's own streams) or a rank on the
-/// caller's stream ([`Rank::on`]).
+/// caller's stream (`Rank::on`).
 pub trait CallTarget {
     /// The rank and stream of the call.
     fn target(&self) -> Target<'_>;
@@ -378,98 +386,6 @@ impl CallTarget for Rank {
 impl<T: CallTarget + ?Sized> CallTarget for &T {
     fn target(&self) -> Target<'_> {
         (**self).target()
-    }
-}
-
-/// The caller's stream of a call, before it is checked against the rank's device.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum StreamChoice<'a> {
-    /// A cudarc stream.
-    #[cfg(feature = "cuda")]
-    Cudarc(&'a std::sync::Arc<cudarc::driver::CudaStream>),
-    /// The calling thread's per-thread default stream.
-    #[cfg(feature = "cuda")]
-    PerThread,
-    /// Never made in a build without CUDA.
-    #[cfg(not(feature = "cuda"))]
-    #[allow(dead_code)]
-    Never(std::marker::PhantomData<&'a ()>, std::convert::Infallible),
-}
-
-impl StreamChoice<'_> {
-    fn resolve(self, rank: &Rank) -> Result<CallerStream> {
-        #[cfg(feature = "cuda")]
-        {
-            let device = rank.device().as_cuda().ok_or_else(|| Error::Backend {
-                backend: rank.backend().name(),
-                reason: format!(
-                    "a call on a CUDA stream (Rank::on) needs a CUDA rank, but rank {} runs on \
-                     the {} backend",
-                    rank.index(),
-                    rank.backend().name()
-                ),
-            })?;
-            match self {
-                StreamChoice::Cudarc(s) => device.caller_stream(rank.index(), s),
-                StreamChoice::PerThread => Ok(CallerStream::per_thread()),
-            }
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = rank;
-            match self {
-                StreamChoice::Never(_, never) => match never {},
-            }
-        }
-    }
-}
-
-/// A rank on the caller's CUDA stream ([`Rank::on`], [`Rank::on_per_thread_stream`]): pass
-/// `&rank.on(&stream)` wherever an entry point takes a rank. The call runs after the work
-/// enqueued on that stream so far, and the caller's next work there sees its outputs,
-/// with no host synchronization; a replayed call launches its graph on that stream.
-#[cfg(feature = "cuda")]
-#[derive(Clone, Copy, Debug)]
-pub struct OnStream<'a> {
-    rank: &'a Rank,
-    stream: StreamChoice<'a>,
-}
-
-#[cfg(feature = "cuda")]
-impl CallTarget for OnStream<'_> {
-    fn target(&self) -> Target<'_> {
-        Target {
-            rank: self.rank,
-            stream: Some(self.stream),
-        }
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl Rank {
-    /// This rank on the caller's `stream` (a cudarc stream of the rank's device context,
-    /// e.g. a stream of `rank.cuda_context()?`, or candle's `CudaDevice::cuda_stream()`):
-    /// a fusion called with `&rank.on(&stream)` behaves like one more op on that stream.
-    /// A stream of another device or context is an error at the call, and so is a stream
-    /// being captured into a graph of yours. The rank keeps a reference to the stream while
-    /// it may still order work after it (outputs handed out on it, kept outputs).
-    pub fn on<'a>(&'a self, stream: &'a Arc<cudarc::driver::CudaStream>) -> OnStream<'a> {
-        OnStream {
-            rank: self,
-            stream: StreamChoice::Cudarc(stream),
-        }
-    }
-
-    /// This rank on the calling thread's per-thread default stream (what candle's CUDA
-    /// device uses by default). The handle names another stream on each thread: make the
-    /// call on the thread whose stream is meant, and drop its outputs on that thread (or
-    /// synchronize the stream first), since only there can their free be ordered after
-    /// your work on that stream.
-    pub fn on_per_thread_stream(&self) -> OnStream<'_> {
-        OnStream {
-            rank: self,
-            stream: StreamChoice::PerThread,
-        }
     }
 }
 

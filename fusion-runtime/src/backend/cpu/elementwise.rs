@@ -4,11 +4,11 @@
 //! outputs may alias inputs (in-place updates, transposed aliases) and inputs may be
 //! stride-0 broadcast views.
 
-use crate::backend::{PointwiseInstr, PointwiseProgram};
+use crate::device::{PointwiseInstr, PointwiseProgram};
 use crate::error::Result;
 use crate::tensor::{round_to, Tensor};
 
-use super::{cpu_err, require_host};
+use super::check::{cpu_err, require_host};
 
 /// Elements evaluated per instruction sweep: keeps the register file small and cached.
 const CHUNK: usize = 4096;
@@ -130,7 +130,7 @@ mod tests {
     use super::super::testutil::{assert_close, tolerance, values, DTYPES};
     use super::*;
     use crate::backend::cpu::CpuDevice;
-    use crate::backend::{Device, Kernel};
+    use crate::device::{Device, Kernel};
 
     fn run(prog: &PointwiseProgram) -> Result<()> {
         CpuDevice::new(0).execute(0, Kernel::Pointwise(prog))

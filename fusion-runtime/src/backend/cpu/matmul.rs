@@ -14,7 +14,7 @@ use fusion_core::ir::UnaryOp;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-use super::{cpu_err, require_host};
+use super::check::{cpu_err, require_host};
 
 /// The problem's sizes after validation: `batches` products of `[m, k] @ [k, n]`.
 #[derive(Debug, Clone, Copy)]
@@ -208,7 +208,7 @@ mod tests {
     use super::super::testutil::{assert_close, tolerance, values, DTYPES};
     use super::*;
     use crate::backend::cpu::CpuDevice;
-    use crate::backend::{Device, Kernel};
+    use crate::device::{Device, Kernel};
 
     /// Naive f64 reference over the row-major values of `[B.., M, K]` and `[B.., K, N]` views.
     fn reference(a: &Tensor, b: &Tensor, bias: Option<&Tensor>) -> Vec<f64> {

@@ -4,11 +4,13 @@
 //! tensors, and every kernel runs synchronously on the calling thread, so streams only
 //! need to exist: ordering between them is trivially satisfied.
 
+mod check;
 mod elementwise;
 mod matmul;
 mod reduce;
 #[cfg(test)]
 mod testutil;
+pub(crate) mod world;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -16,28 +18,10 @@ use std::time::Instant;
 
 use fusion_core::DType;
 
-use crate::backend::{BackendKind, Device, Kernel, StreamHandle};
-use crate::error::{Error, Result};
+use crate::device::{BackendKind, Device, Kernel, StreamHandle};
+use crate::error::Result;
 use crate::tensor::Tensor;
-
-/// A `cpu` backend error.
-pub(crate) fn cpu_err(reason: impl Into<String>) -> Error {
-    Error::Backend {
-        backend: "cpu",
-        reason: reason.into(),
-    }
-}
-
-/// Checks that a kernel operand lives in host memory (the CPU device's memory).
-pub(crate) fn require_host(t: &Tensor, what: &str) -> Result<()> {
-    if t.is_host() {
-        Ok(())
-    } else {
-        Err(cpu_err(format!(
-            "{what} is a device tensor of another backend; the cpu backend only runs on host tensors"
-        )))
-    }
-}
+use check::{cpu_err, require_host};
 
 /// A simulated device: host memory, kernels run immediately on the calling thread.
 #[derive(Debug)]
@@ -77,6 +61,14 @@ impl CpuDevice {
 const POISON: f32 = f32::NAN;
 
 impl Device for CpuDevice {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn is_resident(&self, t: &Tensor) -> bool {
+        t.is_host()
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::Cpu
     }
@@ -151,7 +143,7 @@ impl Device for CpuDevice {
                 a,
                 b,
                 bias,
-                super::gemm_addend(accumulate, addend, dst)?,
+                crate::device::gemm_addend(accumulate, addend, dst)?,
                 epilogue,
                 dst,
             ),

@@ -5,7 +5,7 @@ use fusion_core::ir::ReduceOp;
 use crate::error::Result;
 use crate::tensor::{contiguous_strides, for_each_offset, Tensor};
 
-use super::{cpu_err, require_host};
+use super::check::{cpu_err, require_host};
 
 /// `dst = op` over `axes` of `src`; dst's shape is src's with those axes removed.
 ///
@@ -74,7 +74,7 @@ mod tests {
     use super::super::testutil::{assert_close, tolerance, values, DTYPES};
     use super::*;
     use crate::backend::cpu::CpuDevice;
-    use crate::backend::{Device, Kernel};
+    use crate::device::{Device, Kernel};
 
     /// Naive reference over a `[3, 4, 5]` source, in f64.
     fn reference(op: ReduceOp, x: &[f64], shape: [usize; 3], axes: &[usize]) -> Vec<f64> {

@@ -29,14 +29,13 @@
 //! `Arc`, in [`CallerStream`]) while it may still order work after it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
-use cudarc::driver::{result, sys, CudaStream};
+use cudarc::driver::{result, sys};
 
-use super::device::{CudaDevice, DeviceShared};
 use super::libs::driver_err;
-use super::memory::buffer::RawStream;
-use crate::backend::CallerStream;
+use super::stream::{stream_is_capturing, RawStream};
+use crate::device::CallerStream;
 use crate::error::{Error, Result};
 
 /// A reusable event of the chain (created at first use, destroyed with the device).
@@ -143,7 +142,7 @@ impl CallerChain {
         let here = caller
             .thread
             .is_none_or(|t| t == std::thread::current().id());
-        if here && !super::stream_is_capturing(RawStream(raw(&caller))) {
+        if here && !stream_is_capturing(RawStream(raw(&caller))) {
             let late = ChainState::event(&mut st.late)?;
             // SAFETY: an event of this context recorded on the caller's live stream.
             unsafe { result::event::record(late.0, raw(&caller)) }
@@ -166,7 +165,7 @@ impl CallerChain {
         if !caller
             .thread
             .is_none_or(|t| t == std::thread::current().id())
-            || super::stream_is_capturing(RawStream(raw(caller)))
+            || stream_is_capturing(RawStream(raw(caller)))
         {
             return Ok(());
         }
@@ -193,138 +192,85 @@ impl CallerChain {
     }
 }
 
-impl DeviceShared {
-    /// Makes `stream` (one of the device's) wait for the caller's stream of the last call
-    /// when a join is owed (before a free on it: that call, or the caller's work after it,
-    /// may still use the memory).
-    pub(crate) fn after_callers(&self, stream: RawStream) -> Result<()> {
-        if !self.chain.pending.load(Ordering::Acquire) || self.is_closed() {
-            return Ok(());
-        }
-        let main = self
-            .main_stream
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_some_and(|m| m == stream);
-        self.chain.after_callers(stream.0, main)
+impl CallerChain {
+    /// Whether the device's streams owe the caller's stream of the last call a join (see
+    /// the module documentation).
+    pub(crate) fn owes_join(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
     }
 
-    /// The main stream, or an error once the device closed.
-    fn main_raw(&self) -> Result<RawStream> {
-        self.main_stream
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .ok_or_else(|| Error::Backend {
-                backend: "cuda",
-                reason: format!("device {} is closed", self.ordinal),
-            })
-    }
-}
-
-impl CudaDevice {
-    /// The caller's `stream` as a call target, checked to belong to this device's context.
-    pub(crate) fn caller_stream(
-        &self,
-        rank: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<CallerStream> {
-        let ours = &self.shared().ctx;
-        let theirs = stream.context();
-        if theirs.cu_ctx() != ours.cu_ctx() {
-            return Err(Error::Backend {
-                backend: "cuda",
-                reason: format!(
-                    "rank {rank} runs on device {} but the stream given to Rank::on belongs to \
-                     {}; give a stream of the rank's context (rank.cuda_context()?.new_stream() \
-                     or the device's primary context)",
-                    ours.ordinal(),
-                    if theirs.ordinal() == ours.ordinal() {
-                        format!("another context of device {}", theirs.ordinal())
-                    } else {
-                        format!("device {}", theirs.ordinal())
-                    }
-                ),
-            });
-        }
-        Ok(CallerStream::from_raw(
-            stream.cu_stream() as usize,
-            stream.clone(),
-        ))
-    }
-
-    /// An error when `on` is being captured into a graph of the caller's.
-    fn not_capturing(&self, on: &CallerStream) -> Result<()> {
-        if super::stream_is_capturing(RawStream(raw(on))) {
+    /// An error when `on` is being captured into a graph of the caller's (device
+    /// `ordinal`).
+    fn not_capturing(on: &CallerStream, ordinal: usize) -> Result<()> {
+        if stream_is_capturing(RawStream(raw(on))) {
             return Err(Error::Backend {
                 backend: "cuda",
                 reason: format!(
                     "the stream given to Rank::on is being captured into a CUDA graph of the \
-                     caller's (device {}): a fusion call cannot be recorded into a capture it \
-                     does not own (its buffers and streams live beyond the caller's graph); \
-                     call the fusion outside the capture: from its second call it is replayed \
-                     as a CUDA graph of its own, one launch on that stream",
-                    self.shared().ordinal
+                     caller's (device {ordinal}): a fusion call cannot be recorded into a \
+                     capture it does not own (its buffers and streams live beyond the \
+                     caller's graph); call the fusion outside the capture: from its second \
+                     call it is replayed as a CUDA graph of its own, one launch on that stream"
                 ),
             });
         }
         Ok(())
     }
 
-    /// See [`crate::backend::Device::begin_walk`].
-    pub(crate) fn chain_begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
-        let shared = self.shared();
-        let main = shared.main_raw()?;
-        shared.chain.after_callers(main.0, true)?;
+    /// See [`crate::device::Device::begin_walk`]: `main` gives the device's main stream
+    /// (device `ordinal`).
+    pub(crate) fn begin_walk(
+        &self,
+        main: impl Fn() -> Result<RawStream>,
+        ordinal: usize,
+        on: Option<&CallerStream>,
+    ) -> Result<()> {
+        let main = main()?;
+        self.after_callers(main.0, true)?;
         if let Some(s) = on {
-            self.not_capturing(s)?;
-            let mut st = shared
-                .chain
-                .state
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            Self::not_capturing(s, ordinal)?;
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let join = ChainState::event(&mut st.join)?;
             order(join, main.0, raw(s))?;
         }
         Ok(())
     }
 
-    /// See [`crate::backend::Device::end_walk`].
-    pub(crate) fn chain_end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
-        let shared = self.shared();
-        shared.chain.bump();
+    /// See [`crate::device::Device::end_walk`].
+    pub(crate) fn end_walk(
+        &self,
+        main: impl Fn() -> Result<RawStream>,
+        on: Option<&CallerStream>,
+    ) -> Result<()> {
+        self.bump();
         if let Some(s) = on {
-            let main = shared.main_raw()?;
-            let mut st = shared
-                .chain
-                .state
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let main = main()?;
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let join = ChainState::event(&mut st.join)?;
             order(join, raw(s), main.0)?;
-            st.synced = Some((s.clone(), shared.chain.epoch.load(Ordering::Acquire)));
+            st.synced = Some((s.clone(), self.epoch.load(Ordering::Acquire)));
             // The caller's work after the call may read its outputs: frees join it first.
             st.last = Some(s.clone());
             st.tail_recorded = false;
-            shared.chain.pending.store(true, Ordering::Release);
+            self.pending.store(true, Ordering::Release);
         }
         Ok(())
     }
 
-    /// See [`crate::backend::Device::begin_replay`].
-    pub(crate) fn chain_begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
-        let shared = self.shared();
+    /// See [`crate::device::Device::begin_replay`].
+    pub(crate) fn begin_replay(
+        &self,
+        main: impl Fn() -> Result<RawStream>,
+        ordinal: usize,
+        on: Option<&CallerStream>,
+    ) -> Result<()> {
         let Some(s) = on else {
-            let main = shared.main_raw()?;
-            return shared.chain.after_callers(main.0, true);
+            return self.after_callers(main()?.0, true);
         };
-        self.not_capturing(s)?;
-        let epoch = shared.chain.epoch.load(Ordering::Acquire);
+        Self::not_capturing(s, ordinal)?;
+        let epoch = self.epoch.load(Ordering::Acquire);
         {
-            let st = shared
-                .chain
-                .state
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             if st
                 .synced
                 .as_ref()
@@ -336,38 +282,60 @@ impl CudaDevice {
         // The caller's stream has not waited for the main stream's latest work (or another
         // caller's stream ran last): the main stream takes in that replay first, then the
         // caller's stream waits for the main stream.
-        let main = shared.main_raw()?;
-        shared.chain.after_callers(main.0, true)?;
-        let mut st = shared
-            .chain
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let main = main()?;
+        self.after_callers(main.0, true)?;
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let join = ChainState::event(&mut st.join)?;
         order(join, raw(s), main.0)?;
         st.synced = Some((s.clone(), epoch));
         Ok(())
     }
 
-    /// See [`crate::backend::Device::end_replay`].
-    pub(crate) fn chain_end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
-        let shared = self.shared();
+    /// See [`crate::device::Device::end_replay`].
+    pub(crate) fn end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
         let Some(s) = on else {
-            shared.chain.bump();
+            self.bump();
             return Ok(());
         };
-        let mut st = shared
-            .chain
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let tail = ChainState::event(&mut st.tail)?;
         // SAFETY: an event of this context recorded on the caller's live stream.
         unsafe { result::event::record(tail.0, raw(s)) }
             .map_err(|e| driver_err("recording the end of a replay on a caller's stream", e))?;
         st.last = Some(s.clone());
         st.tail_recorded = true;
-        shared.chain.pending.store(true, Ordering::Release);
+        self.pending.store(true, Ordering::Release);
         Ok(())
+    }
+}
+
+impl CallerStream {
+    /// `CU_STREAM_PER_THREAD`: the calling thread's per-thread default stream.
+    pub(crate) const PER_THREAD_HANDLE: usize = 0x2;
+
+    /// The calling thread's per-thread default stream.
+    pub(crate) fn per_thread() -> Self {
+        CallerStream {
+            raw: Self::PER_THREAD_HANDLE,
+            thread: Some(std::thread::current().id()),
+            _keep: None,
+        }
+    }
+
+    /// The stream behind `raw` (a per-thread handle is the calling thread's), kept alive
+    /// by `keep`.
+    pub(crate) fn from_raw(
+        raw: usize,
+        keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        if raw == Self::PER_THREAD_HANDLE {
+            Self::per_thread()
+        } else {
+            CallerStream {
+                raw,
+                thread: None,
+                _keep: Some(keep),
+            }
+        }
     }
 }

@@ -5,52 +5,23 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use cudarc::cublas::sys::cublasHandle_t;
 use cudarc::driver::{result, sys, CudaContext};
 use fusion_core::DType;
 
 use super::gemm::lt::LtPlans;
+use super::gemm::{self, BlasHandle, GemmDevice};
 use super::kernels::KernelCache;
 use super::libs::driver_err;
-use super::memory::buffer::{CudaBuffer, RawStream};
+use super::memory::buffer::CudaBuffer;
 use super::memory::capture_arena::CaptureArena;
+use super::memory::device_shared::DeviceShared;
 use super::memory::free_list::FreeList;
 use super::memory::shared_arena::SharedArena;
-use super::{gemm, health::WorldHealth};
-use crate::backend::{BackendKind, Device, DeviceMemory, Kernel, StreamHandle};
+use super::stream::RawStream;
+use super::{graph, health::WorldHealth};
+use crate::device::{BackendKind, CallerStream, Device, DeviceMemory, Kernel, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-/// What buffers of a device need after the device object is gone: its context, and its
-/// main stream while the device lives (`None` once the device has synchronized and
-/// destroyed its streams), for buffers that order their owner's stream after it.
-#[derive(Debug)]
-pub(crate) struct DeviceShared {
-    pub ordinal: usize,
-    pub ctx: Arc<CudaContext>,
-    pub main_stream: Mutex<Option<RawStream>>,
-    /// Freed buffers kept for the next allocation of their size on their stream.
-    pub free_list: FreeList,
-    /// The device closed idle and its streams are destroyed: memory that outlived it (a
-    /// tensor or an executor dropped after the world) is freed without a stream.
-    pub closed: std::sync::atomic::AtomicBool,
-    /// The order between the device's streams and the callers' streams its calls ran on.
-    pub chain: super::caller_stream::CallerChain,
-}
-
-impl DeviceShared {
-    /// Makes this device's context current on the calling thread.
-    pub(crate) fn bind(&self) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver_err(&format!("binding device {}", self.ordinal), e))
-    }
-
-    /// Whether the device closed idle (see [`DeviceShared::closed`]).
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(std::sync::atomic::Ordering::Acquire)
-    }
-}
 
 struct StreamSlot {
     stream: RawStream,
@@ -62,11 +33,6 @@ struct StreamSlot {
 struct RawEvent(sys::CUevent);
 // SAFETY: event handles are driver handles usable from any thread with the context current.
 unsafe impl Send for RawEvent {}
-
-#[derive(Clone, Copy)]
-pub(crate) struct BlasHandle(pub cublasHandle_t);
-// SAFETY: used only from the rank thread that owns the device, one call at a time.
-unsafe impl Send for BlasHandle {}
 
 /// How much longer than the world's timeout a host wait on the device lasts (see `poll`).
 const WATCHDOG_MARGIN: Duration = Duration::from_millis(250);
@@ -277,7 +243,7 @@ impl CudaDevice {
                         reason: format!(
                             "{what} on device {}: {}",
                             self.shared.ordinal,
-                            super::cu_text(other)
+                            super::libs::cu_text(other)
                         ),
                     })
                 }
@@ -392,7 +358,7 @@ impl Drop for CudaDevice {
             .collect();
         let stuck = pending.into_iter().any(|s| !self.drains(s));
         if stuck {
-            super::mark_device_stuck();
+            super::health::mark_device_stuck();
             self.shared.free_list.close();
             // Nor is the context released (releasing the last reference would wait too).
             std::mem::forget(self.shared.ctx.clone());
@@ -454,13 +420,36 @@ impl Drop for CudaDevice {
     }
 }
 
+impl GemmDevice for CudaDevice {
+    fn raw_stream(&self, s: StreamHandle) -> Result<RawStream> {
+        CudaDevice::raw_stream(self, s)
+    }
+
+    fn blas(&self, s: StreamHandle) -> Result<BlasHandle> {
+        CudaDevice::blas(self, s)
+    }
+
+    fn lt(&self) -> &LtPlans {
+        &self.lt
+    }
+
+    fn shared(&self) -> &DeviceShared {
+        &self.shared
+    }
+}
+
 impl Device for CudaDevice {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
     }
 
-    fn as_cuda(&self) -> Option<&CudaDevice> {
-        Some(self)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn is_resident(&self, t: &Tensor) -> bool {
+        t.device_buffer()
+            .is_some_and(|b| b.device() == self.shared.ordinal)
     }
 
     fn record_marker(&self, stream: StreamHandle) -> Result<usize> {
@@ -624,10 +613,10 @@ impl Device for CudaDevice {
     fn execute(&self, stream: StreamHandle, kernel: Kernel<'_>) -> Result<()> {
         let raw = self.raw_stream(stream)?;
         match kernel {
-            Kernel::Copy { src, dst } => self.kernels.copy(self, raw, src, dst),
-            Kernel::Pointwise(p) => self.kernels.pointwise(self, raw, p),
+            Kernel::Copy { src, dst } => self.kernels.copy(&self.shared, raw, src, dst),
+            Kernel::Pointwise(p) => self.kernels.pointwise(&self.shared, raw, p),
             Kernel::Reduce { op, src, dst, axes } => {
-                self.kernels.reduce(self, raw, op, src, dst, axes)
+                self.kernels.reduce(&self.shared, raw, op, src, dst, axes)
             }
             Kernel::Gemm {
                 a,
@@ -707,7 +696,7 @@ impl Device for CudaDevice {
         Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
     }
 
-    fn hand_out(&self, outputs: &[Tensor], on: Option<&crate::backend::CallerStream>) {
+    fn hand_out(&self, outputs: &[Tensor], on: Option<&CallerStream>) {
         for t in outputs {
             if let Some(b) = t.device_buffer() {
                 if let Some(b) = b.as_any().downcast_ref::<CudaBuffer>() {
@@ -717,28 +706,55 @@ impl Device for CudaDevice {
         }
     }
 
-    fn begin_walk(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
-        self.chain_begin_walk(on)
+    fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        let shared = &self.shared;
+        shared
+            .chain
+            .begin_walk(|| shared.main_raw(), shared.ordinal, on)
     }
 
-    fn end_walk(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
-        self.chain_end_walk(on)
+    fn end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        let shared = &self.shared;
+        shared.chain.end_walk(|| shared.main_raw(), on)
     }
 
-    fn begin_replay(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
-        self.chain_begin_replay(on)
+    fn begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        let shared = &self.shared;
+        shared
+            .chain
+            .begin_replay(|| shared.main_raw(), shared.ordinal, on)
     }
 
-    fn end_replay(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
-        self.chain_end_replay(on)
+    fn end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        self.shared.chain.end_replay(on)
     }
 
     fn begin_capture(&self, arena_bytes: usize) -> Result<()> {
-        self.begin_capture_main(arena_bytes)
+        let arena = graph::begin_capture(&self.shared, self.raw_stream(0)?, arena_bytes)?;
+        *self
+            .capture_arena
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = arena;
+        Ok(())
     }
 
-    fn end_capture(&self) -> Result<Box<dyn crate::backend::DeviceGraph>> {
-        Ok(Box::new(self.end_capture_main()?))
+    fn end_capture(&self) -> Result<Box<dyn crate::device::DeviceGraph>> {
+        let arena = self
+            .capture_arena
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let workers = (1..self.stream_count())
+            .map(|s| Ok((s, self.raw_stream(s)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let graph = graph::end_capture(
+            &self.shared,
+            self.raw_stream(0)?,
+            &workers,
+            &|s| self.stream_wait(0, s),
+            arena,
+        )?;
+        Ok(Box::new(graph))
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -9,21 +9,12 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::device::{CudaDevice, DeviceShared};
-use super::memory::capture_arena::CaptureArena;
-use crate::backend::DeviceGraph;
-use crate::error::Result;
-
 use super::libs::cu_check as check;
-
-/// Whether `raw` is recording a capture now (or its state cannot be read).
-pub(crate) fn stream_is_capturing(raw: super::memory::buffer::RawStream) -> bool {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: querying a live stream.
-    let r = unsafe { sys::cuStreamIsCapturing(raw.0, &mut status) };
-    r != sys::CUresult::CUDA_SUCCESS
-        || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-}
+use super::memory::capture_arena::CaptureArena;
+use super::memory::device_shared::DeviceShared;
+use super::stream::RawStream;
+use crate::device::{DeviceGraph, StreamHandle};
+use crate::error::Result;
 
 /// An instantiated graph of one rank's call, launched on the rank's main stream or on the
 /// caller's stream of a call.
@@ -43,7 +34,7 @@ unsafe impl Send for CudaGraph {}
 unsafe impl Sync for CudaGraph {}
 
 impl DeviceGraph for CudaGraph {
-    fn launch(&self, on: Option<&crate::backend::CallerStream>) -> Result<()> {
+    fn launch(&self, on: Option<&crate::device::CallerStream>) -> Result<()> {
         let stream = on.map_or(self.stream, |s| s.raw as sys::CUstream);
         // SAFETY: an instantiated graph launched on a stream of its device (the main
         // stream, or the caller's, checked to belong to the device's context).
@@ -62,7 +53,7 @@ impl Drop for CudaGraph {
     fn drop(&mut self) {
         // A graph on a device that closed stuck may still be running: left to the
         // process's end (see `DEVICE_STUCK`).
-        if !super::a_device_is_stuck() && self.device.bind().is_ok() {
+        if !super::health::a_device_is_stuck() && self.device.bind().is_ok() {
             // SAFETY: handles made by `end_capture`, destroyed once.
             unsafe {
                 let _ = sys::cuGraphExecDestroy(self.exec);
@@ -72,116 +63,119 @@ impl Drop for CudaGraph {
     }
 }
 
-impl CudaDevice {
-    /// Starts capturing the calling thread's work on the main stream; with `arena_bytes`
-    /// above 0 the buffers the call allocates come from an arena of that size made now
-    /// (see `capture_arena`), as long as it has room.
-    pub(crate) fn begin_capture_main(&self, arena_bytes: usize) -> Result<()> {
-        self.shared().bind()?;
-        let s = self.raw_stream(0)?;
-        let arena = if arena_bytes > 0 {
-            Some(CaptureArena::new(self.shared(), arena_bytes)?)
-        } else {
-            None
-        };
-        // SAFETY: a stream of this device, not capturing yet.
-        check(
-            unsafe {
-                sys::cuStreamBeginCapture_v2(
-                    s.0,
-                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )
-            },
-            "cuStreamBeginCapture",
-        )?;
-        self.shared().free_list.set_capturing(true);
-        *self
-            .capture_arena
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = arena;
-        Ok(())
-    }
-
-    /// Ends the capture started by [`Self::begin_capture_main`] and instantiates it.
-    /// Every stream still capturing is joined into the main stream first.
-    pub(crate) fn end_capture_main(&self) -> Result<CudaGraph> {
-        let arena = self
-            .capture_arena
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        self.shared().free_list.set_capturing(false);
-        self.shared().bind()?;
-        let main = self.raw_stream(0)?;
-        let mut join_error = None;
-        for s in 1..self.stream_count() {
-            let raw = self.raw_stream(s)?;
-            let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-            // SAFETY: querying a stream of this device.
-            let r = unsafe { sys::cuStreamIsCapturing(raw.0, &mut status) };
-            if r == sys::CUresult::CUDA_SUCCESS
-                && status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
-            {
-                if let Err(e) = crate::backend::Device::stream_wait(self, 0, s) {
-                    join_error.get_or_insert(e);
-                }
-            }
-        }
-        let mut graph: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: ending the capture this thread began on the main stream.
-        let ended = check(
-            unsafe { sys::cuStreamEndCapture(main.0, &mut graph) },
-            "cuStreamEndCapture",
-        );
-        if let Some(e) = join_error {
-            if !graph.is_null() {
-                // SAFETY: the graph just returned, not used elsewhere.
-                unsafe {
-                    let _ = sys::cuGraphDestroy(graph);
-                }
-            }
-            return Err(e);
-        }
-        ended?;
-        let mut nodes = 0usize;
-        // SAFETY: counting the nodes of a valid graph.
+/// Starts capturing the calling thread's work on the device's `main` stream; with
+/// `arena_bytes` above 0 the buffers the call allocates come from an arena of that size
+/// made now (see `capture_arena`), as long as it has room: the arena is returned.
+pub(crate) fn begin_capture(
+    shared: &Arc<DeviceShared>,
+    main: RawStream,
+    arena_bytes: usize,
+) -> Result<Option<Arc<CaptureArena>>> {
+    shared.bind()?;
+    let arena = if arena_bytes > 0 {
+        Some(CaptureArena::new(shared, arena_bytes)?)
+    } else {
+        None
+    };
+    // SAFETY: a stream of this device, not capturing yet.
+    check(
         unsafe {
-            let _ = sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes);
-        }
-        write_graph_dot(graph, self.shared().ordinal);
-        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-        // SAFETY: instantiating the captured graph.
-        let inst = check(
-            unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
-            "cuGraphInstantiate",
-        );
-        if let Err(e) = inst {
-            // SAFETY: destroying the graph we own.
-            unsafe {
-                let _ = sys::cuGraphDestroy(graph);
+            sys::cuStreamBeginCapture_v2(
+                main.0,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        },
+        "cuStreamBeginCapture",
+    )?;
+    shared.free_list.set_capturing(true);
+    Ok(arena)
+}
+
+/// Ends the capture started by [`begin_capture`] on `main` and instantiates it. Every
+/// stream of `workers` still capturing is joined into the main stream first (`join(s)`
+/// makes the main stream wait for worker `s`); `arena` is the capture's.
+pub(crate) fn end_capture(
+    shared: &Arc<DeviceShared>,
+    main: RawStream,
+    workers: &[(StreamHandle, RawStream)],
+    join: &dyn Fn(StreamHandle) -> Result<()>,
+    arena: Option<Arc<CaptureArena>>,
+) -> Result<CudaGraph> {
+    shared.free_list.set_capturing(false);
+    shared.bind()?;
+    let mut join_error = None;
+    for &(s, raw) in workers {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: querying a stream of this device.
+        let r = unsafe { sys::cuStreamIsCapturing(raw.0, &mut status) };
+        if r == sys::CUresult::CUDA_SUCCESS
+            && status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+        {
+            if let Err(e) = join(s) {
+                join_error.get_or_insert(e);
             }
-            return Err(e);
         }
-        // Upload the graph's work now, so that the first launch costs what the later ones do.
-        // SAFETY: an instantiated graph of this device and a stream of it.
-        let uploaded = check(unsafe { sys::cuGraphUpload(exec, main.0) }, "cuGraphUpload");
-        if let Err(e) = uploaded {
-            // SAFETY: destroying the handles we own, once.
-            unsafe {
-                let _ = sys::cuGraphExecDestroy(exec);
-                let _ = sys::cuGraphDestroy(graph);
-            }
-            return Err(e);
-        }
-        Ok(CudaGraph {
-            device: self.shared().clone(),
-            graph,
-            exec,
-            stream: main.0,
-            nodes,
-            _arena: arena,
-        })
     }
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ending the capture this thread began on the main stream.
+    let ended = check(
+        unsafe { sys::cuStreamEndCapture(main.0, &mut graph) },
+        "cuStreamEndCapture",
+    );
+    if let Some(e) = join_error {
+        if !graph.is_null() {
+            // SAFETY: the graph just returned, not used elsewhere.
+            unsafe {
+                let _ = sys::cuGraphDestroy(graph);
+            }
+        }
+        return Err(e);
+    }
+    ended?;
+    let mut nodes = 0usize;
+    // SAFETY: counting the nodes of a valid graph.
+    unsafe {
+        let _ = sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes);
+    }
+    write_graph_dot(graph, shared.ordinal);
+    let exec = instantiate(graph, main)?;
+    Ok(CudaGraph {
+        device: shared.clone(),
+        graph,
+        exec,
+        stream: main.0,
+        nodes,
+        _arena: arena,
+    })
+}
+
+/// Instantiates `graph` and uploads its work on `main` (so that the first launch costs
+/// what the later ones do); on failure the graph is destroyed.
+fn instantiate(graph: sys::CUgraph, main: RawStream) -> Result<sys::CUgraphExec> {
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: instantiating the captured graph.
+    let inst = check(
+        unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+        "cuGraphInstantiate",
+    );
+    if let Err(e) = inst {
+        // SAFETY: destroying the graph we own.
+        unsafe {
+            let _ = sys::cuGraphDestroy(graph);
+        }
+        return Err(e);
+    }
+    // SAFETY: an instantiated graph of this device and a stream of it.
+    let uploaded = check(unsafe { sys::cuGraphUpload(exec, main.0) }, "cuGraphUpload");
+    if let Err(e) = uploaded {
+        // SAFETY: destroying the handles we own, once.
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(exec);
+            let _ = sys::cuGraphDestroy(graph);
+        }
+        return Err(e);
+    }
+    Ok(exec)
 }
 
 /// With `FUSION_GRAPH_DOT=<dir>`, writes each captured graph's topology (the driver's dot

@@ -141,6 +141,26 @@ impl WorldHealth {
     }
 }
 
+/// Set when a device closes with work that never finished (its stream waits for a peer
+/// that failed, e.g. on a copy-engine flag inside a replayed graph): from then on memory
+/// that such work may still touch is left to the process's end instead of being freed,
+/// since freeing it would wait for the device forever.
+pub(crate) static DEVICE_STUCK: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a device of this process closed with work that never finished: its memory,
+/// graphs and context were then left to the process's end (a failed world whose device
+/// waits were not all released; a `tracing` warning names the device).
+pub fn a_device_is_stuck() -> bool {
+    DEVICE_STUCK.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Records that a device of this process has work that will never finish (see
+/// [`a_device_is_stuck`]).
+pub(crate) fn mark_device_stuck() {
+    DEVICE_STUCK.store(true, std::sync::atomic::Ordering::Release);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

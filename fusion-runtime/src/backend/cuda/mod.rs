@@ -21,33 +21,16 @@ pub(crate) mod health;
 mod kernels;
 mod libs;
 pub(crate) mod memory;
+mod stream;
+mod user_buffers;
 pub(crate) mod world;
 
 pub use device::CudaDevice;
 pub use libs::{check_libraries, device_count, driver_present};
-pub(crate) use libs::{cu_check, cu_text, device_location};
-pub use memory::user_buffers::CudaElement;
+pub use user_buffers::CudaElement;
+pub use world::{
+    cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
+    launched_world_sharing_gpus, OnStream,
+};
 
-pub(crate) use graph::stream_is_capturing;
-pub(crate) use health::WorldHealth;
-pub(crate) use memory::buffer::RawStream;
-
-/// Set when a device closes with work that never finished (its stream waits for a peer
-/// that failed, e.g. on a copy-engine flag inside a replayed graph): from then on memory
-/// that such work may still touch is left to the process's end instead of being freed,
-/// since freeing it would wait for the device forever.
-pub(crate) static DEVICE_STUCK: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-
-/// Whether a device of this process closed with work that never finished: its memory,
-/// graphs and context were then left to the process's end (a failed world whose device
-/// waits were not all released; a `tracing` warning names the device).
-pub fn a_device_is_stuck() -> bool {
-    DEVICE_STUCK.load(std::sync::atomic::Ordering::Acquire)
-}
-
-/// Records that a device of this process has work that will never finish (see
-/// [`a_device_is_stuck`]).
-pub(crate) fn mark_device_stuck() {
-    DEVICE_STUCK.store(true, std::sync::atomic::Ordering::Release);
-}
+pub use health::a_device_is_stuck;

@@ -1,7 +1,7 @@
 //! The meeting point of one world's ranks: rendezvous slots for collectives, FIFO
 //! mailboxes for point-to-point messages, and the world's failure flag.
 //!
-//! [`Fabric`] is what a [`LocalCommunicator`] needs from it; [`LocalFabric`] implements it
+//! [`Fabric`] is what a `LocalCommunicator` needs from it; [`LocalFabric`] implements it
 //! in memory for the threads of one process (and, on rank 0, behind the TCP rendezvous
 //! that serves the ranks of other processes: `comm::remote`). Keys carry a *space*, one
 //! per (sub-)world, so the groups of a split world never meet each other's messages.
@@ -13,17 +13,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::LocalCommunicator;
 use crate::error::{Error, Result};
 
-/// A tensor's values in row-major order, as f32, with its shape.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Block {
-    /// The tensor's shape.
-    pub shape: Vec<usize>,
-    /// Its values, row-major.
-    pub data: Vec<f32>,
-}
+pub use crate::comm::Block;
 
 /// What one rank leaves in a collective's slot.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,7 +38,7 @@ pub struct SlotKey {
     pub seq: u64,
 }
 
-/// What a [`LocalCommunicator`] needs from the place where ranks meet: in memory for the
+/// What a `LocalCommunicator` needs from the place where ranks meet: in memory for the
 /// threads of one process ([`LocalFabric`]), or over TCP for ranks in other processes.
 /// Ranks are indices within the key's space; failures are reported with the rank of the
 /// launched world.
@@ -138,14 +130,6 @@ impl LocalFabric {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
         })
-    }
-
-    /// The endpoint of rank `rank` (a rank outside the world gets one whose calls fail).
-    pub fn communicator(self: &Arc<Self>, rank: usize) -> LocalCommunicator {
-        LocalCommunicator::new(
-            Arc::clone(self) as Arc<dyn Fabric>,
-            super::Membership::whole(rank, self.world_size),
-        )
     }
 
     /// Number of ranks.

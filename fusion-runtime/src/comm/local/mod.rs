@@ -27,8 +27,8 @@ use fusion_core::hir::{CommBackend, Communication};
 
 pub use fabric::{Block, Deposit, Fabric, LocalFabric, SlotKey};
 
-use crate::backend::StreamHandle;
 use crate::comm::Communicator;
+use crate::device::StreamHandle;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -68,6 +68,16 @@ pub struct LocalCommunicator {
     sequences: Mutex<HashMap<Vec<usize>, u64>>,
     /// Receives deferred to `group_end`, in issue order; `None` outside a group.
     group: Mutex<Option<Vec<(usize, Tensor)>>>,
+}
+
+impl LocalFabric {
+    /// The endpoint of rank `rank` (a rank outside the world gets one whose calls fail).
+    pub fn communicator(self: &Arc<Self>, rank: usize) -> LocalCommunicator {
+        LocalCommunicator::new(
+            Arc::clone(self) as Arc<dyn Fabric>,
+            Membership::whole(rank, self.world_size()),
+        )
+    }
 }
 
 impl LocalCommunicator {

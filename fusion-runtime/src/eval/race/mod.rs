@@ -43,11 +43,11 @@ use std::rc::Rc;
 use fusion_core::hir::{HostProgram, Node};
 use fusion_core::ir::{ScalarId, TensorId};
 
+pub use crate::error::race::{AccessKind, RaceError, RaceSite};
 pub use footprint::Footprint;
 pub(crate) use report::Place;
-pub use report::{AccessKind, RaceError, RaceSite};
 
-use crate::backend::StreamHandle;
+use crate::device::StreamHandle;
 use crate::tensor::{Storage, Tensor};
 
 /// `FUSION_RACE_CHECK=1`: check every call (read once per process).

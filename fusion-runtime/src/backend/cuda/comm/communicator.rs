@@ -24,10 +24,11 @@ use fusion_core::DType;
 
 use super::copy_engine::{CopyEngine, Transfer};
 use super::nccl_graphs::{turn_off_graph_mixing, GraphFence};
-use crate::backend::cuda::{CudaDevice, WorldHealth};
-use crate::backend::{Device, Kernel, StreamHandle};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::health::WorldHealth;
 use crate::comm::local::LocalCommunicator;
 use crate::comm::Communicator;
+use crate::device::{Device, Kernel, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 

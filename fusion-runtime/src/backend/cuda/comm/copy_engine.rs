@@ -26,7 +26,8 @@ use super::device_waits::DeviceWaits;
 use super::ipc::{IpcDevice, IpcPeer};
 use super::landing::Landing;
 use super::signals::{Flag, SignalBoard, Site, SLOTS};
-use crate::backend::cuda::{CudaDevice, WorldHealth};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::health::WorldHealth;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -156,16 +157,6 @@ pub(crate) struct CopyRegistry {
     /// Pairs of these ranks (lower rank first) whose GPUs cannot reach each other's
     /// memory: their transfers go through NCCL instead of the copy engines.
     no_peer_access: std::collections::HashSet<(usize, usize)>,
-}
-
-/// Transfer events created and not yet destroyed, in this process (see
-/// [`live_events`]).
-static LIVE_EVENTS: AtomicUsize = AtomicUsize::new(0);
-
-/// How many copy-engine transfer events exist now: flat over a soak when every event a
-/// run creates goes back to its pool and is destroyed with it.
-pub(crate) fn live_events() -> usize {
-    LIVE_EVENTS.load(Ordering::Relaxed)
 }
 
 /// How long a host thread spins for a peer's post before sleeping on the condition
@@ -447,7 +438,7 @@ impl Drop for CopyRegistry {
             {
                 // SAFETY: pooled events have no pending record the process still needs.
                 let _ = unsafe { result::event::destroy(ev.raw) };
-                LIVE_EVENTS.fetch_sub(1, Ordering::Relaxed);
+                crate::counters::transfer_event(false);
             }
         }
     }
@@ -457,7 +448,7 @@ impl Drop for CopyRegistry {
 #[derive(Clone, Debug)]
 pub(crate) struct Transfer {
     pub key: Key,
-    pub stream: crate::backend::StreamHandle,
+    pub stream: crate::device::StreamHandle,
     pub buf: Tensor,
     pub sending: bool,
     /// Its place among this call's transfers between the same two ranks (same direction).
@@ -570,14 +561,15 @@ impl CopyEngine {
     /// keeps none (no flags, peers over IPC, or no call identity).
     pub(crate) fn landing_buffer(
         &self,
-        stream: crate::backend::StreamHandle,
+        stream: crate::device::StreamHandle,
         dtype: fusion_core::DType,
         shape: &[usize],
     ) -> Result<Option<Tensor>> {
         if self.registry.signals.is_none() || self.has_ipc_peers() {
             return Ok(None);
         }
-        let capturing = crate::backend::cuda::stream_is_capturing(self.device.raw_stream(stream)?);
+        let capturing =
+            crate::backend::cuda::stream::stream_is_capturing(self.device.raw_stream(stream)?);
         self.landing
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -610,7 +602,7 @@ impl CopyEngine {
     }
 
     /// Makes `raw` wait for the previous one-receive group's inbound copy, if any.
-    fn after_last_inbound(&self, raw: crate::backend::cuda::RawStream) -> Result<()> {
+    fn after_last_inbound(&self, raw: crate::backend::cuda::stream::RawStream) -> Result<()> {
         let prev = self
             .last_inbound
             .lock()
@@ -623,7 +615,7 @@ impl CopyEngine {
     }
 
     /// Marks the point of `raw` after this group's inbound copy.
-    fn set_last_inbound(&self, raw: crate::backend::cuda::RawStream) -> Result<()> {
+    fn set_last_inbound(&self, raw: crate::backend::cuda::stream::RawStream) -> Result<()> {
         let ev = self.record_on(raw)?;
         let old = self
             .last_inbound
@@ -648,7 +640,7 @@ impl CopyEngine {
     /// out, on the host or on the device).
     pub(crate) fn transfer(
         &self,
-        stream: crate::backend::StreamHandle,
+        stream: crate::device::StreamHandle,
         peer: usize,
         buf: &Tensor,
         sending: bool,
@@ -752,7 +744,7 @@ impl CopyEngine {
                 owner: self.rank,
             })
             .map_err(|e| self.err(format!("creating a transfer event: {e:?}")))?;
-        LIVE_EVENTS.fetch_add(1, Ordering::Relaxed);
+        crate::counters::transfer_event(true);
         Ok(ev)
     }
 
@@ -761,7 +753,7 @@ impl CopyEngine {
         self.record_on(raw)
     }
 
-    fn record_on(&self, raw: crate::backend::cuda::RawStream) -> Result<Event> {
+    fn record_on(&self, raw: crate::backend::cuda::stream::RawStream) -> Result<Event> {
         let ev = self.new_event()?;
         // SAFETY: an event and a stream of this device's context.
         unsafe { result::event::record(ev.raw, raw.0) }
@@ -774,7 +766,7 @@ impl CopyEngine {
         self.wait_on(raw, ev)
     }
 
-    fn wait_on(&self, raw: crate::backend::cuda::RawStream, ev: Event) -> Result<()> {
+    fn wait_on(&self, raw: crate::backend::cuda::stream::RawStream, ev: Event) -> Result<()> {
         // SAFETY: waiting on an event of any device of this process is allowed.
         unsafe {
             result::stream::wait_event(
@@ -795,8 +787,8 @@ impl CopyEngine {
         &self,
         t: &Transfer,
         key: Option<usize>,
-        own: crate::backend::cuda::RawStream,
-    ) -> Result<crate::backend::cuda::RawStream> {
+        own: crate::backend::cuda::stream::RawStream,
+    ) -> Result<crate::backend::cuda::stream::RawStream> {
         match key {
             Some(key) => {
                 let cs = self.device.copy_stream(key)?;
@@ -971,7 +963,11 @@ impl CopyEngine {
     }
 
     /// `own` waits for a raw event of this process.
-    fn wait_raw(&self, own: crate::backend::cuda::RawStream, ev: sys::CUevent) -> Result<()> {
+    fn wait_raw(
+        &self,
+        own: crate::backend::cuda::stream::RawStream,
+        ev: sys::CUevent,
+    ) -> Result<()> {
         // SAFETY: an event and a stream of this process.
         unsafe {
             result::stream::wait_event(own.0, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
@@ -1001,7 +997,7 @@ impl CopyEngine {
     /// Enqueues on `stream` the wait for `flag` of transfer `t` (and its reset).
     fn take(
         &self,
-        stream: crate::backend::cuda::RawStream,
+        stream: crate::backend::cuda::stream::RawStream,
         t: &Transfer,
         flag: Flag,
     ) -> Result<()> {
@@ -1031,7 +1027,7 @@ impl CopyEngine {
     fn post_with_flags(
         &self,
         t: &Transfer,
-        own: crate::backend::cuda::RawStream,
+        own: crate::backend::cuda::stream::RawStream,
         identity: Option<u64>,
     ) -> Result<()> {
         SignalBoard::write(own, self.flag(t, Flag::Ready)?, 1)?;
@@ -1068,7 +1064,7 @@ impl CopyEngine {
         &self,
         t: &Transfer,
         copy_key: Option<usize>,
-        own: crate::backend::cuda::RawStream,
+        own: crate::backend::cuda::stream::RawStream,
         identity: Option<u64>,
     ) -> Result<()> {
         let landed_key = identity.map(|id| (id, t.key.0, t.key.1, t.index));
@@ -1112,7 +1108,7 @@ impl CopyEngine {
                 return Err(self.err(format!(
                     "cuMemcpyAsync (to rank {}): {}",
                     t.key.1,
-                    crate::backend::cuda::cu_text(r)
+                    crate::backend::cuda::libs::cu_text(r)
                 )));
             }
         }
@@ -1131,7 +1127,7 @@ impl CopyEngine {
         t: &Transfer,
         slot: &Slot,
         copy_key: Option<usize>,
-        own: crate::backend::cuda::RawStream,
+        own: crate::backend::cuda::stream::RawStream,
         in_order: bool,
     ) -> Result<()> {
         let post = self
@@ -1212,7 +1208,7 @@ fn can_access_peer(a: usize, b: usize) -> Result<bool> {
     let (da, db) = (dev(a)?, dev(b)?);
     let mut can: std::ffi::c_int = 0;
     // SAFETY: a plain query of two valid devices.
-    crate::backend::cuda::cu_check(
+    crate::backend::cuda::libs::cu_check(
         unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) },
         &format!("cuDeviceCanAccessPeer({a}, {b})"),
     )?;
@@ -1258,7 +1254,7 @@ pub(crate) fn enable_peer_access(
         let peers: Vec<sys::CUmemAccessDesc> = others
             .iter()
             .map(|&o| sys::CUmemAccessDesc {
-                location: crate::backend::cuda::device_location(o as i32),
+                location: crate::backend::cuda::libs::device_location(o as i32),
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
@@ -1269,12 +1265,12 @@ pub(crate) fn enable_peer_access(
         // SAFETY: the current pool of a live device; `peers` lists valid devices.
         unsafe {
             let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            crate::backend::cuda::cu_check(
+            crate::backend::cuda::libs::cu_check(
                 sys::cuDeviceGetMemPool(&mut pool, cu_dev),
                 &format!("memory pool of device {own}"),
             )?;
             if !peers.is_empty() {
-                crate::backend::cuda::cu_check(
+                crate::backend::cuda::libs::cu_check(
                     sys::cuMemPoolSetAccess(pool, peers.as_ptr(), peers.len()),
                     &format!("granting peers access to device {own}'s memory pool"),
                 )?;
@@ -1288,7 +1284,7 @@ pub(crate) fn enable_peer_access(
             // SAFETY: contexts of two live devices; the current context is `a`'s.
             let r = unsafe { sys::cuCtxEnablePeerAccess(b.shared().ctx.cu_ctx(), 0) };
             if r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-                crate::backend::cuda::cu_check(
+                crate::backend::cuda::libs::cu_check(
                     r,
                     &format!("enabling peer access from device {own} to {other}"),
                 )?;
@@ -1309,8 +1305,8 @@ pub(crate) fn enable_peer_access(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Device, DeviceGraph, Kernel};
     use crate::comm::CallStart;
+    use crate::device::{Device, DeviceGraph, Kernel};
     use fusion_core::DType;
 
     /// What rank `r` sends at `call`: a different value at every element, rank and call.
@@ -1586,7 +1582,7 @@ mod tests {
         drop(buf);
         drop(devs);
         assert!(
-            !crate::backend::cuda::a_device_is_stuck(),
+            !crate::backend::cuda::health::a_device_is_stuck(),
             "the released device drained"
         );
     }

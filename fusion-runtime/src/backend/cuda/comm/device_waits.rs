@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::signals::{Flag, SignalBoard, Site};
-use crate::backend::cuda::WorldHealth;
+use crate::backend::cuda::health::WorldHealth;
 
 /// How often the watchdog looks at the board.
 const TICK: Duration = Duration::from_millis(10);
@@ -157,7 +157,7 @@ fn watch(s: &Shared) {
         if failed {
             if !reported_stuck {
                 reported_stuck = true;
-                crate::backend::cuda::mark_device_stuck();
+                crate::backend::cuda::health::mark_device_stuck();
                 tracing::warn!(
                     "rank {}'s device still waits for flag {site:?} {:.1} s after the failed \
                      world released every flag: it cannot be released, and its memory is \

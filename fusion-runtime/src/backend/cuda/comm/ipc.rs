@@ -29,8 +29,10 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::memory::shared_arena::{grant, map, unmap, SharedArena};
-use crate::backend::cuda::{CudaDevice, RawStream, WorldHealth};
+use crate::backend::cuda::stream::RawStream;
 use crate::error::{Error, Result};
 
 /// Messages a ring holds before its sender waits.
@@ -50,7 +52,7 @@ fn ipc_err(what: &str, reason: impl std::fmt::Display) -> Error {
     }
 }
 
-use crate::backend::cuda::cu_check as check;
+use crate::backend::cuda::libs::cu_check as check;
 
 /// A file in shared memory mapped into this process.
 struct Mapping {
@@ -363,7 +365,7 @@ fn exportable_pool(ordinal: i32) -> Result<sys::CUmemoryPool> {
     let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
     props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    props.location = crate::backend::cuda::device_location(ordinal);
+    props.location = crate::backend::cuda::libs::device_location(ordinal);
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: valid properties for a device pool.
     check(
@@ -488,7 +490,7 @@ impl IpcPeer {
         }
         check(imported, &format!("importing rank {peer}'s memory pool"))?;
         let access = sys::CUmemAccessDesc {
-            location: crate::backend::cuda::device_location(ordinal as i32),
+            location: crate::backend::cuda::libs::device_location(ordinal as i32),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // A pool of this very GPU (processes sharing one) is reachable already; the access
@@ -847,7 +849,7 @@ fn allocation_base(ptr: u64, rank: usize) -> Result<u64> {
             rank,
             reason: format!(
                 "cuMemGetAddressRange on a transfer buffer: {}",
-                crate::backend::cuda::cu_text(r)
+                crate::backend::cuda::libs::cu_text(r)
             ),
         });
     }

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use fusion_core::DType;
 
-use crate::backend::{Device, StreamHandle};
+use crate::device::{Device, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 

@@ -12,7 +12,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 
-use crate::backend::cuda::CudaDevice;
+use crate::backend::cuda::device::CudaDevice;
 use crate::error::Result;
 
 /// The variable NCCL reads for graph-mixing support.
@@ -55,7 +55,7 @@ impl GraphFence {
             return Ok(());
         }
         let main = device.raw_stream(0)?;
-        if crate::backend::cuda::stream_is_capturing(main) {
+        if crate::backend::cuda::stream::stream_is_capturing(main) {
             return Ok(());
         }
         device.wait_stream(

@@ -38,7 +38,8 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use cudarc::driver::sys;
 
-use crate::backend::cuda::{cu_check as check, RawStream};
+use crate::backend::cuda::libs::cu_check as check;
+use crate::backend::cuda::stream::RawStream;
 use crate::error::Result;
 
 /// Transfers per ordered pair and call that have flags; a call with more hands the rest
@@ -295,7 +296,7 @@ impl SignalBoard {
 
 impl Drop for SignalBoard {
     fn drop(&mut self) {
-        if !self.pinned || crate::backend::cuda::a_device_is_stuck() {
+        if !self.pinned || crate::backend::cuda::health::a_device_is_stuck() {
             // A device may still wait on these flags; freeing them could wait for it.
             return;
         }

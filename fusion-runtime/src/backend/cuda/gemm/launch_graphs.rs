@@ -16,9 +16,9 @@ use std::hash::Hash;
 use cudarc::driver::sys;
 
 use super::word_hash::WordMap;
-use crate::backend::cuda::graph::stream_is_capturing as capturing;
 use crate::backend::cuda::libs::cu_check as check;
-use crate::backend::cuda::memory::buffer::RawStream;
+use crate::backend::cuda::stream::stream_is_capturing as capturing;
+use crate::backend::cuda::stream::RawStream;
 use crate::error::Result;
 
 /// At most this many graphs per cache; the oldest go first.

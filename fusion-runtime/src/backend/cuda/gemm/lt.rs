@@ -19,8 +19,8 @@ use fusion_core::DType;
 
 use super::launch_graphs::LaunchGraphs;
 use super::word_hash::WordMap;
-use crate::backend::cuda::memory::buffer::RawStream;
-use crate::backend::StreamHandle;
+use crate::backend::cuda::stream::RawStream;
+use crate::device::StreamHandle;
 use crate::error::{Error, Result};
 
 /// Workspace per stream for the algorithms that want one (PyTorch gives Hopper 32 MiB).

@@ -20,11 +20,32 @@ use fusion_core::DType;
 
 use fusion_core::ir::{BinaryOp, UnaryOp};
 
-use crate::backend::cuda::device::CudaDevice;
-use crate::backend::{Device, Kernel, PointwiseInstr, PointwiseProgram, StreamHandle};
+use crate::backend::cuda::memory::device_shared::DeviceShared;
+use crate::backend::cuda::stream::RawStream;
+use crate::device::{Device, Kernel, PointwiseInstr, PointwiseProgram, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use lt::{LtEpilogue, LtMatrix, LtProblem};
+
+/// A cuBLAS handle, bound to one stream of its device.
+#[derive(Clone, Copy)]
+pub(crate) struct BlasHandle(pub cudarc::cublas::sys::cublasHandle_t);
+// SAFETY: used only from the rank thread that owns the device, one call at a time.
+unsafe impl Send for BlasHandle {}
+
+/// What a GEMM needs of its device beyond [`Device`] (which allocates and runs the copies
+/// and epilogue kernels): the raw stream and cuBLAS handle of a stream, the cuBLASLt plans
+/// and the context. The CUDA device implements it.
+pub(crate) trait GemmDevice: Device {
+    /// The raw stream behind a handle.
+    fn raw_stream(&self, s: StreamHandle) -> Result<RawStream>;
+    /// The cuBLAS handle bound to stream `s`.
+    fn blas(&self, s: StreamHandle) -> Result<BlasHandle>;
+    /// The device's cuBLASLt handle, plans and workspaces.
+    fn lt(&self) -> &lt::LtPlans;
+    /// What the device's buffers share with it (its context).
+    fn shared(&self) -> &DeviceShared;
+}
 
 /// How a row-major `rows x cols` matrix appears to cuBLAS.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,13 +90,13 @@ fn err(reason: String) -> Error {
 }
 
 /// The matrix layout of the last two axes, copying to a contiguous buffer if needed.
-fn matrix(dev: &CudaDevice, stream: StreamHandle, t: &Tensor) -> Result<(Tensor, Layout)> {
+fn matrix(dev: &dyn GemmDevice, stream: StreamHandle, t: &Tensor) -> Result<(Tensor, Layout)> {
     let r = t.rank();
     let (rows, cols) = (t.shape()[r - 2], t.shape()[r - 1]);
     if let Some(l) = layout(rows, cols, t.strides()[r - 2], t.strides()[r - 1]) {
         return Ok((t.clone(), l));
     }
-    let c = dev.alloc_tensor(stream, t.dtype(), t.shape())?;
+    let c = dev.allocate(stream, t.dtype(), t.shape())?;
     dev.execute(stream, Kernel::Copy { src: t, dst: &c })?;
     let l = layout(rows, cols, c.strides()[r - 2], c.strides()[r - 1]).expect("contiguous");
     Ok((c, l))
@@ -140,7 +161,7 @@ fn validate(g: &GemmArgs) -> Result<()> {
             )));
         }
     }
-    crate::backend::gemm_addend(g.accumulate, g.addend, dst)?;
+    crate::device::gemm_addend(g.accumulate, g.addend, dst)?;
     if g.accumulate && dst.dtype() != a.dtype() {
         return Err(err(format!(
             "gemm: accumulating into {} from {} operands",
@@ -161,7 +182,7 @@ fn direct_output(input: DType, output: DType) -> bool {
 /// can; else cuBLAS, and for an epilogue (or output dtype) cuBLAS cannot store, the product
 /// in f32 and one generated kernel for the rest (the same f32 semantics as cuBLASLt's
 /// epilogue and the CPU backend).
-pub(crate) fn gemm(dev: &CudaDevice, stream: StreamHandle, g: GemmArgs) -> Result<()> {
+pub(crate) fn gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: GemmArgs) -> Result<()> {
     validate(&g)?;
     if g.dst.numel() == 0 {
         return Ok(());
@@ -187,7 +208,7 @@ pub(crate) fn gemm(dev: &CudaDevice, stream: StreamHandle, g: GemmArgs) -> Resul
         return cublas_gemm(dev, stream, g.a, g.b, g.bias, g.accumulate, g.dst);
     }
     // The product in f32 (cuBLASLt or cuBLAS), then bias and activations in one kernel.
-    let product = dev.alloc_tensor(stream, DType::F32, g.dst.shape())?;
+    let product = dev.allocate(stream, DType::F32, g.dst.shape())?;
     let plain = GemmArgs {
         bias: None,
         addend: None,
@@ -228,7 +249,12 @@ pub(crate) fn gemm(dev: &CudaDevice, stream: StreamHandle, g: GemmArgs) -> Resul
 
 /// `g` through cuBLASLt when it is one 2-D GEMM (batch axes of extent 1) whose operands
 /// need no copy and whose output has unit column stride; `Ok(false)` otherwise.
-fn lt_gemm(dev: &CudaDevice, stream: StreamHandle, g: &GemmArgs, ep: LtEpilogue) -> Result<bool> {
+fn lt_gemm(
+    dev: &dyn GemmDevice,
+    stream: StreamHandle,
+    g: &GemmArgs,
+    ep: LtEpilogue,
+) -> Result<bool> {
     let r = g.dst.rank();
     if g.dst.shape()[..r - 2].iter().any(|&e| e != 1) {
         return Ok(false);
@@ -309,13 +335,13 @@ fn lt_gemm(dev: &CudaDevice, stream: StreamHandle, g: &GemmArgs, ep: LtEpilogue)
     };
     let raw = dev.raw_stream(stream)?;
     dev.shared().bind()?;
-    dev.lt.matmul(stream, raw, &problem)
+    dev.lt().matmul(stream, raw, &problem)
 }
 
 /// `dst = a @ b (+ bias)`, or `dst += a @ b` with `accumulate`, on cuBLAS (any batch and
 /// strides; shapes checked by [`validate`]; `dst` in the operands' dtype or f32).
 fn cublas_gemm(
-    dev: &CudaDevice,
+    dev: &dyn GemmDevice,
     stream: StreamHandle,
     a: &Tensor,
     b: &Tensor,
@@ -349,7 +375,7 @@ fn cublas_gemm(
     let (c, lc) = match layout(m, n, dst.strides()[r - 2], dst.strides()[r - 1]) {
         Some(l) => (dst.clone(), l),
         None => {
-            let c = dev.alloc_tensor(stream, dst.dtype(), dst.shape())?;
+            let c = dev.allocate(stream, dst.dtype(), dst.shape())?;
             if beta != 0.0 {
                 dev.execute(stream, Kernel::Copy { src: dst, dst: &c })?;
             }
@@ -468,11 +494,11 @@ fn same_view(x: &Tensor, y: &Tensor) -> bool {
 }
 
 /// Writes zeros into `t` (zero bits are 0.0 in every dtype).
-fn fill_zero(dev: &CudaDevice, stream: StreamHandle, t: &Tensor) -> Result<()> {
+fn fill_zero(dev: &dyn GemmDevice, stream: StreamHandle, t: &Tensor) -> Result<()> {
     let target = if t.is_contiguous() {
         t.clone()
     } else {
-        dev.alloc_tensor(stream, t.dtype(), t.shape())?
+        dev.allocate(stream, t.dtype(), t.shape())?
     };
     let raw = dev.raw_stream(stream)?;
     // SAFETY: `target` is a contiguous device view of `nbytes` bytes.

@@ -6,7 +6,7 @@ use std::fmt::Write;
 use fusion_core::ir::{BinaryOp, ReduceOp, UnaryOp};
 use fusion_core::DType;
 
-use crate::backend::PointwiseInstr;
+use crate::device::PointwiseInstr;
 
 /// Largest tensor rank the generated kernels index.
 pub(crate) const MAX_RANK: usize = 8;

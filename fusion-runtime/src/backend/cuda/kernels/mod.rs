@@ -10,10 +10,10 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::{result, sys};
 use fusion_core::ir::ReduceOp;
 
-use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::libs::driver_err;
-use crate::backend::cuda::memory::buffer::RawStream;
-use crate::backend::PointwiseProgram;
+use crate::backend::cuda::memory::device_shared::DeviceShared;
+use crate::backend::cuda::stream::RawStream;
+use crate::device::PointwiseProgram;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use codegen::{pointwise_source, reduce_source, PointwiseSignature, ReduceSignature, MAX_RANK};
@@ -64,7 +64,7 @@ impl KernelCache {
     }
 
     /// The kernel `name` of `source`, compiled and loaded on first use.
-    fn function(&self, dev: &CudaDevice, source: &str, name: &str) -> Result<RawFunction> {
+    fn function(&self, dev: &DeviceShared, source: &str, name: &str) -> Result<RawFunction> {
         let key = format!("{name}\n{source}");
         if let Some(f) = self
             .functions
@@ -80,7 +80,6 @@ impl KernelCache {
                 Some(p) => p.clone(),
                 None => {
                     let cc = dev
-                        .shared()
                         .ctx
                         .compute_capability()
                         .map_err(|e| driver_err("compute capability", e))?;
@@ -106,7 +105,7 @@ impl KernelCache {
                 }
             }
         };
-        dev.shared().bind()?;
+        dev.bind()?;
         // SAFETY: loading NUL-terminated PTX text into the current context; the module
         // lives as long as the process (kernels are cached for reuse).
         let f = unsafe {
@@ -128,7 +127,7 @@ impl KernelCache {
     /// `dst = src` (same shape): a memcpy when both are contiguous of one dtype.
     pub(crate) fn copy(
         &self,
-        dev: &CudaDevice,
+        dev: &DeviceShared,
         stream: RawStream,
         src: &Tensor,
         dst: &Tensor,
@@ -182,7 +181,7 @@ impl KernelCache {
     /// Runs a fused elementwise program.
     pub(crate) fn pointwise(
         &self,
-        dev: &CudaDevice,
+        dev: &DeviceShared,
         stream: RawStream,
         p: &PointwiseProgram,
     ) -> Result<()> {
@@ -245,7 +244,7 @@ impl KernelCache {
     /// Reduces `src` over `axes` into `dst` (src's shape without those axes).
     pub(crate) fn reduce(
         &self,
-        dev: &CudaDevice,
+        dev: &DeviceShared,
         stream: RawStream,
         op: ReduceOp,
         src: &Tensor,
@@ -332,7 +331,7 @@ impl KernelCache {
 
 /// Launches `f` with the device pointers `ptrs` then the parameter block `params`.
 fn launch(
-    dev: &CudaDevice,
+    dev: &DeviceShared,
     f: RawFunction,
     grid: u32,
     stream: RawStream,
@@ -344,7 +343,7 @@ fn launch(
         .map(|p| p as *mut u64 as *mut c_void)
         .collect();
     args.push(params.as_mut_ptr() as *mut c_void);
-    dev.shared().bind()?;
+    dev.bind()?;
     // SAFETY: the argument list matches the generated kernel's signature (device
     // pointers, then a struct of i64s of exactly this length).
     unsafe { result::launch_kernel(f.0, (grid, 1, 1), (BLOCK, 1, 1), 0, stream.0, &mut args) }

@@ -11,16 +11,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys};
 
-use crate::backend::cuda::device::DeviceShared;
+use super::device_shared::DeviceShared;
+use crate::backend::cuda::stream::RawStream;
 use crate::tensor::DeviceBuffer;
-
-/// A raw stream handle that may cross threads (the driver allows it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RawStream(pub sys::CUstream);
-// SAFETY: CUstream handles are plain driver handles, usable from any thread with the
-// context current.
-unsafe impl Send for RawStream {}
-unsafe impl Sync for RawStream {}
 
 /// Device memory owned by one device's allocator.
 #[derive(Debug)]
@@ -33,7 +26,7 @@ pub(crate) struct CudaBuffer {
     kept: bool,
     /// The caller's stream this buffer was handed out on as a call's output: its free
     /// first joins that stream, where the caller's work may still read it.
-    pub(crate) caller: std::sync::Mutex<Option<crate::backend::CallerStream>>,
+    pub(crate) caller: std::sync::Mutex<Option<crate::device::CallerStream>>,
 }
 
 impl CudaBuffer {

@@ -11,13 +11,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{result, sys};
 
-use crate::backend::cuda::device::DeviceShared;
+use super::device_shared::DeviceShared;
 use crate::error::Result;
 use crate::tensor::DeviceBuffer;
 
 #[cfg(test)]
-use crate::backend::capture_arena_bytes as arena_bytes;
-use crate::backend::CAPTURE_ARENA_ALIGN as ALIGN;
+use crate::device::capture_arena_bytes as arena_bytes;
+use crate::device::CAPTURE_ARENA_ALIGN as ALIGN;
 
 /// One allocation made before a capture, handed out in order during it.
 pub(crate) struct CaptureArena {
@@ -83,7 +83,7 @@ fn place(used: usize, bytes: usize, size: usize) -> Option<(usize, usize)> {
 
 impl Drop for CaptureArena {
     fn drop(&mut self) {
-        if !crate::backend::cuda::a_device_is_stuck() && self.shared.bind().is_ok() {
+        if !crate::backend::cuda::health::a_device_is_stuck() && self.shared.bind().is_ok() {
             // SAFETY: the allocation made in `new`, freed once, when neither the graph nor
             // any buffer of it is left.
             unsafe {

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use super::buffer::RawStream;
+use crate::backend::cuda::stream::RawStream;
 
 /// Most bytes one device keeps.
 pub(crate) const KEPT_BYTES: usize = 256 << 20;

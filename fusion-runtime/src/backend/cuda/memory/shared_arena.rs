@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::sys;
 
-use super::buffer::RawStream;
-use crate::backend::cuda::device::DeviceShared;
+use super::device_shared::DeviceShared;
+use crate::backend::cuda::stream::RawStream;
 use crate::error::Result;
 use crate::tensor::DeviceBuffer;
 

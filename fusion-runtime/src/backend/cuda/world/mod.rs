@@ -13,7 +13,10 @@
 //! The launch checks of `gpu_layout` run before the rendezvous and right after it, before
 //! NCCL starts.
 
+mod on_stream;
 mod user_buffers;
+
+pub use on_stream::OnStream;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -29,11 +32,14 @@ use crate::backend::cuda::comm::copy_engine::{
     enable_peer_access, CopyEngine, CopyMode, CopyRegistry, IpcState,
 };
 use crate::backend::cuda::comm::ipc::{IpcDevice, IpcInfo, IpcPeer};
-use crate::backend::cuda::{check_libraries, device_count, CudaDevice, WorldHealth};
-use crate::backend::{BackendKind, Device};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::health::WorldHealth;
+use crate::backend::cuda::libs::check_libraries;
+use crate::backend::cuda::libs::device_count;
 use crate::comm::local::LocalCommunicator;
 use crate::comm::remote::wire::{Reader, Writer};
 use crate::comm::Communicator;
+use crate::device::{BackendKind, Device};
 use crate::error::{Error, Result};
 use crate::world::bootstrap::{self, Session};
 use crate::world::gpu_layout::{check_ranks, local_ordinals, RankGpu, Visible};

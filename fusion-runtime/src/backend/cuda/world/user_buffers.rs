@@ -6,15 +6,17 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
 
-use crate::backend::cuda::{CudaDevice, CudaElement};
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::user_buffers::CudaElement;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::world::Rank;
 
 impl Rank {
     /// This rank's CUDA device, or an error naming the backend.
-    fn cuda_device(&self, what: &str) -> Result<&CudaDevice> {
-        self.device().as_cuda().ok_or_else(|| Error::Backend {
+    pub(crate) fn cuda_device(&self, what: &str) -> Result<&CudaDevice> {
+        let device = self.device().as_any().downcast_ref::<CudaDevice>();
+        device.ok_or_else(|| Error::Backend {
             backend: self.backend().name(),
             reason: format!(
                 "{what} needs a CUDA device, but rank {} runs on the {} backend",

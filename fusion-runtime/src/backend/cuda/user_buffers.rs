@@ -32,8 +32,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use cudarc::driver::{result, sys, CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
 use fusion_core::DType;
 
-use super::buffer::CudaBuffer;
-use crate::backend::cuda::device::{CudaDevice, DeviceShared};
+use super::device::CudaDevice;
+use super::memory::buffer::CudaBuffer;
+use super::memory::device_shared::DeviceShared;
 use crate::backend::cuda::libs::driver_err;
 use crate::error::{Error, Result};
 use crate::tensor::{DeviceBuffer, Tensor};

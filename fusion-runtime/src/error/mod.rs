@@ -5,6 +5,8 @@
 //! keeping them as its `source()`: an application that uses cudarc beside this library
 //! can use `?` across both.
 
+pub(crate) mod race;
+
 use thiserror::Error;
 
 /// Result type of the runtime (and of the `fusion` facade).
@@ -103,7 +105,7 @@ pub enum Error {
     /// The race checker found two accesses the program's stream order leaves unordered
     /// (boxed: it names both sides).
     #[error("race check: {0}")]
-    Race(Box<crate::eval::RaceError>),
+    Race(Box<race::RaceError>),
     /// A CUDA driver call failed (cudarc's error, kept as the source). The message names
     /// the driver's result code (cudarc's own text asks the driver library for it).
     #[cfg(feature = "cuda")]
@@ -153,8 +155,8 @@ impl From<cudarc::nccl::result::NcclError> for Error {
     }
 }
 
-impl From<crate::eval::RaceError> for Error {
-    fn from(e: crate::eval::RaceError) -> Self {
+impl From<race::RaceError> for Error {
+    fn from(e: race::RaceError) -> Self {
         Error::Race(Box::new(e))
     }
 }

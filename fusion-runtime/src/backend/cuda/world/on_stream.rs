@@ -1,0 +1,104 @@
+//! Calls on the caller's CUDA stream: [`Rank::on`] and [`Rank::on_per_thread_stream`] make
+//! an [`OnStream`] target, which the call checks against the rank's device (see
+//! `backend::cuda::caller_stream` for how the device orders its streams after it).
+
+use std::sync::Arc;
+
+use crate::device::CallerStream;
+use crate::error::{Error, Result};
+use crate::world::{CallTarget, CallerStreamSource, Rank, Target};
+
+/// A rank on the caller's CUDA stream ([`Rank::on`], [`Rank::on_per_thread_stream`]): pass
+/// `&rank.on(&stream)` wherever an entry point takes a rank. The call runs after the work
+/// enqueued on that stream so far, and the caller's next work there sees its outputs,
+/// with no host synchronization; a replayed call launches its graph on that stream.
+#[derive(Clone, Copy, Debug)]
+pub struct OnStream<'a> {
+    rank: &'a Rank,
+    stream: StreamChoice<'a>,
+}
+
+/// The caller's stream of a call, before it is checked against the rank's device.
+#[derive(Clone, Copy, Debug)]
+enum StreamChoice<'a> {
+    /// A cudarc stream.
+    Cudarc(&'a Arc<cudarc::driver::CudaStream>),
+    /// The calling thread's per-thread default stream.
+    PerThread,
+}
+
+impl CallerStreamSource for StreamChoice<'_> {
+    fn resolve(&self, rank: &Rank) -> Result<CallerStream> {
+        let device = rank.cuda_device("a call on a CUDA stream (Rank::on)")?;
+        match self {
+            StreamChoice::Cudarc(s) => checked(&device.context(), rank.index(), s),
+            StreamChoice::PerThread => Ok(CallerStream::per_thread()),
+        }
+    }
+}
+
+/// The caller's `stream` as a call target, checked to belong to `ours` (the context of
+/// `rank`'s device).
+fn checked(
+    ours: &cudarc::driver::CudaContext,
+    rank: usize,
+    stream: &Arc<cudarc::driver::CudaStream>,
+) -> Result<CallerStream> {
+    let theirs = stream.context();
+    if theirs.cu_ctx() != ours.cu_ctx() {
+        return Err(Error::Backend {
+            backend: "cuda",
+            reason: format!(
+                "rank {rank} runs on device {} but the stream given to Rank::on belongs to {}; \
+                 give a stream of the rank's context (rank.cuda_context()?.new_stream() or the \
+                 device's primary context)",
+                ours.ordinal(),
+                if theirs.ordinal() == ours.ordinal() {
+                    format!("another context of device {}", theirs.ordinal())
+                } else {
+                    format!("device {}", theirs.ordinal())
+                }
+            ),
+        });
+    }
+    Ok(CallerStream::from_raw(
+        stream.cu_stream() as usize,
+        stream.clone(),
+    ))
+}
+
+impl CallTarget for OnStream<'_> {
+    fn target(&self) -> Target<'_> {
+        Target {
+            rank: self.rank,
+            stream: Some(&self.stream),
+        }
+    }
+}
+
+impl Rank {
+    /// This rank on the caller's `stream` (a cudarc stream of the rank's device context,
+    /// e.g. a stream of `rank.cuda_context()?`, or candle's `CudaDevice::cuda_stream()`):
+    /// a fusion called with `&rank.on(&stream)` behaves like one more op on that stream.
+    /// A stream of another device or context is an error at the call, and so is a stream
+    /// being captured into a graph of yours. The rank keeps a reference to the stream while
+    /// it may still order work after it (outputs handed out on it, kept outputs).
+    pub fn on<'a>(&'a self, stream: &'a Arc<cudarc::driver::CudaStream>) -> OnStream<'a> {
+        OnStream {
+            rank: self,
+            stream: StreamChoice::Cudarc(stream),
+        }
+    }
+
+    /// This rank on the calling thread's per-thread default stream (what candle's CUDA
+    /// device uses by default). The handle names another stream on each thread: make the
+    /// call on the thread whose stream is meant, and drop its outputs on that thread (or
+    /// synchronize the stream first), since only there can their free be ordered after
+    /// your work on that stream.
+    pub fn on_per_thread_stream(&self) -> OnStream<'_> {
+        OnStream {
+            rank: self,
+            stream: StreamChoice::PerThread,
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! What the evaluator needs from a device: the [`Device`] trait, below every backend.
+//!
+//! A [`Device`] allocates tensors, owns a pool of streams, orders streams against each
+//! other with events, and runs a small set of [`Kernel`]s. The evaluator lowers every
+//! compute node of a host program to these kernels, so a backend implements only them.
+//! The backends themselves (`backend::cpu`, `backend::cuda`) sit above the worlds that
+//! hold their devices; the evaluator, the worlds and the communicators know devices only
+//! through this trait.
+
+use fusion_core::ir::{BinaryOp, ReduceOp, UnaryOp};
+use fusion_core::DType;
+
+use crate::error::Result;
+pub use crate::streams::StreamHandle;
+use crate::tensor::Tensor;
+
+/// Which kind of backend a device is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// Simulated devices: threads of this process, host memory.
+    Cpu,
+    /// NVIDIA GPUs through CUDA.
+    Cuda,
+}
+
+impl BackendKind {
+    /// `cpu` or `cuda`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// The caller's stream of a call (`Rank::on`): a CUDA stream handle, and for the per-thread
+/// default stream, whose handle means another stream on each thread, the calling thread.
+/// It keeps the caller's stream object alive (a cudarc `CudaStream`) for as long as the
+/// device may still order work after it (buffers handed out on it, kept outputs, the join
+/// the device's streams owe it). Equal when the stream is.
+#[derive(Clone)]
+pub struct CallerStream {
+    /// The raw `CUstream`.
+    pub(crate) raw: usize,
+    /// The thread whose per-thread default stream it is (`None` for every other stream).
+    pub(crate) thread: Option<std::thread::ThreadId>,
+    /// The stream's owner, kept alive (never read: holding it is the point; `None` for
+    /// streams that are never destroyed).
+    pub(crate) _keep: Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for CallerStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CallerStream({:#x}, {:?})", self.raw, self.thread)
+    }
+}
+
+impl PartialEq for CallerStream {
+    fn eq(&self, other: &Self) -> bool {
+        (self.raw, self.thread) == (other.raw, other.thread)
+    }
+}
+
+impl Eq for CallerStream {}
+
+/// One instruction of a [`PointwiseProgram`]. Registers `0..inputs.len()` hold the inputs;
+/// instruction `i` writes register `inputs.len() + i`. Values are f32 in registers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PointwiseInstr {
+    /// `op(register)`.
+    Unary(UnaryOp, usize),
+    /// `op(register, register)`.
+    Binary(BinaryOp, usize, usize),
+    /// Rounds a register to `DType` (a cast inside a fused chain).
+    Round(DType, usize),
+}
+
+/// A fused elementwise computation over one iteration shape.
+#[derive(Clone, Debug)]
+pub struct PointwiseProgram {
+    /// The iteration shape (every output's shape).
+    pub shape: Vec<usize>,
+    /// Input views, already broadcast to `shape` (stride 0 on broadcast axes).
+    pub inputs: Vec<Tensor>,
+    /// The instructions, in order.
+    pub instrs: Vec<PointwiseInstr>,
+    /// Output views of shape `shape`, each with the register it stores.
+    pub outputs: Vec<(Tensor, usize)>,
+}
+
+impl PointwiseProgram {
+    /// Evaluates the program for one element given its inputs (reference semantics).
+    pub fn eval_element(&self, regs: &mut Vec<f32>) {
+        for ins in &self.instrs {
+            let v = match *ins {
+                PointwiseInstr::Unary(op, a) => op.apply_f64(regs[a] as f64) as f32,
+                PointwiseInstr::Binary(op, a, b) => {
+                    op.apply_f64(regs[a] as f64, regs[b] as f64) as f32
+                }
+                PointwiseInstr::Round(dt, a) => crate::tensor::round_to(dt, regs[a]),
+            };
+            regs.push(v);
+        }
+    }
+}
+
+/// Memory of one device, for soak runs and reports (bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// The device's memory.
+    pub total: usize,
+    /// In use on the device by every process (`total - free` of `cuMemGetInfo`).
+    pub used: usize,
+    /// Allocated from this process's stream-ordered pool and not freed.
+    pub pool_used: usize,
+    /// Held by the pool (freed memory stays reserved for reuse).
+    pub pool_reserved: usize,
+}
+
+/// The operations a backend executes on a stream.
+#[derive(Clone, Copy, Debug)]
+pub enum Kernel<'a> {
+    /// `dst = src` elementwise (same shape; dtypes may differ).
+    Copy {
+        /// What is read.
+        src: &'a Tensor,
+        /// What is written.
+        dst: &'a Tensor,
+    },
+    /// A fused elementwise program.
+    Pointwise(&'a PointwiseProgram),
+    /// `dst` = `src` reduced over `axes` (dst's shape is src's without those axes).
+    Reduce {
+        /// Sum or max.
+        op: ReduceOp,
+        /// What is reduced.
+        src: &'a Tensor,
+        /// The result.
+        dst: &'a Tensor,
+        /// The axes of `src` reduced away.
+        axes: &'a [usize],
+    },
+    /// Batched `dst = epilogue(a @ b (+ bias))`: a `[B.., M, K]`, b `[B.., K, N]`, dst
+    /// `[B.., M, N]`, bias `[N]`; all of one rank >= 2, batch axes already broadcast
+    /// (stride 0), any strides. Accumulates in f32; the bias and then the `epilogue`
+    /// functions apply to the f32 result, which is rounded once, to `dst`'s dtype (which
+    /// may differ from the operands'). With `accumulate`, `dst = dst + a @ b` (no bias, no
+    /// epilogue): the GEMM epilogue adds what `dst` holds, so a running sum needs no
+    /// separate kernel; with an `addend` as well, `dst = addend + a @ b` (out of place: a
+    /// sum that arrived in one buffer is finished into another).
+    Gemm {
+        /// The left operand, `[B.., M, K]`.
+        a: &'a Tensor,
+        /// The right operand, `[B.., K, N]`.
+        b: &'a Tensor,
+        /// Added to every row, `[N]`.
+        bias: Option<&'a Tensor>,
+        /// `dst = dst + a @ b`.
+        accumulate: bool,
+        /// With `accumulate`: what is added, when it is not `dst` itself (`[B.., M, N]`,
+        /// `dst`'s dtype; the same view as `dst`, or memory apart from it).
+        addend: Option<&'a Tensor>,
+        /// Elementwise ops applied to the product before it is stored (in f32, rounded
+        /// once): a fused epilogue.
+        epilogue: &'a [UnaryOp],
+        /// The result, `[B.., M, N]`.
+        dst: &'a Tensor,
+    },
+}
+
+/// What an accumulating [`Kernel::Gemm`] adds: `addend`, else `dst` itself; `None` when it
+/// does not accumulate. An `addend` without `accumulate`, or of another shape or dtype than
+/// `dst`, is an error.
+pub(crate) fn gemm_addend<'a>(
+    accumulate: bool,
+    addend: Option<&'a Tensor>,
+    dst: &'a Tensor,
+) -> Result<Option<&'a Tensor>> {
+    let Some(c) = addend else {
+        return Ok(accumulate.then_some(dst));
+    };
+    let reason = if !accumulate {
+        "gemm: an addend needs accumulate".to_string()
+    } else if c.shape() != dst.shape() || c.dtype() != dst.dtype() {
+        format!(
+            "gemm: the addend {} {:?} must have dst's dtype and shape, {} {:?}",
+            c.dtype(),
+            c.shape(),
+            dst.dtype(),
+            dst.shape()
+        )
+    } else {
+        return Ok(Some(c));
+    };
+    Err(crate::error::Error::Backend {
+        backend: "gemm",
+        reason,
+    })
+}
+
+/// Bytes of a capture arena for `count` buffers of `bytes` in all (alignment included).
+pub fn capture_arena_bytes(bytes: usize, count: usize) -> usize {
+    bytes + count * CAPTURE_ARENA_ALIGN
+}
+
+/// Alignment of the buffers of a capture arena (the stream-ordered allocator's).
+pub const CAPTURE_ARENA_ALIGN: usize = 256;
+
+/// A call recorded on a device that can be replayed with one launch (a CUDA graph).
+pub trait DeviceGraph: Send + Sync {
+    /// Launches the recorded work on the device's main stream, or on the caller's stream
+    /// `on` (see [`Device::begin_replay`]).
+    fn launch(&self, on: Option<&CallerStream>) -> Result<()>;
+    /// Number of operations recorded.
+    fn nodes(&self) -> usize;
+}
+
+/// The answer of a backend without streams to a call on a caller's stream.
+fn no_caller_streams(kind: BackendKind, on: Option<&CallerStream>) -> Result<()> {
+    match on {
+        None => Ok(()),
+        Some(_) => Err(crate::error::Error::Backend {
+            backend: kind.name(),
+            reason: "this backend has no streams: call it without a CUDA stream".into(),
+        }),
+    }
+}
+
+/// A device as the evaluator sees it. Methods are called by one call of the rank at a time
+/// (from whichever thread holds the rank's call).
+pub trait Device: Send + Sync {
+    /// The backend kind.
+    fn kind(&self) -> BackendKind;
+    /// The device ordinal (the rank on a local world).
+    fn ordinal(&self) -> usize;
+    /// Prepares the calling thread to drive this device (e.g. makes a CUDA context
+    /// current); called once per rank thread.
+    fn bind_thread(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Makes sure the worker pool has at least `n` streams.
+    fn ensure_streams(&self, n: usize) -> Result<()>;
+    /// A new uninitialized contiguous tensor, ordered on `stream`.
+    fn allocate(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    /// Like [`Device::allocate`], for a buffer that devices of other processes write into
+    /// (a copy-engine receive buffer): on GPUs of a launched world it comes from memory
+    /// that peers map once. Elsewhere it is an ordinary allocation.
+    fn allocate_shared(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        self.allocate(stream, dtype, shape)
+    }
+    /// `waiter` waits for the work enqueued so far on `waitee` (no host blocking).
+    fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()>;
+    /// Enqueues `kernel` on `stream`.
+    fn execute(&self, stream: StreamHandle, kernel: Kernel<'_>) -> Result<()>;
+    /// Copies a host tensor to this device (a no-op clone on the CPU backend).
+    fn upload(&self, t: &Tensor) -> Result<Tensor>;
+    /// Copies a tensor of this device to the host (waits for it).
+    fn download(&self, t: &Tensor) -> Result<Tensor>;
+    /// Blocks the host until all streams are idle.
+    fn synchronize(&self) -> Result<()>;
+    /// A call that walks its program (eagerly, or capturing it) starts: with the caller's
+    /// stream `on`, the main stream waits for the work enqueued there so far. Without one,
+    /// the main stream is ordered after earlier calls' replays on callers' streams.
+    fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        no_caller_streams(self.kind(), on)
+    }
+    /// The walk of [`Device::begin_walk`] is done: the caller's stream `on` waits for the
+    /// main stream, so the caller's next work sees the outputs.
+    fn end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        no_caller_streams(self.kind(), on)
+    }
+    /// A replayed call is about to launch its graph (on the caller's stream `on`, or the
+    /// main stream): the launch stream is ordered after the device's earlier work it has
+    /// not waited for yet (nothing to do when the previous call ran on the same stream).
+    fn begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        no_caller_streams(self.kind(), on)
+    }
+    /// The graph was launched on `on`: later work of the device on its own streams (frees,
+    /// walks, downloads) is ordered after it.
+    fn end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        no_caller_streams(self.kind(), on)
+    }
+    /// A call on the caller's stream `on` hands out `outputs`: buffers of them that the
+    /// device frees later first wait for that stream, where the caller's work may still
+    /// read them.
+    fn hand_out(&self, _outputs: &[Tensor], _on: Option<&CallerStream>) {}
+    /// Starts recording the calling thread's work on the main stream instead of running
+    /// it (see `crate::replay`). With `arena_bytes` above 0, the buffers the recorded
+    /// work allocates come from memory of that size set aside for the graph, so that the
+    /// graph holds no allocation nodes (cheaper launches). Backends without graphs say so.
+    fn begin_capture(&self, _arena_bytes: usize) -> Result<()> {
+        Err(crate::error::Error::Backend {
+            backend: self.kind().name(),
+            reason: "this backend cannot record graphs".into(),
+        })
+    }
+    /// Ends the recording that [`Device::begin_capture`] started and returns the graph.
+    fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
+        Err(crate::error::Error::Backend {
+            backend: self.kind().name(),
+            reason: "this backend cannot record graphs".into(),
+        })
+    }
+    /// Records a timing marker on `stream` (for traces); returns its id.
+    fn record_marker(&self, stream: StreamHandle) -> Result<usize>;
+    /// Milliseconds from marker `start` to marker `end` (waits for both).
+    fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64>;
+    /// Forgets every marker (call after reading a trace).
+    fn clear_markers(&self);
+    /// The device's memory in use, where the backend can tell (`None` on the CPU, whose
+    /// memory is the process's).
+    fn memory(&self) -> Result<Option<DeviceMemory>> {
+        Ok(None)
+    }
+    /// This device as `Any`, for the API of one backend (the CUDA backend's
+    /// `Rank::cuda_context` and tensors over cudarc buffers find their device this way).
+    fn as_any(&self) -> &dyn std::any::Any;
+    /// True when `t` lives where this device's kernels can read it.
+    fn is_resident(&self, t: &Tensor) -> bool;
+}
