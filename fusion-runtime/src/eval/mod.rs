@@ -23,8 +23,9 @@ pub use race::{race_check_from_env, RaceCheck, RaceError};
 use race::RaceChecker;
 
 use crate::comm::Communicator;
-use crate::device::{Device, StreamHandle};
+use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::streams::{StreamHandle, StreamLayout};
 use crate::tensor::Tensor;
 
 /// What one call did: allocations and memory high-water mark (bytes of buffers the call
@@ -173,12 +174,6 @@ pub fn node_ids(program: &HostProgram) -> HashMap<*const Node, usize> {
     ids
 }
 
-/// The stream handle of compute stream `index` on a device with `number_of_streams` pool
-/// streams: after the caller's stream (handle 0) and the pool (handles `1..=n`).
-pub(crate) fn compute_stream_handle(number_of_streams: usize, index: usize) -> StreamHandle {
-    1 + number_of_streams + index
-}
-
 /// Runs `program` on one rank with the symbol values bound from the inputs
 /// ([`bind_inputs`]). `outputs`, when given, are written in place.
 pub fn execute(
@@ -198,11 +193,10 @@ pub fn execute(
             actual: inputs.len(),
         });
     }
-    ctx.device
-        .ensure_streams(ctx.number_of_streams + COMPUTE_STREAMS)?;
+    ctx.device.ensure_streams(ctx.streams().workers())?;
     let mut ev = Evaluator::new(program, ctx, symbols);
     if ctx.race_check {
-        ev.race = Some(RaceChecker::new(program, ctx.rank, ctx.number_of_streams));
+        ev.race = Some(RaceChecker::new(program, ctx.rank, ctx.streams()));
     }
     if ctx.trace_nodes {
         ev.node_ids = Some(node_ids(program));
@@ -541,6 +535,14 @@ fn roots_of(t: TensorId, defs: &HashMap<TensorId, Vec<TensorId>>) -> Vec<TensorI
     out
 }
 
+impl CallContext<'_> {
+    /// How the call numbers its streams: the main stream, `number_of_streams` pool streams,
+    /// then the compute streams.
+    pub fn streams(&self) -> StreamLayout {
+        StreamLayout::new(self.number_of_streams)
+    }
+}
+
 impl<'a> Evaluator<'a> {
     fn new(p: &'a HostProgram, ctx: &'a CallContext<'a>, symbols: &SymbolBindings) -> Self {
         let n = p.ir.tensor_count();
@@ -728,32 +730,30 @@ impl<'a> Evaluator<'a> {
             }),
             StreamDef::Pool(i) => {
                 let v = self.eval(*i)?;
-                if v < 0 || v as usize >= self.ctx.number_of_streams {
-                    return Err(Error::Backend {
+                let layout = self.ctx.streams();
+                usize::try_from(v)
+                    .ok()
+                    .and_then(|v| layout.pool(v))
+                    .ok_or_else(|| Error::Backend {
                         backend: "evaluator",
                         reason: format!(
                             "stream index {v} outside the pool of {}",
-                            self.ctx.number_of_streams
+                            layout.pool_size()
                         ),
-                    });
-                }
-                Ok(1 + v as usize)
+                    })
             }
             StreamDef::Compute(i) => {
                 let v = self.eval(*i)?;
-                if v < 0 || v as usize >= COMPUTE_STREAMS {
-                    return Err(Error::Backend {
+                usize::try_from(v)
+                    .ok()
+                    .and_then(|v| self.ctx.streams().compute(v))
+                    .ok_or_else(|| Error::Backend {
                         backend: "evaluator",
                         reason: format!(
                             "compute stream index {v} outside the {COMPUTE_STREAMS} compute \
                              streams"
                         ),
-                    });
-                }
-                Ok(compute_stream_handle(
-                    self.ctx.number_of_streams,
-                    v as usize,
-                ))
+                    })
             }
         }
     }

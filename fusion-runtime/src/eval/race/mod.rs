@@ -47,7 +47,7 @@ pub use crate::error::race::{AccessKind, RaceError, RaceSite};
 pub use footprint::Footprint;
 pub(crate) use report::Place;
 
-use crate::device::StreamHandle;
+use crate::streams::{StreamHandle, StreamLayout};
 use crate::tensor::{Storage, Tensor};
 
 /// `FUSION_RACE_CHECK=1`: check every call (read once per process).
@@ -167,10 +167,9 @@ pub(crate) struct RaceChecker<'a> {
 }
 
 impl<'a> RaceChecker<'a> {
-    /// A checker for a call of `program` on `rank` with `number_of_streams` pool streams
-    /// (and the compute streams after them).
-    pub(crate) fn new(program: &'a HostProgram, rank: usize, number_of_streams: usize) -> Self {
-        let n = number_of_streams + 1 + fusion_core::hir::COMPUTE_STREAMS;
+    /// A checker for a call of `program` on `rank` whose streams are `streams`.
+    pub(crate) fn new(program: &'a HostProgram, rank: usize, streams: StreamLayout) -> Self {
+        let n = streams.count();
         let mut c = RaceChecker {
             program,
             rank,
@@ -578,6 +577,7 @@ impl<'a> RaceChecker<'a> {
 
 #[cfg(test)]
 mod tests {
+    use crate::streams::StreamLayout;
     use fusion_core::builder::{Axis, FusionBuilder};
     use fusion_core::hir::HostProgram;
     use fusion_core::ir::{ParallelType, TensorId};
@@ -608,7 +608,7 @@ mod tests {
         let (p, x) = program();
         let t = buffer();
         for wait in [false, true] {
-            let mut c = RaceChecker::new(&p, 0, 2);
+            let mut c = RaceChecker::new(&p, 0, StreamLayout::new(2));
             c.allocated(1, x, &t);
             c.access(1, &[], &[(x, &t)]);
             if wait {
@@ -633,7 +633,7 @@ mod tests {
     fn reads_on_two_streams_do_not_conflict_and_interleaved_slices_do_not_overlap() {
         let (p, x) = program();
         let t = buffer();
-        let mut c = RaceChecker::new(&p, 0, 2);
+        let mut c = RaceChecker::new(&p, 0, StreamLayout::new(2));
         c.stream_wait(1, 0);
         c.stream_wait(2, 0);
         // Columns 0..3 and 3..6 of every row: strided, interleaved, disjoint.
@@ -648,7 +648,7 @@ mod tests {
         c.stream_wait(0, 2);
         assert!(c.finish(&[]).is_ok());
         // Rows overlap every column: the same two writes on a column and a row race.
-        let mut c = RaceChecker::new(&p, 0, 2);
+        let mut c = RaceChecker::new(&p, 0, StreamLayout::new(2));
         c.stream_wait(1, 0);
         c.stream_wait(2, 0);
         c.access(1, &[], &[(x, &left)]);
@@ -666,20 +666,20 @@ mod tests {
         let (p, x) = program();
         let t = buffer();
         // Used on stream 1 without waiting for the allocation on stream 0.
-        let mut c = RaceChecker::new(&p, 0, 1);
+        let mut c = RaceChecker::new(&p, 0, StreamLayout::new(1));
         c.allocated(0, x, &t);
         c.access(1, &[], &[(x, &t)]);
         let err = c.finish(&[]).unwrap_err();
         assert_eq!(err.earlier().unwrap().access, AccessKind::Allocate, "{err}");
         // Freed on stream 0 before stream 1's write is joined, then used after the free.
-        let mut c = RaceChecker::new(&p, 0, 1);
+        let mut c = RaceChecker::new(&p, 0, StreamLayout::new(1));
         c.allocated(0, x, &t);
         c.stream_wait(1, 0);
         c.access(1, &[], &[(x, &t)]);
         c.deallocated(x);
         let err = c.finish(&[]).unwrap_err();
         assert_eq!(err.later().access, AccessKind::Free, "{err}");
-        let mut c = RaceChecker::new(&p, 0, 1);
+        let mut c = RaceChecker::new(&p, 0, StreamLayout::new(1));
         c.allocated(0, x, &t);
         c.deallocated(x);
         c.access(0, &[(x, &t)], &[]);
@@ -689,7 +689,7 @@ mod tests {
         ));
         // Allocated on stream 1 and never freed nor returned: freed on stream 1 at the
         // end, after stream 0's read only if stream 1 waits for it.
-        let mut c = RaceChecker::new(&p, 0, 1);
+        let mut c = RaceChecker::new(&p, 0, StreamLayout::new(1));
         c.stream_wait(1, 0);
         c.allocated(1, x, &t);
         c.access(1, &[], &[(x, &t)]);
@@ -706,14 +706,14 @@ mod tests {
     fn unjoined_streams_and_overlapping_transfers_of_a_group_are_reported() {
         let (p, x) = program();
         let t = buffer();
-        let mut c = RaceChecker::new(&p, 0, 1);
+        let mut c = RaceChecker::new(&p, 0, StreamLayout::new(1));
         c.stream_wait(1, 0);
         c.access(1, &[], &[(x, &t)]);
         assert!(matches!(
             c.finish(&[]).map_err(|e| *e),
             Err(RaceError::NotJoined { .. })
         ));
-        let mut c = RaceChecker::new(&p, 0, 1);
+        let mut c = RaceChecker::new(&p, 0, StreamLayout::new(1));
         c.group_start();
         c.transfer(0, x, &t.select(0, 1).unwrap(), false);
         c.transfer(0, x, &t.narrow(0, 1, 2).unwrap(), true);
@@ -729,7 +729,7 @@ mod tests {
         let (p, x) = program();
         let t = buffer();
         let run = |extra_wait: bool, join: bool| {
-            let mut c = RaceChecker::new(&p, 0, 1);
+            let mut c = RaceChecker::new(&p, 0, StreamLayout::new(1));
             c.stream_wait(1, 0);
             if extra_wait {
                 c.stream_wait(1, 0);
