@@ -1213,7 +1213,7 @@ fn matmul_rs_ring_pipeline_accumulates_in_the_gemm() {
                 sums, 2,
                 "two accumulating matmuls (in place, and into the output):\n{text}"
             );
-            let receives = fusion::runtime::eval::copy_engine_receives(&r.program);
+            let receives = fusion::runtime::eval::peer_copy_receives(&r.program);
             assert!(
                 receives.external.is_empty() && receives.all_internal(),
                 "{receives:?}"

@@ -15,8 +15,8 @@ use fusion::runtime::backend::cuda::{
     cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
 };
 use fusion::runtime::backend::{BackendKind, Kernel};
-use fusion::runtime::eval::copy_engine_receives;
-use fusion::runtime::replay::{capture_plan, has_copy_engine_transfers, EagerReason, ReplayStatus};
+use fusion::runtime::eval::peer_copy_receives;
+use fusion::runtime::replay::{capture_plan, has_peer_copies, EagerReason, ReplayStatus};
 use fusion::{DType, ExecOptions, FusionExecutor, Tensor, World};
 
 #[test]
@@ -26,17 +26,17 @@ fn what_may_be_captured() {
     let f = cases::ag_matmul_p2p(DType::F32);
     let ce = lower(&f, 2, &LowerOptions::default()).unwrap().program;
     assert_eq!(capture_plan(&ce, BackendKind::Cuda), Ok(()));
-    assert!(has_copy_engine_transfers(&ce));
-    let receives = copy_engine_receives(&ce);
+    assert!(has_peer_copies(&ce));
+    let receives = peer_copy_receives(&ce);
     assert!(receives.all_internal() && !receives.internal.is_empty());
     // Transfers straight into the output (the caller's buffer, which may move): never.
     let gathered = lower(&cases::allgather_p2p(), 2, &LowerOptions::default())
         .unwrap()
         .program;
-    let receives = copy_engine_receives(&gathered);
+    let receives = peer_copy_receives(&gathered);
     assert!(!receives.all_internal(), "{receives:?}");
     match capture_plan(&gathered, BackendKind::Cuda) {
-        Err(EagerReason::CopyEngineTransfers(why)) => {
+        Err(EagerReason::PeerCopies(why)) => {
             let out = gathered.ir.tensor_name(gathered.outputs[0]);
             assert!(why.contains(&out) && why.contains("caller owns"), "{why}");
         }
@@ -48,8 +48,8 @@ fn what_may_be_captured() {
     let rs = lower(&cases::matmul_rs_p2p(), 2, &LowerOptions::default())
         .unwrap()
         .program;
-    assert!(has_copy_engine_transfers(&rs));
-    let receives = copy_engine_receives(&rs);
+    assert!(has_peer_copies(&rs));
+    let receives = peer_copy_receives(&rs);
     assert!(receives.external.is_empty(), "{receives:?}");
     assert_eq!(receives.internal.len(), 1, "{receives:?}");
     assert_eq!(capture_plan(&rs, BackendKind::Cuda), Ok(()));
@@ -59,11 +59,11 @@ fn what_may_be_captured() {
     };
     let over_nccl = lower(&f, 2, &nccl).unwrap().program;
     assert_eq!(capture_plan(&over_nccl, BackendKind::Cuda), Ok(()));
-    assert!(!has_copy_engine_transfers(&over_nccl));
+    assert!(!has_peer_copies(&over_nccl));
     // One device: no transfer ever runs.
     let alone = lower(&f, 1, &LowerOptions::default()).unwrap().program;
     assert_eq!(capture_plan(&alone, BackendKind::Cuda), Ok(()));
-    assert!(!has_copy_engine_transfers(&alone));
+    assert!(!has_peer_copies(&alone));
     assert_eq!(
         capture_plan(&alone, BackendKind::Cpu),
         Err(EagerReason::Backend(BackendKind::Cpu))
@@ -471,7 +471,7 @@ fn copy_engine_pipelines_on_two_ranks_sharing_the_visible_gpus() {
         .unwrap();
     for s in statuses.iter().flat_map(|per_rank| &per_rank[1..]) {
         assert!(
-            matches!(s, ReplayStatus::Eager(EagerReason::CopyEngineTransfers(why)) if why.contains("share a GPU")),
+            matches!(s, ReplayStatus::Eager(EagerReason::PeerCopies(why)) if why.contains("share a GPU")),
             "{s:?}"
         );
     }

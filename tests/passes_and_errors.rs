@@ -473,12 +473,12 @@ fn a_didx_to_stream_pipeline_that_also_shards_another_axis_is_a_resharding_error
 /// branches (the ring's exchange runs in the `else` of its last-step test).
 #[test]
 fn copy_engine_receive_buffers_are_found_through_views_and_branches() {
-    use fusion::runtime::eval::received_by_copy_engine;
+    use fusion::runtime::eval::received_by_peer_copies;
     let f = cases::matmul_rs_p2p();
     for d in [2, 3] {
         let options = LowerOptions::default();
         let p = lower(&f, d, &options).unwrap().program;
-        let roots = received_by_copy_engine(&p);
+        let roots = received_by_peer_copies(&p);
         // The ring (the default on 2 devices) receives every step into its running sums,
         // never into the output (its last GEMM finishes the last sum there).
         if d == 2 {
@@ -510,5 +510,5 @@ fn copy_engine_receive_buffers_are_found_through_views_and_branches() {
         ..LowerOptions::default()
     };
     let p = lower(&f, 2, &options).unwrap().program;
-    assert!(received_by_copy_engine(&p).is_empty());
+    assert!(received_by_peer_copies(&p).is_empty());
 }

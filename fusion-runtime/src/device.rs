@@ -24,6 +24,11 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// Whether devices of this backend record calls as graphs to replay (`crate::replay`).
+    pub fn records_graphs(self) -> bool {
+        self == BackendKind::Cuda
+    }
+
     /// `cpu` or `cuda`.
     pub fn name(self) -> &'static str {
         match self {

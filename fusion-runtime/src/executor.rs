@@ -19,17 +19,18 @@ use fusion_core::lower::{lower_for_shapes, LowerOptions};
 use fusion_core::DType;
 
 use crate::comm::{CallStart, Communicator};
-use crate::device::{BackendKind, CallerStream};
+use crate::device::{BackendKind, CallerStream, DeviceGraph};
 use crate::error::{Error, Result};
 use crate::eval::{
-    bind_dtypes, bind_inputs, check_didx_extents, copy_engine_receives, execute, output_layouts,
-    race_check_from_env, CallContext, CopyEngineReceives, ExecStats, Execution, HostSpan,
-    RaceCheck, SymbolBindings, TraceEvent,
+    bind_dtypes, bind_inputs, check_didx_extents, execute, output_layouts, peer_copy_receives,
+    race_check_from_env, CallContext, ExecStats, Execution, HostSpan, PeerCopyReceives, RaceCheck,
+    SymbolBindings, TraceEvent,
 };
 use crate::replay::{
-    capture_plan, graphs_enabled, has_copy_engine_transfers, Address, EagerReason, GraphSlot,
-    ReplayStatus, Step, CAPTURE_ARENA_LIMIT, GRAPHS_PER_SLOT,
+    capture_plan, graphs_enabled, has_peer_copies, Address, EagerReason, GraphSlot, ReplayStatus,
+    Step, CAPTURE_ARENA_LIMIT, GRAPHS_PER_SLOT,
 };
+use crate::streams::StreamLayout;
 use crate::tensor::Tensor;
 use crate::trace::{write_call_trace, CallTrace};
 use crate::world::{CallTarget, Rank};
@@ -193,10 +194,10 @@ struct Call<'a> {
 
 /// What a call needs to know about its program beyond the nodes, worked out once.
 struct ProgramFacts {
-    /// Where its copy-engine transfers land.
-    receives: CopyEngineReceives,
-    /// Whether it has copy-engine transfers between ranks.
-    copy_engine: bool,
+    /// Where its peer copies land.
+    receives: PeerCopyReceives,
+    /// Whether it has peer copies between ranks.
+    peer_copies: bool,
     /// A hash of its text (the same on every rank and process for the same program).
     text_hash: u64,
     /// Whether it can be captured as a device graph, worked out once: replayed calls
@@ -214,8 +215,8 @@ impl ProgramFacts {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         program.to_string().hash(&mut h);
         ProgramFacts {
-            receives: copy_engine_receives(program),
-            copy_engine: has_copy_engine_transfers(program),
+            receives: peer_copy_receives(program),
+            peer_copies: has_peer_copies(program),
             text_hash: h.finish(),
             capture: capture_plan(program, backend),
             call_bytes: AtomicUsize::new(0),
@@ -246,11 +247,98 @@ impl ProgramFacts {
     }
 
     /// The identity of a call with `inputs` on `number_of_streams` streams (see
-    /// [`CallStart::identity`] and [`call_identity`]); `None` without copy-engine transfers.
+    /// [`CallStart::identity`] and [`call_identity`]); `None` without peer copies.
     fn identity(&self, inputs: &[&Tensor], number_of_streams: usize) -> Option<u64> {
-        self.copy_engine
+        self.peer_copies
             .then(|| call_identity(self.text_hash, number_of_streams, inputs))
     }
+}
+
+/// The outputs of a call that may replay: they live outside the graph. Given by the
+/// caller; else the last call's on this stream when the caller let go of them (`kept`);
+/// else allocated here for this call (and kept for the next).
+fn call_outputs(
+    call: &Call<'_>,
+    kept: &mut Vec<(Option<CallerStream>, Vec<Tensor>)>,
+) -> Result<Vec<Tensor>> {
+    if let Some(o) = call.outputs {
+        return Ok(o.iter().map(|t| (*t).clone()).collect());
+    }
+    let on = call.on.as_ref();
+    let entry = kept.iter().position(|(s, _)| s.as_ref() == on);
+    if let Some(reused) = entry.and_then(|i| reusable_outputs(&kept[i].1)) {
+        return Ok(reused);
+    }
+    let layouts = output_layouts(
+        call.program,
+        call.symbols,
+        call.rank.index(),
+        call.options.number_of_streams,
+    )?;
+    let device = call.rank.device();
+    let fresh = (layouts.into_iter())
+        .map(|l| match l {
+            Some((dtype, shape)) => device.allocate(StreamLayout::MAIN, dtype, &shape),
+            None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    match entry {
+        Some(i) => kept[i].1.clone_from(&fresh),
+        None => {
+            if kept.len() >= GRAPHS_PER_SLOT {
+                kept.remove(0);
+            }
+            kept.push((on.cloned(), fresh.clone()));
+        }
+    }
+    Ok(fresh)
+}
+
+/// Replays the call: launches `graph` (on the caller's stream, or the rank's main stream)
+/// and hands out `owned`, the outputs it writes.
+fn launch(
+    call: &Call<'_>,
+    graph: &dyn DeviceGraph,
+    owned: &[Tensor],
+) -> Result<(Execution, ReplayStatus)> {
+    let device = call.rank.device();
+    let on = call.on.as_ref();
+    device.begin_replay(on)?;
+    let start = std::time::Instant::now();
+    graph.launch(on)?;
+    let launch_nanos = start.elapsed().as_nanos() as u64;
+    device.end_replay(on)?;
+    call.rank.communicator().graph_launched()?;
+    let stats = ExecStats {
+        replay_setup: crate::eval::HostTime {
+            count: 1,
+            nanos: start.duration_since(call.start).as_nanos() as u64,
+        },
+        graph_launch: crate::eval::HostTime {
+            count: 1,
+            nanos: launch_nanos,
+        },
+        graph_nodes: graph.nodes(),
+        ..ExecStats::default()
+    };
+    let program = call.program;
+    let outputs = (program.outputs.iter().zip(owned))
+        .map(|(&t, o)| {
+            if o.numel() == 0 && o.is_host() {
+                Tensor::placeholder(program.ir.tensor(t).dtype)
+            } else {
+                o.clone()
+            }
+        })
+        .collect();
+    let ex = Execution {
+        outputs,
+        stats,
+        trace: None,
+        host_trace: None,
+        race: None,
+    };
+    Ok((ex, ReplayStatus::Replayed))
 }
 
 /// A call's identity: its program's text, the stream count (which the text leaves open and
@@ -443,7 +531,7 @@ impl FusionExecutor {
             number_of_streams: options.number_of_streams,
             trace: options.trace || trace_dir.is_some(),
             trace_nodes: trace_dir.is_some(),
-            shared_receives: rank.communicator().shares_receive_buffers(),
+            shared_receives: rank.communicator().capabilities().shared_receives,
             kept_receives: (!facts.receives.internal.is_empty())
                 .then_some(&facts.receives.internal),
             race_check: options.race_check || race_check_from_env(),
@@ -507,63 +595,10 @@ impl FusionExecutor {
     /// Runs the call's program: eagerly, or through a device graph (captured at the
     /// second call of a program and rank, then launched while the addresses match).
     fn run_program(&self, call: &Call<'_>) -> Result<(Execution, ReplayStatus)> {
-        let Call {
-            rank,
-            ref on,
-            program,
-            facts,
-            ctx,
-            symbols,
-            inputs,
-            outputs,
-            options,
-            start: call_start,
-        } = *call;
-        let on = on.as_ref();
-        let device = rank.device();
-        // A walk (eager, or captured and launched) runs on the device's own streams,
-        // joined to the caller's stream at both ends.
-        let walk = |run: &dyn Fn() -> Result<(Execution, ReplayStatus)>| {
-            device.begin_walk(on)?;
-            let result = run();
-            device.end_walk(on)?;
-            result
-        };
-        let eager = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
-            walk(&|| {
-                let ex = execute(program, ctx, symbols, inputs, outputs)?;
-                facts.note_allocations(&ex.stats);
-                Ok((ex, ReplayStatus::Eager(reason.clone())))
-            })
-        };
-        if !graphs_enabled(options.graphs) {
-            return eager(EagerReason::Disabled);
+        if let Some(reason) = self.eager_reason(call) {
+            return self.walk_eagerly(call, None, reason);
         }
-        if let Err(reason) = &facts.capture {
-            return eager(reason.clone());
-        }
-        if facts.copy_engine {
-            if let Err(why) = rank.communicator().copy_engine_capture() {
-                return eager(EagerReason::CopyEngineTransfers(why));
-            }
-        }
-        if ctx.trace {
-            return eager(EagerReason::Traced);
-        }
-        if ctx.race_check {
-            return eager(EagerReason::RaceChecked);
-        }
-        if let Some(i) = inputs
-            .iter()
-            .position(|t| t.numel() > 0 && !device.is_resident(t))
-        {
-            let name = program
-                .inputs
-                .get(i)
-                .map_or_else(|| format!("#{i}"), |&t| program.ir.tensor_name(t));
-            return eager(EagerReason::HostInput(name));
-        }
-        let slot = self.slot(rank, program);
+        let slot = self.slot(call.rank, call.program);
         let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
         let ReplaySlot {
             graphs: slot,
@@ -573,50 +608,14 @@ impl FusionExecutor {
         match slot {
             GraphSlot::Fresh => {
                 *slot = GraphSlot::Warm;
-                return eager(EagerReason::FirstCall);
+                return self.walk_eagerly(call, None, EagerReason::FirstCall);
             }
-            GraphSlot::Never(reason) => return eager(reason.clone()),
+            GraphSlot::Never(reason) => return self.walk_eagerly(call, None, reason.clone()),
             _ => {}
         }
-        // The outputs live outside the graph: given, the last call's on this stream when
-        // the caller let go of them, or allocated here for this call.
-        let owned: Vec<Tensor> = match outputs {
-            Some(o) => o.iter().map(|t| (*t).clone()).collect(),
-            None => {
-                let entry = kept.iter().position(|(s, _)| s.as_ref() == on);
-                match entry.and_then(|i| reusable_outputs(&kept[i].1)) {
-                    Some(reused) => reused,
-                    None => {
-                        let fresh = output_layouts(
-                            program,
-                            symbols,
-                            rank.index(),
-                            options.number_of_streams,
-                        )?
-                        .into_iter()
-                        .map(|l| match l {
-                            Some((dtype, shape)) => device.allocate(0, dtype, &shape),
-                            None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                        match entry {
-                            Some(i) => kept[i].1.clone_from(&fresh),
-                            None => {
-                                if kept.len() >= GRAPHS_PER_SLOT {
-                                    kept.remove(0);
-                                }
-                                kept.push((on.cloned(), fresh.clone()));
-                            }
-                        }
-                        fresh
-                    }
-                }
-            }
-        };
+        let owned = call_outputs(call, kept)?;
         let outs: Vec<&Tensor> = owned.iter().collect();
-        let addresses: Vec<Address> = inputs
-            .iter()
-            .copied()
+        let addresses: Vec<Address> = (call.inputs.iter().copied())
             .chain(outs.iter().copied())
             .map(|t| {
                 (
@@ -626,76 +625,97 @@ impl FusionExecutor {
                 )
             })
             .collect();
-        let run_eagerly = |reason: EagerReason| -> Result<(Execution, ReplayStatus)> {
-            if matches!(reason, EagerReason::CaptureFailed(_)) {
-                // The same call again: its transfers are numbered from the start.
-                rank.communicator().begin_call(&CallStart {
-                    identity: facts.identity(inputs, options.number_of_streams),
-                    rerun: true,
-                })?;
-            }
-            let ex = execute(program, ctx, symbols, inputs, Some(&outs))?;
-            facts.note_allocations(&ex.stats);
-            Ok((ex, ReplayStatus::Eager(reason)))
-        };
+        let device = call.rank.device();
+        let on = call.on.as_ref();
         match slot.step(&addresses) {
-            Step::Eager(reason) => walk(&|| run_eagerly(reason.clone())),
+            Step::Eager(reason) => self.walk_eagerly(call, Some(&outs), reason),
             Step::Launch(i) => {
                 let graph = slot.graph(i).expect("a ready graph");
-                device.begin_replay(on)?;
-                let start = std::time::Instant::now();
-                graph.launch(on)?;
-                let launch_nanos = start.elapsed().as_nanos() as u64;
-                device.end_replay(on)?;
-                rank.communicator().graph_launched()?;
-                let stats = ExecStats {
-                    replay_setup: crate::eval::HostTime {
-                        count: 1,
-                        nanos: start.duration_since(call_start).as_nanos() as u64,
-                    },
-                    graph_launch: crate::eval::HostTime {
-                        count: 1,
-                        nanos: launch_nanos,
-                    },
-                    graph_nodes: graph.nodes(),
-                    ..ExecStats::default()
-                };
-                let outputs = program
-                    .outputs
-                    .iter()
-                    .zip(&owned)
-                    .map(|(&t, o)| {
-                        if o.numel() == 0 && o.is_host() {
-                            Tensor::placeholder(program.ir.tensor(t).dtype)
-                        } else {
-                            o.clone()
-                        }
-                    })
-                    .collect();
-                let ex = Execution {
-                    outputs,
-                    stats,
-                    trace: None,
-                    host_trace: None,
-                    race: None,
-                };
-                Ok((ex, ReplayStatus::Replayed))
+                launch(call, graph, &owned)
             }
             Step::Capture => {
                 device.begin_walk(on)?;
-                let captured = self.capture(call, slot, addresses, &outs);
-                let result = match captured {
+                let result = match self.capture(call, slot, addresses, &outs) {
                     Ok(status) => status,
                     Err(why) => {
-                        tracing::warn!("rank {}: capturing a graph failed: {why}", rank.index());
+                        let rank = call.rank.index();
+                        tracing::warn!("rank {rank}: capturing a graph failed: {why}");
                         *slot = GraphSlot::Never(EagerReason::CaptureFailed(why.clone()));
-                        run_eagerly(EagerReason::CaptureFailed(why))
+                        self.run_eagerly(call, Some(&outs), EagerReason::CaptureFailed(why))
                     }
                 };
                 device.end_walk(on)?;
                 result
             }
         }
+    }
+
+    /// Why the call must walk its program whatever its graph slot holds, if it must:
+    /// graphs are off, the program or the communicator cannot be captured, the call is
+    /// traced or race-checked, or an input lives on the host.
+    fn eager_reason(&self, call: &Call<'_>) -> Option<EagerReason> {
+        let (program, facts, ctx) = (call.program, call.facts, call.ctx);
+        if !graphs_enabled(call.options.graphs) {
+            return Some(EagerReason::Disabled);
+        }
+        if let Err(reason) = &facts.capture {
+            return Some(reason.clone());
+        }
+        if facts.peer_copies {
+            if let Err(why) = &call.rank.communicator().capabilities().capture {
+                return Some(EagerReason::PeerCopies(why.clone()));
+            }
+        }
+        if ctx.trace {
+            return Some(EagerReason::Traced);
+        }
+        if ctx.race_check {
+            return Some(EagerReason::RaceChecked);
+        }
+        let device = call.rank.device();
+        let host = (call.inputs.iter()).position(|t| t.numel() > 0 && !device.is_resident(t))?;
+        let name = (program.inputs.get(host))
+            .map_or_else(|| format!("#{host}"), |&t| program.ir.tensor_name(t));
+        Some(EagerReason::HostInput(name))
+    }
+
+    /// Walks the call's program on the device's own streams, joined to the caller's stream
+    /// at both ends, writing into `outputs` when given.
+    fn walk_eagerly(
+        &self,
+        call: &Call<'_>,
+        outputs: Option<&[&Tensor]>,
+        reason: EagerReason,
+    ) -> Result<(Execution, ReplayStatus)> {
+        let device = call.rank.device();
+        let on = call.on.as_ref();
+        device.begin_walk(on)?;
+        let result = self.run_eagerly(call, outputs, reason);
+        device.end_walk(on)?;
+        result
+    }
+
+    /// Walks the call's program (the device's walk already begun), writing into `outputs`
+    /// (the call's own when `None`); a walk after a failed capture is the same call again,
+    /// whose transfers are numbered from the start.
+    fn run_eagerly(
+        &self,
+        call: &Call<'_>,
+        outputs: Option<&[&Tensor]>,
+        reason: EagerReason,
+    ) -> Result<(Execution, ReplayStatus)> {
+        if matches!(reason, EagerReason::CaptureFailed(_)) {
+            call.rank.communicator().begin_call(&CallStart {
+                identity: call
+                    .facts
+                    .identity(call.inputs, call.options.number_of_streams),
+                rerun: true,
+            })?;
+        }
+        let outputs = outputs.or(call.outputs);
+        let ex = execute(call.program, call.ctx, call.symbols, call.inputs, outputs)?;
+        call.facts.note_allocations(&ex.stats);
+        Ok((ex, ReplayStatus::Eager(reason)))
     }
 
     /// Captures this call on the rank's main stream and launches the graph (nothing ran
@@ -851,6 +871,10 @@ impl FusionExecutor {
         ))
     }
 
+    /// The program of `fusion` for these symbols and options, lowered at the first call of
+    /// its key onto the transports the rank's world has ([`Capabilities::lowering`]: copy
+    /// engines only where every pair of ranks has them), so that the program and its dump
+    /// say what runs.
     fn program_for(
         &self,
         fusion: &Fusion,
@@ -859,13 +883,14 @@ impl FusionExecutor {
         symbols: &SymbolBindings,
         options: &ExecOptions,
     ) -> Result<Arc<HostProgram>> {
+        let lower = rank.communicator().capabilities().lowering(&options.lower);
         let key = CacheKey {
             dtypes,
             symbols: symbols.entries(),
             world_size: rank.world_size(),
             backend: rank.backend(),
             number_of_streams: options.number_of_streams,
-            lower: options.lower.clone(),
+            lower: lower.clone().into_owned(),
         };
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = cache.get(&key) {
@@ -875,7 +900,7 @@ impl FusionExecutor {
         // bound to other than the mesh size cannot be sharded.
         check_didx_extents(fusion, symbols, rank.world_size())?;
         let dump = DumpOptions::from_env();
-        let mut lower_options = options.lower.clone();
+        let mut lower_options = lower.into_owned();
         lower_options.dump_passes |= dump.host_ir_passes;
         if dump.fusion {
             eprintln!("{fusion}");
@@ -887,37 +912,37 @@ impl FusionExecutor {
             eprintln!("=== after pass {} ===\n{}", d.pass, d.program);
         }
         if dump.host_ir {
-            eprintln!("{}", lowered.program);
-            let plan = capture_plan(&lowered.program, rank.backend()).and_then(|()| {
-                if has_copy_engine_transfers(&lowered.program) {
-                    rank.communicator()
-                        .copy_engine_capture()
-                        .map_err(EagerReason::CopyEngineTransfers)
-                } else {
-                    Ok(())
-                }
-            });
-            match plan {
-                Ok(()) => eprintln!(
-                    "// graphs: captured at the second call on each rank, then replayed while \
-                     the inputs and outputs stay in place"
-                ),
-                Err(reason) => eprintln!("// graphs: runs eagerly: {reason}"),
-            }
-            // Transports are chosen per pair of ranks at run time, from where they live.
-            let transports = rank.communicator().transports();
-            if !transports.is_empty() {
-                eprintln!("// transports of rank {}:", rank.index());
-                for t in transports {
-                    eprintln!("//   {t}");
-                }
-            }
+            dump_program(&lowered.program, rank);
         }
         self.lowerings.fetch_add(1, Ordering::SeqCst);
         tracing::debug!(nodes = lowered.program.node_count(), "lowered fusion");
         let program = Arc::new(lowered.program);
         cache.insert(key, program.clone());
         Ok(program)
+    }
+}
+
+/// `FUSION_DUMP=host_ir`: the program, whether it replays as a graph, and how `rank`
+/// reaches each peer (decided when its world was made).
+fn dump_program(program: &HostProgram, rank: &Rank) {
+    eprintln!("{program}");
+    let capabilities = rank.communicator().capabilities();
+    let plan = capture_plan(program, rank.backend()).and_then(|()| match &capabilities.capture {
+        Err(why) if has_peer_copies(program) => Err(EagerReason::PeerCopies(why.clone())),
+        _ => Ok(()),
+    });
+    match plan {
+        Ok(()) => eprintln!(
+            "// graphs: captured at the second call on each rank, then replayed while the \
+             inputs and outputs stay in place"
+        ),
+        Err(reason) => eprintln!("// graphs: runs eagerly: {reason}"),
+    }
+    if !capabilities.transports.is_empty() {
+        eprintln!("// transports of rank {}:", rank.index());
+        for t in &capabilities.transports {
+            eprintln!("//   {t}");
+        }
     }
 }
 

@@ -14,10 +14,12 @@
 
 use std::fmt;
 
-use fusion_core::hir::{for_each_node, CommBackend, HostProgram, Node};
+use fusion_core::hir::{for_each_node, HostProgram, Node};
+
+use crate::comm::is_peer_copy;
 
 use crate::device::{BackendKind, DeviceGraph};
-use crate::eval::copy_engine_receives;
+use crate::eval::peer_copy_receives;
 
 /// Why a call ran eagerly rather than from a graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,9 +39,9 @@ pub enum EagerReason {
     HostInput(String),
     /// Outputs alias inputs (written in place): the graph cannot own them.
     AliasedOutputs,
-    /// Copy-engine transfers cannot be recorded, for this reason (they land in memory the
-    /// caller owns, or hand off on the host).
-    CopyEngineTransfers(String),
+    /// Peer copies (copy-engine transfers) cannot be recorded, for this reason (they land
+    /// in memory the caller owns, or the communicator hands them off on the host).
+    PeerCopies(String),
     /// The inputs or outputs are not where the graph was captured; a new graph is captured
     /// if the same addresses come again.
     Moved,
@@ -69,7 +71,7 @@ impl fmt::Display for EagerReason {
                 )
             }
             EagerReason::AliasedOutputs => write!(f, "outputs are written into inputs"),
-            EagerReason::CopyEngineTransfers(why) => write!(
+            EagerReason::PeerCopies(why) => write!(
                 f,
                 "copy-engine transfers cannot be captured: {why} (lower with \
                  LowerOptions::p2p_backend = Nccl to replay this program)"
@@ -92,26 +94,26 @@ pub enum ReplayStatus {
 }
 
 /// Whether `program` could ever be captured on `backend` (what the communicator of a
-/// rank allows is asked at run time, see [`crate::comm::Communicator::copy_engine_capture`]).
+/// rank allows is asked at run time, see [`crate::comm::Capabilities::capture`]).
 pub fn capture_plan(
     program: &HostProgram,
     backend: BackendKind,
 ) -> std::result::Result<(), EagerReason> {
-    if backend == BackendKind::Cpu {
+    if !backend.records_graphs() {
         return Err(EagerReason::Backend(backend));
     }
     if !program.aliases.is_empty() {
         return Err(EagerReason::AliasedOutputs);
     }
     if program.world_size > 1 {
-        let receives = copy_engine_receives(program);
+        let receives = peer_copy_receives(program);
         if !receives.all_internal() {
             let names: Vec<String> = receives
                 .external
                 .iter()
                 .map(|&t| program.ir.tensor_name(t))
                 .collect();
-            return Err(EagerReason::CopyEngineTransfers(format!(
+            return Err(EagerReason::PeerCopies(format!(
                 "they land in {}, which the caller owns and may move between calls",
                 names.join(", ")
             )));
@@ -120,17 +122,17 @@ pub fn capture_plan(
     Ok(())
 }
 
-/// Whether `program` has copy-engine transfers between ranks.
-pub fn has_copy_engine_transfers(program: &HostProgram) -> bool {
-    let mut copy_engine = false;
+/// Whether `program` has peer copies between ranks ([`crate::comm::is_peer_copy`]).
+pub fn has_peer_copies(program: &HostProgram) -> bool {
+    let mut found = false;
     if program.world_size > 1 {
         for_each_node(&program.body, &mut |n| match n {
-            Node::P2P(p) if p.backend == CommBackend::CopyEngine => copy_engine = true,
-            Node::Communication(c) if c.backend == CommBackend::CopyEngine => copy_engine = true,
+            Node::P2P(p) if is_peer_copy(p.backend) => found = true,
+            Node::Communication(c) if is_peer_copy(c.backend) => found = true,
             _ => {}
         });
     }
-    copy_engine
+    found
 }
 
 /// Whether graphs are on for a call with `requested` (`ExecOptions::graphs`):
@@ -280,14 +282,14 @@ mod tests {
         }
         assert_eq!(s.step(&at(1)), Step::Eager(EagerReason::Moved));
         assert!(matches!(s.step(&at(10)), Step::Launch(_)));
-        let why = EagerReason::CopyEngineTransfers("x".into());
+        let why = EagerReason::PeerCopies("x".into());
         let mut never = GraphSlot::Never(why.clone());
         assert_eq!(never.step(&at(1)), Step::Eager(why));
     }
 
     #[test]
     fn reasons_say_what_to_do() {
-        let text = EagerReason::CopyEngineTransfers("they land in T2".into()).to_string();
+        let text = EagerReason::PeerCopies("they land in T2".into()).to_string();
         assert!(text.contains("p2p_backend = Nccl"), "{text}");
         assert!(text.contains("land in T2"), "{text}");
         assert!(EagerReason::HostInput("a".into())

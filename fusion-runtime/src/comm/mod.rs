@@ -1,8 +1,10 @@
 //! Communicators: collectives and point-to-point transfers between the ranks of a world.
 //!
-//! One trait for every transport: the in-process communicator of the CPU backend, NCCL,
-//! and copy-engine peer copies. Calls enqueue on the given stream; the evaluator orders
-//! streams itself.
+//! One trait for every transport: the in-process communicator of the CPU backend (here,
+//! `local/`, and over TCP between processes, `remote/`) and the CUDA communicator (NCCL
+//! and copy-engine peer copies, `backend::cuda::comm`). Calls enqueue on the given stream;
+//! the evaluator orders streams itself. What a communicator can do beyond its operations
+//! is one question, [`Communicator::capabilities`].
 //!
 //! ## Shapes (per rank; axes index the tensors' stored axes)
 //!
@@ -20,11 +22,13 @@
 //! | Broadcast | root | a copy of root's input |
 //! | SendRecv | root (the sender) | `receiver`: a copy of the sender's input |
 
+mod capabilities;
 pub mod local;
 pub mod remote;
 
+pub use capabilities::{is_peer_copy, Capabilities, KeptReceives, PeerCopies};
+
 use fusion_core::hir::{CommBackend, Communication};
-use fusion_core::DType;
 
 use crate::device::StreamHandle;
 use crate::error::Result;
@@ -110,16 +114,9 @@ pub trait Communicator: Send + Sync {
     /// Host-side allgather of one block per rank (every rank calls it at the same point);
     /// returns every rank's block in rank order.
     fn host_allgather(&self, block: Block) -> Result<Vec<Block>>;
-    /// How this rank reaches each peer, one line per peer (for dumps); empty where there
-    /// is nothing to choose (the CPU backend).
-    fn transports(&self) -> Vec<String> {
-        Vec::new()
-    }
-    /// Whether peers in other processes write into this rank's copy-engine receive
-    /// buffers (which must then come from [`crate::device::Device::allocate_shared`]).
-    fn shares_receive_buffers(&self) -> bool {
-        false
-    }
+    /// What this communicator can do ([`Capabilities`]): decided when it was made, asked
+    /// by the executor, the evaluator and replay instead of naming transports.
+    fn capabilities(&self) -> &Capabilities;
     /// A device graph of this rank was just launched on its main stream: communicators
     /// whose calls outside graphs must not overlap a running graph (NCCL without
     /// graph-mixing support) remember it.
@@ -129,22 +126,6 @@ pub trait Communicator: Send + Sync {
     /// A call of a host program starts: transfers are numbered per call from here.
     fn begin_call(&self, _call: &CallStart) -> Result<()> {
         Ok(())
-    }
-    /// A copy-engine receive buffer kept for this call's program from one call to the next
-    /// (the `n`-th such buffer of a call is the same memory at every call), or `None` when
-    /// this communicator keeps none (then the caller allocates).
-    fn landing_buffer(
-        &self,
-        _stream: StreamHandle,
-        _dtype: DType,
-        _shape: &[usize],
-    ) -> Result<Option<Tensor>> {
-        Ok(None)
-    }
-    /// Whether this rank's copy-engine transfers can be recorded in a CUDA graph; the
-    /// reason when not.
-    fn copy_engine_capture(&self) -> std::result::Result<(), String> {
-        Err("this communicator has no copy engines".into())
     }
     /// A number no other communicator of this process has (graphs captured with one
     /// communicator are never replayed with another).

@@ -22,7 +22,7 @@ pub use race::{race_check_from_env, RaceCheck, RaceError};
 
 use race::RaceChecker;
 
-use crate::comm::Communicator;
+use crate::comm::{is_peer_copy, Communicator};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::streams::{StreamHandle, StreamLayout};
@@ -88,11 +88,12 @@ pub struct CallContext<'a> {
     pub number_of_streams: usize,
     /// Record a timeline of communications and kernels (synchronizes at the end).
     pub trace: bool,
-    /// Allocate copy-engine receive buffers with [`Device::allocate_shared`] (a launched
+    /// Allocate the buffers peers copy into with [`Device::allocate_shared`] (a launched
     /// world whose peers in other processes write into them).
     pub shared_receives: bool,
-    /// The program's copy-engine receive buffers it allocates itself
-    /// ([`CopyEngineReceives::internal`]): asked of [`Communicator::landing_buffer`] first,
+    /// The program's buffers that peers copy into and that it allocates itself
+    /// ([`PeerCopyReceives::internal`]): asked of the communicator's kept receive buffers
+    /// ([`crate::comm::Capabilities::kept_receives`]) first,
     /// so they are the same memory at every call.
     pub kept_receives: Option<&'a std::collections::HashSet<TensorId>>,
     /// Also record a host-side span for every node the call executes ([`HostSpan`]).
@@ -301,8 +302,7 @@ pub(crate) struct Evaluator<'a> {
     pending: Vec<PendingEvent>,
     group_start: Option<usize>,
     chunk: Option<i64>,
-    /// Tensors whose buffers peers write into over the copy engines (see
-    /// [`received_by_copy_engine`]).
+    /// Tensors whose buffers peers copy into (see [`received_by_peer_copies`]).
     shared: std::collections::HashSet<TensorId>,
     /// When tracing nodes: every node's id, the node running now, and the spans so far.
     node_ids: Option<HashMap<*const Node, usize>>,
@@ -389,10 +389,10 @@ pub fn output_layouts(
         .collect()
 }
 
-/// A program's copy-engine receive buffers (the tensors owning the memory a peer writes
-/// into over the copy engines), split by who owns them.
+/// A program's receive buffers of peer copies (the tensors owning the memory a peer
+/// copies into, [`crate::comm::is_peer_copy`]), split by who owns them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct CopyEngineReceives {
+pub struct PeerCopyReceives {
     /// Allocated by the program itself: they can be kept from one call to the next.
     pub internal: std::collections::HashSet<TensorId>,
     /// Inputs or outputs (or the memory behind an output), which the caller owns and may
@@ -400,18 +400,18 @@ pub struct CopyEngineReceives {
     pub external: Vec<TensorId>,
 }
 
-impl CopyEngineReceives {
-    /// Whether the program has copy-engine transfers into memory of its own only.
+impl PeerCopyReceives {
+    /// Whether the program's peer copies land in memory of its own only.
     pub fn all_internal(&self) -> bool {
         self.external.is_empty()
     }
 }
 
-/// [`CopyEngineReceives`] of `p`.
-pub fn copy_engine_receives(p: &HostProgram) -> CopyEngineReceives {
-    let roots = received_by_copy_engine(p);
+/// [`PeerCopyReceives`] of `p`.
+pub fn peer_copy_receives(p: &HostProgram) -> PeerCopyReceives {
+    let roots = received_by_peer_copies(p);
     if roots.is_empty() {
-        return CopyEngineReceives::default();
+        return PeerCopyReceives::default();
     }
     let parents = view_parents(p);
     let mut owned_by_caller = std::collections::HashSet::new();
@@ -433,7 +433,7 @@ pub fn copy_engine_receives(p: &HostProgram) -> CopyEngineReceives {
         .into_iter()
         .filter(|t| !owned_by_caller.contains(t))
         .collect();
-    CopyEngineReceives { internal, external }
+    PeerCopyReceives { internal, external }
 }
 
 /// Every view's parents (a view may be defined in both branches of an `IfThenElse`).
@@ -453,12 +453,12 @@ fn view_parents(p: &HostProgram) -> HashMap<TensorId, Vec<TensorId>> {
     parents
 }
 
-/// The tensors a program allocates whose memory a peer writes into over the copy engines:
-/// the allocations behind copy-engine receive buffers and copy-engine collective outputs,
+/// The tensors a program allocates whose memory a peer copies into: the allocations behind
+/// the receive buffers of peer-copy P2P transfers and the outputs of peer-copy collectives,
 /// following views back to the tensor that owns the memory. Views are followed as they are
 /// defined where the transfer runs (a view defined in both branches of an `IfThenElse`
 /// over different tensors leads, at a receive inside one branch, to that branch's tensor).
-pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<TensorId> {
+pub fn received_by_peer_copies(p: &HostProgram) -> std::collections::HashSet<TensorId> {
     let mut defs = HashMap::new();
     let mut roots = std::collections::HashSet::new();
     received_in(&p.body, &mut defs, &mut roots);
@@ -466,13 +466,12 @@ pub fn received_by_copy_engine(p: &HostProgram) -> std::collections::HashSet<Ten
 }
 
 /// Walks `nodes` with the view definitions `defs` in effect, adding the roots behind every
-/// copy-engine receive to `roots`.
+/// peer-copy receive to `roots`.
 fn received_in(
     nodes: &[Node],
     defs: &mut HashMap<TensorId, Vec<TensorId>>,
     roots: &mut std::collections::HashSet<TensorId>,
 ) {
-    use fusion_core::hir::CommBackend;
     for n in nodes {
         match n {
             Node::AliasSelect { input, output, .. } => {
@@ -483,12 +482,10 @@ fn received_in(
                     defs.insert(e.output, vec![i]);
                 }
             }
-            Node::P2P(x)
-                if x.direction == P2PDirection::Recv && x.backend == CommBackend::CopyEngine =>
-            {
+            Node::P2P(x) if x.direction == P2PDirection::Recv && is_peer_copy(x.backend) => {
                 roots.extend(roots_of(x.buffer, defs));
             }
-            Node::Communication(c) if c.backend == CommBackend::CopyEngine => {
+            Node::Communication(c) if is_peer_copy(c.backend) => {
                 roots.extend(roots_of(c.output, defs));
             }
             Node::ForLoop(l) => {
@@ -570,7 +567,7 @@ impl<'a> Evaluator<'a> {
             group_start: None,
             chunk: None,
             shared: if ctx.shared_receives {
-                received_by_copy_engine(p)
+                received_by_peer_copies(p)
             } else {
                 Default::default()
             },
@@ -694,9 +691,10 @@ impl<'a> Evaluator<'a> {
         }
         let shape = self.local_shape(t)?;
         let dtype = self.p.ir.tensor(t).dtype;
-        let kept = match self.ctx.kept_receives {
-            Some(k) if k.contains(&t) => {
-                self.ctx.comm.landing_buffer(self.current, dtype, &shape)?
+        let keeper = &self.ctx.comm.capabilities().kept_receives;
+        let kept = match (self.ctx.kept_receives, keeper) {
+            (Some(k), Some(keeper)) if k.contains(&t) => {
+                keeper.take(self.current, dtype, &shape)?
             }
             _ => None,
         };

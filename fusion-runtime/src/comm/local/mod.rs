@@ -27,7 +27,7 @@ use fusion_core::hir::{CommBackend, Communication};
 
 pub use fabric::{Block, Deposit, Fabric, LocalFabric, SlotKey};
 
-use crate::comm::Communicator;
+use crate::comm::{Capabilities, Communicator};
 use crate::device::StreamHandle;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -220,6 +220,11 @@ impl LocalCommunicator {
 impl Communicator for LocalCommunicator {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn capabilities(&self) -> &Capabilities {
+        static SIMULATED: std::sync::OnceLock<Capabilities> = std::sync::OnceLock::new();
+        SIMULATED.get_or_init(Capabilities::simulated)
     }
 
     fn world_size(&self) -> usize {

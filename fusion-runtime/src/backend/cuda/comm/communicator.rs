@@ -27,7 +27,7 @@ use super::nccl_graphs::{turn_off_graph_mixing, GraphFence};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::comm::local::LocalCommunicator;
-use crate::comm::Communicator;
+use crate::comm::{is_peer_copy, Capabilities, Communicator, KeptReceives, PeerCopies};
 use crate::device::{Device, Kernel, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -242,28 +242,6 @@ fn nccl_op(op: ReduceOp) -> ncclRedOp_t {
     }
 }
 
-/// How `rank` reaches each other rank of a world of `size` through `engine`, one line per
-/// peer (for dumps): copy-engine P2P transfers run on the copy engines where the engine
-/// reaches the peer, and through NCCL P2P elsewhere; collectives always through NCCL.
-pub(crate) fn transport_lines(rank: usize, size: usize, engine: &CopyEngine) -> Vec<String> {
-    (0..size)
-        .filter(|&p| p != rank)
-        .map(|p| {
-            let how = if engine.reaches_in_process(p) {
-                "copy engines (peer access, same process)"
-            } else if engine.lacks_peer_access(p) {
-                "NCCL P2P (same process, but the GPUs have no peer access to each other: \
-                 copy-engine transfers fall back to NCCL P2P)"
-            } else if engine.reaches_over_ipc(p) {
-                "copy engines over CUDA IPC (another process of this host)"
-            } else {
-                "NCCL P2P (copy-engine transfers fall back to NCCL P2P)"
-            };
-            format!("rank {rank} -> rank {p}: {how}; collectives NCCL")
-        })
-        .collect()
-}
-
 /// `t` with axis `axis` moved to the front.
 fn axis_first(t: &Tensor, axis: usize) -> Result<Tensor> {
     let mut perm = vec![axis];
@@ -271,8 +249,9 @@ fn axis_first(t: &Tensor, axis: usize) -> Result<Tensor> {
     t.permute(&perm)
 }
 
-/// One rank's NCCL endpoint for one `World::run`.
-pub struct NcclCommunicator {
+/// One rank's endpoint in a CUDA world: NCCL for collectives and NCCL P2P, the copy
+/// engines for transfers the program lowers onto them.
+pub struct CudaCommunicator {
     rank: usize,
     world_size: usize,
     device: Arc<CudaDevice>,
@@ -288,6 +267,8 @@ pub struct NcclCommunicator {
     /// What the next send or receive is in the program (see
     /// [`Communicator::describe_next_transfer`]); taken by that send or receive.
     next_label: Mutex<Option<Arc<str>>>,
+    /// What this communicator can do (see [`Communicator::capabilities`]).
+    capabilities: Capabilities,
 }
 
 /// Work that must happen after a group's transfers are issued.
@@ -301,7 +282,27 @@ struct Group {
     copies: Vec<Transfer>,
 }
 
-impl NcclCommunicator {
+/// One collective on NCCL: its stream, the communication, the team's communicator and
+/// this rank's buffers.
+#[derive(Clone, Copy)]
+struct NcclOp<'a> {
+    s: StreamHandle,
+    c: &'a Communication,
+    comm: RawComm,
+    stream: cudarc::nccl::sys::cudaStream_t,
+    input: Option<&'a Tensor>,
+    output: Option<&'a Tensor>,
+}
+
+impl NcclOp<'_> {
+    /// The buffer `t` (this rank's input or output), or an error saying it is missing.
+    fn need(&self, t: Option<&Tensor>, what: &str, comm: &CudaCommunicator) -> Result<Tensor> {
+        t.cloned()
+            .ok_or_else(|| comm.err(format!("{}: this rank has no {what}", self.c.kind.name())))
+    }
+}
+
+impl CudaCommunicator {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         rank: usize,
@@ -311,9 +312,19 @@ impl NcclCommunicator {
         host: Arc<LocalCommunicator>,
         health: Arc<WorldHealth>,
         copy_engine: CopyEngine,
+        peer_copies: PeerCopies,
+        transports: Vec<String>,
     ) -> Self {
         crate::counters::communicators_created(1);
-        NcclCommunicator {
+        let kept = copy_engine.kept_receives();
+        let capabilities = Capabilities {
+            peer_copies,
+            capture: copy_engine.capture_support(),
+            shared_receives: copy_engine.has_ipc_peers(),
+            kept_receives: kept.map(|k| k as Arc<dyn KeptReceives>),
+            transports,
+        };
+        CudaCommunicator {
             rank,
             world_size,
             device,
@@ -325,6 +336,7 @@ impl NcclCommunicator {
             instance: crate::comm::next_instance(),
             graph_fence: GraphFence::new(),
             next_label: Mutex::new(None),
+            capabilities,
         }
     }
 
@@ -338,6 +350,15 @@ impl NcclCommunicator {
     ) -> Result<()> {
         if peer == self.rank || peer >= self.world_size {
             return Err(self.err(format!("copy-engine transfer with rank {peer}: not a peer")));
+        }
+        if !self.by_copy_engine(peer) {
+            return Err(self.err(format!(
+                "the program asks for a copy-engine transfer with rank {peer}, which this \
+                 world reaches through NCCL (its transports: {}); run it through the \
+                 executor, which lowers onto the world's transports, or lower with \
+                 LowerOptions::p2p_backend = Nccl",
+                self.capabilities.transports.join("; ")
+            )));
         }
         let label = self
             .next_label
@@ -369,16 +390,10 @@ impl NcclCommunicator {
             .take();
     }
 
-    /// Whether a copy-engine transfer with `peer` runs on the copy engines (a GPU of this
-    /// process, or of another process of this host over CUDA IPC); otherwise it goes
-    /// through NCCL.
+    /// Whether the copy engines reach `peer` (a GPU of this process, or of another process
+    /// of this host over CUDA IPC).
     fn by_copy_engine(&self, peer: usize) -> bool {
         self.copy_engine.reaches_in_process(peer) || self.copy_engine.reaches_over_ipc(peer)
-    }
-
-    /// How this rank reaches every peer, one line each.
-    pub(crate) fn transports(&self) -> Vec<String> {
-        transport_lines(self.rank, self.world_size, &self.copy_engine)
     }
 
     fn err(&self, reason: String) -> Error {
@@ -618,229 +633,322 @@ impl NcclCommunicator {
         input: Option<&Tensor>,
         output: Option<&Tensor>,
     ) -> Result<()> {
+        if is_peer_copy(c.backend)
+            && matches!(
+                c.kind,
+                CommunicationKind::Allgather | CommunicationKind::ReduceScatter
+            )
+        {
+            return self.copy_engine_collective(s, c, input, output);
+        }
+        let (comm, _) = self.comm(&c.team)?;
+        let call = NcclOp {
+            s,
+            c,
+            comm,
+            stream: self.stream(s)?,
+            input,
+            output,
+        };
+        match c.kind {
+            CommunicationKind::Allgather => self.nccl_all_gather(&call),
+            CommunicationKind::Allreduce | CommunicationKind::Reduce => self.nccl_reduce(&call),
+            CommunicationKind::ReduceScatter => self.nccl_reduce_scatter(&call),
+            CommunicationKind::Broadcast => self.nccl_broadcast(&call),
+            CommunicationKind::Scatter => self.scatter(&call),
+            CommunicationKind::Gather => self.gather(&call),
+            CommunicationKind::SendRecv => self.nccl_send_recv(&call),
+        }
+    }
+
+    /// Allgather or ReduceScatter over the copy engines: every member of the team must be
+    /// one the copy engines reach (the world's transports say so when it lowers).
+    fn copy_engine_collective(
+        &self,
+        s: StreamHandle,
+        c: &Communication,
+        input: Option<&Tensor>,
+        output: Option<&Tensor>,
+    ) -> Result<()> {
         let kind = c.kind.name();
-        let all_by_copy_engine = c
+        if let Some(&p) = c
             .team
             .iter()
-            .all(|&p| p == self.rank || self.by_copy_engine(p));
-        if c.backend == CommBackend::CopyEngine && all_by_copy_engine {
-            let (Some(i), Some(o)) = (input, output) else {
-                return Err(self.err(format!(
-                    "{kind} over the copy engines needs an input and an output on every rank"
-                )));
-            };
-            match c.kind {
-                CommunicationKind::Allgather => return self.ce_allgather(s, c, i, o),
-                CommunicationKind::ReduceScatter => return self.ce_reduce_scatter(s, c, i, o),
-                _ => {}
+            .find(|&&p| p != self.rank && !self.by_copy_engine(p))
+        {
+            return Err(self.err(format!(
+                "{kind} over the copy engines with rank {p}, which this world reaches through \
+                 NCCL; lower with LowerOptions::collective_backend = Nccl (the executor does \
+                 on such worlds)"
+            )));
+        }
+        let (Some(i), Some(o)) = (input, output) else {
+            return Err(self.err(format!(
+                "{kind} over the copy engines needs an input and an output on every rank"
+            )));
+        };
+        match c.kind {
+            CommunicationKind::Allgather => self.ce_allgather(s, c, i, o),
+            _ => self.ce_reduce_scatter(s, c, i, o),
+        }
+    }
+
+    /// Allgather on NCCL: every block of the output in one call.
+    fn nccl_all_gather(&self, call: &NcclOp<'_>) -> Result<()> {
+        let NcclOp {
+            s,
+            c,
+            comm,
+            stream,
+            input,
+            output,
+        } = *call;
+        let kind = c.kind.name();
+        let need = |t: Option<&Tensor>, what: &str| call.need(t, what, self);
+        let x = self.contiguous(
+            s,
+            &self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?,
+        )?;
+        let out = need(output, "output")?;
+        let o = c.out_sharded_axis.or(c.in_sharded_axis).unwrap_or(0);
+        let view = axis_first(&out, o)?;
+        let (buf, back) = self.receive_buffer(s, &view)?;
+        // SAFETY: `x` has `numel` elements, `buf` D times as many, both contiguous.
+        unsafe {
+            nccl::all_gather(
+                Self::ptr(&x),
+                Self::ptr(&buf),
+                x.numel(),
+                nccl_dtype(x.dtype()),
+                comm.0,
+                stream,
+            )
+        }
+        .map_err(|e| self.nccl_err("ncclAllGather", e))?;
+        if back {
+            self.copy_back(s, &buf, &view)?;
+        }
+        Ok(())
+    }
+
+    /// Allreduce or Reduce on NCCL (a root outside the mesh contributes the identity).
+    fn nccl_reduce(&self, call: &NcclOp<'_>) -> Result<()> {
+        let NcclOp {
+            s,
+            c,
+            comm,
+            stream,
+            input,
+            output,
+        } = *call;
+        let kind = c.kind.name();
+        let need = |t: Option<&Tensor>, what: &str| call.need(t, what, self);
+        let in_mesh = c.mesh.contains(&self.rank);
+        let op = c
+            .reduce_op
+            .ok_or_else(|| self.err(format!("{kind} without a reduce op")))?;
+        let out = output.cloned();
+        let x = if in_mesh {
+            self.contiguous(
+                s,
+                &self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?,
+            )?
+        } else {
+            // A root outside the mesh contributes the identity.
+            let like = out
+                .clone()
+                .ok_or_else(|| self.err(format!("{kind}: root without output")))?;
+            self.identity(s, &like, op)?
+        };
+        let (buf, back) = match &out {
+            Some(o) => self.receive_buffer(s, o)?,
+            None => (self.device.allocate(s, x.dtype(), x.shape())?, false),
+        };
+        if buf.numel() != x.numel() {
+            return Err(self.err(format!(
+                "{kind}: input {:?} and output {:?} differ",
+                x.shape(),
+                buf.shape()
+            )));
+        }
+        // SAFETY: contiguous buffers of `numel` elements each.
+        unsafe {
+            if c.kind == CommunicationKind::Allreduce {
+                nccl::all_reduce(
+                    Self::ptr(&x),
+                    Self::ptr(&buf),
+                    x.numel(),
+                    nccl_dtype(x.dtype()),
+                    nccl_op(op),
+                    comm.0,
+                    stream,
+                )
+            } else {
+                let root = c.team.iter().position(|&r| Some(r) == c.root).unwrap_or(0);
+                nccl::reduce(
+                    Self::ptr(&x),
+                    Self::ptr(&buf),
+                    x.numel(),
+                    nccl_dtype(x.dtype()),
+                    nccl_op(op),
+                    root as i32,
+                    comm.0,
+                    stream,
+                )
             }
         }
-        let need = |t: Option<&Tensor>, what: &str| -> Result<Tensor> {
-            t.cloned()
-                .ok_or_else(|| self.err(format!("{kind}: this rank has no {what}")))
+        .map_err(|e| self.nccl_err(&format!("nccl {kind}"), e))?;
+        if let (true, Some(o)) = (back, &out) {
+            self.copy_back(s, &buf, o)?;
+        }
+        Ok(())
+    }
+
+    /// ReduceScatter on NCCL.
+    fn nccl_reduce_scatter(&self, call: &NcclOp<'_>) -> Result<()> {
+        let NcclOp {
+            s,
+            c,
+            comm,
+            stream,
+            input,
+            output,
+        } = *call;
+        let kind = c.kind.name();
+        let need = |t: Option<&Tensor>, what: &str| call.need(t, what, self);
+        let op = c
+            .reduce_op
+            .ok_or_else(|| self.err("ReduceScatter without a reduce op".into()))?;
+        let x = self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?;
+        let sa = c
+            .in_scatter_axis
+            .ok_or_else(|| self.err("ReduceScatter without a scatter axis".into()))?;
+        let sa = match c.in_sharded_axis {
+            Some(a) if sa > a => sa - 1,
+            _ => sa,
         };
-        let (comm, _) = self.comm(&c.team)?;
-        let stream = self.stream(s)?;
-        let in_mesh = c.mesh.contains(&self.rank);
-        match c.kind {
-            CommunicationKind::Allgather => {
-                let x = self.contiguous(
-                    s,
-                    &self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?,
-                )?;
-                let out = need(output, "output")?;
-                let o = c.out_sharded_axis.or(c.in_sharded_axis).unwrap_or(0);
-                let view = axis_first(&out, o)?;
-                let (buf, back) = self.receive_buffer(s, &view)?;
-                // SAFETY: `x` has `numel` elements, `buf` D times as many, both contiguous.
-                unsafe {
-                    nccl::all_gather(
-                        Self::ptr(&x),
-                        Self::ptr(&buf),
-                        x.numel(),
-                        nccl_dtype(x.dtype()),
-                        comm.0,
-                        stream,
-                    )
-                }
-                .map_err(|e| self.nccl_err("ncclAllGather", e))?;
-                if back {
-                    self.copy_back(s, &buf, &view)?;
-                }
+        let x = self.contiguous(s, &axis_first(&x, sa)?)?;
+        let out = need(output, "output")?;
+        let o = self.squeeze(&out, c.out_sharded_axis, kind)?;
+        let (buf, back) = self.receive_buffer(s, &o)?;
+        // SAFETY: `x` holds D blocks of `buf.numel()` elements, contiguous.
+        unsafe {
+            nccl::reduce_scatter(
+                Self::ptr(&x),
+                Self::ptr(&buf),
+                buf.numel(),
+                nccl_dtype(x.dtype()),
+                nccl_op(op),
+                comm.0,
+                stream,
+            )
+        }
+        .map_err(|e| self.nccl_err("ncclReduceScatter", e))?;
+        if back {
+            self.copy_back(s, &buf, &o)?;
+        }
+        Ok(())
+    }
+
+    /// Broadcast on NCCL from the root.
+    fn nccl_broadcast(&self, call: &NcclOp<'_>) -> Result<()> {
+        let NcclOp {
+            s,
+            c,
+            comm,
+            stream,
+            input,
+            output,
+        } = *call;
+        let need = |t: Option<&Tensor>, what: &str| call.need(t, what, self);
+        let root = c.team.iter().position(|&r| Some(r) == c.root).unwrap_or(0);
+        let is_root = c.root == Some(self.rank);
+        let x = if is_root {
+            Some(self.contiguous(s, &need(input, "input")?)?)
+        } else {
+            None
+        };
+        let (buf, back) = match (output, &x) {
+            (Some(o), _) => self.receive_buffer(s, o)?,
+            (None, Some(x)) => (x.clone(), false),
+            (None, None) => {
+                return Err(self.err("Broadcast: a non-root rank without output".into()))
             }
-            CommunicationKind::Allreduce | CommunicationKind::Reduce => {
-                let op = c
-                    .reduce_op
-                    .ok_or_else(|| self.err(format!("{kind} without a reduce op")))?;
-                let out = output.cloned();
-                let x = if in_mesh {
-                    self.contiguous(
-                        s,
-                        &self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?,
-                    )?
-                } else {
-                    // A root outside the mesh contributes the identity.
-                    let like = out
-                        .clone()
-                        .ok_or_else(|| self.err(format!("{kind}: root without output")))?;
-                    self.identity(s, &like, op)?
-                };
-                let (buf, back) = match &out {
-                    Some(o) => self.receive_buffer(s, o)?,
-                    None => (self.device.allocate(s, x.dtype(), x.shape())?, false),
-                };
-                if buf.numel() != x.numel() {
-                    return Err(self.err(format!(
-                        "{kind}: input {:?} and output {:?} differ",
-                        x.shape(),
-                        buf.shape()
-                    )));
-                }
-                // SAFETY: contiguous buffers of `numel` elements each.
-                unsafe {
-                    if c.kind == CommunicationKind::Allreduce {
-                        nccl::all_reduce(
-                            Self::ptr(&x),
-                            Self::ptr(&buf),
-                            x.numel(),
-                            nccl_dtype(x.dtype()),
-                            nccl_op(op),
-                            comm.0,
-                            stream,
-                        )
-                    } else {
-                        let root = c.team.iter().position(|&r| Some(r) == c.root).unwrap_or(0);
-                        nccl::reduce(
-                            Self::ptr(&x),
-                            Self::ptr(&buf),
-                            x.numel(),
-                            nccl_dtype(x.dtype()),
-                            nccl_op(op),
-                            root as i32,
-                            comm.0,
-                            stream,
-                        )
-                    }
-                }
-                .map_err(|e| self.nccl_err(&format!("nccl {kind}"), e))?;
-                if let (true, Some(o)) = (back, &out) {
-                    self.copy_back(s, &buf, o)?;
-                }
+        };
+        let send = x.as_ref().map_or(Self::ptr(&buf), Self::ptr);
+        // SAFETY: contiguous buffers of `buf.numel()` elements.
+        unsafe {
+            nccl::broadcast(
+                send,
+                Self::ptr(&buf),
+                buf.numel(),
+                nccl_dtype(buf.dtype()),
+                root as i32,
+                comm.0,
+                stream,
+            )
+        }
+        .map_err(|e| self.nccl_err("ncclBroadcast", e))?;
+        if let (true, Some(o)) = (back, output) {
+            self.copy_back(s, &buf, o)?;
+        }
+        Ok(())
+    }
+
+    /// SendRecv: an NCCL send on the sender, a receive on the receiver (a copy when they are one rank).
+    fn nccl_send_recv(&self, call: &NcclOp<'_>) -> Result<()> {
+        let NcclOp {
+            s,
+            c,
+            comm,
+            stream,
+            input,
+            output,
+        } = *call;
+        let need = |t: Option<&Tensor>, what: &str| call.need(t, what, self);
+        let (sender, receiver) = (
+            c.root.unwrap_or(usize::MAX),
+            c.receiver.unwrap_or(usize::MAX),
+        );
+        if sender == receiver {
+            if let (Some(i), Some(o)) = (input, output) {
+                let src = self.contiguous(s, i)?.reshape(o.shape())?;
+                self.device.execute(s, Kernel::Copy { src: &src, dst: o })?;
             }
-            CommunicationKind::ReduceScatter => {
-                let op = c
-                    .reduce_op
-                    .ok_or_else(|| self.err("ReduceScatter without a reduce op".into()))?;
-                let x = self.squeeze(&need(input, "input")?, c.in_sharded_axis, kind)?;
-                let sa = c
-                    .in_scatter_axis
-                    .ok_or_else(|| self.err("ReduceScatter without a scatter axis".into()))?;
-                let sa = match c.in_sharded_axis {
-                    Some(a) if sa > a => sa - 1,
-                    _ => sa,
-                };
-                let x = self.contiguous(s, &axis_first(&x, sa)?)?;
-                let out = need(output, "output")?;
-                let o = self.squeeze(&out, c.out_sharded_axis, kind)?;
-                let (buf, back) = self.receive_buffer(s, &o)?;
-                // SAFETY: `x` holds D blocks of `buf.numel()` elements, contiguous.
-                unsafe {
-                    nccl::reduce_scatter(
-                        Self::ptr(&x),
-                        Self::ptr(&buf),
-                        buf.numel(),
-                        nccl_dtype(x.dtype()),
-                        nccl_op(op),
-                        comm.0,
-                        stream,
-                    )
-                }
-                .map_err(|e| self.nccl_err("ncclReduceScatter", e))?;
-                if back {
-                    self.copy_back(s, &buf, &o)?;
-                }
+            return Ok(());
+        }
+        let peer = |r: usize| c.team.iter().position(|&x| x == r).unwrap_or(0) as i32;
+        if self.rank == sender {
+            let x = self.contiguous(s, &need(input, "input")?)?;
+            // SAFETY: contiguous send buffer.
+            unsafe {
+                nccl::send(
+                    Self::ptr(&x),
+                    x.numel(),
+                    nccl_dtype(x.dtype()),
+                    peer(receiver),
+                    comm.0,
+                    stream,
+                )
             }
-            CommunicationKind::Broadcast => {
-                let root = c.team.iter().position(|&r| Some(r) == c.root).unwrap_or(0);
-                let is_root = c.root == Some(self.rank);
-                let x = if is_root {
-                    Some(self.contiguous(s, &need(input, "input")?)?)
-                } else {
-                    None
-                };
-                let (buf, back) = match (output, &x) {
-                    (Some(o), _) => self.receive_buffer(s, o)?,
-                    (None, Some(x)) => (x.clone(), false),
-                    (None, None) => {
-                        return Err(self.err("Broadcast: a non-root rank without output".into()))
-                    }
-                };
-                let send = x.as_ref().map_or(Self::ptr(&buf), Self::ptr);
-                // SAFETY: contiguous buffers of `buf.numel()` elements.
-                unsafe {
-                    nccl::broadcast(
-                        send,
-                        Self::ptr(&buf),
-                        buf.numel(),
-                        nccl_dtype(buf.dtype()),
-                        root as i32,
-                        comm.0,
-                        stream,
-                    )
-                }
-                .map_err(|e| self.nccl_err("ncclBroadcast", e))?;
-                if let (true, Some(o)) = (back, output) {
-                    self.copy_back(s, &buf, o)?;
-                }
+            .map_err(|e| self.nccl_err("ncclSend", e))?;
+        } else if self.rank == receiver {
+            let o = need(output, "output")?;
+            let (buf, back) = self.receive_buffer(s, &o)?;
+            // SAFETY: contiguous receive buffer.
+            unsafe {
+                nccl::recv(
+                    Self::ptr(&buf),
+                    buf.numel(),
+                    nccl_dtype(buf.dtype()),
+                    peer(sender),
+                    comm.0,
+                    stream,
+                )
             }
-            CommunicationKind::Scatter => self.scatter(s, c, comm, stream, input, output)?,
-            CommunicationKind::Gather => self.gather(s, c, comm, stream, input, output)?,
-            CommunicationKind::SendRecv => {
-                let (sender, receiver) = (
-                    c.root.unwrap_or(usize::MAX),
-                    c.receiver.unwrap_or(usize::MAX),
-                );
-                if sender == receiver {
-                    if let (Some(i), Some(o)) = (input, output) {
-                        let src = self.contiguous(s, i)?.reshape(o.shape())?;
-                        self.device.execute(s, Kernel::Copy { src: &src, dst: o })?;
-                    }
-                    return Ok(());
-                }
-                let peer = |r: usize| c.team.iter().position(|&x| x == r).unwrap_or(0) as i32;
-                if self.rank == sender {
-                    let x = self.contiguous(s, &need(input, "input")?)?;
-                    // SAFETY: contiguous send buffer.
-                    unsafe {
-                        nccl::send(
-                            Self::ptr(&x),
-                            x.numel(),
-                            nccl_dtype(x.dtype()),
-                            peer(receiver),
-                            comm.0,
-                            stream,
-                        )
-                    }
-                    .map_err(|e| self.nccl_err("ncclSend", e))?;
-                } else if self.rank == receiver {
-                    let o = need(output, "output")?;
-                    let (buf, back) = self.receive_buffer(s, &o)?;
-                    // SAFETY: contiguous receive buffer.
-                    unsafe {
-                        nccl::recv(
-                            Self::ptr(&buf),
-                            buf.numel(),
-                            nccl_dtype(buf.dtype()),
-                            peer(sender),
-                            comm.0,
-                            stream,
-                        )
-                    }
-                    .map_err(|e| self.nccl_err("ncclRecv", e))?;
-                    if back {
-                        self.copy_back(s, &buf, &o)?;
-                    }
-                }
+            .map_err(|e| self.nccl_err("ncclRecv", e))?;
+            if back {
+                self.copy_back(s, &buf, &o)?;
             }
         }
         Ok(())
@@ -861,15 +969,16 @@ impl NcclCommunicator {
         Ok(t)
     }
 
-    fn scatter(
-        &self,
-        s: StreamHandle,
-        c: &Communication,
-        comm: RawComm,
-        stream: cudarc::nccl::sys::cudaStream_t,
-        input: Option<&Tensor>,
-        output: Option<&Tensor>,
-    ) -> Result<()> {
+    /// Scatter, which NCCL lacks: grouped sends from the root, a receive elsewhere.
+    fn scatter(&self, call: &NcclOp<'_>) -> Result<()> {
+        let NcclOp {
+            s,
+            c,
+            comm,
+            stream,
+            input,
+            output,
+        } = *call;
         let root = c
             .root
             .ok_or_else(|| self.err("Scatter without a root".into()))?;
@@ -954,15 +1063,16 @@ impl NcclCommunicator {
         Ok(())
     }
 
-    fn gather(
-        &self,
-        s: StreamHandle,
-        c: &Communication,
-        comm: RawComm,
-        stream: cudarc::nccl::sys::cudaStream_t,
-        input: Option<&Tensor>,
-        output: Option<&Tensor>,
-    ) -> Result<()> {
+    /// Gather, which NCCL lacks: grouped receives on the root, a send elsewhere.
+    fn gather(&self, call: &NcclOp<'_>) -> Result<()> {
+        let NcclOp {
+            s,
+            c,
+            comm,
+            stream,
+            input,
+            output,
+        } = *call;
         let root = c
             .root
             .ok_or_else(|| self.err("Gather without a root".into()))?;
@@ -1048,7 +1158,7 @@ impl NcclCommunicator {
     }
 }
 
-impl Communicator for NcclCommunicator {
+impl Communicator for CudaCommunicator {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -1074,7 +1184,7 @@ impl Communicator for NcclCommunicator {
         buf: &Tensor,
         backend: CommBackend,
     ) -> Result<()> {
-        if backend == CommBackend::CopyEngine && self.by_copy_engine(peer) {
+        if is_peer_copy(backend) {
             return self.copy_transfer(stream, peer, buf, true);
         }
         self.forget_label();
@@ -1114,7 +1224,7 @@ impl Communicator for NcclCommunicator {
         buf: &Tensor,
         backend: CommBackend,
     ) -> Result<()> {
-        if backend == CommBackend::CopyEngine && self.by_copy_engine(peer) {
+        if is_peer_copy(backend) {
             return self.copy_transfer(stream, peer, buf, false);
         }
         self.forget_label();
@@ -1197,12 +1307,8 @@ impl Communicator for NcclCommunicator {
         self.host.exchange(values)
     }
 
-    fn transports(&self) -> Vec<String> {
-        NcclCommunicator::transports(self)
-    }
-
-    fn shares_receive_buffers(&self) -> bool {
-        self.copy_engine.has_ipc_peers()
+    fn capabilities(&self) -> &Capabilities {
+        &self.capabilities
     }
 
     fn graph_launched(&self) -> Result<()> {
@@ -1218,27 +1324,11 @@ impl Communicator for NcclCommunicator {
         Ok(())
     }
 
-    fn landing_buffer(
-        &self,
-        stream: StreamHandle,
-        dtype: DType,
-        shape: &[usize],
-    ) -> Result<Option<Tensor>> {
-        self.copy_engine.landing_buffer(stream, dtype, shape)
-    }
-
-    fn copy_engine_capture(&self) -> std::result::Result<(), String> {
-        self.copy_engine.capture_support()
-    }
-
     fn instance(&self) -> u64 {
         self.instance
     }
 
-    fn host_allgather(
-        &self,
-        block: crate::comm::local::Block,
-    ) -> Result<Vec<crate::comm::local::Block>> {
+    fn host_allgather(&self, block: crate::comm::Block) -> Result<Vec<crate::comm::Block>> {
         self.host.host_allgather(block)
     }
 }

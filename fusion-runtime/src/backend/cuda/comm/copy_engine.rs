@@ -24,7 +24,7 @@ use cudarc::driver::{result, sys};
 
 use super::device_waits::DeviceWaits;
 use super::ipc::{IpcDevice, IpcPeer};
-use super::landing::Landing;
+use super::landing::KeptBuffers;
 use super::signals::{Flag, SignalBoard, Site, SLOTS};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
@@ -500,7 +500,7 @@ pub(crate) struct CopyEngine {
     /// The call in progress.
     call: Mutex<CallState>,
     /// Receive buffers kept from one call to the next.
-    landing: Mutex<Landing>,
+    landing: Arc<KeptBuffers>,
     /// An event (of this rank) after the last inbound copy of a one-receive group: the
     /// next such copy starts after it, so a P2P pipeline's chunks arrive one at a time in
     /// the order the loop uses them instead of sharing the link and landing together.
@@ -517,13 +517,13 @@ impl CopyEngine {
     ) -> Self {
         CopyEngine {
             rank,
-            device,
+            device: device.clone(),
             registry,
             ipc,
             ipc_ranks,
             sequences: Mutex::new(HashMap::new()),
             call: Mutex::new(CallState::default()),
-            landing: Mutex::new(Landing::default()),
+            landing: Arc::new(KeptBuffers::new(device.clone())),
             last_inbound: Mutex::new(None),
         }
     }
@@ -538,10 +538,7 @@ impl CopyEngine {
         state.identity = call.identity;
         state.indices.clear();
         drop(state);
-        self.landing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .begin(call.identity);
+        self.landing.lock().begin(call.identity);
         // Inbound order is kept within a call; an event of the last call (perhaps recorded
         // in a capture) is not waited for.
         let last = self
@@ -557,23 +554,28 @@ impl CopyEngine {
         }
     }
 
-    /// The next kept receive buffer of this call (see [`Landing`]); `None` when this rank
-    /// keeps none (no flags, peers over IPC, or no call identity).
+    /// This rank's kept receive buffers (see `landing`), where it keeps them: with device
+    /// flags and no peer over CUDA IPC (whose buffers are posted at every call anyway).
+    pub(crate) fn kept_receives(&self) -> Option<Arc<KeptBuffers>> {
+        self.keeps_receives().then(|| self.landing.clone())
+    }
+
+    fn keeps_receives(&self) -> bool {
+        self.registry.signals.is_some() && !self.has_ipc_peers()
+    }
+
+    /// The next kept receive buffer of this call; `None` when this rank keeps none (see
+    /// [`Self::kept_receives`]) or the call has no identity.
     pub(crate) fn landing_buffer(
         &self,
         stream: crate::device::StreamHandle,
         dtype: fusion_core::DType,
         shape: &[usize],
     ) -> Result<Option<Tensor>> {
-        if self.registry.signals.is_none() || self.has_ipc_peers() {
+        if !self.keeps_receives() {
             return Ok(None);
         }
-        let capturing =
-            crate::backend::cuda::stream::stream_is_capturing(self.device.raw_stream(stream)?);
-        self.landing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take(&*self.device, stream, dtype, shape, capturing)
+        crate::comm::KeptReceives::take(&*self.landing, stream, dtype, shape)
     }
 
     /// Whether this rank's copy-engine transfers can be captured in a graph.
@@ -1033,12 +1035,7 @@ impl CopyEngine {
         SignalBoard::write(own, self.flag(t, Flag::Ready)?, 1)?;
         let ptr = t.buf.device_ptr().expect("checked");
         let bytes = t.buf.nbytes();
-        let kept = identity.filter(|_| {
-            self.landing
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .holds(ptr, bytes)
-        });
+        let kept = identity.filter(|_| self.landing.lock().holds(ptr, bytes));
         if let Some(id) = kept {
             if self
                 .registry

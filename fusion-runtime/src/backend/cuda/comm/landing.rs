@@ -12,9 +12,13 @@
 //! worker streams start after stream 0, which waited for every worker of the previous call.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use fusion_core::DType;
 
+use crate::backend::cuda::device::CudaDevice;
+use crate::backend::cuda::stream::stream_is_capturing;
+use crate::comm::KeptReceives;
 use crate::device::{Device, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -100,6 +104,36 @@ impl Landing {
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
         self.programs.values().flatten().map(Tensor::nbytes).sum()
+    }
+}
+
+/// A rank's kept receive buffers, as its communicator offers them
+/// ([`crate::comm::Capabilities::kept_receives`]): the [`Landing`] of its copy engine and
+/// the device they live on.
+pub(crate) struct KeptBuffers {
+    device: Arc<CudaDevice>,
+    landing: Mutex<Landing>,
+}
+
+impl KeptBuffers {
+    pub(crate) fn new(device: Arc<CudaDevice>) -> Self {
+        KeptBuffers {
+            device,
+            landing: Mutex::new(Landing::default()),
+        }
+    }
+
+    /// The buffers, locked.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Landing> {
+        self.landing.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl KeptReceives for KeptBuffers {
+    fn take(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Option<Tensor>> {
+        let capturing = stream_is_capturing(self.device.raw_stream(stream)?);
+        self.lock()
+            .take(&*self.device, stream, dtype, shape, capturing)
     }
 }
 
