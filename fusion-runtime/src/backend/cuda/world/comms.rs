@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use super::on_each;
+use super::each::on_each;
 use super::routes::Routes;
 use crate::backend::cuda::comm::communicator::{
     id_bytes, id_from_bytes, init_rank, init_world, unique_id, CudaCommunicator, NcclRankState,

@@ -9,7 +9,7 @@ use std::time::Duration;
 use cudarc::driver::sys;
 
 use super::comms::{CudaComms, NcclSource};
-use super::on_each;
+use super::each::on_each;
 use super::routes::{Route, Routes};
 use crate::backend::cuda::comm::communicator::{
     async_error, id_bytes, id_from_bytes, init_rank, nccl_version, unique_id, NcclRankState,
