@@ -45,7 +45,7 @@ pub enum Error {
     /// The device backend failed (allocation, kernel launch, library call).
     #[error("{backend} backend: {reason}")]
     Backend {
-        /// `cpu`, `cuda`, `evaluator`, ...
+        /// `cpu`, `cuda`, `gemm`, ...
         backend: &'static str,
         /// What failed.
         reason: String,
@@ -106,52 +106,140 @@ pub enum Error {
     /// (boxed: it names both sides).
     #[error("race check: {0}")]
     Race(Box<race::RaceError>),
-    /// A CUDA driver call failed (cudarc's error, kept as the source). The message names
-    /// the driver's result code (cudarc's own text asks the driver library for it).
+    /// A broken invariant of a host program or of the runtime: a bug of fusion, not of the
+    /// caller (the message says which invariant; report it with the program's dump,
+    /// `FUSION_DUMP=host_ir`).
+    #[error("internal error: {0} (a bug of fusion: please report it with the program's dump, FUSION_DUMP=host_ir)")]
+    Internal(String),
+    /// A CUDA driver call failed while the runtime was doing `what` (cudarc's error is the
+    /// source; `detail` is the driver's result code, and its description where the driver
+    /// gave one).
     #[cfg(feature = "cuda")]
-    #[error("CUDA driver: {:?}", .0 .0)]
-    Driver(#[from] cudarc::driver::DriverError),
-    /// A cuBLAS call failed (cudarc's error, kept as the source).
+    #[error("{what}: CUDA driver: {detail}")]
+    Driver {
+        /// What the runtime was doing.
+        what: String,
+        /// The result code and the driver's description of it.
+        detail: String,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    /// A cuBLAS call failed while the runtime was doing `what` (cudarc's error is the
+    /// source).
     #[cfg(feature = "cuda")]
-    #[error("cuBLAS: {0}")]
-    Cublas(#[from] cudarc::cublas::result::CublasError),
-    /// A cuBLASLt call failed (cudarc's error, kept as the source).
+    #[error("{what}: cuBLAS: {source}")]
+    Cublas {
+        /// What the runtime was doing.
+        what: String,
+        /// cuBLAS's error.
+        #[source]
+        source: cudarc::cublas::result::CublasError,
+    },
+    /// A cuBLASLt call failed while the runtime was doing `what` (cudarc's error is the
+    /// source).
     #[cfg(feature = "cuda")]
-    #[error("cuBLASLt: {0}")]
-    CublasLt(#[from] cudarc::cublaslt::result::CublasError),
-    /// An NCCL call failed (cudarc's error inside [`NcclFailure`], kept as the source).
+    #[error("{what}: cuBLASLt: {source}")]
+    CublasLt {
+        /// What the runtime was doing.
+        what: String,
+        /// cuBLASLt's error.
+        #[source]
+        source: cudarc::cublaslt::result::CublasError,
+    },
+    /// An NCCL call failed while the runtime was doing `what` ([`NcclFailure`], with NCCL's
+    /// own words, is the source).
     #[cfg(feature = "cuda")]
-    #[error("NCCL: {0}")]
-    Nccl(#[from] NcclFailure),
+    #[error("{what}: NCCL: {source}")]
+    Nccl {
+        /// What the runtime was doing (and on which rank).
+        what: String,
+        /// NCCL's error.
+        #[source]
+        source: NcclFailure,
+    },
 }
 
-/// cudarc's NCCL error as a `std::error::Error` (cudarc's own type is not one): what
+/// cudarc's NCCL error as a `std::error::Error` (cudarc's own type is not one), with what
+/// NCCL said about it when it failed (`ncclGetErrorString`, `ncclGetLastError`): what
 /// [`Error::Nccl`] keeps as its source.
 #[cfg(feature = "cuda")]
 #[derive(Clone, PartialEq, Eq)]
-pub struct NcclFailure(pub cudarc::nccl::result::NcclError);
+pub struct NcclFailure {
+    error: cudarc::nccl::result::NcclError,
+    text: String,
+}
+
+#[cfg(feature = "cuda")]
+impl NcclFailure {
+    /// `error`, with NCCL's `text` about it (the result's name and NCCL's messages).
+    pub fn new(error: cudarc::nccl::result::NcclError, text: String) -> Self {
+        NcclFailure { error, text }
+    }
+
+    /// NCCL's result.
+    pub fn error(&self) -> &cudarc::nccl::result::NcclError {
+        &self.error
+    }
+}
 
 #[cfg(feature = "cuda")]
 impl std::fmt::Debug for NcclFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "NcclFailure({:?})", (self.0).0)
+        write!(f, "NcclFailure({:?}: {})", self.error.0, self.text)
     }
 }
 
 #[cfg(feature = "cuda")]
 impl std::fmt::Display for NcclFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}", (self.0).0)
+        f.write_str(&self.text)
     }
 }
 
 #[cfg(feature = "cuda")]
 impl std::error::Error for NcclFailure {}
 
+/// `?` on cudarc's errors: the error is the source, the context a generic one (the runtime
+/// itself names what it was doing).
+#[cfg(feature = "cuda")]
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Driver {
+            what: "a CUDA driver call".into(),
+            detail: format!("{:?}", e.0),
+            source: e,
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<cudarc::cublas::result::CublasError> for Error {
+    fn from(e: cudarc::cublas::result::CublasError) -> Self {
+        Error::Cublas {
+            what: "a cuBLAS call".into(),
+            source: e,
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<cudarc::cublaslt::result::CublasError> for Error {
+    fn from(e: cudarc::cublaslt::result::CublasError) -> Self {
+        Error::CublasLt {
+            what: "a cuBLASLt call".into(),
+            source: e,
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 impl From<cudarc::nccl::result::NcclError> for Error {
     fn from(e: cudarc::nccl::result::NcclError) -> Self {
-        Error::Nccl(NcclFailure(e))
+        Error::Nccl {
+            what: "an NCCL call".into(),
+            source: NcclFailure::new(e.clone(), format!("{:?}", e.0)),
+        }
     }
 }
 
@@ -208,7 +296,10 @@ mod tests {
         assert!(source
             .downcast_ref::<cudarc::driver::DriverError>()
             .is_some());
-        assert_eq!(e.to_string(), "CUDA driver: CUDA_ERROR_OUT_OF_MEMORY");
+        assert_eq!(
+            e.to_string(),
+            "a CUDA driver call: CUDA driver: CUDA_ERROR_OUT_OF_MEMORY"
+        );
         let e: Error = cudarc::cublas::result::CublasError(
             cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
         )
@@ -225,7 +316,7 @@ mod tests {
             .downcast_ref::<NcclFailure>()
             .expect("the NCCL error");
         assert_eq!(
-            (kept.0).0,
+            kept.error().0,
             cudarc::nccl::sys::ncclResult_t::ncclInvalidUsage
         );
         assert!(e.to_string().contains("ncclInvalidUsage"), "{e}");

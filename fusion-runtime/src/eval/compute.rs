@@ -215,15 +215,12 @@ impl Evaluator<'_> {
         for &t in outputs {
             let v = self.get_or_allocate(t)?;
             if v.shape() != shape.as_slice() {
-                return Err(Error::Backend {
-                    backend: "evaluator",
-                    reason: format!(
-                        "fused output {} has shape {:?}, the segment iterates {:?}",
-                        self.p.ir.tensor_name(t),
-                        v.shape(),
-                        shape
-                    ),
-                });
+                return Err(Error::Internal(format!(
+                    "fused output {} has shape {:?}, the segment iterates {:?}",
+                    self.p.ir.tensor_name(t),
+                    v.shape(),
+                    shape
+                )));
             }
             outs.push((v, reg_of(&regs, t)));
         }

@@ -241,12 +241,12 @@ pub fn execute(
     let mut result = Vec::with_capacity(program.outputs.len());
     for &t in &program.outputs {
         if ev.in_mesh[t.index()] {
-            let v = ev.tensors[t.index()]
-                .clone()
-                .ok_or_else(|| Error::Backend {
-                    backend: "evaluator",
-                    reason: format!("output {} was never produced", program.ir.tensor_name(t)),
-                })?;
+            let v = ev.tensors[t.index()].clone().ok_or_else(|| {
+                Error::Internal(format!(
+                    "output {} was never produced",
+                    program.ir.tensor_name(t)
+                ))
+            })?;
             result.push(v);
         } else {
             result.push(Tensor::placeholder(program.ir.tensor(t).dtype));
@@ -373,9 +373,11 @@ pub fn output_layouts(
     let leaves = bound_leaves(p, symbols, rank, number_of_streams);
     let eval = |s: ScalarId| -> Result<i64> {
         p.ir.evaluate(s, &|leaf| leaves[leaf.index()])
-            .ok_or_else(|| Error::Backend {
-                backend: "evaluator",
-                reason: format!("cannot evaluate {} on rank {rank}", p.ir.display_scalar(s)),
+            .ok_or_else(|| {
+                Error::Internal(format!(
+                    "cannot evaluate {} on rank {rank}",
+                    p.ir.display_scalar(s)
+                ))
             })
     };
     p.outputs
@@ -615,14 +617,13 @@ impl<'a> Evaluator<'a> {
         self.p
             .ir
             .evaluate(s, &|leaf| self.leaves[leaf.index()])
-            .ok_or_else(|| Error::Backend {
-                backend: "evaluator",
-                reason: format!(
+            .ok_or_else(|| {
+                Error::Internal(format!(
                     "cannot evaluate {} on rank {} (an extent no input of this rank binds, or \
                      a division by zero)",
                     self.p.ir.display_scalar(s),
                     self.ctx.rank
-                ),
+                ))
             })
     }
 
@@ -672,16 +673,13 @@ impl<'a> Evaluator<'a> {
 
     /// The tensor bound to `t`, or an error if nothing bound it.
     pub(crate) fn get(&self, t: TensorId) -> Result<&Tensor> {
-        self.tensors[t.index()]
-            .as_ref()
-            .ok_or_else(|| Error::Backend {
-                backend: "evaluator",
-                reason: format!(
-                    "{} is used on rank {} before it is defined",
-                    self.p.ir.tensor_name(t),
-                    self.ctx.rank
-                ),
-            })
+        self.tensors[t.index()].as_ref().ok_or_else(|| {
+            Error::Internal(format!(
+                "{} is used on rank {} before it is defined",
+                self.p.ir.tensor_name(t),
+                self.ctx.rank
+            ))
+        })
     }
 
     /// The buffer bound to `t`, allocating it (local shape) if nothing is bound yet.
@@ -722,9 +720,8 @@ impl<'a> Evaluator<'a> {
 
     fn stream_of(&self, s: fusion_core::hir::StreamId) -> Result<StreamHandle> {
         match &self.p.streams[s.index()] {
-            StreamDef::Captured => self.streams[s.index()].ok_or_else(|| Error::Backend {
-                backend: "evaluator",
-                reason: format!("Stream {} used before GetCurrentStream", s.index()),
+            StreamDef::Captured => self.streams[s.index()].ok_or_else(|| {
+                Error::Internal(format!("Stream {} used before GetCurrentStream", s.index()))
             }),
             StreamDef::Pool(i) => {
                 let v = self.eval(*i)?;
@@ -732,12 +729,11 @@ impl<'a> Evaluator<'a> {
                 usize::try_from(v)
                     .ok()
                     .and_then(|v| layout.pool(v))
-                    .ok_or_else(|| Error::Backend {
-                        backend: "evaluator",
-                        reason: format!(
+                    .ok_or_else(|| {
+                        Error::Internal(format!(
                             "stream index {v} outside the pool of {}",
                             layout.pool_size()
-                        ),
+                        ))
                     })
             }
             StreamDef::Compute(i) => {
@@ -745,12 +741,11 @@ impl<'a> Evaluator<'a> {
                 usize::try_from(v)
                     .ok()
                     .and_then(|v| self.ctx.streams().compute(v))
-                    .ok_or_else(|| Error::Backend {
-                        backend: "evaluator",
-                        reason: format!(
+                    .ok_or_else(|| {
+                        Error::Internal(format!(
                             "compute stream index {v} outside the {COMPUTE_STREAMS} compute \
                              streams"
-                        ),
+                        ))
                     })
             }
         }
@@ -967,12 +962,11 @@ impl<'a> Evaluator<'a> {
             .visible_axes(t)
             .iter()
             .position(|&q| q == pos)
-            .ok_or_else(|| Error::Backend {
-                backend: "evaluator",
-                reason: format!(
+            .ok_or_else(|| {
+                Error::Internal(format!(
                     "axis {pos} of {} is a reduction axis and is not stored",
                     self.p.ir.tensor_name(t)
-                ),
+                ))
             })
     }
 

@@ -238,14 +238,8 @@ impl CudaDevice {
                 sys::CUresult::CUDA_SUCCESS => return self.health.check(self.rank),
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 other => {
-                    return Err(Error::Backend {
-                        backend: "cuda",
-                        reason: format!(
-                            "{what} on device {}: {}",
-                            self.shared.ordinal,
-                            super::libs::cu_text(other)
-                        ),
-                    })
+                    let what = format!("{what} on device {}", self.shared.ordinal);
+                    return Err(driver_err(&what, cudarc::driver::DriverError(other)));
                 }
             }
             self.health.check(self.rank)?;
@@ -547,15 +541,15 @@ impl Device for CudaDevice {
                 .map_err(|e| driver_err("creating a stream", e))?;
             let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(|e| driver_err("creating an event", e))?;
-            let blas = cudarc::cublas::result::create_handle().map_err(|e| Error::Backend {
-                backend: "cuda",
-                reason: format!("creating a cuBLAS handle: {e:?}"),
+            let blas = cudarc::cublas::result::create_handle().map_err(|e| Error::Cublas {
+                what: "creating a cuBLAS handle".into(),
+                source: e,
             })?;
             // SAFETY: a fresh handle bound to a stream of the current context.
             unsafe { cudarc::cublas::result::set_stream(blas, stream as _) }.map_err(|e| {
-                Error::Backend {
-                    backend: "cuda",
-                    reason: format!("cublasSetStream: {e:?}"),
+                Error::Cublas {
+                    what: "cublasSetStream".into(),
+                    source: e,
                 }
             })?;
             streams.push(StreamSlot {

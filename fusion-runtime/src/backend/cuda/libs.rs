@@ -147,10 +147,7 @@ pub(crate) fn cu_check(r: cudarc::driver::sys::CUresult, what: &str) -> Result<(
     if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Backend {
-            backend: "cuda",
-            reason: format!("{what}: {}", cu_text(r)),
-        })
+        Err(driver_err(what, cudarc::driver::DriverError(r)))
     }
 }
 
@@ -169,11 +166,13 @@ pub(crate) fn cu_text(r: cudarc::driver::sys::CUresult) -> String {
     }
 }
 
-/// A driver error as a backend error.
+/// A driver error met while doing `what`: the error is the source, its code and the
+/// driver's description are in the message.
 pub(crate) fn driver_err(what: &str, e: cudarc::driver::DriverError) -> Error {
-    Error::Backend {
-        backend: "cuda",
-        reason: format!("{what}: {e:?}"),
+    Error::Driver {
+        what: what.to_string(),
+        detail: cu_text(e.0),
+        source: e,
     }
 }
 

@@ -28,6 +28,7 @@ use super::landing::KeptBuffers;
 use super::signals::{Flag, SignalBoard, Site, SLOTS};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
+use crate::backend::cuda::libs::driver_err;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -630,6 +631,11 @@ impl CopyEngine {
         Ok(())
     }
 
+    /// A driver error of this rank's transfer, met while doing `what`.
+    fn driver_err(&self, what: &str, e: cudarc::driver::DriverError) -> Error {
+        driver_err(&format!("rank {}: {what}", self.rank), e)
+    }
+
     fn err(&self, reason: String) -> Error {
         Error::Communication {
             rank: self.rank,
@@ -745,7 +751,7 @@ impl CopyEngine {
                 raw,
                 owner: self.rank,
             })
-            .map_err(|e| self.err(format!("creating a transfer event: {e:?}")))?;
+            .map_err(|e| self.driver_err("creating a transfer event", e))?;
         crate::counters::transfer_event(true);
         Ok(ev)
     }
@@ -759,7 +765,7 @@ impl CopyEngine {
         let ev = self.new_event()?;
         // SAFETY: an event and a stream of this device's context.
         unsafe { result::event::record(ev.raw, raw.0) }
-            .map_err(|e| self.err(format!("cuEventRecord: {e:?}")))?;
+            .map_err(|e| self.driver_err("cuEventRecord", e))?;
         Ok(ev)
     }
 
@@ -777,7 +783,7 @@ impl CopyEngine {
                 sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
             )
         }
-        .map_err(|e| self.err(format!("cuStreamWaitEvent: {e:?}")))?;
+        .map_err(|e| self.driver_err("cuStreamWaitEvent", e))?;
         // The wait captured the event's last record: it may be recorded again.
         self.registry.give_event(ev);
         Ok(())
@@ -974,7 +980,7 @@ impl CopyEngine {
         unsafe {
             result::stream::wait_event(own.0, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
         }
-        .map_err(|e| self.err(format!("cuStreamWaitEvent: {e:?}")))
+        .map_err(|e| self.driver_err("cuStreamWaitEvent", e))
     }
 
     /// `flag` of transfer `t`.
@@ -1102,11 +1108,8 @@ impl CopyEngine {
             // stream saw the done flag; peer access is enabled between the devices.
             let r = unsafe { sys::cuMemcpyAsync(ptr, mine, bytes, raw.0) };
             if r != sys::CUresult::CUDA_SUCCESS {
-                return Err(self.err(format!(
-                    "cuMemcpyAsync (to rank {}): {}",
-                    t.key.1,
-                    crate::backend::cuda::libs::cu_text(r)
-                )));
+                let what = format!("cuMemcpyAsync (to rank {})", t.key.1);
+                return Err(self.driver_err(&what, cudarc::driver::DriverError(r)));
             }
         }
         SignalBoard::write(raw, self.flag(t, Flag::Done)?, 1)?;
@@ -1160,7 +1163,7 @@ impl CopyEngine {
             // SAFETY: both ranges hold `bytes` bytes of live buffers (the poster keeps its
             // buffer until `done`); peer access is enabled between the devices.
             unsafe { result::memcpy_peer_async(dst_ctx, dst, src_ctx, src, post.bytes, raw.0) }
-                .map_err(|e| self.err(format!("cuMemcpyPeerAsync: {e:?}")))?;
+                .map_err(|e| self.driver_err("cuMemcpyPeerAsync", e))?;
         }
         let done = self.record_on(raw)?;
         if in_order && !t.sending {
@@ -1197,10 +1200,7 @@ impl Drop for CopyEngine {
 /// driver answers.
 fn can_access_peer(a: usize, b: usize) -> Result<bool> {
     let dev = |o: usize| {
-        result::device::get(o as i32).map_err(|e| Error::Backend {
-            backend: "cuda",
-            reason: format!("cuDeviceGet({o}): {e:?}"),
-        })
+        result::device::get(o as i32).map_err(|e| driver_err(&format!("cuDeviceGet({o})"), e))
     };
     let (da, db) = (dev(a)?, dev(b)?);
     let mut can: std::ffi::c_int = 0;
@@ -1255,10 +1255,8 @@ pub(crate) fn enable_peer_access(
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
-        let cu_dev = result::device::get(own as i32).map_err(|e| Error::Backend {
-            backend: "cuda",
-            reason: format!("cuDeviceGet({own}): {e:?}"),
-        })?;
+        let cu_dev = result::device::get(own as i32)
+            .map_err(|e| driver_err(&format!("cuDeviceGet({own})"), e))?;
         // SAFETY: the current pool of a live device; `peers` lists valid devices.
         unsafe {
             let mut pool: sys::CUmemoryPool = std::ptr::null_mut();

@@ -845,13 +845,11 @@ fn allocation_base(ptr: u64, rank: usize) -> Result<u64> {
     // SAFETY: a query on a device address of this process.
     let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
     if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::Communication {
-            rank,
-            reason: format!(
-                "cuMemGetAddressRange on a transfer buffer: {}",
-                crate::backend::cuda::libs::cu_text(r)
-            ),
-        });
+        let what = format!("rank {rank}: cuMemGetAddressRange on a transfer buffer");
+        return Err(crate::backend::cuda::libs::driver_err(
+            &what,
+            cudarc::driver::DriverError(r),
+        ));
     }
     Ok(base)
 }

@@ -7,5 +7,6 @@ pub(crate) mod copy_engine;
 mod device_waits;
 pub(crate) mod ipc;
 mod landing;
+pub(crate) mod nccl;
 pub(crate) mod nccl_graphs;
 pub(crate) mod signals;

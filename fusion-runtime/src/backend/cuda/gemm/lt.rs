@@ -19,6 +19,7 @@ use fusion_core::DType;
 
 use super::launch_graphs::LaunchGraphs;
 use super::word_hash::WordMap;
+use crate::backend::cuda::libs::driver_err;
 use crate::backend::cuda::stream::RawStream;
 use crate::device::StreamHandle;
 use crate::error::{Error, Result};
@@ -160,9 +161,9 @@ unsafe impl Send for LtPlans {}
 unsafe impl Sync for LtPlans {}
 
 fn lt_err(what: &str, e: lt::CublasError) -> Error {
-    Error::Backend {
-        backend: "cuda",
-        reason: format!("{what}: {e:?}"),
+    Error::CublasLt {
+        what: what.to_string(),
+        source: e,
     }
 }
 
@@ -298,12 +299,8 @@ impl LtPlans {
             Some(&w) => w,
             None => {
                 // SAFETY: a plain device allocation in the current context, freed in Drop.
-                let w = unsafe { driver::malloc_sync(WORKSPACE_BYTES) }.map_err(|e| {
-                    Error::Backend {
-                        backend: "cuda",
-                        reason: format!("allocating a cuBLASLt workspace: {e:?}"),
-                    }
-                })?;
+                let w = unsafe { driver::malloc_sync(WORKSPACE_BYTES) }
+                    .map_err(|e| driver_err("allocating a cuBLASLt workspace", e))?;
                 workspaces.insert(stream, w);
                 w
             }

@@ -20,6 +20,7 @@ use fusion_core::DType;
 
 use fusion_core::ir::{BinaryOp, UnaryOp};
 
+use crate::backend::cuda::libs::driver_err;
 use crate::backend::cuda::memory::device_shared::DeviceShared;
 use crate::backend::cuda::stream::RawStream;
 use crate::device::{Device, Kernel, PointwiseInstr, PointwiseProgram, StreamHandle};
@@ -480,7 +481,10 @@ fn cublas_gemm(
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| err(format!("cublasGemmStridedBatchedEx: {e:?}")))?;
+        .map_err(|e| Error::Cublas {
+            what: "cublasGemmStridedBatchedEx".into(),
+            source: e,
+        })?;
     }
     if !c.shares_storage(dst) {
         dev.execute(stream, Kernel::Copy { src: &c, dst })?;
@@ -510,7 +514,7 @@ fn fill_zero(dev: &dyn GemmDevice, stream: StreamHandle, t: &Tensor) -> Result<(
             raw.0,
         )
     }
-    .map_err(|e| err(format!("cuMemsetD8Async: {e:?}")))?;
+    .map_err(|e| driver_err("cuMemsetD8Async (zeroing a GEMM's output)", e))?;
     if !target.shares_storage(t) {
         dev.execute(
             stream,

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use super::each::on_each;
 use super::routes::Routes;
-use crate::backend::cuda::comm::communicator::{
-    id_bytes, id_from_bytes, init_rank, init_world, unique_id, CudaCommunicator, NcclRankState,
-};
+use crate::backend::cuda::comm::communicator::CudaCommunicator;
 use crate::backend::cuda::comm::copy_engine::{CopyEngine, CopyMode, CopyRegistry, IpcState};
+use crate::backend::cuda::comm::nccl::{
+    id_bytes, id_from_bytes, init_rank, init_world, unique_id, NcclRankState,
+};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::comm::local::LocalCommunicator;
