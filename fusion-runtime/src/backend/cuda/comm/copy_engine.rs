@@ -471,6 +471,15 @@ struct CallState {
     indices: HashMap<(usize, usize), usize>,
 }
 
+/// A group of transfers as it runs: each with its route, the call's identity, and whether
+/// its one receive lands after the previous group's.
+struct GroupRun<'a> {
+    group: &'a [Transfer],
+    routes: &'a [Route],
+    identity: Option<u64>,
+    in_order: bool,
+}
+
 /// How one transfer hands off.
 enum Route {
     /// With a peer of another process, over CUDA IPC.
@@ -817,16 +826,31 @@ impl CopyEngine {
             .ipc
             .as_ref()
             .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
-        let ipc_peer_of = |t: &Transfer| self.ipc_ranks.get(self.peer_of(t)).copied();
         let identity = self
             .call
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .identity;
+        let routes = self.routes(group, ipc.as_deref())?;
+        let run = GroupRun {
+            group,
+            routes: &routes,
+            identity,
+            // One receive (a P2P pipeline's step): it waits for the previous one to land.
+            in_order: group.iter().filter(|t| !t.sending).count() == 1,
+        };
+        self.post_group(&run, ipc.as_deref_mut())?;
+        self.copy_group(&run, ipc.as_deref_mut())?;
+        self.finish_group(&run, ipc.as_deref_mut())
+    }
+
+    /// How each transfer of `group` hands off (over IPC, through device flags, or through
+    /// events and the registry); device flags are numbered and labelled for the watchdog.
+    fn routes(&self, group: &[Transfer], ipc: Option<&IpcState>) -> Result<Vec<Route>> {
         let routes: Vec<Route> = group
             .iter()
             .map(|t| {
-                let over_ipc = match (ipc.as_ref(), ipc_peer_of(t)) {
+                let over_ipc = match (ipc, self.ipc_peer_of(t)) {
                     (Some(s), Some(g)) => s.peers.contains_key(&g),
                     _ => false,
                 };
@@ -862,12 +886,39 @@ impl CopyEngine {
                 }
             }
         }
-        // One receive (a P2P pipeline's step): it waits for the previous one to land.
-        let in_order = group.iter().filter(|t| !t.sending).count() == 1;
-        let posting = |t: &Transfer, r: &Route| self.posts(t, matches!(r, Route::Ipc));
-        for (t, route) in group.iter().zip(&routes).filter(|(t, r)| posting(t, r)) {
+        Ok(routes)
+    }
+
+    /// The launched-world rank of `t`'s peer, for its IPC state.
+    fn ipc_peer_of(&self, t: &Transfer) -> Option<usize> {
+        self.ipc_ranks.get(self.peer_of(t)).copied()
+    }
+
+    /// The IPC peer of transfer `t` in this rank's IPC state.
+    fn ipc_peer<'a>(
+        &self,
+        state: Option<&'a mut IpcState>,
+        t: &Transfer,
+    ) -> (&'a mut IpcDevice, &'a mut IpcPeer) {
+        let IpcState { device, peers } = state.expect("an IPC transfer has IPC state");
+        let peer = self
+            .ipc_peer_of(t)
+            .and_then(|g| peers.get_mut(&g))
+            .expect("an IPC peer");
+        (device, peer)
+    }
+
+    /// Whether this rank posts transfer `t` on `route` (the other side copies).
+    fn posting(&self, t: &Transfer, route: &Route) -> bool {
+        self.posts(t, matches!(route, Route::Ipc))
+    }
+
+    /// The group's first phase: this rank posts the buffers the other sides copy.
+    fn post_group(&self, run: &GroupRun<'_>, mut ipc: Option<&mut IpcState>) -> Result<()> {
+        let posted = (run.group.iter().zip(run.routes)).filter(|(t, r)| self.posting(t, r));
+        for (t, route) in posted {
             let own = self.device.raw_stream(t.stream)?;
-            if in_order && !t.sending {
+            if run.in_order && !t.sending {
                 self.after_last_inbound(own)?;
             }
             match route {
@@ -882,14 +933,10 @@ impl CopyEngine {
                     let _ = slot.post.set(post);
                     self.registry.notify();
                 }
-                Route::Flags => self.post_with_flags(t, own, identity)?,
+                Route::Flags => self.post_with_flags(t, own, run.identity)?,
                 Route::Ipc => {
-                    let state = ipc.as_mut().expect("an IPC transfer has IPC state");
                     let ptr = t.buf.device_ptr().expect("checked");
-                    let IpcState { device, peers } = &mut **state;
-                    let peer = ipc_peer_of(t)
-                        .and_then(|g| peers.get_mut(&g))
-                        .expect("an IPC peer");
+                    let (device, peer) = self.ipc_peer(ipc.as_deref_mut(), t);
                     peer.post(
                         device,
                         self.device.shared_arena().map(|a| &**a),
@@ -902,7 +949,13 @@ impl CopyEngine {
                 }
             }
         }
-        for (t, route) in group.iter().zip(&routes).filter(|(t, r)| !posting(t, r)) {
+        Ok(())
+    }
+
+    /// The group's second phase: this rank copies what the other sides posted.
+    fn copy_group(&self, run: &GroupRun<'_>, mut ipc: Option<&mut IpcState>) -> Result<()> {
+        let copied = (run.group.iter().zip(run.routes)).filter(|(t, r)| !self.posting(t, r));
+        for (t, route) in copied {
             // The copy runs on the iteration's stream, or on a copy stream after the work
             // the iteration's stream has queued so far.
             let own = self.device.raw_stream(t.stream)?;
@@ -914,11 +967,7 @@ impl CopyEngine {
             match route {
                 Route::Ipc => {
                     let raw = self.copy_stream_after(t, copy_key, own)?;
-                    let state = ipc.as_mut().expect("an IPC transfer has IPC state");
-                    let IpcState { device, peers } = &mut **state;
-                    let ipc_peer = ipc_peer_of(t)
-                        .and_then(|g| peers.get_mut(&g))
-                        .expect("an IPC peer");
+                    let (device, ipc_peer) = self.ipc_peer(ipc.as_deref_mut(), t);
                     let done = ipc_peer.perform(
                         device,
                         t.key,
@@ -931,11 +980,20 @@ impl CopyEngine {
                         self.wait_raw(own, done)?;
                     }
                 }
-                Route::Flags => self.copy_with_flags(t, copy_key, own, identity)?,
-                Route::Events(slot) => self.copy_with_events(t, slot, copy_key, own, in_order)?,
+                Route::Flags => self.copy_with_flags(t, copy_key, own, run.identity)?,
+                Route::Events(slot) => {
+                    self.copy_with_events(t, slot, copy_key, own, run.in_order)?
+                }
             }
         }
-        for (t, route) in group.iter().zip(&routes).filter(|(t, r)| posting(t, r)) {
+        Ok(())
+    }
+
+    /// The group's last phase: this rank's streams wait for the copies into (or out of)
+    /// the buffers it posted.
+    fn finish_group(&self, run: &GroupRun<'_>, mut ipc: Option<&mut IpcState>) -> Result<()> {
+        let posted = (run.group.iter().zip(run.routes)).filter(|(t, r)| self.posting(t, r));
+        for (t, route) in posted {
             let own = self.device.raw_stream(t.stream)?;
             match route {
                 Route::Events(slot) => {
@@ -947,15 +1005,11 @@ impl CopyEngine {
                 }
                 Route::Flags => self.take(own, t, Flag::Done)?,
                 Route::Ipc => {
-                    let state = ipc.as_mut().expect("an IPC transfer has IPC state");
-                    let IpcState { device, peers } = &mut **state;
-                    let ipc_peer = ipc_peer_of(t)
-                        .and_then(|g| peers.get_mut(&g))
-                        .expect("an IPC peer");
+                    let (device, ipc_peer) = self.ipc_peer(ipc.as_deref_mut(), t);
                     ipc_peer.finish(device, t.key, own, &self.registry.health)?;
                 }
             }
-            if in_order && !t.sending {
+            if run.in_order && !t.sending {
                 self.set_last_inbound(own)?;
             }
         }

@@ -400,6 +400,52 @@ fn cublas_gemm(
     };
     let (opa, lda) = op_ld(lx, transposed);
     let (opb, ldb) = op_ld(ly, transposed);
+    let check = |v: i64, what: &str| -> Result<i32> {
+        i32::try_from(v)
+            .map_err(|_| err(format!("gemm: {what} = {v} exceeds cuBLAS's 32-bit limit")))
+    };
+    let ops = BlasOps {
+        opa,
+        opb,
+        m: check(m2 as i64, "m")?,
+        n: check(n2 as i64, "n")?,
+        k: check(k as i64, "k")?,
+        lda: check(lda, "lda")?,
+        ldb: check(ldb, "ldb")?,
+        ldc: check(ldc, "ldc")?,
+    };
+    strided_batches(dev, stream, &ops, x, y, &c, beta)?;
+    if !c.shares_storage(dst) {
+        dev.execute(stream, Kernel::Copy { src: &c, dst })?;
+    }
+    Ok(())
+}
+
+/// A column-major cuBLAS problem `C (m x n) = op(X) op(Y)` with its leading dimensions,
+/// checked to fit cuBLAS's 32-bit arguments.
+struct BlasOps {
+    opa: cublasOperation_t,
+    opb: cublasOperation_t,
+    m: i32,
+    n: i32,
+    k: i32,
+    lda: i32,
+    ldb: i32,
+    ldc: i32,
+}
+
+/// Runs `ops` over every batch of `x`, `y` and `c` (same batch axes, any strides): the
+/// last batch axis is cuBLAS's strided batch, the others loop here; `beta` scales what `c`
+/// holds.
+fn strided_batches(
+    dev: &dyn GemmDevice,
+    stream: StreamHandle,
+    ops: &BlasOps,
+    x: &Tensor,
+    y: &Tensor,
+    c: &Tensor,
+    beta: f32,
+) -> Result<()> {
     // Bytes per element of each operand: the product may be stored in another dtype
     // (bf16 operands, f32 output) than the operands are read in.
     let (ex, ey, ec) = (
@@ -407,8 +453,7 @@ fn cublas_gemm(
         y.dtype().size_bytes() as u64,
         c.dtype().size_bytes() as u64,
     );
-    // Batch axes: the last one is cuBLAS's strided batch, the others loop here.
-    let nb = r - 2;
+    let nb = c.rank() - 2;
     let (batch, sx, sy, sc) = if nb == 0 {
         (1usize, 0i64, 0i64, 0i64)
     } else {
@@ -422,18 +467,12 @@ fn cublas_gemm(
     let outer: Vec<usize> = c.shape()[..nb.saturating_sub(1)].to_vec();
     let n_outer: usize = outer.iter().product();
     let blas = dev.blas(stream)?;
-    let (alpha, beta) = (1.0f32, beta);
-    let check = |v: i64, what: &str| -> Result<i32> {
-        i32::try_from(v)
-            .map_err(|_| err(format!("gemm: {what} = {v} exceeds cuBLAS's 32-bit limit")))
-    };
-    let (m2, n2, k2) = (
-        check(m2 as i64, "m")?,
-        check(n2 as i64, "n")?,
-        check(k as i64, "k")?,
-    );
-    let (lda, ldb, ldc) = (check(lda, "lda")?, check(ldb, "ldb")?, check(ldc, "ldc")?);
-    let batch_i = check(batch as i64, "batch")?;
+    let alpha = 1.0f32;
+    let batch_i = i32::try_from(batch).map_err(|_| {
+        err(format!(
+            "gemm: batch = {batch} exceeds cuBLAS's 32-bit limit"
+        ))
+    })?;
     let ptr = |t: &Tensor| t.device_ptr().expect("device tensor");
     for o in 0..n_outer {
         // Offset of outer batch index `o` in each operand.
@@ -449,32 +488,32 @@ fn cublas_gemm(
         let (px, py, pc) = (
             ptr(x) + (ox as u64).wrapping_mul(ex),
             ptr(y) + (oy as u64).wrapping_mul(ey),
-            ptr(&c) + (oc as u64).wrapping_mul(ec),
+            ptr(c) + (oc as u64).wrapping_mul(ec),
         );
         dev.shared().bind()?;
         // SAFETY: pointers, leading dimensions and strides describe the operands' views
-        // (checked above); the handle is bound to this stream.
+        // (checked by the caller); the handle is bound to this stream.
         unsafe {
             cudarc::cublas::result::gemm_strided_batched_ex(
                 blas.0,
-                opa,
-                opb,
-                m2,
-                n2,
-                k2,
+                ops.opa,
+                ops.opb,
+                ops.m,
+                ops.n,
+                ops.k,
                 &alpha as *const f32 as *const c_void,
                 px as *const c_void,
                 data_type(x.dtype()),
-                lda,
+                ops.lda,
                 sx,
                 py as *const c_void,
                 data_type(y.dtype()),
-                ldb,
+                ops.ldb,
                 sy,
                 &beta as *const f32 as *const c_void,
                 pc as *mut c_void,
                 data_type(c.dtype()),
-                ldc,
+                ops.ldc,
                 sc,
                 batch_i,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -485,9 +524,6 @@ fn cublas_gemm(
             what: "cublasGemmStridedBatchedEx".into(),
             source: e,
         })?;
-    }
-    if !c.shares_storage(dst) {
-        dev.execute(stream, Kernel::Copy { src: &c, dst })?;
     }
     Ok(())
 }
