@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use crate::backend::cuda::device::CudaDevice;
 use crate::device::CallerStream;
 use crate::error::{Error, Result};
 use crate::world::{CallTarget, CallerStreamSource, Rank, Target};
@@ -29,7 +30,16 @@ enum StreamChoice<'a> {
 
 impl CallerStreamSource for StreamChoice<'_> {
     fn resolve(&self, rank: &Rank) -> Result<CallerStream> {
-        let device = rank.cuda_device("a call on a CUDA stream (Rank::on)")?;
+        let device = rank.device().as_any().downcast_ref::<CudaDevice>();
+        let device = device.ok_or_else(|| Error::Backend {
+            backend: rank.backend().name(),
+            reason: format!(
+                "a call on a CUDA stream (Rank::on) needs a CUDA rank, but rank {} runs on the \
+                 {} backend",
+                rank.index(),
+                rank.backend().name()
+            ),
+        })?;
         match self {
             StreamChoice::Cudarc(s) => checked(&device.context(), rank.index(), s),
             StreamChoice::PerThread => Ok(CallerStream::per_thread()),
