@@ -15,8 +15,8 @@ pub fn for_each_node(nodes: &[Node], f: &mut dyn FnMut(&Node)) {
 /// Calls `f` on every node list (the top level and every nested body), mutably.
 pub fn for_each_node_mut(
     nodes: &mut Vec<Node>,
-    f: &mut dyn FnMut(&mut Vec<Node>) -> crate::Result<()>,
-) -> crate::Result<()> {
+    f: &mut dyn FnMut(&mut Vec<Node>) -> crate::error::Result<()>,
+) -> crate::error::Result<()> {
     f(nodes)?;
     for n in nodes.iter_mut() {
         match n {

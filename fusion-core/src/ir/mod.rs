@@ -195,7 +195,7 @@ impl Fusion {
     pub fn new_tensor(
         &mut self,
         name: Option<String>,
-        dtype: crate::DType,
+        dtype: crate::dtype::DType,
         axes: Vec<IterDomain>,
         mesh: DeviceMesh,
     ) -> TensorId {
@@ -263,7 +263,7 @@ impl Fusion {
 
     /// A copy of `src`'s visible axes as fresh iteration domains (same extents, kinds and
     /// parallel types), as a new tensor on the same mesh.
-    pub fn clone_visible(&mut self, src: TensorId, dtype: crate::DType) -> TensorId {
+    pub fn clone_visible(&mut self, src: TensorId, dtype: crate::dtype::DType) -> TensorId {
         let axes: Vec<IterDomain> = self
             .visible_axes(src)
             .into_iter()

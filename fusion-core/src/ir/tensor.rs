@@ -1,7 +1,7 @@
 //! Tensor values of the IR.
 
 use super::{DeviceMesh, IterDomainId};
-use crate::DType;
+use crate::dtype::DType;
 
 /// Index of a tensor in its fusion's arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

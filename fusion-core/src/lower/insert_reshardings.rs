@@ -6,9 +6,9 @@
 //! reduction followed by the cross-device one; a reduction whose output is distributed
 //! unlike its input gets a `set` after it.
 
-use super::resharding::{classify, describe, MeshContext, Resharding};
 use crate::builder::Site;
 use crate::error::{Error, Result};
+use crate::resharding::{classify, describe, MeshContext, Resharding};
 use std::collections::HashMap;
 
 use crate::ir::{

@@ -7,8 +7,7 @@ use crate::hir::{
     for_each_node_mut, CommBackend, Communication, CommunicationKind, HostProgram, Node,
 };
 use crate::ir::{axis_map, Expr, Op};
-use crate::lower::resharding::{describe, stored_index};
-use crate::lower::{classify, CommSpec, MeshContext, Resharding};
+use crate::resharding::{classify, describe, stored_index, CommSpec, MeshContext, Resharding};
 
 /// The conversion pass.
 pub struct ConvertOpToCommunication;

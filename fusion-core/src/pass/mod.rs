@@ -21,7 +21,7 @@ pub use stream_parallel_type::StreamParallelType;
 
 use crate::error::{Error, Result};
 use crate::hir::HostProgram;
-use crate::lower::LowerOptions;
+use crate::options::LowerOptions;
 
 /// A host-IR to host-IR transformation.
 pub trait Pass: Send + Sync {

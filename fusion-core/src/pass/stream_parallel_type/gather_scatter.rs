@@ -49,8 +49,8 @@ use super::{
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
 use crate::ir::{axis_map, Expr, NamedScalar, Op, ScalarId, ScalarOp, TensorId};
-use crate::lower::{classify, MeshContext, Resharding};
 use crate::pass::PassContext;
+use crate::resharding::{classify, MeshContext, Resharding};
 
 /// One gathered input of the loop: `out = set(input)` turns `input`'s DIDx axis `in_axis`
 /// into the Stream axis `s` of `out`.

@@ -61,7 +61,8 @@ use crate::ir::{
     axis_map, Expr, Fusion, IterDomainId, IterKind, NamedScalar, Op, ParallelType, ScalarId,
     ScalarOp, TensorId,
 };
-use crate::lower::{classify, MeshContext, P2pSchedule, ReduceScatterPipeline, Resharding};
+use crate::options::{P2pSchedule, ReduceScatterPipeline};
+use crate::resharding::{classify, MeshContext, Resharding};
 
 /// The stream-lowering pass.
 pub struct StreamParallelType;

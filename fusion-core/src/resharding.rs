@@ -2,7 +2,7 @@
 //!
 //! `Set` and `Reduction` are the only expressions that may change distribution; lowering
 //! first rewrites every other op so that its inputs already match its output
-//! ([`super::insert_reshardings`]). This module decides, for one expression, whether it is
+//! (`insert_reshardings` in [`crate::lower`]). This module decides, for one expression, whether it is
 //! local, which communications implement it, or why it cannot be lowered.
 
 use crate::error::{Error, Result};
