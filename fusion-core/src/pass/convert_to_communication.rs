@@ -1,7 +1,7 @@
 //! `ConvertOpToCommunication`: replaces each resharding `set`/reduction with
 //! `Allocate(out)`, the communication(s) of DESIGN.md section 4, and a `Wait` for each.
 
-use super::{Pass, PassContext};
+use super::context::{Pass, PassContext};
 use crate::error::{Error, Result};
 use crate::hir::{
     for_each_node_mut, CommBackend, Communication, CommunicationKind, HostProgram, Node,

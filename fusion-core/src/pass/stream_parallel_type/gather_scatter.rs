@@ -39,17 +39,17 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::ring::{allocate_running_sums, drop_didx, RingStep, RunningSums};
-use super::subchunk::{narrowed, RowSlicing, SubChunkPlan};
-use super::views::{slice_tensor, with_axis_extent, Slicer};
-use super::{
-    coalesced_exchange, emit_body_expr, fork_loop, join_loop, require_world_mesh, LoopGroup,
-    Schedule,
-};
+use super::exchange::{coalesced_exchange, require_world_mesh};
+use super::group::LoopGroup;
+use super::iteration::{emit_body_expr, fork_loop, join_loop};
+use super::ring::{self, allocate_running_sums, drop_didx, RingStep, RunningSums};
+use super::schedule::Schedule;
+use super::subchunk::SubChunkPlan;
+use super::views::{narrowed, slice_tensor, with_axis_extent, RowSlicing, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
 use crate::ir::{axis_map, Expr, NamedScalar, Op, ScalarId, ScalarOp, TensorId};
-use crate::pass::PassContext;
+use crate::pass::context::PassContext;
 use crate::resharding::{classify, MeshContext, Resharding};
 
 /// One gathered input of the loop: `out = set(input)` turns `input`'s DIDx axis `in_axis`
@@ -131,7 +131,7 @@ pub(super) fn unsupported(
             }
         }
     }
-    if !super::ring::applies(p, g, rs) {
+    if !ring::applies(p, g, rs) {
         return Ok(Some(
             "its last expression must be the 2-D matmul (per chunk) whose result is \
              reduce-scattered: each step adds its GEMM onto the running sum in the GEMM's \

@@ -32,15 +32,17 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::subchunk::{RowSlicing, SubChunkPlan};
-use super::{
-    coalesced_exchange, emit_body_expr, fork_loop, join_loop, reduce_scatter_slots,
-    require_world_mesh, slice_tensor, stream_error, LoopGroup, ReduceScatterFold, Schedule, Slicer,
-};
+use super::direct::{reduce_scatter_slots, slot_axis_of_block};
+use super::exchange::{coalesced_exchange, require_world_mesh};
+use super::group::{stream_error, LoopGroup, ReduceScatterFold};
+use super::iteration::{emit_body_expr, fork_loop, join_loop};
+use super::schedule::Schedule;
+use super::subchunk::SubChunkPlan;
+use super::views::{narrowed, slice_tensor, RowSlicing, Slicer};
 use crate::error::Result;
 use crate::hir::{CommBackend, ForLoop, HostProgram, Node, StreamDef, StreamId, COMPUTE_STREAMS};
 use crate::ir::{axis_map, Expr, NamedScalar, Op, ParallelType, ScalarId, ScalarOp, TensorId};
-use crate::pass::PassContext;
+use crate::pass::context::PassContext;
 
 /// Whether the ring applies to this loop: the reduced tensor is the result of the loop's
 /// last expression, a matmul whose chunk is a plain 2-D GEMM (`[DIDx, Stream, M, N]`).
@@ -433,7 +435,7 @@ impl RunningSums<'_> {
         let out_didx = self.rs.out_didx;
         // The slot axis of `acc` sits where the output block has its reduction axis; the
         // row axis is the block's first visible axis that is not it.
-        let slot_pos = super::direct::slot_axis_of_block(&p.ir, out, out_didx);
+        let slot_pos = slot_axis_of_block(&p.ir, out, out_didx);
         let slot = slice_tensor(&mut p.ir, self.acc, slot_pos);
         let block = slice_tensor(&mut p.ir, out, out_didx);
         let Some(rows) = self.rows else {
@@ -463,7 +465,7 @@ impl RunningSums<'_> {
         let extent = p.ir.axis(block, row_in_block).extent;
         let (start, stop) = rows.range(&mut p.ir, extent);
         let len = p.ir.binary(ScalarOp::Sub, stop, start);
-        let view = super::subchunk::narrowed(&mut p.ir, slot, row_in_slot, len);
+        let view = narrowed(&mut p.ir, slot, row_in_slot, len);
         Ok(SumViews {
             slot,
             block,
