@@ -1,6 +1,7 @@
 //! Tensor values of the IR.
 
-use super::{DeviceMesh, IterDomainId};
+use super::domain::IterDomainId;
+use super::mesh::DeviceMesh;
 use crate::dtype::DType;
 
 /// Index of a tensor in its fusion's arena.

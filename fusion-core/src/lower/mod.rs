@@ -16,13 +16,14 @@ use std::collections::HashSet;
 
 use crate::error::{Error, Result};
 use crate::hir::{for_each_node, HostProgram, Node};
-use crate::ir::{DeviceMesh, ExprId, Fusion, Op, ScalarId};
+use crate::ir::{DeviceMesh, Fusion, Op, ScalarId};
 use crate::pass::{PassContext, PassDump, PassManager};
 
 pub use crate::options::{
     LowerOptions, P2pSchedule, Pipelining, ReduceScatterPipeline, AUTO_MIN_CHUNK_ROWS,
 };
 pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
+use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};
 pub use pipelining::PipelineDecision;
 
@@ -105,23 +106,6 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Expressions some output depends on, in topological (creation) order.
-pub(crate) fn live_exprs(f: &Fusion) -> Vec<ExprId> {
-    let mut live = vec![false; f.exprs().len()];
-    let mut stack: Vec<_> = f.outputs().to_vec();
-    let mut seen = HashSet::new();
-    while let Some(t) = stack.pop() {
-        if !seen.insert(t) {
-            continue;
-        }
-        if let Some(e) = f.definition(t) {
-            live[e.index()] = true;
-            stack.extend(f.expr(e).inputs.iter().copied());
-        }
-    }
-    f.expr_ids().filter(|e| live[e.index()]).collect()
 }
 
 /// Every remaining compute node must be local; otherwise a needed pass was disabled.
