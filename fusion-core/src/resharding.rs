@@ -245,19 +245,26 @@ impl<'a> SetParts<'a> {
         }))
     }
 
-    /// Unsharded to unsharded between meshes: a broadcast from the input's first device.
-    fn broadcast(&self) -> Result<Resharding> {
+    /// A communication of `kind` from the input mesh's first device to every device of
+    /// the output's mesh.
+    fn rooted_at_first_source(&self, kind: CommunicationKind) -> Result<CommSpec> {
         let (src, dst) = (
             self.devices(self.in_mesh())?,
             self.devices(self.out_mesh())?,
         );
         let root = src[0];
-        Ok(Resharding::Communications(vec![CommSpec {
+        Ok(CommSpec {
             team: with_root(&dst, root),
             mesh: dst,
             root: Some(root),
-            ..CommSpec::of(CommunicationKind::Broadcast)
-        }]))
+            ..CommSpec::of(kind)
+        })
+    }
+
+    /// Unsharded to unsharded between meshes: a broadcast from the input's first device.
+    fn broadcast(&self) -> Result<Resharding> {
+        let spec = self.rooted_at_first_source(CommunicationKind::Broadcast)?;
+        Ok(Resharding::Communications(vec![spec]))
     }
 
     /// Sharded (axis `p`) to unsharded: an allgather on one mesh, else a gather to every
@@ -300,18 +307,11 @@ impl<'a> SetParts<'a> {
         let q = self.map.producer_axis(0, c).ok_or_else(|| {
             self.error("the output's DIDx axis does not come from the input".into())
         })?;
-        let (src, dst) = (
-            self.devices(self.in_mesh())?,
-            self.devices(self.out_mesh())?,
-        );
-        let root = src[0];
+        let spec = self.rooted_at_first_source(CommunicationKind::Scatter)?;
         Ok(Resharding::Communications(vec![CommSpec {
-            team: with_root(&dst, root),
-            mesh: dst,
-            root: Some(root),
             in_scatter_axis: Some(stored_index(self.f, self.x, q)),
             out_sharded_axis: Some(stored_index(self.f, self.y, c)),
-            ..CommSpec::of(CommunicationKind::Scatter)
+            ..spec
         }]))
     }
 
