@@ -399,7 +399,19 @@ pub struct RankLayer {
     k: Option<CTensor>,
     v: Option<CTensor>,
     pos: usize,
+    /// On a GPU, where each fusion call of a step of a given shape reads its activation
+    /// and writes its output, kept across steps.
+    slots: HashMap<(&'static str, Vec<usize>), Slot>,
     pub options: ExecOptions,
+}
+
+/// A fusion call's activation input and output, kept at one address across the steps of
+/// one shape (decode steps), so that the call replays its CUDA graph; each step copies
+/// its activation in on the device (a few kilobytes when decoding).
+struct Slot {
+    input: CTensor,
+    view: fusion::Tensor,
+    out: OutputBuffer,
 }
 
 impl RankLayer {
@@ -463,6 +475,7 @@ impl RankLayer {
             k: None,
             v: None,
             pos: 0,
+            slots: HashMap::new(),
             options: ExecOptions::default(),
         })
     }
@@ -478,28 +491,23 @@ impl RankLayer {
         x: &CTensor,
         tokens: usize,
     ) -> fusion_candle::Result<(CTensor, Replays)> {
-        let target = call.target();
-        let rank = target.rank();
         let c = self.cfg;
         let (d, hd, m) = (self.d, c.head_dim(), x.dim(0)?);
         let (qh, kvh) = (c.heads / d, c.kv_heads / d);
         let mut replays = Replays::default();
-        let rows = |t: &CTensor, name: &str| -> fusion_candle::Result<_> {
-            Ok(fusion_candle::input(rank, name, &t.unsqueeze(0)?)?.try_into()?)
-        };
-        let w = |t: &fusion::Tensor| t.clone().try_into();
-        let o = &self.options;
-        let xn = rms_norm(x, &self.w.norm_in, c.eps)?;
+        let xn = rms_norm(x, &self.w.norm_in, c.eps)?.unsqueeze(0)?;
         // Every token's Q, K, V for this rank's heads, rows gathered from every rank.
-        let out = self.output(rank, "qkv", &[d, 1, m, (qh + 2 * kvh) * hd])?;
-        let report = qkv::run_with(
-            &call,
-            &rows(&xn, "x_norm")?,
-            &w(&self.w.qkv)?,
-            Some(&out.tensor().try_into()?),
-            o,
+        let w = [self.w.qkv.clone()];
+        let out = [d, 1, m, (qh + 2 * kvh) * hd];
+        let all = self.call(
+            call,
+            qkv::executor()?,
+            "x_norm",
+            &xn,
+            &w,
+            &out,
+            &mut replays,
         )?;
-        let all = finish(&mut replays, report, out)?;
         let all = all
             .reshape((d * m, (qh + 2 * kvh) * hd))?
             .narrow(0, 0, tokens)?;
@@ -522,57 +530,84 @@ impl RankLayer {
             .pad_with_zeros(0, 0, d * m - tokens)?
             .reshape((d, 1, m, qh * hd))?
             .to_dtype(self.dtype)?;
-        let a = fusion_candle::input(rank, "attention", &a)?.try_into()?;
-        let out = self.output(rank, "o", &[1, m, c.hidden])?;
-        let report = out_proj::run_with(
-            &call,
+        let w = [self.w.o.clone()];
+        let o = self.call(
+            call,
+            out_proj::executor()?,
+            "attention",
             &a,
-            &w(&self.w.o)?,
-            Some(&out.tensor().try_into()?),
-            o,
+            &w,
+            &[1, m, c.hidden],
+            &mut replays,
         )?;
-        let h = (x + finish(&mut replays, report, out)?.reshape((m, c.hidden))?)?;
-        let hn = rms_norm(&h, &self.w.norm_post, c.eps)?;
-        let (g, u, dw) = (w(&self.w.gate)?, w(&self.w.up)?, w(&self.w.down)?);
-        let out = self.output(rank, "mlp", &[1, m, c.hidden])?;
-        let report = gated_mlp::run_with(
-            &call,
-            &rows(&hn, "h_norm")?,
-            &g,
-            &u,
-            &dw,
-            Some(&out.tensor().try_into()?),
-            o,
+        let h = (x + o.reshape((m, c.hidden))?)?;
+        let hn = rms_norm(&h, &self.w.norm_post, c.eps)?.unsqueeze(0)?;
+        let w = [self.w.gate.clone(), self.w.up.clone(), self.w.down.clone()];
+        let mlp = self.call(
+            call,
+            gated_mlp::executor()?,
+            "h_norm",
+            &hn,
+            &w,
+            &[1, m, c.hidden],
+            &mut replays,
         )?;
-        let y = (h + finish(&mut replays, report, out)?.reshape((m, c.hidden))?)?;
+        let y = (h + mlp.reshape((m, c.hidden))?)?;
         Ok((y, replays))
     }
 
-    /// Memory for a fusion output that becomes a candle tensor (no copy).
-    fn output(
-        &self,
-        rank: &Rank,
-        name: &str,
-        shape: &[usize],
-    ) -> fusion_candle::Result<OutputBuffer> {
-        OutputBuffer::new(rank, name, self.dtype, shape, &self.device)
+    /// One fusion call of a step: `act` (this step's activation, named `name` in errors)
+    /// and `weights` in, an output of `out_shape` back as a candle tensor, without copies
+    /// between the libraries. On a GPU the activation and output live in the slot of this
+    /// call and shape, so that every step after the first two replays the call's graph.
+    #[allow(clippy::too_many_arguments)]
+    fn call(
+        &mut self,
+        call: &dyn CallTarget,
+        exec: &FusionExecutor,
+        name: &'static str,
+        act: &CTensor,
+        weights: &[fusion::Tensor],
+        out_shape: &[usize],
+        replays: &mut Replays,
+    ) -> fusion_candle::Result<CTensor> {
+        let rank = call.target().rank().clone();
+        if self.device.is_cpu() {
+            let input = fusion_candle::input(&rank, name, act)?;
+            let out = OutputBuffer::new(&rank, name, self.dtype, out_shape, &self.device)?;
+            let mut inputs = vec![&input];
+            inputs.extend(weights);
+            let report = exec.run_with(call, &inputs, Some(&[&out.tensor()]), &self.options)?;
+            replays.count(&report);
+            drop(report);
+            return out.into_candle();
+        }
+        let key = (name, act.dims().to_vec());
+        if !self.slots.contains_key(&key) {
+            let input = CTensor::zeros(act.dims(), self.dtype, &self.device)?;
+            let view = fusion_candle::input(&rank, name, &input)?;
+            let out = OutputBuffer::new(&rank, name, self.dtype, out_shape, &self.device)?;
+            self.slots.insert(key.clone(), Slot { input, view, out });
+        }
+        let slot = &self.slots[&key];
+        slot.input.slice_set(act, 0, 0)?;
+        let mut inputs = vec![&slot.view];
+        inputs.extend(weights);
+        let report = exec.run_with(call, &inputs, Some(&[&slot.out.tensor()]), &self.options)?;
+        replays.count(&report);
+        slot.out.shared()
     }
 }
 
-/// A call's output as a candle tensor, counting whether the call replayed (the report,
-/// which holds a view of the output, is dropped first).
-fn finish(
-    replays: &mut Replays,
-    report: fusion::RunReport,
-    out: OutputBuffer,
-) -> fusion_candle::Result<CTensor> {
-    replays.calls += 1;
-    match report.replay {
-        ReplayStatus::Replayed => replays.replayed += 1,
-        ReplayStatus::Captured(_) => replays.captured += 1,
-        ReplayStatus::Eager(EagerReason::Moved) => replays.moved += 1,
-        ReplayStatus::Eager(_) => {}
+impl Replays {
+    /// Counts how a call ran.
+    fn count(&mut self, report: &fusion::RunReport) {
+        self.calls += 1;
+        match report.replay {
+            ReplayStatus::Replayed => self.replayed += 1,
+            ReplayStatus::Captured(_) => self.captured += 1,
+            ReplayStatus::Eager(EagerReason::Moved) => self.moved += 1,
+            ReplayStatus::Eager(_) => {}
+        }
     }
-    drop(report);
-    out.into_candle()
 }

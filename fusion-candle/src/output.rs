@@ -66,6 +66,21 @@ impl OutputBuffer {
         self.fusion.clone()
     }
 
+    /// On a GPU, the output as a candle tensor that shares the buffer, which stays usable
+    /// for the next call: a loop's output slot, written at the same address every step
+    /// (so a replayed call finds it where its graph expects). The next call writing the
+    /// buffer overwrites, in the order of candle's stream, what the returned tensor
+    /// holds: enqueue whatever reads it before that call. On the CPU the runtime's memory
+    /// moves into candle only once ([`OutputBuffer::into_candle`]): an error.
+    pub fn shared(&self) -> Result<candle_core::Tensor> {
+        self.candle.clone().ok_or_else(|| Error::Output {
+            name: self.name.clone(),
+            source: Box::new(fusion_runtime::Error::Tensor(
+                "a CPU output buffer cannot be shared with candle; take it with into_candle".into(),
+            )),
+        })
+    }
+
     /// The written output as a candle tensor, owning the buffer; an error while a fusion
     /// tensor over it is still alive (it could be written again).
     pub fn into_candle(self) -> Result<candle_core::Tensor> {

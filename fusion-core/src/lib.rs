@@ -25,8 +25,10 @@ pub mod generic;
 pub mod hir;
 pub mod ir;
 pub mod lower;
+mod options;
 pub mod pass;
 mod print;
+pub mod resharding;
 pub mod suggest;
 
 pub use dtype::{DType, DTypeSpec};

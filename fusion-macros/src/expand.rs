@@ -42,16 +42,7 @@ pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
 /// The entry point and module of a fusion with errors: same signatures, no body.
 pub fn stub(def: &FusionDef) -> TokenStream {
     let fc = fc();
-    // A repeated dtype parameter is reported by the checker; the stub renames the repeats.
-    let params: Vec<Ident> = def
-        .dtype_params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| match def.dtype_params[..i].contains(p) {
-            true => format_ident!("__repeated_dtype{}", i, span = Span::mixed_site()),
-            false => p.clone(),
-        })
-        .collect();
+    let params = renamed_repeats(def.dtype_params.clone(), "__repeated_dtype");
     let build = quote! {
         #[allow(non_snake_case)]
         pub fn build(#(#params: #fc::DType),*) -> ::core::result::Result<#fc::ir::Fusion, #fc::Error> {
@@ -66,133 +57,91 @@ fn rank_of(axes: usize, span: Span) -> TokenStream {
     quote_spanned!(span=> ::fusion::__private::fusion_runtime::Ranked<#axes>)
 }
 
-fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) -> TokenStream {
-    let (fc, fr) = (fc(), fr());
-    let name = &def.name;
-    let vis = &def.vis;
-    let attrs = &def.attrs;
-    let cfgs: Vec<_> = def
-        .attrs
-        .iter()
-        .filter(|a| a.path().is_ident("cfg"))
-        .collect();
-    let rank = hygienic("rank");
-    let options = hygienic("options");
-    let outputs = hygienic("outputs");
-    let outs_arr = hygienic("__outs");
-    let report = hygienic("__report");
-    // A repeated parameter name is reported by the checker; the stub renames the repeats
-    // so that its signature adds no error of its own.
-    let params: Vec<Ident> = def
-        .params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            if def.params[..i].iter().any(|q| q.name == p.name) {
-                format_ident!("__repeated{}", i, span = Span::mixed_site())
-            } else {
-                p.name.clone()
-            }
+/// `names`, each repeat of an earlier name renamed `{prefix}{i}`: the checker reports a
+/// repeat, and the stub's signature then adds no error of its own.
+fn renamed_repeats(names: Vec<Ident>, prefix: &str) -> Vec<Ident> {
+    let repeat = |i: usize| names[..i].contains(&names[i]);
+    (0..names.len())
+        .map(|i| match repeat(i) {
+            true => format_ident!("{}{}", prefix, i, span = Span::mixed_site()),
+            false => names[i].clone(),
         })
-        .collect();
-    let param_tys: Vec<TokenStream> = def
-        .params
-        .iter()
-        .map(|p| rank_of(p.ty.axes.len(), p.ty.span.start))
-        .collect();
-    let out_tys: Vec<TokenStream> = def
-        .outputs
-        .iter()
-        .map(|o| rank_of(o.axes.len(), o.span.start))
-        .collect();
-    let n_out = out_tys.len();
-    let ret = if n_out == 1 {
-        out_tys[0].clone()
-    } else {
-        quote!((#(#out_tys),*))
-    };
-    let outs_param = if n_out == 1 {
-        let t = &out_tys[0];
-        quote!(::core::option::Option<&#t>)
-    } else {
-        quote!(::core::option::Option<(#(&#out_tys),*)>)
-    };
-    let input_names: Vec<String> = params.iter().map(|p| p.to_string()).collect();
-    let n_in = input_names.len();
-    let out_vars: Vec<Ident> = (0..n_out)
-        .map(|i| format_ident!("__o{}", i, span = Span::mixed_site()))
-        .collect();
-    let out_pat = if n_out == 1 {
-        let o = &out_vars[0];
-        quote!(#o)
-    } else {
-        quote!((#(#out_vars),*))
-    };
-    let result = if n_out == 1 {
-        let o = &out_vars[0];
-        quote!(#fr::Ranked::from_output(#o)?)
-    } else {
-        quote!((#(#fr::Ranked::from_output(#out_vars)?),*))
-    };
-    let inputs = quote!([#(#params.as_tensor()),*]);
-    let mod_doc = format!(
-        "The builder, executor and option-taking runners of the fusion [`{name}`](fn@{name})."
-    );
-    let fusion_name = name.to_string();
-    let body = |real: TokenStream| {
-        if stub {
-            quote!(::core::panic!("this fusion did not compile"))
-        } else {
-            real
-        }
-    };
+        .collect()
+}
+
+/// The single item, or the items as a tuple.
+fn one_or_tuple(items: &[TokenStream]) -> TokenStream {
+    match items {
+        [one] => one.clone(),
+        _ => quote!((#(#items),*)),
+    }
+}
+
+/// How the module's `executor()` makes its executor: from `build()`, or with dtype
+/// parameters a generic executor that builds once per binding of the inputs' dtypes.
+fn make_executor(def: &FusionDef, input_names: &[String]) -> TokenStream {
+    let (fc, fr) = (fc(), fr());
+    let fusion_name = def.name.to_string();
+    if def.dtype_params.is_empty() {
+        return quote!(self::build().map(|f| #fr::FusionExecutor::new(f).with_name(#fusion_name)));
+    }
     let dtype_params: Vec<String> = def.dtype_params.iter().map(|p| p.to_string()).collect();
     let n_dtype_params = dtype_params.len();
-    let make_executor = if dtype_params.is_empty() {
-        quote!(self::build().map(|f| #fr::FusionExecutor::new(f).with_name(#fusion_name)))
-    } else {
-        let specs = def.params.iter().map(|p| {
-            let name = p.ty.dtype.to_string();
-            match def.dtype_params.iter().position(|t| *t == name) {
-                Some(i) => quote!(#fc::generic::DTypeSpec::Param(#i)),
-                None => {
-                    let d = DType::from_name(&name).unwrap_or(DType::F32);
-                    let d = emit::dtype(DTypeSpec::Fixed(d), &[]);
-                    quote!(#fc::generic::DTypeSpec::Fixed(#d))
-                }
+    let specs = def.params.iter().map(|p| {
+        let name = p.ty.dtype.to_string();
+        match def.dtype_params.iter().position(|t| *t == name) {
+            Some(i) => quote!(#fc::generic::DTypeSpec::Param(#i)),
+            None => {
+                let d = DType::from_name(&name).unwrap_or(DType::F32);
+                let d = emit::dtype(DTypeSpec::Fixed(d), &[]);
+                quote!(#fc::generic::DTypeSpec::Fixed(#d))
             }
-        });
-        let vars: Vec<Ident> = (0..n_dtype_params)
-            .map(|i| format_ident!("__dtype{}", i, span = Span::mixed_site()))
-            .collect();
-        let dts = hygienic("__dtypes");
-        quote! {
-            #fc::generic::GenericFusion::new(
-                &[#(#dtype_params),*],
-                &[#((#input_names, #specs)),*],
-                |#dts: &[#fc::DType]| match *#dts {
-                    [#(#vars),*] => self::build(#(#vars),*),
-                    _ => ::core::result::Result::Err(#fc::Error::Invalid(::std::format!(
-                        "fusion `{}` takes {} dtype(s), got {}",
-                        #fusion_name,
-                        #n_dtype_params,
-                        #dts.len()
-                    ))),
-                },
-            )
-            .map(|g| #fr::FusionExecutor::generic(g).with_name(#fusion_name))
         }
-    };
-    let build_doc = if n_dtype_params == 0 {
-        "Builds the fusion with the builder API, which checks every rule again.".to_string()
-    } else {
-        format!(
-            "Builds the fusion for one dtype per dtype parameter ({}) with the builder API, \
-             which checks every rule again.",
-            dtype_params.join(", ")
+    });
+    let vars: Vec<Ident> = (0..n_dtype_params)
+        .map(|i| format_ident!("__dtype{}", i, span = Span::mixed_site()))
+        .collect();
+    let dts = hygienic("__dtypes");
+    quote! {
+        #fc::generic::GenericFusion::new(
+            &[#(#dtype_params),*],
+            &[#((#input_names, #specs)),*],
+            |#dts: &[#fc::DType]| match *#dts {
+                [#(#vars),*] => self::build(#(#vars),*),
+                _ => ::core::result::Result::Err(#fc::Error::Invalid(::std::format!(
+                    "fusion `{}` takes {} dtype(s), got {}",
+                    #fusion_name,
+                    #n_dtype_params,
+                    #dts.len()
+                ))),
+            },
         )
-    };
-    let executor_body = body(quote! {
+        .map(|g| #fr::FusionExecutor::generic(g).with_name(#fusion_name))
+    }
+}
+
+/// The bodies of the module's `executor`, `program`, `run_with` and `call` (a panic each
+/// in a stub).
+fn runner_bodies(def: &FusionDef, params: &[Ident], stub: bool) -> [TokenStream; 4] {
+    if stub {
+        return std::array::from_fn(|_| quote!(::core::panic!("this fusion did not compile")));
+    }
+    let (fc, fr) = (fc(), fr());
+    let (rank, options, outputs) = (hygienic("rank"), hygienic("options"), hygienic("outputs"));
+    let (outs_arr, report) = (hygienic("__outs"), hygienic("__report"));
+    let out_vars: Vec<Ident> = (0..def.outputs.len())
+        .map(|i| format_ident!("__o{}", i, span = Span::mixed_site()))
+        .collect();
+    let vars: Vec<TokenStream> = out_vars.iter().map(|o| quote!(#o)).collect();
+    let results: Vec<TokenStream> = (out_vars.iter())
+        .map(|o| quote!(#fr::Ranked::from_output(#o)?))
+        .collect();
+    let (out_pat, result) = (one_or_tuple(&vars), one_or_tuple(&results));
+    let input_names: Vec<String> = params.iter().map(|p| p.to_string()).collect();
+    let make_executor = make_executor(def, &input_names);
+    let inputs = quote!([#(#params.as_tensor()),*]);
+    let (fusion_name, n_out) = (def.name.to_string(), out_vars.len());
+    let executor = quote! {
         static EXECUTOR: ::std::sync::OnceLock<
             ::core::result::Result<#fr::FusionExecutor, #fc::Error>,
         > = ::std::sync::OnceLock::new();
@@ -202,11 +151,9 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
                 ::core::result::Result::Err(#fr::Error::Core(::core::clone::Clone::clone(e)))
             }
         }
-    });
-    let program_body = body(quote! {
-        self::executor()?.program(#rank, &#inputs, #options)
-    });
-    let run_body = body(quote! {
+    };
+    let program = quote!(self::executor()?.program(#rank, &#inputs, #options));
+    let run = quote! {
         let #outs_arr = #outputs.map(|#out_pat| [#(#out_vars.as_tensor()),*]);
         self::executor()?.run_with(
             #rank,
@@ -214,8 +161,8 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
             #outs_arr.as_ref().map(|o| &o[..]),
             #options,
         )
-    });
-    let call_body = body(quote! {
+    };
+    let call = quote! {
         let #report = self::run_with(#rank, #(#params,)* ::core::option::Option::None, #options)?;
         let [#(#out_vars),*]: [#fr::Tensor; #n_out] =
             #report.outputs.try_into().map_err(|v: ::std::vec::Vec<#fr::Tensor>| {
@@ -226,7 +173,44 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
                 }
             })?;
         ::core::result::Result::Ok(#result)
-    });
+    };
+    [executor, program, run, call]
+}
+
+fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) -> TokenStream {
+    let (fc, fr) = (fc(), fr());
+    let (name, vis, attrs) = (&def.name, &def.vis, &def.attrs);
+    let cfgs = def.attrs.iter().filter(|a| a.path().is_ident("cfg"));
+    let (rank, options, outputs) = (hygienic("rank"), hygienic("options"), hygienic("outputs"));
+    let params = renamed_repeats(
+        def.params.iter().map(|p| p.name.clone()).collect(),
+        "__repeated",
+    );
+    let param_tys: Vec<TokenStream> = (def.params.iter())
+        .map(|p| rank_of(p.ty.axes.len(), p.ty.span.start))
+        .collect();
+    let out_tys: Vec<TokenStream> = (def.outputs.iter())
+        .map(|o| rank_of(o.axes.len(), o.span.start))
+        .collect();
+    let out_refs: Vec<TokenStream> = out_tys.iter().map(|t| quote!(&#t)).collect();
+    let (ret, out_refs) = (one_or_tuple(&out_tys), one_or_tuple(&out_refs));
+    let [executor_body, program_body, run_body, call_body] = runner_bodies(def, &params, stub);
+    let input_names: Vec<String> = params.iter().map(|p| p.to_string()).collect();
+    let n_in = input_names.len();
+    let mod_doc = format!(
+        "The builder, executor and option-taking runners of the fusion [`{name}`](fn@{name})."
+    );
+    let dtype_params: Vec<String> = def.dtype_params.iter().map(|p| p.to_string()).collect();
+    let n_dtype_params = dtype_params.len();
+    let build_doc = if n_dtype_params == 0 {
+        "Builds the fusion with the builder API, which checks every rule again.".to_string()
+    } else {
+        format!(
+            "Builds the fusion for one dtype per dtype parameter ({}) with the builder API, \
+             which checks every rule again.",
+            dtype_params.join(", ")
+        )
+    };
     let entry = quote_spanned! {name.span()=>
         #(#attrs)*
         #[allow(clippy::too_many_arguments)]
@@ -279,7 +263,7 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
             pub fn run_with(
                 #rank: &impl #fr::CallTarget,
                 #(#params: &#param_tys,)*
-                #outputs: #outs_param,
+                #outputs: ::core::option::Option<#out_refs>,
                 #options: &#fr::ExecOptions,
             ) -> #fr::Result<#fr::RunReport> {
                 #run_body

@@ -6,10 +6,7 @@
 //! its parent, and no tensor has two defining nodes (except that `Allocate` of a tensor
 //! already bound, e.g. to a slice, is a no-op, as in nvFuser).
 
-mod walk;
-
-pub use walk::{for_each_node, for_each_node_mut};
-
+use crate::error::Result;
 use crate::ir::{DeviceMesh, Expr, Fusion, IterDomainId, ReduceOp, ScalarId, TensorId};
 
 /// Index of a stream value of a host program.
@@ -437,6 +434,39 @@ impl HostProgram {
             DeviceMesh::Devices(d) => d.clone(),
         }
     }
+}
+
+/// Calls `f` on every node, parents before their nested nodes.
+pub fn for_each_node(nodes: &[Node], f: &mut dyn FnMut(&Node)) {
+    for n in nodes {
+        f(n);
+        for child in n.children() {
+            for_each_node(child, f);
+        }
+    }
+}
+
+/// Calls `f` on every node list (the top level and every nested body), mutably.
+pub fn for_each_node_mut(
+    nodes: &mut Vec<Node>,
+    f: &mut dyn FnMut(&mut Vec<Node>) -> Result<()>,
+) -> Result<()> {
+    f(nodes)?;
+    for n in nodes.iter_mut() {
+        match n {
+            Node::ForLoop(l) => for_each_node_mut(&mut l.body, f)?,
+            Node::IfThenElse {
+                then_body,
+                else_body,
+                ..
+            } => {
+                for_each_node_mut(then_body, f)?;
+                for_each_node_mut(else_body, f)?;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

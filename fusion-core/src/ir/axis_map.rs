@@ -4,7 +4,8 @@
 //! question ("does this output axis come from that input axis?"); this module answers it
 //! once per op.
 
-use super::{Expr, Fusion, Op};
+use super::fusion::Fusion;
+use super::op::{Expr, Op};
 
 /// For each input of an expression, the input axis (index into its `axes`) behind each
 /// output axis, or `None` when the output axis does not come from that input.

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::ScalarId;
+use super::scalar::ScalarId;
 
 /// Index of an iteration domain in its fusion's arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -3,7 +3,8 @@
 //! Axis arguments are indices into the input's *visible* axes (reduction axes excluded),
 //! which is how users count axes.
 
-use super::{ScalarId, TensorId};
+use super::scalar::ScalarId;
+use super::tensor::TensorId;
 
 /// Elementwise functions of one operand.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,7 +1,8 @@
 //! Tensor values of the IR.
 
-use super::{DeviceMesh, IterDomainId};
-use crate::DType;
+use super::domain::IterDomainId;
+use super::mesh::DeviceMesh;
+use crate::dtype::DType;
 
 /// Index of a tensor in its fusion's arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

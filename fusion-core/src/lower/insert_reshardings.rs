@@ -6,10 +6,10 @@
 //! reduction followed by the cross-device one; a reduction whose output is distributed
 //! unlike its input gets a `set` after it.
 
-use super::resharding::{classify, describe, MeshContext, Resharding};
 use crate::builder::Site;
 use crate::error::{Error, Result};
-use std::collections::HashMap;
+use crate::resharding::{classify, describe, MeshContext, Resharding};
+use std::collections::{HashMap, HashSet};
 
 use crate::ir::{
     axis_map, DeviceMesh, Expr, ExprId, Fusion, IterDomain, IterKind, Op, ParallelType, TensorId,
@@ -250,7 +250,7 @@ pub fn check(f: &Fusion) -> Vec<(Site, Error)> {
         return problems;
     }
     let ctx = MeshContext { world_size: None };
-    super::live_exprs(f)
+    live_exprs(f)
         .into_iter()
         .filter_map(|id| {
             let mut scratch = f.clone();
@@ -265,4 +265,21 @@ pub fn check(f: &Fusion) -> Vec<(Site, Error)> {
 /// True for the errors a resharding raises only because the world size is unknown.
 fn needs_world_size(e: &Error) -> bool {
     matches!(e, Error::Resharding { reason, .. } if reason.contains("world size is needed"))
+}
+
+/// Expressions some output depends on, in topological (creation) order.
+pub(super) fn live_exprs(f: &Fusion) -> Vec<ExprId> {
+    let mut live = vec![false; f.exprs().len()];
+    let mut stack: Vec<_> = f.outputs().to_vec();
+    let mut seen = HashSet::new();
+    while let Some(t) = stack.pop() {
+        if !seen.insert(t) {
+            continue;
+        }
+        if let Some(e) = f.definition(t) {
+            live[e.index()] = true;
+            stack.extend(f.expr(e).inputs.iter().copied());
+        }
+    }
+    f.expr_ids().filter(|e| live[e.index()]).collect()
 }

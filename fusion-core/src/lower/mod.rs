@@ -11,159 +11,21 @@
 
 mod insert_reshardings;
 pub mod pipelining;
-pub mod resharding;
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
 
 use crate::error::{Error, Result};
-use crate::hir::{for_each_node, CommBackend, HostProgram, Node};
-use crate::ir::{DeviceMesh, ExprId, Fusion, Op, ScalarId};
+use crate::hir::{for_each_node, HostProgram, Node};
+use crate::ir::{DeviceMesh, Fusion, Op, ScalarId};
 use crate::pass::{PassContext, PassDump, PassManager};
 
+pub use crate::options::{
+    LowerOptions, P2pSchedule, Pipelining, ReduceScatterPipeline, AUTO_MIN_CHUNK_ROWS,
+};
+pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
+use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};
-pub use pipelining::{PipelineDecision, Pipelining, AUTO_MIN_CHUNK_ROWS};
-pub use resharding::{classify, CommSpec, MeshContext, Resharding};
-
-/// Order in which a P2P pipeline visits the chunks of its stream loop.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum P2pSchedule {
-    /// Iteration `i` handles this device's chunk first, then receives from `rank - i` and
-    /// sends to `rank + i` (a ring): communication starts at once and pairs always match.
-    #[default]
-    Ring,
-    /// Iteration `i` exchanges chunk `i` with device `i`, as in the seeds (seed 001).
-    Seed,
-}
-
-/// How a P2P reduce-scatter pipeline (a sum over DIDx folded into a stream loop) reduces.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum ReduceScatterPipeline {
-    /// [`ReduceScatterPipeline::Ring`] on 2 devices, [`ReduceScatterPipeline::Direct`] on
-    /// more: on 4 H200s the ring's twice as many loop iterations cost more host time than
-    /// its missing sum saves, on 2 it is 13-17% faster (docs/PERFORMANCE.md).
-    #[default]
-    Auto,
-    /// Each step sends its partial straight to the device that owns that block; the owner
-    /// sums the `D` partials after the loop (per round, with sub-chunks).
-    Direct,
-    /// A ring: each step's GEMM adds its partial onto the running sum received from the
-    /// next device (in the GEMM's epilogue) and passes the sum on to the previous one; the
-    /// last step's GEMM writes this device's finished block. No sum kernel, and nothing
-    /// left after the last GEMM. Applies when the reduced tensor is the result of the
-    /// loop's last expression, a 2-D matmul per chunk, with compute-first streams;
-    /// otherwise the pipeline is [`ReduceScatterPipeline::Direct`].
-    Ring,
-}
-
-impl ReduceScatterPipeline {
-    /// The pipeline used on `world_size` devices ([`ReduceScatterPipeline::Auto`] decided).
-    pub fn resolve(self, world_size: usize) -> ReduceScatterPipeline {
-        match self {
-            ReduceScatterPipeline::Auto if world_size == 2 => ReduceScatterPipeline::Ring,
-            ReduceScatterPipeline::Auto => ReduceScatterPipeline::Direct,
-            other => other,
-        }
-    }
-}
-
-/// Choices that change the lowered program; part of the executor's cache key.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct LowerOptions {
-    /// Names of passes to skip (see [`PassManager::standard`]).
-    pub disabled_passes: BTreeSet<String>,
-    /// Transport for the P2P pipeline's sends and receives. Copy engines by default: they
-    /// use no SMs, so transfers do not slow the GEMMs they overlap, and every multi-GPU
-    /// CUDA world of the runtime is one process with peer access between its devices
-    /// (creating the world enables it, or fails). The CPU backend ignores the choice.
-    pub p2p_backend: CommBackend,
-    /// Transport for Allgather and ReduceScatter (NCCL, or copy-engine transfers plus a
-    /// local sum for ReduceScatter).
-    pub collective_backend: CommBackend,
-    /// Record the program after every pass (`FUSION_DUMP=host_ir_passes`).
-    pub dump_passes: bool,
-    /// Chunk order of P2P pipelines.
-    pub p2p_schedule: P2pSchedule,
-    /// Give stream-loop intermediates `numberOfStreams` slots instead of the full stream
-    /// extent (a slot is reused by every `numberOfStreams`-th iteration, on the same stream).
-    pub stream_buffers: bool,
-    /// In stream loops that compute and then communicate (GEMM + ReduceScatter), run the
-    /// compute of every iteration in order on the caller's stream and only the
-    /// communication on the pool stream: iteration `i`'s transfer then overlaps iteration
-    /// `i + 1`'s GEMM, instead of all iterations' GEMMs contending for the SMs at once.
-    pub compute_first_streams: bool,
-    /// Row ranges per device block in a P2P reduce-scatter pipeline (`None`: 2 for the
-    /// ring, 1 for the direct pipeline). With `c > 1` the loop runs `D * c` iterations over
-    /// `1/c` of each block's rows (the first axis after the Stream axis): the direct
-    /// pipeline in `c` rounds, each summed as soon as its partials arrived; the ring with
-    /// the transfer of one row range behind the GEMMs of the others. A loop whose rows
-    /// cannot be split into contiguous ranges runs unsplit.
-    pub reduce_scatter_subchunks: Option<usize>,
-    /// How P2P reduce-scatter pipelines reduce (see [`ReduceScatterPipeline`]).
-    pub reduce_scatter_pipeline: ReduceScatterPipeline,
-    /// Streams the ring reduce-scatter's GEMMs take turns on: 1 runs them on the caller's
-    /// stream; 2 alternates two compute streams ([`crate::hir::StreamDef::Compute`]), so
-    /// that the tail of one GEMM overlaps the start of the next. Values are clamped to
-    /// `1..=COMPUTE_STREAMS`; a ring whose loop computes more than its GEMM uses one.
-    pub ring_compute_streams: usize,
-    /// Whether stream loops are pipelined at a call's shapes ([`Pipelining`]): by default
-    /// only when every streamed GEMM has enough rows per chunk to hide a transfer
-    /// ([`AUTO_MIN_CHUNK_ROWS`]); decode-sized calls get one collective and one GEMM.
-    pub pipelining: Pipelining,
-}
-
-impl Default for LowerOptions {
-    fn default() -> Self {
-        LowerOptions {
-            disabled_passes: BTreeSet::new(),
-            p2p_backend: CommBackend::CopyEngine,
-            collective_backend: CommBackend::Nccl,
-            dump_passes: false,
-            p2p_schedule: P2pSchedule::Ring,
-            stream_buffers: true,
-            compute_first_streams: true,
-            reduce_scatter_subchunks: None,
-            reduce_scatter_pipeline: ReduceScatterPipeline::Auto,
-            ring_compute_streams: 1,
-            pipelining: Pipelining::Auto,
-        }
-    }
-}
-
-impl LowerOptions {
-    /// The programs of the seeds: seed-ordered P2P chunks over NCCL, full-size stream
-    /// buffers, every iteration of a stream loop on one pool stream.
-    pub fn seed_compatible() -> Self {
-        LowerOptions {
-            p2p_schedule: P2pSchedule::Seed,
-            p2p_backend: CommBackend::Nccl,
-            stream_buffers: false,
-            compute_first_streams: false,
-            reduce_scatter_pipeline: ReduceScatterPipeline::Direct,
-            reduce_scatter_subchunks: Some(1),
-            ..LowerOptions::default()
-        }
-    }
-
-    /// The reduce-scatter pipeline and its row ranges per block on `world_size` devices.
-    pub fn reduce_scatter_plan(&self, world_size: usize) -> (ReduceScatterPipeline, usize) {
-        let pipeline = self.reduce_scatter_pipeline.resolve(world_size);
-        let default = if pipeline == ReduceScatterPipeline::Ring {
-            2
-        } else {
-            1
-        };
-        (
-            pipeline,
-            self.reduce_scatter_subchunks.unwrap_or(default).max(1),
-        )
-    }
-
-    /// Options with the named pass disabled.
-    pub fn without_pass(mut self, name: &str) -> Self {
-        self.disabled_passes.insert(name.to_string());
-        self
-    }
-}
+pub use pipelining::PipelineDecision;
 
 /// A lowered program and the dumps recorded while lowering it.
 #[derive(Clone, Debug)]
@@ -244,23 +106,6 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Expressions some output depends on, in topological (creation) order.
-pub(crate) fn live_exprs(f: &Fusion) -> Vec<ExprId> {
-    let mut live = vec![false; f.exprs().len()];
-    let mut stack: Vec<_> = f.outputs().to_vec();
-    let mut seen = HashSet::new();
-    while let Some(t) = stack.pop() {
-        if !seen.insert(t) {
-            continue;
-        }
-        if let Some(e) = f.definition(t) {
-            live[e.index()] = true;
-            stack.extend(f.expr(e).inputs.iter().copied());
-        }
-    }
-    f.expr_ids().filter(|e| live[e.index()]).collect()
 }
 
 /// Every remaining compute node must be local; otherwise a needed pass was disabled.

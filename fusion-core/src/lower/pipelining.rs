@@ -14,36 +14,7 @@
 //! (the executor lowers once per shape) and printed under the host program.
 
 use crate::ir::{Fusion, IterKind, Op, ParallelType, ScalarId};
-
-/// Rows per chunk from which [`Pipelining::Auto`] pipelines a streamed GEMM.
-pub const AUTO_MIN_CHUNK_ROWS: usize = 256;
-
-/// When a fusion's `Stream` axes become pipelined host loops ([`crate::lower::LowerOptions`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum Pipelining {
-    /// Pipeline when every streamed GEMM has at least [`AUTO_MIN_CHUNK_ROWS`] rows per
-    /// chunk at the call's shapes (always, when lowering without shapes).
-    #[default]
-    Auto,
-    /// Pipeline when every streamed GEMM has at least this many rows per chunk.
-    MinChunkRows(usize),
-    /// Always pipeline (the programs the seeds and the stream-lowering tests pin).
-    Always,
-    /// Never pipeline: whole collectives around whole GEMMs.
-    Never,
-}
-
-impl Pipelining {
-    /// The rows-per-chunk threshold, or `None` for [`Pipelining::Never`].
-    fn min_rows(self) -> Option<usize> {
-        match self {
-            Pipelining::Auto => Some(AUTO_MIN_CHUNK_ROWS),
-            Pipelining::MinChunkRows(n) => Some(n),
-            Pipelining::Always => Some(0),
-            Pipelining::Never => None,
-        }
-    }
-}
+pub use crate::options::{Pipelining, AUTO_MIN_CHUNK_ROWS};
 
 /// What [`decide`] chose, and the line the host-program dump prints for it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,14 +1,13 @@
 //! `ConvertOpToCommunication`: replaces each resharding `set`/reduction with
 //! `Allocate(out)`, the communication(s) of DESIGN.md section 4, and a `Wait` for each.
 
-use super::{Pass, PassContext};
+use super::context::{Pass, PassContext};
 use crate::error::{Error, Result};
 use crate::hir::{
     for_each_node_mut, CommBackend, Communication, CommunicationKind, HostProgram, Node,
 };
 use crate::ir::{axis_map, Expr, Op};
-use crate::lower::resharding::{describe, stored_index};
-use crate::lower::{classify, CommSpec, MeshContext, Resharding};
+use crate::resharding::{classify, describe, stored_index, CommSpec, MeshContext, Resharding};
 
 /// The conversion pass.
 pub struct ConvertOpToCommunication;

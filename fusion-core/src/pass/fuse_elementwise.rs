@@ -8,7 +8,7 @@
 
 use std::collections::HashSet;
 
-use super::{Pass, PassContext};
+use super::context::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{for_each_node, for_each_node_mut, HostProgram, Node, Segment, SegmentId};
 use crate::ir::{Expr, TensorId};

@@ -19,7 +19,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{Pass, PassContext};
+use super::context::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{for_each_node, for_each_node_mut, HostProgram, Node};
 use crate::ir::{BinaryOp, Epilogue, Expr, Fusion, IterKind, Op, TensorId};

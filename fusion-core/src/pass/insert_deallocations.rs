@@ -10,7 +10,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{Pass, PassContext};
+use super::context::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{for_each_node, HostProgram, Node};
 use crate::ir::TensorId;

@@ -5,6 +5,7 @@
 //! same time can use different settings. With dumping on, the program is recorded after
 //! every pass.
 
+mod context;
 mod convert_to_communication;
 mod fuse_elementwise;
 mod fuse_epilogue;
@@ -13,6 +14,7 @@ mod stream_parallel_type;
 
 use std::collections::BTreeSet;
 
+pub use context::{Pass, PassContext};
 pub use convert_to_communication::ConvertOpToCommunication;
 pub use fuse_elementwise::FuseElementwise;
 pub use fuse_epilogue::FuseEpilogue;
@@ -21,38 +23,6 @@ pub use stream_parallel_type::StreamParallelType;
 
 use crate::error::{Error, Result};
 use crate::hir::HostProgram;
-use crate::lower::LowerOptions;
-
-/// A host-IR to host-IR transformation.
-pub trait Pass: Send + Sync {
-    /// Name used to enable/disable the pass and in dumps.
-    fn name(&self) -> &'static str;
-    /// Rewrites `program`.
-    fn run(&self, program: &mut HostProgram, ctx: &PassContext) -> Result<()>;
-}
-
-/// What passes may consult: the world size and the lowering options (which passes are
-/// disabled, which transports to use).
-#[derive(Clone, Debug)]
-pub struct PassContext {
-    pub world_size: usize,
-    pub options: LowerOptions,
-}
-
-impl PassContext {
-    /// A context for `world_size` devices.
-    pub fn new(world_size: usize, options: LowerOptions) -> Self {
-        PassContext {
-            world_size,
-            options,
-        }
-    }
-
-    /// False when the pass named `name` is disabled.
-    pub fn is_enabled(&self, name: &str) -> bool {
-        !self.options.disabled_passes.contains(name)
-    }
-}
 
 /// The program as printed after one pass.
 #[derive(Clone, Debug, PartialEq, Eq)]

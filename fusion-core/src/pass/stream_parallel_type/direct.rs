@@ -2,9 +2,10 @@
 //! that owns its block, into one slot per source; the slots are summed after the loop, or
 //! per round of row ranges inside it.
 
-use super::subchunk::RowSlicing;
-use super::views::{slice_tensor, Slicer};
-use super::{coalesced_exchange, require_world_mesh, stream_error, ReduceScatterFold, Schedule};
+use super::exchange::{coalesced_exchange, require_world_mesh};
+use super::group::{stream_error, ReduceScatterFold};
+use super::schedule::Schedule;
+use super::views::{slice_tensor, RowSlicing, Slicer};
 use crate::error::Result;
 use crate::hir::{CommBackend, ForLoop, HostProgram, Node, StreamDef};
 use crate::ir::{

@@ -1,8 +1,9 @@
 //! P2P exchanges inside a stream loop: the coalesced send/receive pair and the allgather
 //! step built on it.
 
+use super::group::stream_error;
+use super::schedule::Schedule;
 use super::views::{slice_tensor, Slicer};
-use super::{stream_error, Schedule};
 use crate::error::Result;
 use crate::hir::{CommBackend, HostProgram, Node, P2PDirection, P2P};
 use crate::ir::{Expr, Op, ScalarId, ScalarOp, TensorId};

@@ -32,15 +32,19 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::subchunk::{RowSlicing, SubChunkPlan};
-use super::{
-    coalesced_exchange, emit_body_expr, fork_loop, join_loop, reduce_scatter_slots,
-    require_world_mesh, slice_tensor, stream_error, LoopGroup, ReduceScatterFold, Schedule, Slicer,
-};
+use super::direct::{reduce_scatter_slots, slot_axis_of_block};
+use super::exchange::{coalesced_exchange, require_world_mesh};
+use super::group::{stream_error, LoopGroup, ReduceScatterFold};
+use super::iteration::{emit_body_expr, fork_loop, join_loop};
+use super::schedule::Schedule;
+use super::subchunk::SubChunkPlan;
+use super::views::{narrowed, slice_tensor, RowSlicing, Slicer};
 use crate::error::Result;
 use crate::hir::{CommBackend, ForLoop, HostProgram, Node, StreamDef, StreamId, COMPUTE_STREAMS};
-use crate::ir::{axis_map, Expr, NamedScalar, Op, ParallelType, ScalarId, ScalarOp, TensorId};
-use crate::pass::PassContext;
+use crate::ir::{
+    axis_map, Expr, IterDomainId, NamedScalar, Op, ParallelType, ScalarId, ScalarOp, TensorId,
+};
+use crate::pass::context::PassContext;
 
 /// Whether the ring applies to this loop: the reduced tensor is the result of the loop's
 /// last expression, a matmul whose chunk is a plain 2-D GEMM (`[DIDx, Stream, M, N]`).
@@ -83,97 +87,204 @@ pub(super) fn emit(
         .as_ref()
         .expect("the ring is a reduce-scatter pipeline");
     let x = rs.expr.inputs[0];
-    let s_axis = g.exprs.last().expect("a loop has expressions").1;
     require_world_mesh(p, x, rs.didx)?;
     let plan = SubChunkPlan::new(&p.ir, &g.exprs, rs, subchunks);
-    let c = plan.as_ref().map_or(1, |pl| pl.count);
-    let f = &mut p.ir;
-    let index = f.loop_index("StreamIdx");
-    let n = f.named(NamedScalar::NumberOfStreams);
-    let rank = f.named(NamedScalar::Rank);
-    let (zero, one) = (f.constant(0), f.constant(1));
-    let d = g.extent;
-    let cc = f.constant(c as i64);
-    let pool_index = f.binary(ScalarOp::Mod, index, n);
-    let (loop_axis, stop, step, rows) = match &plan {
-        None => (g.axis, d, index, None),
-        Some(pl) => {
-            let stop = f.binary(ScalarOp::Mul, d, cc);
-            let mut dom = f.iter_domain(g.axis).clone();
-            dom.extent = stop;
-            let axis = f.add_iter_domain(dom);
-            let step = f.binary(ScalarOp::Div, index, cc);
-            let sub = f.binary(ScalarOp::Mod, index, cc);
-            let rows = RowSlicing {
-                rows: pl.rows.clone(),
-                sub,
-                count: cc,
-            };
-            (axis, stop, step, Some(rows))
-        }
-    };
-    // Block of step j, the neighbours, and the step predicates.
-    let r1 = f.binary(ScalarOp::Add, rank, one);
-    let r1j = f.binary(ScalarOp::Add, r1, step);
-    let block = f.binary(ScalarOp::Mod, r1j, d);
-    let from = f.binary(ScalarOp::Mod, r1, d);
-    let rd = f.binary(ScalarOp::Add, rank, d);
-    let rd1 = f.binary(ScalarOp::Sub, rd, one);
-    let to = f.binary(ScalarOp::Mod, rd1, d);
-    let last = f.binary(ScalarOp::Sub, d, one);
-    let next_step = f.binary(ScalarOp::Add, step, one);
-    let is_first = f.binary(ScalarOp::Eq, step, zero);
-    let is_last = f.binary(ScalarOp::Eq, step, last);
-    // The pool stream of iteration i - c (mod numberOfStreams, kept non-negative), whose
-    // exchange received this iteration's running sum.
-    let c_n1 = {
-        let n1 = f.binary(ScalarOp::Sub, n, one);
-        f.binary(ScalarOp::Mul, cc, n1)
-    };
-    let back = f.binary(ScalarOp::Add, index, c_n1);
-    let arrived_index = f.binary(ScalarOp::Mod, back, n);
+    let (sc, rows) = RingScalars::new(p, &g, plan.as_ref());
 
     // Buffers: the running sums of steps 0..D-1, and the output.
     let (mut nodes, small) = g.allocate_outputs(p, internal, rows.as_ref(), Some(x));
-    let acc = allocate_running_sums(p, rs, d, &mut nodes);
+    let acc = allocate_running_sums(p, rs, g.extent, &mut nodes);
     let original = p.new_stream(StreamDef::Captured);
-    let worker = p.new_stream(StreamDef::Pool(pool_index));
-    let arrived = p.new_stream(StreamDef::Pool(arrived_index));
-    let compute = ComputeStreams::new(p, ctx, g.exprs.len(), index, original);
+    let worker = p.new_stream(StreamDef::Pool(sc.pool_index));
+    let arrived = p.new_stream(StreamDef::Pool(sc.arrived_index));
+    let compute = ComputeStreams::new(p, ctx, g.exprs.len(), sc.index, original);
     nodes.push(Node::GetCurrentStream { stream: original });
-    nodes.push(fork_loop(index, loop_axis, zero, stop, original, worker));
+    nodes.push(fork_loop(
+        sc.index,
+        sc.loop_axis,
+        sc.zero,
+        sc.stop,
+        original,
+        worker,
+    ));
     compute.fork(original, &mut nodes);
 
-    // The first step's sums start here: nothing arrived for them (and the stream of
-    // iteration i - c may be one the loop never uses, which a graph capture refuses).
-    let mut body = vec![
-        Node::SetCurrentStream {
-            stream: compute.current,
-        },
-        Node::IfThenElse {
-            cond: is_first,
-            then_body: Vec::new(),
-            else_body: vec![Node::Synchronize { stream: arrived }],
-        },
-    ];
-    let sched = Schedule {
-        chunk: block,
-        recv_peer: from,
-        send_peer: to,
-        rank,
-    };
     let mut slicer = Slicer {
-        chunk: block,
-        pool_index,
-        zero,
+        chunk: sc.block,
+        pool_index: sc.pool_index,
+        zero: sc.zero,
         small,
         rows,
         cache: HashMap::new(),
     };
+    let streams = RingStreams {
+        original,
+        worker,
+        arrived,
+        compute: compute.current,
+    };
     let backend = ctx.options.p2p_backend;
+    let body = emit_body(p, &g, &sc, &mut slicer, acc, &streams, backend)?;
+    nodes.push(Node::ForLoop(ForLoop {
+        index: sc.index,
+        axis: sc.loop_axis,
+        start: sc.zero,
+        stop: sc.stop,
+        body,
+    }));
+    // Join: the caller's stream waits for every pool stream's transfers (and for the
+    // compute streams' GEMMs).
+    nodes.push(join_loop(sc.index, sc.loop_axis, sc.zero, sc.stop, worker));
+    compute.join(&mut nodes);
+    Ok(nodes)
+}
+
+/// The scalars of a ring's loop: its iterations (`D`, or `D * c` step-major with row
+/// ranges), the step's block and neighbours, and the step predicates.
+struct RingScalars {
+    index: ScalarId,
+    rank: ScalarId,
+    zero: ScalarId,
+    /// The pool stream of iteration `i`.
+    pool_index: ScalarId,
+    loop_axis: IterDomainId,
+    stop: ScalarId,
+    /// The ring step `j` of iteration `i`, and `j + 1`.
+    step: ScalarId,
+    next_step: ScalarId,
+    /// The block step `j` computes: `(rank + 1 + j) % D`.
+    block: ScalarId,
+    /// The neighbours: the running sums come from `rank + 1` and go to `rank - 1`.
+    from: ScalarId,
+    to: ScalarId,
+    is_first: ScalarId,
+    is_last: ScalarId,
+    /// The pool stream of iteration `i - c`, whose exchange received this iteration's
+    /// running sum.
+    arrived_index: ScalarId,
+}
+
+impl RingScalars {
+    /// The scalars, and the row ranges of iteration `i` when `plan` splits the blocks.
+    fn new(
+        p: &mut HostProgram,
+        g: &LoopGroup,
+        plan: Option<&SubChunkPlan>,
+    ) -> (Self, Option<RowSlicing>) {
+        let c = plan.map_or(1, |pl| pl.count);
+        let f = &mut p.ir;
+        let index = f.loop_index("StreamIdx");
+        let n = f.named(NamedScalar::NumberOfStreams);
+        let rank = f.named(NamedScalar::Rank);
+        let (zero, one) = (f.constant(0), f.constant(1));
+        let d = g.extent;
+        let cc = f.constant(c as i64);
+        let pool_index = f.binary(ScalarOp::Mod, index, n);
+        let (loop_axis, stop, step, rows) = match plan {
+            None => (g.axis, d, index, None),
+            Some(pl) => {
+                let stop = f.binary(ScalarOp::Mul, d, cc);
+                let mut dom = f.iter_domain(g.axis).clone();
+                dom.extent = stop;
+                let axis = f.add_iter_domain(dom);
+                let step = f.binary(ScalarOp::Div, index, cc);
+                let sub = f.binary(ScalarOp::Mod, index, cc);
+                let rows = RowSlicing {
+                    rows: pl.rows.clone(),
+                    sub,
+                    count: cc,
+                };
+                (axis, stop, step, Some(rows))
+            }
+        };
+        // Block of step j, the neighbours, and the step predicates.
+        let r1 = f.binary(ScalarOp::Add, rank, one);
+        let r1j = f.binary(ScalarOp::Add, r1, step);
+        let block = f.binary(ScalarOp::Mod, r1j, d);
+        let from = f.binary(ScalarOp::Mod, r1, d);
+        let rd = f.binary(ScalarOp::Add, rank, d);
+        let rd1 = f.binary(ScalarOp::Sub, rd, one);
+        let to = f.binary(ScalarOp::Mod, rd1, d);
+        let last = f.binary(ScalarOp::Sub, d, one);
+        let next_step = f.binary(ScalarOp::Add, step, one);
+        let is_first = f.binary(ScalarOp::Eq, step, zero);
+        let is_last = f.binary(ScalarOp::Eq, step, last);
+        // The pool stream of iteration i - c (mod numberOfStreams, kept non-negative).
+        let c_n1 = {
+            let n1 = f.binary(ScalarOp::Sub, n, one);
+            f.binary(ScalarOp::Mul, cc, n1)
+        };
+        let back = f.binary(ScalarOp::Add, index, c_n1);
+        let arrived_index = f.binary(ScalarOp::Mod, back, n);
+        let scalars = RingScalars {
+            index,
+            rank,
+            zero,
+            pool_index,
+            loop_axis,
+            stop,
+            step,
+            next_step,
+            block,
+            from,
+            to,
+            is_first,
+            is_last,
+            arrived_index,
+        };
+        (scalars, rows)
+    }
+}
+
+/// The streams of a ring's loop: the caller's, the iteration's pool stream, the pool
+/// stream that received the iteration's running sum, and the one its GEMM runs on.
+struct RingStreams {
+    original: StreamId,
+    worker: StreamId,
+    arrived: StreamId,
+    compute: StreamId,
+}
+
+/// The loop body: wait for the running sum (after the first step), every expression but
+/// the last on the block's slices, then the ring step (the GEMM onto the sum, and the
+/// exchange) of the last expression, a matmul.
+fn emit_body(
+    p: &mut HostProgram,
+    g: &LoopGroup,
+    sc: &RingScalars,
+    slicer: &mut Slicer,
+    acc: TensorId,
+    streams: &RingStreams,
+    backend: CommBackend,
+) -> Result<Vec<Node>> {
+    let rs = g
+        .reduce_scatter
+        .as_ref()
+        .expect("the ring is a reduce-scatter pipeline");
+    let s_axis = g.exprs.last().expect("a loop has expressions").1;
+    // The first step's sums start here: nothing arrived for them (and the stream of
+    // iteration i - c may be one the loop never uses, which a graph capture refuses).
+    let mut body = vec![
+        Node::SetCurrentStream {
+            stream: streams.compute,
+        },
+        Node::IfThenElse {
+            cond: sc.is_first,
+            then_body: Vec::new(),
+            else_body: vec![Node::Synchronize {
+                stream: streams.arrived,
+            }],
+        },
+    ];
+    let sched = Schedule {
+        chunk: sc.block,
+        recv_peer: sc.from,
+        send_peer: sc.to,
+        rank: sc.rank,
+    };
     let (exprs, last) = g.exprs.split_at(g.exprs.len() - 1);
     for (e, s) in exprs {
-        emit_body_expr(p, &mut slicer, &sched, e, *s, backend, &mut body)?;
+        emit_body_expr(p, slicer, &sched, e, *s, backend, &mut body)?;
     }
     let mm = &last[0].0;
     // The GEMM's operands for this chunk, without their (local, extent-1) DIDx axes.
@@ -184,41 +295,32 @@ pub(super) fn emit(
             Some(q) => slicer.slice(p, t, q, &mut body),
             None => t,
         };
-        operands.push(drop_didx(p, v, zero, &mut body));
+        operands.push(drop_didx(p, v, sc.zero, &mut body));
     }
     let sums = RunningSums {
         acc,
         rs,
         rows: slicer.rows.as_ref(),
-        zero,
+        zero: sc.zero,
     };
     let ring_step = RingStep {
-        step,
-        is_first,
-        is_last,
-        next_step,
-        from,
-        to,
-        worker,
-        compute: compute.current,
+        step: sc.step,
+        is_first: sc.is_first,
+        is_last: sc.is_last,
+        next_step: sc.next_step,
+        from: sc.from,
+        to: sc.to,
+        worker: streams.worker,
+        compute: streams.compute,
     };
     ring_step.emit(p, &sums, operands, backend, &mut body)?;
-    if compute.current != original {
+    if streams.compute != streams.original {
         // Back on the caller's stream, for the join right after the loop.
-        body.push(Node::SetCurrentStream { stream: original });
+        body.push(Node::SetCurrentStream {
+            stream: streams.original,
+        });
     }
-    nodes.push(Node::ForLoop(ForLoop {
-        index,
-        axis: loop_axis,
-        start: zero,
-        stop,
-        body,
-    }));
-    // Join: the caller's stream waits for every pool stream's transfers (and for the
-    // compute streams' GEMMs).
-    nodes.push(join_loop(index, loop_axis, zero, stop, worker));
-    compute.join(&mut nodes);
-    Ok(nodes)
+    Ok(body)
 }
 
 /// The streams a ring's GEMMs run on: the caller's, or (with
@@ -433,7 +535,7 @@ impl RunningSums<'_> {
         let out_didx = self.rs.out_didx;
         // The slot axis of `acc` sits where the output block has its reduction axis; the
         // row axis is the block's first visible axis that is not it.
-        let slot_pos = super::direct::slot_axis_of_block(&p.ir, out, out_didx);
+        let slot_pos = slot_axis_of_block(&p.ir, out, out_didx);
         let slot = slice_tensor(&mut p.ir, self.acc, slot_pos);
         let block = slice_tensor(&mut p.ir, out, out_didx);
         let Some(rows) = self.rows else {
@@ -463,7 +565,7 @@ impl RunningSums<'_> {
         let extent = p.ir.axis(block, row_in_block).extent;
         let (start, stop) = rows.range(&mut p.ir, extent);
         let len = p.ir.binary(ScalarOp::Sub, stop, start);
-        let view = super::subchunk::narrowed(&mut p.ir, slot, row_in_slot, len);
+        let view = narrowed(&mut p.ir, slot, row_in_slot, len);
         Ok(SumViews {
             slot,
             block,

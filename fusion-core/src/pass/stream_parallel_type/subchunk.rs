@@ -12,11 +12,8 @@
 
 use std::collections::HashMap;
 
-use super::ReduceScatterFold;
-use crate::hir::{HostProgram, Node};
-use crate::ir::{
-    axis_map, Expr, Fusion, IterKind, MemoryType, Op, ParallelType, ScalarId, ScalarOp, TensorId,
-};
+use super::group::ReduceScatterFold;
+use crate::ir::{axis_map, Expr, Fusion, IterKind, ParallelType, TensorId};
 
 /// Which axis of each loop tensor is split into row ranges, decided once per loop.
 #[derive(Clone, Debug)]
@@ -104,94 +101,4 @@ fn is_unit(f: &Fusion, t: TensorId, q: usize) -> bool {
 /// so that a row range of `axis` is contiguous once the `skip` axes are selected.
 fn leads_after_units(f: &Fusion, t: TensorId, axis: usize, skip: &[usize]) -> bool {
     (0..axis).all(|q| skip.contains(&q) || f.axis(t, q).is_reduction() || is_unit(f, t, q))
-}
-
-/// The row-range views of one iteration: sub-chunk `sub` of `count`.
-pub(super) struct RowSlicing {
-    pub rows: HashMap<TensorId, usize>,
-    /// The round of the current iteration (`i / D`).
-    pub sub: ScalarId,
-    pub count: ScalarId,
-}
-
-impl RowSlicing {
-    /// `[sub * e / c, (sub + 1) * e / c)` for an axis of extent `e`.
-    pub fn range(&self, f: &mut Fusion, extent: ScalarId) -> (ScalarId, ScalarId) {
-        let one = f.constant(1);
-        let next = f.binary(ScalarOp::Add, self.sub, one);
-        let lo = f.binary(ScalarOp::Mul, self.sub, extent);
-        let hi = f.binary(ScalarOp::Mul, next, extent);
-        (
-            f.binary(ScalarOp::Div, lo, self.count),
-            f.binary(ScalarOp::Div, hi, self.count),
-        )
-    }
-
-    /// The largest row range of an axis of extent `e`: `ceil(e / c)` (a slot's size).
-    pub fn slot_extent(&self, f: &mut Fusion, extent: ScalarId) -> ScalarId {
-        let one = f.constant(1);
-        let c_minus_1 = f.binary(ScalarOp::Sub, self.count, one);
-        let padded = f.binary(ScalarOp::Add, extent, c_minus_1);
-        f.binary(ScalarOp::Div, padded, self.count)
-    }
-
-    /// Emits `Slice` of `t` along `pos` (an index into its `axes`): this iteration's row
-    /// range of an axis of extent `extent`, or, with `from_zero`, a range of the same
-    /// length starting at 0 (for a slot buffer sized by [`Self::slot_extent`]).
-    pub fn emit(
-        &self,
-        p: &mut HostProgram,
-        t: TensorId,
-        pos: usize,
-        extent: ScalarId,
-        from_zero: bool,
-        body: &mut Vec<Node>,
-    ) -> TensorId {
-        self.emit_into(p, t, pos, extent, from_zero, None, body)
-    }
-
-    /// [`Self::emit`] binding the view to `out` (a tensor another branch also binds)
-    /// instead of a new one.
-    #[allow(clippy::too_many_arguments)]
-    pub fn emit_into(
-        &self,
-        p: &mut HostProgram,
-        t: TensorId,
-        pos: usize,
-        extent: ScalarId,
-        from_zero: bool,
-        out: Option<TensorId>,
-        body: &mut Vec<Node>,
-    ) -> TensorId {
-        let (start, stop) = self.range(&mut p.ir, extent);
-        let (start, stop) = if from_zero {
-            let len = p.ir.binary(ScalarOp::Sub, stop, start);
-            (p.ir.constant(0), len)
-        } else {
-            (start, stop)
-        };
-        let len = p.ir.binary(ScalarOp::Sub, stop, start);
-        let view = out.unwrap_or_else(|| narrowed(&mut p.ir, t, pos, len));
-        let axis =
-            p.ir.visible_axes(t)
-                .iter()
-                .position(|&q| q == pos)
-                .expect("row axes are visible");
-        body.push(Node::Compute(Expr {
-            op: Op::Slice { axis, start, stop },
-            inputs: vec![t],
-            output: view,
-        }));
-        view
-    }
-}
-
-/// A view like `t` whose axis `pos` has extent `extent`.
-pub(super) fn narrowed(f: &mut Fusion, t: TensorId, pos: usize, extent: ScalarId) -> TensorId {
-    super::derived_tensor(f, t, None, MemoryType::Local, |i, mut d| {
-        if i == pos {
-            d.extent = extent;
-        }
-        Some(d)
-    })
 }

@@ -2,13 +2,13 @@
 //!
 //! `Set` and `Reduction` are the only expressions that may change distribution; lowering
 //! first rewrites every other op so that its inputs already match its output
-//! ([`super::insert_reshardings`]). This module decides, for one expression, whether it is
+//! (`insert_reshardings` in [`crate::lower`]). This module decides, for one expression, whether it is
 //! local, which communications implement it, or why it cannot be lowered.
 
 use crate::error::{Error, Result};
 use crate::hir::CommunicationKind;
 use crate::ir::{
-    axis_map, DeviceMesh, Expr, Fusion, IterKind, Op, ParallelType, ReduceOp, TensorId,
+    axis_map, AxisMap, DeviceMesh, Expr, Fusion, IterKind, Op, ParallelType, ReduceOp, TensorId,
 };
 
 /// One communication a resharding needs; the conversion pass turns it into a node.
@@ -149,159 +149,233 @@ pub fn inconsistent_inputs(f: &Fusion, e: &Expr, ctx: MeshContext) -> Vec<usize>
 }
 
 fn classify_set(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
-    let (x, y) = (e.inputs[0], e.output);
-    let map = axis_map(f, e);
-    let (p, c) = (sharded_axis(f, ctx, x), sharded_axis(f, ctx, y));
-    let (in_mesh, out_mesh) = (&f.tensor(x).mesh, &f.tensor(y).mesh);
-    let same = ctx.same_mesh_of(f, e)?;
-    if let (Some(p), Some(s)) = (p, f.find_parallel_axis(y, ParallelType::Stream)) {
-        if map.producer_axis(0, s) == Some(p) {
-            if !same {
-                return Err(Error::Resharding {
-                    expr: describe(f, e),
-                    reason: format!(
-                        "turning the DIDx axis of `{}` into a Stream axis (the P2P pipeline) \
-                         needs both on the same mesh, but they live on {in_mesh} and \
-                         {out_mesh}",
-                        f.tensor_name(x)
-                    ),
-                });
-            }
-            if c.is_some() {
-                return Err(Error::Resharding {
-                    expr: describe(f, e),
-                    reason: "the DIDx→Stream pipeline cannot also shard the result along \
-                             another axis (two shardings would change at once); copy in two \
-                             steps"
-                        .into(),
-                });
-            }
-            return Ok(Resharding::DidxToStream {
-                in_axis: p,
-                out_axis: s,
-            });
+    let set = SetParts::new(f, e, ctx)?;
+    if let Some(pipeline) = set.didx_to_stream()? {
+        return Ok(pipeline);
+    }
+    match (set.p, set.c) {
+        (None, None) if set.same => Ok(Resharding::Local),
+        (None, None) => set.broadcast(),
+        (Some(p), None) => set.gather(p),
+        (None, Some(c)) => set.scatter(c),
+        (Some(p), Some(c)) => set.send_recv(p, c),
+    }
+}
+
+/// A `set` being classified: its input `x`, output `y`, their sharded axes (`p`, `c`) and
+/// meshes, and whether the meshes are the same.
+struct SetParts<'a> {
+    f: &'a Fusion,
+    e: &'a Expr,
+    ctx: MeshContext,
+    x: TensorId,
+    y: TensorId,
+    map: AxisMap,
+    p: Option<usize>,
+    c: Option<usize>,
+    same: bool,
+}
+
+impl<'a> SetParts<'a> {
+    fn new(f: &'a Fusion, e: &'a Expr, ctx: MeshContext) -> Result<Self> {
+        let (x, y) = (e.inputs[0], e.output);
+        Ok(SetParts {
+            f,
+            e,
+            ctx,
+            x,
+            y,
+            map: axis_map(f, e),
+            p: sharded_axis(f, ctx, x),
+            c: sharded_axis(f, ctx, y),
+            same: ctx.same_mesh_of(f, e)?,
+        })
+    }
+
+    fn in_mesh(&self) -> &DeviceMesh {
+        &self.f.tensor(self.x).mesh
+    }
+
+    fn out_mesh(&self) -> &DeviceMesh {
+        &self.f.tensor(self.y).mesh
+    }
+
+    fn error(&self, reason: String) -> Error {
+        Error::Resharding {
+            expr: describe(self.f, self.e),
+            reason,
         }
     }
-    let devices = |m: &DeviceMesh| {
-        ctx.devices(m).ok_or_else(|| Error::Resharding {
-            expr: describe(f, e),
-            reason: "the world size is needed to lower a resharding between meshes".into(),
+
+    fn devices(&self, m: &DeviceMesh) -> Result<Vec<usize>> {
+        self.ctx.devices(m).ok_or_else(|| {
+            self.error("the world size is needed to lower a resharding between meshes".into())
         })
-    };
-    let spec = |kind| CommSpec {
-        kind,
-        team: vec![],
-        mesh: vec![],
-        root: None,
-        reduce_op: None,
-        in_sharded_axis: None,
-        in_scatter_axis: None,
-        out_sharded_axis: None,
-        receiver: None,
-    };
-    match (p, c) {
-        (None, None) if same => Ok(Resharding::Local),
-        (None, None) => {
-            let (src, dst) = (devices(in_mesh)?, devices(out_mesh)?);
-            let root = src[0];
-            Ok(Resharding::Communications(vec![CommSpec {
-                team: with_root(&dst, root),
-                mesh: dst,
-                root: Some(root),
-                ..spec(CommunicationKind::Broadcast)
-            }]))
+    }
+
+    /// The P2P pipeline, when the input's DIDx axis becomes the output's Stream axis.
+    fn didx_to_stream(&self) -> Result<Option<Resharding>> {
+        let (f, x) = (self.f, self.x);
+        let (Some(p), Some(s)) = (self.p, f.find_parallel_axis(self.y, ParallelType::Stream))
+        else {
+            return Ok(None);
+        };
+        if self.map.producer_axis(0, s) != Some(p) {
+            return Ok(None);
         }
-        (Some(p), None) => {
-            let src = devices(in_mesh)?;
-            let in_axis = stored_index(f, x, p);
-            let out_axis = map
-                .consumer_axes(0, p)
-                .first()
-                .map(|&j| stored_index(f, y, j));
-            if same {
-                return Ok(Resharding::Communications(vec![CommSpec {
-                    team: src.clone(),
-                    mesh: src,
+        if !self.same {
+            return Err(self.error(format!(
+                "turning the DIDx axis of `{}` into a Stream axis (the P2P pipeline) needs \
+                 both on the same mesh, but they live on {} and {}",
+                f.tensor_name(x),
+                self.in_mesh(),
+                self.out_mesh()
+            )));
+        }
+        if self.c.is_some() {
+            return Err(self.error(
+                "the DIDx→Stream pipeline cannot also shard the result along another axis \
+                 (two shardings would change at once); copy in two steps"
+                    .into(),
+            ));
+        }
+        Ok(Some(Resharding::DidxToStream {
+            in_axis: p,
+            out_axis: s,
+        }))
+    }
+
+    /// A communication of `kind` from the input mesh's first device to every device of
+    /// the output's mesh.
+    fn rooted_at_first_source(&self, kind: CommunicationKind) -> Result<CommSpec> {
+        let (src, dst) = (
+            self.devices(self.in_mesh())?,
+            self.devices(self.out_mesh())?,
+        );
+        let root = src[0];
+        Ok(CommSpec {
+            team: with_root(&dst, root),
+            mesh: dst,
+            root: Some(root),
+            ..CommSpec::of(kind)
+        })
+    }
+
+    /// Unsharded to unsharded between meshes: a broadcast from the input's first device.
+    fn broadcast(&self) -> Result<Resharding> {
+        let spec = self.rooted_at_first_source(CommunicationKind::Broadcast)?;
+        Ok(Resharding::Communications(vec![spec]))
+    }
+
+    /// Sharded (axis `p`) to unsharded: an allgather on one mesh, else a gather to every
+    /// device of the output's mesh.
+    fn gather(&self, p: usize) -> Result<Resharding> {
+        let (f, x, y) = (self.f, self.x, self.y);
+        let src = self.devices(self.in_mesh())?;
+        let in_axis = stored_index(f, x, p);
+        let out_axis = self
+            .map
+            .consumer_axes(0, p)
+            .first()
+            .map(|&j| stored_index(f, y, j));
+        if self.same {
+            return Ok(Resharding::Communications(vec![CommSpec {
+                team: src.clone(),
+                mesh: src,
+                in_sharded_axis: Some(in_axis),
+                out_sharded_axis: out_axis,
+                ..CommSpec::of(CommunicationKind::Allgather)
+            }]));
+        }
+        let dst = self.devices(self.out_mesh())?;
+        Ok(Resharding::Communications(
+            dst.iter()
+                .map(|&root| CommSpec {
+                    team: with_root(&src, root),
+                    mesh: src.clone(),
+                    root: Some(root),
                     in_sharded_axis: Some(in_axis),
                     out_sharded_axis: out_axis,
-                    ..spec(CommunicationKind::Allgather)
-                }]));
-            }
-            let dst = devices(out_mesh)?;
-            Ok(Resharding::Communications(
-                dst.iter()
-                    .map(|&root| CommSpec {
-                        team: with_root(&src, root),
-                        mesh: src.clone(),
-                        root: Some(root),
-                        in_sharded_axis: Some(in_axis),
-                        out_sharded_axis: out_axis,
-                        ..spec(CommunicationKind::Gather)
-                    })
-                    .collect(),
-            ))
+                    ..CommSpec::of(CommunicationKind::Gather)
+                })
+                .collect(),
+        ))
+    }
+
+    /// Unsharded to sharded (axis `c`): a scatter from the input's first device.
+    fn scatter(&self, c: usize) -> Result<Resharding> {
+        let q = self.map.producer_axis(0, c).ok_or_else(|| {
+            self.error("the output's DIDx axis does not come from the input".into())
+        })?;
+        let spec = self.rooted_at_first_source(CommunicationKind::Scatter)?;
+        Ok(Resharding::Communications(vec![CommSpec {
+            in_scatter_axis: Some(stored_index(self.f, self.x, q)),
+            out_sharded_axis: Some(stored_index(self.f, self.y, c)),
+            ..spec
+        }]))
+    }
+
+    /// Sharded (axis `p`) to sharded (axis `c`): local on one mesh, else a send/receive
+    /// per shard between meshes of one size.
+    fn send_recv(&self, p: usize, c: usize) -> Result<Resharding> {
+        let (f, x, y) = (self.f, self.x, self.y);
+        if self.map.producer_axis(0, c) != Some(p) {
+            return Err(self.error(format!(
+                "two shardings change at once: `{}` is sharded on axis {} but the result on \
+                 axis {} (an all-to-all); reshard through an unsharded tensor: first copy to \
+                 a tensor with no DIDx axis (`let full: Tensor<..> = x;`), then shard the \
+                 other axis",
+                f.tensor_name(x),
+                stored_index(f, x, p),
+                stored_index(f, y, c)
+            )));
         }
-        (None, Some(c)) => {
-            let q = map.producer_axis(0, c).ok_or_else(|| Error::Resharding {
-                expr: describe(f, e),
-                reason: "the output's DIDx axis does not come from the input".into(),
-            })?;
-            let (src, dst) = (devices(in_mesh)?, devices(out_mesh)?);
-            let root = src[0];
-            Ok(Resharding::Communications(vec![CommSpec {
-                team: with_root(&dst, root),
-                mesh: dst,
-                root: Some(root),
-                in_scatter_axis: Some(stored_index(f, x, q)),
-                out_sharded_axis: Some(stored_index(f, y, c)),
-                ..spec(CommunicationKind::Scatter)
-            }]))
+        if self.same {
+            return Ok(Resharding::Local);
         }
-        (Some(p), Some(c)) => {
-            if map.producer_axis(0, c) != Some(p) {
-                return Err(Error::Resharding {
-                    expr: describe(f, e),
-                    reason: format!(
-                        "two shardings change at once: `{}` is sharded on axis {} but the \
-                         result on axis {} (an all-to-all); reshard through an unsharded \
-                         tensor: first copy to a tensor with no DIDx axis (`let full: \
-                         Tensor<..> = x;`), then shard the other axis",
-                        f.tensor_name(x),
-                        stored_index(f, x, p),
-                        stored_index(f, y, c)
-                    ),
-                });
-            }
-            if same {
-                return Ok(Resharding::Local);
-            }
-            let (src, dst) = (devices(in_mesh)?, devices(out_mesh)?);
-            if src.len() != dst.len() {
-                return Err(Error::Resharding {
-                    expr: describe(f, e),
-                    reason: format!(
-                        "`{}` is sharded over {} devices but the result over {}; a \
-                         sharded-to-sharded copy needs meshes of one size",
-                        f.tensor_name(x),
-                        src.len(),
-                        dst.len()
-                    ),
-                });
-            }
-            Ok(Resharding::Communications(
-                src.iter()
-                    .zip(&dst)
-                    .map(|(&s, &r)| CommSpec {
-                        team: vec![s, r],
-                        mesh: vec![s],
-                        root: Some(s),
-                        receiver: Some(r),
-                        in_sharded_axis: Some(stored_index(f, x, p)),
-                        out_sharded_axis: Some(stored_index(f, y, c)),
-                        ..spec(CommunicationKind::SendRecv)
-                    })
-                    .collect(),
-            ))
+        let (src, dst) = (
+            self.devices(self.in_mesh())?,
+            self.devices(self.out_mesh())?,
+        );
+        if src.len() != dst.len() {
+            return Err(self.error(format!(
+                "`{}` is sharded over {} devices but the result over {}; a sharded-to-sharded \
+                 copy needs meshes of one size",
+                f.tensor_name(x),
+                src.len(),
+                dst.len()
+            )));
+        }
+        Ok(Resharding::Communications(
+            src.iter()
+                .zip(&dst)
+                .map(|(&s, &r)| CommSpec {
+                    team: vec![s, r],
+                    mesh: vec![s],
+                    root: Some(s),
+                    receiver: Some(r),
+                    in_sharded_axis: Some(stored_index(f, x, p)),
+                    out_sharded_axis: Some(stored_index(f, y, c)),
+                    ..CommSpec::of(CommunicationKind::SendRecv)
+                })
+                .collect(),
+        ))
+    }
+}
+
+impl CommSpec {
+    /// A communication of `kind` with every other field empty.
+    fn of(kind: CommunicationKind) -> Self {
+        CommSpec {
+            kind,
+            team: vec![],
+            mesh: vec![],
+            root: None,
+            reduce_op: None,
+            in_sharded_axis: None,
+            in_scatter_axis: None,
+            out_sharded_axis: None,
+            receiver: None,
         }
     }
 }

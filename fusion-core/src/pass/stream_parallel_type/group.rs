@@ -1,0 +1,144 @@
+//! The expressions one stream loop hosts ([`LoopGroup`]), the reduce-scatter folded into
+//! it, and the error every step of the pass reports a Stream axis it cannot lower with.
+
+use std::collections::{HashMap, HashSet};
+
+use super::views::{with_axis_extent, RowSlicing};
+use crate::error::{Error, Result};
+use crate::hir::{HostProgram, Node};
+use crate::ir::{axis_map, Expr, Fusion, IterDomainId, IterKind, NamedScalar, ScalarId, TensorId};
+use crate::resharding::{classify, MeshContext, Resharding};
+
+/// A reduce-scatter folded into the loop that produces its input.
+pub(super) struct ReduceScatterFold {
+    pub(super) expr: Expr,
+    /// Position of the reduced DIDx axis in the input.
+    pub(super) didx: usize,
+    /// Position of the output's DIDx axis (the one the loop's Stream axis becomes).
+    pub(super) out_didx: usize,
+}
+
+/// Expressions that will share one stream loop.
+pub(super) struct LoopGroup {
+    pub(super) axis: IterDomainId,
+    pub(super) extent: ScalarId,
+    pub(super) exprs: Vec<(Expr, usize)>,
+    /// Tensors produced in the loop -> position of their Stream axis.
+    pub(super) produced: HashMap<TensorId, usize>,
+    pub(super) reduce_scatter: Option<ReduceScatterFold>,
+}
+
+impl LoopGroup {
+    pub(super) fn new(f: &Fusion, e: &Expr, s: usize) -> Result<Self> {
+        let d = f.axis(e.output, s);
+        if d.kind == IterKind::Broadcast {
+            return Err(stream_error(
+                f,
+                e.output,
+                s,
+                "a broadcast axis cannot be Stream-parallel",
+            ));
+        }
+        Ok(LoopGroup {
+            axis: f.tensor(e.output).axes[s],
+            extent: d.extent,
+            exprs: Vec::new(),
+            produced: HashMap::new(),
+            reduce_scatter: None,
+        })
+    }
+
+    pub(super) fn push(&mut self, e: Expr, s: usize) {
+        self.produced.insert(e.output, s);
+        self.exprs.push((e, s));
+    }
+
+    /// True when `e` (with Stream axis `s`) continues this loop.
+    pub(super) fn accepts(&self, f: &Fusion, e: &Expr, s: usize) -> Result<bool> {
+        let map = axis_map(f, e);
+        let mut linked = false;
+        for (i, t) in e.inputs.iter().enumerate() {
+            let Some(&ps) = self.produced.get(t) else {
+                continue;
+            };
+            if map.producer_axis(i, s) != Some(ps) {
+                return Err(stream_error(
+                    f,
+                    e.output,
+                    s,
+                    &format!(
+                        "its Stream axis does not come from the Stream axis {ps} of `{}`, \
+                         which the same stream loop produces; the loop cannot host `{}`",
+                        f.tensor_name(*t),
+                        e.op.name()
+                    ),
+                ));
+            }
+            linked = true;
+        }
+        Ok(linked && f.axis(e.output, s).extent == self.extent)
+    }
+
+    /// How many leading exprs are local compute, when communication follows them in the
+    /// loop (0 otherwise: nothing to run ahead of the communication).
+    pub(super) fn compute_prefix_len(&self, p: &HostProgram, ctx: MeshContext) -> Result<usize> {
+        let mut prefix = 0;
+        for (e, _) in &self.exprs {
+            if !matches!(classify(&p.ir, e, ctx)?, Resharding::Local) {
+                break;
+            }
+            prefix += 1;
+        }
+        let communicates = prefix < self.exprs.len() || self.reduce_scatter.is_some();
+        Ok(if communicates { prefix } else { 0 })
+    }
+
+    /// `Allocate` for every output of the loop's expressions (except `skip`): full size,
+    /// or `numberOfStreams` slots (of one row range each, when sub-chunked) for
+    /// loop-internal intermediates, which the returned map sends to their slot buffer.
+    pub(super) fn allocate_outputs(
+        &self,
+        p: &mut HostProgram,
+        internal: &HashSet<TensorId>,
+        rows: Option<&RowSlicing>,
+        skip: Option<TensorId>,
+    ) -> (Vec<Node>, HashMap<TensorId, TensorId>) {
+        let n = p.ir.named(NamedScalar::NumberOfStreams);
+        let mut nodes = Vec::new();
+        let mut small = HashMap::new();
+        for (e, s) in &self.exprs {
+            if Some(e.output) == skip {
+                continue;
+            }
+            let t = if internal.contains(&e.output) {
+                let mut resized = vec![(*s, n)];
+                if let Some(r) = rows {
+                    if let Some(&q) = r.rows.get(&e.output) {
+                        let extent = p.ir.axis(e.output, q).extent;
+                        resized.push((q, r.slot_extent(&mut p.ir, extent)));
+                    }
+                }
+                let b = with_axis_extent(&mut p.ir, e.output, &resized);
+                small.insert(e.output, b);
+                b
+            } else {
+                e.output
+            };
+            nodes.push(Node::Allocate { tensor: t });
+        }
+        (nodes, small)
+    }
+}
+
+/// The pass's error for axis `pos` of `t`.
+pub(super) fn stream_error(f: &Fusion, t: TensorId, pos: usize, reason: &str) -> Error {
+    Error::StreamLowering {
+        tensor: f.tensor_name(t),
+        axis: f
+            .visible_axes(t)
+            .iter()
+            .position(|&q| q == pos)
+            .or(Some(pos)),
+        reason: reason.to_string(),
+    }
+}
