@@ -77,8 +77,10 @@ pub trait Communicator: Send + Sync {
         input: Option<&Tensor>,
         output: Option<&Tensor>,
     ) -> Result<()>;
-    /// Sends `buf` to `peer` over `backend` (in a group, the transfer may only be issued at
-    /// `group_end`). Messages between a pair arrive in send order.
+    /// Sends `buf` to `peer` over `backend`, the transport the program names (lowered onto
+    /// what the world has, [`Capabilities::lowering`]; a communicator carries it out and
+    /// does not pick another). In a group, the transfer may only be issued at `group_end`.
+    /// Messages between a pair arrive in send order.
     fn send(
         &self,
         stream: StreamHandle,
