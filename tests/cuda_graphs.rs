@@ -392,6 +392,7 @@ fn captured_graphs_are_written_as_dot_files_when_asked() {
     let world = gpu_world(1).expect("a GPU");
     let statuses = world
         .run(|rank| {
+            let (a, b) = (rank.to_device(&a)?, rank.to_device(&b)?);
             (0..3)
                 .map(|_| Ok(exec.run_with(rank, &[&a, &b], None, &options(&dir))?.replay))
                 .collect::<fusion::Result<Vec<_>>>()
@@ -422,6 +423,7 @@ fn captured_graphs_are_written_as_dot_files_when_asked() {
     let world = gpu_world(1).expect("a GPU");
     let err = world
         .run(|rank| {
+            let (a, b) = (rank.to_device(&a)?, rank.to_device(&b)?);
             for _ in 0..2 {
                 exec.run_with(rank, &[&a, &b], None, &options(&missing))?;
             }

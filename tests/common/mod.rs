@@ -181,6 +181,11 @@ pub fn world(d: usize) -> Arc<World> {
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .unwrap_or_else(|p| p.into_inner());
+    // A world a test failed on purpose (an error case) stays failed: the next test gets a
+    // new one.
+    if worlds.get(&d).is_some_and(|w| w.failure().is_some()) {
+        worlds.remove(&d);
+    }
     worlds
         .entry(d)
         .or_insert_with(|| {
