@@ -26,7 +26,7 @@ use super::topology::{host_name, Link, RankInfo};
 use super::{RunComms, World};
 use crate::backend::cuda::{check_libraries, device_count, CudaDevice, WorldHealth};
 use crate::backend::{BackendKind, Device};
-use crate::comm::copy_engine::{enable_peer_access, CopyEngine, CopyMode, CopyRegistry, IpcState};
+use crate::comm::copy_engine::{enable_peer_access, CopyEngine, CopyRegistry, IpcState};
 use crate::comm::ipc::{IpcDevice, IpcInfo, IpcPeer};
 use crate::comm::local::LocalCommunicator;
 use crate::comm::nccl::{
@@ -75,7 +75,6 @@ impl CudaComms {
                 .map(|(r, d)| (*r, d.shared().ctx.cu_ctx()))
                 .collect(),
             self.health.clone(),
-            CopyMode::from_env(),
         )
         .without_peer_access(&self.no_peer_access)
     }
@@ -495,12 +494,6 @@ impl CudaInfo {
     }
 }
 
-/// Whether CUDA IPC may be tried (`FUSION_IPC=0` turns it off: peers in other processes
-/// then use NCCL).
-fn ipc_allowed() -> bool {
-    std::env::var("FUSION_IPC").map_or(true, |v| v != "0")
-}
-
 /// A launched world in which processes of one host may share GPUs: ranks on different
 /// GPUs as in [`super::World::from_env`]; when two processes share a GPU, that world has
 /// no NCCL (which allows one rank per GPU), and its processes hand off over CUDA IPC (the
@@ -521,7 +514,7 @@ pub fn launched_world_sharing_gpus() -> Result<World> {
 /// [`launched_world_sharing_gpus`]).
 pub(super) fn launched_cuda_world(
     spec: LaunchSpec,
-    per_process: Option<&str>,
+    per_process: Option<crate::config::PerProcess>,
     timeout: Duration,
     sharing: bool,
 ) -> Result<World> {
@@ -529,12 +522,8 @@ pub(super) fn launched_cuda_world(
     let visible = Visible::from_env(device_count());
     let per_process = match per_process {
         None => 1,
-        Some("all") => visible.count.max(1),
-        Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
-            Error::World(format!(
-                "FUSION_DEVICES_PER_PROCESS={v}: expected a positive number or `all`"
-            ))
-        })?,
+        Some(crate::config::PerProcess::All) => visible.count.max(1),
+        Some(crate::config::PerProcess::Count(n)) => n,
     };
     let ordinals = if sharing && visible.count > 0 {
         let first = spec.local_process * per_process;
@@ -553,7 +542,7 @@ pub(super) fn launched_cuda_world(
         .map(|(i, &o)| CudaDevice::new(o, first + i, health.clone()).map(Arc::new))
         .collect::<Result<_>>()?;
     // Exportable memory only when a peer may be another process of this host.
-    let wants_ipc = ipc_allowed() && spec.local_processes > 1;
+    let wants_ipc = spec.local_processes > 1;
     let mut ipc_devices: Vec<Option<IpcDevice>> = Vec::new();
     for (i, d) in devices.iter().enumerate() {
         let local_peers: Vec<usize> = ordinals
@@ -741,13 +730,8 @@ fn refuse_missing_ipc(
                 return Err(Error::World(format!(
                     "processes of this launched world share a GPU, so they have no NCCL and \
                      their transfers need CUDA IPC, but rank {rank} could not connect to rank \
-                     {peer} over it (see the warnings above; {}): give each process a GPU of \
-                     its own instead",
-                    if ipc_allowed() {
-                        "both must run on one host"
-                    } else {
-                        "FUSION_IPC=0 turns it off"
-                    }
+                     {peer} over it (see the warnings above; both must run on one host): give \
+                     each process a GPU of its own instead"
                 )));
             }
         }

@@ -36,6 +36,7 @@ use crate::backend::cpu::CpuDevice;
 use crate::backend::{BackendKind, Device};
 use crate::comm::local::{LocalCommunicator, LocalFabric, Membership};
 use crate::comm::Communicator;
+use crate::config;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -56,22 +57,14 @@ use rank::WorldShared;
 
 /// Default time a communication (or the bootstrap) may wait for its peers before failing;
 /// `FUSION_TIMEOUT` (seconds) overrides it.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+pub use crate::config::DEFAULT_TIMEOUT;
 
 /// Default number of simulated devices when no GPU is available.
 pub const DEFAULT_CPU_DEVICES: usize = 4;
 
 /// The communication timeout: `FUSION_TIMEOUT` seconds, else [`DEFAULT_TIMEOUT`].
 pub fn timeout_from_env() -> Result<Duration> {
-    match std::env::var("FUSION_TIMEOUT") {
-        Err(_) => Ok(DEFAULT_TIMEOUT),
-        Ok(v) => match v.trim().parse::<f64>() {
-            Ok(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
-            _ => Err(Error::World(format!(
-                "FUSION_TIMEOUT={v} is not a positive number of seconds"
-            ))),
-        },
-    }
+    config::timeout()
 }
 
 /// Makes the communicators of a world's ranks for a device backend.
@@ -162,12 +155,7 @@ impl World {
     /// Like [`World::local_default`], with `devices` devices when given (examples'
     /// `--devices`). Under a launcher, `devices` must equal the launched world's size.
     pub fn auto(devices: Option<usize>) -> Result<World> {
-        let n_env = match std::env::var("FUSION_DEVICES") {
-            Ok(v) => Some(v.parse::<usize>().map_err(|_| {
-                Error::World(format!("FUSION_DEVICES={v} is not a number of devices"))
-            })?),
-            Err(_) => None,
-        };
+        let n_env = config::devices()?;
         if LaunchSpec::from_env()?.is_some() {
             let world = World::from_env()?;
             if let Some(n) = devices.or(n_env) {
@@ -183,7 +171,7 @@ impl World {
         }
         let n = devices.or(n_env);
         let timeout = timeout_from_env()?;
-        let world = match backend_from_env()? {
+        let world = match config::backend()? {
             Some(BackendKind::Cpu) => World::local(n.unwrap_or(DEFAULT_CPU_DEVICES)),
             Some(BackendKind::Cuda) => cuda_world_or_error(n),
             None if crate::backend::visible_gpus() > 0 => cuda_world_or_error(n),
@@ -208,24 +196,27 @@ impl World {
             )
         })?;
         let timeout = timeout_from_env()?;
-        let per_process = std::env::var("FUSION_DEVICES_PER_PROCESS").ok();
-        let cuda = match backend_from_env()? {
+        let per_process = config::devices_per_process()?;
+        let cuda = match config::backend()? {
             Some(k) => k == BackendKind::Cuda,
             None => crate::backend::visible_gpus() > 0,
         };
         if cuda {
             #[cfg(feature = "cuda")]
-            return cuda::launched_cuda_world(spec, per_process.as_deref(), timeout, false);
+            return cuda::launched_cuda_world(spec, per_process, timeout, false);
             #[cfg(not(feature = "cuda"))]
             return Err(no_cuda_feature());
         }
-        let n = match per_process.as_deref() {
+        let n = match per_process {
             None => 1,
-            Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
-                Error::World(format!(
-                    "FUSION_DEVICES_PER_PROCESS={v}: the CPU backend takes a positive number"
+            Some(config::PerProcess::Count(n)) => n,
+            Some(config::PerProcess::All) => {
+                return Err(config::bad(
+                    config::DEVICES_PER_PROCESS,
+                    "all",
+                    "a positive number (the CPU backend has no GPUs to count)",
                 ))
-            })?,
+            }
         };
         launched_cpu_world(spec, n, timeout)
     }
@@ -304,6 +295,16 @@ impl World {
             *self.ranks.get_mut().unwrap_or_else(PoisonError::into_inner) = None;
         }
         self
+    }
+
+    /// Fills every allocation this process's devices make from now on with NaN bytes
+    /// (`on`), or stops: outputs or intermediates a program forgets to write then read as
+    /// NaN, which the test suites check for. Costs a memset per allocation (and per
+    /// allocation node of a replayed graph); simulated devices always poison.
+    pub fn poison_allocations(&self, on: bool) {
+        for (_, device) in &self.local {
+            device.set_poison(on);
+        }
     }
 
     /// Number of ranks in the world (all processes').
@@ -508,18 +509,6 @@ fn no_cuda_feature() -> Error {
          feature of `fusion` (on by default), or use FUSION_BACKEND=cpu"
             .into(),
     )
-}
-
-/// `FUSION_BACKEND`, when set.
-fn backend_from_env() -> Result<Option<BackendKind>> {
-    match std::env::var("FUSION_BACKEND").as_deref() {
-        Err(_) => Ok(None),
-        Ok("cpu") => Ok(Some(BackendKind::Cpu)),
-        Ok("cuda") => Ok(Some(BackendKind::Cuda)),
-        Ok(other) => Err(Error::World(format!(
-            "FUSION_BACKEND={other}: expected `cpu` or `cuda`"
-        ))),
-    }
 }
 
 /// A launched world on the CPU backend: `per_process` simulated devices per process,
