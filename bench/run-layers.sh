@@ -5,8 +5,7 @@
 #      1 and 2 GPUs, f32 and bf16), tests/epilogues.rs, and the GEMM-epilogue kernel test
 #      (cuBLASLt plans and the fallback kernel against the CPU backend);
 #   2. examples/layer_bench (components alone, sequential, pipelined variants; each checked
-#      against our sequential result before it is timed), and a short cuBLAS-only run of
-#      the first shape (FUSION_CUBLASLT=0) to see what the cuBLASLt plans change;
+#      against our sequential result before it is timed);
 #   3. bench/torch_layers.py (NCCL + cuBLAS sequential, async-TP);
 #   4. bench/report_layers.py -> $OUT/table.md, printed last.
 # Binaries come from scripts/stage-gpu.sh (.gpu/bin). Logs and JSON lines go to $OUT.
@@ -35,23 +34,18 @@ step() { # name timeout command...
 }
 export FUSION_TEST_SEED=${FUSION_TEST_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
 echo "FUSION_TEST_SEED=$FUSION_TEST_SEED" >>"$OUT/machine.txt"
-FUSION_BACKEND=cuda FUSION_POISON=1 FUSION_RESULTS="$OUT/layers-check.jsonl" \
+FUSION_BACKEND=cuda FUSION_RESULTS="$OUT/layers-check.jsonl" \
     step check-layers 120 $BIN/test-layers --test-threads=1
-FUSION_BACKEND=cuda FUSION_POISON=1 step check-epilogues 60 $BIN/test-epilogues --test-threads=1
+FUSION_BACKEND=cuda step check-epilogues 60 $BIN/test-epilogues --test-threads=1
 step check-gemm-kernels 90 $BIN/test-cuda_kernels --ignored --test-threads=1 gemm
 step example-tp_mlp 60 $BIN/tp_mlp --devices "$D" --dtype bf16 -m 1024 --hidden 1024 -f 1024
 step example-tp_mlp-gated 60 $BIN/tp_mlp --devices "$D" --dtype bf16 --gated -m 1024 --hidden 1024 -f 1024
 step ours 300 $BIN/layer_bench --devices "$D" --json "$OUT/ours-layers-d$D.jsonl" ${LAYER_ARGS:-}
-FUSION_CUBLASLT=0 step ours-cublas-only 120 $BIN/layer_bench --devices "$D" \
-    --shapes 8192,4096,14336 --blocks mlp --row-ranges "" --json "$OUT/ours-layers-cublas-d$D.jsonl"
-# Host time of enqueuing one GEMM: cuBLASLt from a cached plan, and cuBLAS alone.
+# Host time of enqueuing one GEMM (cuBLASLt from a cached plan).
 step host-costs 60 $BIN/host_costs --devices 1
-FUSION_CUBLASLT=0 step host-costs-cublas-only 60 $BIN/host_costs --devices 1
 step torch 300 python3 bench/torch_layers.py --out "$OUT/torch-layers-d$D.jsonl"
 python3 bench/report_layers.py "$OUT/ours-layers-d$D.jsonl" "$OUT/torch-layers-d$D.jsonl" >"$OUT/table.md" 2>&1
 cat "$OUT/machine.txt"
-grep -h "pipelined " "$OUT/ours-cublas-only.log" 2>/dev/null | sed 's/^/cuBLAS only: /'
 grep -h "GEMM" "$OUT/host-costs.log" 2>/dev/null | sed 's/^/cuBLASLt plans: /'
-grep -h "GEMM" "$OUT/host-costs-cublas-only.log" 2>/dev/null | sed 's/^/cuBLAS only:    /'
 printf '%s\n' "${status[@]}"
 cat "$OUT/table.md"

@@ -379,6 +379,67 @@ fn replayed_calls_match_eager_calls_on_one_gpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn captured_graphs_are_written_as_dot_files_when_asked() {
+    let dir = std::env::temp_dir().join(format!("fusion-graph-dot-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let options = |dir: &std::path::Path| ExecOptions {
+        graph_dot_dir: Some(dir.to_path_buf()),
+        ..always_pipelined()
+    };
+    let a = Tensor::randn(&[4, 3], DType::F32, 1);
+    let b = Tensor::randn(&[3, 2], DType::F32, 2);
+    let exec = FusionExecutor::new(cases::matmul_m());
+    let world = gpu_world(1).expect("a GPU");
+    let statuses = world
+        .run(|rank| {
+            let (a, b) = (rank.to_device(&a)?, rank.to_device(&b)?);
+            (0..3)
+                .map(|_| Ok(exec.run_with(rank, &[&a, &b], None, &options(&dir))?.replay))
+                .collect::<fusion::Result<Vec<_>>>()
+        })
+        .unwrap()
+        .remove(0);
+    assert!(
+        matches!(statuses[1], ReplayStatus::Captured(_)),
+        "{statuses:?}"
+    );
+    assert_eq!(statuses[2], ReplayStatus::Replayed);
+    // One capture, one file, in the driver's dot format.
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().to_string();
+    assert!(
+        name.starts_with("graph-rank0-") && name.ends_with(".dot"),
+        "{name}"
+    );
+    let dot = std::fs::read_to_string(&files[0]).unwrap();
+    assert!(dot.contains("digraph"), "{dot}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    // A directory that does not exist: the capturing call fails and names it.
+    let missing = dir.join("missing");
+    let world = gpu_world(1).expect("a GPU");
+    let err = world
+        .run(|rank| {
+            let (a, b) = (rank.to_device(&a)?, rank.to_device(&b)?);
+            for _ in 0..2 {
+                exec.run_with(rank, &[&a, &b], None, &options(&missing))?;
+            }
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("missing") && err.contains("graph_dot_dir"),
+        "{err}"
+    );
+}
+
+#[test]
 #[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
 fn replayed_calls_match_eager_calls_over_nccl_on_two_gpus() {
     let Some(world) = gpu_world(2) else { return };

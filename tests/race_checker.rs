@@ -447,10 +447,7 @@ fn the_options_flag_runs_the_checker_and_reports_its_order() {
             })
             .unwrap();
         for c in checked {
-            match (
-                race_check || fusion::runtime::eval::race_check_from_env(),
-                c,
-            ) {
+            match (race_check, c) {
                 (true, Some(c)) => {
                     assert!(c.accesses() > 0 && c.ordered_pairs() > 0);
                     assert!(c.events() > 2, "more than the call's start and end");

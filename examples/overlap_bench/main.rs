@@ -1,7 +1,7 @@
 //! Overlap benchmark: AllGather+GEMM and GEMM+ReduceScatter on every device of the world,
 //! timing communication alone, GEMM alone, the sequential program and each of our
-//! lowerings (collective pipeline, NCCL P2P pipeline, copy-engine P2P pipeline in pull and
-//! push mode, copies per iteration stream or on one copy stream), in one process and run.
+//! lowerings (collective pipeline, NCCL P2P pipeline, copy-engine P2P pipeline), in one
+//! process and run.
 //! Every variant's result is checked against the sequential result of the same run.
 //!
 //! ```sh
@@ -53,12 +53,10 @@ struct Args {
     /// Stream counts.
     #[arg(long, default_value = "2,4")]
     streams: String,
-    /// Copy-engine transports to try, as mode/stream (`pull`|`push` /
-    /// `peer`|`iteration`|`serial`); `push/peer` is the default transport.
-    #[arg(
-        long,
-        default_value = "push/peer,pull/peer,push/serial,pull/serial,push/iteration"
-    )]
+    /// Copy-engine transports to try, as mode/stream: `push/peer` (the sender copies, on a
+    /// copy stream per peer) is the only one since the others were measured and deleted
+    /// (`docs/ARCHITECTURE.md`, "Decisions"); empty for none.
+    #[arg(long, default_value = "push/peer")]
     transports: String,
     /// Row sub-chunks per device block of the copy-engine GEMM+RS pipeline to try besides
     /// the default (`LowerOptions::reduce_scatter_subchunks`), with the transports of
@@ -724,6 +722,13 @@ fn run() -> Result<()> {
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty())
         .collect();
+    if let Some(t) = transports.iter().find(|t| t.as_str() != "push/peer") {
+        return Err(fusion::Error::World(format!(
+            "--transports {t}: the copy-engine transport is push/peer (pull mode and the \
+             serial and iteration copy streams were deleted, see docs/ARCHITECTURE.md, \
+             \"Decisions\")"
+        )));
+    }
     for shape_s in a.shapes.split(';') {
         let v = list(shape_s);
         let (m, k, n) = (v[0], v[1], v[2]);
@@ -743,13 +748,6 @@ fn run() -> Result<()> {
                 .chain(transports.iter().cloned().map(Some))
                 .collect();
             for g in groups {
-                if let Some(t) = &g {
-                    let (mode, stream) = t.split_once('/').unwrap_or((t.as_str(), "iteration"));
-                    // Read by the copy-engine transport when the run starts (no rank thread
-                    // is alive here).
-                    std::env::set_var("FUSION_CE_MODE", mode);
-                    std::env::set_var("FUSION_CE_STREAM", stream);
-                }
                 let per_rank = world.run(|rank| {
                     let samples = match op {
                         "ag" => run_ag(rank, &a, &execs, &host, (m, k, n), g.as_deref()),
@@ -790,8 +788,6 @@ fn run() -> Result<()> {
                     }
                 }
             }
-            std::env::remove_var("FUSION_CE_MODE");
-            std::env::remove_var("FUSION_CE_STREAM");
         }
     }
     let mut host_lines = String::new();

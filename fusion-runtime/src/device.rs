@@ -218,6 +218,9 @@ pub trait DeviceGraph: Send + Sync {
     fn launch(&self, on: Option<&CallerStream>) -> Result<()>;
     /// Number of operations recorded.
     fn nodes(&self) -> usize;
+    /// Writes the graph's topology to `path` (the driver's dot format), for
+    /// `ExecOptions::graph_dot_dir`.
+    fn write_dot(&self, path: &std::path::Path) -> Result<()>;
 }
 
 /// The answer of a backend without streams to a call on a caller's stream.
@@ -294,6 +297,10 @@ pub trait Device: Send + Sync {
     /// device frees later first wait for that stream, where the caller's work may still
     /// read them.
     fn hand_out(&self, _outputs: &[Tensor], _on: Option<&CallerStream>) {}
+    /// Fills every later allocation with NaN bytes (`on`), so outputs a program forgets to
+    /// write show up in tests ([`crate::World::poison_allocations`]). The CPU backend
+    /// always does.
+    fn set_poison(&self, _on: bool) {}
     /// Starts recording the calling thread's work on the main stream instead of running
     /// it (see `crate::replay`). With `arena_bytes` above 0, the buffers the recorded
     /// work allocates come from memory of that size set aside for the graph, so that the

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use fusion_core::generic::GenericFusion;
 use fusion_core::hir::HostProgram;
@@ -23,12 +23,12 @@ use crate::device::{BackendKind, CallerStream, DeviceGraph};
 use crate::error::{Error, Result};
 use crate::eval::{
     bind_dtypes, bind_inputs, check_didx_extents, execute, output_layouts, peer_copy_receives,
-    race_check_from_env, CallContext, ExecStats, Execution, HostSpan, PeerCopyReceives, RaceCheck,
-    SymbolBindings, TraceEvent,
+    CallContext, ExecStats, Execution, HostSpan, PeerCopyReceives, RaceCheck, SymbolBindings,
+    TraceEvent,
 };
 use crate::replay::{
-    capture_plan, graphs_enabled, has_peer_copies, Address, EagerReason, GraphSlot, ReplayStatus,
-    Step, CAPTURE_ARENA_LIMIT, GRAPHS_PER_SLOT,
+    capture_plan, has_peer_copies, Address, EagerReason, GraphSlot, ReplayStatus, Step,
+    CAPTURE_ARENA_LIMIT, GRAPHS_PER_SLOT,
 };
 use crate::streams::StreamLayout;
 use crate::tensor::Tensor;
@@ -50,13 +50,16 @@ pub struct ExecOptions {
     /// ([`crate::trace`]); implies `trace`. Unset, `FUSION_TRACE=<dir>` sets it.
     pub trace_dir: Option<PathBuf>,
     /// Replay calls as device graphs where the backend and program allow
-    /// ([`crate::replay`]): on by default; `FUSION_GRAPHS=0` turns it off everywhere.
+    /// ([`crate::replay`]): on by default.
     pub graphs: bool,
-    /// Check the host program's stream order while it runs (`eval::race`; also on for
-    /// every call with `FUSION_RACE_CHECK=1`): a race fails the call with
-    /// [`crate::Error::Race`], and [`RunReport::race`] holds the order it checked.
-    /// Checked calls run eagerly (not as device graphs).
+    /// Check the host program's stream order while it runs (`eval::race`): a race fails
+    /// the call with [`crate::Error::Race`], and [`RunReport::race`] holds the order it
+    /// checked. Checked calls run eagerly (not as device graphs).
     pub race_check: bool,
+    /// Write the topology of every graph these calls capture (the driver's dot format:
+    /// node kinds, kernels, edges) into this directory, as `graph-rank<r>-<n>.dot`, to
+    /// see what a replayed call launches.
+    pub graph_dot_dir: Option<PathBuf>,
 }
 
 impl Default for ExecOptions {
@@ -68,6 +71,7 @@ impl Default for ExecOptions {
             trace_dir: None,
             graphs: true,
             race_check: false,
+            graph_dot_dir: None,
         }
     }
 }
@@ -75,43 +79,11 @@ impl Default for ExecOptions {
 impl ExecOptions {
     /// Where this call's trace goes: `trace_dir`, else `FUSION_TRACE` (read once).
     fn resolved_trace_dir(&self) -> Option<PathBuf> {
-        static FROM_ENV: OnceLock<Option<PathBuf>> = OnceLock::new();
-        self.trace_dir.clone().or_else(|| {
-            FROM_ENV
-                .get_or_init(|| {
-                    std::env::var_os("FUSION_TRACE")
-                        .filter(|v| !v.is_empty())
-                        .map(PathBuf::from)
-                })
-                .clone()
-        })
+        self.trace_dir.clone().or_else(crate::config::trace_dir)
     }
 }
 
-/// Which dumps `FUSION_DUMP` asks for (comma-separated: `fusion`, `host_ir`,
-/// `host_ir_passes`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DumpOptions {
-    /// Print the fusion when it is lowered.
-    pub fusion: bool,
-    /// Print the lowered host program.
-    pub host_ir: bool,
-    /// Print the host program after every pass.
-    pub host_ir_passes: bool,
-}
-
-impl DumpOptions {
-    /// Reads `FUSION_DUMP`.
-    pub fn from_env() -> Self {
-        let v = std::env::var("FUSION_DUMP").unwrap_or_default();
-        let has = |k: &str| v.split(',').any(|x| x.trim() == k);
-        DumpOptions {
-            fusion: has("fusion"),
-            host_ir: has("host_ir"),
-            host_ir_passes: has("host_ir_passes"),
-        }
-    }
-}
+pub use crate::config::DumpOptions;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct CacheKey {
@@ -174,6 +146,16 @@ fn reusable_outputs(kept: &[Tensor]) -> Option<Vec<Tensor>> {
             .iter()
             .all(|t| t.device_buffer().is_none_or(|b| Arc::strong_count(b) == 1));
     free.then(|| kept.to_vec())
+}
+
+/// Writes `graph`'s topology into the call's `ExecOptions::graph_dot_dir`, if it has one.
+fn write_graph_dot(graph: &dyn DeviceGraph, call: &Call<'_>) -> Result<()> {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let Some(dir) = &call.options.graph_dot_dir else {
+        return Ok(());
+    };
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    graph.write_dot(&dir.join(format!("graph-rank{}-{n}.dot", call.rank.index())))
 }
 
 /// One call, as the executor runs it.
@@ -534,7 +516,7 @@ impl FusionExecutor {
             shared_receives: rank.communicator().capabilities().shared_receives,
             kept_receives: (!facts.receives.internal.is_empty())
                 .then_some(&facts.receives.internal),
-            race_check: options.race_check || race_check_from_env(),
+            race_check: options.race_check,
         };
         rank.communicator().begin_call(&CallStart {
             identity: facts.identity(inputs, options.number_of_streams),
@@ -655,7 +637,7 @@ impl FusionExecutor {
     /// traced or race-checked, or an input lives on the host.
     fn eager_reason(&self, call: &Call<'_>) -> Option<EagerReason> {
         let (program, facts, ctx) = (call.program, call.facts, call.ctx);
-        if !graphs_enabled(call.options.graphs) {
+        if !call.options.graphs {
             return Some(EagerReason::Disabled);
         }
         if let Err(reason) = &facts.capture {
@@ -742,8 +724,8 @@ impl FusionExecutor {
         let graph = device.end_capture();
         match (recorded, graph) {
             (Ok(ex), Ok(graph)) => {
-                let launched = graph
-                    .launch(None)
+                let launched = write_graph_dot(&*graph, call)
+                    .and_then(|()| graph.launch(None))
                     .and_then(|()| call.rank.communicator().graph_launched());
                 let nodes = graph.nodes();
                 slot.install(addresses, graph);
@@ -899,7 +881,7 @@ impl FusionExecutor {
         // Once per key, before lowering: results declared DIDx over extents the inputs
         // bound to other than the mesh size cannot be sharded.
         check_didx_extents(fusion, symbols, rank.world_size())?;
-        let dump = DumpOptions::from_env();
+        let dump = DumpOptions::from_env()?;
         let mut lower_options = lower.into_owned();
         lower_options.dump_passes |= dump.host_ir_passes;
         if dump.fusion {

@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod comm;
+pub mod config;
 pub mod counters;
 mod device;
 mod error;

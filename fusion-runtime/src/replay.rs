@@ -24,7 +24,7 @@ use crate::eval::peer_copy_receives;
 /// Why a call ran eagerly rather than from a graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EagerReason {
-    /// `ExecOptions::graphs` is off, or `FUSION_GRAPHS=0`.
+    /// `ExecOptions::graphs` is off.
     Disabled,
     /// The backend has no graphs (the CPU backend).
     Backend(BackendKind),
@@ -53,7 +53,7 @@ impl fmt::Display for EagerReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             EagerReason::Disabled => {
-                write!(f, "graphs are off (ExecOptions::graphs, FUSION_GRAPHS=0)")
+                write!(f, "graphs are off (ExecOptions::graphs)")
             }
             EagerReason::Backend(k) => write!(f, "the {} backend has no graphs", k.name()),
             EagerReason::Traced => write!(f, "traced calls run eagerly"),
@@ -133,13 +133,6 @@ pub fn has_peer_copies(program: &HostProgram) -> bool {
         });
     }
     found
-}
-
-/// Whether graphs are on for a call with `requested` (`ExecOptions::graphs`):
-/// `FUSION_GRAPHS=0` turns them off everywhere.
-pub fn graphs_enabled(requested: bool) -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    requested && *ENV.get_or_init(|| std::env::var("FUSION_GRAPHS").map_or(true, |v| v != "0"))
 }
 
 /// Calls that allocate at most this many bytes (on any rank, in an eager call) are
@@ -245,6 +238,9 @@ mod tests {
         }
         fn nodes(&self) -> usize {
             3
+        }
+        fn write_dot(&self, _path: &std::path::Path) -> crate::Result<()> {
+            Ok(())
         }
     }
 

@@ -32,13 +32,22 @@ pub fn launched_size() -> Option<usize> {
     })
 }
 
+/// `world` with every allocation filled with NaN, so an output element a program forgets
+/// to write fails the suites' checks (simulated devices always do this; GPUs on request).
+fn poisoned(world: World) -> World {
+    world.poison_allocations(true);
+    world
+}
+
 /// The launched world of this process (made once: every process joins it together).
 fn launched_world() -> Arc<World> {
     use std::sync::OnceLock;
     static WORLD: OnceLock<Arc<World>> = OnceLock::new();
     WORLD
         .get_or_init(|| {
-            Arc::new(World::from_env().unwrap_or_else(|e| panic!("launched world: {e}")))
+            Arc::new(poisoned(
+                World::from_env().unwrap_or_else(|e| panic!("launched world: {e}")),
+            ))
         })
         .clone()
 }
@@ -146,7 +155,7 @@ pub enum Take {
 
 /// A world of `d` devices: fresh simulated devices on the CPU; on GPUs one cached world
 /// per device count, since opening GPUs and NCCL costs about a second (run GPU tests with
-/// `--test-threads=1`).
+/// `--test-threads=1`). Allocations are poisoned (NaN) on every backend.
 pub fn world(d: usize) -> Arc<World> {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
@@ -172,10 +181,17 @@ pub fn world(d: usize) -> Arc<World> {
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .unwrap_or_else(|p| p.into_inner());
+    // A world a test failed on purpose (an error case) stays failed: the next test gets a
+    // new one.
+    if worlds.get(&d).is_some_and(|w| w.failure().is_some()) {
+        worlds.remove(&d);
+    }
     worlds
         .entry(d)
         .or_insert_with(|| {
-            Arc::new(World::auto(Some(d)).unwrap_or_else(|e| panic!("world of {d}: {e}")))
+            Arc::new(poisoned(
+                World::auto(Some(d)).unwrap_or_else(|e| panic!("world of {d}: {e}")),
+            ))
         })
         .clone()
 }

@@ -2,6 +2,7 @@
 //! process's GPUs when CUDA is usable, else simulated devices; `FUSION_BACKEND` and
 //! `FUSION_DEVICES` override.
 
+use crate::config;
 use crate::device::BackendKind;
 use crate::error::{Error, Result};
 use crate::world::{timeout_from_env, LaunchSpec, World, DEFAULT_CPU_DEVICES};
@@ -19,12 +20,7 @@ impl World {
     /// Like [`World::local_default`], with `devices` devices when given (examples'
     /// `--devices`). Under a launcher, `devices` must equal the launched world's size.
     pub fn auto(devices: Option<usize>) -> Result<World> {
-        let n_env = match std::env::var("FUSION_DEVICES") {
-            Ok(v) => Some(v.parse::<usize>().map_err(|_| {
-                Error::World(format!("FUSION_DEVICES={v} is not a number of devices"))
-            })?),
-            Err(_) => None,
-        };
+        let n_env = config::devices()?;
         if LaunchSpec::from_env()?.is_some() {
             let world = World::from_env()?;
             if let Some(n) = devices.or(n_env) {
@@ -40,7 +36,7 @@ impl World {
         }
         let n = devices.or(n_env);
         let timeout = timeout_from_env()?;
-        let world = match backend_from_env()? {
+        let world = match config::backend()? {
             Some(BackendKind::Cpu) => World::local(n.unwrap_or(DEFAULT_CPU_DEVICES)),
             Some(BackendKind::Cuda) => cuda_world_or_error(n),
             None if super::visible_gpus() > 0 => cuda_world_or_error(n),
@@ -65,29 +61,27 @@ impl World {
             )
         })?;
         let timeout = timeout_from_env()?;
-        let per_process = std::env::var("FUSION_DEVICES_PER_PROCESS").ok();
-        let cuda = match backend_from_env()? {
+        let per_process = config::devices_per_process()?;
+        let cuda = match config::backend()? {
             Some(k) => k == BackendKind::Cuda,
             None => super::visible_gpus() > 0,
         };
         if cuda {
             #[cfg(feature = "cuda")]
-            return super::cuda::world::launched_cuda_world(
-                spec,
-                per_process.as_deref(),
-                timeout,
-                false,
-            );
+            return super::cuda::world::launched_cuda_world(spec, per_process, timeout, false);
             #[cfg(not(feature = "cuda"))]
             return Err(no_cuda_feature());
         }
-        let n = match per_process.as_deref() {
+        let n = match per_process {
             None => 1,
-            Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
-                Error::World(format!(
-                    "FUSION_DEVICES_PER_PROCESS={v}: the CPU backend takes a positive number"
+            Some(config::PerProcess::Count(n)) => n,
+            Some(config::PerProcess::All) => {
+                return Err(config::bad(
+                    config::DEVICES_PER_PROCESS,
+                    "all",
+                    "a positive number (the CPU backend has no GPUs to count)",
                 ))
-            })?,
+            }
         };
         super::cpu::world::launched_cpu_world(spec, n, timeout)
     }
@@ -112,16 +106,4 @@ fn no_cuda_feature() -> Error {
          feature of `fusion` (on by default), or use FUSION_BACKEND=cpu"
             .into(),
     )
-}
-
-/// `FUSION_BACKEND`, when set.
-fn backend_from_env() -> Result<Option<BackendKind>> {
-    match std::env::var("FUSION_BACKEND").as_deref() {
-        Err(_) => Ok(None),
-        Ok("cpu") => Ok(Some(BackendKind::Cpu)),
-        Ok("cuda") => Ok(Some(BackendKind::Cuda)),
-        Ok(other) => Err(Error::World(format!(
-            "FUSION_BACKEND={other}: expected `cpu` or `cuda`"
-        ))),
-    }
 }

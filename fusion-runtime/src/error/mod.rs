@@ -89,6 +89,17 @@ pub enum Error {
     /// The world or a rank was set up wrongly (world size, device count, environment).
     #[error("world: {0}")]
     World(String),
+    /// An environment variable of the library has a value it does not take
+    /// (`docs/ENVIRONMENT.md` lists them, [`crate::config`] reads them).
+    #[error("{variable}={value}: expected {expected}")]
+    Environment {
+        /// The variable.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// What it takes.
+        expected: &'static str,
+    },
     /// An error of the application or of another library, raised where this crate's
     /// errors are returned (a closure given to `World::run`, an adapter): kept whole, as
     /// the source.

@@ -18,7 +18,7 @@ use fusion_core::hir::{
 use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
 pub use bind::{bind_dtypes, bind_inputs, check_didx_extents, mesh_devices, SymbolBindings};
-pub use race::{race_check_from_env, RaceCheck, RaceError};
+pub use race::{RaceCheck, RaceError};
 
 use race::RaceChecker;
 

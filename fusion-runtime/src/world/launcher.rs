@@ -21,6 +21,7 @@
 //! torchrun's own agent store already listens on `MASTER_PORT` when it sets
 //! `TORCHELASTIC_USE_AGENT_STORE=True`; the rendezvous then uses the next port.
 
+use crate::config;
 use crate::error::{Error, Result};
 
 /// The launcher whose variables placed this process.
@@ -81,10 +82,10 @@ struct Names {
 const LAUNCHERS: [Names; 3] = [
     Names {
         launcher: Launcher::Fusion,
-        rank: "FUSION_RANK",
-        size: "FUSION_WORLD_SIZE",
-        local_rank: "FUSION_LOCAL_RANK",
-        local_size: "FUSION_LOCAL_WORLD_SIZE",
+        rank: config::RANK,
+        size: config::WORLD_SIZE,
+        local_rank: config::LOCAL_RANK,
+        local_size: config::LOCAL_WORLD_SIZE,
     },
     Names {
         launcher: Launcher::Torchrun,
@@ -105,7 +106,7 @@ const LAUNCHERS: [Names; 3] = [
 impl LaunchSpec {
     /// Reads the process environment; `None` when no launcher variables are set.
     pub fn from_env() -> Result<Option<LaunchSpec>> {
-        LaunchSpec::from_vars(|k| std::env::var(k).ok())
+        LaunchSpec::from_vars(config::var)
     }
 
     /// Reads variables through `get` (the environment, or a map in tests).
@@ -158,7 +159,7 @@ impl LaunchSpec {
             )));
         }
         let one_node = local_processes == processes;
-        let addr = get("FUSION_MASTER_ADDR").or_else(|| get("MASTER_ADDR"));
+        let addr = get(config::MASTER_ADDR).or_else(|| get("MASTER_ADDR"));
         let addr = match (addr, launcher) {
             (Some(a), _) => a,
             (None, Launcher::Slurm) => {
@@ -190,7 +191,7 @@ impl LaunchSpec {
                     .map_err(|_| Error::World(format!("{name}={v} is not a port number"))),
             }
         };
-        let master_port = match port("FUSION_MASTER_PORT")? {
+        let master_port = match port(config::MASTER_PORT)? {
             Some(p) => p,
             None => match port("MASTER_PORT")? {
                 Some(p) if get("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True") => {
@@ -348,8 +349,8 @@ mod tests {
     #[test]
     fn precedence_fusion_then_torchrun_then_mpi_then_slurm() {
         let all = [
-            ("FUSION_RANK", "1"),
-            ("FUSION_WORLD_SIZE", "2"),
+            (config::RANK, "1"),
+            (config::WORLD_SIZE, "2"),
             ("RANK", "2"),
             ("WORLD_SIZE", "4"),
             ("OMPI_COMM_WORLD_RANK", "3"),

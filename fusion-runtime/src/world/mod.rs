@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use crate::comm::local::{LocalCommunicator, LocalFabric, Membership};
 use crate::comm::Communicator;
+use crate::config;
 use crate::device::{BackendKind, Device};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -47,22 +48,14 @@ pub(crate) use rank::WorldShared;
 
 /// Default time a communication (or the bootstrap) may wait for its peers before failing;
 /// `FUSION_TIMEOUT` (seconds) overrides it.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+pub use crate::config::DEFAULT_TIMEOUT;
 
 /// Default number of simulated devices when no GPU is available.
 pub const DEFAULT_CPU_DEVICES: usize = 4;
 
 /// The communication timeout: `FUSION_TIMEOUT` seconds, else [`DEFAULT_TIMEOUT`].
 pub fn timeout_from_env() -> Result<Duration> {
-    match std::env::var("FUSION_TIMEOUT") {
-        Err(_) => Ok(DEFAULT_TIMEOUT),
-        Ok(v) => match v.trim().parse::<f64>() {
-            Ok(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
-            _ => Err(Error::World(format!(
-                "FUSION_TIMEOUT={v} is not a positive number of seconds"
-            ))),
-        },
-    }
+    config::timeout()
 }
 
 /// Makes the communicators of a world's ranks for a device backend.
@@ -201,6 +194,16 @@ impl World {
             *self.ranks.get_mut().unwrap_or_else(PoisonError::into_inner) = None;
         }
         self
+    }
+
+    /// Fills every allocation this process's devices make from now on with NaN bytes
+    /// (`on`), or stops: outputs or intermediates a program forgets to write then read as
+    /// NaN, which the test suites check for. Costs a memset per allocation (and per
+    /// allocation node of a replayed graph); simulated devices always poison.
+    pub fn poison_allocations(&self, on: bool) {
+        for (_, device) in &self.local {
+            device.set_poison(on);
+        }
     }
 
     /// Number of ranks in the world (all processes').

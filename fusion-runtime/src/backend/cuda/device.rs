@@ -53,7 +53,7 @@ pub struct CudaDevice {
     pub(crate) kernels: KernelCache,
     /// cuBLASLt handle, GEMM plans and workspaces.
     pub(crate) lt: LtPlans,
-    poison: bool,
+    poison: std::sync::atomic::AtomicBool,
     health: Arc<WorldHealth>,
     /// Memory peers in other processes map (launched worlds with such peers).
     arena: std::sync::OnceLock<Arc<SharedArena>>,
@@ -69,8 +69,6 @@ impl std::fmt::Debug for CudaDevice {
 
 impl CudaDevice {
     /// Opens device `ordinal` (primary context, a main stream) for rank `rank`.
-    /// `FUSION_POISON=1` fills every allocation with NaN bytes so unwritten outputs show
-    /// up in tests.
     pub(crate) fn new(ordinal: usize, rank: usize, health: Arc<WorldHealth>) -> Result<CudaDevice> {
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| driver_err(&format!("opening device {ordinal}"), e))?;
@@ -94,7 +92,7 @@ impl CudaDevice {
             copy_streams: Mutex::new(std::collections::HashMap::new()),
             kernels: KernelCache::new(ordinal),
             lt: LtPlans::new(),
-            poison: std::env::var("FUSION_POISON").is_ok_and(|v| v == "1"),
+            poison: Default::default(),
             health,
             arena: std::sync::OnceLock::new(),
             capture_arena: Mutex::new(None),
@@ -129,9 +127,9 @@ impl CudaDevice {
         self.arena.get()
     }
 
-    /// Fills a new allocation with NaN bytes when `FUSION_POISON=1`.
+    /// Fills a new allocation with NaN bytes when poisoning is on (`Device::set_poison`).
     fn poison_new(&self, ptr: u64, bytes: usize, raw: RawStream) -> Result<()> {
-        if self.poison && bytes > 0 {
+        if bytes > 0 && self.poison.load(std::sync::atomic::Ordering::Relaxed) {
             // SAFETY: the range was just allocated on `raw` with `bytes` bytes.
             unsafe { result::memset_d8_async(ptr, 0xFF, bytes, raw.0) }
                 .map_err(|e| driver_err("poisoning an allocation", e))?;
@@ -189,7 +187,7 @@ impl CudaDevice {
             })
     }
 
-    /// Allocates a contiguous tensor on `stream` (poisoned when `FUSION_POISON=1`).
+    /// Allocates a contiguous tensor on `stream` (poisoned when poisoning is on).
     pub(crate) fn alloc_tensor(
         &self,
         stream: StreamHandle,
@@ -698,6 +696,10 @@ impl Device for CudaDevice {
                 }
             }
         }
+    }
+
+    fn set_poison(&self, on: bool) {
+        self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {

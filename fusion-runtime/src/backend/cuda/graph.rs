@@ -47,6 +47,25 @@ impl DeviceGraph for CudaGraph {
     fn nodes(&self) -> usize {
         self.nodes
     }
+
+    fn write_dot(&self, path: &std::path::Path) -> Result<()> {
+        let failed = |reason: String| crate::error::Error::Backend {
+            backend: "cuda",
+            reason: format!(
+                "writing the graph's topology to {}: {reason} (ExecOptions::graph_dot_dir \
+                 must name an existing, writable directory)",
+                path.display()
+            ),
+        };
+        let c_path = std::ffi::CString::new(path.to_string_lossy().as_bytes())
+            .map_err(|_| failed("the path holds a NUL byte".into()))?;
+        // SAFETY: a valid graph and a NUL-terminated path; flags 0 print the default details.
+        let r = unsafe { sys::cuGraphDebugDotPrint(self.graph, c_path.as_ptr(), 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(failed(super::libs::cu_text(r)));
+        }
+        Ok(())
+    }
 }
 
 impl Drop for CudaGraph {
@@ -137,7 +156,6 @@ pub(crate) fn end_capture(
     unsafe {
         let _ = sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes);
     }
-    write_graph_dot(graph, shared.ordinal);
     let exec = instantiate(graph, main)?;
     Ok(CudaGraph {
         device: shared.clone(),
@@ -176,24 +194,4 @@ fn instantiate(graph: sys::CUgraph, main: RawStream) -> Result<sys::CUgraphExec>
         return Err(e);
     }
     Ok(exec)
-}
-
-/// With `FUSION_GRAPH_DOT=<dir>`, writes each captured graph's topology (the driver's dot
-/// format: node kinds, kernels, edges) to `<dir>/graph-<device>-<n>.dot`, to see what a
-/// replayed call launches.
-fn write_graph_dot(graph: sys::CUgraph, ordinal: usize) {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let Some(dir) = std::env::var_os("FUSION_GRAPH_DOT").filter(|d| !d.is_empty()) else {
-        return;
-    };
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let path = std::path::Path::new(&dir).join(format!("graph-{ordinal}-{n}.dot"));
-    let Ok(c_path) = std::ffi::CString::new(path.to_string_lossy().as_bytes()) else {
-        return;
-    };
-    // SAFETY: a valid graph and a NUL-terminated path; flags 0 print the default details.
-    let r = unsafe { sys::cuGraphDebugDotPrint(graph, c_path.as_ptr(), 0) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        tracing::warn!("writing {}: {r:?}", path.display());
-    }
 }

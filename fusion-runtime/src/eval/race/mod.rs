@@ -50,12 +50,6 @@ pub(crate) use report::Place;
 use crate::streams::{StreamHandle, StreamLayout};
 use crate::tensor::{Storage, Tensor};
 
-/// `FUSION_RACE_CHECK=1`: check every call (read once per process).
-pub fn race_check_from_env() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FUSION_RACE_CHECK").is_ok_and(|v| v == "1"))
-}
-
 /// The happens-before order of one checked call: for every event (access, allocation,
 /// free, the call's start and end), its stream and vector clock. Two runs of programs
 /// that make the same accesses order them identically exactly when these are equal.

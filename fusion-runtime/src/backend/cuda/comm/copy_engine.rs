@@ -5,11 +5,11 @@
 //!
 //! A transfer is matched by (source, destination, sequence number per pair, counted in
 //! program order on both sides) in a registry shared by the ranks of one `World::run`.
-//! One side *posts* its buffer (device address + an event after which it is ready), the
-//! other *performs* the copy on its own stream after waiting for that event, then posts a
-//! *done* event, which the poster's stream waits for before it reuses the buffer. In pull
-//! mode the sender posts and the receiver copies (reads over NVLink); in push mode (the
-//! default) the receiver posts and the sender copies (writes over NVLink). No host thread
+//! The receiver *posts* its buffer (device address + an event after which it is ready),
+//! the sender *performs* the copy (writes over NVLink: push) on a copy stream per peer
+//! after waiting for that event, then posts a *done* event, which the receiver's stream
+//! waits for before it uses the buffer. Pushing was measured 1.6-1.8x faster than pulling
+//! for reduce-scatter pipelines (`docs/ARCHITECTURE.md`, "Decisions"). No host thread
 //! ever waits for device work: they wait only for each other's posts, spinning briefly
 //! before sleeping, since the peer is usually a few microseconds away. Events are pooled
 //! per device and re-recorded once every wait on them has been enqueued. A rank's single
@@ -31,52 +31,6 @@ use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::libs::driver_err;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-/// Which side of a transfer moves the bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CopyMode {
-    /// The receiver copies from the sender's buffer.
-    Pull,
-    /// The sender copies into the receiver's buffer.
-    Push,
-}
-
-impl CopyMode {
-    /// `FUSION_CE_MODE=push|pull` (push by default: on the H200 NVLink fabric pushed
-    /// GEMM+ReduceScatter pipelines ran 1.7x faster than pulled ones, and AllGather+GEMM
-    /// within a few percent either way; see docs/PERFORMANCE.md).
-    pub fn from_env() -> CopyMode {
-        match std::env::var("FUSION_CE_MODE").as_deref() {
-            Ok("pull") => CopyMode::Pull,
-            _ => CopyMode::Push,
-        }
-    }
-}
-
-/// Which stream a copy runs on (`FUSION_CE_STREAM`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CopyStreams {
-    /// One copy stream per peer (default): transfers with different peers, e.g. the
-    /// blocks of one collective, run on several copy engines at once. (Copying on the
-    /// iteration's stream instead cost 0-40% more in the P2P pipelines measured on H200.)
-    PerPeer,
-    /// The stream of the loop iteration that needs the data (`iteration`).
-    Iteration,
-    /// One copy stream for the device: transfers one after another, in program order
-    /// (`serial`).
-    Serial,
-}
-
-impl CopyStreams {
-    /// `FUSION_CE_STREAM=peer|iteration|serial` (peer by default).
-    pub fn from_env() -> CopyStreams {
-        match std::env::var("FUSION_CE_STREAM").as_deref() {
-            Ok("iteration") => CopyStreams::Iteration,
-            Ok("serial") => CopyStreams::Serial,
-            _ => CopyStreams::PerPeer,
-        }
-    }
-}
 
 /// A pooled event of rank `owner`'s context.
 #[derive(Clone, Copy, Debug)]
@@ -141,15 +95,13 @@ pub(crate) struct CopyRegistry {
     /// The context of every rank of this process, by rank.
     contexts: HashMap<usize, Ctx>,
     health: Arc<WorldHealth>,
-    mode: CopyMode,
-    streams: CopyStreams,
     /// Idle events per rank of this process, ready to be recorded again.
     events: HashMap<usize, Mutex<Vec<Event>>>,
     /// The watchdog over the device flag waits (declared before the board: it stops
     /// before the board is freed).
     waits: Option<DeviceWaits>,
-    /// Device flags for the hand-offs between this process's GPUs (push mode), when the
-    /// devices have stream memory operations and no two ranks share a GPU.
+    /// Device flags for the hand-offs between this process's GPUs, when the devices have
+    /// stream memory operations and no two ranks share a GPU.
     signals: Option<Arc<SignalBoard>>,
     /// Kept receive buffers their receivers made known.
     landed: Mutex<HashMap<LandedKey, Landed>>,
@@ -166,29 +118,20 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 impl CopyRegistry {
     /// A registry for the ranks of this process: `(rank, context)` each. The hand-offs go
-    /// through device flags in push mode between ranks on different GPUs; ranks that share
-    /// a GPU hand off through events (a device-side wait there can deadlock, see
-    /// `comm::signals`), as does `FUSION_CE_SIGNALS=0`.
-    pub(crate) fn new(
-        contexts: Vec<(usize, sys::CUcontext)>,
-        health: Arc<WorldHealth>,
-        mode: CopyMode,
-    ) -> Self {
+    /// through device flags between ranks on different GPUs; ranks that share a GPU hand
+    /// off through events (a device-side wait there can deadlock, see `comm::signals`).
+    pub(crate) fn new(contexts: Vec<(usize, sys::CUcontext)>, health: Arc<WorldHealth>) -> Self {
         let shares_gpus = contexts
             .iter()
             .enumerate()
             .any(|(i, a)| contexts[..i].iter().any(|b| b.1 == a.1));
-        let flags = mode == CopyMode::Push
-            && !shares_gpus
-            && std::env::var("FUSION_CE_SIGNALS").as_deref() != Ok("0");
-        Self::with_flags(contexts, health, mode, flags)
+        Self::with_flags(contexts, health, !shares_gpus)
     }
 
     /// A registry with device-flag hand-offs when `flags` (and there are two ranks).
     fn with_flags(
         contexts: Vec<(usize, sys::CUcontext)>,
         health: Arc<WorldHealth>,
-        mode: CopyMode,
         flags: bool,
     ) -> Self {
         let events = contexts
@@ -218,8 +161,6 @@ impl CopyRegistry {
             sleepers: AtomicUsize::new(0),
             contexts: contexts.into_iter().map(|(r, c)| (r, Ctx(c))).collect(),
             health,
-            mode,
-            streams: CopyStreams::from_env(),
             events,
             signals,
             landed: Mutex::new(HashMap::new()),
@@ -590,9 +531,6 @@ impl CopyEngine {
 
     /// Whether this rank's copy-engine transfers can be captured in a graph.
     pub(crate) fn capture_support(&self) -> std::result::Result<(), String> {
-        if self.registry.mode != CopyMode::Push {
-            return Err("pull mode (FUSION_CE_MODE=pull) hands off through events".into());
-        }
         if self.has_ipc_peers() {
             return Err("transfers over CUDA IPC hand off through the host".into());
         }
@@ -607,7 +545,7 @@ impl CopyEngine {
         }
         if self.registry.signals.is_none() {
             return Err(
-                "device flags are off (FUSION_CE_SIGNALS=0, or no stream memory operations)".into(),
+                "the device flags could not be set up (no stream memory operations)".into(),
             );
         }
         Ok(())
@@ -697,13 +635,10 @@ impl CopyEngine {
         })
     }
 
-    /// Whether this rank posts its buffer (the other side copies). Over IPC the sender
-    /// always copies (push): the receiver's buffer is the one that is shared.
-    fn posts(&self, t: &Transfer, over_ipc: bool) -> bool {
-        if over_ipc {
-            return !t.sending;
-        }
-        t.sending == (self.registry.mode == CopyMode::Pull)
+    /// Whether this rank posts its buffer: the receiver does, and the sender copies
+    /// into it (push).
+    fn posts(t: &Transfer) -> bool {
+        !t.sending
     }
 
     /// The world failed: every device-side hand-off wait of this process's ranks is let
@@ -798,23 +733,22 @@ impl CopyEngine {
         Ok(())
     }
 
-    /// The stream a copy runs on: copy stream `key` after the work `own` (the iteration's
-    /// stream) has queued so far, or `own` itself.
+    /// The stream a copy with `peer` runs on: that peer's copy stream, after the work
+    /// `own` (the iteration's stream) has queued so far. (A copy stream per peer lets the
+    /// blocks of one collective run on several copy engines at once; copying on the
+    /// iteration's stream was measured up to 39% slower, `docs/ARCHITECTURE.md`,
+    /// "Decisions".)
     fn copy_stream_after(
         &self,
         t: &Transfer,
-        key: Option<usize>,
+        peer: usize,
         own: crate::backend::cuda::stream::RawStream,
     ) -> Result<crate::backend::cuda::stream::RawStream> {
-        match key {
-            Some(key) => {
-                let cs = self.device.copy_stream(key)?;
-                let before = self.record(t)?;
-                self.wait_on(cs, before)?;
-                Ok(cs)
-            }
-            None => Ok(own),
-        }
+        let cs = self.device.copy_stream(peer)?;
+        debug_assert!(cs != own, "a copy stream is never a pool stream");
+        let before = self.record(t)?;
+        self.wait_on(cs, before)?;
+        Ok(cs)
     }
 
     /// Runs a group of transfers: posts first, then copies, then waits for the copies of
@@ -856,7 +790,7 @@ impl CopyEngine {
                 };
                 if over_ipc {
                     Route::Ipc
-                } else if self.registry.signals.is_some() && self.registry.mode == CopyMode::Push {
+                } else if self.registry.signals.is_some() {
                     Route::Flags
                 } else {
                     Route::Events(self.registry.slot(t.key))
@@ -870,7 +804,8 @@ impl CopyEngine {
         {
             return Err(self.err(format!(
                 "more than {SLOTS} copy-engine transfers from rank {} to rank {} in one call \
-                 (FUSION_CE_SIGNALS=0 hands off through events, without this limit)",
+                 (the device flags hold {SLOTS} per pair of ranks and call): split the \
+                 program into several calls, or lower it with p2p_backend = Nccl",
                 t.0.key.0, t.0.key.1
             )));
         }
@@ -908,14 +843,9 @@ impl CopyEngine {
         (device, peer)
     }
 
-    /// Whether this rank posts transfer `t` on `route` (the other side copies).
-    fn posting(&self, t: &Transfer, route: &Route) -> bool {
-        self.posts(t, matches!(route, Route::Ipc))
-    }
-
     /// The group's first phase: this rank posts the buffers the other sides copy.
     fn post_group(&self, run: &GroupRun<'_>, mut ipc: Option<&mut IpcState>) -> Result<()> {
-        let posted = (run.group.iter().zip(run.routes)).filter(|(t, r)| self.posting(t, r));
+        let posted = (run.group.iter().zip(run.routes)).filter(|(t, _)| Self::posts(t));
         for (t, route) in posted {
             let own = self.device.raw_stream(t.stream)?;
             if run.in_order && !t.sending {
@@ -954,19 +884,15 @@ impl CopyEngine {
 
     /// The group's second phase: this rank copies what the other sides posted.
     fn copy_group(&self, run: &GroupRun<'_>, mut ipc: Option<&mut IpcState>) -> Result<()> {
-        let copied = (run.group.iter().zip(run.routes)).filter(|(t, r)| !self.posting(t, r));
+        let copied = (run.group.iter().zip(run.routes)).filter(|(t, _)| !Self::posts(t));
         for (t, route) in copied {
-            // The copy runs on the iteration's stream, or on a copy stream after the work
-            // the iteration's stream has queued so far.
+            // The copy runs on the peer's copy stream, after the work the iteration's
+            // stream has queued so far.
             let own = self.device.raw_stream(t.stream)?;
-            let copy_key = match self.registry.streams {
-                CopyStreams::Iteration => None,
-                CopyStreams::Serial => Some(usize::MAX),
-                CopyStreams::PerPeer => Some(self.peer_of(t)),
-            };
+            let peer = self.peer_of(t);
             match route {
                 Route::Ipc => {
-                    let raw = self.copy_stream_after(t, copy_key, own)?;
+                    let raw = self.copy_stream_after(t, peer, own)?;
                     let (device, ipc_peer) = self.ipc_peer(ipc.as_deref_mut(), t);
                     let done = ipc_peer.perform(
                         device,
@@ -976,14 +902,10 @@ impl CopyEngine {
                         raw,
                         &self.registry.health,
                     )?;
-                    if raw != own {
-                        self.wait_raw(own, done)?;
-                    }
+                    self.wait_raw(own, done)?;
                 }
-                Route::Flags => self.copy_with_flags(t, copy_key, own, run.identity)?,
-                Route::Events(slot) => {
-                    self.copy_with_events(t, slot, copy_key, own, run.in_order)?
-                }
+                Route::Flags => self.copy_with_flags(t, peer, own, run.identity)?,
+                Route::Events(slot) => self.copy_with_events(t, slot, peer, own)?,
             }
         }
         Ok(())
@@ -992,7 +914,7 @@ impl CopyEngine {
     /// The group's last phase: this rank's streams wait for the copies into (or out of)
     /// the buffers it posted.
     fn finish_group(&self, run: &GroupRun<'_>, mut ipc: Option<&mut IpcState>) -> Result<()> {
-        let posted = (run.group.iter().zip(run.routes)).filter(|(t, r)| self.posting(t, r));
+        let posted = (run.group.iter().zip(run.routes)).filter(|(t, _)| Self::posts(t));
         for (t, route) in posted {
             let own = self.device.raw_stream(t.stream)?;
             match route {
@@ -1120,7 +1042,7 @@ impl CopyEngine {
     fn copy_with_flags(
         &self,
         t: &Transfer,
-        copy_key: Option<usize>,
+        peer: usize,
         own: crate::backend::cuda::stream::RawStream,
         identity: Option<u64>,
     ) -> Result<()> {
@@ -1152,7 +1074,7 @@ impl CopyEngine {
                 t.buf.nbytes()
             )));
         }
-        let raw = self.copy_stream_after(t, copy_key, own)?;
+        let raw = self.copy_stream_after(t, peer, own)?;
         self.take(raw, t, Flag::Ready)?;
         if bytes > 0 {
             let mine = t.buf.device_ptr().expect("checked");
@@ -1167,22 +1089,19 @@ impl CopyEngine {
             }
         }
         SignalBoard::write(raw, self.flag(t, Flag::Done)?, 1)?;
-        if raw != own {
-            // The iteration's stream waits for the copy (its buffer is read until then).
-            let copied = self.record_on(raw)?;
-            self.wait_on(own, copied)?;
-        }
+        // The iteration's stream waits for the copy (its buffer is read until then).
+        let copied = self.record_on(raw)?;
+        self.wait_on(own, copied)?;
         Ok(())
     }
 
-    /// The copying side of an event hand-off (in-process, either mode).
+    /// The sender's side of an event hand-off (in-process).
     fn copy_with_events(
         &self,
         t: &Transfer,
         slot: &Slot,
-        copy_key: Option<usize>,
+        peer: usize,
         own: crate::backend::cuda::stream::RawStream,
-        in_order: bool,
     ) -> Result<()> {
         let post = self
             .registry
@@ -1195,20 +1114,12 @@ impl CopyEngine {
                 t.buf.nbytes()
             )));
         }
-        let raw = self.copy_stream_after(t, copy_key, own)?;
-        if in_order && !t.sending {
-            self.after_last_inbound(raw)?;
-        }
+        let raw = self.copy_stream_after(t, peer, own)?;
         if let Some(ready) = post.ready {
             self.wait_on(raw, ready)?;
         }
-        let mine = t.buf.device_ptr().expect("checked");
         let (src_rank, dst_rank) = (t.key.0, t.key.1);
-        let (src, dst) = if t.sending {
-            (mine, post.ptr)
-        } else {
-            (post.ptr, mine)
-        };
+        let (src, dst) = (t.buf.device_ptr().expect("checked"), post.ptr);
         if post.bytes > 0 {
             let (dst_ctx, src_ctx) = (
                 self.registry.context(dst_rank)?,
@@ -1220,14 +1131,9 @@ impl CopyEngine {
                 .map_err(|e| self.driver_err("cuMemcpyPeerAsync", e))?;
         }
         let done = self.record_on(raw)?;
-        if in_order && !t.sending {
-            self.set_last_inbound(raw)?;
-        }
-        if raw != own {
-            // The iteration's stream waits for the copy too (its buffer is in use until
-            // then). Enqueued before the post: the poster recycles `done` after its wait.
-            self.wait_raw(own, done.raw)?;
-        }
+        // The iteration's stream waits for the copy too (its buffer is in use until then).
+        // Enqueued before the post: the poster recycles `done` after its wait.
+        self.wait_raw(own, done.raw)?;
         let _ = slot.done.set(done);
         self.registry.notify();
         Ok(())
@@ -1460,7 +1366,7 @@ mod tests {
             .collect::<Result<_>>()
             .unwrap();
         let ctx = devs[0].shared().ctx.cu_ctx();
-        let shared = CopyRegistry::new(vec![(0, ctx), (1, ctx)], health.clone(), CopyMode::Push);
+        let shared = CopyRegistry::new(vec![(0, ctx), (1, ctx)], health.clone());
         assert!(
             shared.signals.is_none() && shared.waits.is_none(),
             "ranks sharing a GPU hand off through events"
@@ -1469,7 +1375,6 @@ mod tests {
         let registry = Arc::new(CopyRegistry::with_flags(
             vec![(0, ctx), (1, ctx)],
             health,
-            CopyMode::Push,
             flags,
         ));
         assert_eq!(registry.signals.is_some(), flags, "the flag board was made");

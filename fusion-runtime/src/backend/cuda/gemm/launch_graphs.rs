@@ -7,8 +7,6 @@
 //! bakes its pointers in, so the key holds every pointer: a call at other addresses is
 //! another operation. Streams that are capturing already (a whole call being recorded,
 //! [`crate::replay`]) get the plain launch, which joins their capture.
-//!
-//! `FUSION_LAUNCH_GRAPHS=0` turns it off.
 
 use std::collections::VecDeque;
 use std::hash::Hash;
@@ -27,7 +25,7 @@ const CAPACITY: usize = 512;
 /// How an operation was launched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LaunchPath {
-    /// Enqueued directly (first sight, a capturing stream, or graphs off or failing).
+    /// Enqueued directly (first sight, a capturing stream, or its capture failing).
     Direct,
     /// Captured now, then launched.
     Captured,
@@ -65,7 +63,6 @@ enum Entry {
 pub(crate) struct LaunchGraphs<K> {
     entries: WordMap<K, Entry>,
     order: VecDeque<K>,
-    enabled: bool,
 }
 
 // SAFETY: graph handles are driver handles usable from any thread with their context
@@ -116,12 +113,11 @@ fn capture(raw: RawStream, enqueue: &mut dyn FnMut(RawStream) -> Result<()>) -> 
 }
 
 impl<K: Hash + Eq + Clone> LaunchGraphs<K> {
-    /// An empty cache (off when `FUSION_LAUNCH_GRAPHS=0`).
+    /// An empty cache.
     pub(crate) fn new() -> Self {
         LaunchGraphs {
             entries: WordMap::default(),
             order: VecDeque::new(),
-            enabled: std::env::var("FUSION_LAUNCH_GRAPHS").as_deref() != Ok("0"),
         }
     }
 
@@ -133,7 +129,7 @@ impl<K: Hash + Eq + Clone> LaunchGraphs<K> {
         raw: RawStream,
         mut enqueue: impl FnMut(RawStream) -> Result<()>,
     ) -> Result<LaunchPath> {
-        if !self.enabled || capturing(raw) {
+        if capturing(raw) {
             enqueue(raw)?;
             return Ok(LaunchPath::Direct);
         }

@@ -7,8 +7,7 @@
 //! new allocation), without the calls. What is kept is bounded ([`KEPT_BYTES`] per
 //! device, buffers of at most [`LARGEST_KEPT`] bytes) and returned to the pool when an
 //! allocation fails or the device closes. Buffers allocated while a call is captured as a
-//! graph belong to the graph and are never kept. `FUSION_FREE_LIST=0` turns keeping off
-//! (every free goes to the driver at once).
+//! graph belong to the graph and are never kept.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,12 +19,6 @@ use crate::backend::cuda::stream::RawStream;
 pub(crate) const KEPT_BYTES: usize = 256 << 20;
 /// Larger buffers go back to the pool at once.
 pub(crate) const LARGEST_KEPT: usize = 32 << 20;
-
-/// Whether freed buffers are kept (`FUSION_FREE_LIST` is not `0`).
-fn keeping_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FUSION_FREE_LIST").map_or(true, |v| v != "0"))
-}
 
 /// One device's kept buffers, by stream and size.
 #[derive(Debug, Default)]
@@ -58,8 +51,7 @@ impl FreeList {
     /// Keeps `ptr` (`bytes` bytes, freed on `stream`) for a later [`Self::take`]; false
     /// when it is not kept and the caller frees it.
     pub(crate) fn keep(&self, stream: RawStream, ptr: u64, bytes: usize) -> bool {
-        if !keeping_enabled()
-            || bytes == 0
+        if bytes == 0
             || bytes > LARGEST_KEPT
             || self.closed.load(Ordering::Acquire)
             || self.capturing.load(Ordering::Acquire)

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::each::on_each;
 use super::routes::Routes;
 use crate::backend::cuda::comm::communicator::CudaCommunicator;
-use crate::backend::cuda::comm::copy_engine::{CopyEngine, CopyMode, CopyRegistry, IpcState};
+use crate::backend::cuda::comm::copy_engine::{CopyEngine, CopyRegistry, IpcState};
 use crate::backend::cuda::comm::nccl::{
     id_bytes, id_from_bytes, init_rank, init_world, unique_id, NcclRankState,
 };
@@ -94,7 +94,6 @@ impl CudaComms {
                 .map(|(r, d)| (*r, d.shared().ctx.cu_ctx()))
                 .collect(),
             self.health.clone(),
-            CopyMode::from_env(),
         )
         .without_peer_access(&self.no_peer_access)
     }

@@ -138,12 +138,6 @@ impl CudaInfo {
     }
 }
 
-/// Whether CUDA IPC may be tried (`FUSION_IPC=0` turns it off: peers in other processes
-/// then use NCCL).
-fn ipc_allowed() -> bool {
-    std::env::var("FUSION_IPC").map_or(true, |v| v != "0")
-}
-
 /// A launched world in which processes of one host may share GPUs: ranks on different
 /// GPUs as in [`World::from_env`]; when two processes share a GPU, that world has
 /// no NCCL (which allows one rank per GPU), and its processes hand off over CUDA IPC (the
@@ -183,7 +177,7 @@ impl LocalDevices {
 /// [`launched_world_sharing_gpus`]).
 pub(crate) fn launched_cuda_world(
     spec: LaunchSpec,
-    per_process: Option<&str>,
+    per_process: Option<crate::config::PerProcess>,
     timeout: Duration,
     sharing: bool,
 ) -> Result<World> {
@@ -252,19 +246,15 @@ pub(crate) fn launched_cuda_world(
 /// processes of a host may share GPUs).
 fn open_devices(
     spec: &LaunchSpec,
-    per_process: Option<&str>,
+    per_process: Option<crate::config::PerProcess>,
     sharing: bool,
     timeout: Duration,
 ) -> Result<LocalDevices> {
     let visible = Visible::from_env(device_count());
     let per_process = match per_process {
         None => 1,
-        Some("all") => visible.count.max(1),
-        Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| {
-            Error::World(format!(
-                "FUSION_DEVICES_PER_PROCESS={v}: expected a positive number or `all`"
-            ))
-        })?,
+        Some(crate::config::PerProcess::All) => visible.count.max(1),
+        Some(crate::config::PerProcess::Count(n)) => n,
     };
     let ordinals = if sharing && visible.count > 0 {
         let first = spec.local_process * per_process;
@@ -294,7 +284,7 @@ fn open_devices(
 /// Makes each device's memory exportable when a peer may be another process of this host
 /// (`None` for a device where that failed: its peers use NCCL).
 fn prepare_ipc(spec: &LaunchSpec, local: &LocalDevices) -> Vec<Option<IpcDevice>> {
-    let wants_ipc = ipc_allowed() && spec.local_processes > 1;
+    let wants_ipc = spec.local_processes > 1;
     let ordinals: Vec<usize> = local.devices.iter().map(|d| d.shared().ordinal).collect();
     (local.devices.iter().enumerate())
         .map(|(i, d)| {
@@ -497,13 +487,8 @@ fn refuse_missing_ipc<C, R>(
                 return Err(Error::World(format!(
                     "processes of this launched world share a GPU, so they have no NCCL and \
                      their transfers need CUDA IPC, but rank {rank} could not connect to rank \
-                     {peer} over it (see the warnings above; {}): give each process a GPU of \
-                     its own instead",
-                    if ipc_allowed() {
-                        "both must run on one host"
-                    } else {
-                        "FUSION_IPC=0 turns it off"
-                    }
+                     {peer} over it (see the warnings above; both must run on one host): give \
+                     each process a GPU of its own instead"
                 )));
             }
         }
