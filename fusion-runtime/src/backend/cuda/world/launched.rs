@@ -142,7 +142,7 @@ impl CudaInfo {
 /// GPUs as in [`World::from_env`]; when two processes share a GPU, that world has
 /// no NCCL (which allows one rank per GPU), and its processes hand off over CUDA IPC (the
 /// copy engines, through the host). For checking launched pipelines and failures on a
-/// machine with fewer GPUs than processes, as [`cuda_world_sharing_gpus`] does within
+/// machine with fewer GPUs than processes, as [`cuda_world_sharing_gpus`](super::cuda_world_sharing_gpus) does within
 /// one process; one rank per process. `World::from_env` refuses such a layout with an
 /// error that says what to do.
 pub fn launched_world_sharing_gpus() -> Result<World> {
