@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds the release examples and test binaries here and packs them into .gpu/bin.tar.xz
 # (ignored by git, carried to the GPU machine by the device tool; scripts/gpu-env.sh
-# unpacks them into .gpu/bin there). Usage: scripts/stage-gpu.sh
+# unpacks them into .gpu/bin there, where `bash scripts/gpu.sh <task>` runs them).
+# Usage: scripts/stage-gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The lent machines' driver is CUDA 13.0, and this machine has no nvcc to tell cudarc which
-# CUDA version to bind: name it (an application's own choice wins elsewhere, see README).
+# CUDA version to bind: name it (an application's own choice wins elsewhere, see docs/PROGRAMS.md).
 export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 mkdir -p .gpu/bin
 cargo build --release --examples
