@@ -27,6 +27,9 @@ one GPU or more:
                           and graph tests, host_costs (A/B against .gpu/bin/host_costs_base)
   host [devices]          host cost: host_costs with its variants, host time per call
   candle [prefill] [steps]  the candle Llama layer (binary built with candle-cuda)
+  candle-tp [gpus]        the candle Llama layer tensor-parallel over [gpus] processes
+                          (default: every GPU) under torchrun: fusions against candle's own
+                          TP, prefill 2048 and 8192, decode 1, 8 and 64 tokens per step
 two GPUs or more:
   buffers                 tensors over cudarc buffers (tests, cuda_buffers example)
   launch                  conformance and examples under torchrun and mpirun, failures,
@@ -38,8 +41,9 @@ two GPUs or more:
   overlap-x2              bench/run-overlap.sh on all GPUs only, with traces
   replay-x2               CUDA-graph tests and host_costs --graph-topologies on 2 GPUs
   ring-x2                 the peer-failure test alone, graph tests, GEMM+RS row ranges x RUNS
-  x2 a|b|c|d              the two-GPU groups (a: launch buffers timeline soak; b: check
-                          layers host; c: replay-x2 overlap-x2; d: ring-x2), as one session
+  x2 a|b|c|d|e            the two-GPU groups (a: launch buffers timeline soak; b: check
+                          layers host; c: replay-x2 overlap-x2; d: ring-x2; e: issue 29's
+                          candle-tp overlap-x2 layers faults), as one session
 several tasks:
   session <task>..        each task in its own folder, all packed into $OUT/results.tgz
 EOF
@@ -203,10 +207,9 @@ task_caller_stream() {
 #   CUDA_HOME=<toolkit> CUDA_COMPUTE_CAP=90 CUDARC_CUDA_VERSION=13000 \
 #     cargo build --release --features candle-cuda --example candle_llama
 # (candle links CUDA dynamically) and staged as $BIN/candle_llama.
-task_candle() {
-    local prefill=${1:-2048} steps=${2:-100}
-    # A binary linked against CUDA (candle's dynamic linking) needs cuBLAS, cuRAND, the CUDA
-    # runtime and NCCL by their sonames: PyTorch's wheels have them.
+# A binary linked against CUDA (candle's dynamic linking) needs cuBLAS, cuRAND, the CUDA
+# runtime and NCCL by their sonames: PyTorch's wheels have them.
+candle_libraries() {
     local lib found
     for lib in libcublas.so.13 libcurand.so.10 libcudart.so.13 libnccl.so.2; do
         found=$(python3 -c "import sys,glob
@@ -215,6 +218,11 @@ for p in sys.path:
         print(f); raise SystemExit" 2>/dev/null)
         [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
     done
+}
+
+task_candle() {
+    local prefill=${1:-2048} steps=${2:-100}
+    candle_libraries
     export FUSION_BACKEND=cuda RUST_BACKTRACE=1
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/machine.txt"
     ldd "$BIN/candle_llama" | grep -E "cuda|cublas|curand|nccl|not found" >>"$OUT/machine.txt"
@@ -237,6 +245,40 @@ for p in sys.path:
     llama candle-tp-bf16-decode8 "${common[@]}" --dtype bf16 --prefill 64 --decode-tokens 8 --decode-steps 50 --candle-tp
     rm -f "$w"
     cat "$OUT/machine.txt"
+    printf '%s\n' "${summary[@]}"
+}
+
+# The candle Llama layer (Llama-3-8B sizes, bf16) tensor-parallel over [gpus] processes under
+# torchrun, one GPU each (issue 29): the fusions against candle's own tensor parallelism
+# (--candle-tp: a blocking NCCL all-reduce per block), prefill of 2048 and 8192 tokens and
+# decode steps of 1, 8 and 64 tokens (30 steps each: medians of at least 20), every step
+# checked against candle alone in f32 on rank 0. Rank 0's summary lines go to the table.
+task_candle_tp() {
+    local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+    candle_libraries
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=120
+    gpus_info >"$OUT/machine.txt" 2>&1
+    local w="$OUT/llama3-8b-layer.safetensors"
+    local mode shape name
+    for shape in "prefill-2048:--prefill 2048 --decode-steps 0" \
+        "prefill-8192:--prefill 8192 --decode-steps 0" \
+        "decode-1:--prefill 64 --decode-steps 30 --decode-tokens 1" \
+        "decode-8:--prefill 64 --decode-steps 30 --decode-tokens 8" \
+        "decode-64:--prefill 64 --decode-steps 30 --decode-tokens 64"; do
+        for mode in fusions candle-tp; do
+            name="tp$gpus-${shape%%:*}-$mode"
+            local flags=""
+            [ "$mode" = candle-tp ] && flags=--candle-tp
+            # shellcheck disable=SC2086
+            step "$name" 300 torchrun --nproc-per-node "$gpus" --no-python "$BIN/candle_llama" \
+                --llama3-8b --weights "$w" --dtype bf16 ${shape#*:} $flags
+        done
+    done
+    rm -f "$w"
+    cat "$OUT/machine.txt"
+    for f in "$OUT"/tp*.log; do
+        echo "$(basename "$f" .log): $(grep -E 'prefill \(|decode:|check:|error' "$f" | tr -s ' ' | tr '\n' '|' | cut -c1-300)"
+    done
     printf '%s\n' "${summary[@]}"
 }
 
@@ -587,7 +629,8 @@ task_x2() {
         b) task_session check layers host ;;
         c) task_session replay-x2 overlap-x2 ;;
         d) task_session ring-x2 ;;
-        *) echo "usage: scripts/gpu.sh x2 a|b|c|d" >&2; return 2 ;;
+        e) task_session candle-tp overlap-x2 layers faults ;;
+        *) echo "usage: scripts/gpu.sh x2 a|b|c|d|e" >&2; return 2 ;;
     esac
 }
 
@@ -595,7 +638,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | faults | host | launch | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | faults | host | launch | replay-x2 | \
         ring-x2 | shared-ranks | soak | timeline | session | x2) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
