@@ -9,6 +9,7 @@
 #   3. bench/torch_layers.py (NCCL + cuBLAS sequential, async-TP);
 #   4. bench/report_layers.py -> $OUT/table.md, printed last.
 # Binaries come from scripts/stage-gpu.sh (.gpu/bin). Logs and JSON lines go to $OUT.
+# Run as `bash scripts/gpu.sh layers`.
 # LAYER_D=n picks the device count (default 2), LAYER_ARGS adds layer_bench options.
 set -u
 cd "$(dirname "$0")/.."

@@ -3,6 +3,7 @@
 # all GPUs (D = 4 on nvidia-h200-x4, 8 on nvidia-h200-x8) and on the first 4 and 2 of them,
 # then the comparison table.
 # Binaries come from scripts/stage-gpu.sh (.gpu/bin). Logs and JSON lines go to $OUT.
+# Run as `bash scripts/gpu.sh overlap`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fusion-bench-out}

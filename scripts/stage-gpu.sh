@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds the release examples and test binaries here and packs them into .gpu/bin.tar.xz
 # (ignored by git, carried to the GPU machine by the device tool; scripts/gpu-env.sh
-# unpacks them into .gpu/bin there). Usage: scripts/stage-gpu.sh
+# unpacks them into .gpu/bin there, where `bash scripts/gpu.sh <task>` runs them).
+# Usage: scripts/stage-gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The lent machines' driver is CUDA 13.0, and this machine has no nvcc to tell cudarc which
-# CUDA version to bind: name it (an application's own choice wins elsewhere, see README).
+# CUDA version to bind: name it (an application's own choice wins elsewhere, see docs/PROGRAMS.md).
 export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 mkdir -p .gpu/bin
 cargo build --release --examples
@@ -20,6 +21,15 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' \
   | while read -r name exe; do cp "$exe" ".gpu/bin/test-$name"; done
+# The candle Llama layer on candle's CUDA device (`scripts/gpu.sh candle`, `candle-tp`):
+# building candle's kernels needs nvcc (e.g. NVIDIA's nvidia-cuda-nvcc 13.0 wheels, with
+# CUDA_HOME pointing at a folder that also holds the link libraries; docs/GPU-TESTING.md).
+if command -v nvcc >/dev/null; then
+    CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} cargo build --release --features candle-cuda --example candle_llama
+    cp target/release/examples/candle_llama .gpu/bin/
+else
+    echo "stage-gpu: no nvcc, so no candle_llama (the candle tasks need it)" >&2
+fi
 # The runtime's own unit tests (the GPU ones are #[ignore]d: copy-engine flag hand-offs).
 cargo test --release --no-run --message-format=json -p fusion-runtime --lib 2>/dev/null \
   | python3 -c 'import sys, json

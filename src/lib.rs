@@ -59,9 +59,9 @@ pub use fusion_runtime::{
 
 /// # Example
 ///
-/// A fusion inside your own program (README, "Using fusions inside your own program"): each
-/// rank's handle lives in a layer, each layer is driven from a thread of its own, and on
-/// GPUs every call runs on the layer's own CUDA stream, as one more op there.
+/// A fusion inside your own program (`docs/PROGRAMS.md`, "Using fusions inside your own
+/// program"): each rank's handle lives in a layer, each layer is driven from a thread of its
+/// own, and on GPUs every call runs on the layer's own CUDA stream, as one more op there.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -343,3 +343,10 @@ pub mod __private {
     pub use fusion_runtime;
     pub use static_assertions;
 }
+
+/// The Rust code of the README and of `docs/DSL.md`, compiled and run as doctests, so the
+/// example a newcomer copies is the one that is tested.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+#[doc = include_str!("../docs/DSL.md")]
+pub struct GuideDoctests;

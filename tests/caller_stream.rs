@@ -3,7 +3,7 @@
 //! caller's kernels read the outputs there, with no host synchronization in between, for
 //! 1,000 calls with fresh inputs, walked and replayed; and on the per-thread default
 //! streams of two threads sharing one rank. GPU-only (`#[ignore]`d): run with `--ignored`
-//! on a machine with a GPU (`scripts/gpu-caller-stream.sh`).
+//! on a machine with a GPU (`scripts/gpu.sh caller-stream`).
 
 use std::sync::Arc;
 

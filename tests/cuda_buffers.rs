@@ -1,6 +1,6 @@
 //! Tensors over cudarc buffers (`Rank::from_cuda_slice`, `Rank::with_cuda_view[_mut]`,
 //! `Tensor::into_cuda_slice`). The GPU tests are `#[ignore]`d (shown as ignored where there
-//! is no GPU); `scripts/gpu-check.sh` runs them with `--ignored`. The CPU-backend errors
+//! is no GPU); `scripts/gpu.sh check` runs them with `--ignored`. The CPU-backend errors
 //! run everywhere.
 
 use cudarc::driver::CudaSlice;

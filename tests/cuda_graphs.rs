@@ -1,7 +1,7 @@
 //! Replaying calls as CUDA graphs (`fusion::runtime::replay`).
 //!
 //! On every machine: which programs may be captured and why not, and that the CPU backend
-//! says so. On GPUs (`#[ignore]`d elsewhere; `scripts/gpu-check.sh` runs them with
+//! says so. On GPUs (`#[ignore]`d elsewhere; `scripts/gpu.sh check` runs them with
 //! `--ignored`): replayed calls match eager calls bit for bit, with fresh input values at
 //! every call, and after the inputs move to new buffers.
 

@@ -1,7 +1,7 @@
 //! The CUDA backend's kernels against the CPU backend's, on strided views and every dtype.
 //!
 //! These need a GPU, so they are `#[ignore]`d (shown as ignored, not passed, where there is
-//! none); `scripts/gpu-check.sh` runs them with `--ignored`.
+//! none); `scripts/gpu.sh check` runs them with `--ignored`.
 
 use fusion::core::ir::{BinaryOp, ReduceOp, UnaryOp};
 use fusion::runtime::backend::cpu::CpuDevice;

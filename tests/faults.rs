@@ -5,7 +5,7 @@
 //! process left behind.
 //!
 //! Everywhere on simulated devices and launched CPU processes. With `FUSION_BACKEND=cuda`
-//! (`scripts/gpu-faults.sh`) the same cases run on GPUs: two ranks on two GPUs, or sharing
+//! (`scripts/gpu.sh faults`) the same cases run on GPUs: two ranks on two GPUs, or sharing
 //! the one GPU there is (`cuda_world_sharing_gpus`; launched processes through
 //! `launched_world_sharing_gpus`), the AG+GEMM copy-engine pipeline replayed as a graph
 //! where the world replays (two GPUs: its device then waits on flags, which the watchdog

@@ -326,12 +326,15 @@ fn the_examples_run_unchanged_under_a_launcher() {
         .and_then(|deps| deps.parent())
         .expect("target/<profile>")
         .join("examples");
-    for name in [
-        "ag_matmul",
-        "matmul_ar",
-        "matmul_rs",
-        "allgather_p2p",
-        "ag_matmul_p2p",
+    // Small sizes: what runs under the launcher is the point, and the examples check every
+    // size against their f64 host loop (slow in a debug build at their default sizes).
+    let gemm: &[&str] = &["-m", "32", "-k", "32", "-n", "32"];
+    for (name, sizes) in [
+        ("ag_matmul", gemm),
+        ("matmul_ar", gemm),
+        ("matmul_rs", gemm),
+        ("allgather_p2p", &["-m", "4096"][..]),
+        ("ag_matmul_p2p", gemm),
     ] {
         let path = examples.join(name);
         assert!(
@@ -344,7 +347,7 @@ fn the_examples_run_unchanged_under_a_launcher() {
             Vars::Torchrun,
             2,
             &[0, 1],
-            &["--iters", "2"],
+            &[&["--iters", "2"], sizes].concat(),
             &[("FUSION_TIMEOUT", "30".into())],
             |_| Vec::new(),
             LIMIT,

@@ -30,7 +30,7 @@ use proc_macro::TokenStream;
 
 /// Defines fusions: multi-device tensor programs checked at compile time.
 ///
-/// See the `fusion` crate's README for the syntax, the ops and the rules.
+/// See the `fusion` crate's `docs/DSL.md` for the syntax, the ops and the rules.
 #[proc_macro]
 pub fn fusion(input: TokenStream) -> TokenStream {
     let block = match syn::parse::<parse::Block>(input) {

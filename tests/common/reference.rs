@@ -53,6 +53,16 @@ impl RefArray {
         self.data[idx.iter().zip(&s).map(|(i, s)| i * s).sum::<usize>()]
     }
 
+    /// Offset of `idx` (a batch index broadcast over size-1 axes of `shape`) in row-major
+    /// data with `strides`: the start of that batch's matrix.
+    fn batch_offset(idx: &[usize], shape: &[usize], strides: &[usize]) -> usize {
+        idx.iter()
+            .zip(shape)
+            .zip(strides)
+            .map(|((&i, &n), &s)| if n == 1 { 0 } else { i * s })
+            .sum()
+    }
+
     /// Elementwise op with numpy broadcasting.
     pub fn zip(&self, other: &RefArray, f: impl Fn(f64, f64) -> f64) -> RefArray {
         let r = self.shape.len().max(other.shape.len());
@@ -131,28 +141,20 @@ impl RefArray {
         let mut shape = batch.clone();
         shape.extend([m, n]);
         let nbatch: usize = batch.iter().product();
+        // Batch axes of each operand, right-aligned against `batch`, and their strides.
+        let (sa, sb) = (strides(&self.shape), strides(&b.shape));
+        let (sa, sb) = (&sa[..ra - 2], &sb[..rb - 2]);
         let mut data = Vec::with_capacity(nbatch * m * n);
         for bi in 0..nbatch {
             let idx = unravel(bi, &batch);
-            let ia: Vec<usize> = idx
-                .iter()
-                .zip(&pa)
-                .map(|(&i, &s)| if s == 1 { 0 } else { i })
-                .collect();
-            let ib: Vec<usize> = idx
-                .iter()
-                .zip(&pb)
-                .map(|(&i, &s)| if s == 1 { 0 } else { i })
-                .collect();
+            let oa = Self::batch_offset(&idx[nb - ba.len()..], ba, sa);
+            let ob = Self::batch_offset(&idx[nb - bb.len()..], bb, sb);
+            let (x, y) = (&self.data[oa..oa + m * k], &b.data[ob..ob + k * n]);
             for i in 0..m {
                 for j in 0..n {
                     let mut acc = 0.0;
                     for p in 0..k {
-                        let mut x = ia[nb - ba.len()..].to_vec();
-                        x.extend([i, p]);
-                        let mut y = ib[nb - bb.len()..].to_vec();
-                        y.extend([p, j]);
-                        acc += self.at(&x) * b.at(&y);
+                        acc += x[i * k + p] * y[p * n + j];
                     }
                     data.push(acc);
                 }

@@ -2,7 +2,7 @@
 //! they see, and whether every rank has a GPU of its own and the same NCCL, each reported
 //! with what was found and what to do. They are functions of what the processes see (GPU
 //! counts, `CUDA_VISIBLE_DEVICES`, UUIDs, NCCL versions), so that they are tested with
-//! faked device counts; `world::cuda` feeds them the real answers, before the rendezvous
+//! faked device counts; `backend::cuda::world` feeds them the real answers, before the rendezvous
 //! (what one process can see alone) and right after it (what only all ranks' infos show),
 //! so every rank reports the same mistake within seconds, before NCCL starts.
 

@@ -59,18 +59,27 @@ fn host(rank: &Rank, t: &Tensor) -> fusion::Result<Vec<f32>> {
     rank.to_host(t)?.to_f32_vec()
 }
 
-fn main() -> fusion::Result<()> {
+pub fn main() -> fusion::Result<()> {
     let world = World::local(2)?;
     world.run(|rank| {
         let t = |shape: &[usize], seed: u64| Tensor::randn(shape, DType::F32, seed);
         let (a, b, v) = (t(&[3, 4], 1), t(&[3, 4], 2), t(&[4], 3));
-        let e = elementwise(rank, &a.clone().try_into()?, &b.clone().try_into()?, &v.clone().try_into()?)?;
+        let e = elementwise(
+            rank,
+            &a.clone().try_into()?,
+            &b.clone().try_into()?,
+            &v.clone().try_into()?,
+        )?;
         let (av, bv, vv) = (a.to_f32_vec()?, b.to_f32_vec()?, v.to_f32_vec()?);
         let got = host(rank, &e)?;
         for i in 0..12 {
             let (x, y, z) = (av[i], bv[i], vv[i % 4]);
             let want = ((x + y) * z - y / z).max(x).min(-y);
-            assert!((got[i] - want).abs() < 1e-5, "elementwise[{i}]: {} vs {want}", got[i]);
+            assert!(
+                (got[i] - want).abs() < 1e-5,
+                "elementwise[{i}]: {} vs {want}",
+                got[i]
+            );
         }
 
         let u = unary(rank, &t(&[5], 4).try_into()?)?;
@@ -79,8 +88,16 @@ fn main() -> fusion::Result<()> {
         let norms = inverse_norms(rank, &x.clone().try_into()?)?;
         let norms = host(rank, &norms)?;
         for (row, got) in x.to_f32_vec()?.chunks(5).zip(norms) {
-            let want = 1.0 / row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>().sqrt();
-            assert!((f64::from(got) - want).abs() < 1e-5 * want, "rsqrt: {got} vs {want}");
+            let want = 1.0
+                / row
+                    .iter()
+                    .map(|&v| f64::from(v) * f64::from(v))
+                    .sum::<f64>()
+                    .sqrt();
+            assert!(
+                (f64::from(got) - want).abs() < 1e-5 * want,
+                "rsqrt: {got} vs {want}"
+            );
         }
         let (h, f) = casts(rank, &t(&[5], 5).try_into()?)?;
         assert_eq!((h.dtype(), f.dtype()), (DType::BF16, DType::F16));
@@ -95,7 +112,10 @@ fn main() -> fusion::Result<()> {
             &t(&[5, 4], 11).try_into()?,
             &t(&[5], 12).try_into()?,
         )?;
-        assert_eq!((p.shape(), q.shape(), l.shape()), (&[2, 3, 5][..], &[2, 3, 5][..], &[2, 3, 5][..]));
+        assert_eq!(
+            (p.shape(), q.shape(), l.shape()),
+            (&[2, 3, 5][..], &[2, 3, 5][..], &[2, 3, 5][..])
+        );
         let x = t(&[3, 4], 13);
         let (row, cols, parts) = views(rank, &x.clone().try_into()?)?;
         assert_eq!(host(rank, &row)?, x.select(0, 1)?.to_f32_vec()?);

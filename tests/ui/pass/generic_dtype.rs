@@ -13,14 +13,19 @@ fusion! {
     }
 }
 
-fn main() -> fusion::Result<()> {
+pub fn main() -> fusion::Result<()> {
     let world = World::local(1)?;
     for dt in [DType::F32, DType::BF16, DType::F16] {
         let x = Tensor::randn(&[4, 8], dt, 1);
         let w = Tensor::randn(&[8, 3], dt, 2);
         let bias = Tensor::randn(&[3], DType::F32, 3);
         world.run(|rank| {
-            let y = layer(rank, &x.clone().try_into()?, &w.clone().try_into()?, &bias.clone().try_into()?)?;
+            let y = layer(
+                rank,
+                &x.clone().try_into()?,
+                &w.clone().try_into()?,
+                &bias.clone().try_into()?,
+            )?;
             assert_eq!((y.dtype(), y.shape()), (dt, &[4, 3][..]));
             assert!(y.to_f32_vec()?.iter().all(|&v| v >= 0.0));
             Ok(())

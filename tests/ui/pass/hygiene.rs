@@ -16,7 +16,7 @@ fusion! {
     }
 }
 
-fn main() -> fusion::Result<()> {
+pub fn main() -> fusion::Result<()> {
     fusion! {
         fn inner<m>(x: Tensor<f32, [m]>) -> Tensor<f32, [m]> {
             neg(x)
@@ -24,7 +24,13 @@ fn main() -> fusion::Result<()> {
     }
     World::local(1)?.run(|r| {
         let t = |s: &[usize]| -> fusion::Result<Tensor> { Ok(Tensor::randn(s, DType::F32, 1)) };
-        let (a, b) = collide(r, &t(&[2, 3])?.try_into()?, &t(&[3])?.try_into()?, &t(&[3])?.try_into()?, &t(&[3])?.try_into()?)?;
+        let (a, b) = collide(
+            r,
+            &t(&[2, 3])?.try_into()?,
+            &t(&[3])?.try_into()?,
+            &t(&[3])?.try_into()?,
+            &t(&[3])?.try_into()?,
+        )?;
         assert_eq!((a.shape(), b.shape()), (&[2, 3][..], &[3][..]));
         let y = inner(r, &t(&[4])?.try_into()?)?;
         assert_eq!(y.to_f32_vec()?[0], -t(&[4])?.to_f32_vec()?[0]);

@@ -9,12 +9,16 @@ fusion! {
     }
 }
 
-fn main() -> fusion::Result<()> {
+pub fn main() -> fusion::Result<()> {
     let world = World::local(2)?;
     let x = Tensor::randn(&[2, 8, 16], DType::F32, 1);
     let w = Tensor::randn(&[16, 4], DType::F32, 2);
     world.run(|rank| {
-        let out = blocks(rank, &rank.shard(&x, 0)?.try_into()?, &w.clone().try_into()?)?;
+        let out = blocks(
+            rank,
+            &rank.shard(&x, 0)?.try_into()?,
+            &w.clone().try_into()?,
+        )?;
         assert_eq!(out.shape(), &[2, 2, 4, 4]);
         // A wrong literal extent is a runtime error naming the tensor and axis.
         let bad = Tensor::randn(&[16, 5], DType::F32, 3);

@@ -48,10 +48,15 @@ fusion! {
     }
 }
 
-fn main() -> fusion::Result<()> {
+pub fn main() -> fusion::Result<()> {
     let world = World::local(2)?;
     let t = |shape: &[usize], seed: u64| Tensor::randn(shape, DType::F32, seed);
-    let (x, w1, w2, w3) = (t(&[2, 4, 8], 1), t(&[2, 8, 6], 2), t(&[2, 6, 8], 3), t(&[2, 8, 6], 4));
+    let (x, w1, w2, w3) = (
+        t(&[2, 4, 8], 1),
+        t(&[2, 8, 6], 2),
+        t(&[2, 6, 8], 3),
+        t(&[2, 8, 6], 4),
+    );
     let a = t(&[2, 2, 4, 6], 5);
     world.run(|rank| {
         let s = |full: &Tensor, axis: usize| -> fusion::Result<Ranked<3>> {
@@ -68,7 +73,10 @@ fn main() -> fusion::Result<()> {
         // Lowered once each, into one stream loop with both pipelines.
         // Pipelined at any shape (by default only from 256 rows per chunk on).
         let always = ExecOptions {
-            lower: LowerOptions { pipelining: Pipelining::Always, ..LowerOptions::default() },
+            lower: LowerOptions {
+                pipelining: Pipelining::Always,
+                ..LowerOptions::default()
+            },
             ..ExecOptions::default()
         };
         let text = mlp::program(rank, &s(&x, 0)?, &s(&w1, 0)?, &s(&w2, 0)?, &always)?.to_string();

@@ -1,0 +1,658 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements, one task per call, on a machine with GPUs and without
+# Rust: build the binaries here first with scripts/stage-gpu.sh (.gpu/bin.tar.xz, carried to
+# the machine; scripts/gpu-env.sh unpacks it there), then, in the repository root there:
+#   bash scripts/gpu.sh <task> [arguments]
+# Logs go to $OUT (default /tmp/fusion-gpu-out); a short table is printed last. Every task
+# is described in docs/GPU-TESTING.md; `bash scripts/gpu.sh help` lists them.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+SELF=$ROOT/scripts/gpu.sh
+OUT=${OUT:-/tmp/fusion-gpu-out}
+BIN=${BIN:-$ROOT/.gpu/bin}
+
+usage() {
+    cat <<'EOF'
+usage: scripts/gpu.sh <task> [arguments]      (docs/GPU-TESTING.md describes each)
+one GPU or more:
+  check [dtypes..]        conformance (f32 bf16 f16, poisoned), pass/error, layer, kernel,
+                          buffer and graph tests, examples, overlap trace, host costs
+  all                     check, then the overlap benchmark against PyTorch (overlap)
+  shared-ranks            two ranks sharing the visible GPUs: copy-engine pipelines, GPU unit
+                          tests, host_costs --share-gpus
+  faults                  shared-ranks five times, the fault suite, launch mistakes under
+                          torchrun, check from a copy of the repository at another path
+  caller-stream           calls on the caller's stream, cudarc buffers, one-GPU conformance
+                          and graph tests, host_costs (A/B against .gpu/bin/host_costs_base)
+  host [devices]          host cost: host_costs with its variants, host time per call
+  candle [prefill] [steps]  the candle Llama layer (binary built with candle-cuda)
+  candle-tp [gpus]        the candle Llama layer tensor-parallel over [gpus] processes
+                          (default: every GPU) under torchrun: fusions against candle's own
+                          TP, prefill 2048 and 8192, decode 1, 8 and 64 tokens per step
+two GPUs or more:
+  buffers                 tensors over cudarc buffers (tests, cuda_buffers example)
+  launch                  conformance and examples under torchrun and mpirun, failures,
+                          the overlap benchmark in both layouts
+  soak [devices]          the 100,000-call memory soak
+  timeline [args..]       the timeline pictures (DEVICES=n, default 2)
+  layers                  bench/run-layers.sh: layer checks and benchmark against PyTorch
+  overlap                 bench/run-overlap.sh: overlap benchmark against PyTorch, D = all, 4, 2
+  overlap-x2              bench/run-overlap.sh on all GPUs only, with traces
+  replay-x2               CUDA-graph tests and host_costs --graph-topologies on 2 GPUs
+  ring-x2                 the peer-failure test alone, graph tests, GEMM+RS row ranges x RUNS
+  x2 a|b|c|d|e            the two-GPU groups (a: launch buffers timeline soak; b: check
+                          layers host; c: replay-x2 overlap-x2; d: ring-x2; e: issue 29's
+                          candle-tp overlap-x2 layers faults), as one session
+several tasks:
+  session <task>..        each task in its own folder, all packed into $OUT/results.tgz
+EOF
+}
+
+# `step NAME TIMEOUT COMMAND...` runs COMMAND under a time limit with its output in
+# $OUT/NAME.log, and adds a line to the `summary` array: the exit status, the seconds it
+# took and the last log line matching $STEP_PATTERN.
+STEP_PATTERN=${STEP_PATTERN:-'test result|FAILED|rror|check:'}
+summary=()
+step() {
+    local name=$1 t=$2; shift 2
+    local start=$SECONDS
+    timeout "$t" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-30s rc=%-4s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E "$STEP_PATTERN" "$OUT/$name.log" | tail -1 | cut -c1-90)")")
+}
+
+# The date and the GPUs (name, driver, memory).
+gpus_info() {
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+}
+
+torch_info() {
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>/dev/null
+}
+
+# Fresh inputs every run (the suites' seeds are shifted by this; rerun with the same value).
+fresh_seed() {
+    export FUSION_TEST_SEED=${FUSION_TEST_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
+    echo "FUSION_TEST_SEED=$FUSION_TEST_SEED" >>"$1"
+}
+
+# The conformance suite on the CUDA backend in f32, bf16 and f16 (allocations poisoned by
+# the suite's worlds, tests/common), the
+# pass/error tests, the layer and epilogue tests, the kernel, cudarc-buffer and CUDA-graph
+# tests, the runtime's GPU unit tests, what a machine without `libnccl.so` reports, the
+# examples, the overlap trace and host_costs.
+task_check() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    local dtypes=${*:-f32 bf16 f16}
+    {
+        gpus_info
+        nvidia-smi topo -m 2>/dev/null | head -8
+        torch_info
+        echo "libnccl known to the loader: $(ldconfig -p 2>/dev/null | grep -c libnccl) entries"; ldconfig -p 2>/dev/null | grep libnccl
+    } >"$OUT/machine.txt" 2>&1
+    fresh_seed "$OUT/machine.txt"
+    export FUSION_RESULTS="$OUT/conformance.jsonl"
+    for dt in $dtypes; do
+        FUSION_TEST_DTYPE=$dt step "conformance-$dt" 240 $BIN/test-conformance --test-threads=1 --nocapture
+    done
+    unset FUSION_RESULTS
+    step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1 --nocapture
+    # Transformer layers (MLP, gated MLP, attention projections) and GEMM epilogues.
+    step layers 240 $BIN/test-layers --test-threads=1
+    step epilogues 120 $BIN/test-epilogues --test-threads=1
+    step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
+    step cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
+    step cuda_graphs 180 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture
+    # The runtime's GPU unit tests: copy-engine flag hand-offs, eager and replayed.
+    step runtime_unit_gpu 120 $BIN/test-fusion_runtime_lib --ignored --test-threads=1
+    # What a machine without `libnccl.so` reports (gpu-env.sh's symlink directory left
+    # out). Where the system loader finds a libnccl.so of its own, it is hidden behind
+    # /dev/null in a private mount namespace (nothing changes outside this one command).
+    local system_nccl missing_nccl
+    system_nccl=$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*libnccl\.so$' | head -1)
+    missing_nccl="$BIN/overlap_trace -m 64 -k 64 -n 64"
+    if [ -z "$system_nccl" ]; then
+        LD_LIBRARY_PATH=/usr/local/cuda/lib64 timeout 60 $missing_nccl >"$OUT/missing-nccl.log" 2>&1
+    elif command -v unshare >/dev/null && unshare -m true 2>/dev/null; then
+        echo "hiding $system_nccl in a private mount namespace" >"$OUT/missing-nccl.log"
+        LD_LIBRARY_PATH=/usr/local/cuda/lib64 timeout 60 unshare -m sh -c \
+            "mount --bind /dev/null '$system_nccl' && exec $missing_nccl" >>"$OUT/missing-nccl.log" 2>&1
+    else
+        echo "skipped: the system loader finds $system_nccl" >"$OUT/missing-nccl.log"
+    fi
+    summary+=("missing-nccl: $(grep -E -o 'skipped.*|libnccl.so.{0,80}LD_LIBRARY_PATH|backend cuda.*' "$OUT/missing-nccl.log" | head -1 | cut -c1-100)")
+    for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p cuda_buffers tp_mlp; do
+        [ -x "$BIN/$ex" ] && step "example-$ex" 120 $BIN/$ex
+    done
+    step overlap_trace 120 $BIN/overlap_trace --trace-out "$OUT/overlap_trace.json"
+    # Host time of enqueuing a GEMM, a stream wait and a copy kernel (what paces fine
+    # pipelines).
+    step host_costs 60 $BIN/host_costs --devices 1
+    step host_costs_large 60 $BIN/host_costs --devices 1 -m 2048 -k 2048 -n 8192
+    cat "$OUT/machine.txt"
+    grep -h "rank 0" "$OUT/overlap_trace.log" 2>/dev/null
+    cat "$OUT/host_costs.log" "$OUT/host_costs_large.log" 2>/dev/null
+    printf '%s\n' "${summary[@]}"
+}
+
+# check (dtypes from CHECK_DTYPES) then the overlap benchmark against PyTorch, each part's
+# files packed into one archive under $OUT (the device tool returns only a few files); the
+# summary tables are printed last.
+task_all() {
+    mkdir -p "$OUT/check" "$OUT/bench"
+    OUT="$OUT/check" bash "$SELF" check ${CHECK_DTYPES:-f32 bf16 f16} >"$OUT/check.txt" 2>&1
+    OUT="$OUT/bench" bash bench/run-overlap.sh >"$OUT/bench.txt" 2>&1
+    tar czf "$OUT/check.tgz" -C "$OUT" check && rm -rf "$OUT/check"
+    tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
+    tail -25 "$OUT/check.txt"
+    cat "$OUT/bench.txt"
+}
+
+# Tensors over cudarc buffers on 2 or more GPUs: the GPU tests of tests/cuda_buffers.rs,
+# then the `cuda_buffers` example on 2 GPUs in f32, bf16 and f16 (inputs and outputs in
+# cudarc buffers, checked against an f64 host reference). Success: every rc is 0 and every
+# example line says "check: ... ok".
+task_buffers() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    gpus_info >"$OUT/buffers-machine.txt" 2>&1
+    step test-cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
+    for dt in f32 bf16 f16; do
+        step "cuda_buffers-$dt" 120 $BIN/cuda_buffers --devices 2 --dtype "$dt"
+    done
+    cat "$OUT/buffers-machine.txt"
+    cat "$OUT/cuda_buffers-bf16.log"
+    printf '%s\n' "${summary[@]}"
+}
+
+# Fusions inside someone else's program, on one GPU (binaries built with
+# CUDARC_CUDA_VERSION=13000): the caller's-stream tests of tests/caller_stream.rs (inputs
+# written by the caller's kernel on its stream, the call on that stream, outputs read by the
+# caller's kernel there, no host wait in between, 1,000 calls with fresh inputs walked and
+# replayed, and on the per-thread default streams of two threads; a capturing stream is
+# refused with the reason), the cudarc-buffer tests, the single-GPU conformance cases and
+# CUDA-graph tests (those needing two GPUs skip), and host_costs (the replayed one-GEMM
+# call on the rank's own stream, on a caller's stream and on the per-thread default stream,
+# in one process) twice. When another build's host_costs is staged as
+# .gpu/bin/host_costs_base (e.g. the commit before a change), the two alternate, for an A/B
+# of the call's host cost in one device call.
+task_caller_stream() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=30
+    gpus_info >"$OUT/caller-stream-machine.txt" 2>&1
+    step test-caller_stream 180 $BIN/test-caller_stream --ignored --test-threads=1 --nocapture
+    step test-cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
+    step test-conformance-1gpu 240 $BIN/test-conformance --test-threads=1
+    step test-cuda_graphs 240 $BIN/test-cuda_graphs --ignored --test-threads=1
+    STEP_PATTERN='rror|us per call'
+    for i in 1 2; do
+        step host-costs-$i 120 $BIN/host_costs --devices 1
+        if [ -x $BIN/host_costs_base ]; then
+            step host-costs-base-$i 120 $BIN/host_costs_base --devices 1
+        fi
+    done
+    cat "$OUT/caller-stream-machine.txt"
+    grep -h "caller's stream:\|per-thread streams" "$OUT/test-caller_stream.log"
+    for f in "$OUT"/host-costs-*.log; do
+        echo "$(basename "$f" .log):"
+        grep -h "one-GEMM fusion call\|minus the rank" "$f"
+    done
+    printf '%s\n' "${summary[@]}"
+}
+
+# The candle Llama layer on one GPU: candle's CUDA device, a prefill of [prefill] tokens
+# (default 2048) and [steps] decode steps (default 100), the fusions' layer against
+# --candle-tp and --candle-only, each checked against candle alone in f32. The binary is
+# built here with
+#   CUDA_HOME=<toolkit> CUDA_COMPUTE_CAP=90 CUDARC_CUDA_VERSION=13000 \
+#     cargo build --release --features candle-cuda --example candle_llama
+# (candle links CUDA dynamically) and staged as $BIN/candle_llama.
+# A binary linked against CUDA (candle's dynamic linking) needs cuBLAS, cuRAND, the CUDA
+# runtime and NCCL by their sonames: PyTorch's wheels have them.
+candle_libraries() {
+    local lib found
+    for lib in libcublas.so.13 libcurand.so.10 libcudart.so.13 libnccl.so.2; do
+        found=$(python3 -c "import sys,glob
+for p in sys.path:
+    for f in glob.glob(p + '/nvidia/**/$lib', recursive=True):
+        print(f); raise SystemExit" 2>/dev/null)
+        [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+    done
+}
+
+task_candle() {
+    local prefill=${1:-2048} steps=${2:-100}
+    candle_libraries
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/machine.txt"
+    ldd "$BIN/candle_llama" | grep -E "cuda|cublas|curand|nccl|not found" >>"$OUT/machine.txt"
+    llama() {
+        local name=$1; shift
+        local start=$SECONDS
+        timeout 240 "$BIN/candle_llama" "$@" >"$OUT/$name.log" 2>&1
+        local rc=$?
+        summary+=("$(printf '%-22s rc=%d %3ds  %s' "$name" "$rc" $((SECONDS - start)) \
+            "$(grep -E 'prefill|decode:|check:|copies|error' "$OUT/$name.log" | tr -s ' ' | tr '\n' '|' | cut -c1-420)")")
+    }
+    local w="$OUT/llama3-8b-layer.safetensors"
+    local common=(--llama3-8b --weights "$w")
+    local full=(--prefill "$prefill" --decode-steps "$steps")
+    llama fusions-bf16 "${common[@]}" "${full[@]}" --dtype bf16
+    llama candle-tp-bf16 "${common[@]}" "${full[@]}" --dtype bf16 --candle-tp
+    llama candle-only-bf16 "${common[@]}" "${full[@]}" --dtype bf16 --candle-only
+    llama fusions-f32 "${common[@]}" --prefill "$prefill" --decode-steps 8 --dtype f32
+    llama fusions-bf16-decode8 "${common[@]}" --dtype bf16 --prefill 64 --decode-tokens 8 --decode-steps 50
+    llama candle-tp-bf16-decode8 "${common[@]}" --dtype bf16 --prefill 64 --decode-tokens 8 --decode-steps 50 --candle-tp
+    rm -f "$w"
+    cat "$OUT/machine.txt"
+    printf '%s\n' "${summary[@]}"
+}
+
+# The candle Llama layer (Llama-3-8B sizes, bf16) tensor-parallel over [gpus] processes under
+# torchrun, one GPU each (issue 29): the fusions against candle's own tensor parallelism
+# (--candle-tp: a blocking NCCL all-reduce per block), prefill of 2048 and 8192 tokens and
+# decode steps of 1, 8 and 64 tokens (30 steps each: medians of at least 20), every step
+# checked against candle alone in f32 on rank 0. Rank 0's summary lines go to the table.
+task_candle_tp() {
+    local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+    candle_libraries
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=120
+    gpus_info >"$OUT/machine.txt" 2>&1
+    local w="$OUT/llama3-8b-layer.safetensors"
+    local mode shape name
+    for shape in "prefill-2048:--prefill 2048 --decode-steps 0" \
+        "prefill-8192:--prefill 8192 --decode-steps 0" \
+        "decode-1:--prefill 64 --decode-steps 30 --decode-tokens 1" \
+        "decode-8:--prefill 64 --decode-steps 30 --decode-tokens 8" \
+        "decode-64:--prefill 64 --decode-steps 30 --decode-tokens 64"; do
+        for mode in fusions candle-tp; do
+            name="tp$gpus-${shape%%:*}-$mode"
+            local flags=""
+            [ "$mode" = candle-tp ] && flags=--candle-tp
+            # shellcheck disable=SC2086
+            step "$name" 300 torchrun --nproc-per-node "$gpus" --no-python "$BIN/candle_llama" \
+                --llama3-8b --weights "$w" --dtype bf16 ${shape#*:} $flags
+        done
+    done
+    rm -f "$w"
+    cat "$OUT/machine.txt"
+    for f in "$OUT"/tp*.log; do
+        echo "$(basename "$f" .log): $(grep -E 'prefill \(|decode:|check:|error' "$f" | tr -s ' ' | tr '\n' '|' | cut -c1-300)"
+    done
+    printf '%s\n' "${summary[@]}"
+}
+
+# One-GPU checks of the fault handling:
+#   1. shared-ranks five times in a row (a run passes when every step of it ended with
+#      rc=0; after a failed run the others would only spend time);
+#   2. the fault suite (tests/faults.rs) on the GPU with FUSION_TIMEOUT=10 (every error
+#      within 15 s): a rank that never sends, a rank that panics in the middle of a
+#      pipeline, a launched process killed (SIGKILL) or frozen (SIGSTOP) in the middle of a
+#      call; on one GPU the ranks share it;
+#   3. torchrun with one process more than there are GPUs: must exit non-zero within 10 s
+#      naming the visible GPU count and the fix, on every rank; on one GPU again with
+#      CUDA_VISIBLE_DEVICES=0 for both (found from the GPU UUIDs at the rendezvous);
+#   4. check from a copy of the repository at another path than the build's.
+# Each task's logs in a folder of its own under $OUT.
+task_faults() {
+    local table=() gpus i start steps failed rc
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    echo "GPUs: $gpus" >"$OUT/machine.txt"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader >>"$OUT/machine.txt" 2>&1
+
+    for i in 1 2 3 4 5; do
+        start=$SECONDS
+        OUT="$OUT/shared-ranks-$i" bash "$SELF" shared-ranks >"$OUT/shared-ranks-$i.txt" 2>&1
+        steps=$(grep -cE '^[a-z_-]+-?[0-9]* +rc=' "$OUT/shared-ranks-$i.txt")
+        failed=$(grep -E '^[a-z_-]+-?[0-9]* +rc=' "$OUT/shared-ranks-$i.txt" | grep -vc 'rc=0 ')
+        table+=("$(printf '%-34s %s  %3ss  %s steps, %s failed' "shared-ranks-$i" \
+            "$([ "$failed" = 0 ] && [ "$steps" -gt 0 ] && echo PASS || echo FAIL)" \
+            "$((SECONDS - start))" "$steps" "$failed")")
+        if [ "$failed" != 0 ] || [ "$steps" = 0 ]; then
+            table+=("shared-ranks: stopped after run $i failed")
+            break
+        fi
+    done
+
+    start=$SECONDS
+    FUSION_BACKEND=cuda FUSION_TIMEOUT=10 RUST_BACKTRACE=0 timeout 300 \
+        $BIN/test-faults --test-threads=1 --nocapture >"$OUT/faults.log" 2>&1
+    rc=$?
+    table+=("$(printf '%-34s %s  %3ss  %s' faults "$([ $rc = 0 ] && echo PASS || echo "FAIL rc=$rc")" \
+        "$((SECONDS - start))" "$(grep -E 'test result' "$OUT/faults.log" | tail -1 | cut -c1-70)")")
+
+    torchrun_check() {
+        local name=$1 needle=$2; shift 2
+        local t0 t1 rc secs named ok=FAIL
+        t0=$(date +%s.%N)
+        timeout 60 env "$@" torchrun --nproc-per-node $((gpus + 1)) --no-python $BIN/ag_matmul \
+            >"$OUT/$name.log" 2>&1
+        rc=$?
+        t1=$(date +%s.%N)
+        secs=$(python3 -c "print(f'{$t1 - $t0:.1f}')")
+        named=$(grep -c "$needle" "$OUT/$name.log")
+        if [ $rc != 0 ] && [ $rc != 124 ] && python3 -c "import sys; sys.exit(0 if $secs <= 10 else 1)" \
+            && [ "$named" -ge 1 ]; then ok=PASS; fi
+        table+=("$(printf '%-34s %s  %5ss  rc=%s, %s lines name it' "$name" $ok "$secs" $rc "$named")")
+    }
+    torchrun_check torchrun-more-processes-than-gpus "GPU.* visible.*--nproc-per-node $gpus" FUSION_TIMEOUT=30
+    if [ "$gpus" = 1 ]; then
+        torchrun_check torchrun-two-processes-one-gpu "both use GPU GPU-" FUSION_TIMEOUT=30 CUDA_VISIBLE_DEVICES=0
+    fi
+
+    local copy
+    copy=$(mktemp -d /tmp/fusion-elsewhere-XXXXXX)/repo
+    mkdir -p "$copy"
+    cp -r scripts tests "$copy/" && mkdir -p "$copy/.gpu" && cp .gpu/bin.tar.xz "$copy/.gpu/"
+    start=$SECONDS
+    (cd "$copy" && OUT="$OUT/gpu-check" BIN= bash scripts/gpu.sh check >"$OUT/gpu-check.txt" 2>&1)
+    steps=$(grep -cE ' rc=' "$OUT/gpu-check.txt")
+    failed=$(grep -E ' rc=' "$OUT/gpu-check.txt" | grep -vc 'rc=0 ')
+    table+=("$(printf '%-34s %s  %3ss  %s steps, %s failed (from %s)' check-elsewhere \
+        "$([ "$failed" = 0 ] && [ "$steps" -gt 0 ] && echo PASS || echo FAIL)" \
+        "$((SECONDS - start))" "$steps" "$failed" "$copy")")
+    rm -rf "$(dirname "$copy")"
+
+    echo "--- fault suite"
+    grep -hE '^(never sends|panic:|KILL:|STOP:)|test .* \.\.\. |FAIL' "$OUT/faults.log" | cut -c1-300
+    echo "--- torchrun"
+    grep -h "error" "$OUT"/torchrun-*.log | sort | uniq -c | cut -c1-400
+    echo "--- host_costs --share-gpus (run 1)"
+    head -30 "$OUT/shared-ranks-1/host-costs-shared.log" 2>/dev/null
+    echo "--- steps of the shared-rank runs that failed"
+    grep -hE ' rc=' "$OUT"/shared-ranks-*.txt | grep -v 'rc=0 ' || echo none
+    echo "--- steps of check that failed"
+    grep -hE ' rc=' "$OUT/gpu-check.txt" | grep -v 'rc=0 ' || echo none
+    printf '%s\n' "${table[@]}"
+}
+
+# Host cost (default: all GPUs for the per-call part): host_costs (enqueuing a GEMM, a
+# stream wait, a copy kernel; the Matmul node of a walked program; a one-GEMM call walked
+# and replayed as a CUDA graph), and the overlap benchmark's host time per
+# call of the collective AG+GEMM pipeline for 2-16 stream iterations, walked and replayed.
+task_host() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    STEP_PATTERN='us per call|rror'
+    local d=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+    [ "$d" -ge 1 ] 2>/dev/null || d=1
+    step host-costs 120 $BIN/host_costs --devices 1
+    step host-per-call 300 $BIN/overlap_bench --devices "$d" --ops ag --shapes 4096,1024,1024 \
+        --transports "" --chunks 2 --streams 2 --rs-subchunks "" --iters 5 --warmup 2 \
+        --json "$OUT/host-per-call.jsonl"
+    cat "$OUT/host-costs.log"
+    grep -h "host per call\|host overhead" "$OUT/host-per-call.log"
+    printf '%s\n' "${summary[@]}"
+}
+
+# Multi-process checks with 2+ GPUs (NPROC processes, default 2): the conformance suite and
+# the examples under `torchrun --nproc-per-node 2 --no-python` (one process per GPU), one
+# example under mpirun, a rank that exits early on GPUs, sub-worlds, and the overlap
+# benchmark in the one-process-per-GPU layout against the single-process run. The logs
+# travel as one archive (KEEP_LOGS=1 keeps them as files).
+task_launch() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
+    local n=${NPROC:-2}
+    {
+        gpus_info
+        nvidia-smi topo -m 2>/dev/null | head -6
+        torch_info
+        which torchrun mpirun
+        uname -r
+        # What torchrun tells its workers (which port its own store holds).
+        torchrun --nproc-per-node 1 --no-python sh -c 'env | grep -E "^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_USE_AGENT_STORE)=" | sort' 2>&1 | tail -8
+    } >"$OUT/machine.txt" 2>&1
+    fresh_seed "$OUT/machine.txt"
+    local tr="torchrun --nproc-per-node $n --no-python"
+    # Canary: a launched world that only joins. If the default rendezvous port is taken (a
+    # torchrun whose store we do not know about), say so and use an explicit one for the rest.
+    step torchrun-join 60 $tr $BIN/test-launched --exact child_joins --ignored --nocapture
+    if grep -q "is in use" "$OUT/torchrun-join.log"; then
+        export FUSION_MASTER_PORT=29690
+        summary+=("default rendezvous port in use under torchrun: FUSION_MASTER_PORT=29690 from here")
+        step torchrun-join-port 60 $tr $BIN/test-launched --exact child_joins --ignored --nocapture
+    fi
+    for dt in f32 bf16; do
+        FUSION_TEST_DTYPE=$dt FUSION_RESULTS="$OUT/conformance-launched.jsonl" \
+            step "torchrun-conformance-$dt" 300 $tr $BIN/test-conformance --test-threads=1
+    done
+    # The transports each rank chose (printed with the host program).
+    FUSION_DUMP=host_ir step torchrun-dump 120 $tr $BIN/ag_matmul_p2p --dtype bf16
+    for ex in ag_matmul matmul_ar matmul_rs allgather_p2p ag_matmul_p2p; do
+        step "torchrun-$ex" 120 $tr $BIN/$ex --dtype bf16
+    done
+    step mpirun-ag_matmul_p2p 120 mpirun --allow-run-as-root --oversubscribe -np "$n" \
+        -x FUSION_BACKEND -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x MASTER_PORT=29660 \
+        $BIN/ag_matmul_p2p --dtype bf16
+    # A rank that exits once the world has started: the other must name it, quickly.
+    local port=29670 r
+    for r in $(seq 0 $((n - 1))); do
+        FUSION_RANK=$r FUSION_WORLD_SIZE=$n FUSION_LOCAL_RANK=$r FUSION_LOCAL_WORLD_SIZE=$n \
+            FUSION_MASTER_PORT=$port FUSION_TIMEOUT=30 timeout 120 \
+            $BIN/test-launched --exact child_exits_early --ignored --nocapture >"$OUT/exit-early-r$r.log" 2>&1 &
+    done
+    wait
+    summary+=("exit-early (GPU): $(grep -h -o 'EARLY-EXIT-SEEN.\{0,110\}' "$OUT"/exit-early-r*.log | head -1)")
+    # Sub-worlds on GPUs: each process a group of its own, then the whole world.
+    step torchrun-subworlds 120 $tr $BIN/test-launched --exact child_subworlds --ignored --nocapture
+    # Overlap: the same variants in one process driving both GPUs, then one process per GPU.
+    local args="--devices $n --transports push/peer --chunks 4 --streams 4 --rs-subchunks 4 ${BENCH_ARGS:-}"
+    step overlap-single 300 $BIN/overlap_bench $args --json "$OUT/overlap-single.jsonl"
+    step overlap-launched 300 $tr $BIN/overlap_bench $args --json "$OUT/overlap-launched.jsonl" \
+        --trace p2p_ce_push_peer_n$n
+    python3 bench/compare_layouts.py "$OUT/overlap-single.jsonl" "$OUT/overlap-launched.jsonl" | tee "$OUT/layouts.md"
+    cat "$OUT/machine.txt"
+    grep -h "transports of rank\|  rank .* -> rank" "$OUT/torchrun-dump.log" | sort -u | head -8
+    grep -h "host overhead" "$OUT/overlap-single.log" "$OUT/overlap-launched.log"
+    printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+    if [ -z "${KEEP_LOGS:-}" ]; then
+        tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+    fi
+}
+
+# Replayed calls on two GPUs of one process: the CUDA-graph tests (replayed calls bit for
+# bit equal to eager ones with fresh and moved inputs, over copy engines and NCCL) and
+# host_costs (enqueue costs, the Matmul node, tiny pipelines walked and replayed in bursts
+# from an idle device, what a graph's launch costs per kind of node).
+task_replay_x2() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    STEP_PATTERN='test result|us per call|rror'
+    nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader >"$OUT/machine.txt" 2>&1
+    step cuda-graphs 240 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture
+    step host-costs 150 $BIN/host_costs --devices 2 --graph-topologies
+    grep -E "test result|FAILED|panicked" "$OUT/cuda-graphs.log"
+    cat "$OUT/host-costs.log"
+    printf '%s\n' "${summary[@]}"
+}
+
+# Two GPUs of one process:
+#   1. the peer-failure test alone in its own process; if it is still running after 45 s,
+#      every thread's stack (gdb or eu-stack where installed, else the kernel's wait
+#      channels) goes to peer-failure-stacks.txt before it is killed;
+#   2. the other CUDA-graph tests (replayed == eager, the ring on two compute streams too);
+#   3. GEMM+RS at 16384x8192x2048 with 2 and 4 row ranges per block, the ring's GEMMs on one
+#      and on two compute streams, and the GEMM alone in the same row pieces; RUNS times
+#      (default 3), to see the spread between runs.
+task_ring_x2() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    STEP_PATTERN='test result|rror|GEMM\+RS'
+    nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader >"$OUT/machine.txt" 2>&1
+    local name=a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang
+    local start=$SECONDS pid rc t i
+    FUSION_TEST_OWN_PROCESS=1 $BIN/test-cuda_graphs "$name" --exact --ignored --nocapture \
+        >"$OUT/peer-failure.log" 2>&1 &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - start)) -lt 45 ]; do sleep 1; done
+    if kill -0 "$pid" 2>/dev/null; then
+        echo "still running after $((SECONDS - start)) s" >>"$OUT/peer-failure.log"
+        {
+            if command -v gdb >/dev/null; then
+                timeout 60 gdb -batch -p "$pid" -ex "thread apply all bt"
+            elif command -v eu-stack >/dev/null; then
+                timeout 60 eu-stack -p "$pid"
+            fi
+            for t in /proc/"$pid"/task/*; do
+                echo "$t $(cat "$t/comm") wchan=$(cat "$t/wchan")"
+            done
+        } >"$OUT/peer-failure-stacks.txt" 2>&1
+        kill -9 "$pid"
+    fi
+    wait "$pid"
+    rc=$?
+    summary+=("$(printf '%-30s rc=%-4s %4ss  %s' peer-failure "$rc" "$((SECONDS - start))" "$(grep -E 'test result|\[ *[0-9.]+ s\]' "$OUT/peer-failure.log" | tail -1)")")
+
+    step cuda-graphs 300 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture --skip "$name"
+    for i in $(seq 1 "${RUNS:-3}"); do
+        step "ring-run$i" 240 $BIN/overlap_bench --devices 2 --ops rs --shapes 16384,8192,2048 \
+            --transports push/peer --rs-subchunks 2,4 --json "$OUT/ring-run$i.jsonl"
+    done
+    grep -E "test result|FAILED|panicked" "$OUT/cuda-graphs.log"
+    grep -E "^\[|test result|panicked|still running" "$OUT/peer-failure.log"
+    for i in $(seq 1 "${RUNS:-3}"); do
+        echo "== run $i"
+        python3 - "$OUT/ring-run$i.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+ms = {r["case"]: r["ms"] for r in rows if r.get("op") == "GEMM+RS"}
+bound = max(ms.get("comm_alone", 0), ms.get("gemm_alone", 0))
+for v, t in sorted(ms.items(), key=lambda kv: kv[1]):
+    print(f"{v:40s} {t:7.3f} ms  {t / bound if bound else 0:5.3f}x bound")
+PY
+    done
+    printf '%s\n' "${summary[@]}"
+}
+
+# What a machine with fewer GPUs than ranks can check of the copy-engine pipelines: two
+# ranks on the visible GPUs (both on GPU 0 on a one-GPU machine, `cuda_world_sharing_gpus`;
+# their hand-offs go through events and the host, since a device-side flag wait for a peer
+# on the same GPU can deadlock). Runs the shared-rank graph test twice (the AG+GEMM,
+# GEMM+ReduceScatter ring and MLP block pipelines against the CPU backend, eagerly; ranks
+# sharing a GPU refuse to replay, and the test checks that they say why; it runs itself in a
+# process with the environment it needs, and check runs the other graph tests), the
+# runtime's GPU unit tests three times (flag hand-offs between two ranks of one GPU set up by
+# hand, eager and replayed, their host cost against hand-offs through events, and a flag
+# wait for a rank that never sends ending in an error), and host_costs on the two ranks
+# (tiny copy-engine pipelines, walked, 2 to 16 stream iterations). A hang fails within 30 s.
+task_shared_ranks() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=30
+    local i
+    for i in 1 2; do
+        step "cuda_graphs_shared-$i" 90 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture \
+            --exact copy_engine_pipelines_on_two_ranks_sharing_the_visible_gpus
+    done
+    for i in 1 2 3; do
+        step "runtime_unit_gpu-$i" 60 $BIN/test-fusion_runtime_lib --ignored --test-threads=1 --nocapture
+    done
+    STEP_PATTERN='rror|us per call'
+    step host-costs-shared 90 $BIN/host_costs --devices 2 --share-gpus
+    step host-costs-shared-2 90 $BIN/host_costs --devices 2 --share-gpus
+    grep -h "matches the CPU\|ranks:" "$OUT"/cuda_graphs*.log | sort | uniq -c
+    grep -h "hand-off host cost" "$OUT"/runtime_unit_gpu-*.log
+    cat "$OUT/host-costs-shared.log" "$OUT/host-costs-shared-2.log"
+    printf '%s\n' "${summary[@]}"
+}
+
+# The memory soak of examples/soak.rs on [devices] GPUs (default 2): 100,000 calls of the
+# small AG+GEMM P2P pipeline (copy engines) inside one world run, 100,000 of the collective
+# pipeline (NCCL, replayed as a CUDA graph), and 2,000 world runs of one P2P call each; at
+# each checkpoint host RSS, each device's memory in use and the copy-engine events alive.
+# The growth lines are printed last (each must end in "flat": growth under 1 MB after the
+# first checkpoint, and no copy-engine events gained; rc=0 says the same).
+task_soak() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    STEP_PATTERN='growth after|rror'
+    local d=${1:-2} f
+    gpus_info >"$OUT/soak-machine.txt" 2>&1
+    soak() { # name timeout args...
+        local name=$1 t=$2; shift 2
+        step "$name" "$t" $BIN/soak --devices "$d" --json "$OUT/$name.jsonl" "$@"
+    }
+    soak soak-p2p 240 --fusion p2p --calls 100000
+    soak soak-collective 240 --fusion collective --calls 100000
+    soak soak-runs 120 --fusion p2p --calls 0 --runs 2000
+    cat "$OUT/soak-machine.txt"
+    for f in soak-p2p soak-collective soak-runs; do
+        tail -14 "$OUT/$f.log"
+        grep -h "growth after" "$OUT/$f.log"
+    done
+    printf '%s\n' "${summary[@]}"
+}
+
+# The `timeline` example on $DEVICES GPUs (default 2): the AllGather + GEMM and the GEMM +
+# ReduceScatter P2P pipelines (M = K = N = 8192, bf16) traced, each call drawn as an SVG.
+# Writes $OUT/timeline/{ag_gemm,gemm_rs}.svg and the Chrome traces in $OUT/timeline/json/
+# (one file per call and rank); prints the per-rank busy/overlap lines. The pictures go to
+# docs/ (e.g. docs/timeline-ag_gemm-2xh200.svg), shown by docs/PERFORMANCE.md.
+task_timeline() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    mkdir -p "$OUT/timeline"
+    gpus_info >"$OUT/timeline/machine.txt" 2>&1
+    timeout 300 $BIN/timeline --devices "${DEVICES:-2}" --out "$OUT/timeline" "$@" 2>&1 | tee "$OUT/timeline/timeline.log"
+    local rc=${PIPESTATUS[0]}
+    cat "$OUT/timeline/machine.txt"
+    ls -la "$OUT/timeline" "$OUT/timeline/json"
+    echo "timeline rc=$rc"
+    return "$rc"
+}
+
+# Runs several tasks, each with its own output folder, and packs everything into
+# $OUT/results.tgz (the device tool returns only a few files), keeping each task's printed
+# tail in $OUT/<task>.txt.
+task_session() {
+    local work="$OUT/work" name start rc
+    mkdir -p "$work"
+    for name in "$@"; do
+        mkdir -p "$work/$name"
+        start=$SECONDS
+        OUT="$work/$name" bash "$SELF" "$name" >"$work/$name/stdout.txt" 2>&1
+        rc=$?
+        tail -40 "$work/$name/stdout.txt" >"$OUT/$name.txt"
+        echo "== $name rc=$rc $((SECONDS - start))s"
+    done
+    tar czf "$OUT/results.tgz" -C "$work" . && rm -rf "$work"
+    ls -la "$OUT"
+}
+
+# What needs 2 GPUs, grouped into sessions (on nvidia-h200-x2, .gpu carried):
+#   a: launched worlds (launch), cudarc buffers (buffers), the timeline pictures
+#      (timeline), and the memory soak (soak 2)
+#   b: the GPU checks on both GPUs of one process (check), the layer benchmark against
+#      PyTorch (layers) and host cost per call (host)
+#   c: replayed calls (replay-x2) and the D = 2 overlap table against PyTorch (overlap-x2:
+#      the rows that must not get slower, GEMM+RS with 4 row ranges and the GEMM in row
+#      pieces, the host time per replayed call for 2-16 iterations)
+#   d: the peer-failure test alone with a stack dump if it hangs, the CUDA-graph tests,
+#      GEMM+RS with 2 and 4 row ranges and the ring's GEMMs on one and two compute streams,
+#      three runs (ring-x2)
+task_x2() {
+    case "${1:-}" in
+        a) task_session launch buffers timeline soak ;;
+        b) task_session check layers host ;;
+        c) task_session replay-x2 overlap-x2 ;;
+        d) task_session ring-x2 ;;
+        e) task_session candle-tp overlap-x2 layers faults ;;
+        *) echo "usage: scripts/gpu.sh x2 a|b|c|d|e" >&2; return 2 ;;
+    esac
+}
+
+task=${1:-help}
+[ $# -gt 0 ] && shift
+case "$task" in
+    help | -h | --help) usage; exit 0 ;;
+    check | all | buffers | caller-stream | candle | candle-tp | faults | host | launch | replay-x2 | \
+        ring-x2 | shared-ranks | soak | timeline | session | x2) ;;
+    # The benchmarks of bench/ (their own logs and tables under $OUT).
+    layers) exec bash bench/run-layers.sh ;;
+    overlap) exec bash bench/run-overlap.sh ;;
+    overlap-x2)
+        export SKIP_D2=1
+        export BENCH_ARGS="${BENCH_ARGS:---trace p2p_ce_push_peer_n2,p2p_ce_push_peer_n2_ring4}"
+        exec bash bench/run-overlap.sh ;;
+    *) echo "scripts/gpu.sh: no task '$task'" >&2; usage >&2; exit 2 ;;
+esac
+mkdir -p "$OUT"
+# The session tasks only start others, which set up their own environment.
+case "$task" in
+    all | session | x2) ;;
+    *) source scripts/gpu-env.sh ;;
+esac
+"task_${task//-/_}" "$@"
