@@ -12,8 +12,30 @@ use crate::tensor::Tensor;
 /// Values of the dimension symbols of one call, and who bound each (for messages).
 #[derive(Debug, Default, Clone)]
 pub struct SymbolBindings {
-    values: HashMap<ScalarId, (i64, String)>,
-    deferred: Vec<(ScalarId, i64, String)>,
+    values: HashMap<ScalarId, (i64, BoundBy)>,
+    /// Extents that are expressions of symbols: checked once every symbol is bound.
+    deferred: Vec<(ScalarId, i64, BoundBy)>,
+}
+
+/// Who bound a symbol: an axis of an input, or another rank's inputs. Named in words only
+/// when a message needs it (binding runs on every call; formatting there cost more than
+/// the rest of the binding).
+#[derive(Debug, Clone, Copy)]
+enum BoundBy {
+    /// Axis `axis` (of the stored, visible axes) of input `tensor`.
+    Axis(TensorId, usize),
+    /// The inputs of another rank ([`SymbolBindings::merge`]).
+    Rank(usize),
+}
+
+impl BoundBy {
+    /// "`a` axis 1" or "rank 2's inputs".
+    fn describe(self, f: &Fusion) -> String {
+        match self {
+            BoundBy::Axis(t, axis) => format!("`{}` axis {axis}", f.tensor_name(t)),
+            BoundBy::Rank(r) => format!("rank {r}'s inputs"),
+        }
+    }
 }
 
 impl SymbolBindings {
@@ -41,7 +63,7 @@ impl SymbolBindings {
             match self.values.get(&s) {
                 Some((mine, by)) if *mine != v => {
                     return Err(Error::BadTensor {
-                        tensor: by.clone(),
+                        tensor: by.describe(f),
                         axis: None,
                         reason: format!(
                             "gives {} = {mine}, but rank {from_rank}'s inputs give {v}",
@@ -51,27 +73,27 @@ impl SymbolBindings {
                 }
                 Some(_) => {}
                 None => {
-                    self.values
-                        .insert(s, (v, format!("rank {from_rank}'s inputs")));
+                    self.values.insert(s, (v, BoundBy::Rank(from_rank)));
                 }
             }
         }
         Ok(())
     }
 
-    /// Binds extent `s` to `value`, or checks it against an earlier binding.
+    /// Binds extent `s` to `value` (axis `axis` of input `tensor`), or checks it against
+    /// an earlier binding.
     fn bind(
         &mut self,
         f: &Fusion,
         s: ScalarId,
         value: i64,
-        tensor: &str,
+        tensor: TensorId,
         axis: usize,
     ) -> Result<()> {
-        let who = format!("`{tensor}` axis {axis}");
+        let who = BoundBy::Axis(tensor, axis);
         match f.scalar_node(s) {
             Scalar::Const(c) if *c != value => Err(Error::bad_tensor(
-                tensor,
+                &f.tensor_name(tensor),
                 Some(axis),
                 format!("has extent {value}, but the fusion declares it as {c}"),
             )),
@@ -79,9 +101,12 @@ impl SymbolBindings {
             Scalar::Symbol(name) => match self.values.get(&s) {
                 Some((v, _)) if *v == value => Ok(()),
                 Some((v, by)) => Err(Error::bad_tensor(
-                    tensor,
+                    &f.tensor_name(tensor),
                     Some(axis),
-                    format!("has extent {value}, but `{name}` is {v} (bound by {by})"),
+                    format!(
+                        "has extent {value}, but `{name}` is {v} (bound by {})",
+                        by.describe(f)
+                    ),
                 )),
                 None => {
                     self.values.insert(s, (value, who));
@@ -101,7 +126,7 @@ impl SymbolBindings {
             let expected = f.evaluate(*s, &|leaf| self.get(leaf));
             if expected != Some(*value) {
                 return Err(Error::BadTensor {
-                    tensor: who.clone(),
+                    tensor: who.describe(f),
                     axis: None,
                     reason: format!(
                         "has extent {value}, but the fusion declares {} = {}",
@@ -226,11 +251,11 @@ pub fn bind_inputs(
         let Some(mesh_index) = mesh.iter().position(|&d| d == rank) else {
             continue;
         };
-        let name = f.tensor_name(tid);
+        let name = || f.tensor_name(tid);
         let tv = f.tensor(tid);
         if t.dtype() != tv.dtype {
             return Err(Error::bad_tensor(
-                &name,
+                &name(),
                 None,
                 format!("expected dtype {}, got {}", tv.dtype, t.dtype()),
             ));
@@ -238,7 +263,7 @@ pub fn bind_inputs(
         let stored = f.visible_axes(tid);
         if t.rank() != stored.len() {
             return Err(Error::bad_tensor(
-                &name,
+                &name(),
                 None,
                 format!(
                     "expected rank {}, got rank {} (shape {:?})",
@@ -254,7 +279,7 @@ pub fn bind_inputs(
             if d.parallel == ParallelType::DIDx {
                 if actual != 1 {
                     return Err(Error::bad_tensor(
-                        &name,
+                        &name(),
                         Some(ax),
                         format!(
                             "is DIDx-sharded over {} devices, so each rank holds one index \
@@ -264,11 +289,11 @@ pub fn bind_inputs(
                         ),
                     ));
                 }
-                b.bind(f, d.extent, mesh.len() as i64, &name, ax)?;
+                b.bind(f, d.extent, mesh.len() as i64, tid, ax)?;
                 if let Some(tag) = t.shard_tag() {
                     if tag.axis != ax || tag.count != mesh.len() || tag.index != mesh_index {
                         return Err(Error::bad_tensor(
-                            &name,
+                            &name(),
                             Some(ax),
                             format!(
                                 "rank {rank} was given shard {} of {} along axis {}, but it \
@@ -282,10 +307,82 @@ pub fn bind_inputs(
                     }
                 }
             } else {
-                b.bind(f, d.extent, actual as i64, &name, ax)?;
+                b.bind(f, d.extent, actual as i64, tid, ax)?;
             }
         }
     }
     b.check_deferred(f)?;
     Ok(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use fusion_core::builder::{Axis, FusionBuilder};
+    use fusion_core::ir::ParallelType;
+
+    use super::*;
+
+    /// `a[m, k] @ b[k, n]`, and its two input ids.
+    fn matmul() -> (Fusion, Vec<TensorId>) {
+        let mut b = FusionBuilder::new();
+        let axis = |b: &mut FusionBuilder, s: &str| Axis {
+            extent: b.symbol(s),
+            parallel: ParallelType::Serial,
+        };
+        let (m, k, n) = (axis(&mut b, "m"), axis(&mut b, "k"), axis(&mut b, "n"));
+        let x = b.input("a", DType::F32, &[m, k.clone()]).unwrap();
+        let y = b.input("b", DType::F32, &[k, n]).unwrap();
+        let c = b.matmul(x, y).unwrap();
+        b.output(c).unwrap();
+        let f = b.build().unwrap();
+        let inputs = f.inputs().to_vec();
+        (f, inputs)
+    }
+
+    #[test]
+    fn symbols_bind_from_the_first_axis_that_has_them() {
+        let (f, inputs) = matmul();
+        let (a, b) = (
+            Tensor::zeros(&[2, 3], DType::F32),
+            Tensor::zeros(&[3, 5], DType::F32),
+        );
+        let s = bind_inputs(&f, &inputs, &[&a, &b], 0, 1).unwrap();
+        let mut values: Vec<i64> = s.entries().into_iter().map(|(_, v)| v).collect();
+        values.sort_unstable();
+        assert_eq!(values, [2, 3, 5]);
+    }
+
+    #[test]
+    fn a_disagreeing_extent_names_the_axis_that_bound_the_symbol() {
+        let (f, inputs) = matmul();
+        let (a, b) = (
+            Tensor::zeros(&[2, 3], DType::F32),
+            Tensor::zeros(&[4, 5], DType::F32),
+        );
+        let e = bind_inputs(&f, &inputs, &[&a, &b], 0, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("has extent 4, but `k` is 3 (bound by `a` axis 1)") && e.contains('b'),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn another_ranks_disagreeing_binding_names_both_sides() {
+        let (f, inputs) = matmul();
+        let (a, b) = (
+            Tensor::zeros(&[2, 3], DType::F32),
+            Tensor::zeros(&[3, 5], DType::F32),
+        );
+        let mut s = bind_inputs(&f, &inputs, &[&a, &b], 0, 1).unwrap();
+        let theirs: Vec<(usize, i64)> = (s.entries().into_iter())
+            .map(|(i, v)| (i, if v == 3 { 7 } else { v }))
+            .collect();
+        let e = s.merge(&f, 1, &theirs).unwrap_err().to_string();
+        assert!(
+            e.contains("`a` axis 1") && e.contains("k = 3, but rank 1's inputs give 7"),
+            "{e}"
+        );
+    }
 }
