@@ -26,6 +26,8 @@ one GPU or more:
   caller-stream           calls on the caller's stream, cudarc buffers, one-GPU conformance
                           and graph tests, host_costs (A/B against .gpu/bin/host_costs_base)
   host [devices]          host cost: host_costs with its variants, host time per call
+  host-ab [pairs]         host_costs against .gpu/bin/host_costs_base (another build's),
+                          [pairs] alternating pinned processes, paired medians per row
   candle [prefill] [steps]  the candle Llama layer (binary built with candle-cuda)
   candle-tp [gpus]        the candle Llama layer tensor-parallel over [gpus] processes
                           (default: every GPU) under torchrun: fusions against candle's own
@@ -182,6 +184,7 @@ task_caller_stream() {
     gpus_info >"$OUT/caller-stream-machine.txt" 2>&1
     step test-caller_stream 180 $BIN/test-caller_stream --ignored --test-threads=1 --nocapture
     step test-cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
+    step test-rank_handles 120 $BIN/test-rank_handles --test-threads=1
     step test-conformance-1gpu 240 $BIN/test-conformance --test-threads=1
     step test-cuda_graphs 240 $BIN/test-cuda_graphs --ignored --test-threads=1
     STEP_PATTERN='rror|us per call'
@@ -382,6 +385,54 @@ task_host() {
     cat "$OUT/host-costs.log"
     grep -h "host per call\|host overhead" "$OUT/host-per-call.log"
     printf '%s\n' "${summary[@]}"
+}
+
+# Host cost A/B: $BIN/host_costs against $BIN/host_costs_base (another build's, e.g. the
+# commit before a change, staged beside it) in [pairs] pairs of processes (default 12),
+# pinned to one core where taskset exists, the order swapped every pair; per row of
+# host_costs the medians of both builds, the median of the paired differences and how many
+# pairs the new build was slower in (the hosts vary process to process: only the pairing
+# tells a change from noise).
+task_host_ab() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    local pairs=${1:-12} i w pin=""
+    [ -x "$BIN/host_costs_base" ] || { echo "host-ab: no $BIN/host_costs_base staged" >&2; return 2; }
+    command -v taskset >/dev/null && pin="taskset -c 3"
+    gpus_info >"$OUT/machine.txt" 2>&1
+    echo "pinning: ${pin:-none}; pairs: $pairs" >>"$OUT/machine.txt"
+    for i in $(seq 1 "$pairs"); do
+        for w in $([ $((i % 2)) = 1 ] && echo new base || echo base new); do
+            local b=$BIN/host_costs
+            [ "$w" = base ] && b=$BIN/host_costs_base
+            # shellcheck disable=SC2086
+            timeout 90 $pin "$b" --devices 1 >"$OUT/$w-$i.log" 2>&1
+        done
+    done
+    cat "$OUT/machine.txt"
+    python3 - "$OUT" "$pairs" <<'PY'
+import re, statistics as st, sys
+out, pairs = sys.argv[1], int(sys.argv[2])
+rows = {}
+for w in ("new", "base"):
+    for i in range(1, pairs + 1):
+        try:
+            lines = open(f"{out}/{w}-{i}.log").read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            m = re.match(r"\s+(.*?)\s+([\d.]+) us per call", line)
+            if m:
+                rows.setdefault(m.group(1), {}).setdefault(w, {})[i] = float(m.group(2))
+print(f"{'host_costs row':64} {'new':>7} {'base':>7} {'paired':>7}  slower")
+for name, v in rows.items():
+    new, base = v.get("new", {}), v.get("base", {})
+    both = [i for i in new if i in base]
+    if not both:
+        continue
+    d = [new[i] - base[i] for i in both]
+    print(f"{name[:64]:64} {st.median(new.values()):7.2f} {st.median(base.values()):7.2f} "
+          f"{st.median(d):+7.2f}  {sum(x > 0 for x in d)}/{len(d)}")
+PY
 }
 
 # Multi-process checks with 2+ GPUs (NPROC processes, default 2): the conformance suite and
@@ -638,7 +689,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | faults | host | launch | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | faults | host | host-ab | launch | replay-x2 | \
         ring-x2 | shared-ranks | soak | timeline | session | x2) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
