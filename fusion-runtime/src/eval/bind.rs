@@ -93,7 +93,7 @@ impl SymbolBindings {
         let who = BoundBy::Axis(tensor, axis);
         match f.scalar_node(s) {
             Scalar::Const(c) if *c != value => Err(Error::bad_tensor(
-                &f.tensor_name(tensor),
+                f.tensor_name(tensor),
                 Some(axis),
                 format!("has extent {value}, but the fusion declares it as {c}"),
             )),
@@ -101,7 +101,7 @@ impl SymbolBindings {
             Scalar::Symbol(name) => match self.values.get(&s) {
                 Some((v, _)) if *v == value => Ok(()),
                 Some((v, by)) => Err(Error::bad_tensor(
-                    &f.tensor_name(tensor),
+                    f.tensor_name(tensor),
                     Some(axis),
                     format!(
                         "has extent {value}, but `{name}` is {v} (bound by {})",
@@ -255,7 +255,7 @@ pub fn bind_inputs(
         let tv = f.tensor(tid);
         if t.dtype() != tv.dtype {
             return Err(Error::bad_tensor(
-                &name(),
+                name(),
                 None,
                 format!("expected dtype {}, got {}", tv.dtype, t.dtype()),
             ));
@@ -263,7 +263,7 @@ pub fn bind_inputs(
         let stored = f.visible_axes(tid);
         if t.rank() != stored.len() {
             return Err(Error::bad_tensor(
-                &name(),
+                name(),
                 None,
                 format!(
                     "expected rank {}, got rank {} (shape {:?})",
@@ -279,7 +279,7 @@ pub fn bind_inputs(
             if d.parallel == ParallelType::DIDx {
                 if actual != 1 {
                     return Err(Error::bad_tensor(
-                        &name(),
+                        name(),
                         Some(ax),
                         format!(
                             "is DIDx-sharded over {} devices, so each rank holds one index \
@@ -293,7 +293,7 @@ pub fn bind_inputs(
                 if let Some(tag) = t.shard_tag() {
                     if tag.axis != ax || tag.count != mesh.len() || tag.index != mesh_index {
                         return Err(Error::bad_tensor(
-                            &name(),
+                            name(),
                             Some(ax),
                             format!(
                                 "rank {rank} was given shard {} of {} along axis {}, but it \
@@ -330,7 +330,7 @@ mod tests {
             parallel: ParallelType::Serial,
         };
         let (m, k, n) = (axis(&mut b, "m"), axis(&mut b, "k"), axis(&mut b, "n"));
-        let x = b.input("a", DType::F32, &[m, k.clone()]).unwrap();
+        let x = b.input("a", DType::F32, &[m, k]).unwrap();
         let y = b.input("b", DType::F32, &[k, n]).unwrap();
         let c = b.matmul(x, y).unwrap();
         b.output(c).unwrap();
