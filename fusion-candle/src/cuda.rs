@@ -11,7 +11,7 @@ use fusion_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use fusion_runtime::tensor::DeviceBuffer;
 use fusion_runtime::{Rank, Tensor};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Device memory of a candle tensor, which `_owner` (a clone of that tensor, holding its
 /// storage) keeps alive as long as any fusion tensor views it.

@@ -3,7 +3,8 @@
 use fusion_runtime::{Rank, Tensor};
 use half::{bf16, f16};
 
-use crate::{check_device, Error, Result};
+use crate::device::check_device;
+use crate::error::{Error, Result};
 
 /// Memory for one fusion output that becomes a candle tensor without a copy: pass
 /// [`OutputBuffer::tensor`] as the call's output (`run_with(.., Some(&out), ..)`), then
@@ -49,7 +50,7 @@ impl OutputBuffer {
             }
             _ => {
                 let t = candle_core::Tensor::zeros(shape, dtype, device)?;
-                (crate::input(rank, name, &t)?, Some(t))
+                (crate::input::input(rank, name, &t)?, Some(t))
             }
         };
         Ok(OutputBuffer {
@@ -128,4 +129,41 @@ impl OutputBuffer {
             }
         }
     }
+}
+
+/// A candle tensor on the CPU that owns the memory of host output `t` of a fusion (no
+/// copy). The output must be whole (not a view of part of a buffer) and no other view of
+/// it alive. Outputs on a GPU are written into candle's memory instead: [`OutputBuffer`].
+pub fn output(
+    rank: &Rank,
+    name: &str,
+    t: Tensor,
+    device: &candle_core::Device,
+) -> Result<candle_core::Tensor> {
+    check_device(name, &device.location(), rank)?;
+    if !device.is_cpu() || !t.is_host() {
+        return Err(Error::Device {
+            name: name.into(),
+            found: format!("{:?}", device.location()),
+            rank: rank.index(),
+            wanted: "the CPU (a fusion output on a GPU is written into an OutputBuffer)".into(),
+        });
+    }
+    let shape = t.shape().to_vec();
+    let taken = |e: fusion_runtime::Error| Error::Output {
+        name: name.into(),
+        source: Box::new(e),
+    };
+    let tensor = match t.dtype() {
+        fusion_core::DType::F32 => {
+            candle_core::Tensor::from_vec(t.into_host_vec::<f32>().map_err(taken)?, shape, device)
+        }
+        fusion_core::DType::BF16 => {
+            candle_core::Tensor::from_vec(t.into_host_vec::<bf16>().map_err(taken)?, shape, device)
+        }
+        fusion_core::DType::F16 => {
+            candle_core::Tensor::from_vec(t.into_host_vec::<f16>().map_err(taken)?, shape, device)
+        }
+    }?;
+    Ok(tensor)
 }
