@@ -294,6 +294,33 @@ fn allgather_p2p(matmul: bool) -> Fusion {
 
 // ---------------------------------------------------------------- printed-structure parser
 
+/// Line prefixes of a printed program and the node kind each line starts.
+const LINE_KINDS: &[(&str, &str)] = &[
+    ("Deallocate", "Deallocate"),
+    ("GetCurrentStream", "GetCurrentStream"),
+    ("SetCurrentStream", "SetCurrentStream"),
+    ("Synchronize", "Synchronize"),
+    ("FOR ", "ForLoop"),
+    ("IF ", "IfThenElse"),
+    ("Communication ", "Communication"),
+    ("P2PCommunication", "P2P"),
+    ("StartCoalescing", "StartCoalescing"),
+    ("EndCoalescing", "EndCoalescing"),
+    ("Wait ", "Wait"),
+    ("Launch", "Kernel"),
+    ("Segment", "Kernel"),
+];
+
+/// A tensor's definition `T.. = op(..)` spans two lines: the second's start and the kind.
+const DEFINITION_KINDS: &[(&str, &str)] = &[
+    ("= HirAliasSelect(", "AliasSelect"),
+    ("= Set(", "Set"),
+    ("= matmul(", "Matmul"),
+    ("= linear(", "Linear"),
+    ("= reduction(", "Reduction"),
+    ("= broadcast(", "Kernel"),
+];
+
 /// Node kinds read back from a printed program: `(depth, kind)` per node.
 fn parse_kinds(text: &str) -> Vec<(usize, &'static str)> {
     let lines: Vec<&str> = text.lines().collect();
@@ -301,50 +328,20 @@ fn parse_kinds(text: &str) -> Vec<(usize, &'static str)> {
     for (i, line) in lines.iter().enumerate() {
         let trimmed = line.trim_start();
         let depth = (line.len() - trimmed.len()) / 2;
-        let kind = if trimmed.starts_with("%HostIrContainer")
-            || trimmed.starts_with('}')
-            || trimmed.starts_with('=')
-        {
+        let skipped = ["%HostIrContainer", "}", "=", "ELSE"];
+        if skipped.iter().any(|p| trimmed.starts_with(p)) {
             continue;
-        } else if trimmed.contains("= ALLOCATE(") {
+        }
+        let listed = LINE_KINDS.iter().find(|(p, _)| trimmed.starts_with(p));
+        let kind = if trimmed.contains("= ALLOCATE(") {
             "Allocate"
-        } else if trimmed.starts_with("Deallocate") {
-            "Deallocate"
-        } else if trimmed.starts_with("GetCurrentStream") {
-            "GetCurrentStream"
-        } else if trimmed.starts_with("SetCurrentStream") {
-            "SetCurrentStream"
-        } else if trimmed.starts_with("Synchronize") {
-            "Synchronize"
-        } else if trimmed.starts_with("FOR ") {
-            "ForLoop"
-        } else if trimmed.starts_with("IF ") {
-            "IfThenElse"
-        } else if trimmed.starts_with("ELSE") {
-            continue;
-        } else if trimmed.starts_with("Communication ") {
-            "Communication"
-        } else if trimmed.starts_with("P2PCommunication") {
-            "P2P"
-        } else if trimmed.starts_with("StartCoalescing") {
-            "StartCoalescing"
-        } else if trimmed.starts_with("EndCoalescing") {
-            "EndCoalescing"
-        } else if trimmed.starts_with("Wait ") {
-            "Wait"
-        } else if trimmed.starts_with("Launch") || trimmed.starts_with("Segment") {
-            "Kernel"
+        } else if let Some(&(_, kind)) = listed {
+            kind
         } else if trimmed.starts_with('T') {
             let next = lines.get(i + 1).map(|l| l.trim_start()).unwrap_or("");
-            match () {
-                _ if next.starts_with("= HirAliasSelect(") => "AliasSelect",
-                _ if next.starts_with("= Set(") => "Set",
-                _ if next.starts_with("= matmul(") => "Matmul",
-                _ if next.starts_with("= linear(") => "Linear",
-                _ if next.starts_with("= reduction(") => "Reduction",
-                _ if next.starts_with("= broadcast(") => "Kernel",
-                _ => "Compute",
-            }
+            (DEFINITION_KINDS.iter())
+                .find(|(p, _)| next.starts_with(p))
+                .map_or("Compute", |&(_, kind)| kind)
         } else {
             panic!("unparsed line: {line}");
         };
