@@ -133,6 +133,26 @@ impl Watch {
         w.u8(to_hub::WATCH).usize(rank);
         write_frame(&mut stream, &w.0)
             .map_err(|e| Error::World(format!("opening the watch connection: {e}")))?;
+        // The hub answers once it serves the connection (its threads for it exist).
+        let _ = stream.set_read_timeout(Some(timeout + REPLY_MARGIN));
+        match read_frame(&mut stream) {
+            Ok(Some(p)) if p.first() == Some(&to_client::WATCHING) => {}
+            Ok(_) => {
+                return Err(Error::World(format!(
+                    "the rendezvous at {addr} did not answer the watch connection of rank \
+                     {rank} (a different fusion version on rank 0's process?)"
+                )))
+            }
+            Err(e) => {
+                return Err(Error::World(format!(
+                    "the rendezvous at {addr} did not answer the watch connection of rank \
+                     {rank} within {:.0} s: {e} (is rank 0's process alive? set \
+                     FUSION_TIMEOUT to wait longer)",
+                    timeout.as_secs_f64()
+                )))
+            }
+        }
+        let _ = stream.set_read_timeout(None);
         let reader = stream
             .try_clone()
             .map_err(|e| Error::World(format!("watch connection: {e}")))?;

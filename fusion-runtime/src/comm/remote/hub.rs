@@ -176,35 +176,77 @@ impl HubState {
             w.bytes(&a.info);
         }
         let arrived = std::mem::take(&mut boot.arrived);
-        for (rank, mut a) in arrived {
-            if let Err(e) = write_frame(&mut a.stream, &w.0) {
+        // Every rank's threads exist before any rank is welcomed: a world is built only
+        // after the hub has made all it makes for it.
+        let mut welcomes = Vec::with_capacity(arrived.len());
+        let mut started = Ok(());
+        for (rank, a) in arrived {
+            let serving = a
+                .stream
+                .try_clone()
+                .map_err(|e| Error::World(format!("rank {rank}'s connection: {e}")))
+                .and_then(|welcome| {
+                    self.start_serving(rank, a.stream)?;
+                    Ok(welcome)
+                });
+            match serving {
+                Ok(welcome) => welcomes.push((rank, welcome)),
+                Err(e) => {
+                    // The ranks not served yet see their connection close.
+                    started = Err(format!("the rendezvous could not serve rank {rank}: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Err(reason) = started {
+            let mut w = Writer::default();
+            w.u8(to_client::REJECT).str(&reason);
+            for (_, mut stream) in welcomes {
+                let _ = write_frame(&mut stream, &w.0);
+            }
+            boot.outcome = Some(Err(reason.clone()));
+            self.changed.notify_all();
+            return Err(Error::World(reason));
+        }
+        for (rank, mut stream) in welcomes {
+            if let Err(e) = write_frame(&mut stream, &w.0) {
                 self.fail(rank, &format!("could not welcome rank {rank}: {e}"));
             }
-            let state = Arc::clone(self);
-            crate::counters::thread_builder()
-                .name(format!("fusion-hub-rank{rank}"))
-                .spawn(move || state.serve(rank, a.stream))
-                .map_err(|e| Error::World(format!("starting a rendezvous thread: {e}")))?;
         }
         boot.outcome = Some(Ok(()));
         self.changed.notify_all();
         Ok(())
     }
 
-    /// Serves one rank's requests until it says goodbye or its connection closes.
-    fn serve(self: Arc<Self>, rank: usize, stream: TcpStream) {
+    /// Starts serving one rank: a thread that reads its requests and one that answers them
+    /// in order.
+    fn start_serving(self: &Arc<Self>, rank: usize, stream: TcpStream) -> Result<()> {
+        let writer = stream
+            .try_clone()
+            .map_err(|e| Error::World(format!("rank {rank}'s connection: {e}")))?;
         let (tx, rx) = mpsc::channel::<Vec<u8>>();
-        let writer = match stream.try_clone() {
-            Ok(w) => w,
-            Err(e) => {
-                self.fail(rank, &format!("rank {rank}'s connection: {e}"));
-                return;
-            }
-        };
-        let state = Arc::clone(&self);
+        let state = Arc::clone(self);
         let worker = crate::counters::thread_builder()
             .name(format!("fusion-hub-work{rank}"))
-            .spawn(move || state.work(writer, rx));
+            .spawn(move || state.work(writer, rx))
+            .map_err(|e| Error::World(format!("starting a rendezvous thread: {e}")))?;
+        let state = Arc::clone(self);
+        crate::counters::thread_builder()
+            .name(format!("fusion-hub-rank{rank}"))
+            .spawn(move || state.serve(rank, stream, tx, worker))
+            .map_err(|e| Error::World(format!("starting a rendezvous thread: {e}")))?;
+        Ok(())
+    }
+
+    /// Reads one rank's requests until it says goodbye or its connection closes, handing
+    /// each to `tx` (its answering thread, `worker`).
+    fn serve(
+        self: Arc<Self>,
+        rank: usize,
+        stream: TcpStream,
+        tx: mpsc::Sender<Vec<u8>>,
+        worker: std::thread::JoinHandle<()>,
+    ) {
         let mut reader = stream;
         let clean = loop {
             match read_frame(&mut reader) {
@@ -239,9 +281,7 @@ impl HubState {
             lock(&self.done).insert(rank);
             self.changed.notify_all();
         }
-        if let Ok(w) = worker {
-            let _ = w.join();
-        }
+        let _ = worker.join();
     }
 
     /// Runs one rank's requests in order, replying to each.
@@ -301,16 +341,11 @@ impl HubState {
     }
 
     fn watch(self: &Arc<Self>, stream: TcpStream) {
-        if let Ok(mut push) = stream.try_clone() {
-            if let Some((rank, reason)) = self.fabric.failure() {
-                let mut w = Writer::default();
-                w.u8(to_client::FAILURE).usize(rank).str(&reason);
-                let _ = write_frame(&mut push, &w.0);
-            }
-            lock(&self.watchers).push(push);
-        }
+        let Ok(mut push) = stream.try_clone() else {
+            return;
+        };
         let state = Arc::clone(self);
-        let _ = crate::counters::thread_builder()
+        let reader = crate::counters::thread_builder()
             .name("fusion-hub-watch".into())
             .spawn(move || {
                 let mut reader = stream;
@@ -323,6 +358,20 @@ impl HubState {
                     }
                 }
             });
+        if reader.is_err() {
+            return;
+        }
+        // The reply comes after the thread above exists: a process's world is built only
+        // once the hub serves its watch connection.
+        if write_frame(&mut push, &[to_client::WATCHING]).is_err() {
+            return;
+        }
+        if let Some((rank, reason)) = self.fabric.failure() {
+            let mut w = Writer::default();
+            w.u8(to_client::FAILURE).usize(rank).str(&reason);
+            let _ = write_frame(&mut push, &w.0);
+        }
+        lock(&self.watchers).push(push);
     }
 
     /// Handles a new connection by its first message.

@@ -241,6 +241,9 @@ pub(crate) mod to_client {
     pub const FAILURE: u8 = 5;
     /// `rank, reason`: pushed to watchers when a rank leaves the world cleanly.
     pub const DEPARTED: u8 = 6;
+    /// The hub watches this connection from now on: a watch connection's first reply, so a
+    /// world is built only after the hub's threads for it exist.
+    pub const WATCHING: u8 = 7;
 }
 
 #[cfg(test)]
