@@ -137,10 +137,17 @@ impl Watch {
         let _ = stream.set_read_timeout(Some(timeout + REPLY_MARGIN));
         match read_frame(&mut stream) {
             Ok(Some(p)) if p.first() == Some(&to_client::WATCHING) => {}
-            Ok(_) => {
+            Ok(None) => {
                 return Err(Error::World(format!(
-                    "the rendezvous at {addr} did not answer the watch connection of rank \
-                     {rank} (a different fusion version on rank 0's process?)"
+                    "the rendezvous at {addr} closed the watch connection of rank {rank} \
+                     before serving it (rank 0's process failed to start a thread, or exited)"
+                )))
+            }
+            Ok(Some(_)) => {
+                return Err(Error::World(format!(
+                    "the rendezvous at {addr} answered the watch connection of rank {rank} \
+                     with an unexpected message (a different fusion build on rank 0's \
+                     process?)"
                 )))
             }
             Err(e) => {
