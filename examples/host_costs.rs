@@ -22,8 +22,8 @@ mod fusions;
 use std::time::Instant;
 
 use clap::Parser;
-use fusion::core::hir::NodeKind;
-use fusion::core::lower::{LowerOptions, Pipelining, ReduceScatterPipeline};
+use fusion::compiler::hir::NodeKind;
+use fusion::compiler::lower::{LowerOptions, Pipelining, ReduceScatterPipeline};
 use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::replay::ReplayStatus;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, RunReport, Tensor, World};
@@ -168,7 +168,10 @@ fn pipelines(rank: &Rank) -> Result<Rows> {
                     graphs,
                     // Tiny pipelines are what this measures (Auto would not pipeline them).
                     lower: LowerOptions {
-                        pipelining: Pipelining::Always,
+                        pipelines: fusion::PipelineOptions {
+                            pipelining: Pipelining::Always,
+                            ..lower.clone().pipelines
+                        },
                         ..lower.clone()
                     },
                     ..ExecOptions::default()
@@ -218,8 +221,11 @@ fn pipelines(rank: &Rank) -> Result<Rows> {
     let w = rank.shard(&Tensor::randn(&[d, 8, 8], dt, 6), 0)?;
     for c in [1, 2, 4, 8] {
         let lower = LowerOptions {
-            reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
-            reduce_scatter_subchunks: Some(c),
+            pipelines: fusion::PipelineOptions {
+                reduce_scatter: ReduceScatterPipeline::Ring,
+                reduce_scatter_subchunks: Some(c),
+                ..Default::default()
+            },
             ..LowerOptions::default()
         };
         measure(

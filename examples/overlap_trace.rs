@@ -13,8 +13,8 @@ mod finish;
 use std::time::Instant;
 
 use clap::Parser;
-use fusion::core::builder::{Axis, FusionBuilder};
-use fusion::core::ir::Fusion;
+use fusion::compiler::builder::{Axis, FusionBuilder};
+use fusion::compiler::ir::Fusion;
 use fusion::runtime::trace::{busy_ms, chrome_trace, overlaps};
 use fusion::{DType, ExecOptions, FusionExecutor, LowerOptions, Pipelining, Tensor, World};
 
@@ -117,7 +117,10 @@ fn run() -> fusion::Result<()> {
     let opts = ExecOptions {
         number_of_streams: args.streams,
         lower: LowerOptions {
-            pipelining: Pipelining::Always, // the pipelines are what it traces, at any size
+            pipelines: fusion::PipelineOptions {
+                pipelining: Pipelining::Always, // the pipelines are what it traces, at any size
+                ..Default::default()
+            },
             ..LowerOptions::default()
         },
         ..ExecOptions::default()

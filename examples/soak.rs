@@ -350,7 +350,10 @@ fn run() -> fusion::Result<()> {
         opts: ExecOptions {
             number_of_streams: cli.streams,
             lower: fusion::LowerOptions {
-                pipelining: fusion::Pipelining::Always, // the pipeline's calls are soaked
+                pipelines: fusion::PipelineOptions {
+                    pipelining: fusion::Pipelining::Always, // the pipeline's calls are soaked
+                    ..Default::default()
+                },
                 ..fusion::LowerOptions::default()
             },
             ..ExecOptions::default()

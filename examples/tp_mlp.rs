@@ -18,7 +18,7 @@ mod common;
 
 use clap::Parser;
 use common::*;
-use fusion::core::ir::UnaryOp;
+use fusion::compiler::ir::UnaryOp;
 use fusion::prelude::*;
 
 use blocks::{gated_mlp, mlp};

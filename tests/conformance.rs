@@ -6,9 +6,9 @@ mod common;
 
 use common::cases::{self, axes, single_set_op};
 use common::*;
-use fusion::core::builder::FusionBuilder;
-use fusion::core::hir::NodeKind::{self, *};
-use fusion::core::ir::ParallelType;
+use fusion::compiler::builder::FusionBuilder;
+use fusion::compiler::hir::NodeKind::{self, *};
+use fusion::compiler::ir::ParallelType;
 use fusion::{DType, ExecOptions, Tensor};
 
 /// The default options, with the stream-order race checker on (as for every case run
@@ -709,12 +709,12 @@ fn outputs_alias_inputs_without_copies() {
 
 const RESHARD_TOP: [NodeKind; 3] = [Allocate, Communication, Wait];
 
-fn comm_kind(r: &Run) -> fusion::core::hir::CommunicationKind {
+fn comm_kind(r: &Run) -> fusion::compiler::hir::CommunicationKind {
     r.program
         .body
         .iter()
         .find_map(|n| match n {
-            fusion::core::hir::Node::Communication(c) => Some(c.kind),
+            fusion::compiler::hir::Node::Communication(c) => Some(c.kind),
             _ => None,
         })
         .expect("a communication")
@@ -722,7 +722,7 @@ fn comm_kind(r: &Run) -> fusion::core::hir::CommunicationKind {
 
 #[test]
 fn reshard_allgather_allreduce_reduce_scatter_scatter() {
-    use fusion::core::hir::CommunicationKind as K;
+    use fusion::compiler::hir::CommunicationKind as K;
     for d in device_counts().into_iter().filter(|&d| d > 1) {
         // Allgather
         let f = cases::reshard_allgather();
@@ -812,7 +812,7 @@ fn reshard_allgather_allreduce_reduce_scatter_scatter() {
 
 #[test]
 fn reshard_gather_broadcast_reduce_sendrecv() {
-    use fusion::core::hir::CommunicationKind as K;
+    use fusion::compiler::hir::CommunicationKind as K;
     for d in device_counts().into_iter().filter(|&d| d > 1) {
         let all: Vec<usize> = (0..d).collect();
         // Gather to device 0
@@ -917,8 +917,11 @@ fn matmul_rs_p2p_pipeline() {
     let f = cases::matmul_rs_p2p();
     // The direct pipeline (the default on other than 2 devices, see the next test).
     let direct = ExecOptions {
-        lower: fusion::core::lower::LowerOptions {
-            reduce_scatter_pipeline: fusion::core::lower::ReduceScatterPipeline::Direct,
+        lower: fusion::compiler::lower::LowerOptions {
+            pipelines: fusion::PipelineOptions {
+                reduce_scatter: fusion::compiler::lower::ReduceScatterPipeline::Direct,
+                ..Default::default()
+            },
             ..Default::default()
         },
         ..ExecOptions::default()
@@ -969,7 +972,7 @@ fn matmul_rs_p2p_pipeline() {
 fn seed_schedule_and_full_buffers_give_the_same_numbers() {
     let f = cases::ag_matmul_p2p(test_dtype());
     let seed_opts = ExecOptions {
-        lower: fusion::core::lower::LowerOptions::seed_compatible(),
+        lower: fusion::compiler::lower::LowerOptions::plain(),
         ..ExecOptions::default()
     };
     for d in device_counts() {
@@ -989,8 +992,11 @@ fn stream_buffers_use_less_memory() {
     let f = cases::ag_matmul();
     let full = ExecOptions {
         number_of_streams: 2,
-        lower: fusion::core::lower::LowerOptions {
-            stream_buffers: false,
+        lower: fusion::compiler::lower::LowerOptions {
+            streams: fusion::StreamOptions {
+                buffers: false,
+                ..Default::default()
+            },
             ..Default::default()
         },
         ..ExecOptions::default()
@@ -1026,13 +1032,16 @@ fn p2p_pipelines_over_nccl_and_the_copy_engine() {
     // Both P2P transports, named explicitly (the default is the copy engine): on GPUs the
     // NCCL one runs coalesced ncclSend/ncclRecv groups, the other peer copies; on the CPU
     // backend the in-process communicator carries both.
-    use fusion::core::hir::CommBackend;
+    use fusion::compiler::hir::Transport;
     let ag = cases::ag_matmul_p2p(test_dtype());
     let rs = cases::matmul_rs_p2p();
-    for backend in [CommBackend::Nccl, CommBackend::CopyEngine] {
+    for backend in [Transport::Nccl, Transport::CopyEngine] {
         let o = ExecOptions {
-            lower: fusion::core::lower::LowerOptions {
-                p2p_backend: backend,
+            lower: fusion::compiler::lower::LowerOptions {
+                transports: fusion::TransportOptions {
+                    p2p: backend,
+                    ..Default::default()
+                },
                 ..Default::default()
             },
             ..ExecOptions::default()
@@ -1110,10 +1119,16 @@ fn matmul_rs_p2p_subchunked_rounds() {
         for (c, streams, compute_first) in [(2, 4, true), (3, 4, true), (2, 2, false)] {
             let o = ExecOptions {
                 number_of_streams: streams,
-                lower: fusion::core::lower::LowerOptions {
-                    reduce_scatter_pipeline: fusion::core::lower::ReduceScatterPipeline::Direct,
-                    reduce_scatter_subchunks: Some(c),
-                    compute_first_streams: compute_first,
+                lower: fusion::compiler::lower::LowerOptions {
+                    streams: fusion::StreamOptions {
+                        compute_first,
+                        ..Default::default()
+                    },
+                    pipelines: fusion::PipelineOptions {
+                        reduce_scatter: fusion::compiler::lower::ReduceScatterPipeline::Direct,
+                        reduce_scatter_subchunks: Some(c),
+                        ..Default::default()
+                    },
                     ..Default::default()
                 },
                 ..ExecOptions::default()
@@ -1146,9 +1161,12 @@ fn matmul_rs_p2p_subchunked_rounds() {
 #[test]
 fn subchunked_reduce_scatter_uses_smaller_stream_buffers() {
     let with = |c: usize| ExecOptions {
-        lower: fusion::core::lower::LowerOptions {
-            reduce_scatter_pipeline: fusion::core::lower::ReduceScatterPipeline::Direct,
-            reduce_scatter_subchunks: Some(c),
+        lower: fusion::compiler::lower::LowerOptions {
+            pipelines: fusion::PipelineOptions {
+                reduce_scatter: fusion::compiler::lower::ReduceScatterPipeline::Direct,
+                reduce_scatter_subchunks: Some(c),
+                ..Default::default()
+            },
             ..Default::default()
         },
         ..ExecOptions::default()
@@ -1177,7 +1195,7 @@ fn matmul_rs_ring_pipeline_accumulates_in_the_gemm() {
     // to keep every running sum's stream apart.
     // The GEMMs on the caller's stream, or taking turns on two compute streams; every call
     // checked for stream-order races.
-    use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
+    use fusion::compiler::lower::{LowerOptions, ReduceScatterPipeline};
     for d in device_counts() {
         for (c, streams, compute) in [
             (1, 4, 1),
@@ -1193,9 +1211,15 @@ fn matmul_rs_ring_pipeline_accumulates_in_the_gemm() {
             let o = ExecOptions {
                 number_of_streams: streams,
                 lower: LowerOptions {
-                    reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
-                    reduce_scatter_subchunks: Some(c),
-                    ring_compute_streams: compute,
+                    streams: fusion::StreamOptions {
+                        ring_compute_streams: compute,
+                        ..Default::default()
+                    },
+                    pipelines: fusion::PipelineOptions {
+                        reduce_scatter: ReduceScatterPipeline::Ring,
+                        reduce_scatter_subchunks: Some(c),
+                        ..Default::default()
+                    },
                     ..Default::default()
                 },
                 race_check: true,

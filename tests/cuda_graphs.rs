@@ -8,9 +8,9 @@
 mod common;
 
 use common::{always_pipelined, cases, Give};
-use fusion::core::hir::CommBackend;
-use fusion::core::ir::{Fusion, UnaryOp};
-use fusion::core::lower::{lower, LowerOptions, ReduceScatterPipeline};
+use fusion::compiler::hir::Transport;
+use fusion::compiler::ir::{Fusion, UnaryOp};
+use fusion::compiler::lower::{lower, LowerOptions, ReduceScatterPipeline};
 use fusion::runtime::backend::cuda::{
     cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
 };
@@ -54,7 +54,10 @@ fn what_may_be_captured() {
     assert_eq!(receives.internal.len(), 1, "{receives:?}");
     assert_eq!(capture_plan(&rs, BackendKind::Cuda), Ok(()));
     let nccl = LowerOptions {
-        p2p_backend: CommBackend::Nccl,
+        transports: fusion::TransportOptions {
+            p2p: Transport::Nccl,
+            ..Default::default()
+        },
         ..LowerOptions::default()
     };
     let over_nccl = lower(&f, 2, &nccl).unwrap().program;
@@ -369,8 +372,11 @@ fn replayed_calls_match_eager_calls_on_one_gpu() {
     // waiting for it; the first step has nothing to wait for).
     let ring = ExecOptions {
         lower: LowerOptions {
-            reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
-            reduce_scatter_subchunks: Some(1),
+            pipelines: fusion::PipelineOptions {
+                reduce_scatter: ReduceScatterPipeline::Ring,
+                reduce_scatter_subchunks: Some(1),
+                ..Default::default()
+            },
             ..LowerOptions::default()
         },
         ..always_pipelined()
@@ -445,7 +451,10 @@ fn replayed_calls_match_eager_calls_over_nccl_on_two_gpus() {
     let Some(world) = gpu_world(2) else { return };
     let options = ExecOptions {
         lower: LowerOptions {
-            p2p_backend: CommBackend::Nccl,
+            transports: fusion::TransportOptions {
+                p2p: Transport::Nccl,
+                ..Default::default()
+            },
             ..LowerOptions::default()
         },
         ..always_pipelined()
@@ -548,9 +557,15 @@ fn replayed_calls_match_eager_calls_over_copy_engines_on_two_gpus() {
     // The ring with its GEMMs taking turns on two compute streams (4 row ranges).
     let two_compute = ExecOptions {
         lower: LowerOptions {
-            reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
-            reduce_scatter_subchunks: Some(4),
-            ring_compute_streams: 2,
+            streams: fusion::StreamOptions {
+                ring_compute_streams: 2,
+                ..Default::default()
+            },
+            pipelines: fusion::PipelineOptions {
+                reduce_scatter: ReduceScatterPipeline::Ring,
+                reduce_scatter_subchunks: Some(4),
+                ..Default::default()
+            },
             ..LowerOptions::default()
         },
         ..always_pipelined()

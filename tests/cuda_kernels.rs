@@ -3,7 +3,7 @@
 //! These need a GPU, so they are `#[ignore]`d (shown as ignored, not passed, where there is
 //! none); `scripts/gpu.sh check` runs them with `--ignored`.
 
-use fusion::core::ir::{BinaryOp, ReduceOp, UnaryOp};
+use fusion::compiler::ir::{BinaryOp, ReduceOp, UnaryOp};
 use fusion::runtime::backend::cpu::CpuDevice;
 use fusion::runtime::backend::cuda::cuda_world;
 use fusion::runtime::backend::cuda::{check_libraries, device_count, driver_present};

@@ -11,7 +11,7 @@ use fusion::runtime::config;
 /// The crates whose `src/` is the library (tests, examples and scripts are not).
 const LIBRARY_SOURCES: [&str; 5] = [
     "src",
-    "fusion-core/src",
+    "fusion-compiler/src",
     "fusion-runtime/src",
     "fusion-macros/src",
     "fusion-candle/src",

@@ -7,10 +7,10 @@ mod common;
 
 use common::cases::{self, axes};
 use common::*;
-use fusion::core::builder::FusionBuilder;
-use fusion::core::hir::{for_each_node, HostProgram, Node};
-use fusion::core::ir::{BinaryOp, Fusion, Op, ParallelType, UnaryOp};
-use fusion::core::lower::{lower, LowerOptions};
+use fusion::compiler::builder::FusionBuilder;
+use fusion::compiler::hir::{for_each_node, HostProgram, Node};
+use fusion::compiler::ir::{BinaryOp, Fusion, Op, ParallelType, UnaryOp};
+use fusion::compiler::lower::{lower, LowerOptions};
 use fusion::{DType, ExecOptions, Tensor};
 
 use ParallelType::{Serial as S, Stream as St};

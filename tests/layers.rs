@@ -10,9 +10,9 @@ mod common;
 
 use common::cases;
 use common::*;
-use fusion::core::hir::{Node, NodeKind};
-use fusion::core::ir::UnaryOp;
-use fusion::core::lower::{LowerOptions, ReduceScatterPipeline};
+use fusion::compiler::hir::{Node, NodeKind};
+use fusion::compiler::ir::UnaryOp;
+use fusion::compiler::lower::{LowerOptions, ReduceScatterPipeline};
 use fusion::{DType, ExecOptions, Tensor};
 
 const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
@@ -51,7 +51,10 @@ fn options(streams: usize, subchunks: Option<usize>) -> ExecOptions {
     ExecOptions {
         number_of_streams: streams,
         lower: LowerOptions {
-            reduce_scatter_subchunks: subchunks,
+            pipelines: fusion::PipelineOptions {
+                reduce_scatter_subchunks: subchunks,
+                ..Default::default()
+            },
             ..LowerOptions::default()
         },
         ..ExecOptions::default()
@@ -89,7 +92,7 @@ fn run_mlp_at(
 }
 
 /// The top-level stream loops of a program (the fork and join loops included).
-fn loops(p: &fusion::core::hir::HostProgram) -> usize {
+fn loops(p: &fusion::compiler::hir::HostProgram) -> usize {
     p.body
         .iter()
         .filter(|n| matches!(n, Node::ForLoop(_)))
@@ -97,9 +100,9 @@ fn loops(p: &fusion::core::hir::HostProgram) -> usize {
 }
 
 /// Number of P2P exchanges (coalesced groups) anywhere in the program.
-fn exchanges(p: &fusion::core::hir::HostProgram) -> usize {
+fn exchanges(p: &fusion::compiler::hir::HostProgram) -> usize {
     let mut n = 0;
-    fusion::core::hir::for_each_node(&p.body, &mut |x| {
+    fusion::compiler::hir::for_each_node(&p.body, &mut |x| {
         n += usize::from(x.kind() == NodeKind::EndCoalescing)
     });
     n
@@ -223,7 +226,7 @@ fn direct_reduce_scatter_option_still_runs_the_ring_here() {
     // The gather-scatter loop is always a ring (a direct pipeline would sum after it).
     for d in device_counts().into_iter().filter(|&d| d > 1) {
         let mut o = ExecOptions::default();
-        o.lower.reduce_scatter_pipeline = ReduceScatterPipeline::Direct;
+        o.lower.pipelines.reduce_scatter = ReduceScatterPipeline::Direct;
         let (r, expected) = run_mlp(d, DType::F32, UnaryOp::GeluTanh, &o, 40);
         assert_eq!(loops(&r.program), 3);
         assert_close(&expected, &r.outputs[0], 1e-5, "TP MLP, direct asked");
@@ -337,7 +340,7 @@ fn mlp_block_program_snapshot() {
     // current unit computes; the first GEMM carries the activation in its epilogue; the
     // second adds onto the running sum from the previous device and passes it on.
     let f = cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
-    let p = fusion::core::lower::lower(&f, 2, &LowerOptions::default())
+    let p = fusion::compiler::lower::lower(&f, 2, &LowerOptions::default())
         .unwrap()
         .program;
     // Found in the repository the test runs in, so a staged binary passes anywhere.
@@ -350,8 +353,8 @@ fn mlp_block_program_snapshot() {
 fn a_gather_scatter_loop_that_cannot_be_a_ring_is_a_lowering_error() {
     // relu after the second matmul: the running sum cannot be added in that GEMM's
     // epilogue, so the loop that gathers cannot also reduce-scatter; the error says why.
-    use fusion::core::builder::FusionBuilder;
-    use fusion::core::ir::ParallelType::{DIDx as Dx, Serial as S, Stream as St};
+    use fusion::compiler::builder::FusionBuilder;
+    use fusion::compiler::ir::ParallelType::{DIDx as Dx, Serial as S, Stream as St};
     let dt = DType::F32;
     let mut b = FusionBuilder::new();
     let tx = cases::axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
@@ -374,7 +377,7 @@ fn a_gather_scatter_loop_that_cannot_be_a_ring_is_a_lowering_error() {
     let y = b.declare(y, dt, &ty).unwrap();
     b.output(y).unwrap();
     let f = b.build().unwrap();
-    let err = fusion::core::lower::lower(&f, 2, &LowerOptions::default()).unwrap_err();
+    let err = fusion::compiler::lower::lower(&f, 2, &LowerOptions::default()).unwrap_err();
     let msg = err.to_string();
     assert!(
         msg.contains("gathers") && msg.contains("last expression must be"),
@@ -382,10 +385,13 @@ fn a_gather_scatter_loop_that_cannot_be_a_ring_is_a_lowering_error() {
     );
     // compute-first streams off: also refused, with that reason.
     let o = LowerOptions {
-        compute_first_streams: false,
+        streams: fusion::StreamOptions {
+            compute_first: false,
+            ..Default::default()
+        },
         ..LowerOptions::default()
     };
-    let err = fusion::core::lower::lower(&cases::tp_mlp(dt, UnaryOp::Relu), 2, &o).unwrap_err();
+    let err = fusion::compiler::lower::lower(&cases::tp_mlp(dt, UnaryOp::Relu), 2, &o).unwrap_err();
     assert!(err.to_string().contains("compute-first"), "{err}");
 }
 
@@ -394,7 +400,7 @@ fn decode_sized_calls_run_one_collective_and_one_gemm_per_block() {
     // `Pipelining::Auto` (the default, not the suites' `Always`): a few rows per device give
     // the unpipelined plan (an Allgather, whole GEMMs, a ReduceScatter) and say so under the
     // program; from AUTO_MIN_CHUNK_ROWS rows per chunk on, the same fusion is one pipeline.
-    use fusion::core::lower::AUTO_MIN_CHUNK_ROWS;
+    use fusion::compiler::lower::AUTO_MIN_CHUNK_ROWS;
     use fusion::{FusionExecutor, World};
     let dt = DType::F32;
     for d in [2, 4] {

@@ -23,10 +23,10 @@ use std::fmt::Debug;
 
 use common::cases::{self, axes};
 use common::*;
-use fusion::core::builder::FusionBuilder;
-use fusion::core::hir::CommBackend;
-use fusion::core::ir::{BinaryOp, DeviceMesh, Fusion, ParallelType, TensorId, UnaryOp};
-use fusion::core::lower::{LowerOptions, P2pSchedule, ReduceScatterPipeline};
+use fusion::compiler::builder::FusionBuilder;
+use fusion::compiler::hir::Transport;
+use fusion::compiler::ir::{BinaryOp, DeviceMesh, Fusion, ParallelType, TensorId, UnaryOp};
+use fusion::compiler::lower::{LowerOptions, P2pSchedule, ReduceScatterPipeline};
 use fusion::{DType, Error, ExecOptions, Tensor};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -84,8 +84,8 @@ fn property<T: Debug + Clone>(
 }
 
 /// The errors lowering (and the builder) document for fusions they cannot handle.
-fn documented(e: &fusion::core::Error) -> bool {
-    use fusion::core::Error as E;
+fn documented(e: &fusion::compiler::Error) -> bool {
+    use fusion::compiler::Error as E;
     matches!(
         e,
         E::Parallelization { .. }
@@ -158,7 +158,7 @@ fn scaled_error(expected: &RefArray, got: &Tensor) -> f64 {
 }
 
 /// A rejected build must be a documented error too.
-fn built<T>(r: Result<T, fusion::core::Error>) -> Result<Option<T>, TestCaseError> {
+fn built<T>(r: Result<T, fusion::compiler::Error>) -> Result<Option<T>, TestCaseError> {
     match r {
         Ok(f) => Ok(Some(f)),
         Err(e) if documented(&e) => Ok(None),
@@ -178,32 +178,41 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
         1..4usize,
     )
         .prop_map(
-            |(buffers, first, p2p_nccl, coll_ce, seed, pipeline, chunks, compute)| LowerOptions {
-                stream_buffers: buffers,
-                compute_first_streams: first,
-                p2p_backend: if p2p_nccl {
-                    CommBackend::Nccl
-                } else {
-                    CommBackend::CopyEngine
-                },
-                collective_backend: if coll_ce {
-                    CommBackend::CopyEngine
-                } else {
-                    CommBackend::Nccl
-                },
-                p2p_schedule: if seed {
-                    P2pSchedule::Seed
-                } else {
-                    P2pSchedule::Ring
-                },
-                reduce_scatter_pipeline: [
-                    ReduceScatterPipeline::Auto,
-                    ReduceScatterPipeline::Direct,
-                    ReduceScatterPipeline::Ring,
-                ][pipeline],
-                reduce_scatter_subchunks: (chunks > 0).then_some(chunks),
-                ring_compute_streams: compute,
-                ..LowerOptions::default()
+            |(buffers, first, p2p_nccl, coll_ce, mesh_order, pipeline, chunks, compute)| {
+                LowerOptions {
+                    transports: fusion::TransportOptions {
+                        p2p: if p2p_nccl {
+                            Transport::Nccl
+                        } else {
+                            Transport::CopyEngine
+                        },
+                        collectives: if coll_ce {
+                            Transport::CopyEngine
+                        } else {
+                            Transport::Nccl
+                        },
+                    },
+                    streams: fusion::StreamOptions {
+                        buffers,
+                        compute_first: first,
+                        ring_compute_streams: compute,
+                    },
+                    pipelines: fusion::PipelineOptions {
+                        p2p_schedule: if mesh_order {
+                            P2pSchedule::MeshOrder
+                        } else {
+                            P2pSchedule::Ring
+                        },
+                        reduce_scatter: [
+                            ReduceScatterPipeline::Auto,
+                            ReduceScatterPipeline::Direct,
+                            ReduceScatterPipeline::Ring,
+                        ][pipeline],
+                        reduce_scatter_subchunks: (chunks > 0).then_some(chunks),
+                        ..Default::default()
+                    },
+                    ..LowerOptions::default()
+                }
             },
         )
 }
@@ -353,8 +362,8 @@ fn check_pipeline(c: PipelineCase) -> Result<Verdict, TestCaseError> {
     let mut lower = c.lower.clone();
     if matches!(c.pipeline, Pipeline::TpMlp) {
         // The block's gather-scatter loop needs both (lowering says so otherwise).
-        lower.stream_buffers = true;
-        lower.compute_first_streams = true;
+        lower.streams.buffers = true;
+        lower.streams.compute_first = true;
     }
     run_plan(plan, c.d, c.streams, &lower, &c)
 }
@@ -668,7 +677,7 @@ fn binary_ref(op: BinaryOp, a: f64, b: f64) -> f64 {
 }
 
 /// The chain's fusion: inputs `x`, `y` (`[d @ DIDx, m, n]` or `[m, n]`) and `row` (`[n]`).
-fn chain_fusion(c: &ChainCase) -> Result<Fusion, fusion::core::Error> {
+fn chain_fusion(c: &ChainCase) -> Result<Fusion, fusion::compiler::Error> {
     let mut b = FusionBuilder::new();
     let spec: &[(&str, ParallelType)] = if c.sharded {
         &[("d", Dx), ("m", S), ("n", S)]
@@ -825,7 +834,7 @@ fn parallel(code: u8) -> ParallelType {
     }
 }
 
-fn sharding_fusion(c: &ShardingCase) -> Result<Fusion, fusion::core::Error> {
+fn sharding_fusion(c: &ShardingCase) -> Result<Fusion, fusion::compiler::Error> {
     let mut b = FusionBuilder::new();
     let names = if c.d_axis == 0 {
         ["d", "m"]

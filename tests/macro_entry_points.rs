@@ -113,7 +113,7 @@ fn runtime_errors_name_the_tensor() {
     assert!(err.contains("bias axis 0"), "{err}");
     let fusion = named::build().unwrap();
     let names: Vec<String> = (0..fusion.tensor_count())
-        .map(|i| fusion.tensor_name(fusion::core::ir::TensorId::from_index(i)))
+        .map(|i| fusion.tensor_name(fusion::compiler::ir::TensorId::from_index(i)))
         .collect();
     assert_eq!(names, ["input", "bias", "shifted", "output"]);
 }

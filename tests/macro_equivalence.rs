@@ -1,7 +1,7 @@
 //! The expansion of `fusion!`: every case of `tests/common/cases.rs` (the fusions of
 //! `tests/conformance.rs`) written with `fusion!` builds, through its generated `build()`,
 //! a fusion that lowers to the same printed host program as the builder's on every world
-//! size where the case applies. The macro checks a fusion with `fusion-core`'s builder and
+//! size where the case applies. The macro checks a fusion with `fusion-compiler`'s builder and
 //! records the calls it made; this is the test that `build()` repeats them. The generated
 //! `run_with` is checked with preallocated outputs: the buffer passed in is the one
 //! written, with the builder's numbers.
@@ -15,8 +15,8 @@
 mod common;
 
 use common::{assemble, cases, distribute, run, Give, Take, DEVICE_COUNTS};
-use fusion::core::ir::{Fusion, UnaryOp};
-use fusion::core::lower::{lower, LowerOptions};
+use fusion::compiler::ir::{Fusion, UnaryOp};
+use fusion::compiler::lower::{lower, LowerOptions};
 use fusion::prelude::*;
 use fusion::RunReport;
 
@@ -211,7 +211,7 @@ const FOUR_UP: &[usize] = &[4, 8];
 type Case = (
     &'static str,
     Fusion,
-    fusion::core::Result<Fusion>,
+    fusion::compiler::Result<Fusion>,
     &'static [usize],
 );
 

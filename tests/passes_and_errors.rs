@@ -5,10 +5,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use fusion::core::builder::{Axis, FusionBuilder};
-use fusion::core::hir::{for_each_node, Node, NodeKind};
-use fusion::core::ir::{Fusion, ParallelType};
-use fusion::core::lower::{lower, LowerOptions};
+use fusion::compiler::builder::{Axis, FusionBuilder};
+use fusion::compiler::hir::{for_each_node, Node, NodeKind};
+use fusion::compiler::ir::{Fusion, ParallelType};
+use fusion::compiler::lower::{lower, LowerOptions};
 use fusion::{DType, Error, ExecOptions, FusionExecutor, Tensor};
 
 const F32: DType = DType::F32;
@@ -107,7 +107,7 @@ fn disabling_stream_parallel_type_gives_the_non_overlapped_program_and_the_same_
 
 /// relu -> neg -> exp -> tanh -> sigmoid: one buffer each (with fusion disabled).
 fn chain() -> Fusion {
-    use fusion::core::ir::UnaryOp::*;
+    use fusion::compiler::ir::UnaryOp::*;
     let mut b = FusionBuilder::new();
     let a = sym_axes(&mut b, &[("m", S), ("n", S)]);
     let x = b.input("x", F32, &a).unwrap();
@@ -420,7 +420,7 @@ fn a_result_sharded_over_an_extent_other_than_the_mesh_size_is_a_sharding_error(
         .err()
         .expect("an error");
         match &err {
-            Error::Core(fusion::core::Error::Parallelization {
+            Error::Core(fusion::compiler::Error::Parallelization {
                 tensor,
                 axis,
                 reason,
@@ -461,7 +461,7 @@ fn a_didx_to_stream_pipeline_that_also_shards_another_axis_is_a_resharding_error
         .err()
         .expect("an error");
         assert!(
-            matches!(&err, Error::Core(fusion::core::Error::Resharding { reason, .. })
+            matches!(&err, Error::Core(fusion::compiler::Error::Resharding { reason, .. })
                 if reason.contains("two shardings")),
             "{err}"
         );
@@ -506,7 +506,10 @@ fn copy_engine_receive_buffers_are_found_through_views_and_branches() {
     }
     // Over NCCL nothing needs shared memory.
     let options = LowerOptions {
-        p2p_backend: fusion::core::hir::CommBackend::Nccl,
+        transports: fusion::TransportOptions {
+            p2p: fusion::compiler::hir::Transport::Nccl,
+            ..Default::default()
+        },
         ..LowerOptions::default()
     };
     let p = lower(&f, 2, &options).unwrap().program;

@@ -21,8 +21,8 @@ use std::collections::{HashMap, HashSet};
 
 use common::variants::{catalog, variants, Case, Family};
 use common::*;
-use fusion::core::hir::{for_each_node, for_each_node_mut, HostProgram, Node};
-use fusion::core::lower::lower;
+use fusion::compiler::hir::{for_each_node, for_each_node_mut, HostProgram, Node};
+use fusion::compiler::lower::lower;
 use fusion::runtime::eval::race::{AccessKind, RaceError};
 use fusion::runtime::eval::{bind_inputs, execute, CallContext, RaceCheck};
 use fusion::{Error, ExecOptions, Tensor, World};

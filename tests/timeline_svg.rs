@@ -126,7 +126,10 @@ fn a_traced_pipeline_draws_from_its_trace_files() {
     let opts = ExecOptions {
         trace_dir: Some(dir.clone()),
         lower: LowerOptions {
-            pipelining: Pipelining::Always, // the pipeline at these small shapes
+            pipelines: fusion::PipelineOptions {
+                pipelining: Pipelining::Always, // the pipeline at these small shapes
+                ..Default::default()
+            },
             ..LowerOptions::default()
         },
         ..ExecOptions::default()

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use fusion::core::hir::{HostProgram, Node};
+use fusion::compiler::hir::{HostProgram, Node};
 use fusion::prelude::*;
 use serde_json::Value;
 
@@ -147,7 +147,10 @@ fn every_call_writes_a_trace_per_rank_holding_every_node() {
     let opts = ExecOptions {
         trace_dir: Some(dir.clone()),
         lower: LowerOptions {
-            pipelining: Pipelining::Always, // the pipeline at these small shapes
+            pipelines: fusion::PipelineOptions {
+                pipelining: Pipelining::Always, // the pipeline at these small shapes
+                ..Default::default()
+            },
             ..LowerOptions::default()
         },
         ..ExecOptions::default()
@@ -187,7 +190,10 @@ fn the_reduce_scatter_pipeline_is_traced_too() {
     let opts = ExecOptions {
         trace_dir: Some(dir.clone()),
         lower: LowerOptions {
-            pipelining: Pipelining::Always, // the pipeline at these small shapes
+            pipelines: fusion::PipelineOptions {
+                pipelining: Pipelining::Always, // the pipeline at these small shapes
+                ..Default::default()
+            },
             ..LowerOptions::default()
         },
         ..ExecOptions::default()

@@ -28,7 +28,7 @@ pub struct Common {
     #[arg(long)]
     pub dump: bool,
     /// Whether stream loops are pipelined: `auto` from 256 rows per chunk on
-    /// (`LowerOptions::pipelining`), `always` or `never`
+    /// (`LowerOptions::pipelines.pipelining`), `always` or `never`
     #[arg(long, value_enum, default_value_t = Pipe::Auto)]
     pub pipelining: Pipe,
 }
@@ -79,10 +79,13 @@ impl Common {
         ExecOptions {
             number_of_streams: self.streams,
             lower: LowerOptions {
-                pipelining: match self.pipelining {
-                    Pipe::Auto => Pipelining::Auto,
-                    Pipe::Always => Pipelining::Always,
-                    Pipe::Never => Pipelining::Never,
+                pipelines: fusion::PipelineOptions {
+                    pipelining: match self.pipelining {
+                        Pipe::Auto => Pipelining::Auto,
+                        Pipe::Always => Pipelining::Always,
+                        Pipe::Never => Pipelining::Never,
+                    },
+                    ..Default::default()
                 },
                 ..LowerOptions::default()
             },

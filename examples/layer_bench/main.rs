@@ -26,7 +26,7 @@ mod measure;
 
 use clap::Parser;
 use common::Dt;
-use fusion::core::ir::Fusion;
+use fusion::compiler::ir::Fusion;
 use fusion::{ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
 use measure::{device_ms, random_scaled, rel_error};
@@ -191,7 +191,10 @@ fn run_block(
     let mut o = ExecOptions {
         number_of_streams: a.streams,
         lower: fusion::LowerOptions {
-            pipelining: fusion::Pipelining::Always, // compared with the sequential plan
+            pipelines: fusion::PipelineOptions {
+                pipelining: fusion::Pipelining::Always, // compared with the sequential plan
+                ..Default::default()
+            },
             ..fusion::LowerOptions::default()
         },
         ..ExecOptions::default()
@@ -199,7 +202,7 @@ fn run_block(
     let (ms, err, peak, _) = timed(rank, a, e, &e.block, &refs, &o, Some(&reference))?;
     out.push(("pipelined".into(), ms, err, peak));
     for c in list(&a.row_ranges) {
-        o.lower.reduce_scatter_subchunks = Some(c);
+        o.lower.pipelines.reduce_scatter_subchunks = Some(c);
         let (ms, err, peak, _) = timed(rank, a, e, &e.block, &refs, &o, Some(&reference))?;
         out.push((format!("pipelined_rows{c}"), ms, err, peak));
     }
@@ -219,7 +222,7 @@ fn run_block(
     Ok(out)
 }
 
-fn build(r: std::result::Result<Fusion, fusion::core::Error>) -> Result<FusionExecutor> {
+fn build(r: std::result::Result<Fusion, fusion::compiler::Error>) -> Result<FusionExecutor> {
     Ok(FusionExecutor::new(r?))
 }
 

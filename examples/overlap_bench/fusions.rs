@@ -4,9 +4,9 @@
 //! GEMM+RS: A is `[M, K]` column-sharded (each rank `[M, K/d]`), B `[K/d, N]` per rank, and
 //! the result `A B` is reduce-scattered over M.
 
-use fusion::core::builder::{Axis, FusionBuilder};
-use fusion::core::ir::BinaryOp;
-use fusion::core::ir::{Fusion, ParallelType};
+use fusion::compiler::builder::{Axis, FusionBuilder};
+use fusion::compiler::ir::BinaryOp;
+use fusion::compiler::ir::{Fusion, ParallelType};
 use fusion::{DType, Result};
 
 use ParallelType::{DIDx as D, Serial as S, Stream as St};

@@ -22,8 +22,8 @@ mod finish;
 use std::sync::Arc;
 
 use clap::Parser;
-use fusion::core::hir::CommBackend;
-use fusion::core::lower::{LowerOptions, Pipelining, ReduceScatterPipeline};
+use fusion::compiler::hir::Transport;
+use fusion::compiler::lower::{LowerOptions, Pipelining, ReduceScatterPipeline};
 use fusion::runtime::backend::Kernel;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
 
@@ -59,7 +59,7 @@ struct Args {
     #[arg(long, default_value = "push/peer")]
     transports: String,
     /// Row sub-chunks per device block of the copy-engine GEMM+RS pipeline to try besides
-    /// the default (`LowerOptions::reduce_scatter_subchunks`), with the transports of
+    /// the default (`LowerOptions::pipelines.reduce_scatter_subchunks`), with the transports of
     /// `--rs-subchunk-transports`.
     #[arg(long, default_value = "1,2,4")]
     rs_subchunks: String,
@@ -126,18 +126,15 @@ fn gather_times(rank: &Rank, samples: &Samples) -> Result<Vec<Vec<(f64, f64)>>> 
 
 fn opts(
     streams: usize,
-    backend: CommBackend,
+    backend: Transport,
     stream_lowering: bool,
     stream_buffers: bool,
 ) -> ExecOptions {
-    let mut lower = LowerOptions {
-        p2p_backend: backend,
-        collective_backend: backend,
-        stream_buffers,
-        // The pipelines are what it measures, at every size of its sweeps.
-        pipelining: Pipelining::Always,
-        ..LowerOptions::default()
-    };
+    // The pipelines are what it measures, at every size of its sweeps.
+    let mut lower = LowerOptions::default()
+        .with_transport(backend)
+        .with_pipelining(Pipelining::Always);
+    lower.streams.buffers = stream_buffers;
     if !stream_lowering {
         lower = lower.without_pass("StreamParallelType");
     }
@@ -236,13 +233,13 @@ fn run_ag(
     let a_local = rank.to_device(&host[0].shard(0, r, d)?)?; // [1, m/d, k]
     let b = rank.to_device(&host[1])?; // [k, n]
     let mut out: Samples = Vec::new();
-    let nccl_seq = opts(d, CommBackend::Nccl, false, true);
+    let nccl_seq = opts(d, Transport::Nccl, false, true);
     let (_, seq) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &nccl_seq, None)?;
     let same = |t: &Tensor| Ok(t.clone());
     let check = Some((&e.err, &seq, &same as &dyn Fn(&Tensor) -> Result<Tensor>));
     if let Some(t) = transport {
         let tag = t.replace('/', "_");
-        let o = opts(d, CommBackend::CopyEngine, true, true);
+        let o = opts(d, Transport::CopyEngine, true, true);
         let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
         out.push((format!("p2p_ce_{tag}_n{d}"), s));
         for &ns in &list(&a.streams) {
@@ -258,7 +255,7 @@ fn run_ag(
                     &seq_c,
                     &to_seq as &dyn Fn(&Tensor) -> Result<Tensor>,
                 ));
-                let o = opts(ns, CommBackend::CopyEngine, true, true);
+                let o = opts(ns, Transport::CopyEngine, true, true);
                 let (s, _) = variant(rank, a, &e.ag_coll, &[&chunked, &b], &o, check_c)?;
                 out.push((format!("collective_ce_{tag}_s{c}_n{ns}"), s));
             }
@@ -292,7 +289,7 @@ fn run_ag(
                 if !(buffers || c == 8 && ns == 2) {
                     continue;
                 }
-                let o = opts(ns, CommBackend::Nccl, true, buffers);
+                let o = opts(ns, Transport::Nccl, true, buffers);
                 let (s, _) = variant(rank, a, &e.ag_coll, &[&chunked, &b], &o, check_c)?;
                 let tag = if buffers { "" } else { "_fullbuf" };
                 out.push((format!("collective_s{c}_n{ns}{tag}"), s));
@@ -300,7 +297,7 @@ fn run_ag(
         }
     }
     for ns in [2, d] {
-        let o = opts(ns, CommBackend::Nccl, true, true);
+        let o = opts(ns, Transport::Nccl, true, true);
         let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
         out.push((format!("p2p_nccl_n{ns}"), s));
         if ns == d {
@@ -371,13 +368,13 @@ fn run_rs(
     let a4 = a_local.squeeze(0)?.split_axis(0, d)?.unsqueeze(0)?;
     let b_local = rank.to_device(&host[1].shard(0, r, d)?)?;
     let mut out: Samples = Vec::new();
-    let seq_o = opts(d, CommBackend::Nccl, false, true);
+    let seq_o = opts(d, Transport::Nccl, false, true);
     let (_, seq) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &seq_o, None)?;
     let same = |t: &Tensor| Ok(t.clone());
     let check = Some((&e.err, &seq, &same as &dyn Fn(&Tensor) -> Result<Tensor>));
     if let Some(t) = transport {
         let tag = t.replace('/', "_");
-        let mut o = opts(d, CommBackend::CopyEngine, true, true);
+        let mut o = opts(d, Transport::CopyEngine, true, true);
         let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
         out.push((format!("p2p_ce_{tag}_n{d}"), s));
         if a.rs_subchunk_transports.split(',').any(|x| x.trim() == t) {
@@ -390,8 +387,8 @@ fn run_rs(
             ] {
                 for c in list(&a.rs_subchunks) {
                     let mut oc = o.clone();
-                    oc.lower.reduce_scatter_subchunks = Some(c);
-                    oc.lower.reduce_scatter_pipeline = pipeline;
+                    oc.lower.pipelines.reduce_scatter_subchunks = Some(c);
+                    oc.lower.pipelines.reduce_scatter = pipeline;
                     // The ring also with its GEMMs taking turns on two compute streams.
                     let computes = if pipeline == ReduceScatterPipeline::Ring {
                         &[1, 2][..]
@@ -410,10 +407,10 @@ fn run_rs(
                         .iter()
                         .flat_map(|c| streams.iter().map(move |n| (c, n)))
                     {
-                        oc.lower.ring_compute_streams = compute;
+                        oc.lower.streams.ring_compute_streams = compute;
                         oc.number_of_streams = n;
                         if oc.lower.reduce_scatter_plan(d) == o.lower.reduce_scatter_plan(d)
-                            && compute == o.lower.ring_compute_streams
+                            && compute == o.lower.streams.ring_compute_streams
                             && n == d
                         {
                             continue;
@@ -426,7 +423,7 @@ fn run_rs(
             }
             // The same pipeline with every iteration's GEMM and transfer on one pool
             // stream (the seeds' layout): the GEMMs of all iterations then run together.
-            o.lower.compute_first_streams = false;
+            o.lower.streams.compute_first = false;
             let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
             out.push((format!("p2p_ce_{tag}_n{d}_one_stream"), s));
         }
@@ -436,7 +433,7 @@ fn run_rs(
             }
             let (chunked, to_seq) = rs_chunked(&a_local, d, c, m, n)?;
             let check_c = Some((&e.err, &seq, &*to_seq as &dyn Fn(&Tensor) -> Result<Tensor>));
-            let o = opts(2, CommBackend::CopyEngine, true, true);
+            let o = opts(2, Transport::CopyEngine, true, true);
             let (s, _) = variant(rank, a, &e.rs_coll, &[&chunked, &b_local], &o, check_c)?;
             out.push((format!("collective_ce_{tag}_s{c}_n2"), s));
         }
@@ -490,11 +487,11 @@ fn run_rs(
         }
         let (chunked, to_seq) = rs_chunked(&a_local, d, c, m, n)?;
         let check_c = Some((&e.err, &seq, &*to_seq as &dyn Fn(&Tensor) -> Result<Tensor>));
-        let o = opts(2, CommBackend::Nccl, true, true);
+        let o = opts(2, Transport::Nccl, true, true);
         let (s, _) = variant(rank, a, &e.rs_coll, &[&chunked, &b_local], &o, check_c)?;
         out.push((format!("collective_s{c}_n2"), s));
     }
-    let o = opts(d, CommBackend::Nccl, true, true);
+    let o = opts(d, Transport::Nccl, true, true);
     let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
     out.push((format!("p2p_nccl_n{d}"), s));
     let _ = k;
@@ -563,7 +560,7 @@ fn print_trace(s: &Sample) {
 
 /// Host cost of a tiny AllGather+GEMM P2P pipeline over `backend`: per call and the
 /// number of host-IR nodes it runs.
-fn host_overhead(world: &World, dt: DType, backend: CommBackend) -> Result<(f64, usize)> {
+fn host_overhead(world: &World, dt: DType, backend: Transport) -> Result<(f64, usize)> {
     let exec = FusionExecutor::new(fusions::ag_matmul_p2p(dt)?);
     let d = world.size();
     let host_a = random(&[d, 8, 8], dt, 99)?;
@@ -627,7 +624,7 @@ fn host_per_iterations(world: &World, dt: DType, iterations: &[usize]) -> Result
             let exec = FusionExecutor::new(fusions::ag_matmul_collective(dt)?);
             let o = ExecOptions {
                 graphs,
-                ..opts(4, CommBackend::Nccl, true, true)
+                ..opts(4, Transport::Nccl, true, true)
             };
             let per_rank = world.run(|rank| {
                 let a = rank.shard(&host_a, 1)?;
@@ -792,8 +789,8 @@ fn run() -> Result<()> {
     }
     let mut host_lines = String::new();
     for (backend, transport) in [
-        (CommBackend::CopyEngine, "copy_engine"),
-        (CommBackend::Nccl, "nccl"),
+        (Transport::CopyEngine, "copy_engine"),
+        (Transport::Nccl, "nccl"),
     ] {
         let (us, nodes) = host_overhead(&world, dt, backend)?;
         let per = us / nodes as f64;

@@ -143,7 +143,10 @@ fn run_pipelines(args: &Args) -> fusion::Result<(Vec<Traced>, String)> {
     let plain = ExecOptions {
         number_of_streams: args.streams,
         lower: fusion::LowerOptions {
-            pipelining: fusion::Pipelining::Always, // the pipelines are what it draws
+            pipelines: fusion::PipelineOptions {
+                pipelining: fusion::Pipelining::Always, // the pipelines are what it draws
+                ..Default::default()
+            },
             ..fusion::LowerOptions::default()
         },
         ..ExecOptions::default()

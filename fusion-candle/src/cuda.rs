@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::CudaStorage;
-use fusion_core::DType;
+use fusion_compiler::DType;
 use fusion_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use fusion_runtime::tensor::DeviceBuffer;
 use fusion_runtime::{Rank, Tensor};

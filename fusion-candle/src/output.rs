@@ -93,17 +93,17 @@ impl OutputBuffer {
                 };
                 let shape = self.fusion.shape().to_vec();
                 let t = match self.fusion.dtype() {
-                    fusion_core::DType::F32 => candle_core::Tensor::from_vec(
+                    fusion_compiler::DType::F32 => candle_core::Tensor::from_vec(
                         self.fusion.into_host_vec::<f32>().map_err(rank_free)?,
                         shape,
                         &self.device,
                     ),
-                    fusion_core::DType::BF16 => candle_core::Tensor::from_vec(
+                    fusion_compiler::DType::BF16 => candle_core::Tensor::from_vec(
                         self.fusion.into_host_vec::<bf16>().map_err(rank_free)?,
                         shape,
                         &self.device,
                     ),
-                    fusion_core::DType::F16 => candle_core::Tensor::from_vec(
+                    fusion_compiler::DType::F16 => candle_core::Tensor::from_vec(
                         self.fusion.into_host_vec::<f16>().map_err(rank_free)?,
                         shape,
                         &self.device,
@@ -155,13 +155,13 @@ pub fn output(
         source: Box::new(e),
     };
     let tensor = match t.dtype() {
-        fusion_core::DType::F32 => {
+        fusion_compiler::DType::F32 => {
             candle_core::Tensor::from_vec(t.into_host_vec::<f32>().map_err(taken)?, shape, device)
         }
-        fusion_core::DType::BF16 => {
+        fusion_compiler::DType::BF16 => {
             candle_core::Tensor::from_vec(t.into_host_vec::<bf16>().map_err(taken)?, shape, device)
         }
-        fusion_core::DType::F16 => {
+        fusion_compiler::DType::F16 => {
             candle_core::Tensor::from_vec(t.into_host_vec::<f16>().map_err(taken)?, shape, device)
         }
     }?;

@@ -17,8 +17,8 @@ use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::Ident;
 
-use fusion_core::builder::LiteralFact;
-use fusion_core::{DType, DTypeSpec};
+use fusion_compiler::builder::LiteralFact;
+use fusion_compiler::{DType, DTypeSpec};
 
 use crate::check::emit::{self, fc};
 use crate::check::Checked;

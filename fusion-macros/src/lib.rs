@@ -14,7 +14,7 @@
 //!
 //! expands to a typed entry point `ag_matmul(rank, &a, &b) -> Result<Ranked<3>>` and a
 //! module `ag_matmul` with the builder code (`build`), the shared executor and
-//! option-taking runners. The checker runs `fusion_core`'s own builder and lowering check
+//! option-taking runners. The checker runs `fusion_compiler`'s own builder and lowering check
 //! at compile time and reports every independent mistake with a span on the culprit. This
 //! crate has no runtime knowledge: the generated code calls the same builder through
 //! `::fusion::__private`.

@@ -1,6 +1,6 @@
 //! Unit tests of the expansion on source text (no compiler run). The errors, their
 //! messages and carets are the trybuild suite's (`tests/ui/*.rs` of the `fusion` crate),
-//! the rules themselves `fusion-core`'s tests.
+//! the rules themselves `fusion-compiler`'s tests.
 
 use crate::check::check;
 use crate::parse::Block;
@@ -67,7 +67,7 @@ fn a_generic_build_takes_one_dtype_per_parameter() {
         }",
     );
     let needles = [
-        "pub fn build (T : :: fusion :: __private :: fusion_core :: DType , U",
+        "pub fn build (T : :: fusion :: __private :: fusion_compiler :: DType , U",
         "cast (__t1 , T)",
         "DTypeSpec :: Param (1usize)",
         "pub const DTYPE_PARAMS : [& str ; 2usize] = [\"T\" , \"U\"]",

@@ -7,8 +7,8 @@
 //! hold their devices; the evaluator, the worlds and the communicators know devices only
 //! through this trait.
 
-use fusion_core::ir::{BinaryOp, ReduceOp, UnaryOp};
-use fusion_core::DType;
+use fusion_compiler::ir::{BinaryOp, ReduceOp, UnaryOp};
+use fusion_compiler::DType;
 
 use crate::error::Result;
 pub use crate::streams::StreamHandle;

@@ -12,11 +12,11 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use fusion_core::generic::GenericFusion;
-use fusion_core::hir::HostProgram;
-use fusion_core::ir::Fusion;
-use fusion_core::lower::{lower_for_shapes, LowerOptions};
-use fusion_core::DType;
+use fusion_compiler::generic::GenericFusion;
+use fusion_compiler::hir::HostProgram;
+use fusion_compiler::ir::Fusion;
+use fusion_compiler::lower::{lower_for_shapes, LowerOptions};
+use fusion_compiler::DType;
 
 use crate::comm::{CallStart, Communicator};
 use crate::device::{BackendKind, CallerStream, DeviceGraph};
@@ -261,7 +261,7 @@ fn call_outputs(
     let fresh = (layouts.into_iter())
         .map(|l| match l {
             Some((dtype, shape)) => device.allocate(StreamLayout::MAIN, dtype, &shape),
-            None => Ok(Tensor::placeholder(fusion_core::DType::F32)),
+            None => Ok(Tensor::placeholder(fusion_compiler::DType::F32)),
         })
         .collect::<Result<Vec<_>>>()?;
     match entry {
@@ -883,7 +883,7 @@ impl FusionExecutor {
         check_didx_extents(fusion, symbols, rank.world_size())?;
         let dump = DumpOptions::from_env()?;
         let mut lower_options = lower.into_owned();
-        lower_options.dump_passes |= dump.host_ir_passes;
+        lower_options.passes.dump_each |= dump.host_ir_passes;
         if dump.fusion {
             eprintln!("{fusion}");
         }

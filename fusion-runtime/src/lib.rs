@@ -1,4 +1,4 @@
-//! `fusion-runtime`: runs host programs lowered by `fusion-core`.
+//! `fusion-runtime`: runs host programs lowered by `fusion-compiler`.
 //!
 //! Tensors, the host-IR evaluator, device backends (CPU threads; CUDA), communicators
 //! (in-process; NCCL; copy engine) and worlds of ranks.

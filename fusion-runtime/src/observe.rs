@@ -6,7 +6,7 @@
 //! With no subscriber listening (and without `nvtx`), a call costs one disabled span and
 //! the walk one check per call: node scopes are only made when something listens.
 
-use fusion_core::hir::Node;
+use fusion_compiler::hir::Node;
 
 /// The span (and NVTX range) of one fusion call; ends when dropped.
 pub(crate) struct CallScope {
@@ -74,7 +74,7 @@ impl Drop for NodeScope {
 /// What a node does, in a word or two: the op of a compute node, the collective of a
 /// communication, `send`/`recv`, else the node's kind.
 fn label(n: &Node) -> String {
-    use fusion_core::hir::P2PDirection;
+    use fusion_compiler::hir::P2PDirection;
     match n {
         Node::Compute(e) => e.op.name(),
         Node::Communication(c) => c.kind.name().to_string(),

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::ops::Deref;
 
-use fusion_core::DType;
+use fusion_compiler::DType;
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;

@@ -14,7 +14,7 @@
 
 use std::fmt;
 
-use fusion_core::hir::{for_each_node, HostProgram, Node};
+use fusion_compiler::hir::{for_each_node, HostProgram, Node};
 
 use crate::comm::is_peer_copy;
 
@@ -74,7 +74,7 @@ impl fmt::Display for EagerReason {
             EagerReason::PeerCopies(why) => write!(
                 f,
                 "copy-engine transfers cannot be captured: {why} (lower with \
-                 LowerOptions::p2p_backend = Nccl to replay this program)"
+                 LowerOptions::transports.p2p = Nccl to replay this program)"
             ),
             EagerReason::Moved => write!(f, "the inputs or outputs moved since the capture"),
             EagerReason::CaptureFailed(e) => write!(f, "capturing failed: {e}"),
@@ -127,8 +127,8 @@ pub fn has_peer_copies(program: &HostProgram) -> bool {
     let mut found = false;
     if program.world_size > 1 {
         for_each_node(&program.body, &mut |n| match n {
-            Node::P2P(p) if is_peer_copy(p.backend) => found = true,
-            Node::Communication(c) if is_peer_copy(c.backend) => found = true,
+            Node::P2P(p) if is_peer_copy(p.transport) => found = true,
+            Node::Communication(c) if is_peer_copy(c.transport) => found = true,
             _ => {}
         });
     }
@@ -286,7 +286,7 @@ mod tests {
     #[test]
     fn reasons_say_what_to_do() {
         let text = EagerReason::PeerCopies("they land in T2".into()).to_string();
-        assert!(text.contains("p2p_backend = Nccl"), "{text}");
+        assert!(text.contains("transports.p2p = Nccl"), "{text}");
         assert!(text.contains("land in T2"), "{text}");
         assert!(EagerReason::HostInput("a".into())
             .to_string()

@@ -2,7 +2,7 @@
 //! main stream, which are the worker pool and which the compute streams, so that the
 //! evaluator, the race checker and the backends agree without repeating the arithmetic.
 
-use fusion_core::hir::COMPUTE_STREAMS;
+use fusion_compiler::hir::COMPUTE_STREAMS;
 
 /// A stream of a device, as a call numbers them ([`StreamLayout`]): 0 is the stream current
 /// when a call starts (the device's main stream, joined to the caller's stream when the

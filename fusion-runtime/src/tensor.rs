@@ -10,7 +10,7 @@ use std::any::Any;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use fusion_core::DType;
+use fusion_compiler::DType;
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};

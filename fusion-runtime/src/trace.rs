@@ -22,8 +22,8 @@
 
 use std::path::{Path, PathBuf};
 
-use fusion_core::hir::{for_each_node, HostProgram};
-use fusion_core::node_string;
+use fusion_compiler::hir::{for_each_node, HostProgram};
+use fusion_compiler::node_string;
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};

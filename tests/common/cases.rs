@@ -2,8 +2,8 @@
 //! checks their programs and numbers) and `tests/macro_equivalence.rs` (which checks that
 //! the `fusion!` versions build the same fusions). Each function builds one case.
 
-use fusion::core::builder::{Axis, FusionBuilder};
-use fusion::core::ir::{DeviceMesh, Fusion, ParallelType, UnaryOp};
+use fusion::compiler::builder::{Axis, FusionBuilder};
+use fusion::compiler::ir::{DeviceMesh, Fusion, ParallelType, UnaryOp};
 use fusion::DType;
 
 use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
@@ -342,8 +342,8 @@ pub fn matmul_rs_p2p() -> Fusion {
 fn reduce_scatter_block(
     mut b: FusionBuilder,
     dt: DType,
-    act: fusion::core::ir::TensorId,
-    w: fusion::core::ir::TensorId,
+    act: fusion::compiler::ir::TensorId,
+    w: fusion::compiler::ir::TensorId,
 ) -> Fusion {
     let p = b.matmul(act, w).unwrap();
     let tp = axes(&mut b, &[("d", St), ("d", Dx), ("m", S), ("h", S)]);
@@ -362,8 +362,8 @@ fn reduce_scatter_block(
 fn stream_activation(
     b: &mut FusionBuilder,
     dt: DType,
-    a: fusion::core::ir::TensorId,
-) -> fusion::core::ir::TensorId {
+    a: fusion::compiler::ir::TensorId,
+) -> fusion::compiler::ir::TensorId {
     let ta = axes(b, &[("d", St), ("d", Dx), ("m", S), ("f", S)]);
     let a = b.declare(a, dt, &ta).unwrap();
     b.name(a, "act");

@@ -10,9 +10,9 @@ pub mod variants;
 
 use std::sync::Arc;
 
-use fusion::core::hir::{HostProgram, Node, NodeKind};
-use fusion::core::ir::Fusion;
-use fusion::core::lower::Pipelining;
+use fusion::compiler::hir::{HostProgram, Node, NodeKind};
+use fusion::compiler::ir::Fusion;
+use fusion::compiler::lower::Pipelining;
 use fusion::runtime::eval::ExecStats;
 use fusion::{concat, DType, ExecOptions, FusionExecutor, Rank, Tensor, World};
 
@@ -208,8 +208,11 @@ pub struct Run {
 /// `Pipelining::Auto` gives their small shapes the unpipelined plan).
 pub fn always_pipelined() -> ExecOptions {
     ExecOptions {
-        lower: fusion::core::lower::LowerOptions {
-            pipelining: Pipelining::Always,
+        lower: fusion::compiler::lower::LowerOptions {
+            pipelines: fusion::PipelineOptions {
+                pipelining: Pipelining::Always,
+                ..Default::default()
+            },
             ..Default::default()
         },
         ..ExecOptions::default()
@@ -243,8 +246,8 @@ pub fn try_run(
     // pipelines its stream loops at the suites' small shapes, where `Pipelining::Auto`
     // would pick the unpipelined plan (a case that sets the option keeps its choice).
     let mut lower = options.lower.clone();
-    if lower.pipelining == Pipelining::Auto {
-        lower.pipelining = Pipelining::Always;
+    if lower.pipelines.pipelining == Pipelining::Auto {
+        lower.pipelines.pipelining = Pipelining::Always;
     }
     let options = &ExecOptions {
         race_check: true,

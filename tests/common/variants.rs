@@ -5,9 +5,9 @@
 //! tensor-parallel layer blocks (with stream buffers and compute-first streams only:
 //! their pipeline requires both).
 
-use fusion::core::hir::CommBackend;
-use fusion::core::ir::{Fusion, UnaryOp};
-use fusion::core::lower::{LowerOptions, P2pSchedule, ReduceScatterPipeline};
+use fusion::compiler::hir::Transport;
+use fusion::compiler::ir::{Fusion, UnaryOp};
+use fusion::compiler::lower::{LowerOptions, P2pSchedule, ReduceScatterPipeline};
 use fusion::{ExecOptions, Tensor};
 
 use super::cases;
@@ -405,8 +405,11 @@ pub fn variants(family: Family) -> Vec<(String, ExecOptions)> {
         for &stream_buffers in both {
             for &compute_first in both {
                 let base = LowerOptions {
-                    stream_buffers,
-                    compute_first_streams: compute_first,
+                    streams: fusion::StreamOptions {
+                        buffers: stream_buffers,
+                        compute_first,
+                        ..Default::default()
+                    },
                     ..LowerOptions::default()
                 };
                 let label = format!(
@@ -440,7 +443,7 @@ fn on(b: bool) -> &'static str {
 
 /// The options of `family`'s own lowering on top of `base`.
 fn family_options(family: Family, base: LowerOptions) -> Vec<(String, LowerOptions)> {
-    let transports = [CommBackend::Nccl, CommBackend::CopyEngine];
+    let transports = [Transport::Nccl, Transport::CopyEngine];
     match family {
         Family::Local | Family::Reshard => vec![(String::new(), base)],
         Family::Collective => transports
@@ -449,7 +452,10 @@ fn family_options(family: Family, base: LowerOptions) -> Vec<(String, LowerOptio
                 (
                     format!(", collectives over {}", b.name()),
                     LowerOptions {
-                        collective_backend: b,
+                        transports: fusion::TransportOptions {
+                            collectives: b,
+                            ..base.clone().transports
+                        },
                         ..base.clone()
                     },
                 )
@@ -458,12 +464,18 @@ fn family_options(family: Family, base: LowerOptions) -> Vec<(String, LowerOptio
         Family::P2pAllgather => {
             let mut v = Vec::new();
             for b in transports {
-                for schedule in [P2pSchedule::Ring, P2pSchedule::Seed] {
+                for schedule in [P2pSchedule::Ring, P2pSchedule::MeshOrder] {
                     v.push((
                         format!(", P2P over {}, {schedule:?} schedule", b.name()),
                         LowerOptions {
-                            p2p_backend: b,
-                            p2p_schedule: schedule,
+                            transports: fusion::TransportOptions {
+                                p2p: b,
+                                ..base.clone().transports
+                            },
+                            pipelines: fusion::PipelineOptions {
+                                p2p_schedule: schedule,
+                                ..base.clone().pipelines
+                            },
                             ..base.clone()
                         },
                     ));
@@ -480,9 +492,15 @@ fn family_options(family: Family, base: LowerOptions) -> Vec<(String, LowerOptio
                         v.push((
                             format!(", P2P over {}, {pipeline:?} in {c} row ranges", b.name()),
                             LowerOptions {
-                                p2p_backend: b,
-                                reduce_scatter_pipeline: pipeline,
-                                reduce_scatter_subchunks: Some(c),
+                                transports: fusion::TransportOptions {
+                                    p2p: b,
+                                    ..base.clone().transports
+                                },
+                                pipelines: fusion::PipelineOptions {
+                                    reduce_scatter: pipeline,
+                                    reduce_scatter_subchunks: Some(c),
+                                    ..base.clone().pipelines
+                                },
                                 ..base.clone()
                             },
                         ));
@@ -494,10 +512,19 @@ fn family_options(family: Family, base: LowerOptions) -> Vec<(String, LowerOptio
                         b.name()
                     ),
                     LowerOptions {
-                        p2p_backend: b,
-                        reduce_scatter_pipeline: ReduceScatterPipeline::Ring,
-                        reduce_scatter_subchunks: Some(2),
-                        ring_compute_streams: 2,
+                        transports: fusion::TransportOptions {
+                            p2p: b,
+                            ..base.clone().transports
+                        },
+                        streams: fusion::StreamOptions {
+                            ring_compute_streams: 2,
+                            ..base.clone().streams
+                        },
+                        pipelines: fusion::PipelineOptions {
+                            reduce_scatter: ReduceScatterPipeline::Ring,
+                            reduce_scatter_subchunks: Some(2),
+                            ..base.clone().pipelines
+                        },
                         ..base.clone()
                     },
                 ));

@@ -1,8 +1,8 @@
 //! Body expressions: variables, op calls and infix arithmetic, each a builder call.
 
-use fusion_core::builder::FusionBuilder;
-use fusion_core::ir::{BinaryOp, ReduceOp, ScalarId, TensorId, UnaryOp};
-use fusion_core::DTypeSpec;
+use fusion_compiler::builder::FusionBuilder;
+use fusion_compiler::ir::{BinaryOp, ReduceOp, ScalarId, TensorId, UnaryOp};
+use fusion_compiler::DTypeSpec;
 use proc_macro2::TokenStream;
 use quote::quote;
 use syn::{BinOp, Expr, ExprCall, Lit, UnOp};
@@ -10,9 +10,9 @@ use syn::{BinOp, Expr, ExprCall, Lit, UnOp};
 use super::locate::{label, CallSpans};
 use super::{emit, Checker};
 use crate::span::SpanRange;
-use fusion_core::suggest::suggest;
+use fusion_compiler::suggest::suggest;
 
-/// What an op of the DSL builds: one of `fusion_core`'s elementwise functions or
+/// What an op of the DSL builds: one of `fusion_compiler`'s elementwise functions or
 /// reductions, or the builder method of that name (`set`, `cast`, `matmul`, ..).
 #[derive(Clone, Copy)]
 enum Kind {
@@ -26,7 +26,7 @@ enum Kind {
 /// and the least and most arguments it takes.
 type OpSig = (&'static str, Kind, &'static str, usize, usize);
 
-/// Every op the DSL knows; the elementwise functions and reductions are `fusion_core`'s.
+/// Every op the DSL knows; the elementwise functions and reductions are `fusion_compiler`'s.
 fn ops() -> Vec<OpSig> {
     let method = |name, args, min, max| (name, Kind::Method(name), args, min, max);
     let mut v: Vec<OpSig> = vec![method("set", "x", 1, 1)];
@@ -296,7 +296,7 @@ impl Checker {
         e: &Expr,
         spans: &CallSpans,
         call: TokenStream,
-        f: impl FnOnce(&mut FusionBuilder) -> fusion_core::Result<TensorId>,
+        f: impl FnOnce(&mut FusionBuilder) -> fusion_compiler::Result<TensorId>,
     ) -> Option<TensorId> {
         let before = self.b.fusion().tensor_count();
         let out = self.record(spans, call, f)?;

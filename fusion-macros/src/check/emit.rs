@@ -3,16 +3,16 @@
 
 use std::fmt::Debug;
 
-use fusion_core::builder::Axis;
-use fusion_core::ir::{DeviceMesh, ScalarId, TensorId};
-use fusion_core::DTypeSpec;
+use fusion_compiler::builder::Axis;
+use fusion_compiler::ir::{DeviceMesh, ScalarId, TensorId};
+use fusion_compiler::DTypeSpec;
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote};
 use syn::Ident;
 
-/// `fusion_core` as the generated code reaches it.
+/// `fusion_compiler` as the generated code reaches it.
 pub fn fc() -> TokenStream {
-    quote!(::fusion::__private::fusion_core)
+    quote!(::fusion::__private::fusion_compiler)
 }
 
 /// The builder variable of the generated `build()`.
@@ -30,8 +30,8 @@ pub fn dim(d: ScalarId) -> Ident {
     format_ident!("__d{}", d.index(), span = Span::mixed_site())
 }
 
-/// A unit variant of a `fusion_core` enum (`Relu`, `DIDx`, `BF16`), named as its `Debug`
-/// output names it, so that the expansion follows `fusion_core` without a table here.
+/// A unit variant of a `fusion_compiler` enum (`Relu`, `DIDx`, `BF16`), named as its `Debug`
+/// output names it, so that the expansion follows `fusion_compiler` without a table here.
 pub fn variant(v: &impl Debug) -> Ident {
     format_ident!("{}", format!("{v:?}"))
 }

@@ -1,13 +1,13 @@
-//! Where an error of `fusion_core` points in the source: the spans of each builder call
+//! Where an error of `fusion_compiler` points in the source: the spans of each builder call
 //! (the call, and each argument with its elements), and of each tensor the calls made.
 
-use fusion_core::{Culprit, Error};
+use fusion_compiler::{Culprit, Error};
 use syn::Expr;
 
 use crate::span::SpanRange;
 
 /// The source of one builder call: all of it, and each argument (with the elements of a
-/// list argument), numbered as `fusion_core::Culprit` numbers them.
+/// list argument), numbered as `fusion_compiler::Culprit` numbers them.
 #[derive(Clone, Debug)]
 pub struct CallSpans {
     pub whole: SpanRange,

@@ -1,4 +1,4 @@
-//! Checking: resolves names and types, then drives `fusion_core`'s own `FusionBuilder`
+//! Checking: resolves names and types, then drives `fusion_compiler`'s own `FusionBuilder`
 //! op by op (with the dtype parameters symbolic) and its lowerability check, so the rules
 //! applied here are the ones the fusion is built and lowered with. Each builder error
 //! becomes a `syn::Error` at the source of the argument it blames ([`locate`]); each
@@ -15,17 +15,17 @@ pub mod locate;
 
 use std::collections::{HashMap, HashSet};
 
-use fusion_core::builder::Site;
-use fusion_core::builder::{Axis, FusionBuilder, LiteralFact};
-use fusion_core::ir::{DeviceMesh, ParallelType, Scalar, ScalarId, ScalarOp, TensorId};
-use fusion_core::{DType, DTypeSpec};
+use fusion_compiler::builder::Site;
+use fusion_compiler::builder::{Axis, FusionBuilder, LiteralFact};
+use fusion_compiler::ir::{DeviceMesh, ParallelType, Scalar, ScalarId, ScalarOp, TensorId};
+use fusion_compiler::{DType, DTypeSpec};
 use proc_macro2::TokenStream;
 use quote::quote;
 use syn::{Expr, Ident};
 
 use crate::parse::{FusionDef, TensorType, DTYPE_BOUND};
 use crate::span::{combined, SpanRange};
-use fusion_core::suggest::suggest;
+use fusion_compiler::suggest::suggest;
 use locate::CallSpans;
 
 /// A fusion that passed every check: the statements of its `build()` and the literal
@@ -46,7 +46,7 @@ pub fn check(def: &FusionDef) -> Result<Checked, syn::Error> {
     };
     c.run(def);
     if c.errors.is_empty() {
-        for (site, e) in fusion_core::lower::check(c.b.fusion()) {
+        for (site, e) in fusion_compiler::lower::check(c.b.fusion()) {
             let span = c.site(site);
             c.errors.push(span.error(e));
         }
@@ -274,7 +274,7 @@ impl Checker {
         &mut self,
         spans: &CallSpans,
         call: TokenStream,
-        f: impl FnOnce(&mut FusionBuilder) -> fusion_core::Result<TensorId>,
+        f: impl FnOnce(&mut FusionBuilder) -> fusion_compiler::Result<TensorId>,
     ) -> Option<TensorId> {
         let (tensors, facts) = (self.b.fusion().tensor_count(), self.b.literal_facts().len());
         let result = f(&mut self.b);
@@ -325,7 +325,7 @@ impl Checker {
         match site {
             Site::Tensor { tensor, axis } => match (self.decls.get(&tensor), axis) {
                 (Some(d), Some(index)) => {
-                    d.at(Some(fusion_core::Culprit::Element { arg: 2, index }))
+                    d.at(Some(fusion_compiler::Culprit::Element { arg: 2, index }))
                 }
                 (Some(d), None) => d.whole,
                 (None, _) => made(tensor),
@@ -534,7 +534,7 @@ fn scalar_op(op: &syn::BinOp) -> Option<ScalarOp> {
 }
 
 /// The dimension symbols an extent mentions.
-fn symbols(f: &fusion_core::ir::Fusion, id: ScalarId) -> Vec<String> {
+fn symbols(f: &fusion_compiler::ir::Fusion, id: ScalarId) -> Vec<String> {
     match f.scalar_node(id) {
         Scalar::Symbol(s) => vec![s.clone()],
         Scalar::Binary(_, a, b) => [symbols(f, *a), symbols(f, *b)].concat(),

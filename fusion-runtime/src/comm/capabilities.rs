@@ -1,7 +1,7 @@
 //! What a communicator can do, decided when it is made: the one question the executor,
 //! the evaluator and replay ask it ([`Capabilities`]), instead of naming its transports.
 //!
-//! A host program's transfers say which transport carries them (`CommBackend` on every
+//! A host program's transfers say which transport carries them (`Transport` on every
 //! P2P node and collective). Transfers over a *peer copy* transport (copy engines) are
 //! written by the sender's device straight into the receiver's buffer: such a buffer must
 //! be memory the peer can reach, it can be kept from one call to the next, and whether a
@@ -13,18 +13,18 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use fusion_core::hir::CommBackend;
-use fusion_core::lower::LowerOptions;
-use fusion_core::DType;
+use fusion_compiler::hir::Transport;
+use fusion_compiler::lower::LowerOptions;
+use fusion_compiler::DType;
 
 use crate::error::Result;
 use crate::streams::StreamHandle;
 use crate::tensor::Tensor;
 
-/// Whether transfers over `backend` are peer copies: the sender's device writes into the
+/// Whether transfers over `transport` are peer copies: the sender's device writes into the
 /// receiver's buffer (copy engines), rather than a library staging the data.
-pub fn is_peer_copy(backend: CommBackend) -> bool {
-    backend == CommBackend::CopyEngine
+pub fn is_peer_copy(transport: Transport) -> bool {
+    transport == Transport::CopyEngine
 }
 
 /// Which pairs of a world's ranks can copy into each other's memory, decided when the
@@ -101,15 +101,15 @@ impl Capabilities {
     /// NCCL instead (the same for every rank, so that every rank lowers the same program).
     /// Borrowed when nothing changes.
     pub fn lowering<'a>(&self, requested: &'a LowerOptions) -> Cow<'a, LowerOptions> {
-        let wants_copies =
-            is_peer_copy(requested.p2p_backend) || is_peer_copy(requested.collective_backend);
+        let asked = requested.transports;
+        let wants_copies = is_peer_copy(asked.p2p) || is_peer_copy(asked.collectives);
         if self.peer_copies != PeerCopies::NotEveryPair || !wants_copies {
             return Cow::Borrowed(requested);
         }
         let mut lower = requested.clone();
-        for backend in [&mut lower.p2p_backend, &mut lower.collective_backend] {
-            if is_peer_copy(*backend) {
-                *backend = CommBackend::Nccl;
+        for transport in [&mut lower.transports.p2p, &mut lower.transports.collectives] {
+            if is_peer_copy(*transport) {
+                *transport = Transport::Nccl;
             }
         }
         Cow::Owned(lower)
@@ -122,11 +122,9 @@ mod tests {
 
     #[test]
     fn lowering_keeps_copy_engines_only_where_every_pair_has_them() {
-        let asked = LowerOptions {
-            collective_backend: CommBackend::CopyEngine,
-            ..LowerOptions::default()
-        };
-        assert_eq!(asked.p2p_backend, CommBackend::CopyEngine);
+        let mut asked = LowerOptions::default();
+        asked.transports.collectives = Transport::CopyEngine;
+        assert_eq!(asked.transports.p2p, Transport::CopyEngine);
         let with = |peer_copies| Capabilities {
             peer_copies,
             ..Capabilities::simulated()
@@ -135,18 +133,17 @@ mod tests {
             assert!(matches!(with(kept).lowering(&asked), Cow::Borrowed(_)));
         }
         let lowered = with(PeerCopies::NotEveryPair).lowering(&asked).into_owned();
-        assert_eq!(lowered.p2p_backend, CommBackend::Nccl);
-        assert_eq!(lowered.collective_backend, CommBackend::Nccl);
+        assert_eq!(lowered.transports.p2p, Transport::Nccl);
+        assert_eq!(lowered.transports.collectives, Transport::Nccl);
         assert_eq!(
             LowerOptions {
-                p2p_backend: asked.p2p_backend,
-                collective_backend: asked.collective_backend,
+                transports: asked.transports,
                 ..lowered
             },
             asked,
             "nothing else changes"
         );
-        let nccl = LowerOptions::seed_compatible();
+        let nccl = LowerOptions::plain();
         assert!(matches!(
             with(PeerCopies::NotEveryPair).lowering(&nccl),
             Cow::Borrowed(_)

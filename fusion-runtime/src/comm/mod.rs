@@ -28,7 +28,7 @@ pub mod remote;
 
 pub use capabilities::{is_peer_copy, Capabilities, KeptReceives, PeerCopies};
 
-use fusion_core::hir::{CommBackend, Communication};
+use fusion_compiler::hir::{Communication, Transport};
 
 use crate::device::StreamHandle;
 use crate::error::Result;
@@ -77,7 +77,7 @@ pub trait Communicator: Send + Sync {
         input: Option<&Tensor>,
         output: Option<&Tensor>,
     ) -> Result<()>;
-    /// Sends `buf` to `peer` over `backend`, the transport the program names (lowered onto
+    /// Sends `buf` to `peer` over `transport`, the one the program names (lowered onto
     /// what the world has, [`Capabilities::lowering`]; a communicator carries it out and
     /// does not pick another). In a group, the transfer may only be issued at `group_end`.
     /// Messages between a pair arrive in send order.
@@ -86,15 +86,15 @@ pub trait Communicator: Send + Sync {
         stream: StreamHandle,
         peer: usize,
         buf: &Tensor,
-        backend: CommBackend,
+        transport: Transport,
     ) -> Result<()>;
-    /// Receives from `peer` into `buf` over `backend`.
+    /// Receives from `peer` into `buf` over `transport`.
     fn recv(
         &self,
         stream: StreamHandle,
         peer: usize,
         buf: &Tensor,
-        backend: CommBackend,
+        transport: Transport,
     ) -> Result<()>;
     /// Starts a group: sends and receives until `group_end` are issued together.
     fn group_start(&self) -> Result<()>;

@@ -18,7 +18,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub enum Error {
     /// Building or lowering the fusion failed.
     #[error(transparent)]
-    Core(#[from] fusion_core::Error),
+    Core(#[from] fusion_compiler::Error),
     /// A tensor given at call time does not fit the fusion (shape, dtype, rank, shard).
     #[error("{tensor}{}: {reason}", axis_suffix(*.axis))]
     BadTensor {

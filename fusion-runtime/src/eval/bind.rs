@@ -2,9 +2,9 @@
 
 use std::collections::HashMap;
 
-use fusion_core::generic::{DTypeSpec, GenericFusion};
-use fusion_core::ir::{Fusion, ParallelType, Scalar, ScalarId, TensorId};
-use fusion_core::DType;
+use fusion_compiler::generic::{DTypeSpec, GenericFusion};
+use fusion_compiler::ir::{Fusion, ParallelType, Scalar, ScalarId, TensorId};
+use fusion_compiler::DType;
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -155,7 +155,7 @@ pub fn check_didx_extents(f: &Fusion, symbols: &SymbolBindings, world_size: usiz
             }
             match f.evaluate(d.extent, &|leaf| symbols.get(leaf)) {
                 Some(v) if v != devices => {
-                    return Err(Error::Core(fusion_core::Error::Parallelization {
+                    return Err(Error::Core(fusion_compiler::Error::Parallelization {
                         tensor: f.tensor_name(t),
                         axis: Some(pos),
                         reason: format!(
@@ -317,8 +317,8 @@ pub fn bind_inputs(
 
 #[cfg(test)]
 mod tests {
-    use fusion_core::builder::{Axis, FusionBuilder};
-    use fusion_core::ir::ParallelType;
+    use fusion_compiler::builder::{Axis, FusionBuilder};
+    use fusion_compiler::ir::ParallelType;
 
     use super::*;
 

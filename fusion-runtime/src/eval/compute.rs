@@ -2,9 +2,9 @@
 
 use std::borrow::Cow;
 
-use fusion_core::hir::SegmentId;
-use fusion_core::ir::{Expr, Op, TensorId, UnaryOp};
-use fusion_core::DType;
+use fusion_compiler::hir::SegmentId;
+use fusion_compiler::ir::{Expr, Op, TensorId, UnaryOp};
+use fusion_compiler::DType;
 
 use super::Evaluator;
 use crate::device::{Kernel, PointwiseInstr, PointwiseProgram};

@@ -11,11 +11,11 @@ pub mod race;
 use std::collections::HashMap;
 use std::time::Instant;
 
-use fusion_core::hir::{
+use fusion_compiler::hir::{
     for_each_node, CommId, Communication, HostProgram, Node, NodeKind, P2PDirection, StreamDef,
     COMPUTE_STREAMS, P2P,
 };
-use fusion_core::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
+use fusion_compiler::ir::{IterKind, NamedScalar, ParallelType, Scalar, ScalarId, TensorId};
 
 pub use bind::{bind_dtypes, bind_inputs, check_didx_extents, mesh_devices, SymbolBindings};
 pub use race::{RaceCheck, RaceError};
@@ -360,7 +360,7 @@ fn local_shape_of(
 }
 
 /// An output's dtype and the shape one rank stores.
-pub type OutputLayout = (fusion_core::DType, Vec<usize>);
+pub type OutputLayout = (fusion_compiler::DType, Vec<usize>);
 
 /// The dtype and shape of each output of `program` on `rank`, or `None` where the rank
 /// holds no part of it (a sub-mesh): what preallocated outputs must look like.
@@ -484,10 +484,10 @@ fn received_in(
                     defs.insert(e.output, vec![i]);
                 }
             }
-            Node::P2P(x) if x.direction == P2PDirection::Recv && is_peer_copy(x.backend) => {
+            Node::P2P(x) if x.direction == P2PDirection::Recv && is_peer_copy(x.transport) => {
                 roots.extend(roots_of(x.buffer, defs));
             }
-            Node::Communication(c) if is_peer_copy(c.backend) => {
+            Node::Communication(c) if is_peer_copy(c.transport) => {
                 roots.extend(roots_of(c.output, defs));
             }
             Node::ForLoop(l) => {
@@ -718,7 +718,7 @@ impl<'a> Evaluator<'a> {
         Ok(x)
     }
 
-    fn stream_of(&self, s: fusion_core::hir::StreamId) -> Result<StreamHandle> {
+    fn stream_of(&self, s: fusion_compiler::hir::StreamId) -> Result<StreamHandle> {
         match &self.p.streams[s.index()] {
             StreamDef::Captured => self.streams[s.index()].ok_or_else(|| {
                 Error::Internal(format!("Stream {} used before GetCurrentStream", s.index()))
@@ -1031,14 +1031,14 @@ impl<'a> Evaluator<'a> {
         match x.direction {
             P2PDirection::Send => {
                 let buf = self.get(x.buffer)?.clone();
-                self.ctx.comm.send(self.current, peer, &buf, x.backend)?;
+                self.ctx.comm.send(self.current, peer, &buf, x.transport)?;
                 if let Some(rc) = self.race.as_mut() {
                     rc.transfer(self.current, x.buffer, &buf, false);
                 }
             }
             P2PDirection::Recv => {
                 let buf = self.get_or_allocate(x.buffer)?;
-                self.ctx.comm.recv(self.current, peer, &buf, x.backend)?;
+                self.ctx.comm.recv(self.current, peer, &buf, x.transport)?;
                 if let Some(rc) = self.race.as_mut() {
                     rc.transfer(self.current, x.buffer, &buf, true);
                 }

@@ -148,7 +148,7 @@ impl World {
 mod tests {
     use super::*;
     use crate::tensor::Tensor;
-    use fusion_core::DType;
+    use fusion_compiler::DType;
 
     #[test]
     fn groups_of_an_in_process_world_are_worlds_of_their_own() {

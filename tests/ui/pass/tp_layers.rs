@@ -74,7 +74,10 @@ pub fn main() -> fusion::Result<()> {
         // Pipelined at any shape (by default only from 256 rows per chunk on).
         let always = ExecOptions {
             lower: LowerOptions {
-                pipelining: Pipelining::Always,
+                pipelines: fusion::PipelineOptions {
+                    pipelining: Pipelining::Always,
+                    ..Default::default()
+                },
                 ..LowerOptions::default()
             },
             ..ExecOptions::default()

@@ -124,8 +124,8 @@ pub(super) fn pointwise(prog: &PointwiseProgram) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use fusion_core::ir::{BinaryOp, UnaryOp};
-    use fusion_core::DType;
+    use fusion_compiler::ir::{BinaryOp, UnaryOp};
+    use fusion_compiler::DType;
 
     use super::super::testutil::{assert_close, tolerance, values, DTYPES};
     use super::*;

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use ::gemm::Parallelism;
-use fusion_core::ir::UnaryOp;
+use fusion_compiler::ir::UnaryOp;
 
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -203,7 +203,7 @@ pub(super) fn gemm(
 
 #[cfg(test)]
 mod tests {
-    use fusion_core::DType;
+    use fusion_compiler::DType;
 
     use super::super::testutil::{assert_close, tolerance, values, DTYPES};
     use super::*;

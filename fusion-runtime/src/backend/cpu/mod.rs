@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
-use fusion_core::DType;
+use fusion_compiler::DType;
 
 use crate::device::{BackendKind, Device, Kernel, StreamHandle};
 use crate::error::Result;

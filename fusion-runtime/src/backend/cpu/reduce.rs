@@ -1,6 +1,6 @@
 //! Reduction kernel: sum or max over a set of axes, accumulated in f64.
 
-use fusion_core::ir::ReduceOp;
+use fusion_compiler::ir::ReduceOp;
 
 use crate::error::Result;
 use crate::tensor::{contiguous_strides, for_each_offset, Tensor};
@@ -69,7 +69,7 @@ pub(super) fn reduce(op: ReduceOp, src: &Tensor, dst: &Tensor, axes: &[usize]) -
 
 #[cfg(test)]
 mod tests {
-    use fusion_core::DType;
+    use fusion_compiler::DType;
 
     use super::super::testutil::{assert_close, tolerance, values, DTYPES};
     use super::*;

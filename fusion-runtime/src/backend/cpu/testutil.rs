@@ -1,6 +1,6 @@
 //! Helpers shared by the CPU backend's tests: dtypes, tolerances, f64 comparisons.
 
-use fusion_core::DType;
+use fusion_compiler::DType;
 
 use crate::tensor::Tensor;
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext};
-use fusion_core::DType;
+use fusion_compiler::DType;
 
 use super::gemm::lt::LtPlans;
 use super::gemm::{self, BlasHandle, GemmDevice};

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::{result, sys, CudaContext, CudaSlice, DevicePtr, DevicePtrMut};
-use fusion_core::DType;
+use fusion_compiler::DType;
 
 use super::device::CudaDevice;
 use super::memory::buffer::CudaBuffer;

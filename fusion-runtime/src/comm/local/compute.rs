@@ -2,7 +2,7 @@
 //! rendezvous. Every member runs the same checks on the same deposits, so a mismatch
 //! between ranks is reported by all of them.
 
-use fusion_core::hir::{Communication, CommunicationKind as K};
+use fusion_compiler::hir::{Communication, CommunicationKind as K};
 
 use super::fabric::{Block, Deposit};
 use super::layout::{around, block, interleave, reduce, with_axis, without_axis};

@@ -3,7 +3,7 @@
 //! Every collective moves whole blocks along one axis: viewing a row-major tensor as
 //! `[outer, n, inner]` around that axis turns gathers and scatters into strided copies.
 
-use fusion_core::ir::ReduceOp;
+use fusion_compiler::ir::ReduceOp;
 
 /// `shape` without `axis` (`None` if out of range).
 pub(super) fn without_axis(shape: &[usize], axis: usize) -> Option<Vec<usize>> {

@@ -23,7 +23,7 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use fusion_core::hir::{CommBackend, Communication};
+use fusion_compiler::hir::{Communication, Transport};
 
 pub use fabric::{Block, Deposit, Fabric, LocalFabric, SlotKey};
 
@@ -295,7 +295,7 @@ impl Communicator for LocalCommunicator {
         _stream: StreamHandle,
         peer: usize,
         buf: &Tensor,
-        _backend: CommBackend,
+        _transport: Transport,
     ) -> Result<()> {
         self.check_peer(peer, "send")?;
         let data = buf
@@ -313,7 +313,7 @@ impl Communicator for LocalCommunicator {
         _stream: StreamHandle,
         peer: usize,
         buf: &Tensor,
-        _backend: CommBackend,
+        _transport: Transport,
     ) -> Result<()> {
         self.check_peer(peer, "recv")?;
         let mut group = self.group.lock().unwrap_or_else(PoisonError::into_inner);

@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use fusion_core::hir::{Communication, CommunicationKind as K};
+use fusion_compiler::hir::{Communication, CommunicationKind as K};
 
 use super::fabric::Block;
 use crate::tensor::Tensor;

@@ -184,7 +184,7 @@ impl std::fmt::Display for Footprint {
 mod tests {
     use super::Footprint;
     use crate::tensor::Tensor;
-    use fusion_core::DType;
+    use fusion_compiler::DType;
 
     fn fp(t: &Tensor) -> Vec<(u64, u64)> {
         Footprint::of(t).runs().to_vec()

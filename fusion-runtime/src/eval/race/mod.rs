@@ -40,8 +40,8 @@ mod report;
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use fusion_core::hir::{HostProgram, Node};
-use fusion_core::ir::{ScalarId, TensorId};
+use fusion_compiler::hir::{HostProgram, Node};
+use fusion_compiler::ir::{ScalarId, TensorId};
 
 pub use crate::error::race::{AccessKind, RaceError, RaceSite};
 pub use footprint::Footprint;
@@ -572,10 +572,10 @@ impl<'a> RaceChecker<'a> {
 #[cfg(test)]
 mod tests {
     use crate::streams::StreamLayout;
-    use fusion_core::builder::{Axis, FusionBuilder};
-    use fusion_core::hir::HostProgram;
-    use fusion_core::ir::{ParallelType, TensorId};
-    use fusion_core::DType;
+    use fusion_compiler::builder::{Axis, FusionBuilder};
+    use fusion_compiler::hir::HostProgram;
+    use fusion_compiler::ir::{ParallelType, TensorId};
+    use fusion_compiler::DType;
 
     use super::{AccessKind, RaceChecker, RaceError};
     use crate::tensor::Tensor;

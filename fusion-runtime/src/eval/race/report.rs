@@ -1,8 +1,8 @@
 //! Where a race happened, in words: the node the evaluator runs and the loop indices
 //! around it (the error types themselves are `crate::error::race`'s).
 
-use fusion_core::hir::{HostProgram, Node, P2PDirection};
-use fusion_core::ir::ScalarId;
+use fusion_compiler::hir::{HostProgram, Node, P2PDirection};
+use fusion_compiler::ir::ScalarId;
 
 /// Where the evaluator is: the node it runs and the indices of the loops around it.
 #[derive(Clone, Debug, Default)]
@@ -34,7 +34,7 @@ impl Place<'_> {
 /// A node in one line: its kind and the tensors it names.
 fn node_label(p: &HostProgram, node: &Node) -> String {
     let name = |t| p.ir.tensor_name(t);
-    let list = |ts: &[fusion_core::ir::TensorId]| -> String {
+    let list = |ts: &[fusion_compiler::ir::TensorId]| -> String {
         ts.iter().map(|&t| name(t)).collect::<Vec<_>>().join(", ")
     };
     match node {

@@ -17,9 +17,9 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::nccl::result as nccl;
-use fusion_core::hir::{CommBackend, Communication, CommunicationKind};
-use fusion_core::ir::ReduceOp;
-use fusion_core::DType;
+use fusion_compiler::hir::{Communication, CommunicationKind, Transport};
+use fusion_compiler::ir::ReduceOp;
+use fusion_compiler::DType;
 
 use super::copy_engine::{CopyEngine, Transfer};
 use super::nccl::{
@@ -149,7 +149,7 @@ impl CudaCommunicator {
                 "the program asks for a copy-engine transfer with rank {peer}, which this \
                  world reaches through NCCL (its transports: {}); run it through the \
                  executor, which lowers onto the world's transports, or lower with \
-                 LowerOptions::p2p_backend = Nccl",
+                 LowerOptions::transports.p2p = Nccl",
                 self.capabilities.transports.join("; ")
             )));
         }
@@ -426,7 +426,7 @@ impl CudaCommunicator {
         input: Option<&Tensor>,
         output: Option<&Tensor>,
     ) -> Result<()> {
-        if is_peer_copy(c.backend)
+        if is_peer_copy(c.transport)
             && matches!(
                 c.kind,
                 CommunicationKind::Allgather | CommunicationKind::ReduceScatter
@@ -471,7 +471,7 @@ impl CudaCommunicator {
         {
             return Err(self.err(format!(
                 "{kind} over the copy engines with rank {p}, which this world reaches through \
-                 NCCL; lower with LowerOptions::collective_backend = Nccl (the executor does \
+                 NCCL; lower with LowerOptions::transports.collectives = Nccl (the executor does \
                  on such worlds)"
             )));
         }
@@ -975,9 +975,9 @@ impl Communicator for CudaCommunicator {
         stream: StreamHandle,
         peer: usize,
         buf: &Tensor,
-        backend: CommBackend,
+        transport: Transport,
     ) -> Result<()> {
-        if is_peer_copy(backend) {
+        if is_peer_copy(transport) {
             return self.copy_transfer(stream, peer, buf, true);
         }
         self.forget_label();
@@ -1015,9 +1015,9 @@ impl Communicator for CudaCommunicator {
         stream: StreamHandle,
         peer: usize,
         buf: &Tensor,
-        backend: CommBackend,
+        transport: Transport,
     ) -> Result<()> {
-        if is_peer_copy(backend) {
+        if is_peer_copy(transport) {
             return self.copy_transfer(stream, peer, buf, false);
         }
         self.forget_label();

@@ -520,7 +520,7 @@ impl CopyEngine {
     pub(crate) fn landing_buffer(
         &self,
         stream: crate::device::StreamHandle,
-        dtype: fusion_core::DType,
+        dtype: fusion_compiler::DType,
         shape: &[usize],
     ) -> Result<Option<Tensor>> {
         if !self.keeps_receives() {
@@ -805,7 +805,7 @@ impl CopyEngine {
             return Err(self.err(format!(
                 "more than {SLOTS} copy-engine transfers from rank {} to rank {} in one call \
                  (the device flags hold {SLOTS} per pair of ranks and call): split the \
-                 program into several calls, or lower it with p2p_backend = Nccl",
+                 program into several calls, or lower it with LowerOptions::transports.p2p = Nccl",
                 t.0.key.0, t.0.key.1
             )));
         }
@@ -1262,7 +1262,7 @@ mod tests {
     use super::*;
     use crate::comm::CallStart;
     use crate::device::{Device, DeviceGraph, Kernel};
-    use fusion_core::DType;
+    use fusion_compiler::DType;
 
     /// What rank `r` sends at `call`: a different value at every element, rank and call.
     fn payload(r: usize, call: u64, n: usize) -> Vec<f32> {

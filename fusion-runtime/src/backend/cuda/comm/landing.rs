@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use fusion_core::DType;
+use fusion_compiler::DType;
 
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::stream::stream_is_capturing;

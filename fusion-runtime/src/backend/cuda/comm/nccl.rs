@@ -6,8 +6,8 @@ use std::sync::{Mutex, PoisonError};
 
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
-use fusion_core::ir::ReduceOp;
-use fusion_core::DType;
+use fusion_compiler::ir::ReduceOp;
+use fusion_compiler::DType;
 
 use super::nccl_graphs::turn_off_graph_mixing;
 use crate::backend::cuda::device::CudaDevice;

@@ -14,8 +14,8 @@ use std::sync::{Mutex, PoisonError};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::result as driver;
-use fusion_core::ir::UnaryOp;
-use fusion_core::DType;
+use fusion_compiler::ir::UnaryOp;
+use fusion_compiler::DType;
 
 use super::launch_graphs::LaunchGraphs;
 use super::word_hash::WordMap;

@@ -16,9 +16,9 @@ mod word_hash;
 use std::ffi::c_void;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use fusion_core::DType;
+use fusion_compiler::DType;
 
-use fusion_core::ir::{BinaryOp, UnaryOp};
+use fusion_compiler::ir::{BinaryOp, UnaryOp};
 
 use crate::backend::cuda::libs::driver_err;
 use crate::backend::cuda::memory::device_shared::DeviceShared;

@@ -3,8 +3,8 @@
 
 use std::fmt::Write;
 
-use fusion_core::ir::{BinaryOp, ReduceOp, UnaryOp};
-use fusion_core::DType;
+use fusion_compiler::ir::{BinaryOp, ReduceOp, UnaryOp};
+use fusion_compiler::DType;
 
 use crate::device::PointwiseInstr;
 

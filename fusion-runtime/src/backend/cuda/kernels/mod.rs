@@ -8,7 +8,7 @@ use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{result, sys};
-use fusion_core::ir::ReduceOp;
+use fusion_compiler::ir::ReduceOp;
 
 use crate::backend::cuda::libs::driver_err;
 use crate::backend::cuda::memory::device_shared::DeviceShared;

@@ -1,8 +1,8 @@
 //! Every collective kind against references built from all ranks' inputs.
 
-use fusion_core::hir::{Communication, CommunicationKind as K};
-use fusion_core::ir::ReduceOp;
-use fusion_core::DType;
+use fusion_compiler::hir::{Communication, CommunicationKind as K};
+use fusion_compiler::ir::ReduceOp;
+use fusion_compiler::DType;
 
 use super::{comm, input, reduce_ref, run_world, stack_ref, world, LONG};
 use crate::comm::Communicator;

@@ -1,11 +1,11 @@
 //! Failures, timeouts and mismatches end every wait with an error, never a hang.
 
-use fusion_core::hir::CommBackend;
+use fusion_compiler::hir::Transport;
 use std::time::{Duration, Instant};
 
-use fusion_core::hir::{Communication, CommunicationKind as K};
-use fusion_core::ir::ReduceOp;
-use fusion_core::DType;
+use fusion_compiler::hir::{Communication, CommunicationKind as K};
+use fusion_compiler::ir::ReduceOp;
+use fusion_compiler::DType;
 
 use super::{comm, input, run_world, world, LONG, SHORT};
 use crate::comm::Communicator;
@@ -34,10 +34,10 @@ fn a_failed_rank_releases_every_waiter_quickly() {
             let y = Tensor::zeros(&[2], DType::F32);
             let first = cm.collective(0, &c, Some(&Tensor::zeros(&[1, 2], DType::F32)), Some(&y));
             // Later waits fail at once too.
-            let later = cm.recv(0, 2, &y, CommBackend::Nccl);
+            let later = cm.recv(0, 2, &y, Transport::Nccl);
             vec![first, later]
         }
-        _ => vec![cm.recv(0, 0, &Tensor::zeros(&[2], DType::F32), CommBackend::Nccl)],
+        _ => vec![cm.recv(0, 0, &Tensor::zeros(&[2], DType::F32), Transport::Nccl)],
     });
     assert!(
         start.elapsed() < Duration::from_secs(5),
@@ -68,7 +68,7 @@ fn a_missing_rank_times_out() {
         let y = Tensor::zeros(&[2], DType::F32);
         vec![
             cm.collective(0, &c, Some(&Tensor::zeros(&[1, 2], DType::F32)), Some(&y)),
-            cm.recv(0, 1, &y, CommBackend::Nccl),
+            cm.recv(0, 1, &y, Transport::Nccl),
         ]
     });
     let elapsed = start.elapsed();
@@ -203,6 +203,6 @@ fn a_rank_outside_the_team_or_world_is_refused() {
     let fabric = crate::comm::local::LocalFabric::new(2, SHORT);
     let stray = fabric.communicator(5);
     assert!(stray
-        .send(0, 0, &Tensor::zeros(&[1], DType::F32), CommBackend::Nccl)
+        .send(0, 0, &Tensor::zeros(&[1], DType::F32), Transport::Nccl)
         .is_err());
 }

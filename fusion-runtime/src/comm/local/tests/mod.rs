@@ -8,9 +8,9 @@ mod p2p;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fusion_core::hir::{CommBackend, Communication, CommunicationKind, HostProgram};
-use fusion_core::ir::{DeviceMesh, Fusion, MemoryType, ReduceOp, TensorView};
-use fusion_core::DType;
+use fusion_compiler::hir::{Communication, CommunicationKind, HostProgram, Transport};
+use fusion_compiler::ir::{DeviceMesh, Fusion, MemoryType, ReduceOp, TensorView};
+use fusion_compiler::DType;
 
 use super::{LocalCommunicator, LocalFabric};
 use crate::tensor::Tensor;
@@ -37,7 +37,7 @@ fn comm(kind: CommunicationKind, team: &[usize], mesh: &[usize]) -> Communicatio
         input,
         output,
         reduce_op: None,
-        backend: CommBackend::Nccl,
+        transport: Transport::Nccl,
         in_sharded_axis: None,
         in_scatter_axis: None,
         out_sharded_axis: None,

@@ -1,0 +1,488 @@
+//! The host program: what runs on each device's host thread to drive streams,
+//! allocations, compute and communication.
+//!
+//! One node set (DESIGN.md section 2). Nodes reference tensors and scalars of the
+//! program's own arena ([`HostProgram::ir`]); SSA holds: a slice is a new tensor aliasing
+//! its parent, and no tensor has two defining nodes (except that `Allocate` of a tensor
+//! already bound, e.g. to a slice, is a no-op, as in nvFuser).
+
+use crate::error::Result;
+use crate::ir::{DeviceMesh, Expr, Fusion, IterDomainId, ReduceOp, ScalarId, TensorId};
+
+/// Index of a stream value of a host program.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub(crate) u32);
+
+impl StreamId {
+    /// Position in [`HostProgram::streams`]; also the `N` of `Stream N` in dumps.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// Where a stream value comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StreamDef {
+    /// Bound by `GetCurrentStream` to the stream current at that point (the caller's).
+    Captured,
+    /// Worker stream `index` of the pool (`index` is evaluated, usually `i % numberOfStreams`).
+    Pool(ScalarId),
+    /// Compute stream `index` (below [`COMPUTE_STREAMS`]): streams apart from the pool, for
+    /// GEMMs that take turns so that one's tail overlaps the next one's start without ever
+    /// queueing behind a pool stream's transfers.
+    Compute(ScalarId),
+}
+
+/// How many compute streams ([`StreamDef::Compute`]) a device has beside its pool.
+pub const COMPUTE_STREAMS: usize = 2;
+
+/// Identifies a communication (or a coalesced group) so that `Wait` can name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CommId(pub(crate) u32);
+
+impl CommId {
+    /// The number printed in dumps.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// The collective kinds of DESIGN.md section 4.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CommunicationKind {
+    Allgather,
+    Allreduce,
+    ReduceScatter,
+    Scatter,
+    Gather,
+    Broadcast,
+    Reduce,
+    SendRecv,
+}
+
+impl CommunicationKind {
+    /// Name in dumps.
+    pub fn name(self) -> &'static str {
+        match self {
+            CommunicationKind::Allgather => "Allgather",
+            CommunicationKind::Allreduce => "Allreduce",
+            CommunicationKind::ReduceScatter => "ReduceScatter",
+            CommunicationKind::Scatter => "Scatter",
+            CommunicationKind::Gather => "Gather",
+            CommunicationKind::Broadcast => "Broadcast",
+            CommunicationKind::Reduce => "Reduce",
+            CommunicationKind::SendRecv => "SendRecv",
+        }
+    }
+}
+
+/// Which transport carries a communication (a device kind is `BackendKind`, elsewhere).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Transport {
+    /// NCCL kernels (on the CPU backend: the in-process communicator).
+    #[default]
+    Nccl,
+    /// Peer-to-peer memory copies on the copy engines (no SMs).
+    CopyEngine,
+}
+
+impl Transport {
+    /// Name in dumps: `NCCL` or `CopyEngine`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Nccl => "NCCL",
+            Transport::CopyEngine => "CopyEngine",
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A collective between the devices of `team`.
+///
+/// Axis fields index the *stored* axes of a tensor (reduction axes excluded). Sharded
+/// tensors hold one index (size 1) of their DIDx axis.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Communication {
+    pub id: CommId,
+    pub kind: CommunicationKind,
+    /// Every participating device: the sharded mesh, then the root if it is not in it.
+    pub team: Vec<usize>,
+    /// The sharded side's devices in DIDx order (the order of chunks along the axis).
+    pub mesh: Vec<usize>,
+    /// Source of Scatter/Broadcast/SendRecv, destination of Gather/Reduce.
+    pub root: Option<usize>,
+    pub input: TensorId,
+    pub output: TensorId,
+    pub reduce_op: Option<ReduceOp>,
+    /// What carries it.
+    pub transport: Transport,
+    /// The input's DIDx axis (gathered or reduced), if it has one.
+    pub in_sharded_axis: Option<usize>,
+    /// The input axis that is split among the receivers (Scatter, ReduceScatter).
+    pub in_scatter_axis: Option<usize>,
+    /// The output's DIDx axis, if it has one.
+    pub out_sharded_axis: Option<usize>,
+    /// For SendRecv: the receiving device.
+    pub receiver: Option<usize>,
+}
+
+/// Direction of a point-to-point transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum P2PDirection {
+    Send,
+    Recv,
+}
+
+/// A point-to-point transfer of `buffer` with device `peer`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct P2P {
+    pub id: CommId,
+    pub direction: P2PDirection,
+    pub buffer: TensorId,
+    pub peer: ScalarId,
+    /// What carries it.
+    pub transport: Transport,
+}
+
+/// `for index in start..stop` over the stream axis `axis`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForLoop {
+    pub index: ScalarId,
+    pub axis: IterDomainId,
+    pub start: ScalarId,
+    pub stop: ScalarId,
+    pub body: Vec<Node>,
+}
+
+/// Index of a fused segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SegmentId(pub(crate) u32);
+
+impl SegmentId {
+    /// Position in [`HostProgram::segments`].
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A group of elementwise expressions launched as one kernel. Tensors that are neither
+/// inputs nor outputs of the segment never reach memory on backends that fuse.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub exprs: Vec<Expr>,
+    pub inputs: Vec<TensorId>,
+    pub outputs: Vec<TensorId>,
+}
+
+/// One instruction of a host program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Node {
+    /// Binds a fresh buffer to `tensor`, unless it is already bound (then a no-op).
+    Allocate {
+        tensor: TensorId,
+    },
+    /// Releases `tensor`'s buffer.
+    Deallocate {
+        tensor: TensorId,
+    },
+    ForLoop(ForLoop),
+    /// Runs `then_body` when `cond` evaluates to non-zero, else `else_body`.
+    IfThenElse {
+        cond: ScalarId,
+        then_body: Vec<Node>,
+        else_body: Vec<Node>,
+    },
+    /// Captures the current stream into `stream`.
+    GetCurrentStream {
+        stream: StreamId,
+    },
+    /// Makes `stream` current: later nodes enqueue on it.
+    SetCurrentStream {
+        stream: StreamId,
+    },
+    /// The current stream waits for the work enqueued so far on `stream` (event record +
+    /// wait; the host does not block).
+    Synchronize {
+        stream: StreamId,
+    },
+    /// `output` is a view of `input` at `index` along axis `axis` (an index into `input`'s
+    /// `axes`), without that axis.
+    AliasSelect {
+        input: TensorId,
+        output: TensorId,
+        axis: usize,
+        index: ScalarId,
+    },
+    Communication(Communication),
+    P2P(P2P),
+    /// Opens a group of P2P transfers that start together (`ncclGroupStart`).
+    StartCoalescing,
+    /// Closes the group; `id` names it for `Wait`.
+    EndCoalescing {
+        id: CommId,
+    },
+    /// The current stream waits for communication (or group) `comm`.
+    Wait {
+        comm: CommId,
+    },
+    /// A compute op on the current stream.
+    Compute(Expr),
+    /// A fused segment on the current stream.
+    Launch {
+        segment: SegmentId,
+        inputs: Vec<TensorId>,
+        outputs: Vec<TensorId>,
+    },
+}
+
+/// The kind of a node, for structure checks (compute ops are told apart by their op).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NodeKind {
+    Allocate,
+    Deallocate,
+    ForLoop,
+    IfThenElse,
+    GetCurrentStream,
+    SetCurrentStream,
+    Synchronize,
+    AliasSelect,
+    Communication,
+    P2P,
+    StartCoalescing,
+    EndCoalescing,
+    Wait,
+    Set,
+    Unary,
+    Binary,
+    Cast,
+    Reduction,
+    Broadcast,
+    Matmul,
+    Linear,
+    Select,
+    Slice,
+    Split,
+    Launch,
+}
+
+impl NodeKind {
+    /// Every kind, in declaration order (`kind as usize` indexes it).
+    pub const ALL: [NodeKind; 25] = [
+        NodeKind::Allocate,
+        NodeKind::Deallocate,
+        NodeKind::ForLoop,
+        NodeKind::IfThenElse,
+        NodeKind::GetCurrentStream,
+        NodeKind::SetCurrentStream,
+        NodeKind::Synchronize,
+        NodeKind::AliasSelect,
+        NodeKind::Communication,
+        NodeKind::P2P,
+        NodeKind::StartCoalescing,
+        NodeKind::EndCoalescing,
+        NodeKind::Wait,
+        NodeKind::Set,
+        NodeKind::Unary,
+        NodeKind::Binary,
+        NodeKind::Cast,
+        NodeKind::Reduction,
+        NodeKind::Broadcast,
+        NodeKind::Matmul,
+        NodeKind::Linear,
+        NodeKind::Select,
+        NodeKind::Slice,
+        NodeKind::Split,
+        NodeKind::Launch,
+    ];
+}
+
+impl Node {
+    /// This node's kind.
+    pub fn kind(&self) -> NodeKind {
+        use crate::ir::Op;
+        match self {
+            Node::Allocate { .. } => NodeKind::Allocate,
+            Node::Deallocate { .. } => NodeKind::Deallocate,
+            Node::ForLoop(_) => NodeKind::ForLoop,
+            Node::IfThenElse { .. } => NodeKind::IfThenElse,
+            Node::GetCurrentStream { .. } => NodeKind::GetCurrentStream,
+            Node::SetCurrentStream { .. } => NodeKind::SetCurrentStream,
+            Node::Synchronize { .. } => NodeKind::Synchronize,
+            Node::AliasSelect { .. } => NodeKind::AliasSelect,
+            Node::Communication(_) => NodeKind::Communication,
+            Node::P2P(_) => NodeKind::P2P,
+            Node::StartCoalescing => NodeKind::StartCoalescing,
+            Node::EndCoalescing { .. } => NodeKind::EndCoalescing,
+            Node::Wait { .. } => NodeKind::Wait,
+            Node::Launch { .. } => NodeKind::Launch,
+            Node::Compute(e) => match e.op {
+                Op::Set => NodeKind::Set,
+                Op::Unary(_) => NodeKind::Unary,
+                Op::Binary(_) => NodeKind::Binary,
+                Op::Cast => NodeKind::Cast,
+                Op::Reduction { .. } => NodeKind::Reduction,
+                Op::Broadcast { .. } => NodeKind::Broadcast,
+                Op::Matmul | Op::Gemm { linear: false, .. } => NodeKind::Matmul,
+                Op::Linear | Op::Gemm { linear: true, .. } => NodeKind::Linear,
+                Op::Select { .. } => NodeKind::Select,
+                Op::Slice { .. } => NodeKind::Slice,
+                Op::Split { .. } => NodeKind::Split,
+            },
+        }
+    }
+
+    /// Nested node lists (loop body, if/else branches).
+    pub fn children(&self) -> Vec<&Vec<Node>> {
+        match self {
+            Node::ForLoop(l) => vec![&l.body],
+            Node::IfThenElse {
+                then_body,
+                else_body,
+                ..
+            } => vec![then_body, else_body],
+            _ => vec![],
+        }
+    }
+
+    /// Tensors this node reads or writes (not counting nested nodes).
+    pub fn tensors(&self) -> Vec<TensorId> {
+        match self {
+            Node::Allocate { tensor } | Node::Deallocate { tensor } => vec![*tensor],
+            Node::AliasSelect { input, output, .. } => vec![*input, *output],
+            Node::Communication(c) => vec![c.input, c.output],
+            Node::P2P(p) => vec![p.buffer],
+            Node::Compute(e) => e.inputs.iter().copied().chain([e.output]).collect(),
+            Node::Launch {
+                inputs, outputs, ..
+            } => inputs.iter().chain(outputs).copied().collect(),
+            _ => vec![],
+        }
+    }
+}
+
+/// A lowered program for one fusion, world size and set of options; every rank runs it.
+#[derive(Clone, Debug)]
+pub struct HostProgram {
+    /// The arena: the fusion's tensors plus those lowering created (slices, buffers).
+    pub ir: Fusion,
+    pub inputs: Vec<TensorId>,
+    pub outputs: Vec<TensorId>,
+    pub body: Vec<Node>,
+    pub streams: Vec<StreamDef>,
+    pub segments: Vec<Segment>,
+    /// `(output, input)`: the output is written into the input's buffer.
+    pub aliases: Vec<(TensorId, TensorId)>,
+    /// Number of devices the program was lowered for.
+    pub world_size: usize,
+    /// Decisions lowering made from the call's shapes, printed as `//` lines under the
+    /// program (e.g. whether its stream loops were pipelined, and why).
+    pub notes: Vec<String>,
+    next_comm: u32,
+}
+
+impl HostProgram {
+    /// An empty program over `ir`'s tensors, with `ir`'s inputs and outputs.
+    pub fn new(ir: Fusion, world_size: usize) -> Self {
+        HostProgram {
+            inputs: ir.inputs().to_vec(),
+            outputs: ir.outputs().to_vec(),
+            aliases: ir.aliases().to_vec(),
+            ir,
+            body: Vec::new(),
+            streams: Vec::new(),
+            segments: Vec::new(),
+            world_size,
+            notes: Vec::new(),
+            next_comm: 0,
+        }
+    }
+
+    /// A new stream value.
+    pub fn new_stream(&mut self, def: StreamDef) -> StreamId {
+        let id = StreamId(self.streams.len() as u32);
+        self.streams.push(def);
+        id
+    }
+
+    /// A fresh communication id.
+    pub fn new_comm_id(&mut self) -> CommId {
+        let id = CommId(self.next_comm);
+        self.next_comm += 1;
+        id
+    }
+
+    /// Registers a fused segment.
+    pub fn add_segment(&mut self, s: Segment) -> SegmentId {
+        let id = SegmentId(self.segments.len() as u32);
+        self.segments.push(s);
+        id
+    }
+
+    /// Kinds of the top-level nodes, in order.
+    pub fn top_level_kinds(&self) -> Vec<NodeKind> {
+        self.body.iter().map(Node::kind).collect()
+    }
+
+    /// Number of nodes, nested ones included.
+    pub fn node_count(&self) -> usize {
+        let mut n = 0;
+        for_each_node(&self.body, &mut |_| n += 1);
+        n
+    }
+
+    /// Devices of a tensor's (resolved) mesh.
+    pub fn mesh_of(&self, t: TensorId) -> Vec<usize> {
+        match &self.ir.tensor(t).mesh {
+            DeviceMesh::World => (0..self.world_size).collect(),
+            DeviceMesh::Devices(d) => d.clone(),
+        }
+    }
+}
+
+/// Calls `f` on every node, parents before their nested nodes.
+pub fn for_each_node(nodes: &[Node], f: &mut dyn FnMut(&Node)) {
+    for n in nodes {
+        f(n);
+        for child in n.children() {
+            for_each_node(child, f);
+        }
+    }
+}
+
+/// Calls `f` on every node list (the top level and every nested body), mutably.
+pub fn for_each_node_mut(
+    nodes: &mut Vec<Node>,
+    f: &mut dyn FnMut(&mut Vec<Node>) -> Result<()>,
+) -> Result<()> {
+    f(nodes)?;
+    for n in nodes.iter_mut() {
+        match n {
+            Node::ForLoop(l) => for_each_node_mut(&mut l.body, f)?,
+            Node::IfThenElse {
+                then_body,
+                else_body,
+                ..
+            } => {
+                for_each_node_mut(then_body, f)?;
+                for_each_node_mut(else_body, f)?;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod kind_tests {
+    #[test]
+    fn node_kinds_index_their_table() {
+        for (i, k) in super::NodeKind::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i, "{k:?}");
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! `StreamParallelType`: turns expressions with a Stream axis into host for-loops.
+//!
+//! Consecutive top-level expressions whose Stream axes map onto each other share one loop;
+//! any other expression in between closes it. For each loop (seeds 000-002):
+//!
+//! ```text
+//! Allocate every output of the loop's expressions
+//! GetCurrentStream into S
+//! FOR i: SetCurrentStream(Stream(i % numberOfStreams)); Synchronize S
+//! FOR i: SetCurrentStream(Stream(i % numberOfStreams))
+//!        slice inputs and outputs along the stream axis (AliasSelect), run the body
+//!        SetCurrentStream(S); Synchronize Stream(i % numberOfStreams)
+//! ```
+//!
+//! Two resharding patterns become P2P pipelines inside the loop:
+//! - a `set` turning a DIDx axis into the Stream axis (an allgather, seed 001): the
+//!   device's own chunk is a local copy (or, when only the loop reads the gathered stream
+//!   buffer, the local shard itself), every other chunk a coalesced receive + send;
+//! - a sum over the DIDx axis whose output is sharded along the loop's Stream axis (a
+//!   reduce-scatter): each iteration sends the partial result chunk to the device that
+//!   owns it and receives that device's partial for this one; a local sum follows the loop.
+//!
+//! With [`P2pSchedule::Ring`] an allgather's iteration `i` gathers the chunk of device
+//! `rank - i`, so the local chunk comes first; a reduce-scatter's iteration `i` computes
+//! the partial of device `rank + i + 1`, so the local chunk comes last. Either way every
+//! send meets its receive in the same iteration.
+//!
+//! With `compute_first_streams` (the default), a loop whose local compute precedes its
+//! communication runs that compute on the caller's stream `S`, in order, and only the
+//! communication on the pool stream, which waits for `S`; a join loop after it makes `S`
+//! wait for every pool stream.
+//! With stream buffers on, intermediates produced and consumed inside one loop get
+//! `numberOfStreams` slots instead of the full extent.
+//!
+//! Submodules, from the bottom up: `views` (per-iteration slices, row ranges and derived
+//! buffers), `schedule` (chunk and peers per iteration), `group` (the expressions of one
+//! loop), `subchunk` (row ranges of a block), `exchange` (the coalesced send/receive and
+//! the allgather step), `iteration` (one expression per iteration, fork and join loops),
+//! `direct` and `ring` (the two reduce-scatter pipelines), `stream_loop` (the standard
+//! loop) and `gather_scatter` (a loop that gathers and reduce-scatters).
+
+mod direct;
+mod exchange;
+mod gather_scatter;
+mod group;
+mod iteration;
+mod ring;
+mod schedule;
+mod stream_loop;
+mod subchunk;
+mod views;
+
+use std::collections::{HashMap, HashSet};
+
+use group::{stream_error, LoopGroup, ReduceScatterFold};
+
+use super::context::{Pass, PassContext};
+use crate::error::Result;
+use crate::hir::{for_each_node, HostProgram, Node};
+use crate::ir::{axis_map, Expr, Op, ParallelType, TensorId};
+use crate::options::ReduceScatterPipeline;
+use crate::resharding::{classify, MeshContext, Resharding};
+
+/// The stream-lowering pass.
+pub struct StreamParallelType;
+
+enum Item {
+    Node(Node),
+    Loop(LoopGroup),
+}
+
+impl Pass for StreamParallelType {
+    fn name(&self) -> &'static str {
+        "StreamParallelType"
+    }
+
+    fn run(&self, p: &mut HostProgram, ctx: &PassContext) -> Result<()> {
+        let body = std::mem::take(&mut p.body);
+        let mut items = group_loops(p, body)?;
+        fold_reduce_scatters(p, &mut items)?;
+        let internal = if ctx.options.streams.buffers {
+            loop_internal_tensors(p, &items)
+        } else {
+            HashSet::new()
+        };
+        let mut out = Vec::new();
+        for item in items {
+            match item {
+                Item::Node(n) => out.push(n),
+                Item::Loop(g) => out.extend(emit_loop(g, p, ctx, &internal)?),
+            }
+        }
+        p.body = out;
+        Ok(())
+    }
+}
+
+fn group_loops(p: &HostProgram, body: Vec<Node>) -> Result<Vec<Item>> {
+    let mut items: Vec<Item> = Vec::new();
+    for node in body {
+        let stream = match &node {
+            Node::Compute(e) => p.ir.find_parallel_axis(e.output, ParallelType::Stream),
+            _ => None,
+        };
+        let Some(s) = stream else {
+            // A view that does not read the open loop's results (e.g. a weight broadcast
+            // for the loop's next matmul) moves before that loop instead of closing it.
+            if let (Node::Compute(e), Some(Item::Loop(g))) = (&node, items.last()) {
+                if e.op.is_view() && e.inputs.iter().all(|t| !g.produced.contains_key(t)) {
+                    let at = items.len() - 1;
+                    items.insert(at, Item::Node(node));
+                    continue;
+                }
+            }
+            items.push(Item::Node(node));
+            continue;
+        };
+        let Node::Compute(e) = node else {
+            unreachable!("stream axes come from compute nodes")
+        };
+        if let Some(Item::Loop(g)) = items.last_mut() {
+            if g.accepts(&p.ir, &e, s)? {
+                g.push(e, s);
+                continue;
+            }
+        }
+        let mut g = LoopGroup::new(&p.ir, &e, s)?;
+        g.push(e, s);
+        items.push(Item::Loop(g));
+    }
+    Ok(items)
+}
+
+/// Folds `sum` over DIDx right after a loop, sharding the loop's Stream axis, into it.
+fn fold_reduce_scatters(p: &HostProgram, items: &mut Vec<Item>) -> Result<()> {
+    let mut i = 0;
+    while i + 1 < items.len() {
+        let fold = match (&items[i], &items[i + 1]) {
+            (Item::Loop(g), Item::Node(Node::Compute(e))) => reduce_scatter_pattern(p, g, e)?,
+            _ => None,
+        };
+        if let Some(f) = fold {
+            items.remove(i + 1);
+            if let Item::Loop(g) = &mut items[i] {
+                g.reduce_scatter = Some(f);
+            }
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
+fn reduce_scatter_pattern(
+    p: &HostProgram,
+    g: &LoopGroup,
+    e: &Expr,
+) -> Result<Option<ReduceScatterFold>> {
+    let Op::Reduction { axes, .. } = &e.op else {
+        return Ok(None);
+    };
+    let x = e.inputs[0];
+    let (Some(&s), [a]) = (g.produced.get(&x), axes.as_slice()) else {
+        return Ok(None);
+    };
+    let f = &p.ir;
+    let didx = f.visible_axes(x)[*a];
+    let world: Vec<usize> = (0..p.world_size).collect();
+    if f.axis(x, didx).parallel != ParallelType::DIDx
+        || p.mesh_of(x) != world
+        || p.mesh_of(e.output) != world
+    {
+        return Ok(None);
+    }
+    let map = axis_map(f, e);
+    let Some(out_didx) = f.find_parallel_axis(e.output, ParallelType::DIDx) else {
+        return Ok(None);
+    };
+    if map.producer_axis(0, out_didx) != Some(s)
+        || f.find_parallel_axis(e.output, ParallelType::Stream)
+            .is_some()
+    {
+        return Ok(None);
+    }
+    Ok(Some(ReduceScatterFold {
+        expr: e.clone(),
+        didx,
+        out_didx,
+    }))
+}
+
+/// Tensors a loop produces and only that loop uses (not outputs or aliases).
+fn loop_internal_tensors(p: &HostProgram, items: &[Item]) -> HashSet<TensorId> {
+    let mut used_by: HashMap<TensorId, HashSet<usize>> = HashMap::new();
+    for (k, item) in items.iter().enumerate() {
+        let mut touch = |t: TensorId| {
+            used_by.entry(t).or_default().insert(k);
+        };
+        match item {
+            Item::Node(n) => for_each_node(std::slice::from_ref(n), &mut |m| {
+                m.tensors().into_iter().for_each(&mut touch)
+            }),
+            Item::Loop(g) => {
+                for (e, _) in &g.exprs {
+                    e.inputs.iter().copied().for_each(&mut touch);
+                }
+                if let Some(rs) = &g.reduce_scatter {
+                    touch(rs.expr.inputs[0]);
+                }
+            }
+        }
+    }
+    let pinned: HashSet<TensorId> = p
+        .outputs
+        .iter()
+        .copied()
+        .chain(p.aliases.iter().flat_map(|&(o, i)| [o, i]))
+        .collect();
+    let mut internal = HashSet::new();
+    for (k, item) in items.iter().enumerate() {
+        if let Item::Loop(g) = item {
+            for (e, _) in &g.exprs {
+                let t = e.output;
+                let users = used_by.get(&t);
+                if !pinned.contains(&t) && users.is_none_or(|u| u.iter().all(|&x| x == k)) {
+                    internal.insert(t);
+                }
+            }
+        }
+    }
+    internal
+}
+
+/// Emits one loop group: the gather-scatter pipeline when it gathers and reduce-scatters,
+/// the ring when it reduce-scatters with [`ReduceScatterPipeline::Ring`] and the ring
+/// applies, the standard loop otherwise.
+fn emit_loop(
+    g: LoopGroup,
+    p: &mut HostProgram,
+    ctx: &PassContext,
+    internal: &HashSet<TensorId>,
+) -> Result<Vec<Node>> {
+    let mesh_ctx = MeshContext {
+        world_size: Some(p.world_size),
+    };
+    let mut has_allgather = false;
+    for (e, _) in &g.exprs {
+        has_allgather |= matches!(
+            classify(&p.ir, e, mesh_ctx)?,
+            Resharding::DidxToStream { .. }
+        );
+    }
+    if has_allgather && g.reduce_scatter.is_some() {
+        if let Some(reason) = gather_scatter::unsupported(p, &g, ctx, internal)? {
+            return Err(stream_error(
+                &p.ir,
+                g.exprs[0].0.output,
+                g.exprs[0].1,
+                &format!(
+                    "this stream loop gathers (P2P allgather) and reduce-scatters, but {reason}"
+                ),
+            ));
+        }
+        if ctx.options.pipelines.reduce_scatter == ReduceScatterPipeline::Direct {
+            tracing::debug!(
+                "a loop that also gathers reduce-scatters in a ring: the direct pipeline's \
+                 sum after the loop would leave work after the last GEMM"
+            );
+        }
+        return gather_scatter::emit(g, p, ctx, internal);
+    }
+    let (pipeline, subchunks) = ctx.options.reduce_scatter_plan(p.world_size);
+    if let (Some(rs), ReduceScatterPipeline::Ring) = (&g.reduce_scatter, pipeline) {
+        if ctx.options.streams.compute_first
+            && g.compute_prefix_len(p, mesh_ctx)? == g.exprs.len()
+            && ring::applies(p, &g, rs)
+        {
+            return ring::emit(g, p, ctx, internal, subchunks);
+        }
+        tracing::debug!(
+            "reduce-scatter pipeline of `{}` runs direct: the ring needs compute-first \
+             streams and a matmul as the loop's last expression",
+            p.ir.tensor_name(rs.expr.output)
+        );
+    }
+    stream_loop::emit(g, p, ctx, internal, has_allgather, subchunks)
+}
