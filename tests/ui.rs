@@ -1,4 +1,4 @@
-//! Compile-time behaviour of `fusion!`: every rule of DESIGN.md section 3 rejected with a
+//! Compile-time behaviour of `fusion!`: every compile-time rule of docs/DSL.md rejected with a
 //! span on the culprit (`tests/ui/*.rs` and their `.stderr`, checked by trybuild;
 //! regenerate the expected output with `TRYBUILD=overwrite`), and fusions that must
 //! compile and run (`tests/ui/pass/*.rs`, each a module of this test crate with a test

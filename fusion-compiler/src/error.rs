@@ -83,7 +83,7 @@ pub enum Error {
         reason: String,
         culprit: Culprit,
     },
-    /// A sharding or stream annotation breaks a rule (DESIGN.md section 3).
+    /// A sharding or stream annotation breaks a rule (the compile-time rules of docs/DSL.md).
     #[error("`{tensor}`{}: {reason}", axis_suffix(*.axis))]
     Parallelization {
         tensor: String,

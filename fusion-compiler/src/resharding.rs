@@ -1,4 +1,14 @@
-//! Classifies how an expression redistributes data (DESIGN.md section 4).
+//! Classifies how an expression redistributes data.
+//!
+//! | op | producer / consumer sharding | communication |
+//! | --- | --- | --- |
+//! | set | p sharded on DIDx, c not (same mesh) | Allgather (Gather if meshes differ) |
+//! | set | c sharded, p not | Scatter |
+//! | set | neither, different meshes | Broadcast |
+//! | set | both sharded, same axis, different meshes | SendRecv |
+//! | set | p's DIDx axis becomes c's Stream axis | a P2P pipeline (stream lowering) |
+//! | sum/max | reduced axis sharded, c not sharded | Allreduce (Reduce if meshes differ) |
+//! | sum/max | reduced axis sharded, c sharded on another axis | ReduceScatter |
 //!
 //! `Set` and `Reduction` are the only expressions that may change distribution; lowering
 //! first rewrites every other op so that its inputs already match its output

@@ -1,10 +1,11 @@
-//! The seeds' examples (nvFuser PRs 4146, 4401/4387, 4515, 3736): insta snapshots of the
-//! printed host programs, and a check that the printed structure has the seeds' shape.
+//! nvFuser's published host-IR examples (pull requests 4146, 4401/4387, 4515, 3736; called
+//! seeds 000-004 below): insta snapshots of the printed host programs, and a check that the
+//! printed structure has the shape of nvFuser's.
 //!
-//! The expected node-kind sequences below were transcribed from the seeds' NVFUSER_DUMP
-//! listings. Seeds 000 and 001 are matched node for node. Seeds 002 and 003 predate the
-//! separate stream-synchronization loop and the hoisted `GetCurrentStream`, which seed 000
-//! introduced and DESIGN.md prescribes; for them the top level follows seed 000's form and
+//! The expected node-kind sequences below were transcribed from those pull requests'
+//! `NVFUSER_DUMP=host_ir` listings. Seeds 000 and 001 are matched node for node. Seeds 002
+//! and 003 predate the separate stream-synchronization loop and the hoisted
+//! `GetCurrentStream`, which seed 000 introduced and lowering follows; for them the top level follows seed 000's form and
 //! the loop body's compute nodes follow the seed. Deallocations are off here, as in the
 //! seeds (they ran without `InsertDeallocations`).
 

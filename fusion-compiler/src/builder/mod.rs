@@ -444,7 +444,7 @@ impl FusionBuilder {
         Ok(())
     }
 
-    /// Finishes the fusion after whole-fusion checks (DESIGN.md section 3).
+    /// Finishes the fusion after whole-fusion checks (the compile-time rules of docs/DSL.md).
     pub fn build(self) -> Result<Fusion> {
         if !self.dtype_params.is_empty() {
             return Err(Error::Invalid(format!(

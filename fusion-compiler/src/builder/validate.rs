@@ -1,4 +1,4 @@
-//! Whole-fusion checks (DESIGN.md section 3): one DIDx and one Stream axis per tensor,
+//! Whole-fusion checks (the compile-time rules of docs/DSL.md): one DIDx and one Stream axis per tensor,
 //! inputs not Stream-parallel, one DIDx extent per mesh, whole Stream axes.
 
 use crate::error::{Error, Result};

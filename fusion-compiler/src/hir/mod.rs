@@ -1,7 +1,7 @@
 //! The host program: what runs on each device's host thread to drive streams,
 //! allocations, compute and communication.
 //!
-//! One node set (DESIGN.md section 2). Nodes reference tensors and scalars of the
+//! One node set. Nodes reference tensors and scalars of the
 //! program's own arena ([`HostProgram::ir`]); SSA holds: a slice is a new tensor aliasing
 //! its parent, and no tensor has two defining nodes (except that `Allocate` of a tensor
 //! already bound, e.g. to a slice, is a no-op, as in nvFuser).
@@ -47,7 +47,7 @@ impl CommId {
     }
 }
 
-/// The collective kinds of DESIGN.md section 4.
+/// The collective kinds lowering produces (the table in [`crate::resharding`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CommunicationKind {
     Allgather,

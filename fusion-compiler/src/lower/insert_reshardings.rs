@@ -239,8 +239,8 @@ fn split_reduction(f: &mut Fusion, id: ExprId, ctx: MeshContext) -> Result<Split
     }
 }
 
-/// What lowering will certainly reject, found without the world size (DESIGN.md section
-/// 3, rule 4): each expression an output needs is taken through [`insert_reshardings`]
+/// What lowering will certainly reject, found without the world size (the lowerability
+/// rule of docs/DSL.md's compile-time rules): each expression an output needs is taken through [`insert_reshardings`]
 /// on its own, and the errors that do not depend on the world size are returned with the
 /// expression they are about. Errors of [`crate::builder::problems`] come first; when
 /// there are any, the reshardings are not looked at.

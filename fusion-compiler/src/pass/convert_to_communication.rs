@@ -1,5 +1,5 @@
 //! `ConvertOpToCommunication`: replaces each resharding `set`/reduction with
-//! `Allocate(out)`, the communication(s) of DESIGN.md section 4, and a `Wait` for each.
+//! `Allocate(out)`, the communication(s) of the table in [`crate::resharding`], and a `Wait` for each.
 
 use super::context::{Pass, PassContext};
 use crate::error::{Error, Result};
