@@ -24,7 +24,7 @@ pub enum P2pSchedule {
 pub enum ReduceScatterPipeline {
     /// [`ReduceScatterPipeline::Ring`] on 2 devices, [`ReduceScatterPipeline::Direct`] on
     /// more: on 4 H200s the ring's twice as many loop iterations cost more host time than
-    /// its missing sum saves, on 2 it is 13-17% faster (docs/DECISIONS.md).
+    /// its missing sum saves, on 2 it is 16-20% faster (docs/DECISIONS.md).
     #[default]
     Auto,
     /// Each step sends its partial straight to the device that owns that block; the owner
