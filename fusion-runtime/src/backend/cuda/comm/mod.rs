@@ -9,4 +9,5 @@ pub(crate) mod ipc;
 mod landing;
 pub(crate) mod nccl;
 pub(crate) mod nccl_graphs;
+pub(crate) mod peer_access;
 pub(crate) mod signals;
