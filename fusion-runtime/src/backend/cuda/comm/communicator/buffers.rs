@@ -54,15 +54,18 @@ impl CudaCommunicator {
         }
     }
 
+    /// Copies the staged buffer `staged` into `dst` on `s`.
     pub(super) fn copy_back(&self, s: StreamHandle, staged: &Tensor, dst: &Tensor) -> Result<()> {
         self.device.execute(s, Kernel::Copy { src: staged, dst })
     }
 
+    /// `t`'s device address as NCCL takes it (null for a tensor without one).
     pub(super) fn ptr(t: &Tensor) -> *mut c_void {
         t.device_ptr()
             .map_or(std::ptr::null_mut(), |p| p as *mut c_void)
     }
 
+    /// `t` without its axis `axis` (the sharded one), if given; `what` names the call in errors.
     pub(super) fn squeeze(&self, t: &Tensor, axis: Option<usize>, what: &str) -> Result<Tensor> {
         match axis {
             Some(a) => t.squeeze(a).map_err(|e| self.err(format!("{what}: {e}"))),

@@ -57,6 +57,7 @@ impl CudaCommunicator {
         Ok((c, index))
     }
 
+    /// The CUDA stream of stream handle `s`, as NCCL takes it.
     pub(super) fn stream(&self, s: StreamHandle) -> Result<cudarc::nccl::sys::cudaStream_t> {
         Ok(self.device.raw_stream(s)?.0 as cudarc::nccl::sys::cudaStream_t)
     }

@@ -47,6 +47,9 @@ pub(crate) struct CopyEngine {
 }
 
 impl CopyEngine {
+    /// Rank `rank`'s endpoint on `device`, meeting its peers in `registry` (and over CUDA
+    /// IPC through `ipc`, whose peers are keyed by their rank in the launched world,
+    /// `ipc_ranks`).
     pub(crate) fn new(
         rank: usize,
         device: Arc<CudaDevice>,
@@ -92,6 +95,7 @@ impl CopyEngine {
         self.keeps_receives().then(|| self.landing.clone())
     }
 
+    /// Whether this rank keeps its receive buffers (see [`Self::kept_receives`]).
     pub(super) fn keeps_receives(&self) -> bool {
         self.registry.signals.is_some() && !self.has_ipc_peers()
     }
@@ -137,6 +141,7 @@ impl CopyEngine {
         driver_err(&format!("rank {}: {what}", self.rank), e)
     }
 
+    /// A communication error of this rank.
     pub(super) fn err(&self, reason: String) -> Error {
         Error::Communication {
             rank: self.rank,

@@ -34,6 +34,7 @@ unsafe impl Send for Event {}
 // SAFETY: an `Event` is a plain handle, read (copied) through shared references only.
 unsafe impl Sync for Event {}
 
+/// A rank's CUDA context.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Ctx(sys::CUcontext);
 
@@ -42,6 +43,7 @@ unsafe impl Send for Ctx {}
 
 unsafe impl Sync for Ctx {}
 
+/// What a receiver posts: its buffer and when it is ready.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Post {
     pub(super) ptr: u64,
@@ -72,6 +74,7 @@ pub(super) struct Slot {
     pub(super) done: OnceLock<Event>,
 }
 
+/// A transfer: (source rank, destination rank, sequence number of the pair).
 pub(super) type Key = (usize, usize, u64);
 
 /// Shared by the ranks of one run: posts and done events of every transfer.
@@ -239,6 +242,7 @@ impl CopyRegistry {
         }
     }
 
+    /// An idle event of rank `owner`, if its pool has one.
     pub(super) fn take_event(&self, owner: usize) -> Option<Event> {
         self.events
             .get(&owner)?
@@ -254,6 +258,7 @@ impl CopyRegistry {
         }
     }
 
+    /// Rank `rank`'s context, or an error if it is not a GPU of this process.
     pub(super) fn context(&self, rank: usize) -> Result<sys::CUcontext> {
         self.contexts
             .get(&rank)
@@ -355,6 +360,7 @@ impl CopyRegistry {
         result
     }
 
+    /// Removes transfer `key`'s rendezvous once both sides are done with it.
     pub(super) fn remove(&self, key: Key) {
         self.slots
             .lock()

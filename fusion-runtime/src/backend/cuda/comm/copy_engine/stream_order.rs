@@ -15,6 +15,7 @@ use crate::backend::cuda::stream::RawStream;
 use crate::error::Result;
 
 impl CopyEngine {
+    /// An idle event of this rank: from the pool, else a new one.
     pub(super) fn new_event(&self) -> Result<Event> {
         if let Some(ev) = self.registry.take_event(self.rank) {
             return Ok(ev);
@@ -30,11 +31,13 @@ impl CopyEngine {
         Ok(ev)
     }
 
+    /// An event recorded on transfer `t`'s stream.
     pub(super) fn record(&self, t: &Transfer) -> Result<Event> {
         let raw = self.device.raw_stream(t.stream)?;
         self.record_on(raw)
     }
 
+    /// An event recorded on `raw`.
     pub(super) fn record_on(&self, raw: RawStream) -> Result<Event> {
         let ev = self.new_event()?;
         // SAFETY: an event and a stream of this device's context.
@@ -43,11 +46,13 @@ impl CopyEngine {
         Ok(ev)
     }
 
+    /// Transfer `t`'s stream waits for `ev` (which then goes back to the pool).
     pub(super) fn stream_wait(&self, t: &Transfer, ev: Event) -> Result<()> {
         let raw = self.device.raw_stream(t.stream)?;
         self.wait_on(raw, ev)
     }
 
+    /// `raw` waits for `ev`, which then goes back to the pool.
     pub(super) fn wait_on(&self, raw: RawStream, ev: Event) -> Result<()> {
         // SAFETY: waiting on an event of any device of this process is allowed.
         unsafe {

@@ -115,6 +115,7 @@ impl IpcDevice {
         Ok(((self.events.len() - 1) as u32, raw, bytes))
     }
 
+    /// Returns event `slot` to the idle ones.
     pub(super) fn give_event(&mut self, slot: u32) {
         self.free_events.push(slot);
     }

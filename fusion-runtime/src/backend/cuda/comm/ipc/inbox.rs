@@ -20,6 +20,7 @@ const MSG_BYTES: usize = 256;
 /// Ring header: the producer's count at 0, the consumer's at 64 (separate cache lines).
 const RING_HEADER: usize = 128;
 
+/// Bytes of one sender's ring.
 pub(super) const RING_BYTES: usize = RING_HEADER + RING_SLOTS * MSG_BYTES;
 
 /// How long a waiter spins before it starts to sleep.
@@ -39,6 +40,7 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
+    /// Maps the first `len` bytes of `file`, shared and read-write.
     pub(super) fn map(file: File, len: usize) -> Result<Mapping> {
         use std::os::fd::AsRawFd;
         // SAFETY: mapping `len` bytes of a file at least that long, shared, read-write.
@@ -102,14 +104,17 @@ unsafe impl Send for Ring {}
 unsafe impl Sync for Ring {}
 
 impl Ring {
+    /// The producer's count: messages written so far.
     pub(super) fn head(&self) -> &AtomicU64 {
         // SAFETY: 8-byte aligned (page-aligned mapping, ring sizes multiples of 64).
         unsafe { &*(self.base as *const AtomicU64) }
     }
+    /// The consumer's count: messages read so far.
     pub(super) fn tail(&self) -> &AtomicU64 {
         // SAFETY: as above, 64 bytes in.
         unsafe { &*(self.base.add(64) as *const AtomicU64) }
     }
+    /// Where message `n` goes (slots are reused round the ring).
     pub(super) fn slot(&self, n: u64) -> *mut u8 {
         // SAFETY: inside the ring.
         unsafe {
@@ -140,6 +145,7 @@ pub(super) enum Kind {
     Done = 2,
 }
 
+/// One message of the hand-off, as it travels in a ring slot.
 #[derive(Clone, Copy)]
 pub(super) struct Msg {
     pub(super) kind: Kind,
@@ -157,6 +163,7 @@ pub(super) struct Msg {
 }
 
 impl Msg {
+    /// Writes the message into slot `out`.
     pub(super) fn write(&self, out: *mut u8) {
         let mut b = [0u8; MSG_BYTES];
         b[0] = self.kind as u8;
@@ -174,6 +181,7 @@ impl Msg {
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), out, MSG_BYTES) };
     }
 
+    /// The message in slot `src`; `None` for an unknown kind.
     pub(super) fn read(src: *const u8) -> Option<Msg> {
         let mut b = [0u8; MSG_BYTES];
         // SAFETY: a published message slot.

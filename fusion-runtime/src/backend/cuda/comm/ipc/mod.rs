@@ -2,15 +2,15 @@
 //! IPC: the one-process-per-GPU layout keeps the copy-engine pipelines.
 //!
 //! - **Memory.** Receive buffers come from the device's shared arena
-//!   (`backend::cuda::shared`): chunks exported as POSIX file descriptors, which a sender
-//!   duplicates with `pidfd_getfd` and maps the first time a transfer lands in one, then
-//!   keeps mapped, so a transfer makes no driver call but the copy and its events. A buffer
-//!   outside the arena (e.g. a caller's preallocated output) still works: the devices of
-//!   such worlds allocate from a memory pool that can be exported, imported once by each
-//!   peer; the receiver exports the buffer (`cuMemPoolExportPointer`), the sender imports
-//!   it, copies, and frees its import on the same stream right after the copy, which the
-//!   receiver's stream waits for before it can free the buffer itself (the order CUDA
-//!   requires of imported pool memory). That costs a mapping per transfer.
+//!   (`backend::cuda::memory::shared_arena`): chunks exported as POSIX file descriptors,
+//!   which a sender duplicates with `pidfd_getfd` and maps the first time a transfer lands
+//!   in one, then keeps mapped, so a transfer makes no driver call but the copy and its
+//!   events. A buffer outside the arena (e.g. a caller's preallocated output) still works:
+//!   the devices of such worlds allocate from a memory pool that can be exported, imported
+//!   once by each peer; the receiver exports the buffer (`cuMemPoolExportPointer`), the
+//!   sender imports it, copies, and frees its import on the same stream right after the
+//!   copy, which the receiver's stream waits for before it can free the buffer itself (the
+//!   order CUDA requires of imported pool memory). That costs a mapping per transfer.
 //! - **Events.** Interprocess events, created once per rank and opened once per peer; an
 //!   event is recorded again only once the peer has enqueued its wait on the last record.
 //! - **Hand-off.** Every rank owns an inbox in shared memory (`/dev/shm`), one ring of

@@ -96,6 +96,7 @@ impl IpcPeer {
         })
     }
 
+    /// Writes `msg` into the peer's inbox, waiting while its ring is full.
     pub(super) fn send(&mut self, msg: &Msg, health: &WorldHealth, me: usize) -> Result<()> {
         let start = Instant::now();
         while self.out_count - self.outbox.tail().load(Ordering::Acquire) >= RING_SLOTS as u64 {
@@ -125,6 +126,7 @@ impl IpcPeer {
         }
     }
 
+    /// Waits (host) for the peer's message of `kind` about transfer `key`.
     pub(super) fn wait(
         &mut self,
         kind: Kind,
