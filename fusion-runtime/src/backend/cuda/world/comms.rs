@@ -7,7 +7,8 @@ use std::time::Duration;
 use super::each::on_each;
 use super::routes::Routes;
 use crate::backend::cuda::comm::communicator::CudaCommunicator;
-use crate::backend::cuda::comm::copy_engine::{CopyEngine, CopyRegistry, IpcState};
+use crate::backend::cuda::comm::copy_engine::{CopyEngine, CopyRegistry};
+use crate::backend::cuda::comm::ipc::IpcState;
 use crate::backend::cuda::comm::nccl::{
     id_bytes, id_from_bytes, init_rank, init_world, unique_id, NcclRankState,
 };

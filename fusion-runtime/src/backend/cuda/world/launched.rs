@@ -11,11 +11,11 @@ use cudarc::driver::sys;
 use super::comms::{CudaComms, NcclSource};
 use super::each::on_each;
 use super::routes::{Route, Routes};
-use crate::backend::cuda::comm::copy_engine::{enable_peer_access, IpcState};
-use crate::backend::cuda::comm::ipc::{IpcDevice, IpcInfo, IpcPeer};
+use crate::backend::cuda::comm::ipc::{IpcDevice, IpcInfo, IpcPeer, IpcState};
 use crate::backend::cuda::comm::nccl::{
     async_error, id_bytes, id_from_bytes, init_rank, nccl_version, unique_id, NcclRankState,
 };
+use crate::backend::cuda::comm::peer_access::enable_peer_access;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::libs::{check_libraries, device_count};

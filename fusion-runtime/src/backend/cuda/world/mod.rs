@@ -27,7 +27,7 @@ pub use on_stream::OnStream;
 
 use std::sync::Arc;
 
-use crate::backend::cuda::comm::copy_engine::enable_peer_access;
+use crate::backend::cuda::comm::peer_access::enable_peer_access;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::libs::{check_libraries, device_count};
