@@ -11,6 +11,11 @@
 //! addresses back from the allocator and replay every call.
 //!
 //! Programs that cannot be captured run eagerly, and [`ReplayStatus::Eager`] says why.
+//!
+//! This module holds the state of one program and rank (`GraphSlot`: what the next call
+//! does) and how a call ran; the executor's replay driver keeps the slots, captures and
+//! launches; whether a program can be captured at all ([`capture_plan`]) is worked out once
+//! per program with the rest of what the runtime knows of it, and re-exported here.
 
 use crate::device::DeviceGraph;
 

@@ -74,13 +74,13 @@ pub struct CallContext<'a> {
     /// world whose peers in other processes write into them).
     pub shared_receives: bool,
     /// The program's buffers that peers copy into and that it allocates itself
-    /// ([`PeerCopyReceives::internal`]): asked of the communicator's kept receive buffers
-    /// ([`crate::comm::Capabilities::kept_receives`]) first,
-    /// so they are the same memory at every call.
+    /// ([`PeerCopyReceives::internal`](super::PeerCopyReceives::internal)): asked of the
+    /// communicator's kept receive buffers ([`crate::comm::Capabilities::kept_receives`])
+    /// first, so they are the same memory at every call.
     pub kept_receives: Option<&'a std::collections::HashSet<TensorId>>,
     /// Also record a host-side span for every node the call executes ([`HostSpan`]).
     pub trace_nodes: bool,
-    /// Check the program's stream order ([`race`]): a race fails the call.
+    /// Check the program's stream order ([`race`](super::race)): a race fails the call.
     pub race_check: bool,
 }
 
