@@ -177,9 +177,9 @@ impl ProgramCache {
     }
 
     /// The program of `fusion` for these symbols and options, lowered at the first call of
-    /// its key onto the transports the rank's world has ([`Capabilities::lowering`]: copy
-    /// engines only where every pair of ranks has them), so that the program and its dump
-    /// say what runs.
+    /// its key onto the transports the rank's world has
+    /// ([`Capabilities::lowering`](crate::comm::Capabilities::lowering): copy engines only
+    /// where every pair of ranks has them), so that the program and its dump say what runs.
     fn program_for(
         &self,
         fusion: &Fusion,
