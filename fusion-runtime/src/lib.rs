@@ -14,6 +14,7 @@ mod error;
 pub mod eval;
 pub mod executor;
 mod observe;
+mod program_facts;
 mod ranked;
 pub mod replay;
 pub mod streams;

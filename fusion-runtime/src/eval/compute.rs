@@ -6,7 +6,7 @@ use fusion_compiler::hir::SegmentId;
 use fusion_compiler::ir::{Expr, Op, TensorId, UnaryOp};
 use fusion_compiler::DType;
 
-use super::Evaluator;
+use super::evaluator::Evaluator;
 use crate::device::{Kernel, PointwiseInstr, PointwiseProgram};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;

@@ -1,0 +1,228 @@
+//! Finding a call's host program: binding the call's dtypes and dimension symbols, and
+//! lowering the fusion at the first call of each key (dtypes, symbols, world, backend,
+//! options), cached per key.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use fusion_compiler::generic::GenericFusion;
+use fusion_compiler::hir::HostProgram;
+use fusion_compiler::ir::Fusion;
+use fusion_compiler::lower::{lower_for_shapes, LowerOptions};
+use fusion_compiler::DType;
+
+use super::dumps::dump_program;
+use super::options::ExecOptions;
+use crate::config::DumpOptions;
+use crate::device::BackendKind;
+use crate::error::{Error, Result};
+use crate::eval::{bind_dtypes, bind_inputs, check_didx_extents, SymbolBindings};
+use crate::program_facts::{dtype_code, dtype_from_code};
+use crate::tensor::Tensor;
+use crate::world::Rank;
+
+/// Where the executor's fusions come from.
+pub(super) enum Source {
+    /// One fusion with fixed dtypes.
+    Fixed(Arc<Fusion>),
+    /// A dtype-generic fusion and its instances, one per dtype binding, built on demand.
+    Generic {
+        generic: GenericFusion,
+        instances: Mutex<HashMap<Vec<DType>, Arc<Fusion>>>,
+    },
+}
+
+/// What a lowered program is cached under.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct CacheKey {
+    /// The dtypes bound to the fusion's dtype parameters (empty for a fixed fusion).
+    dtypes: Vec<DType>,
+    /// Values of the dimension symbols: the input shapes, the same on every rank.
+    symbols: Vec<(usize, i64)>,
+    world_size: usize,
+    backend: BackendKind,
+    number_of_streams: usize,
+    lower: LowerOptions,
+}
+
+/// A fusion (or a dtype-generic one and its instances) plus its cache of lowered programs.
+pub(super) struct ProgramCache {
+    source: Source,
+    cache: Mutex<HashMap<CacheKey, Arc<HostProgram>>>,
+    lowerings: AtomicUsize,
+}
+
+impl ProgramCache {
+    /// An empty cache for the fusions of `source`.
+    pub(super) fn new(source: Source) -> Self {
+        ProgramCache {
+            source,
+            cache: Mutex::new(HashMap::new()),
+            lowerings: AtomicUsize::new(0),
+        }
+    }
+
+    /// The names of the fusion's dtype parameters (empty for a fusion with fixed dtypes).
+    pub(super) fn dtype_params(&self) -> &[String] {
+        match &self.source {
+            Source::Fixed(_) => &[],
+            Source::Generic { generic, .. } => generic.params(),
+        }
+    }
+
+    /// The fusion this executor runs for `dtypes`, one per dtype parameter (empty for a
+    /// fusion with fixed dtypes); a generic fusion is instantiated at the first request.
+    pub(super) fn fusion_for(&self, dtypes: &[DType]) -> Result<Arc<Fusion>> {
+        match &self.source {
+            Source::Fixed(f) if dtypes.is_empty() => Ok(f.clone()),
+            Source::Fixed(_) => Err(Error::Arity {
+                what: "dtypes of a fusion without dtype parameters".into(),
+                expected: 0,
+                actual: dtypes.len(),
+            }),
+            Source::Generic { generic, instances } => {
+                let mut map = instances.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(f) = map.get(dtypes) {
+                    return Ok(f.clone());
+                }
+                let f = Arc::new(generic.instantiate(dtypes)?);
+                map.insert(dtypes.to_vec(), f.clone());
+                Ok(f)
+            }
+        }
+    }
+
+    /// How many times this executor has lowered a program.
+    pub(super) fn lowering_count(&self) -> usize {
+        self.lowerings.load(Ordering::SeqCst)
+    }
+
+    /// Binds the dtypes and the dimension symbols of a call and finds (or lowers) its
+    /// program.
+    pub(super) fn prepare(
+        &self,
+        rank: &Rank,
+        inputs: &[&Tensor],
+        options: &ExecOptions,
+    ) -> Result<(Arc<HostProgram>, SymbolBindings)> {
+        let dtypes = match &self.source {
+            Source::Fixed(_) => Vec::new(),
+            Source::Generic { generic, .. } => bind_dtypes(generic, inputs)?,
+        };
+        let fusion = self.fusion_for(&dtypes)?;
+        let symbols = self.bind(&fusion, &dtypes, rank, inputs)?;
+        let program = self.program_for(&fusion, dtypes, rank, &symbols, options)?;
+        Ok((program, symbols))
+    }
+
+    /// Checks the inputs and binds the dimension symbols. When an input lives on only
+    /// some devices, ranks without it learn its extents from the others (every rank of
+    /// such a fusion takes part in the exchange, so it is deterministic), and the ranks
+    /// check that they bound the same dtypes.
+    fn bind(
+        &self,
+        fusion: &Fusion,
+        dtypes: &[DType],
+        rank: &Rank,
+        inputs: &[&Tensor],
+    ) -> Result<SymbolBindings> {
+        let ws = rank.world_size();
+        let mut symbols = bind_inputs(fusion, fusion.inputs(), inputs, rank.index(), ws)?;
+        let partial = fusion
+            .inputs()
+            .iter()
+            .any(|&t| fusion.tensor(t).mesh.resolve(ws) != (0..ws).collect::<Vec<_>>());
+        if partial {
+            let mine: Vec<i64> = dtypes
+                .iter()
+                .map(|&d| dtype_code(d))
+                .chain(
+                    symbols
+                        .entries()
+                        .into_iter()
+                        .flat_map(|(i, v)| [i as i64, v]),
+                )
+                .collect();
+            let all = rank.communicator().exchange(&mine)?;
+            for (r, values) in all.iter().enumerate() {
+                let (theirs, entries) = values.split_at(dtypes.len().min(values.len()));
+                if theirs != &mine[..dtypes.len()] {
+                    return Err(self.dtype_disagreement(dtypes, r, theirs));
+                }
+                let entries: Vec<(usize, i64)> =
+                    entries.chunks(2).map(|c| (c[0] as usize, c[1])).collect();
+                symbols.merge(fusion, r, &entries)?;
+            }
+        }
+        Ok(symbols)
+    }
+
+    /// The error for ranks whose inputs bind a dtype parameter differently.
+    fn dtype_disagreement(&self, mine: &[DType], rank: usize, theirs: &[i64]) -> Error {
+        let params = self.dtype_params();
+        let at = (0..mine.len())
+            .find(|&i| theirs.get(i) != Some(&dtype_code(mine[i])))
+            .unwrap_or(0);
+        let theirs = theirs
+            .get(at)
+            .and_then(|&c| dtype_from_code(c))
+            .map_or("something else".to_string(), |d| d.to_string());
+        Error::World(format!(
+            "dtype parameter `{}` is {} on this rank but {theirs} on rank {rank}; every rank \
+             passes inputs of the same dtypes",
+            params.get(at).map_or("?", String::as_str),
+            mine.get(at).map_or("?", |d| d.name()),
+        ))
+    }
+
+    /// The program of `fusion` for these symbols and options, lowered at the first call of
+    /// its key onto the transports the rank's world has
+    /// ([`Capabilities::lowering`](crate::comm::Capabilities::lowering): copy engines only
+    /// where every pair of ranks has them), so that the program and its dump say what runs.
+    fn program_for(
+        &self,
+        fusion: &Fusion,
+        dtypes: Vec<DType>,
+        rank: &Rank,
+        symbols: &SymbolBindings,
+        options: &ExecOptions,
+    ) -> Result<Arc<HostProgram>> {
+        let lower = rank.communicator().capabilities().lowering(&options.lower);
+        let key = CacheKey {
+            dtypes,
+            symbols: symbols.entries(),
+            world_size: rank.world_size(),
+            backend: rank.backend(),
+            number_of_streams: options.number_of_streams,
+            lower: lower.clone().into_owned(),
+        };
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = cache.get(&key) {
+            return Ok(p.clone());
+        }
+        // Once per key, before lowering: results declared DIDx over extents the inputs
+        // bound to other than the mesh size cannot be sharded.
+        check_didx_extents(fusion, symbols, rank.world_size())?;
+        let dump = DumpOptions::from_env()?;
+        let mut lower_options = lower.into_owned();
+        lower_options.passes.dump_each |= dump.host_ir_passes;
+        if dump.fusion {
+            eprintln!("{fusion}");
+        }
+        let lowered = lower_for_shapes(fusion, rank.world_size(), &lower_options, &|s| {
+            symbols.get(s)
+        })?;
+        for d in &lowered.dumps {
+            eprintln!("=== after pass {} ===\n{}", d.pass, d.program);
+        }
+        if dump.host_ir {
+            dump_program(&lowered.program, rank);
+        }
+        self.lowerings.fetch_add(1, Ordering::SeqCst);
+        tracing::debug!(nodes = lowered.program.node_count(), "lowered fusion");
+        let program = Arc::new(lowered.program);
+        cache.insert(key, program.clone());
+        Ok(program)
+    }
+}

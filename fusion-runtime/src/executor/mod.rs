@@ -1,0 +1,263 @@
+//! Runs a fusion: lowers it at the first call for a given key, caches the host program,
+//! and evaluates it on the calling rank.
+//!
+//! The key is (the dtypes bound to the fusion's dtype parameters; the input shapes, as
+//! values of the dimension symbols; world size; backend; options). A dtype-generic fusion
+//! ([`GenericFusion`]) is instantiated once per dtype binding, at the first call that
+//! binds it. All ranks of a world share one executor, so a program is lowered once per
+//! process, not once per rank; [`FusionExecutor::lowering_count`] counts lowerings.
+//!
+//! One call, top-down ([`FusionExecutor::run_with`]): find (or lower) the program for the
+//! call's key (`lowering`), look up what is known of the program (`ProgramFacts`), tell
+//! the communicator a call begins, then walk the program, capture it or replay its graph
+//! (`replay_driver`), hand the outputs out, and write the call's trace file (`dumps`).
+
+mod dumps;
+mod lowering;
+mod options;
+mod replay_driver;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use fusion_compiler::generic::GenericFusion;
+use fusion_compiler::hir::HostProgram;
+use fusion_compiler::ir::Fusion;
+use fusion_compiler::DType;
+
+pub use crate::config::DumpOptions;
+pub use options::ExecOptions;
+
+use dumps::TraceFiles;
+use lowering::{ProgramCache, Source};
+use replay_driver::{Call, GraphSlots};
+
+use crate::comm::CallStart;
+use crate::device::{BackendKind, CallerStream};
+use crate::error::Result;
+use crate::eval::{CallContext, ExecStats, HostSpan, RaceCheck, TraceEvent};
+use crate::program_facts::ProgramFacts;
+use crate::replay::ReplayStatus;
+use crate::tensor::Tensor;
+use crate::world::{CallTarget, Rank};
+
+/// The result of one call with its statistics.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    /// Outputs in order; ranks outside an output's mesh get a zero-element placeholder.
+    pub outputs: Vec<Tensor>,
+    /// What the call did: allocations, peak memory, host time per node kind.
+    pub stats: ExecStats,
+    /// The call's timeline on this rank's device, when `ExecOptions::trace` (or a trace
+    /// directory) is set.
+    pub trace: Option<Vec<TraceEvent>>,
+    /// A span per executed node, and the file they were written to, when a trace
+    /// directory is set (`ExecOptions::trace_dir`, `FUSION_TRACE`).
+    pub host_trace: Option<Vec<HostSpan>>,
+    /// The trace file written for this call.
+    pub trace_file: Option<PathBuf>,
+    /// Whether the call walked the host program, was captured as a device graph, or
+    /// replayed one ([`crate::replay`]).
+    pub replay: ReplayStatus,
+    /// The happens-before order the race checker verified, when it ran.
+    pub race: Option<RaceCheck>,
+}
+
+/// A fusion plus its cache of lowered programs.
+pub struct FusionExecutor {
+    /// The fusion and its lowered programs, per key.
+    programs: ProgramCache,
+    /// Names trace files.
+    name: String,
+    /// Traced calls so far, per rank: the number in the next trace file's name.
+    traces: TraceFiles,
+    /// Device graphs and kept outputs per (program, rank, communicator instance).
+    graphs: GraphSlots,
+    /// Facts per cached program (keyed by its address, stable while it is cached).
+    facts: Mutex<HashMap<usize, Arc<ProgramFacts>>>,
+}
+
+impl FusionExecutor {
+    /// An executor for `fusion` (checked when it was built).
+    pub fn new(fusion: Fusion) -> Self {
+        FusionExecutor::from_source(Source::Fixed(Arc::new(fusion)))
+    }
+
+    /// An executor for a dtype-generic fusion: each call binds the dtype parameters from
+    /// the dtypes of its inputs, and each binding gets its own fusion (built at its first
+    /// call) and its own lowered programs.
+    pub fn generic(generic: GenericFusion) -> Self {
+        FusionExecutor::from_source(Source::Generic {
+            generic,
+            instances: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn from_source(source: Source) -> Self {
+        FusionExecutor {
+            programs: ProgramCache::new(source),
+            name: "fusion".into(),
+            traces: TraceFiles::default(),
+            graphs: GraphSlots::default(),
+            facts: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// What is known of `program` on `backend`, worked out at its first call.
+    fn facts(&self, program: &Arc<HostProgram>, backend: BackendKind) -> Arc<ProgramFacts> {
+        self.facts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(Arc::as_ptr(program) as usize)
+            .or_insert_with(|| Arc::new(ProgramFacts::of(program, backend)))
+            .clone()
+    }
+
+    /// This executor with a name, used in trace file names (`fusion!` names it after
+    /// the fusion).
+    pub fn with_name(mut self, name: &str) -> Self {
+        self.name = name.to_string();
+        self
+    }
+
+    /// The name trace files carry.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The names of the fusion's dtype parameters (empty for a fusion with fixed dtypes).
+    pub fn dtype_params(&self) -> &[String] {
+        self.programs.dtype_params()
+    }
+
+    /// The fusion this executor runs for `dtypes`, one per dtype parameter (empty for a
+    /// fusion with fixed dtypes); a generic fusion is instantiated at the first request.
+    pub fn fusion_for(&self, dtypes: &[DType]) -> Result<Arc<Fusion>> {
+        self.programs.fusion_for(dtypes)
+    }
+
+    /// How many times this executor has lowered a program.
+    pub fn lowering_count(&self) -> usize {
+        self.programs.lowering_count()
+    }
+
+    /// How many graph slots (one per program, rank and communicator, holding that rank's
+    /// device graphs and kept outputs) the executor holds: those of finished runs are
+    /// dropped when a later run makes its own.
+    pub fn graph_slots(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Runs with default options and returns the outputs.
+    pub fn run<T: CallTarget + ?Sized>(&self, rank: &T, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        Ok(self
+            .run_with(rank, inputs, None, &ExecOptions::default())?
+            .outputs)
+    }
+
+    /// Runs, writing the outputs into `outputs` (one per fusion output, this rank's shape).
+    pub fn run_into<T: CallTarget + ?Sized>(
+        &self,
+        rank: &T,
+        inputs: &[&Tensor],
+        outputs: &[&Tensor],
+    ) -> Result<()> {
+        self.run_with(rank, inputs, Some(outputs), &ExecOptions::default())?;
+        Ok(())
+    }
+
+    /// Runs with explicit options and optional preallocated outputs, on a rank
+    /// ([`Rank`]) or a rank on the caller's stream (`Rank::on`). The call holds the rank
+    /// (one call at a time per rank); an error fails the rank's world for good.
+    pub fn run_with<T: CallTarget + ?Sized>(
+        &self,
+        rank: &T,
+        inputs: &[&Tensor],
+        outputs: Option<&[&Tensor]>,
+        options: &ExecOptions,
+    ) -> Result<RunReport> {
+        let target = rank.target();
+        let rank = target.rank();
+        rank.call(|| {
+            let on = target.caller_stream()?;
+            self.run_call(rank, on, inputs, outputs, options)
+        })
+    }
+
+    /// One call on `rank` (held), on the caller's stream `on` if given.
+    fn run_call(
+        &self,
+        rank: &Rank,
+        on: Option<CallerStream>,
+        inputs: &[&Tensor],
+        outputs: Option<&[&Tensor]>,
+        options: &ExecOptions,
+    ) -> Result<RunReport> {
+        let call_start = std::time::Instant::now();
+        let scope = crate::observe::CallScope::enter(&self.name, rank.index());
+        let (program, symbols) = self.programs.prepare(rank, inputs, options)?;
+        let facts = self.facts(&program, rank.backend());
+        let trace_dir = options.resolved_trace_dir();
+        let ctx = CallContext {
+            device: rank.device(),
+            comm: rank.communicator(),
+            rank: rank.index(),
+            number_of_streams: options.number_of_streams,
+            trace: options.trace || trace_dir.is_some(),
+            trace_nodes: trace_dir.is_some(),
+            shared_receives: rank.communicator().capabilities().shared_receives,
+            kept_receives: (!facts.receives.internal.is_empty())
+                .then_some(&facts.receives.internal),
+            race_check: options.race_check,
+        };
+        rank.communicator().begin_call(&CallStart {
+            identity: facts.identity(inputs, options.number_of_streams),
+            rerun: false,
+        })?;
+        let call = Call {
+            rank,
+            on,
+            program: &program,
+            facts: &facts,
+            ctx: &ctx,
+            symbols: &symbols,
+            inputs,
+            outputs,
+            options,
+            start: call_start,
+        };
+        let (ex, replay) = self.graphs.run_program(&call)?;
+        rank.device().hand_out(&ex.outputs, call.on.as_ref());
+        scope.ran(match replay {
+            ReplayStatus::Replayed => "replayed",
+            ReplayStatus::Captured(_) => "captured",
+            ReplayStatus::Eager(_) => "walked",
+        });
+        let trace_file = match &trace_dir {
+            Some(dir) => Some(self.traces.write(dir, &self.name, rank, &program, &ex)?),
+            None => None,
+        };
+        Ok(RunReport {
+            outputs: ex.outputs,
+            stats: ex.stats,
+            trace: ex.trace,
+            host_trace: ex.host_trace,
+            trace_file,
+            replay,
+            race: ex.race,
+        })
+    }
+
+    /// The host program for these inputs and options, lowering it if needed (a call of
+    /// the rank: ranks that bind extents from each other exchange them).
+    pub fn program<T: CallTarget + ?Sized>(
+        &self,
+        rank: &T,
+        inputs: &[&Tensor],
+        options: &ExecOptions,
+    ) -> Result<Arc<HostProgram>> {
+        let rank = rank.target().rank;
+        rank.call(|| Ok(self.programs.prepare(rank, inputs, options)?.0))
+    }
+}
