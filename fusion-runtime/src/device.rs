@@ -234,33 +234,19 @@ fn no_caller_streams(kind: BackendKind, on: Option<&CallerStream>) -> Result<()>
     }
 }
 
-/// A device as the evaluator sees it. Methods are called by one call of the rank at a time
-/// (from whichever thread holds the rank's call).
+/// A device as the evaluator sees it: what every backend implements. Methods are called by
+/// one call of the rank at a time (from whichever thread holds the rank's call). What a
+/// device with streams shared with its caller and graphs to replay does around a call is
+/// the optional [`DeviceLifecycle`] ([`Device::lifecycle`]).
 pub trait Device: Send + Sync {
     /// The backend kind.
     fn kind(&self) -> BackendKind;
     /// The device ordinal (the rank on a local world).
     fn ordinal(&self) -> usize;
-    /// Prepares the calling thread to drive this device (e.g. makes a CUDA context
-    /// current); called once per rank thread.
-    fn bind_thread(&self) -> Result<()> {
-        Ok(())
-    }
     /// Makes sure the worker pool has at least `n` streams.
     fn ensure_streams(&self, n: usize) -> Result<()>;
     /// A new uninitialized contiguous tensor, ordered on `stream`.
     fn allocate(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor>;
-    /// Like [`Device::allocate`], for a buffer that devices of other processes write into
-    /// (a copy-engine receive buffer): on GPUs of a launched world it comes from memory
-    /// that peers map once. Elsewhere it is an ordinary allocation.
-    fn allocate_shared(
-        &self,
-        stream: StreamHandle,
-        dtype: DType,
-        shape: &[usize],
-    ) -> Result<Tensor> {
-        self.allocate(stream, dtype, shape)
-    }
     /// `waiter` waits for the work enqueued so far on `waitee` (no host blocking).
     fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()>;
     /// Enqueues `kernel` on `stream`.
@@ -271,67 +257,156 @@ pub trait Device: Send + Sync {
     fn download(&self, t: &Tensor) -> Result<Tensor>;
     /// Blocks the host until all streams are idle.
     fn synchronize(&self) -> Result<()>;
-    /// A call that walks its program (eagerly, or capturing it) starts: with the caller's
-    /// stream `on`, the main stream waits for the work enqueued there so far. Without one,
-    /// the main stream is ordered after earlier calls' replays on callers' streams.
-    fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
-        no_caller_streams(self.kind(), on)
-    }
-    /// The walk of [`Device::begin_walk`] is done: the caller's stream `on` waits for the
-    /// main stream, so the caller's next work sees the outputs.
-    fn end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
-        no_caller_streams(self.kind(), on)
-    }
-    /// A replayed call is about to launch its graph (on the caller's stream `on`, or the
-    /// main stream): the launch stream is ordered after the device's earlier work it has
-    /// not waited for yet (nothing to do when the previous call ran on the same stream).
-    fn begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
-        no_caller_streams(self.kind(), on)
-    }
-    /// The graph was launched on `on`: later work of the device on its own streams (frees,
-    /// walks, downloads) is ordered after it.
-    fn end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
-        no_caller_streams(self.kind(), on)
-    }
-    /// A call on the caller's stream `on` hands out `outputs`: buffers of them that the
-    /// device frees later first wait for that stream, where the caller's work may still
-    /// read them.
-    fn hand_out(&self, _outputs: &[Tensor], _on: Option<&CallerStream>) {}
-    /// Fills every later allocation with NaN bytes (`on`), so outputs a program forgets to
-    /// write show up in tests ([`crate::World::poison_allocations`]). The CPU backend
-    /// always does.
-    fn set_poison(&self, _on: bool) {}
-    /// Starts recording the calling thread's work on the main stream instead of running
-    /// it (see `crate::replay`). With `arena_bytes` above 0, the buffers the recorded
-    /// work allocates come from memory of that size set aside for the graph, so that the
-    /// graph holds no allocation nodes (cheaper launches). Backends without graphs say so.
-    fn begin_capture(&self, _arena_bytes: usize) -> Result<()> {
-        Err(crate::error::Error::Backend {
-            backend: self.kind().name(),
-            reason: "this backend cannot record graphs".into(),
-        })
-    }
-    /// Ends the recording that [`Device::begin_capture`] started and returns the graph.
-    fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
-        Err(crate::error::Error::Backend {
-            backend: self.kind().name(),
-            reason: "this backend cannot record graphs".into(),
-        })
-    }
     /// Records a timing marker on `stream` (for traces); returns its id.
     fn record_marker(&self, stream: StreamHandle) -> Result<usize>;
     /// Milliseconds from marker `start` to marker `end` (waits for both).
     fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64>;
     /// Forgets every marker (call after reading a trace).
     fn clear_markers(&self);
-    /// The device's memory in use, where the backend can tell (`None` on the CPU, whose
-    /// memory is the process's).
-    fn memory(&self) -> Result<Option<DeviceMemory>> {
-        Ok(None)
-    }
+    /// Fills every later allocation with NaN bytes (`on`), so outputs a program forgets to
+    /// write show up in tests ([`crate::World::poison_allocations`]).
+    fn set_poison(&self, on: bool);
+    /// The device's memory in use, where the backend can tell (`None` where its memory is
+    /// the process's).
+    fn memory(&self) -> Result<Option<DeviceMemory>>;
     /// This device as `Any`, for the API of one backend (the CUDA backend's
     /// `Rank::cuda_context` and tensors over cudarc buffers find their device this way).
     fn as_any(&self) -> &dyn std::any::Any;
     /// True when `t` lives where this device's kernels can read it.
     fn is_resident(&self, t: &Tensor) -> bool;
+    /// What the device does around a call, where its streams are shared with the caller and
+    /// calls can be recorded as graphs (CUDA); `None` for a device that runs each kernel as
+    /// it is enqueued (the CPU). Callers use the methods of `dyn Device` of the same names,
+    /// which answer for devices without it.
+    fn lifecycle(&self) -> Option<&dyn DeviceLifecycle> {
+        None
+    }
+}
+
+/// The call life cycle of a device with streams (CUDA): the thread that drives it, memory
+/// other processes write into, the caller's stream at both ends of a walk or a replay,
+/// outputs handed out on that stream, and recording a call as a graph.
+pub trait DeviceLifecycle: Send + Sync {
+    /// Prepares the calling thread to drive this device (makes its CUDA context current).
+    fn bind_thread(&self) -> Result<()>;
+    /// Like [`Device::allocate`], for a buffer that devices of other processes write into
+    /// (a copy-engine receive buffer): on GPUs of a launched world it comes from memory
+    /// that peers map once.
+    fn allocate_shared(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor>;
+    /// A call that walks its program (eagerly, or capturing it) starts: with the caller's
+    /// stream `on`, the main stream waits for the work enqueued there so far. Without one,
+    /// the main stream is ordered after earlier calls' replays on callers' streams.
+    fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()>;
+    /// The walk of [`DeviceLifecycle::begin_walk`] is done: the caller's stream `on` waits
+    /// for the main stream, so the caller's next work sees the outputs.
+    fn end_walk(&self, on: Option<&CallerStream>) -> Result<()>;
+    /// A replayed call is about to launch its graph (on the caller's stream `on`, or the
+    /// main stream): the launch stream is ordered after the device's earlier work it has
+    /// not waited for yet (nothing to do when the previous call ran on the same stream).
+    fn begin_replay(&self, on: Option<&CallerStream>) -> Result<()>;
+    /// The graph was launched on `on`: later work of the device on its own streams (frees,
+    /// walks, downloads) is ordered after it.
+    fn end_replay(&self, on: Option<&CallerStream>) -> Result<()>;
+    /// A call on the caller's stream `on` hands out `outputs`: buffers of them that the
+    /// device frees later first wait for that stream, where the caller's work may still
+    /// read them.
+    fn hand_out(&self, outputs: &[Tensor], on: Option<&CallerStream>);
+    /// Starts recording the calling thread's work on the main stream instead of running
+    /// it (see `crate::replay`). With `arena_bytes` above 0, the buffers the recorded
+    /// work allocates come from memory of that size set aside for the graph, so that the
+    /// graph holds no allocation nodes (cheaper launches).
+    fn begin_capture(&self, arena_bytes: usize) -> Result<()>;
+    /// Ends the recording that [`DeviceLifecycle::begin_capture`] started and returns the
+    /// graph.
+    fn end_capture(&self) -> Result<Box<dyn DeviceGraph>>;
+}
+
+/// The life cycle's steps for any device: a device without [`DeviceLifecycle`] needs no
+/// thread binding, allocates shared buffers as ordinary ones, has nothing to order around
+/// a call (and refuses a caller's stream), and cannot record graphs.
+impl dyn Device + '_ {
+    /// [`DeviceLifecycle::bind_thread`], or nothing.
+    pub fn bind_thread(&self) -> Result<()> {
+        self.lifecycle().map_or(Ok(()), |l| l.bind_thread())
+    }
+
+    /// [`DeviceLifecycle::allocate_shared`], or [`Device::allocate`].
+    pub fn allocate_shared(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        match self.lifecycle() {
+            Some(l) => l.allocate_shared(stream, dtype, shape),
+            None => self.allocate(stream, dtype, shape),
+        }
+    }
+
+    /// [`DeviceLifecycle::begin_walk`], or a refusal of a caller's stream.
+    pub fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        match self.lifecycle() {
+            Some(l) => l.begin_walk(on),
+            None => no_caller_streams(self.kind(), on),
+        }
+    }
+
+    /// [`DeviceLifecycle::end_walk`], or a refusal of a caller's stream.
+    pub fn end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
+        match self.lifecycle() {
+            Some(l) => l.end_walk(on),
+            None => no_caller_streams(self.kind(), on),
+        }
+    }
+
+    /// [`DeviceLifecycle::begin_replay`], or a refusal of a caller's stream.
+    pub fn begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        match self.lifecycle() {
+            Some(l) => l.begin_replay(on),
+            None => no_caller_streams(self.kind(), on),
+        }
+    }
+
+    /// [`DeviceLifecycle::end_replay`], or a refusal of a caller's stream.
+    pub fn end_replay(&self, on: Option<&CallerStream>) -> Result<()> {
+        match self.lifecycle() {
+            Some(l) => l.end_replay(on),
+            None => no_caller_streams(self.kind(), on),
+        }
+    }
+
+    /// [`DeviceLifecycle::hand_out`], or nothing.
+    pub fn hand_out(&self, outputs: &[Tensor], on: Option<&CallerStream>) {
+        if let Some(l) = self.lifecycle() {
+            l.hand_out(outputs, on);
+        }
+    }
+
+    /// [`DeviceLifecycle::begin_capture`], or an error: this backend records no graphs.
+    pub fn begin_capture(&self, arena_bytes: usize) -> Result<()> {
+        match self.lifecycle() {
+            Some(l) => l.begin_capture(arena_bytes),
+            None => Err(self.no_graphs()),
+        }
+    }
+
+    /// [`DeviceLifecycle::end_capture`], or an error: this backend records no graphs.
+    pub fn end_capture(&self) -> Result<Box<dyn DeviceGraph>> {
+        match self.lifecycle() {
+            Some(l) => l.end_capture(),
+            None => Err(self.no_graphs()),
+        }
+    }
+
+    fn no_graphs(&self) -> crate::error::Error {
+        crate::error::Error::Backend {
+            backend: self.kind().name(),
+            reason: "this backend cannot record graphs".into(),
+        }
+    }
 }

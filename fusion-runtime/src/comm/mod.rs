@@ -100,10 +100,6 @@ pub trait Communicator: Send + Sync {
     fn group_start(&self) -> Result<()>;
     /// Ends a group, issuing its transfers.
     fn group_end(&self) -> Result<()>;
-    /// Says what the next [`Self::send`] or [`Self::recv`] is in the program (e.g. the
-    /// P2P receive of a tensor in a stream-loop iteration), so that a wait for it that
-    /// times out can say so. `what` is only called by communicators that keep it.
-    fn describe_next_transfer(&self, _what: &dyn Fn() -> String) {}
     /// Marks the world as failed by this rank, so peers stop waiting with an error.
     fn abort(&self, reason: &str);
     /// Marks the world as failed because of rank `failed_rank` (this rank failed because
@@ -119,24 +115,60 @@ pub trait Communicator: Send + Sync {
     /// What this communicator can do ([`Capabilities`]): decided when it was made, asked
     /// by the executor, the evaluator and replay instead of naming transports.
     fn capabilities(&self) -> &Capabilities;
-    /// A device graph of this rank was just launched on its main stream: communicators
-    /// whose calls outside graphs must not overlap a running graph (NCCL without
-    /// graph-mixing support) remember it.
-    fn graph_launched(&self) -> Result<()> {
-        Ok(())
-    }
-    /// A call of a host program starts: transfers are numbered per call from here.
-    fn begin_call(&self, _call: &CallStart) -> Result<()> {
-        Ok(())
-    }
-    /// A number no other communicator of this process has (graphs captured with one
-    /// communicator are never replayed with another).
-    fn instance(&self) -> u64 {
-        0
+    /// What the communicator does around a call (numbering transfers per call, graphs
+    /// launched, naming the next transfer for a timeout), where it keeps state from call to
+    /// call (CUDA); `None` for one that keeps none. Callers use the methods of
+    /// `dyn Communicator` of the same names, which answer for communicators without it.
+    fn lifecycle(&self) -> Option<&dyn CommLifecycle> {
+        None
     }
 }
 
-/// A fresh [`Communicator::instance`] number.
+/// The call life cycle of a communicator that numbers its transfers per call, replays
+/// graphs and names the transfer a timed-out wait was for (the CUDA communicator).
+pub trait CommLifecycle: Send + Sync {
+    /// A call of a host program starts: transfers are numbered per call from here.
+    fn begin_call(&self, call: &CallStart) -> Result<()>;
+    /// A device graph of this rank was just launched on its main stream: communicators
+    /// whose calls outside graphs must not overlap a running graph (NCCL without
+    /// graph-mixing support) remember it.
+    fn graph_launched(&self) -> Result<()>;
+    /// Says what the next [`Communicator::send`] or [`Communicator::recv`] is in the
+    /// program (e.g. the P2P receive of a tensor in a stream-loop iteration), so that a
+    /// wait for it that times out can say so. `what` is only called when it is kept.
+    fn describe_next_transfer(&self, what: &dyn Fn() -> String);
+    /// A number no other communicator of this process has (graphs captured with one
+    /// communicator are never replayed with another).
+    fn instance(&self) -> u64;
+}
+
+/// The life cycle's steps for any communicator: one without [`CommLifecycle`] keeps nothing
+/// from call to call, and its instance number is 0.
+impl dyn Communicator + '_ {
+    /// [`CommLifecycle::begin_call`], or nothing.
+    pub fn begin_call(&self, call: &CallStart) -> Result<()> {
+        self.lifecycle().map_or(Ok(()), |l| l.begin_call(call))
+    }
+
+    /// [`CommLifecycle::graph_launched`], or nothing.
+    pub fn graph_launched(&self) -> Result<()> {
+        self.lifecycle().map_or(Ok(()), |l| l.graph_launched())
+    }
+
+    /// [`CommLifecycle::describe_next_transfer`], or nothing.
+    pub fn describe_next_transfer(&self, what: &dyn Fn() -> String) {
+        if let Some(l) = self.lifecycle() {
+            l.describe_next_transfer(what);
+        }
+    }
+
+    /// [`CommLifecycle::instance`], or 0.
+    pub fn instance(&self) -> u64 {
+        self.lifecycle().map_or(0, |l| l.instance())
+    }
+}
+
+/// A fresh [`CommLifecycle::instance`] number.
 #[cfg(feature = "cuda")]
 pub(crate) fn next_instance() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);

@@ -73,6 +73,14 @@ impl Device for CpuDevice {
         BackendKind::Cpu
     }
 
+    /// Every allocation is poisoned already (`POISON`).
+    fn set_poison(&self, _on: bool) {}
+
+    /// The CPU's memory is the process's: nothing of its own to report.
+    fn memory(&self) -> Result<Option<crate::device::DeviceMemory>> {
+        Ok(None)
+    }
+
     fn record_marker(&self, stream: StreamHandle) -> Result<usize> {
         self.check_stream(stream)?;
         let mut m = self.markers.lock().unwrap_or_else(PoisonError::into_inner);

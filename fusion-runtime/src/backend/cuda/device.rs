@@ -19,7 +19,9 @@ use super::memory::free_list::FreeList;
 use super::memory::shared_arena::SharedArena;
 use super::stream::RawStream;
 use super::{graph, health::WorldHealth};
-use crate::device::{BackendKind, CallerStream, Device, DeviceMemory, Kernel, StreamHandle};
+use crate::device::{
+    BackendKind, CallerStream, Device, DeviceLifecycle, DeviceMemory, Kernel, StreamHandle,
+};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -431,6 +433,10 @@ impl GemmDevice for CudaDevice {
 }
 
 impl Device for CudaDevice {
+    fn lifecycle(&self) -> Option<&dyn DeviceLifecycle> {
+        Some(self)
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
     }
@@ -524,10 +530,6 @@ impl Device for CudaDevice {
         }))
     }
 
-    fn bind_thread(&self) -> Result<()> {
-        self.shared.bind()
-    }
-
     fn ensure_streams(&self, n: usize) -> Result<()> {
         let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
         if streams.len() > n {
@@ -561,23 +563,6 @@ impl Device for CudaDevice {
 
     fn allocate(&self, stream: StreamHandle, dtype: DType, shape: &[usize]) -> Result<Tensor> {
         self.alloc_tensor(stream, dtype, shape)
-    }
-
-    fn allocate_shared(
-        &self,
-        stream: StreamHandle,
-        dtype: DType,
-        shape: &[usize],
-    ) -> Result<Tensor> {
-        let Some(arena) = self.arena.get() else {
-            return self.alloc_tensor(stream, dtype, shape);
-        };
-        let bytes = shape.iter().product::<usize>() * dtype.size_bytes();
-        let raw = self.raw_stream(stream)?;
-        let buf = arena.alloc(raw, bytes)?;
-        use crate::tensor::DeviceBuffer;
-        self.poison_new(buf.ptr(), bytes, raw)?;
-        Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
     }
 
     fn stream_wait(&self, waiter: StreamHandle, waitee: StreamHandle) -> Result<()> {
@@ -688,6 +673,52 @@ impl Device for CudaDevice {
         Tensor::from_host_bytes_checked(src.dtype(), src.shape(), bytes)
     }
 
+    fn set_poison(&self, on: bool) {
+        self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.shared
+            .chain
+            .after_callers(self.raw_stream(0)?.0, true)?;
+        let streams: Vec<RawStream> = self
+            .streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|s| s.stream)
+            .collect();
+        for s in streams {
+            self.wait_stream(s, "synchronize")?;
+        }
+        Ok(())
+    }
+}
+
+/// Thread binding, shared receive buffers, the caller's stream around walks and replays,
+/// outputs handed out on it, and graph capture.
+impl DeviceLifecycle for CudaDevice {
+    fn bind_thread(&self) -> Result<()> {
+        self.shared.bind()
+    }
+
+    fn allocate_shared(
+        &self,
+        stream: StreamHandle,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let Some(arena) = self.arena.get() else {
+            return self.alloc_tensor(stream, dtype, shape);
+        };
+        let bytes = shape.iter().product::<usize>() * dtype.size_bytes();
+        let raw = self.raw_stream(stream)?;
+        let buf = arena.alloc(raw, bytes)?;
+        use crate::tensor::DeviceBuffer;
+        self.poison_new(buf.ptr(), bytes, raw)?;
+        Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
+    }
+
     fn hand_out(&self, outputs: &[Tensor], on: Option<&CallerStream>) {
         for t in outputs {
             if let Some(b) = t.device_buffer() {
@@ -696,10 +727,6 @@ impl Device for CudaDevice {
                 }
             }
         }
-    }
-
-    fn set_poison(&self, on: bool) {
-        self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
@@ -751,22 +778,5 @@ impl Device for CudaDevice {
             arena,
         )?;
         Ok(Box::new(graph))
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        self.shared
-            .chain
-            .after_callers(self.raw_stream(0)?.0, true)?;
-        let streams: Vec<RawStream> = self
-            .streams
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .map(|s| s.stream)
-            .collect();
-        for s in streams {
-            self.wait_stream(s, "synchronize")?;
-        }
-        Ok(())
     }
 }

@@ -11,7 +11,7 @@ use fusion_compiler::DType;
 
 use super::nccl_graphs::turn_off_graph_mixing;
 use crate::backend::cuda::device::CudaDevice;
-use crate::device::Device;
+use crate::device::DeviceLifecycle;
 use crate::error::{Error, NcclFailure, Result};
 
 #[derive(Clone, Copy, Debug)]

@@ -16,7 +16,7 @@ use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::comm::local::LocalCommunicator;
 use crate::comm::{Block, Communicator, PeerCopies};
-use crate::device::Device;
+use crate::device::DeviceLifecycle;
 use crate::error::{Error, Result};
 use crate::world::RunComms;
 

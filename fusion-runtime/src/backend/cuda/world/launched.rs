@@ -22,7 +22,7 @@ use crate::backend::cuda::libs::{check_libraries, device_count};
 use crate::comm::local::{LocalCommunicator, Membership};
 use crate::comm::remote::wire::{Reader, Writer};
 use crate::comm::{Block, Communicator};
-use crate::device::{BackendKind, Device};
+use crate::device::{BackendKind, Device, DeviceLifecycle};
 use crate::error::{Error, Result};
 use crate::world::bootstrap::{self, Session};
 use crate::world::gpu_layout::{check_ranks, local_ordinals, RankGpu, Visible};

@@ -10,7 +10,7 @@ use fusion_compiler::ir::ReduceOp;
 use fusion_compiler::DType;
 
 use super::CudaCommunicator;
-use crate::device::{Device, Kernel, StreamHandle};
+use crate::device::{Device, DeviceLifecycle, Kernel, StreamHandle};
 use crate::error::Result;
 use crate::tensor::Tensor;
 

@@ -1,4 +1,4 @@
-//! The [`Communicator`] implementation of the CUDA communicator: collectives run on the
+//! The [`Communicator`] and [`CommLifecycle`] implementations of the CUDA communicator: collectives run on the
 //! transport their node names ([`CudaCommunicator::run_collective`]), sends and receives
 //! on the copy engines or NCCL as their P2P node says, coalescing groups span both.
 
@@ -8,7 +8,7 @@ use cudarc::nccl::result as nccl;
 use fusion_compiler::hir::{Communication, Transport};
 
 use super::{Collective, CudaCommunicator, Group};
-use crate::comm::{Capabilities, Communicator};
+use crate::comm::{CallStart, Capabilities, CommLifecycle, Communicator};
 use crate::device::StreamHandle;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -82,13 +82,6 @@ impl Communicator for CudaCommunicator {
         self.copy_engine.run_group(&g.copies)
     }
 
-    fn describe_next_transfer(&self, what: &dyn Fn() -> String) {
-        *self
-            .next_label
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(what().into());
-    }
-
     fn abort(&self, reason: &str) {
         self.health.fail(self.rank, reason);
         self.host.abort(reason);
@@ -112,6 +105,23 @@ impl Communicator for CudaCommunicator {
         &self.capabilities
     }
 
+    fn host_allgather(&self, block: crate::comm::Block) -> Result<Vec<crate::comm::Block>> {
+        self.host.host_allgather(block)
+    }
+
+    fn lifecycle(&self) -> Option<&dyn CommLifecycle> {
+        Some(self)
+    }
+}
+
+/// Transfers numbered per call by the copy engines, NCCL kept off a running graph, the next
+/// transfer named for a timeout, and the instance number graphs are kept under.
+impl CommLifecycle for CudaCommunicator {
+    fn begin_call(&self, call: &CallStart) -> Result<()> {
+        self.copy_engine.begin_call(call);
+        Ok(())
+    }
+
     fn graph_launched(&self) -> Result<()> {
         if self.state.unavailable.is_some() {
             return Ok(());
@@ -120,16 +130,14 @@ impl Communicator for CudaCommunicator {
         Ok(())
     }
 
-    fn begin_call(&self, call: &crate::comm::CallStart) -> Result<()> {
-        self.copy_engine.begin_call(call);
-        Ok(())
+    fn describe_next_transfer(&self, what: &dyn Fn() -> String) {
+        *self
+            .next_label
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(what().into());
     }
 
     fn instance(&self) -> u64 {
         self.instance
-    }
-
-    fn host_allgather(&self, block: crate::comm::Block) -> Result<Vec<crate::comm::Block>> {
-        self.host.host_allgather(block)
     }
 }

@@ -10,7 +10,7 @@ use super::{CopyEngine, CopyRegistry};
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::comm::CallStart;
-use crate::device::{Device, DeviceGraph, Kernel};
+use crate::device::{Device, DeviceGraph, DeviceLifecycle, Kernel};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
