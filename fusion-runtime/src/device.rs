@@ -214,7 +214,7 @@ pub const CAPTURE_ARENA_ALIGN: usize = 256;
 /// A call recorded on a device that can be replayed with one launch (a CUDA graph).
 pub trait DeviceGraph: Send + Sync {
     /// Launches the recorded work on the device's main stream, or on the caller's stream
-    /// `on` (see [`Device::begin_replay`]).
+    /// `on` (see [`DeviceLifecycle::begin_replay`]).
     fn launch(&self, on: Option<&CallerStream>) -> Result<()>;
     /// Number of operations recorded.
     fn nodes(&self) -> usize;

@@ -70,7 +70,7 @@ pub struct CallContext<'a> {
     pub number_of_streams: usize,
     /// Record a timeline of communications and kernels (synchronizes at the end).
     pub trace: bool,
-    /// Allocate the buffers peers copy into with [`Device::allocate_shared`] (a launched
+    /// Allocate the buffers peers copy into with [`DeviceLifecycle::allocate_shared`](crate::device::DeviceLifecycle::allocate_shared) (a launched
     /// world whose peers in other processes write into them).
     pub shared_receives: bool,
     /// The program's buffers that peers copy into and that it allocates itself
