@@ -111,7 +111,7 @@ fn cuda_world_with(devices: Option<usize>, deny: &dyn Fn(usize, usize) -> bool) 
 /// Ranks that share a GPU hand off through events and the host, never through device
 /// flags: a device-side wait for a peer on the same GPU can wait for work the peer's host
 /// thread has not submitted, while that thread waits in the driver for the shared
-/// context (see `docs/ARCHITECTURE.md`, "Copy-engine transfers"). Their calls therefore
+/// context (see `docs/DECISIONS.md`, "Ranks that share a GPU"). Their calls therefore
 /// run eagerly (never replayed as graphs).
 pub fn cuda_world_sharing_gpus(ranks: usize) -> Result<World> {
     check_libraries(true)?;

@@ -8,7 +8,7 @@
 //! the sender *performs* the copy (writes over NVLink: push) on a copy stream per peer
 //! after waiting for that point, then says it is *done*, which the receiver's stream waits
 //! for before it uses the buffer. Pushing was measured 1.6-1.8x faster than pulling for
-//! reduce-scatter pipelines (`docs/ARCHITECTURE.md`, "Decisions").
+//! reduce-scatter pipelines (`docs/DECISIONS.md`, "Push, not pull").
 
 use std::sync::{Arc, PoisonError};
 

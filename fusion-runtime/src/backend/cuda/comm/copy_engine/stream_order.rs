@@ -80,8 +80,8 @@ impl CopyEngine {
     /// The stream a copy with `peer` runs on: that peer's copy stream, after the work
     /// `own` (the iteration's stream) has queued so far. (A copy stream per peer lets the
     /// blocks of one collective run on several copy engines at once; copying on the
-    /// iteration's stream was measured up to 39% slower, `docs/ARCHITECTURE.md`,
-    /// "Decisions".)
+    /// iteration's stream was measured up to 39% slower, `docs/DECISIONS.md`,
+    /// "One copy stream per peer".)
     pub(super) fn copy_stream_after(
         &self,
         t: &Transfer,
