@@ -96,10 +96,8 @@ fn module_path(dir: &Path, file: &Path) -> Vec<String> {
         .iter()
         .map(|s| s.to_string_lossy().into_owned())
         .collect();
-    if matches!(
-        parts.last().map(String::as_str),
-        Some("mod" | "lib" | "main")
-    ) {
+    let root = parts.len() == 1 && matches!(parts[0].as_str(), "lib" | "main");
+    if root || parts.last().is_some_and(|p| p == "mod") {
         parts.pop();
     }
     parts
