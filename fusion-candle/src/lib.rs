@@ -49,6 +49,8 @@
 //! the fusion tensor and moves its memory into the candle tensor; it refuses while another
 //! view of the output is alive, so the two libraries never share an output.
 
+#![warn(clippy::too_many_lines)]
+
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;

@@ -18,6 +18,8 @@
 //! assert!(lowered.program.to_string().contains("P2PCommunication"));
 //! ```
 
+#![warn(clippy::too_many_lines)]
+
 pub mod builder;
 mod dtype;
 mod error;

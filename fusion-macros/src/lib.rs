@@ -19,6 +19,8 @@
 //! crate has no runtime knowledge: the generated code calls the same builder through
 //! `::fusion::__private`.
 
+#![warn(clippy::too_many_lines)]
+
 mod check;
 mod expand;
 mod parse;

@@ -4,6 +4,7 @@
 //! (in-process; NCCL; copy engine) and worlds of ranks.
 
 #![warn(missing_docs)]
+#![warn(clippy::too_many_lines)]
 
 pub mod backend;
 pub mod comm;
