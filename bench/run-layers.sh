@@ -4,8 +4,8 @@
 #   1. tests/layers.rs (MLP, gated MLP, attention projections against f64 references on
 #      1 and 2 GPUs, f32 and bf16), tests/epilogues.rs, and the GEMM-epilogue kernel test
 #      (cuBLASLt plans and the fallback kernel against the CPU backend);
-#   2. examples/layer_bench (components alone, sequential, pipelined variants; each checked
-#      against our sequential result before it is timed);
+#   2. layer_bench (bench/src/bin/layer_bench.rs: components alone, sequential, pipelined
+#      variants; each checked against our sequential result before it is timed);
 #   3. bench/torch_layers.py (NCCL + cuBLAS sequential, async-TP);
 #   4. bench/report_layers.py -> $OUT/table.md, printed last.
 # Binaries come from scripts/stage-gpu.sh (.gpu/bin). Logs and JSON lines go to $OUT.

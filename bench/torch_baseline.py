@@ -1,4 +1,4 @@
-"""PyTorch baseline for the overlap benchmark (examples/overlap_bench).
+"""PyTorch baseline for the overlap benchmark (overlap_bench, bench/src/bin/overlap_bench).
 
 Runs in the same device call as our benchmark, on the same shapes, one process per GPU:
 AG+GEMM and GEMM+RS done sequentially, as NCCL collectives pipelined over chunks and

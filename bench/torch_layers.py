@@ -1,4 +1,4 @@
-"""PyTorch baseline for the layer benchmark (examples/layer_bench).
+"""PyTorch baseline for the layer benchmark (layer_bench, bench/src/bin/layer_bench.rs).
 
 The sequence-parallel MLP block y = ReduceScatter(act(AllGather(x) W1) W2) and the gated
 block y = RS((silu(AG(x) Wg) * (AG(x) Wu)) Wd) on the same shapes as ours, one process

@@ -9,13 +9,12 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use clap::Parser;
-use common::*;
+use common::{checked, matmul_ref, to_f64, worst_error, Report, Run};
 use fusion::prelude::*;
 
 fusion! {
     /// `c = allgather(a) @ b`, pipelined over the `s` chunks of `a`.
-    #[allow(dead_code)] // `main` calls `ag_matmul::call`, which takes options
+    #[allow(dead_code)] // the lesson calls `ag_matmul::call`, which takes options
     pub fn ag_matmul<T: Float, s, d, m, k, n>(
         a: Tensor<T, [s, d @ DIDx, m, k]>,
         b: Tensor<T, [k, n]>,
@@ -25,8 +24,8 @@ fusion! {
 }
 
 /// AllGather + matmul pipelined over stream chunks, checked against a host reference.
-#[derive(Parser, Debug)]
-struct Cli {
+#[derive(clap::Args, Debug)]
+struct Dims {
     /// Chunks (the Stream axis)
     #[arg(short, default_value_t = 4)]
     s: usize,
@@ -39,26 +38,19 @@ struct Cli {
     /// Columns of the result
     #[arg(short, default_value_t = 256)]
     n: usize,
-    #[command(flatten)]
-    common: Common,
 }
 
 fn main() -> std::process::ExitCode {
-    common::finish::finish(run())
+    common::main(lesson)
 }
 
-fn run() -> fusion::Result<()> {
-    let cli = Cli::parse();
-    let world = cli.common.world()?;
-    let (s, d, m, k, n) = (cli.s, world.size(), cli.m, cli.k, cli.n);
-    let dtype = cli.common.dtype.dtype();
-    let a = randn(&[s, d, m, k], dtype, 1);
-    let b = randn(&[k, n], dtype, 2);
-    let opts = cli.common.options();
-    let timed = run_timed(
-        &world,
-        cli.common.iters,
-        cli.common.dump,
+/// `a` sharded on its device axis, `b` on every device; every device gets all of `c`.
+fn lesson(dims: &Dims, run: &Run) -> fusion::Result<Report> {
+    let (s, d, m, k, n) = (dims.s, run.devices(), dims.m, dims.k, dims.n);
+    let a = run.randn(&[s, d, m, k], 1);
+    let b = run.randn(&[k, n], 2);
+    let opts = run.options();
+    let timed = run.timed(
         |rank| -> fusion::Result<(Ranked<4>, Ranked<2>)> {
             Ok((
                 rank.shard(&a, 1)?.try_into()?,
@@ -69,28 +61,20 @@ fn run() -> fusion::Result<()> {
         |rank, (a, b)| Ok(ag_matmul::program(rank, a, b, &opts)?.to_string()),
     )?;
     let macs = (s * d * m * k * n) as f64;
-    let error = if macs <= REFERENCE_LIMIT {
+    let error = checked(macs, || {
         let expected = matmul_ref(&to_f64(&a)?, &to_f64(&b)?, s * d, m, k, n);
-        Some(worst_error(&timed.outputs, &expected)?)
-    } else {
-        None
-    };
-    let ok = Summary {
-        name: "ag_matmul",
+        worst_error(&timed.outputs, &expected)
+    })?;
+    Ok(Report {
         what: "AllGather + matmul, pipelined over stream chunks with collectives",
-        world: &world,
-        common: &cli.common,
         shapes: format!(
             "a {:?} sharded on axis 1, b {:?} -> c [{s}, {d}, {m}, {n}] on every device",
             a.shape(),
             b.shape()
         ),
         error,
-        timed: &timed,
+        timed,
         flops_per_device: Some(2.0 * macs),
         lowerings: ag_matmul::lowering_count(),
-    }
-    .print();
-    exit_on_failure(ok);
-    Ok(())
+    })
 }

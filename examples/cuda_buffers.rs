@@ -13,12 +13,13 @@
 //! cargo run --release --example cuda_buffers -- --devices 2 --dtype bf16
 //! ```
 
-#[path = "common/finish.rs"]
-mod finish;
+#[path = "common/mod.rs"]
+mod common;
 
 use std::sync::Arc;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use common::{check_line, exit_on_failure, Dt};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use fusion::prelude::*;
 use fusion::runtime::backend::cuda::{device_count, CudaElement};
@@ -56,13 +57,6 @@ struct Cli {
     /// Calls into the same output buffer (the last one is checked)
     #[arg(long, default_value_t = 3)]
     iters: usize,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Dt {
-    F32,
-    Bf16,
-    F16,
 }
 
 /// What the example needs of an element type: a cudarc device type that a tensor can view,
@@ -113,7 +107,7 @@ fn host_data<T: Element>(shape: &[usize], seed: u64) -> fusion::Result<Vec<T>> {
 }
 
 fn main() -> std::process::ExitCode {
-    finish::finish(run())
+    common::finish::finish(run())
 }
 
 fn run() -> fusion::Result<()> {
@@ -126,15 +120,13 @@ fn run() -> fusion::Result<()> {
         return Ok(());
     }
     let world = World::auto(cli.devices)?;
+    let tolerance = cli.dtype.tolerance();
     let ok = match cli.dtype {
-        Dt::F32 => check::<f32>(&cli, &world, 1e-5)?,
-        Dt::Bf16 => check::<bf16>(&cli, &world, 1e-2)?,
-        Dt::F16 => check::<f16>(&cli, &world, 1e-2)?,
+        Dt::F32 => check::<f32>(&cli, &world, tolerance)?,
+        Dt::Bf16 => check::<bf16>(&cli, &world, tolerance)?,
+        Dt::F16 => check::<f16>(&cli, &world, tolerance)?,
     };
-    if !ok {
-        eprintln!("the result does not match the reference");
-        std::process::exit(1);
-    }
+    exit_on_failure(ok);
     Ok(())
 }
 
@@ -228,11 +220,7 @@ fn check<T: Element>(cli: &Cli, world: &World, tolerance: f64) -> fusion::Result
         "  inputs and outputs in cudarc buffers, no copies; {} calls into the same output",
         cli.iters
     );
-    println!(
-        "  check: relative error {worst:.2e} against an f64 host reference (tolerance \
-         {tolerance:.0e}): {}",
-        if ok { "ok" } else { "FAILED" }
-    );
+    println!("{}", check_line(worst, tolerance, ok));
     println!("  lowerings: {}", ag_matmul::lowering_count());
     Ok(ok)
 }

@@ -10,13 +10,12 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use clap::Parser;
-use common::*;
+use common::{checked, matmul_ref, to_f64, worst_error, Report, Run};
 use fusion::prelude::*;
 
 fusion! {
     /// `c = sum over devices of a[:, d] @ b[d]`, an Allreduce per chunk of `s`.
-    #[allow(dead_code)] // `main` calls `matmul_ar::call`, which takes options
+    #[allow(dead_code)] // the lesson calls `matmul_ar::call`, which takes options
     pub fn matmul_ar<T: Float, s, d, m, k, n>(
         a: Tensor<T, [s, d @ DIDx, m, k]>,
         b: Tensor<T, [d @ DIDx, k, n]>,
@@ -27,8 +26,8 @@ fusion! {
 }
 
 /// Matmul + AllReduce pipelined over stream chunks, checked against a host reference.
-#[derive(Parser, Debug)]
-struct Cli {
+#[derive(clap::Args, Debug)]
+struct Dims {
     /// Chunks (the Stream axis)
     #[arg(short, default_value_t = 4)]
     s: usize,
@@ -41,26 +40,19 @@ struct Cli {
     /// Columns of the result
     #[arg(short, default_value_t = 256)]
     n: usize,
-    #[command(flatten)]
-    common: Common,
 }
 
 fn main() -> std::process::ExitCode {
-    common::finish::finish(run())
+    common::main(lesson)
 }
 
-fn run() -> fusion::Result<()> {
-    let cli = Cli::parse();
-    let world = cli.common.world()?;
-    let (s, d, m, k, n) = (cli.s, world.size(), cli.m, cli.k, cli.n);
-    let dtype = cli.common.dtype.dtype();
-    let a = randn(&[s, d, m, k], dtype, 1);
-    let b = randn(&[d, k, n], dtype, 2);
-    let opts = cli.common.options();
-    let timed = run_timed(
-        &world,
-        cli.common.iters,
-        cli.common.dump,
+/// `a` and `b` sharded on the contracted dimension; every device gets the summed `c`.
+fn lesson(dims: &Dims, run: &Run) -> fusion::Result<Report> {
+    let (s, d, m, k, n) = (dims.s, run.devices(), dims.m, dims.k, dims.n);
+    let a = run.randn(&[s, d, m, k], 1);
+    let b = run.randn(&[d, k, n], 2);
+    let opts = run.options();
+    let timed = run.timed(
         |rank| -> fusion::Result<(Ranked<4>, Ranked<3>)> {
             Ok((
                 rank.shard(&a, 1)?.try_into()?,
@@ -71,7 +63,7 @@ fn run() -> fusion::Result<()> {
         |rank, (a, b)| Ok(matmul_ar::program(rank, a, b, &opts)?.to_string()),
     )?;
     let macs = (s * d * m * k * n) as f64;
-    let error = if macs <= REFERENCE_LIMIT {
+    let error = checked(macs, || {
         let (av, bv) = (to_f64(&a)?, to_f64(&b)?);
         let mut expected = vec![0.0; s * m * n];
         for si in 0..s {
@@ -83,15 +75,10 @@ fn run() -> fusion::Result<()> {
                 }
             }
         }
-        Some(worst_error(&timed.outputs, &expected)?)
-    } else {
-        None
-    };
-    let ok = Summary {
-        name: "matmul_ar",
+        worst_error(&timed.outputs, &expected)
+    })?;
+    Ok(Report {
         what: "matmul + AllReduce, pipelined over stream chunks",
-        world: &world,
-        common: &cli.common,
         shapes: format!(
             "a {:?} sharded on axis 1, b {:?} sharded on axis 0 -> c [{s}, {m}, {n}] on every \
              device",
@@ -99,11 +86,8 @@ fn run() -> fusion::Result<()> {
             b.shape()
         ),
         error,
-        timed: &timed,
+        timed,
         flops_per_device: Some(2.0 * macs / d as f64),
         lowerings: matmul_ar::lowering_count(),
-    }
-    .print();
-    exit_on_failure(ok);
-    Ok(())
+    })
 }

@@ -11,14 +11,13 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use clap::Parser;
-use common::*;
+use common::{checked, matmul_ref, rel_error, to_f64, Report, Run};
 use fusion::prelude::*;
 
 fusion! {
     /// `c[:, j] = sum over devices i of a[i, :, j] @ b[i]`, each device keeping
     /// its block `j`; a ReduceScatter per chunk of `s`.
-    #[allow(dead_code)] // `main` calls `matmul_rs::call`, which takes options
+    #[allow(dead_code)] // the lesson calls `matmul_rs::call`, which takes options
     pub fn matmul_rs<T: Float, d, s, m, k, n>(
         a: Tensor<T, [d @ DIDx, s, d, m, k]>,
         b: Tensor<T, [d @ DIDx, k, n]>,
@@ -30,8 +29,8 @@ fusion! {
 }
 
 /// Matmul + ReduceScatter pipelined over stream chunks, checked against a host reference.
-#[derive(Parser, Debug)]
-struct Cli {
+#[derive(clap::Args, Debug)]
+struct Dims {
     /// Chunks (the Stream axis)
     #[arg(short, default_value_t = 4)]
     s: usize,
@@ -44,26 +43,19 @@ struct Cli {
     /// Columns of the result
     #[arg(short, default_value_t = 256)]
     n: usize,
-    #[command(flatten)]
-    common: Common,
 }
 
 fn main() -> std::process::ExitCode {
-    common::finish::finish(run())
+    common::main(lesson)
 }
 
-fn run() -> fusion::Result<()> {
-    let cli = Cli::parse();
-    let world = cli.common.world()?;
-    let (s, d, m, k, n) = (cli.s, world.size(), cli.m, cli.k, cli.n);
-    let dtype = cli.common.dtype.dtype();
-    let a = randn(&[d, s, d, m, k], dtype, 1);
-    let b = randn(&[d, k, n], dtype, 2);
-    let opts = cli.common.options();
-    let timed = run_timed(
-        &world,
-        cli.common.iters,
-        cli.common.dump,
+/// `a` and `b` sharded on the contracted dimension; each device keeps its block of `c`.
+fn lesson(dims: &Dims, run: &Run) -> fusion::Result<Report> {
+    let (s, d, m, k, n) = (dims.s, run.devices(), dims.m, dims.k, dims.n);
+    let a = run.randn(&[d, s, d, m, k], 1);
+    let b = run.randn(&[d, k, n], 2);
+    let opts = run.options();
+    let timed = run.timed(
         |rank| -> fusion::Result<(Ranked<5>, Ranked<3>)> {
             Ok((
                 rank.shard(&a, 0)?.try_into()?,
@@ -74,7 +66,7 @@ fn run() -> fusion::Result<()> {
         |rank, (a, b)| Ok(matmul_rs::program(rank, a, b, &opts)?.to_string()),
     )?;
     let macs = (d * s * d * m * k * n) as f64;
-    let error = if macs <= REFERENCE_LIMIT {
+    let error = checked(macs, || {
         let (av, bv) = (to_f64(&a)?, to_f64(&b)?);
         // expected[s][j] = sum_i a[i][s][j] @ b[i], laid out [s, d, m, n].
         let mut expected = vec![0.0; s * d * m * n];
@@ -87,15 +79,10 @@ fn run() -> fusion::Result<()> {
         }
         // Each rank holds its block j = rank of axis 1; put them back together.
         let gathered = concat(&timed.outputs, 1)?;
-        Some(rel_error(&gathered, &expected)?)
-    } else {
-        None
-    };
-    let ok = Summary {
-        name: "matmul_rs",
+        rel_error(&gathered, &expected)
+    })?;
+    Ok(Report {
         what: "matmul + ReduceScatter, pipelined over stream chunks",
-        world: &world,
-        common: &cli.common,
         shapes: format!(
             "a {:?} sharded on axis 0, b {:?} sharded on axis 0 -> c [{s}, {d}, {m}, {n}] \
              sharded on axis 1",
@@ -103,11 +90,8 @@ fn run() -> fusion::Result<()> {
             b.shape()
         ),
         error,
-        timed: &timed,
+        timed,
         flops_per_device: Some(2.0 * macs / d as f64),
         lowerings: matmul_rs::lowering_count(),
-    }
-    .print();
-    exit_on_failure(ok);
-    Ok(())
+    })
 }

@@ -602,7 +602,7 @@ task_shared_ranks() {
     printf '%s\n' "${summary[@]}"
 }
 
-# The memory soak of examples/soak.rs on [devices] GPUs (default 2): 100,000 calls of the
+# The memory soak of bench/src/bin/soak.rs on [devices] GPUs (default 2): 100,000 calls of the
 # small AG+GEMM P2P pipeline (copy engines) inside one world run, 100,000 of the collective
 # pipeline (NCCL, replayed as a CUDA graph), and 2,000 world runs of one P2P call each; at
 # each checkpoint host RSS, each device's memory in use and the copy-engine events alive.
@@ -628,7 +628,7 @@ task_soak() {
     printf '%s\n' "${summary[@]}"
 }
 
-# The `timeline` example on $DEVICES GPUs (default 2): the AllGather + GEMM and the GEMM +
+# The `timeline` tool on $DEVICES GPUs (default 2): the AllGather + GEMM and the GEMM +
 # ReduceScatter P2P pipelines (M = K = N = 8192, bf16) traced, each call drawn as an SVG.
 # Writes $OUT/timeline/{ag_gemm,gemm_rs}.svg and the Chrome traces in $OUT/timeline/json/
 # (one file per call and rank); prints the per-rank busy/overlap lines. The pictures go to

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds the release examples and test binaries here and packs them into .gpu/bin.tar.xz
-# (ignored by git, carried to the GPU machine by the device tool; scripts/gpu-env.sh
-# unpacks them into .gpu/bin there, where `bash scripts/gpu.sh <task>` runs them).
+# Builds the release examples, measuring tools and test binaries here and packs them into
+# .gpu/bin.tar.xz (ignored by git, carried to the GPU machine; scripts/gpu-env.sh unpacks
+# them into .gpu/bin there, where `bash scripts/gpu.sh <task>` runs them).
 # Usage: scripts/stage-gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,14 @@ for ex in target/release/examples/*; do
     case "$ex" in *.d|*-*) continue ;; esac
     [ -x "$ex" ] && cp "$ex" .gpu/bin/
 done
+# The measuring tools (bench/, package fusion-bench): one binary per tool, by its name.
+cargo build --release -p fusion-bench --bins --message-format=json 2>/dev/null \
+  | python3 -c 'import sys, json
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bin"]:
+        print(m["executable"])' \
+  | while read -r exe; do cp "$exe" .gpu/bin/; done
 cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs --test layers --test epilogues --test faults --test caller_stream --test rank_handles 2>/dev/null \
   | python3 -c 'import sys, json
 for line in sys.stdin:

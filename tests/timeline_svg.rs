@@ -1,9 +1,9 @@
-//! The timeline picture of `examples/timeline` (its renderer is included from there): one
+//! The timeline picture of the `timeline` tool (its renderer is included from there): one
 //! row per stream per rank, one rectangle per device interval coloured by chunk, a time
 //! axis and a legend, drawn from traces that went through the JSON files.
 
 #[allow(dead_code)]
-#[path = "../examples/timeline/render.rs"]
+#[path = "../bench/src/bin/timeline/render.rs"]
 mod render;
 
 use std::collections::BTreeMap;

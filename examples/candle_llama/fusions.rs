@@ -4,7 +4,7 @@
 
 use fusion::prelude::*;
 
-#[path = "../layer_bench/blocks.rs"]
+#[path = "../tp_mlp/blocks.rs"]
 mod blocks;
 
 /// The SiLU-gated MLP block `ReduceScatter((silu(AG(x) Wg) * (AG(x) Wu)) Wd)`, the same

@@ -1,5 +1,6 @@
-//! The end of an example's `main`: an error is printed as its message (which says what to
-//! fix, e.g. which library to put on `LD_LIBRARY_PATH`), not in its `Debug` form.
+//! The end of a lesson's (or measuring tool's) `main`: an error is printed as its message
+//! (which says what to fix, e.g. which library to put on `LD_LIBRARY_PATH`), not in its
+//! `Debug` form.
 
 use std::process::ExitCode;
 

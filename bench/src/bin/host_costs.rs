@@ -8,16 +8,10 @@
 //! be before the host, not the GPU, sets its pace.
 //!
 //! ```sh
-//! cargo run --release --example host_costs -- --devices 1
+//! cargo run --release -p fusion-bench --bin host_costs -- --devices 1
 //! # two ranks on the visible GPUs, both on GPU 0 on a one-GPU machine
-//! cargo run --release --example host_costs -- --devices 2 --share-gpus
+//! cargo run --release -p fusion-bench --bin host_costs -- --devices 2 --share-gpus
 //! ```
-
-#[path = "common/finish.rs"]
-mod finish;
-#[allow(dead_code)] // the overlap benchmark's fusions; this uses one
-#[path = "overlap_bench/fusions.rs"]
-mod fusions;
 
 use std::time::Instant;
 
@@ -27,6 +21,8 @@ use fusion::compiler::lower::{LowerOptions, Pipelining, ReduceScatterPipeline};
 use fusion::runtime::backend::{BackendKind, Kernel};
 use fusion::runtime::replay::ReplayStatus;
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Result, RunReport, Tensor, World};
+use fusion_bench::finish::finish;
+use fusion_bench::fusions;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -109,7 +105,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> std::process::ExitCode {
-    finish::finish(run())
+    finish(run())
 }
 
 /// (what, microseconds per call) rows of one rank.

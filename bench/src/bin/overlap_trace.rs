@@ -4,11 +4,8 @@
 //! chunk ran while the GEMM of another chunk computed.
 //!
 //! ```sh
-//! cargo run --release --example overlap_trace -- --devices 4 --trace-out trace.json
+//! cargo run --release -p fusion-bench --bin overlap_trace -- --devices 4 --trace-out trace.json
 //! ```
-
-#[path = "common/finish.rs"]
-mod finish;
 
 use std::time::Instant;
 
@@ -17,6 +14,8 @@ use fusion::compiler::builder::{Axis, FusionBuilder};
 use fusion::compiler::ir::Fusion;
 use fusion::runtime::trace::{busy_ms, chrome_trace, overlaps};
 use fusion::{DType, ExecOptions, FusionExecutor, LowerOptions, Pipelining, Tensor, World};
+use fusion_bench::cli::write_file;
+use fusion_bench::finish::finish;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -89,7 +88,7 @@ fn collective_fusion(dt: DType) -> fusion::Result<Fusion> {
 }
 
 fn main() -> std::process::ExitCode {
-    finish::finish(run())
+    finish(run())
 }
 
 fn run() -> fusion::Result<()> {
@@ -178,8 +177,7 @@ fn run() -> fusion::Result<()> {
         if let (Some(path), None) = (&args.trace_out, chunks) {
             let ranks: Vec<(usize, Vec<_>)> =
                 per_rank.iter().map(|(r, e, _)| (*r, e.clone())).collect();
-            std::fs::write(path, chrome_trace(&ranks))
-                .map_err(|e| fusion::Error::World(format!("writing {path}: {e}")))?;
+            write_file(path, chrome_trace(&ranks))?;
             println!("wrote {path}");
         }
     }

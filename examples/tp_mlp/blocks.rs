@@ -1,5 +1,6 @@
-//! The tensor-parallel blocks in `fusion!`, one definition for every dtype: shared by the
-//! `tp_mlp` example and the layer benchmark (included with `#[path]`).
+//! The tensor-parallel blocks in `fusion!`, one definition for every dtype: the `tp_mlp`
+//! lesson's fusions, also included (with `#[path]`) by the layer benchmark and the candle
+//! Llama layer.
 
 use fusion::prelude::*;
 

@@ -4,20 +4,19 @@
 //! Wu) by columns and W2 (Wd) by rows. The host program is one stream loop: the rows of
 //! x arrive chunk by chunk while the GEMMs of the previous chunk run, the activation is
 //! the first GEMM's epilogue, and each chunk's second GEMM adds onto the running sum of
-//! the reduce-scatter ring.
+//! the reduce-scatter ring. The two fusions are in `blocks.rs` (the layer benchmark and
+//! the candle Llama layer use them too).
 //!
 //! ```sh
 //! cargo run --release --example tp_mlp -- --devices 4 -m 64 --hidden 128 -f 96 --dump
 //! cargo run --release --example tp_mlp -- --devices 2 --gated --dtype bf16
 //! ```
 
-#[path = "layer_bench/blocks.rs"]
 mod blocks;
-#[path = "common/mod.rs"]
+#[path = "../common/mod.rs"]
 mod common;
 
-use clap::Parser;
-use common::*;
+use common::{checked, matmul_ref, rel_error, to_f64, Report, Run};
 use fusion::compiler::ir::UnaryOp;
 use fusion::prelude::*;
 
@@ -26,8 +25,8 @@ use blocks::{gated_mlp, mlp};
 type R3 = Ranked<3>;
 
 /// The tensor-parallel MLP block in one fusion, checked against a host reference.
-#[derive(Parser, Debug)]
-struct Cli {
+#[derive(clap::Args, Debug)]
+struct Dims {
     /// Rows of x per device (M / devices)
     #[arg(short, default_value_t = 256)]
     m: usize,
@@ -40,18 +39,16 @@ struct Cli {
     /// The gated form: silu(x Wg) * (x Wu), then W_down
     #[arg(long)]
     gated: bool,
-    #[command(flatten)]
-    common: Common,
 }
 
 fn main() -> std::process::ExitCode {
-    common::finish::finish(run())
+    common::main(lesson)
 }
 
 /// Standard-normal values scaled by `1 / sqrt(fan_in)`, so activations stay O(1).
 fn weights(shape: &[usize], fan_in: usize, dtype: DType, seed: u64) -> fusion::Result<Tensor> {
     let s = 1.0 / (fan_in as f32).sqrt();
-    let v: Vec<f32> = randn(shape, DType::F32, seed)
+    let v: Vec<f32> = Tensor::randn(shape, DType::F32, seed)
         .to_f32_vec()?
         .into_iter()
         .map(|x| x * s)
@@ -86,28 +83,19 @@ fn reference(ws: &[Vec<f64>], x: &[f64], d: usize, m: usize, h: usize, f: usize)
     out
 }
 
-fn run() -> fusion::Result<()> {
-    let cli = Cli::parse();
-    let dt = cli.common.dtype;
-    let lowerings: fn() -> usize = if cli.gated {
-        gated_mlp::lowering_count
-    } else {
-        mlp::lowering_count
-    };
-    let world = cli.common.world()?;
-    let (d, m, h, f) = (world.size(), cli.m, cli.hidden, cli.f);
-    let dtype = dt.dtype();
+/// x, W1 (or Wg and Wu) and W2 (Wd) sharded on their first axis; each device keeps its
+/// rows of y.
+fn lesson(dims: &Dims, run: &Run) -> fusion::Result<Report> {
+    let (d, m, h, f) = (run.devices(), dims.m, dims.hidden, dims.f);
+    let dtype = run.dtype();
     let x = weights(&[d, m, h], 1, dtype, 1)?;
     let mut ws = vec![weights(&[d, h, f], h, dtype, 2)?];
-    if cli.gated {
+    if dims.gated {
         ws.push(weights(&[d, h, f], h, dtype, 3)?);
     }
     ws.push(weights(&[d, f, h], d * f, dtype, 4)?);
-    let opts = cli.common.options();
-    let timed = run_timed(
-        &world,
-        cli.common.iters,
-        cli.common.dump,
+    let opts = run.options();
+    let timed = run.timed(
         |rank| -> fusion::Result<Vec<R3>> {
             std::iter::once(&x)
                 .chain(&ws)
@@ -131,25 +119,20 @@ fn run() -> fusion::Result<()> {
             .to_string())
         },
     )?;
-    let gemms = if cli.gated { 3 } else { 2 };
+    let gemms = if dims.gated { 3 } else { 2 };
     let macs = (gemms * d * m * h * f * d) as f64;
-    let error = if macs <= REFERENCE_LIMIT {
+    let error = checked(macs, || {
         let ws64 = ws.iter().map(to_f64).collect::<fusion::Result<Vec<_>>>()?;
         let expected = reference(&ws64, &to_f64(&x)?, d, m, h, f);
         let gathered = concat(&timed.outputs, 0)?;
-        Some(rel_error(&gathered, &expected)?)
-    } else {
-        None
-    };
-    let ok = Summary {
-        name: "tp_mlp",
-        what: if cli.gated {
+        rel_error(&gathered, &expected)
+    })?;
+    Ok(Report {
+        what: if dims.gated {
             "gated MLP block RS((silu(AG(x) Wg) * (AG(x) Wu)) Wd), one pipeline"
         } else {
             "MLP block RS(gelu(AG(x) W1) W2), one pipeline"
         },
-        world: &world,
-        common: &cli.common,
         shapes: format!(
             "x [{}, {h}] sharded on rows, weights [{h}, {}] by columns and [{}, {h}] by \
              rows -> y [{}, {h}] sharded on rows",
@@ -159,11 +142,12 @@ fn run() -> fusion::Result<()> {
             d * m
         ),
         error,
-        timed: &timed,
+        timed,
         flops_per_device: Some(2.0 * macs / d as f64),
-        lowerings: lowerings(),
-    }
-    .print();
-    exit_on_failure(ok);
-    Ok(())
+        lowerings: if dims.gated {
+            gated_mlp::lowering_count()
+        } else {
+            mlp::lowering_count()
+        },
+    })
 }

@@ -5,12 +5,10 @@
 //! ui.perfetto.dev); `--from-json DIR` draws the pictures again from such files.
 //!
 //! ```sh
-//! cargo run --release --example timeline -- --out timeline          # on the GPUs
-//! cargo run --release --example timeline -- --from-json timeline/json --out timeline
+//! cargo run --release -p fusion-bench --bin timeline -- --out timeline          # on the GPUs
+//! cargo run --release -p fusion-bench --bin timeline -- --from-json timeline/json --out timeline
 //! ```
 
-#[path = "../common/finish.rs"]
-mod finish;
 mod render;
 
 use std::path::{Path, PathBuf};
@@ -18,6 +16,7 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use fusion::prelude::*;
 use fusion::runtime::trace::{busy_ms, device_events, overlaps, TraceEvent};
+use fusion_bench::finish::finish;
 use render::{render, Timeline};
 
 fusion! {
@@ -76,7 +75,7 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
-    finish::finish(run())
+    finish(run())
 }
 
 fn io(what: &str, path: &Path, e: impl std::fmt::Display) -> fusion::Error {

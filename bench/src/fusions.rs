@@ -1,4 +1,5 @@
-//! The fusions the benchmark times. Shapes are per rank; `d` is the device count.
+//! The fusions the tools time (the overlap and layer benchmarks, host costs), written with
+//! the builder. Shapes are per rank; `d` is the device count.
 //!
 //! AG+GEMM: A is `[M, K]` row-sharded (each rank holds `[M/d, K]`), B `[K, N]` replicated.
 //! GEMM+RS: A is `[M, K]` column-sharded (each rank `[M, K/d]`), B `[K/d, N]` per rank, and

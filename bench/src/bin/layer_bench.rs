@@ -2,7 +2,7 @@
 //! against its components alone in our runtime, on every device of the world.
 //!
 //! ```sh
-//! cargo run --release --example layer_bench -- --json layers.jsonl
+//! cargo run --release -p fusion-bench --bin layer_bench -- --json layers.jsonl
 //! ```
 //!
 //! Per shape (M, H, F): the NCCL AllGather of x and ReduceScatter of the partial result
@@ -14,22 +14,18 @@
 //! the slowest rank's median; the bound is max(AG + RS, sum of the GEMMs). Inputs are fresh
 //! uniform random values each run (the seed is printed).
 
+/// The MLP blocks of the `tp_mlp` lesson.
+#[path = "../../../examples/tp_mlp/blocks.rs"]
 mod blocks;
-#[path = "../common/mod.rs"]
-mod common;
-#[allow(dead_code)] // the overlap benchmark's fusions; this one uses a few
-#[path = "../overlap_bench/fusions.rs"]
-mod components;
-#[allow(dead_code)]
-#[path = "../overlap_bench/measure.rs"]
-mod measure;
 
 use clap::Parser;
-use common::Dt;
 use fusion::compiler::ir::Fusion;
 use fusion::{ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
-
-use measure::{device_ms, random_scaled, rel_error};
+use fusion_bench::cli::{list, seed_or_clock, write_file};
+use fusion_bench::finish::finish;
+use fusion_bench::fusions as components;
+use fusion_bench::measure::{device_ms, random_scaled, rel_error};
+use fusion_bench::Dt;
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -101,10 +97,6 @@ impl Row {
 
 /// What one rank measured: (variant, ms, relerr, peak bytes).
 type Samples = Vec<(String, f64, f64, usize)>;
-
-fn list(s: &str) -> Vec<usize> {
-    s.split(',').filter_map(|x| x.trim().parse().ok()).collect()
-}
 
 struct Execs {
     block: FusionExecutor,
@@ -227,7 +219,7 @@ fn build(r: std::result::Result<Fusion, fusion::compiler::Error>) -> Result<Fusi
 }
 
 fn main() -> std::process::ExitCode {
-    common::finish::finish(run())
+    finish(run())
 }
 
 fn run() -> Result<()> {
@@ -244,11 +236,7 @@ fn run() -> Result<()> {
         "layer_bench: backend {} devices {d} dtype {dt}",
         world.backend().name()
     );
-    let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |t| t.as_nanos() as u64)
-    });
+    let seed = seed_or_clock(a.seed);
     println!("layer_bench: input seed {seed}");
     let mut rows: Vec<Row> = Vec::new();
     for shape_s in a.shapes.split(';') {
@@ -304,8 +292,7 @@ fn run() -> Result<()> {
     }
     if let Some(path) = &a.json {
         let text: String = rows.iter().map(|r| r.json() + "\n").collect();
-        std::fs::write(path, text)
-            .map_err(|e| fusion::Error::World(format!("writing {path}: {e}")))?;
+        write_file(path, text)?;
     }
     print_table(&rows);
     Ok(())

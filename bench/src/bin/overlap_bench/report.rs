@@ -1,6 +1,9 @@
-//! Benchmark rows, their JSON form, and the summary table (each time over the bound).
+//! Benchmark rows, their JSON form, the summary table (each time over the bound), and a
+//! traced variant's timeline.
 
 use std::collections::BTreeMap;
+
+use crate::sample::Sample;
 
 /// One measured variant (times in ms, maximum over ranks of each rank's median).
 #[derive(Clone, Debug)]
@@ -74,5 +77,40 @@ pub fn print_table(rows: &[Row]) {
                 best.ms / bound
             );
         }
+    }
+}
+
+/// Rank 0's timeline of a traced call: each communication and kernel with its stream,
+/// chunk and interval.
+pub fn print_trace(s: &Sample) {
+    let Some(events) = &s.trace else {
+        return;
+    };
+    use fusion::runtime::trace::{busy_ms, overlaps};
+    println!(
+        "    trace (rank 0): comm busy {:.3} ms, compute busy {:.3} ms, {} comm/compute overlaps",
+        busy_ms(events, true),
+        busy_ms(events, false),
+        overlaps(events).len()
+    );
+    let total: f64 = s.host.iter().map(|h| h.2).sum();
+    let per_kind: Vec<String> = s
+        .host
+        .iter()
+        .map(|(k, n, us)| format!("{k} {n}x {:.1}", us / f64::from(*n)))
+        .collect();
+    println!(
+        "    host (rank 0, untraced call): {total:.1} us in leaf nodes; us per node: {}",
+        per_kind.join(", ")
+    );
+    for e in events {
+        println!(
+            "    {:>8.3} {:>8.3}  stream {:<2} chunk {:<4} {}",
+            e.start_ms,
+            e.end_ms,
+            e.stream,
+            e.chunk.map_or("-".into(), |c| c.to_string()),
+            e.name
+        );
     }
 }

@@ -10,19 +10,16 @@
 //! it, or the events alive grew.
 //!
 //! ```sh
-//! cargo run --release --example soak -- --devices 2 --calls 10000 --runs 500
-//! cargo run --release --example soak -- --fusion collective --calls 100000 --json soak.jsonl
+//! cargo run --release -p fusion-bench --bin soak -- --devices 2 --calls 10000 --runs 500
+//! cargo run --release -p fusion-bench --bin soak -- --fusion collective --calls 100000 --json soak.jsonl
 //! ```
-
-#[path = "common/mod.rs"]
-mod common;
 
 use std::io::Write;
 
 use clap::{Parser, ValueEnum};
-use common::Dt;
 use fusion::prelude::*;
 use fusion::runtime::backend::DeviceMemory;
+use fusion_bench::Dt;
 
 fusion! {
     /// AllGather + GEMM as a P2P pipeline: chunk `i` arrives while chunk `i - 1` is
@@ -332,7 +329,7 @@ fn report(points: &[Checkpoint], unit: &str, limit_kb: u64) -> bool {
 }
 
 fn main() -> std::process::ExitCode {
-    common::finish::finish(run())
+    fusion_bench::finish::finish(run())
 }
 
 fn run() -> fusion::Result<()> {
