@@ -1,9 +1,9 @@
 """Compares the overlap benchmark in one process driving every GPU against the same run with
-one process per GPU (a launched world), variant by variant, from one device call.
+one process per GPU (a launched world), variant by variant, from one run on one machine.
 
     python3 bench/compare_layouts.py SINGLE.jsonl LAUNCHED.jsonl
 
-Target (issue 11): every row within 5% of the single-process time (launched / single <= 1.05).
+Target: every row within 5% of the single-process time (launched / single <= 1.05).
 Rows: each (op, shape) with its default variant (the P2P pipeline over the copy engines) and
 each layout's fastest variant; every common variant is listed in the detail table.
 """

@@ -1,10 +1,10 @@
-"""Builds the comparison table of docs/PERFORMANCE.md from one device call's JSON lines.
+"""Builds the comparison table of docs/PERFORMANCE.md from one run's JSON lines.
 
     python3 bench/report.py OURS.jsonl TORCH.jsonl [OURS_D2.jsonl TORCH_D2.jsonl ...]
 
 Bound = max(our NCCL collective alone, our GEMM alone), measured in the same run; PyTorch's
 best = its fastest of sequential, NCCL pipelines, P2P ring and symmetric-memory fused ops.
-Targets (issue 5): ours <= 1.10x the bound; ours <= 0.85x PyTorch's best where PyTorch's
+Targets: ours <= 1.10x the bound; ours <= 0.85x PyTorch's best where PyTorch's
 best is over 1.15x the bound. "ours" is our fastest variant; "default" is what a fusion gets
 without options (P2P pipeline, copy engines pushing on per-peer streams), for reference.
 """

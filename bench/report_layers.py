@@ -1,4 +1,4 @@
-"""The layer table of docs/PERFORMANCE.md from one device call's JSON lines.
+"""The layer table of docs/PERFORMANCE.md from one run's JSON lines.
 
     python3 bench/report_layers.py OURS.jsonl TORCH.jsonl
 
@@ -6,7 +6,7 @@ Bound = max(our AllGather + ReduceScatter alone, our GEMMs alone), all measured 
 run (the activation is in the first GEMM's epilogue, so it is not in the bound; the gated
 block counts its two up projections). "ours" is our fastest pipelined variant, "default"
 the fusion without options. PyTorch's best is the faster of its sequential block and
-async-TP. Targets (issue 12, the MLP block): ours <= 1.05x the bound and <= 0.92x
+async-TP. Targets (the MLP block): ours <= 1.05x the bound and <= 0.92x
 PyTorch's best; the gated rows are reported beside them.
 """
 import collections

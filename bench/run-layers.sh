@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (2 GPUs, about 3-5 minutes): the layer checks on the GPUs, then our layer
+# One run on one GPU machine (2 GPUs, about 3-5 minutes): the layer checks on the GPUs, then our layer
 # benchmark and PyTorch's on the same shapes, then the table of docs/PERFORMANCE.md.
 #   1. tests/layers.rs (MLP, gated MLP, attention projections against f64 references on
 #      1 and 2 GPUs, f32 and bf16), tests/epilogues.rs, and the GEMM-epilogue kernel test

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: our overlap benchmark and the PyTorch baseline on the same shapes, on
+# One run on one GPU machine: our overlap benchmark and the PyTorch baseline on the same shapes, on
 # all GPUs (D = 4 on nvidia-h200-x4, 8 on nvidia-h200-x8) and on the first 4 and 2 of them,
 # then the comparison table.
 # Binaries come from scripts/stage-gpu.sh (.gpu/bin). Logs and JSON lines go to $OUT.

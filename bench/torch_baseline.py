@@ -1,6 +1,6 @@
 """PyTorch baseline for the overlap benchmark (overlap_bench, bench/src/bin/overlap_bench).
 
-Runs in the same device call as our benchmark, on the same shapes, one process per GPU:
+Runs in the same run as our benchmark, on the same machine, on the same shapes, one process per GPU:
 AG+GEMM and GEMM+RS done sequentially, as NCCL collectives pipelined over chunks and
 streams, as a P2P ring (batch_isend_irecv), and with PyTorch's async-TP fused ops
 (torch.ops.symm_mem.fused_*; NVLink multicast stays off). Plus the host cost of one tiny

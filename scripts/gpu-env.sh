@@ -1,6 +1,6 @@
 # Source this on a GPU machine before running fusion binaries:  source scripts/gpu-env.sh
 #
-# cudarc loads NCCL as `libnccl.so`, but NCCL's Python wheel (the only NCCL on the lent GPU
+# cudarc loads NCCL as `libnccl.so`, but NCCL's Python wheel (the only NCCL on the GPU
 # machines) ships `libnccl.so.2`. This finds that file, makes a directory with a
 # `libnccl.so` symlink to it, and puts the directory (and the CUDA toolkit's libraries) on
 # LD_LIBRARY_PATH. It also keeps NVLink multicast off, as the machines require.

@@ -44,8 +44,8 @@ two GPUs or more:
   replay-x2               CUDA-graph tests and host_costs --graph-topologies on 2 GPUs
   ring-x2                 the peer-failure test alone, graph tests, GEMM+RS row ranges x RUNS
   x2 a|b|c|d|e            the two-GPU groups (a: launch buffers timeline soak; b: check
-                          layers host; c: replay-x2 overlap-x2; d: ring-x2; e: issue 29's
-                          candle-tp overlap-x2 layers faults), as one session
+                          layers host; c: replay-x2 overlap-x2; d: ring-x2; e:
+                          candle-tp overlap-x2 layers faults), one after another
 several tasks:
   session <task>..        each task in its own folder, all packed into $OUT/results.tgz
 EOF
@@ -140,7 +140,7 @@ task_check() {
 }
 
 # check (dtypes from CHECK_DTYPES) then the overlap benchmark against PyTorch, each part's
-# files packed into one archive under $OUT (the device tool returns only a few files); the
+# files packed into one archive under $OUT (fewer files to fetch); the
 # summary tables are printed last.
 task_all() {
     mkdir -p "$OUT/check" "$OUT/bench"
@@ -178,7 +178,7 @@ task_buffers() {
 # call on the rank's own stream, on a caller's stream and on the per-thread default stream,
 # in one process) twice. When another build's host_costs is staged as
 # .gpu/bin/host_costs_base (e.g. the commit before a change), the two alternate, for an A/B
-# of the call's host cost in one device call.
+# of the call's host cost in one run on one machine.
 task_caller_stream() {
     export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=30
     gpus_info >"$OUT/caller-stream-machine.txt" 2>&1
@@ -252,7 +252,7 @@ task_candle() {
 }
 
 # The candle Llama layer (Llama-3-8B sizes, bf16) tensor-parallel over [gpus] processes under
-# torchrun, one GPU each (issue 29): the fusions against candle's own tensor parallelism
+# torchrun, one GPU each: the fusions against candle's own tensor parallelism
 # (--candle-tp: a blocking NCCL all-reduce per block), prefill of 2048 and 8192 tokens and
 # decode steps of 1, 8 and 64 tokens (30 steps each: medians of at least 20), every step
 # checked against candle alone in f32 on rank 0. Rank 0's summary lines go to the table.
@@ -646,7 +646,7 @@ task_timeline() {
 }
 
 # Runs several tasks, each with its own output folder, and packs everything into
-# $OUT/results.tgz (the device tool returns only a few files), keeping each task's printed
+# $OUT/results.tgz (fewer files to fetch), keeping each task's printed
 # tail in $OUT/<task>.txt.
 task_session() {
     local work="$OUT/work" name start rc
@@ -663,7 +663,7 @@ task_session() {
     ls -la "$OUT"
 }
 
-# What needs 2 GPUs, grouped into sessions (on nvidia-h200-x2, .gpu carried):
+# What needs 2 GPUs, grouped into runs of several tasks (on a machine with 2 GPUs, .gpu carried along):
 #   a: launched worlds (launch), cudarc buffers (buffers), the timeline pictures
 #      (timeline), and the memory soak (soak 2)
 #   b: the GPU checks on both GPUs of one process (check), the layer benchmark against

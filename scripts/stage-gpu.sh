@@ -5,7 +5,7 @@
 # Usage: scripts/stage-gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The lent machines' driver is CUDA 13.0, and this machine has no nvcc to tell cudarc which
+# The GPU machines' driver is CUDA 13.0, and this machine has no nvcc to tell cudarc which
 # CUDA version to bind: name it (an application's own choice wins elsewhere, see docs/PROGRAMS.md).
 export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 mkdir -p .gpu/bin
@@ -48,8 +48,8 @@ for line in sys.stdin:
   | while read -r exe; do cp "$exe" ".gpu/bin/test-fusion_runtime_lib"; done
 strip --strip-debug .gpu/bin/*
 ls -la .gpu/bin
-# The device call carries at most 64 MiB: the binaries travel compressed, and
-# scripts/gpu-env.sh unpacks them there.
+# The copy of the repository sent to a GPU machine may be limited in size: the binaries
+# travel compressed, and scripts/gpu-env.sh unpacks them there.
 tar cJf .gpu/bin.tar.xz -C .gpu bin
 rm -rf .gpu/bin
 du -sh .gpu
