@@ -2,9 +2,10 @@
 //! (`pidfd_getfd`), its memory pool imported, its arena chunks mapped on first use, and
 //! the allocation a pool export names.
 
+use std::collections::HashMap;
+
 use cudarc::driver::sys;
 
-use super::peer::IpcPeer;
 use super::{check, ipc_err};
 use crate::backend::cuda::memory::shared_arena::{grant, map, unmap};
 use crate::error::Result;
@@ -113,31 +114,37 @@ pub(super) fn allocation_base(ptr: u64, rank: usize) -> Result<u64> {
     Ok(base)
 }
 
-impl IpcPeer {
-    /// The address here of the peer's arena chunk described by `e` (mapped on first use).
-    pub(super) fn peer_chunk(&mut self, e: &[u8; 64]) -> Result<u64> {
-        let id = u32::from_le_bytes(e[0..4].try_into().expect("4 bytes"));
-        let fd = i32::from_le_bytes(e[4..8].try_into().expect("4 bytes"));
-        let size = u64::from_le_bytes(e[8..16].try_into().expect("8 bytes")) as usize;
-        if let Some(c) = self.chunks.get(&id) {
-            if c.size == size {
-                return Ok(c.va);
-            }
+/// The peers' arena chunks this process has mapped, by chunk id: one map per peer.
+pub(super) type MappedChunks = HashMap<u32, MappedChunk>;
+
+/// The address here of an arena chunk of rank `peer` (process `pid`) described by `e`,
+/// mapped for device `ordinal` on first use and kept in `chunks`.
+pub(super) fn peer_chunk(
+    chunks: &mut MappedChunks,
+    (peer, pid, ordinal): (usize, u32, usize),
+    e: &[u8; 64],
+) -> Result<u64> {
+    let id = u32::from_le_bytes(e[0..4].try_into().expect("4 bytes"));
+    let fd = i32::from_le_bytes(e[4..8].try_into().expect("4 bytes"));
+    let size = u64::from_le_bytes(e[8..16].try_into().expect("8 bytes")) as usize;
+    if let Some(c) = chunks.get(&id) {
+        if c.size == size {
+            return Ok(c.va);
         }
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: importing a descriptor of memory the peer exported.
-        let r = import_descriptor(self.pid, fd, |local| unsafe {
-            sys::cuMemImportFromShareableHandle(&mut handle, local, POSIX_FD)
-        })?;
-        check(r, &format!("importing rank {}'s shared memory", self.peer))?;
-        let va = map(handle, size)?;
-        if let Err(e) = grant(va, size, &[self.ordinal as i32]) {
-            unmap(va, size, handle);
-            return Err(e);
-        }
-        if let Some(old) = self.chunks.insert(id, MappedChunk { va, size, handle }) {
-            unmap(old.va, old.size, old.handle);
-        }
-        Ok(va)
     }
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: importing a descriptor of memory the peer exported.
+    let r = import_descriptor(pid, fd, |local| unsafe {
+        sys::cuMemImportFromShareableHandle(&mut handle, local, POSIX_FD)
+    })?;
+    check(r, &format!("importing rank {peer}'s shared memory"))?;
+    let va = map(handle, size)?;
+    if let Err(e) = grant(va, size, &[ordinal as i32]) {
+        unmap(va, size, handle);
+        return Err(e);
+    }
+    if let Some(old) = chunks.insert(id, MappedChunk { va, size, handle }) {
+        unmap(old.va, old.size, old.handle);
+    }
+    Ok(va)
 }

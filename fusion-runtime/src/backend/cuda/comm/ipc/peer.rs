@@ -9,7 +9,7 @@ use std::time::Instant;
 use cudarc::driver::sys;
 
 use super::device::{IpcDevice, IpcInfo};
-use super::import::{import_pool, MappedChunk};
+use super::import::{import_pool, peer_chunk, MappedChunks};
 use super::inbox::{pause, Kind, Mapping, Msg, Ring, RING_SLOTS};
 use super::{check, ipc_err, Key};
 use crate::backend::cuda::health::WorldHealth;
@@ -23,7 +23,7 @@ pub(crate) struct IpcPeer {
     /// This rank's device, which copies into the peer's memory.
     pub(super) ordinal: usize,
     /// The peer's arena chunks mapped so far, by chunk id.
-    pub(super) chunks: HashMap<u32, MappedChunk>,
+    pub(super) chunks: MappedChunks,
     /// The peer's pool, imported once.
     pub(super) pool: sys::CUmemoryPool,
     /// Where this rank writes (the peer's inbox, this rank's ring).
@@ -159,6 +159,11 @@ impl IpcPeer {
                 ),
             )?;
         }
+    }
+
+    /// The address here of the peer's arena chunk described by `e` (mapped on first use).
+    pub(super) fn peer_chunk(&mut self, e: &[u8; 64]) -> Result<u64> {
+        peer_chunk(&mut self.chunks, (self.peer, self.pid, self.ordinal), e)
     }
 
     /// The peer's event `slot` (opened on first use).
