@@ -48,25 +48,22 @@ impl NcclRankState {
     }
 
     /// Aborts every communicator of this rank (pending operations fail instead of hanging).
+    /// Each is taken out of the state first, so nothing finds it afterwards.
     pub(crate) fn abort_all(&self) {
-        if let Some(c) = self
+        let world = self
             .world
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
-            // SAFETY: aborting a communicator we own; it is not used afterwards.
-            unsafe {
-                let _ = nccl::comm_abort(c.0);
-            }
-        }
-        for (_, c) in self
+            .take();
+        let teams: Vec<RawComm> = self
             .teams
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .drain()
-        {
-            // SAFETY: as above.
+            .map(|(_, c)| c)
+            .collect();
+        for c in world.into_iter().chain(teams) {
+            // SAFETY: aborting a communicator we own; it is not used afterwards.
             unsafe {
                 let _ = nccl::comm_abort(c.0);
             }
