@@ -43,6 +43,9 @@ two GPUs or more:
   overlap-x2              bench/run-overlap.sh on all GPUs only, with traces
   replay-x2               CUDA-graph tests and host_costs --graph-topologies on 2 GPUs
   ring-x2                 the peer-failure test alone, graph tests, GEMM+RS row ranges x RUNS
+  token                   a world with a job token under torchrun: intruders with a wrong
+                          token or none and a fuzzed handshake are refused; ranks that
+                          disagree on the token fail at formation saying so
   x2 a|b|c|d|e            the two-GPU groups (a: launch buffers timeline soak; b: check
                           layers host; c: replay-x2 overlap-x2; d: ring-x2; e:
                           candle-tp overlap-x2 layers faults), one after another
@@ -645,6 +648,55 @@ task_timeline() {
     return "$rc"
 }
 
+# A launched world with a job token (FUSION_JOB_TOKEN) under torchrun on NPROC GPUs
+# (default 2): the ranks form and run checked calls (tests/job_token.rs, child_guarded)
+# while a process with a wrong token and one with none try to join as rank 1 and a process
+# fuzzes the handshake (truncated, oversized, replayed, garbage); each is refused and named
+# in rank 0's log, and no rank sees an error. Then ranks given different tokens fail at
+# formation, saying so. Success: every row of the table says ok.
+task_token() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=30
+    local n=${NPROC:-2} t=$BIN/test-job_token log=$OUT/token-world.log pid rc addr who i
+    local tok stop=$OUT/token-stop join="--exact child_tries_to_join --ignored --nocapture"
+    tok=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+    gpus_info >"$OUT/machine.txt" 2>&1
+    rm -f "$stop"
+    FUSION_JOB_TOKEN=$tok FUSION_TEST_STOP=$stop timeout 300 torchrun --nproc-per-node "$n" \
+        --master-port 29710 --no-python $t --exact child_guarded --ignored --nocapture >"$log" 2>&1 &
+    pid=$!
+    for i in $(seq 240); do grep -q "FORMED rank 0 at" "$log" && break; sleep 0.5; done
+    addr=$(grep -o "FORMED rank 0 at [^ ]*" "$log" | head -1 | cut -d' ' -f5)
+    # The intruders and the fuzzer are processes of the CPU backend: they need no GPU.
+    local at="FUSION_BACKEND=cpu FUSION_MASTER_ADDR=${addr%:*} FUSION_MASTER_PORT=${addr##*:}"
+    env -u FUSION_JOB_TOKEN $at FUSION_JOB_TOKEN=a-guess FUSION_RANK=1 FUSION_WORLD_SIZE=$n \
+        timeout 60 $t $join >"$OUT/token-intruder-wrong.log" 2>&1
+    env -u FUSION_JOB_TOKEN $at FUSION_RANK=1 FUSION_WORLD_SIZE=$n \
+        timeout 60 $t $join >"$OUT/token-intruder-none.log" 2>&1
+    env $at FUSION_JOB_TOKEN=$tok timeout 120 $t --exact child_fuzzes --ignored --nocapture \
+        >"$OUT/token-fuzz.log" 2>&1
+    touch "$stop"
+    wait "$pid"
+    rc=$?
+    # Ranks that disagree: each rank's token is its own. A rank lingers after its error, so
+    # torchrun stops none before rank 0's rendezvous has timed out (5 s) and said why.
+    FUSION_TIMEOUT=5 timeout 120 torchrun --nproc-per-node "$n" --master-port 29720 --no-python \
+        sh -c 'FUSION_JOB_TOKEN=token-of-rank-$LOCAL_RANK "$0" "$@"; rc=$?; sleep 8; exit $rc' \
+        $t $join >"$OUT/token-disagree.log" 2>&1
+    ok() { if "$@" >/dev/null 2>&1; then echo ok; else echo FAILED; fi; }
+    cat "$OUT/machine.txt"
+    echo "rendezvous of the world: $addr (token of ${#tok} hex digits)"
+    printf '%-44s %s\n' \
+        "world formed and ran (rc=$rc)" "$(ok test "$rc" = 0 -a "$(grep -c GUARDED-OK "$log")" = "$n")" \
+        "intruder with a wrong token refused" "$(ok grep -q 'job token differs' "$OUT/token-intruder-wrong.log")" \
+        "intruder with no token refused" "$(ok grep -q 'requires a job token' "$OUT/token-intruder-none.log")" \
+        "handshake fuzzed" "$(ok grep -q FUZZ-DONE "$OUT/token-fuzz.log")" \
+        "rank 0's log: 6 refusals named" "$(ok test "$(grep -c 'refused a connection from' "$log")" = 6)" \
+        "disagreeing rank: token mismatch at once" "$(ok grep -q 'job token differs from rank 0' "$OUT/token-disagree.log")" \
+        "rank 0: the refused token named" "$(ok grep -q 'for a wrong job token' "$OUT/token-disagree.log")"
+    grep -h "refused a connection from" "$log"
+    grep -h "JOIN-ERROR" "$OUT"/token-intruder-*.log "$OUT/token-disagree.log" | cut -c1-240
+}
+
 # Runs several tasks, each with its own output folder, and packs everything into
 # $OUT/results.tgz (fewer files to fetch), keeping each task's printed
 # tail in $OUT/<task>.txt.
@@ -690,7 +742,7 @@ task=${1:-help}
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
     check | all | buffers | caller-stream | candle | candle-tp | faults | host | host-ab | launch | replay-x2 | \
-        ring-x2 | shared-ranks | soak | timeline | session | x2) ;;
+        ring-x2 | shared-ranks | soak | timeline | token | session | x2) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
     overlap) exec bash bench/run-overlap.sh ;;

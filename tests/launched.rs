@@ -8,24 +8,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::launch::{expect_success, launch, launch_exe, Ended, Vars};
+use common::launch::{
+    child_args, expect_success, in_child, join_and_report, launch, launch_exe, Ended, Vars,
+};
 use common::{cases, RefArray};
 use fusion::runtime::world::LaunchSpec;
 use fusion::{DType, Error, ExecOptions, FusionExecutor, Tensor, World};
-
-fn child_args(name: &str) -> Vec<&str> {
-    vec![
-        "--exact",
-        name,
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ]
-}
-
-fn in_child() -> bool {
-    LaunchSpec::from_env().ok().flatten().is_some()
-}
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -192,15 +180,7 @@ fn a_rank_that_crashes_is_named_by_the_others() {
 #[ignore = "a rank process of the bootstrap-failure tests"]
 fn child_joins() {
     assert!(in_child(), "run by the bootstrap-failure tests");
-    let world = World::from_env().unwrap_or_else(|e| {
-        eprintln!("JOIN-ERROR: {e}");
-        std::process::exit(2)
-    });
-    let all = world
-        .run(|rank| rank.gather_to_host(&Tensor::full(&[1], DType::F32, rank.index() as f32)))
-        .unwrap();
-    assert_eq!(all[0].len(), world.size());
-    println!("JOINED rank {:?}", world.local_ranks());
+    join_and_report();
 }
 
 fn stderr_of(ended: &[Ended], rank: usize) -> &str {

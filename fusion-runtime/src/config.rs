@@ -2,9 +2,9 @@
 //! parsed, its default, and the error for a value it does not accept.
 //!
 //! Only what a user sets from outside a program is read here (which backend, how many
-//! devices, the timeout, dumps, the trace directory, and where a launched process sits);
-//! everything a program chooses is an option in code ([`crate::ExecOptions`], a
-//! [`crate::World`] setting). `docs/ENVIRONMENT.md` lists the same variables, and a test
+//! devices, the timeout, dumps, the trace directory, where a launched process sits, and the
+//! launched job's token); everything a program chooses is an option in code
+//! ([`crate::ExecOptions`], a [`crate::World`] setting). `docs/ENVIRONMENT.md` lists the same variables, and a test
 //! checks the two against each other. No other module of the library reads a `FUSION_*`
 //! variable.
 
@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use crate::comm::remote::JobToken;
 use crate::device::BackendKind;
 use crate::error::{Error, Result};
 
@@ -39,9 +40,12 @@ pub const MASTER_ADDR: &str = "FUSION_MASTER_ADDR";
 pub const MASTER_PORT: &str = "FUSION_MASTER_PORT";
 /// Ranks (GPUs) per launched process: a positive number, or `all` GPUs of the node.
 pub const DEVICES_PER_PROCESS: &str = "FUSION_DEVICES_PER_PROCESS";
+/// The launched job's secret, the same on every rank: only connections that prove
+/// knowledge of it join the world (unset: any connection that speaks the protocol).
+pub const JOB_TOKEN: &str = "FUSION_JOB_TOKEN";
 
 /// Every variable the library reads.
-pub const VARIABLES: [&str; 12] = [
+pub const VARIABLES: [&str; 13] = [
     BACKEND,
     DEVICES,
     TIMEOUT,
@@ -54,6 +58,7 @@ pub const VARIABLES: [&str; 12] = [
     MASTER_ADDR,
     MASTER_PORT,
     DEVICES_PER_PROCESS,
+    JOB_TOKEN,
 ];
 
 /// Default time a communication (or the bootstrap) may wait for its peers before failing.
@@ -148,6 +153,24 @@ fn parse_per_process(v: Option<&str>) -> Result<Option<PerProcess>> {
     }
 }
 
+/// [`JOB_TOKEN`]: the job's token, if set (its value never appears in an error).
+pub fn job_token() -> Result<Option<JobToken>> {
+    parse_job_token(std::env::var_os(JOB_TOKEN).as_deref())
+}
+
+fn parse_job_token(v: Option<&std::ffi::OsStr>) -> Result<Option<JobToken>> {
+    match v {
+        None => Ok(None),
+        Some(v) => JobToken::new(v.as_encoded_bytes()).map(Some).map_err(|_| {
+            bad(
+                JOB_TOKEN,
+                "",
+                "a secret of at least one byte (unset it for none)",
+            )
+        }),
+    }
+}
+
 /// Which dumps [`DUMP`] asks for (comma-separated: `fusion`, `host_ir`, `host_ir_passes`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DumpOptions {
@@ -220,6 +243,7 @@ mod tests {
         assert_eq!(parse_timeout(None).unwrap(), DEFAULT_TIMEOUT);
         assert_eq!(parse_per_process(None).unwrap(), None);
         assert_eq!(parse_dump(None).unwrap(), DumpOptions::default());
+        assert!(parse_job_token(None).unwrap().is_none());
     }
 
     #[test]
@@ -251,6 +275,8 @@ mod tests {
             }
         );
         assert_eq!(parse_dump(Some("")).unwrap(), DumpOptions::default());
+        let token = parse_job_token(Some("s3cret".as_ref())).unwrap().unwrap();
+        assert_eq!(format!("{token:?}"), "JobToken(..)", "never printed");
     }
 
     #[test]
@@ -288,6 +314,12 @@ mod tests {
             "FUSION_DUMP",
             "host_ir,graphs",
             "`fusion`, `host_ir`, `host_ir_passes`",
+        );
+        says(
+            parse_job_token(Some("".as_ref())).unwrap_err(),
+            "FUSION_JOB_TOKEN",
+            "=",
+            "at least one byte",
         );
     }
 }

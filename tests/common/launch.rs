@@ -14,6 +14,47 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// The arguments that run only the ignored test `name` of a test binary, as a child
+/// process (its output uncaptured).
+pub fn child_args(name: &str) -> Vec<&str> {
+    vec![
+        "--exact",
+        name,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]
+}
+
+/// Whether this process was started as a rank of a launched world (launcher variables).
+pub fn in_child() -> bool {
+    fusion::runtime::world::LaunchSpec::from_env()
+        .ok()
+        .flatten()
+        .is_some()
+}
+
+/// The launched world this process is a rank of; when it cannot be made, prints
+/// `JOIN-ERROR: <error>` and exits with status 2 (what the bootstrap tests look for).
+pub fn world_or_exit() -> fusion::World {
+    fusion::World::from_env().unwrap_or_else(|e| {
+        eprintln!("JOIN-ERROR: {e}");
+        std::process::exit(2)
+    })
+}
+
+/// Joins the launched world ([`world_or_exit`]), gathers a value from every rank, and
+/// prints `JOINED rank [..]`.
+pub fn join_and_report() {
+    use fusion::{DType, Tensor};
+    let world = world_or_exit();
+    let all = world
+        .run(|rank| rank.gather_to_host(&Tensor::full(&[1], DType::F32, rank.index() as f32)))
+        .unwrap();
+    assert_eq!(all[0].len(), world.size());
+    println!("JOINED rank {:?}", world.local_ranks());
+}
+
 /// What one process did.
 #[derive(Debug)]
 pub struct Ended {
@@ -249,6 +290,7 @@ pub fn start_exe(
                 "FUSION_DEVICES",
                 "FUSION_RANK",
                 "FUSION_WORLD_SIZE",
+                "FUSION_JOB_TOKEN",
                 "MASTER_ADDR",
                 "MASTER_PORT",
                 "TORCHELASTIC_USE_AGENT_STORE",

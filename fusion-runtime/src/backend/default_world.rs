@@ -5,7 +5,7 @@
 use crate::config;
 use crate::device::BackendKind;
 use crate::error::{Error, Result};
-use crate::world::{timeout_from_env, LaunchSpec, World, DEFAULT_CPU_DEVICES};
+use crate::world::{timeout_from_env, LaunchOptions, LaunchSpec, World, DEFAULT_CPU_DEVICES};
 
 impl World {
     /// The default world. Under a launcher (torchrun, srun, mpirun, or `FUSION_RANK`: see
@@ -52,7 +52,15 @@ impl World {
     /// once every rank has arrived, or fails naming the ranks that did not within
     /// `FUSION_TIMEOUT` (60 s by default). The process's rank handle is [`World::rank`].
     /// After a failure a launched world is finished: every rank must make a new one.
+    /// With `FUSION_JOB_TOKEN` set (the same on every rank), only connections that prove
+    /// knowledge of it join (`docs/LAUNCHING.md`).
     pub fn from_env() -> Result<World> {
+        World::from_env_with(&LaunchOptions::default())
+    }
+
+    /// Like [`World::from_env`], with settings made in code (a job token) winning over
+    /// the environment's.
+    pub fn from_env_with(options: &LaunchOptions) -> Result<World> {
         let spec = LaunchSpec::from_env()?.ok_or_else(|| {
             Error::World(
                 "no launcher variables found (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, \
@@ -61,6 +69,7 @@ impl World {
             )
         })?;
         let timeout = timeout_from_env()?;
+        let token = options.token()?;
         let per_process = config::devices_per_process()?;
         let cuda = match config::backend()? {
             Some(k) => k == BackendKind::Cuda,
@@ -68,7 +77,13 @@ impl World {
         };
         if cuda {
             #[cfg(feature = "cuda")]
-            return super::cuda::world::launched_cuda_world(spec, per_process, timeout, false);
+            return super::cuda::world::launched_cuda_world(
+                spec,
+                per_process,
+                timeout,
+                false,
+                token,
+            );
             #[cfg(not(feature = "cuda"))]
             return Err(no_cuda_feature());
         }
@@ -83,7 +98,7 @@ impl World {
                 ))
             }
         };
-        super::cpu::world::launched_cpu_world(spec, n, timeout)
+        super::cpu::world::launched_cpu_world(spec, n, timeout, token)
     }
 }
 

@@ -10,8 +10,9 @@
 //! waiting forever; the root-cause error is returned, and the world is failed for good.
 //!
 //! Submodules: `rank` (the handles, one call at a time each), `launcher` (which rank this
-//! process is, from the environment), `bootstrap` and `topology` (the rendezvous on rank
-//! 0's process and what every rank learns there), `split` (sub-worlds). The backends
+//! process is, from the environment), `launch_options` (what code sets about a launched
+//! world: its job token), `bootstrap` and `topology` (the rendezvous on rank 0's process
+//! and what every rank learns there), `split` (sub-worlds). The backends
 //! assemble their worlds on top of this one (`backend::cpu` [`World::local`],
 //! `backend::cuda::cuda_world`, and [`World::local_default`], which picks one).
 
@@ -19,6 +20,7 @@ pub(crate) mod bootstrap;
 // Pure checks of a launch layout, used by CUDA worlds (unit-tested in every build).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod gpu_layout;
+mod launch_options;
 pub mod launcher;
 mod rank;
 mod split;
@@ -36,7 +38,9 @@ use crate::device::{BackendKind, Device};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
+pub use crate::comm::remote::JobToken;
 pub use bootstrap::VERSION;
+pub use launch_options::LaunchOptions;
 pub use launcher::{LaunchSpec, Launcher};
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 pub(crate) use rank::CallerStreamSource;

@@ -8,7 +8,7 @@ use super::CpuDevice;
 use crate::device::{BackendKind, Device};
 use crate::error::{Error, Result};
 use crate::world::bootstrap;
-use crate::world::{topology, LaunchSpec, RankInfo, World};
+use crate::world::{topology, JobToken, LaunchSpec, RankInfo, World};
 
 impl World {
     /// `n` simulated devices on the CPU backend, in this process.
@@ -27,11 +27,12 @@ impl World {
 }
 
 /// A launched world on the CPU backend: `per_process` simulated devices per process,
-/// talking over the TCP rendezvous.
+/// talking over the TCP rendezvous (with the job `token`, if any).
 pub(crate) fn launched_cpu_world(
     spec: LaunchSpec,
     per_process: usize,
     timeout: Duration,
+    token: Option<JobToken>,
 ) -> Result<World> {
     let size = spec.processes * per_process;
     let first = spec.process * per_process;
@@ -46,7 +47,7 @@ pub(crate) fn launched_cpu_world(
             extra: Vec::new(),
         })
         .collect();
-    let session = Arc::new(bootstrap::bootstrap(spec, size, infos, timeout)?);
+    let session = Arc::new(bootstrap::bootstrap(spec, size, infos, token, timeout)?);
     let local = (0..per_process)
         .map(|i| {
             (

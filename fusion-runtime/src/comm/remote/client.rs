@@ -1,11 +1,12 @@
 //! A rank's side of the rendezvous: the bootstrap handshake, the [`RemoteFabric`] its
 //! communicator talks through, and the process's [`Watch`] connection on which the host
-//! pushes failures.
+//! pushes failures. Every connection first proves the job token (`auth.rs`).
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::auth::{client_side, JobToken};
 use super::wire::{read_frame, to_client, to_hub, write_frame, Reader, Writer};
 use crate::comm::local::{Block, Deposit, Fabric, SlotKey};
 use crate::error::{Error, Result};
@@ -60,11 +61,24 @@ fn connect_until(addr: &str, deadline: Instant) -> Result<TcpStream> {
     }
 }
 
-/// Joins the world at `addr`: sends `hello` and waits for every rank's info (in rank
-/// order), or for the host's reason why the world could not start.
-pub fn join(addr: &str, hello: &Hello, timeout: Duration) -> Result<(TcpStream, Vec<Vec<u8>>)> {
-    let deadline = Instant::now() + timeout;
-    let mut stream = connect_until(addr, deadline)?;
+/// Connects to the rendezvous at `addr` (retrying until `timeout` has passed) and proves
+/// knowledge of `token` (the world's job token, if it has one) to it, and it to us.
+fn connect(addr: &str, token: Option<&JobToken>, timeout: Duration) -> Result<TcpStream> {
+    let mut stream = connect_until(addr, Instant::now() + timeout)?;
+    client_side(&mut stream, token, addr, timeout + REPLY_MARGIN)?;
+    Ok(stream)
+}
+
+/// Joins the world at `addr` with the world's job `token` (if it has one): sends `hello`
+/// and waits for every rank's info (in rank order), or for the host's reason why the
+/// world could not start.
+pub fn join(
+    addr: &str,
+    hello: &Hello,
+    token: Option<&JobToken>,
+    timeout: Duration,
+) -> Result<(TcpStream, Vec<Vec<u8>>)> {
+    let mut stream = connect(addr, token, timeout)?;
     let mut w = Writer::default();
     w.u8(to_hub::HELLO)
         .usize(hello.rank)
@@ -126,9 +140,15 @@ impl std::fmt::Debug for Watch {
 }
 
 impl Watch {
-    /// Opens the watch connection of the process whose first local rank is `rank`.
-    pub fn open(addr: &str, rank: usize, timeout: Duration) -> Result<Arc<Watch>> {
-        let mut stream = connect_until(addr, Instant::now() + timeout)?;
+    /// Opens the watch connection of the process whose first local rank is `rank`, with
+    /// the world's job `token` (if it has one).
+    pub fn open(
+        addr: &str,
+        rank: usize,
+        token: Option<&JobToken>,
+        timeout: Duration,
+    ) -> Result<Arc<Watch>> {
+        let mut stream = connect(addr, token, timeout)?;
         let mut w = Writer::default();
         w.u8(to_hub::WATCH).usize(rank);
         write_frame(&mut stream, &w.0)

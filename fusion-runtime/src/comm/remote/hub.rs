@@ -1,6 +1,10 @@
 //! The rendezvous host, run by the process of rank 0: it admits every rank of the world
 //! (bootstrap), then serves their fabric requests on an in-memory [`LocalFabric`].
 //!
+//! Admission: every connection first passes the door of `gate.rs` (the job token's
+//! challenge-response); one that fails is refused, logged and counted, and never reaches
+//! what follows.
+//!
 //! Bootstrap: each rank sends `HELLO {rank, world size, version, info}`; once every rank
 //! has arrived each gets `WELCOME` with all infos in rank order. A mismatched world size or
 //! library version, a rank that comes twice, or ranks that have not arrived when the
@@ -20,6 +24,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::auth::JobToken;
+use super::gate::{Gate, Pass};
 use super::wire::{read_frame, to_client, to_hub, write_frame, Reader, Writer};
 use crate::comm::local::LocalFabric;
 use crate::error::{Error, Result};
@@ -48,6 +54,8 @@ struct HubState {
     done: Mutex<HashSet<usize>>,
     changed: Condvar,
     closing: AtomicBool,
+    /// Admits connections that prove the job token; refuses and counts the others.
+    gate: Arc<Gate>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -374,9 +382,14 @@ impl HubState {
         lock(&self.watchers).push(push);
     }
 
-    /// Handles a new connection by its first message.
-    fn admit(self: &Arc<Self>, stream: TcpStream) {
+    /// Handles a new connection from `peer`: its handshake (holding `pass` meanwhile),
+    /// then its first message.
+    fn admit(self: &Arc<Self>, mut stream: TcpStream, peer: SocketAddr, pass: Pass) {
         let _ = stream.set_nodelay(true);
+        if !self.gate.screen(&mut stream, peer) {
+            return;
+        }
+        drop(pass);
         let mut reader = match stream.try_clone() {
             Ok(r) => r,
             Err(_) => return,
@@ -407,11 +420,13 @@ pub struct Hub {
 }
 
 impl Hub {
-    /// Serves `listener` for a world of `world_size` ranks running `version`.
+    /// Serves `listener` for a world of `world_size` ranks running `version`, admitting
+    /// only connections that prove knowledge of `token` when there is one.
     pub fn start(
         listener: TcpListener,
         world_size: usize,
         version: &str,
+        token: Option<JobToken>,
         timeout: Duration,
     ) -> Result<Hub> {
         let addr = listener
@@ -430,6 +445,7 @@ impl Hub {
             done: Mutex::new(HashSet::new()),
             changed: Condvar::new(),
             closing: AtomicBool::new(false),
+            gate: Gate::new(token, timeout),
         });
         register_exit_hook(&state);
         let st = Arc::clone(&state);
@@ -448,6 +464,12 @@ impl Hub {
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// The connections refused so far, by cause.
+    #[cfg(test)]
+    pub(super) fn refused(&self) -> std::collections::BTreeMap<super::auth::Refusal, usize> {
+        self.state.gate.refused()
+    }
 }
 
 fn accept_loop(state: Arc<HubState>, listener: TcpListener) {
@@ -464,21 +486,26 @@ fn accept_loop(state: Arc<HubState>, listener: TcpListener) {
                     .collect();
                 let reason = format!(
                     "rank{} {} never arrived at the rendezvous within {:.0} s (started? same \
-                     MASTER_ADDR/MASTER_PORT? set FUSION_TIMEOUT to wait longer)",
+                     MASTER_ADDR/MASTER_PORT? set FUSION_TIMEOUT to wait longer){}",
                     if missing.len() == 1 { "" } else { "s" },
                     list(&missing),
-                    state.timeout.as_secs_f64()
+                    state.timeout.as_secs_f64(),
+                    state.gate.summary()
                 );
                 state.reject_all(&mut boot, reason);
             }
         }
         match listener.accept() {
-            Ok((stream, _)) => {
+            Ok((stream, peer)) => {
+                // Over the limit of handshakes at once: refused here, with no thread.
+                let Some(pass) = state.gate.enter(peer) else {
+                    continue;
+                };
                 let _ = stream.set_nonblocking(false);
                 let st = Arc::clone(&state);
                 let _ = crate::counters::thread_builder()
                     .name("fusion-hub-admit".into())
-                    .spawn(move || st.admit(stream));
+                    .spawn(move || st.admit(stream, peer, pass));
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(2));
@@ -545,6 +572,7 @@ mod tests {
             TcpListener::bind("127.0.0.1:0").unwrap(),
             world,
             "build A",
+            None,
             timeout,
         )
         .unwrap()
@@ -564,8 +592,8 @@ mod tests {
         let h = hub(2, Duration::from_secs(5));
         let addr = h.addr().to_string();
         let (a, b) = std::thread::scope(|s| {
-            let a = s.spawn(|| join(&addr, &hello(0, 2, "build A"), Duration::from_secs(5)));
-            let b = s.spawn(|| join(&addr, &hello(1, 2, "build B"), Duration::from_secs(5)));
+            let a = s.spawn(|| join(&addr, &hello(0, 2, "build A"), None, Duration::from_secs(5)));
+            let b = s.spawn(|| join(&addr, &hello(1, 2, "build B"), None, Duration::from_secs(5)));
             (a.join().unwrap(), b.join().unwrap())
         });
         for r in [a.map(|_| ()), b.map(|_| ())] {
@@ -587,7 +615,7 @@ mod tests {
                 .map(|r| {
                     let addr = &addr;
                     s.spawn(move || {
-                        join(addr, &hello(r, 3, "build A"), Duration::from_secs(5))
+                        join(addr, &hello(r, 3, "build A"), None, Duration::from_secs(5))
                             .unwrap()
                             .1
                     })
@@ -605,8 +633,8 @@ mod tests {
         let h = hub(2, Duration::from_secs(5));
         let addr = h.addr().to_string();
         let (a, b) = std::thread::scope(|s| {
-            let a = s.spawn(|| join(&addr, &hello(1, 2, "build A"), Duration::from_secs(5)));
-            let b = s.spawn(|| join(&addr, &hello(1, 2, "build A"), Duration::from_secs(5)));
+            let a = s.spawn(|| join(&addr, &hello(1, 2, "build A"), None, Duration::from_secs(5)));
+            let b = s.spawn(|| join(&addr, &hello(1, 2, "build A"), None, Duration::from_secs(5)));
             (a.join().unwrap(), b.join().unwrap())
         });
         let msgs: Vec<String> = [a.map(|_| ()), b.map(|_| ())]

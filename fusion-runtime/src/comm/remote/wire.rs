@@ -2,7 +2,9 @@
 //! fields, and the messages that travel in them.
 //!
 //! A frame is a `u32` payload length followed by the payload; a payload starts with a
-//! one-byte message tag. Nothing here does I/O beyond reading and writing whole frames.
+//! one-byte message tag. Every connection opens with the handshake of `auth.rs`
+//! (`CHALLENGE`, `PROOF`, then `PROVEN` or `DENIED`) before any other message. Nothing
+//! here does I/O beyond reading and writing whole frames.
 
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -227,6 +229,10 @@ pub(crate) mod to_hub {
     pub const FAIL: u8 = 6;
     /// A clean end: this rank is done with the world.
     pub const GOODBYE: u8 = 7;
+    /// `has token (0 or 1)`, then with a token `client nonce, MAC` (32 bytes each, no
+    /// length prefixes): the answer to the hub's challenge, every connection's first
+    /// message (`auth.rs`).
+    pub const PROOF: u8 = 8;
 }
 
 /// Message tags, hub to client.
@@ -244,6 +250,13 @@ pub(crate) mod to_client {
     /// The hub watches this connection from now on: a watch connection's first reply, so a
     /// world is built only after the hub's threads for it exist.
     pub const WATCHING: u8 = 7;
+    /// `mode (0: no token, 1: token)`, then in mode 1 the hub's nonce (32 bytes): the
+    /// first message on every connection (`auth.rs`).
+    pub const CHALLENGE: u8 = 8;
+    /// The client's proof passed: the hub's own MAC (32 bytes; none without a token).
+    pub const PROVEN: u8 = 9;
+    /// `reason`: the client's proof failed; the hub closes the connection.
+    pub const DENIED: u8 = 10;
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::world::bootstrap::{self, Session};
 use crate::world::gpu_layout::{check_ranks, local_ordinals, RankGpu, Visible};
 use crate::world::topology::{host_name, Link, RankInfo};
-use crate::world::{LaunchSpec, World};
+use crate::world::{JobToken, LaunchSpec, World};
 
 /// Device `ordinal` as `cuda:0 (uuid …, bus 0000:…)`, and its UUID alone.
 fn device_description(ordinal: usize) -> (String, String) {
@@ -150,7 +150,8 @@ pub fn launched_world_sharing_gpus() -> Result<World> {
         Error::World("launched_world_sharing_gpus: no launcher variables found".into())
     })?;
     let timeout = crate::world::timeout_from_env()?;
-    launched_cuda_world(spec, None, timeout, true)
+    let token = crate::config::job_token()?;
+    launched_cuda_world(spec, None, timeout, true, token)
 }
 
 /// This process's devices of a launched world: the first rank's number, the world's size,
@@ -174,12 +175,13 @@ impl LocalDevices {
 
 /// A launched CUDA world: `per_process` (`None`: 1; `all`: every visible GPU) ranks in this
 /// process; with `sharing`, processes may share GPUs (see
-/// [`launched_world_sharing_gpus`]).
+/// [`launched_world_sharing_gpus`]); with the job `token`, if any.
 pub(crate) fn launched_cuda_world(
     spec: LaunchSpec,
     per_process: Option<crate::config::PerProcess>,
     timeout: Duration,
     sharing: bool,
+    token: Option<JobToken>,
 ) -> Result<World> {
     check_libraries(true)?;
     let local = open_devices(&spec, per_process, sharing, timeout)?;
@@ -193,7 +195,9 @@ pub(crate) fn launched_cuda_world(
         .map(|(a, b)| (local.first + a, local.first + b))
         .collect();
     let infos = rank_infos(&spec, &local, &ipc_devices)?;
-    let session = Arc::new(bootstrap::bootstrap(spec, local.size, infos, timeout)?);
+    let session = Arc::new(bootstrap::bootstrap(
+        spec, local.size, infos, token, timeout,
+    )?);
     let (peers_info, shares_a_gpu) = check_launch(&session, sharing)?;
     // Host endpoints first: the setup below talks through them, and the world keeps them.
     let world_hosts: Vec<Arc<LocalCommunicator>> = (session.fabrics.iter())
