@@ -176,9 +176,10 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
         0..3usize,
         0..4usize,
         1..4usize,
+        any::<bool>(),
     )
         .prop_map(
-            |(buffers, first, p2p_nccl, coll_ce, mesh_order, pipeline, chunks, compute)| {
+            |(buffers, first, p2p_nccl, coll_ce, mesh_order, pipeline, chunks, compute, peer)| {
                 LowerOptions {
                     transports: fusion::TransportOptions {
                         p2p: if p2p_nccl {
@@ -190,6 +191,11 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
                             Transport::CopyEngine
                         } else {
                             Transport::Nccl
+                        },
+                        peer_memory: if peer {
+                            fusion::PeerMemoryCollectives::UpTo(usize::MAX)
+                        } else {
+                            fusion::PeerMemoryCollectives::Never
                         },
                     },
                     streams: fusion::StreamOptions {

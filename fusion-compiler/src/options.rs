@@ -71,6 +71,10 @@ pub struct TransportOptions {
     /// Transport for Allgather and ReduceScatter (NCCL, or copy-engine transfers plus a
     /// local sum for ReduceScatter).
     pub collectives: Transport,
+    /// Which collectives of the whole world run as kernels over peer memory
+    /// ([`Transport::PeerMemory`]) instead: small ones, by message size
+    /// ([`PeerMemoryCollectives`]). Worlds without peer access use `collectives`.
+    pub peer_memory: PeerMemoryCollectives,
 }
 
 impl Default for TransportOptions {
@@ -78,8 +82,25 @@ impl Default for TransportOptions {
         TransportOptions {
             p2p: Transport::CopyEngine,
             collectives: Transport::Nccl,
+            peer_memory: PeerMemoryCollectives::Auto,
         }
     }
+}
+
+/// Which Allreduce, Allgather and ReduceScatter nodes of a program run over peer memory
+/// ([`Transport::PeerMemory`]): a node of the whole world, outside stream loops, summing
+/// (or gathering) f32, bf16 or f16, whose message is at most a size. A message is the
+/// larger of what a rank holds before and after (for an Allreduce, the tensor).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PeerMemoryCollectives {
+    /// Up to the sizes where peer memory measured faster than NCCL on this many devices
+    /// ([`crate::lower::peer_memory_limit`]).
+    #[default]
+    Auto,
+    /// Messages of at most this many bytes.
+    UpTo(usize),
+    /// Never: every collective on [`TransportOptions::collectives`] (or NCCL).
+    Never,
 }
 
 /// How stream loops use streams and buffers.
@@ -152,6 +173,7 @@ impl LowerOptions {
         LowerOptions {
             transports: TransportOptions {
                 p2p: Transport::Nccl,
+                peer_memory: PeerMemoryCollectives::Never,
                 ..TransportOptions::default()
             },
             streams: StreamOptions {
@@ -198,11 +220,20 @@ impl LowerOptions {
         self
     }
 
-    /// Options with both transports ([`TransportOptions`]) set to `transport`.
+    /// Options with transfers and collectives on `transport` alone: NCCL or the copy
+    /// engines for both (and no peer-memory collectives), or [`Transport::PeerMemory`] for
+    /// every collective it can carry (it carries no P2P transfers, which keep theirs).
     pub fn with_transport(mut self, transport: Transport) -> Self {
-        self.transports = TransportOptions {
-            p2p: transport,
-            collectives: transport,
+        self.transports = match transport {
+            Transport::PeerMemory => TransportOptions {
+                peer_memory: PeerMemoryCollectives::UpTo(usize::MAX),
+                ..self.transports
+            },
+            t => TransportOptions {
+                p2p: t,
+                collectives: t,
+                peer_memory: PeerMemoryCollectives::Never,
+            },
         };
         self
     }

@@ -84,14 +84,18 @@ pub enum Transport {
     Nccl,
     /// Peer-to-peer memory copies on the copy engines (no SMs).
     CopyEngine,
+    /// Kernels that read and write buffers of every rank mapped into each other's address
+    /// space: small collectives in one launch of a few microseconds, with no host work.
+    PeerMemory,
 }
 
 impl Transport {
-    /// Name in dumps: `NCCL` or `CopyEngine`.
+    /// Name in dumps: `NCCL`, `CopyEngine` or `PeerMemory`.
     pub fn name(self) -> &'static str {
         match self {
             Transport::Nccl => "NCCL",
             Transport::CopyEngine => "CopyEngine",
+            Transport::PeerMemory => "PeerMemory",
         }
     }
 }

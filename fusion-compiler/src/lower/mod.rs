@@ -7,9 +7,11 @@
 //! 4. Run the pass pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
 //!    `FuseEpilogue`, `FuseElementwise`, `InsertDeallocations` (each can be disabled by
 //!    name).
-//! 5. Verify that nothing left in the program still needs a communication.
+//! 5. Put small collectives of the whole world on peer memory (`peer_memory`).
+//! 6. Verify that nothing left in the program still needs a communication.
 
 mod insert_reshardings;
+mod peer_memory;
 pub mod pipelining;
 
 use std::collections::HashSet;
@@ -20,12 +22,16 @@ use crate::ir::{DeviceMesh, Fusion, Op, ScalarId};
 use crate::pass::{PassContext, PassDump, PassManager};
 
 pub use crate::options::{
-    LowerOptions, P2pSchedule, PassOptions, PipelineOptions, Pipelining, ReduceScatterPipeline,
-    StreamOptions, TransportOptions, AUTO_MIN_CHUNK_ROWS,
+    LowerOptions, P2pSchedule, PassOptions, PeerMemoryCollectives, PipelineOptions, Pipelining,
+    ReduceScatterPipeline, StreamOptions, TransportOptions, AUTO_MIN_CHUNK_ROWS,
 };
 pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
 use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};
+pub use peer_memory::{
+    choose_peer_memory, fits_peer_memory, peer_memory_limit, PEER_MEMORY_MAX_RANKS,
+    PEER_MEMORY_REGION_BYTES,
+};
 pub use pipelining::PipelineDecision;
 
 /// A lowered program and the dumps recorded while lowering it.
@@ -76,6 +82,7 @@ pub fn lower_for_shapes(
     program.notes.extend(decision.note);
     let pctx = PassContext::new(world_size, options);
     let dumps = manager.run(&mut program, &pctx)?;
+    choose_peer_memory(&mut program, pctx.options.transports.peer_memory, extent);
     verify(&program)?;
     Ok(Lowered { program, dumps })
 }

@@ -14,7 +14,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use fusion_compiler::hir::Transport;
-use fusion_compiler::lower::LowerOptions;
+use fusion_compiler::lower::{LowerOptions, PeerMemoryCollectives};
 use fusion_compiler::DType;
 
 use crate::error::Result;
@@ -58,6 +58,10 @@ pub struct Capabilities {
     /// Which pairs of ranks have peer copies: what lowering may put in a program
     /// ([`Capabilities::lowering`]).
     pub peer_copies: PeerCopies,
+    /// Whether collectives of the whole world can run as kernels over peer memory
+    /// (`Transport::PeerMemory`): every rank's workspace is mapped into every other's.
+    /// Simulated on the CPU backend.
+    pub peer_memory: bool,
     /// Whether a call with peer copies can be recorded as a device graph (`Err`: why not,
     /// e.g. the hand-off goes through the host).
     pub capture: std::result::Result<(), String>,
@@ -75,6 +79,7 @@ impl std::fmt::Debug for Capabilities {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Capabilities")
             .field("peer_copies", &self.peer_copies)
+            .field("peer_memory", &self.peer_memory)
             .field("capture", &self.capture)
             .field("shared_receives", &self.shared_receives)
             .field("kept_receives", &self.kept_receives.is_some())
@@ -89,6 +94,7 @@ impl Capabilities {
     pub fn simulated() -> Self {
         Capabilities {
             peer_copies: PeerCopies::Simulated,
+            peer_memory: true,
             capture: Err("this communicator has no copy engines".into()),
             shared_receives: false,
             kept_receives: None,
@@ -98,19 +104,28 @@ impl Capabilities {
 
     /// `requested` with the transports this world has: where not every pair of ranks has
     /// peer copies, P2P transfers and collectives asked of the copy engines go through
-    /// NCCL instead (the same for every rank, so that every rank lowers the same program).
-    /// Borrowed when nothing changes.
+    /// NCCL instead, and where the ranks' memory is not mapped into each other, no
+    /// collective runs over peer memory (the same for every rank, so that every rank
+    /// lowers the same program). Borrowed when nothing changes.
     pub fn lowering<'a>(&self, requested: &'a LowerOptions) -> Cow<'a, LowerOptions> {
         let asked = requested.transports;
         let wants_copies = is_peer_copy(asked.p2p) || is_peer_copy(asked.collectives);
-        if self.peer_copies != PeerCopies::NotEveryPair || !wants_copies {
+        let drop_copies = self.peer_copies == PeerCopies::NotEveryPair && wants_copies;
+        let drop_peer_memory =
+            !self.peer_memory && asked.peer_memory != PeerMemoryCollectives::Never;
+        if !drop_copies && !drop_peer_memory {
             return Cow::Borrowed(requested);
         }
         let mut lower = requested.clone();
-        for transport in [&mut lower.transports.p2p, &mut lower.transports.collectives] {
-            if is_peer_copy(*transport) {
-                *transport = Transport::Nccl;
+        if drop_copies {
+            for transport in [&mut lower.transports.p2p, &mut lower.transports.collectives] {
+                if is_peer_copy(*transport) {
+                    *transport = Transport::Nccl;
+                }
             }
+        }
+        if drop_peer_memory {
+            lower.transports.peer_memory = PeerMemoryCollectives::Never;
         }
         Cow::Owned(lower)
     }
@@ -146,6 +161,27 @@ mod tests {
         let nccl = LowerOptions::plain();
         assert!(matches!(
             with(PeerCopies::NotEveryPair).lowering(&nccl),
+            Cow::Borrowed(_)
+        ));
+    }
+
+    #[test]
+    fn lowering_drops_peer_memory_where_the_world_has_none() {
+        let asked = LowerOptions::default();
+        assert_eq!(asked.transports.peer_memory, PeerMemoryCollectives::Auto);
+        let without = Capabilities {
+            peer_memory: false,
+            ..Capabilities::simulated()
+        };
+        let lowered = without.lowering(&asked).into_owned();
+        assert_eq!(lowered.transports.peer_memory, PeerMemoryCollectives::Never);
+        assert_eq!(lowered.transports.p2p, asked.transports.p2p);
+        assert!(matches!(
+            Capabilities::simulated().lowering(&asked),
+            Cow::Borrowed(_)
+        ));
+        assert!(matches!(
+            without.lowering(&LowerOptions::plain()),
             Cow::Borrowed(_)
         ));
     }

@@ -16,10 +16,22 @@ struct Failure {
     timeout: Option<(usize, String, f64)>,
 }
 
+/// Device-side waits that watch the clock themselves (the peer-memory kernels' flag
+/// waits): each reports a wait that outlasted the timeout, and is let through once the
+/// world failed.
+pub(crate) trait SelfTimedWaits: Send + Sync + std::fmt::Debug {
+    /// A wait that gave up: (the rank that waited, what for, seconds).
+    fn timed_out(&self) -> Option<(usize, String, f64)>;
+    /// Lets every wait through (`true`, the world failed) or arms them again.
+    fn release(&self, on: bool);
+}
+
 /// Shared by the devices and communicators of one CUDA world.
 #[derive(Debug)]
 pub(crate) struct WorldHealth {
     failed: Mutex<Option<Failure>>,
+    /// Device-side waits that time themselves, whose timeouts fail the world.
+    self_timed: Mutex<Vec<std::sync::Arc<dyn SelfTimedWaits>>>,
     /// Ranks of other processes that ended their part (waits for them cannot complete).
     departed: Mutex<std::collections::HashMap<usize, String>>,
     timeout: Mutex<Duration>,
@@ -29,18 +41,52 @@ impl WorldHealth {
     pub(crate) fn new(timeout: Duration) -> Self {
         WorldHealth {
             failed: Mutex::new(None),
+            self_timed: Mutex::new(Vec::new()),
             departed: Mutex::new(std::collections::HashMap::new()),
             timeout: Mutex::new(timeout),
         }
     }
 
     fn set(&self, failure: Failure) -> bool {
-        let mut f = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
-        if f.is_some() {
-            return false;
+        {
+            let mut f = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
+            if f.is_some() {
+                return false;
+            }
+            *f = Some(failure);
         }
-        *f = Some(failure);
+        for w in self
+            .self_timed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
+            w.release(true);
+        }
         true
+    }
+
+    /// Watches `waits` from now on: their timeouts fail the world, the world's failure
+    /// releases them.
+    pub(crate) fn watch(&self, waits: std::sync::Arc<dyn SelfTimedWaits>) {
+        self.self_timed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(waits);
+    }
+
+    /// Fails the world for the first self-timed wait that gave up.
+    fn collect_self_timed(&self) {
+        let gave_up = {
+            let waits = self
+                .self_timed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            waits.iter().find_map(|w| w.timed_out())
+        };
+        if let Some((waiter, what, seconds)) = gave_up {
+            self.fail_timeout(waiter, &what, seconds);
+        }
     }
 
     /// Records the first failure.
@@ -73,6 +119,14 @@ impl WorldHealth {
     /// Forgets a failure (a new `World::run` starts healthy).
     pub(crate) fn reset(&self) {
         *self.failed.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        for w in self
+            .self_timed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+        {
+            w.release(false);
+        }
     }
 
     /// The rank at fault and why, once the world failed.
@@ -87,6 +141,7 @@ impl WorldHealth {
     /// `Err` once any rank has failed: `Timeout` for the rank whose wait timed out,
     /// `PeerFailed` for every other.
     pub(crate) fn check(&self, rank: usize) -> Result<()> {
+        self.collect_self_timed();
         let failed = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
         match failed.as_ref() {
             None => Ok(()),

@@ -23,11 +23,12 @@
 //!   timeout into an error.
 //! - `landing.rs`: receive buffers kept from one call to the next.
 //! - `peer_access.rs`: peer access between this process's GPUs (contexts, memory pools).
+//! - `peer_memory/`: collectives as kernels over every rank's workspace mapped into each
+//!   other (`Transport::PeerMemory`): the kernels, the workspaces, the wait status.
 //!
 //! # Where to add a transport
 //!
-//! A new transport (say, peer-memory collectives: one-shot or two-shot all-reduce kernels
-//! over peer-mapped buffers) touches:
+//! A new transport (as peer-memory collectives did) touches:
 //!
 //! 1. Its own module here, `comm/<transport>/`, as `copy_engine/` is: a per-rank endpoint
 //!    and the state the ranks of a run share. Peer access comes from `peer_access.rs`;
@@ -64,4 +65,5 @@ mod landing;
 pub(crate) mod nccl;
 pub(crate) mod nccl_graphs;
 pub(crate) mod peer_access;
+pub(crate) mod peer_memory;
 pub(crate) mod signals;

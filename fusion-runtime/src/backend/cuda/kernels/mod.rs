@@ -124,6 +124,28 @@ impl KernelCache {
         Ok(f)
     }
 
+    /// Launches kernel `name` of the hand-written `source` (compiled and loaded on first
+    /// use, like the generated ones) on `grid` blocks of `block` threads; `args` point at
+    /// the kernel's parameters, in order.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list, and every device address among them
+    /// must stay valid until the kernel has run.
+    pub(crate) unsafe fn launch_source(
+        &self,
+        dev: &DeviceShared,
+        (source, name): (&str, &str),
+        (grid, block): (u32, u32),
+        stream: RawStream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let f = self.function(dev, source, name)?;
+        dev.bind()?;
+        // SAFETY: the caller vouches for the arguments.
+        unsafe { result::launch_kernel(f.0, (grid, 1, 1), (block, 1, 1), 0, stream.0, args) }
+            .map_err(|e| driver_err(&format!("launching {name}"), e))
+    }
+
     /// `dst = src` (same shape): a memcpy when both are contiguous of one dtype.
     pub(crate) fn copy(
         &self,

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::each::on_each;
+use super::peer_world::{PeerWorld, PeerWorldSpec};
 use super::routes::Routes;
 use crate::backend::cuda::comm::communicator::CudaCommunicator;
 use crate::backend::cuda::comm::copy_engine::{CopyEngine, CopyRegistry};
@@ -50,6 +51,10 @@ pub(super) struct CudaComms {
     /// How every pair of the launched world's ranks reaches the other (this world's ranks
     /// are `ipc_ranks` there), decided when the world was made.
     routes: Arc<Routes>,
+    /// Whether this world may map its ranks' memory into each other (not a sub-world).
+    whole_world: bool,
+    /// The world's peer memory, decided at its first run.
+    peer_world: Mutex<PeerWorld>,
 }
 
 impl CudaComms {
@@ -79,6 +84,26 @@ impl CudaComms {
             ipc_ranks: Arc::new(ipc_ranks),
             no_peer_access,
             routes,
+            whole_world: true,
+            peer_world: Mutex::new(PeerWorld::default()),
+        }
+    }
+
+    /// What building the world's peer memory needs to know.
+    fn peer_world_spec(&self) -> PeerWorldSpec<'_> {
+        let mut ordinals: Vec<usize> = self.local.iter().map(|(_, d)| d.shared().ordinal).collect();
+        ordinals.sort_unstable();
+        ordinals.dedup();
+        PeerWorldSpec {
+            size: self.size,
+            local: &self.local,
+            ipc: &self.ipc,
+            ipc_ranks: &self.ipc_ranks,
+            health: &self.health,
+            eligible: self.whole_world
+                && ordinals.len() == self.local.len()
+                && !matches!(self.source, NcclSource::Unavailable(_))
+                && self.peer_copies() == PeerCopies::EveryPair,
         }
     }
 
@@ -148,12 +173,16 @@ impl RunComms for CudaComms {
         timeout: Duration,
     ) -> Result<Vec<Arc<dyn Communicator>>> {
         if matches!(self.source, NcclSource::All(_)) {
+            if self.health.failure().is_some() {
+                PeerWorld::reset_flags(&self.peer_world, &self.peer_world_spec());
+            }
             self.health.reset();
         }
         self.health.set_timeout(timeout);
         let states = self.ensure_nccl()?;
         let copies = Arc::new(self.registry());
         let peer_copies = self.peer_copies();
+        let peer_memory = PeerWorld::handles(&self.peer_world, &self.peer_world_spec(), hosts)?;
         Ok(self
             .local
             .iter()
@@ -176,6 +205,7 @@ impl RunComms for CudaComms {
                     engine,
                     peer_copies,
                     self.routes.lines(&self.ipc_ranks, *r),
+                    peer_memory[i].clone(),
                 )) as Arc<dyn Communicator>
             })
             .collect())
@@ -245,7 +275,7 @@ impl RunComms for CudaComms {
             .filter_map(|&(a, b)| Some((sub_rank(a)?, sub_rank(b)?)))
             .map(|(a, b)| (a.min(b), a.max(b)))
             .collect();
-        Ok(Box::new(CudaComms::new(
+        let mut sub = CudaComms::new(
             sub_size,
             members,
             Some(states),
@@ -255,7 +285,9 @@ impl RunComms for CudaComms {
             ipc_ranks,
             no_peer_access,
             self.routes.clone(),
-        )))
+        );
+        sub.whole_world = false;
+        Ok(Box::new(sub))
     }
 
     fn transports(&self) -> Vec<String> {

@@ -16,6 +16,7 @@ use crate::backend::cuda::comm::nccl::{
     async_error, id_bytes, id_from_bytes, init_rank, nccl_version, unique_id, NcclRankState,
 };
 use crate::backend::cuda::comm::peer_access::enable_peer_access;
+use crate::backend::cuda::comm::peer_memory::Workspace;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::libs::{check_libraries, device_count};
@@ -94,7 +95,13 @@ impl CudaInfo {
         let mut w = Writer::default();
         w.bytes(&self.nccl_id).usize(self.ordinal);
         match &self.ipc {
-            Some(i) => w.u8(1).u64(i.pool_fd as u64).str(&i.inbox),
+            Some(i) => {
+                w.u8(1).u64(i.pool_fd as u64).str(&i.inbox);
+                match i.workspace {
+                    Some((fd, size)) => w.u8(1).u64(fd as u64).u64(size),
+                    None => w.u8(0),
+                }
+            }
             None => w.u8(0),
         };
         w.str(&self.uuid).usize(self.visible.count);
@@ -114,6 +121,10 @@ impl CudaInfo {
             1 => Some(IpcInfo {
                 pool_fd: r.u64()? as i32,
                 inbox: r.str()?,
+                workspace: match r.u8()? {
+                    1 => Some((r.u64()? as i32, r.u64()?)),
+                    _ => None,
+                },
             }),
             _ => None,
         };
@@ -302,7 +313,13 @@ fn prepare_ipc(spec: &LaunchSpec, local: &LocalDevices) -> Vec<Option<IpcDevice>
             match IpcDevice::prepare(d, rank, local.size)
                 .and_then(|x| d.enable_shared_arena(&local_peers).map(|()| x))
             {
-                Ok(x) => Some(x),
+                Ok(mut x) => {
+                    match Workspace::create(d.shared().ordinal, &local_peers) {
+                        Ok(w) => x.workspace = Some(w),
+                        Err(e) => tracing::warn!("no peer memory on rank {rank}: {e}"),
+                    }
+                    Some(x)
+                }
                 Err(e) => {
                     tracing::warn!("CUDA IPC unavailable on rank {rank}: {e}");
                     None

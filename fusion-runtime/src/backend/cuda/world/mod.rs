@@ -18,6 +18,7 @@ mod comms;
 mod each;
 mod launched;
 mod on_stream;
+mod peer_world;
 mod routes;
 mod user_buffers;
 

@@ -22,12 +22,14 @@
 //! - `nccl_ops`: the collectives and transfers on NCCL, one helper for stage -> call ->
 //!   copy back;
 //! - `nccl_grouped`: Scatter and Gather, which NCCL lacks, as grouped sends and receives;
-//! - `copy_engine_ops`: Allgather and ReduceScatter over the copy engines.
+//! - `copy_engine_ops`: Allgather and ReduceScatter over the copy engines;
+//! - `peer_memory_ops`: Allreduce, Allgather and ReduceScatter over peer memory.
 
 mod buffers;
 mod copy_engine_ops;
 mod nccl_grouped;
 mod nccl_ops;
+mod peer_memory_ops;
 mod teams;
 mod trait_impl;
 
@@ -39,6 +41,7 @@ use fusion_compiler::hir::{Communication, CommunicationKind, Transport};
 use super::copy_engine::{CopyEngine, Transfer};
 use super::nccl::{nccl_err, NcclRankState};
 use super::nccl_graphs::GraphFence;
+use super::peer_memory::PeerMemory;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::comm::local::LocalCommunicator;
@@ -64,6 +67,8 @@ pub struct CudaCommunicator {
     health: Arc<WorldHealth>,
     /// This rank's copy-engine endpoint.
     copy_engine: CopyEngine,
+    /// This rank's handle on the world's peer memory, where every rank maps every other's.
+    peer_memory: Option<Arc<PeerMemory>>,
     /// The coalescing group in progress, if any.
     group: Mutex<Option<Group>>,
     /// See [`Communicator::instance`][instance].
@@ -118,11 +123,13 @@ impl CudaCommunicator {
         copy_engine: CopyEngine,
         peer_copies: PeerCopies,
         transports: Vec<String>,
+        peer_memory: Option<Arc<PeerMemory>>,
     ) -> Self {
         crate::counters::communicators_created(1);
         let kept = copy_engine.kept_receives();
         let capabilities = Capabilities {
             peer_copies,
+            peer_memory: peer_memory.is_some(),
             capture: copy_engine.capture_support(),
             shared_receives: copy_engine.has_ipc_peers(),
             kept_receives: kept.map(|k| k as Arc<dyn KeptReceives>),
@@ -136,6 +143,7 @@ impl CudaCommunicator {
             host,
             health,
             copy_engine,
+            peer_memory,
             group: Mutex::new(None),
             instance: crate::comm::next_instance(),
             graph_fence: GraphFence::new(),
@@ -144,9 +152,13 @@ impl CudaCommunicator {
         }
     }
 
-    /// Runs a collective on the transport its node names: Allgather and ReduceScatter on
-    /// the copy engines where the node says so, every other collective on NCCL.
+    /// Runs a collective on the transport its node names: over peer memory or, for
+    /// Allgather and ReduceScatter, the copy engines where the node says so; every other
+    /// collective on NCCL.
     fn run_collective(&self, call: &Collective<'_>) -> Result<()> {
+        if call.c.transport == Transport::PeerMemory {
+            return self.peer_memory_collective(call);
+        }
         if is_peer_copy(call.c.transport)
             && matches!(
                 call.c.kind,

@@ -6,6 +6,7 @@ use cudarc::driver::sys;
 
 use super::inbox::{inbox_name, Mapping, RING_BYTES};
 use super::{check, ipc_err};
+use crate::backend::cuda::comm::peer_memory::Workspace;
 use crate::backend::cuda::device::CudaDevice;
 use crate::error::Result;
 
@@ -15,6 +16,8 @@ use crate::error::Result;
 pub(crate) struct IpcInfo {
     pub pool_fd: i32,
     pub inbox: String,
+    /// The peer-memory workspace's descriptor and size, where the rank made one.
+    pub workspace: Option<(i32, u64)>,
 }
 
 /// A rank's own side: its exportable pool, its inbox and its interprocess events.
@@ -23,6 +26,8 @@ pub(crate) struct IpcDevice {
     pool_fd: i32,
     inbox_path: String,
     pub(super) inbox: Mapping,
+    /// This rank's peer-memory workspace, which peers map (see `comm::peer_memory`).
+    pub(crate) workspace: Option<Workspace>,
     /// Every event this rank created: raw handle and its IPC handle.
     events: Vec<(sys::CUevent, [u8; 64])>,
     free_events: Vec<u32>,
@@ -72,6 +77,7 @@ impl IpcDevice {
             pool_fd: fd,
             inbox_path,
             inbox,
+            workspace: None,
             events: Vec::new(),
             free_events: Vec::new(),
         })
@@ -82,6 +88,7 @@ impl IpcDevice {
         IpcInfo {
             pool_fd: self.pool_fd,
             inbox: self.inbox_path.clone(),
+            workspace: self.workspace.as_ref().map(|w| (w.fd, w.size as u64)),
         }
     }
 

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use cudarc::driver::sys;
 
 use super::{check, ipc_err};
+use crate::backend::cuda::comm::peer_memory::MappedWorkspace;
 use crate::backend::cuda::memory::shared_arena::{grant, map, unmap};
 use crate::error::Result;
 
@@ -89,6 +90,22 @@ pub(super) fn import_pool(
         )?;
     }
     Ok(pool)
+}
+
+/// The peer-memory workspace rank `peer` of process `pid` exported as its descriptor `fd`
+/// (`size` bytes), mapped here for device `ordinal`.
+pub(super) fn import_workspace(
+    (peer, pid, ordinal): (usize, u32, usize),
+    fd: i32,
+    size: usize,
+) -> Result<MappedWorkspace> {
+    MappedWorkspace::map(size, ordinal, |handle| {
+        // SAFETY: importing a descriptor of memory the peer exported.
+        let r = import_descriptor(pid, fd, |local| unsafe {
+            sys::cuMemImportFromShareableHandle(handle, local, POSIX_FD)
+        })?;
+        check(r, &format!("importing rank {peer}'s peer-memory workspace"))
+    })
 }
 
 /// A chunk of a peer's shared arena mapped here.

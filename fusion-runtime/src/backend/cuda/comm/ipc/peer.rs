@@ -9,9 +9,10 @@ use std::time::Instant;
 use cudarc::driver::sys;
 
 use super::device::{IpcDevice, IpcInfo};
-use super::import::{import_pool, peer_chunk, MappedChunks};
+use super::import::{import_pool, import_workspace, peer_chunk, MappedChunks};
 use super::inbox::{pause, Kind, Mapping, Msg, Ring, RING_SLOTS};
 use super::{check, ipc_err, Key};
+use crate::backend::cuda::comm::peer_memory::MappedWorkspace;
 use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::memory::shared_arena::unmap;
 use crate::error::Result;
@@ -26,6 +27,8 @@ pub(crate) struct IpcPeer {
     pub(super) chunks: MappedChunks,
     /// The peer's pool, imported once.
     pub(super) pool: sys::CUmemoryPool,
+    /// The peer's peer-memory workspace mapped here, where both sides have one.
+    pub(crate) workspace: Option<MappedWorkspace>,
     /// Where this rank writes (the peer's inbox, this rank's ring).
     outbox: Ring,
     out_count: u64,
@@ -63,6 +66,18 @@ impl IpcPeer {
         info: &IpcInfo,
     ) -> Result<IpcPeer> {
         let pool = import_pool(pid, info.pool_fd, ordinal, peer)?;
+        let workspace = match (own.workspace.as_ref(), info.workspace) {
+            (Some(_), Some((fd, size))) => {
+                match import_workspace((peer, pid, ordinal), fd, size as usize) {
+                    Ok(w) => Some(w),
+                    Err(e) => {
+                        tracing::warn!("rank {me}: no peer memory with rank {peer}: {e}");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -81,6 +96,7 @@ impl IpcPeer {
             ordinal,
             chunks: HashMap::new(),
             pool,
+            workspace,
             outbox,
             out_count: outbox.head().load(Ordering::Acquire),
             _peer_inbox: peer_inbox,

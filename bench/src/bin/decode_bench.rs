@@ -1,0 +1,424 @@
+//! Decode-size communication: Allreduce latency from 4 KB to 64 MB, and a decode-size
+//! GEMM followed by its Allreduce against the GEMM alone, on every device of the world.
+//!
+//! ```sh
+//! cargo run --release -p fusion-bench --bin decode_bench -- --json decode.jsonl
+//! ```
+//!
+//! Every variant is a fusion call as users make it: `sum(x, 0)` of `x: [d @ DIDx, n]` (the
+//! Allreduce), `sum(matmul(x, w), 0)` of `x: [d @ DIDx, m, k]`, `w: [d @ DIDx, k, n]` (a
+//! row-parallel linear layer: GEMM + Allreduce), and one rank's `[1, m, k] @ [k, n]` (the
+//! GEMM alone). `ours` runs with the default options (the lowering puts small collectives
+//! on peer memory), `nccl` with `LowerOptions::transports.peer_memory = Never`. Each result
+//! is checked against a host reference before it is timed.
+//!
+//! Times per call, slowest rank's median of `--iters`, all ranks released together:
+//! - `graph`: `--calls` calls recorded into one CUDA graph on a stream of the caller's
+//!   (the way an application captures its decode step) and launched whole: device time;
+//! - `replay`: `--calls` calls back to back, each replaying the fusion's own graph: what a
+//!   loop of calls costs where the host is slower than the device.
+
+use clap::Parser;
+use fusion::compiler::builder::{Axis, FusionBuilder};
+use fusion::compiler::ir::{Fusion, ParallelType};
+use fusion::runtime::cudarc::driver::{sys, CudaStream};
+use fusion::{
+    DType, ExecOptions, FusionExecutor, PeerMemoryCollectives, Rank, Result, Tensor, World,
+};
+use fusion_bench::cli::{list, seed_or_clock, write_file};
+use fusion_bench::finish::finish;
+use fusion_bench::measure::{barrier, median, random};
+use fusion_bench::Dt;
+use std::sync::Arc;
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Devices (default: every GPU).
+    #[arg(long)]
+    devices: Option<usize>,
+    /// Allreduce message sizes in bytes.
+    #[arg(
+        long,
+        default_value = "4096,8192,16384,32768,65536,131072,262144,1048576,4194304,16777216,67108864"
+    )]
+    sizes: String,
+    /// GEMM + Allreduce shapes as name:K:N (K summed over the devices) separated by `;`.
+    #[arg(long, default_value = "o_proj:8192:8192;down_proj:28672:8192")]
+    gemms: String,
+    /// Rows of the GEMM + Allreduce (decode tokens).
+    #[arg(long, default_value = "1,8,32,128")]
+    rows: String,
+    #[arg(long, value_enum, default_value_t = Dt::Bf16)]
+    dtype: Dt,
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Calls per timed sample.
+    #[arg(long, default_value_t = 50)]
+    calls: usize,
+    /// Skip the GEMM + Allreduce rows.
+    #[arg(long)]
+    no_gemm: bool,
+    /// Also time the calls recorded into a CUDA graph of the caller's.
+    #[arg(long)]
+    graph: bool,
+    /// Write every measurement as JSON lines here.
+    #[arg(long)]
+    json: Option<String>,
+    /// Seed of the random inputs (default: from the clock; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+/// One rank's measurement: what, variant, mode, microseconds per call, relative error.
+type Sample = (String, &'static str, &'static str, f64, f64);
+
+/// One measurement: what, variant, mode, microseconds per call on each rank.
+#[derive(Clone, Debug)]
+struct Row {
+    what: String,
+    variant: &'static str,
+    mode: &'static str,
+    rank_us: Vec<f64>,
+    relerr: f64,
+}
+
+impl Row {
+    fn us(&self) -> f64 {
+        self.rank_us.iter().copied().fold(0.0, f64::max)
+    }
+}
+
+fn symbols(b: &mut FusionBuilder, spec: &[(&str, ParallelType)]) -> Vec<Axis> {
+    spec.iter()
+        .map(|&(s, p)| Axis {
+            extent: b.symbol(s),
+            parallel: p,
+        })
+        .collect()
+}
+
+/// `sum(x, 0)` of `x: [d @ DIDx, n]`.
+fn allreduce(dt: DType) -> Result<Fusion> {
+    let mut b = FusionBuilder::new();
+    let a = symbols(
+        &mut b,
+        &[("d", ParallelType::DIDx), ("n", ParallelType::Serial)],
+    );
+    let x = b.input("x", dt, &a)?;
+    let y = b.sum(x, &[0])?;
+    b.output(y)?;
+    Ok(b.build()?)
+}
+
+/// `sum(matmul(x, w), 0)` of `x: [d @ DIDx, m, k]`, `w: [d @ DIDx, k, n]`.
+fn matmul_allreduce(dt: DType) -> Result<Fusion> {
+    use ParallelType::{DIDx, Serial};
+    let mut b = FusionBuilder::new();
+    let xa = symbols(&mut b, &[("d", DIDx), ("m", Serial), ("k", Serial)]);
+    let x = b.input("x", dt, &xa)?;
+    let (d, k) = (xa[0].extent, xa[2].extent);
+    let n = b.symbol("n");
+    let w = b.input("w", dt, &[Axis::didx(d), Axis::serial(k), Axis::serial(n)])?;
+    let p = b.matmul(x, w)?;
+    let y = b.sum(p, &[0])?;
+    b.output(y)?;
+    Ok(b.build()?)
+}
+
+/// `[g, m, k] @ [k, n]` on one rank.
+fn gemm(dt: DType) -> Result<Fusion> {
+    fusion_bench::fusions::gemm(dt)
+}
+
+fn options(variant: &str) -> ExecOptions {
+    let mut o = ExecOptions::default();
+    if variant == "nccl" {
+        o.lower.transports.peer_memory = PeerMemoryCollectives::Never;
+    }
+    o
+}
+
+/// Median microseconds per call of `call` (run `calls` times per sample) in both modes.
+fn time_modes(
+    rank: &Rank,
+    a: &Args,
+    call: &dyn Fn(&fusion::runtime::OnStream<'_>) -> Result<()>,
+) -> Result<(f64, std::result::Result<f64, String>)> {
+    let ctx = rank.cuda_context()?;
+    let stream: Arc<CudaStream> = ctx.new_stream().map_err(driver)?;
+    let on = rank.on(&stream);
+    for _ in 0..3 {
+        call(&on)?;
+    }
+    let mut replay = Vec::new();
+    for _ in 0..a.iters {
+        barrier(rank)?;
+        stream.synchronize().map_err(driver)?;
+        let start = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)?;
+        for _ in 0..a.calls {
+            call(&on)?;
+        }
+        let end = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)?;
+        end.synchronize().map_err(driver)?;
+        replay.push(f64::from(start.elapsed_ms(&end).map_err(driver)?) * 1e3 / a.calls as f64);
+    }
+    let graph = if a.graph {
+        captured(rank, a, &stream, call).map_err(|e| e.to_string())
+    } else {
+        Err("not asked for (--graph)".to_string())
+    };
+    Ok((median(replay), graph))
+}
+
+/// Device time per call with `calls` calls recorded into one graph of the caller's.
+fn captured(
+    rank: &Rank,
+    a: &Args,
+    stream: &Arc<CudaStream>,
+    call: &dyn Fn(&fusion::runtime::OnStream<'_>) -> Result<()>,
+) -> Result<f64> {
+    let on = rank.on(stream);
+    stream.synchronize().map_err(driver)?;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(driver)?;
+    let recorded: Result<()> = (0..a.calls).try_for_each(|_| call(&on));
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .map_err(driver);
+    recorded?;
+    let graph =
+        graph?.ok_or_else(|| fusion::Error::World("the capture recorded nothing".into()))?;
+    graph.launch().map_err(driver)?;
+    let mut samples = Vec::new();
+    for _ in 0..a.iters {
+        barrier(rank)?;
+        stream.synchronize().map_err(driver)?;
+        let start = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)?;
+        graph.launch().map_err(driver)?;
+        let end = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)?;
+        end.synchronize().map_err(driver)?;
+        samples.push(f64::from(start.elapsed_ms(&end).map_err(driver)?) * 1e3 / a.calls as f64);
+    }
+    Ok(median(samples))
+}
+
+fn driver(e: fusion::runtime::cudarc::driver::DriverError) -> fusion::Error {
+    fusion::Error::World(format!("CUDA: {e:?}"))
+}
+
+/// Largest |got - want| / max|want| over the output.
+fn relerr(rank: &Rank, got: &Tensor, want: &[f64]) -> Result<f64> {
+    let got = rank.to_host(got)?.to_f32_vec()?;
+    let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+    Ok(got
+        .iter()
+        .zip(want)
+        .fold(0.0f64, |m, (g, w)| m.max((f64::from(*g) - w).abs() / scale)))
+}
+
+/// The Allreduce rows of one size on one rank: ours and NCCL in both modes.
+fn allreduce_rows(
+    rank: &Rank,
+    a: &Args,
+    exec: &FusionExecutor,
+    bytes: usize,
+    seed: u64,
+) -> Result<Vec<Sample>> {
+    let dt = a.dtype.dtype();
+    let n = bytes / dt.size_bytes();
+    let d = rank.world_size();
+    let mut want = vec![0f64; n];
+    let mut mine = None;
+    for r in 0..d {
+        let t = random(&[1, n], dt, seed + r as u64)?;
+        for (w, v) in want.iter_mut().zip(t.to_f32_vec()?) {
+            *w += f64::from(v);
+        }
+        if r == rank.index() {
+            mine = Some(rank.to_device(&t)?);
+        }
+    }
+    let x = mine.expect("this rank's input");
+    let mut out = Vec::new();
+    for variant in ["ours", "nccl"] {
+        let o = options(variant);
+        let y = exec.run_with(rank, &[&x], None, &o)?.outputs[0].clone();
+        let err = relerr(rank, &y, &want)?;
+        let (replay, graph) = time_modes(rank, a, &|on| {
+            exec.run_with(on, &[&x], None, &o).map(|_| ())
+        })?;
+        let what = format!("allreduce {bytes}");
+        out.push((what.clone(), variant, "replay", replay, err));
+        match graph {
+            Ok(us) => out.push((what, variant, "graph", us, err)),
+            Err(e) if a.graph => {
+                println!("rank {}: {variant} {bytes} B: no graph: {e}", rank.index())
+            }
+            Err(_) => {}
+        }
+    }
+    Ok(out)
+}
+
+/// The GEMM + Allreduce rows of one shape on one rank.
+fn gemm_rows(
+    rank: &Rank,
+    a: &Args,
+    execs: (&FusionExecutor, &FusionExecutor),
+    (name, k_total, n, m): (&str, usize, usize, usize),
+    seed: u64,
+) -> Result<Vec<Sample>> {
+    let dt = a.dtype.dtype();
+    let d = rank.world_size();
+    let k = k_total / d;
+    let r = rank.index() as u64;
+    let x = rank.to_device(&random(&[1, m, k], dt, seed + 2 * r)?)?;
+    let w = rank.to_device(&random(&[1, k, n], dt, seed + 2 * r + 1)?)?;
+    let what = format!("{name} m={m} k={k_total} n={n}");
+    let mut out = Vec::new();
+    for variant in ["ours", "nccl"] {
+        let o = options(variant);
+        let (replay, graph) = time_modes(rank, a, &|on| {
+            execs.0.run_with(on, &[&x, &w], None, &o).map(|_| ())
+        })?;
+        out.push((what.clone(), variant, "replay", replay, 0.0));
+        if let Ok(us) = graph {
+            out.push((what.clone(), variant, "graph", us, 0.0));
+        }
+    }
+    let (x1, w1) = (x.clone(), w.squeeze(0)?);
+    let o = ExecOptions::default();
+    let (replay, graph) = time_modes(rank, a, &|on| {
+        execs.1.run_with(on, &[&x1, &w1], None, &o).map(|_| ())
+    })?;
+    out.push((what.clone(), "gemm", "replay", replay, 0.0));
+    if let Ok(us) = graph {
+        out.push((what, "gemm", "graph", us, 0.0));
+    }
+    Ok(out)
+}
+
+fn collect(
+    rows: &mut Vec<Row>,
+    per_rank: Vec<Vec<Sample>>,
+) {
+    for (i, (what, variant, mode, _, _)) in per_rank[0].iter().enumerate() {
+        let row = Row {
+            what: what.clone(),
+            variant,
+            mode,
+            rank_us: per_rank
+                .iter()
+                .map(|r| r.get(i).map_or(f64::NAN, |x| x.3))
+                .collect(),
+            relerr: per_rank
+                .iter()
+                .map(|r| r.get(i).map_or(f64::NAN, |x| x.4))
+                .fold(0.0, f64::max),
+        };
+        println!(
+            "{:34} {:5} {:6} {:9.2} us  relerr {:.1e}",
+            row.what,
+            row.variant,
+            row.mode,
+            row.us(),
+            row.relerr
+        );
+        rows.push(row);
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    finish(run())
+}
+
+fn run() -> Result<()> {
+    let a = Args::parse();
+    let world = World::auto(a.devices)?;
+    let d = world.size();
+    let dt = a.dtype.dtype();
+    let seed = seed_or_clock(a.seed);
+    println!(
+        "decode_bench: backend {} devices {d} dtype {dt} input seed {seed}",
+        world.backend().name()
+    );
+    let mut rows = Vec::new();
+    let ar = FusionExecutor::new(allreduce(dt)?);
+    for bytes in list(&a.sizes) {
+        collect(
+            &mut rows,
+            world.run(|rank| allreduce_rows(rank, &a, &ar, bytes, seed))?,
+        );
+    }
+    if !a.no_gemm {
+        let (mar, g) = (
+            FusionExecutor::new(matmul_allreduce(dt)?),
+            FusionExecutor::new(gemm(dt)?),
+        );
+        for spec in a.gemms.split(';') {
+            let parts: Vec<&str> = spec.split(':').collect();
+            let [name, k, n] = parts.as_slice() else {
+                return Err(fusion::Error::World(format!(
+                    "bad GEMM shape `{spec}`: name:K:N"
+                )));
+            };
+            let (k, n): (usize, usize) = (k.parse().unwrap_or(0), n.parse().unwrap_or(0));
+            for m in list(&a.rows) {
+                collect(
+                    &mut rows,
+                    world.run(|rank| gemm_rows(rank, &a, (&mar, &g), (name, k, n, m), seed))?,
+                );
+            }
+        }
+    }
+    if let Some(path) = &a.json {
+        let text: String = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({"what": r.what, "variant": r.variant, "mode": r.mode, "devices": d,
+                    "us": r.us(), "rank_us": r.rank_us, "relerr": r.relerr})
+                .to_string()
+                    + "\n"
+            })
+            .collect();
+        write_file(path, text)?;
+    }
+    print_tables(&rows, d);
+    Ok(())
+}
+
+fn print_tables(rows: &[Row], d: usize) {
+    let get = |what: &str, variant: &str, mode: &str| {
+        rows.iter()
+            .find(|r| r.what == what && r.variant == variant && r.mode == mode)
+            .map_or(f64::NAN, Row::us)
+    };
+    let mut whats: Vec<&str> = Vec::new();
+    for r in rows {
+        if !whats.contains(&r.what.as_str()) {
+            whats.push(&r.what);
+        }
+    }
+    println!("\n| D = {d} | ours graph | NCCL graph | ours replay | NCCL replay | GEMM graph | ours - GEMM |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for w in whats {
+        let g = get(w, "gemm", "graph");
+        let ours = get(w, "ours", "graph");
+        println!(
+            "| {w} | {ours:.2} | {:.2} | {:.2} | {:.2} | {g:.2} | {:.2} |",
+            get(w, "nccl", "graph"),
+            get(w, "ours", "replay"),
+            get(w, "nccl", "replay"),
+            ours - g
+        );
+    }
+}

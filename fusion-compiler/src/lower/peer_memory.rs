@@ -1,0 +1,272 @@
+//! Which collectives of a program run over peer memory ([`Transport::PeerMemory`]).
+//!
+//! A collective over peer memory is one kernel per rank: each rank writes its part
+//! straight into a buffer of every peer (mapped into its address space once per world),
+//! raises a flag per peer, waits for the peers' flags, and finishes from its own buffer.
+//! It costs a launch and a flag round trip, where NCCL's kernels cost ~20 us at any size
+//! below a few hundred kilobytes; it takes SMs, so large messages (where NCCL and the
+//! copy engines reach the links' bandwidth) stay where they were. The choice is made per
+//! call shape (the executor lowers once per shape), for nodes that:
+//!
+//! - are Allreduce, Allgather or ReduceScatter of the whole world (every rank, in rank
+//!   order), summing where they reduce, over f32, bf16 or f16;
+//! - stand at the top of the program (a stream loop's collectives overlap the loop's
+//!   GEMMs on other streams; the peer kernels of a rank run one at a time);
+//! - move at most [`peer_memory_limit`] bytes ([`PeerMemoryCollectives`]), and fit the
+//!   per-rank workspace ([`PEER_MEMORY_REGION_BYTES`]).
+//!
+//! Each choice is printed under the host program.
+
+use crate::dtype::DType;
+use crate::hir::{CommunicationKind, HostProgram, Node, Transport};
+use crate::ir::{IterKind, ParallelType, ReduceOp, ScalarId, TensorId};
+use crate::options::PeerMemoryCollectives;
+
+/// Bytes of one of the two halves of a rank's peer-memory workspace (calls alternate
+/// halves, so a call never waits for its peers to finish reading the previous one). The
+/// runtime allocates two of them per rank, plus the flags.
+pub const PEER_MEMORY_REGION_BYTES: usize = 64 << 20;
+
+/// The most ranks a peer-memory collective spans (one flag per peer and block).
+pub const PEER_MEMORY_MAX_RANKS: usize = 8;
+
+/// The largest message (bytes) that [`PeerMemoryCollectives::Auto`] puts on peer memory
+/// for a collective of `kind` on `world_size` devices: where the peer kernels measured
+/// faster than NCCL (docs/DECISIONS.md, "Small collectives over peer memory").
+pub fn peer_memory_limit(kind: CommunicationKind, world_size: usize) -> usize {
+    match kind {
+        CommunicationKind::Allreduce if world_size == 2 => PEER_MEMORY_REGION_BYTES,
+        CommunicationKind::Allreduce => 4 << 20,
+        CommunicationKind::Allgather | CommunicationKind::ReduceScatter => 1 << 20,
+        _ => 0,
+    }
+}
+
+/// Whether a message of `bytes` of a `kind` collective on `world_size` ranks fits the
+/// workspace: an Allreduce needs its message once to scatter and once to gather (the
+/// two-shot kernel; the one-shot kernel, used only where `world_size` copies fit, needs
+/// that many), an Allgather or ReduceScatter its message once. Each of the `world_size`
+/// slots is rounded up to 16 bytes.
+pub fn fits_peer_memory(kind: CommunicationKind, bytes: usize, world_size: usize) -> bool {
+    let d = world_size.max(1);
+    let slot = bytes.div_ceil(d).div_ceil(16) * 16;
+    let need = match kind {
+        CommunicationKind::Allreduce => 2 * d * slot,
+        CommunicationKind::Allgather | CommunicationKind::ReduceScatter => d * slot,
+        _ => return false,
+    };
+    need <= PEER_MEMORY_REGION_BYTES
+}
+
+/// Moves the program's eligible collectives onto peer memory (see the module
+/// documentation) at the extents `extent` gives, and notes each choice. A node whose
+/// size is unknown keeps its transport.
+pub fn choose_peer_memory(
+    program: &mut HostProgram,
+    use_: PeerMemoryCollectives,
+    extent: &dyn Fn(ScalarId) -> Option<i64>,
+) {
+    let d = program.world_size;
+    if use_ == PeerMemoryCollectives::Never || !(2..=PEER_MEMORY_MAX_RANKS).contains(&d) {
+        return;
+    }
+    let world: Vec<usize> = (0..d).collect();
+    let mut notes = Vec::new();
+    let mut body = std::mem::take(&mut program.body);
+    for node in &mut body {
+        let Node::Communication(c) = node else {
+            continue;
+        };
+        let kind_ok = matches!(
+            c.kind,
+            CommunicationKind::Allreduce
+                | CommunicationKind::Allgather
+                | CommunicationKind::ReduceScatter
+        );
+        let sums = c.kind == CommunicationKind::Allgather || c.reduce_op == Some(ReduceOp::Sum);
+        if !kind_ok || !sums || c.team != world || c.mesh != world || c.root.is_some() {
+            continue;
+        }
+        let dtype = program.ir.tensor(c.output).dtype;
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            continue;
+        }
+        let Some(bytes) = [c.input, c.output]
+            .into_iter()
+            .map(|t| stored_bytes(program, t, extent))
+            .collect::<Option<Vec<usize>>>()
+            .and_then(|b| b.into_iter().max())
+        else {
+            continue;
+        };
+        let limit = match use_ {
+            PeerMemoryCollectives::Auto => peer_memory_limit(c.kind, d),
+            PeerMemoryCollectives::UpTo(n) => n,
+            PeerMemoryCollectives::Never => 0,
+        };
+        if bytes == 0 || bytes > limit || !fits_peer_memory(c.kind, bytes, d) {
+            continue;
+        }
+        c.transport = Transport::PeerMemory;
+        notes.push(format!(
+            "{} of `{}` ({}) on PeerMemory: at most {} on {d} devices \
+             (LowerOptions::transports.peer_memory)",
+            c.kind.name(),
+            program.ir.tensor_name(c.output),
+            human_bytes(bytes),
+            human_bytes(limit.min(PEER_MEMORY_REGION_BYTES)),
+        ));
+    }
+    program.body = body;
+    program.notes.extend(notes);
+}
+
+/// Bytes a rank holds of `t` at the call's extents: every axis but reduction and DIDx
+/// axes (a device holds one index of those); `None` when an extent is unknown.
+fn stored_bytes(
+    program: &HostProgram,
+    t: TensorId,
+    extent: &dyn Fn(ScalarId) -> Option<i64>,
+) -> Option<usize> {
+    let view = program.ir.tensor(t);
+    let mut elements = 1usize;
+    for &a in &view.axes {
+        let d = program.ir.iter_domain(a);
+        if d.kind == IterKind::Reduction || d.parallel == ParallelType::DIDx {
+            continue;
+        }
+        let n = usize::try_from(program.ir.evaluate(d.extent, extent)?).ok()?;
+        elements = elements.checked_mul(n)?;
+    }
+    elements.checked_mul(view.dtype.size_bytes())
+}
+
+/// `bytes` as `12 KiB`, `4 MiB` or `100 B`.
+fn human_bytes(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::builder::{Axis, FusionBuilder};
+    use crate::ir::Fusion;
+    use crate::lower::{lower_for_shapes, LowerOptions};
+
+    /// `y [m, n] = sum over d of matmul(x [m, d @ DIDx, k], w [d @ DIDx, k, n])`: the
+    /// row-parallel GEMM + Allreduce of a decode step.
+    fn matmul_ar(dtype: DType) -> (Fusion, [ScalarId; 3]) {
+        let mut b = FusionBuilder::new();
+        let (d, m, k, n) = (b.symbol("d"), b.symbol("m"), b.symbol("k"), b.symbol("n"));
+        let x = b
+            .input(
+                "x",
+                dtype,
+                &[Axis::didx(d), Axis::serial(m), Axis::serial(k)],
+            )
+            .unwrap();
+        let w = b
+            .input(
+                "w",
+                dtype,
+                &[Axis::didx(d), Axis::serial(k), Axis::serial(n)],
+            )
+            .unwrap();
+        let p = b.matmul(x, w).unwrap();
+        let y = b.sum(p, &[0]).unwrap();
+        b.output(y).unwrap();
+        (b.build().unwrap(), [m, k, n])
+    }
+
+    fn transports(
+        f: &Fusion,
+        shape: [(ScalarId, i64); 3],
+        o: &LowerOptions,
+        d: usize,
+    ) -> Vec<Transport> {
+        let p = lower_for_shapes(f, d, o, &|s| {
+            shape.iter().find(|(id, _)| *id == s).map(|(_, v)| *v)
+        })
+        .unwrap()
+        .program;
+        let mut out = Vec::new();
+        crate::hir::for_each_node(&p.body, &mut |n| {
+            if let Node::Communication(c) = n {
+                out.push(c.transport);
+            }
+        });
+        out
+    }
+
+    #[test]
+    fn small_allreduces_go_to_peer_memory_and_large_ones_stay_on_nccl() {
+        let (f, [m, k, n]) = matmul_ar(DType::BF16);
+        let o = LowerOptions::default();
+        let decode = [(m, 8), (k, 1024), (n, 8192)];
+        assert_eq!(transports(&f, decode, &o, 4), vec![Transport::PeerMemory]);
+        let prefill = [(m, 8192), (k, 1024), (n, 8192)];
+        assert_eq!(transports(&f, prefill, &o, 4), vec![Transport::Nccl]);
+        let never = LowerOptions {
+            transports: crate::options::TransportOptions {
+                peer_memory: PeerMemoryCollectives::Never,
+                ..o.transports
+            },
+            ..o.clone()
+        };
+        assert_eq!(transports(&f, decode, &never, 4), vec![Transport::Nccl]);
+        let up_to = LowerOptions::default().with_transport(Transport::PeerMemory);
+        let mid = [(m, 512), (k, 1024), (n, 8192)];
+        assert_eq!(transports(&f, mid, &up_to, 4), vec![Transport::PeerMemory]);
+        assert_eq!(
+            transports(&f, mid, &LowerOptions::plain(), 4),
+            vec![Transport::Nccl]
+        );
+    }
+
+    #[test]
+    fn one_device_unknown_shapes_and_too_many_ranks_keep_nccl() {
+        let (f, [m, k, n]) = matmul_ar(DType::F32);
+        let o = LowerOptions::default();
+        assert!(transports(&f, [(m, 8), (k, 64), (n, 64)], &o, 1).is_empty());
+        let unknown = lower_for_shapes(&f, 4, &o, &|_| None).unwrap().program;
+        assert!(unknown.notes.iter().all(|n| !n.contains("PeerMemory")));
+        assert_eq!(
+            transports(&f, [(m, 8), (k, 64), (n, 64)], &o, 16),
+            vec![Transport::Nccl]
+        );
+    }
+
+    #[test]
+    fn the_choice_is_noted_with_its_size() {
+        let (f, [m, k, n]) = matmul_ar(DType::BF16);
+        let shape = [(m, 8), (k, 1024), (n, 8192)];
+        let p = lower_for_shapes(&f, 2, &LowerOptions::default(), &|s| {
+            shape.iter().find(|(id, _)| *id == s).map(|(_, v)| *v)
+        })
+        .unwrap()
+        .program;
+        let note = p.notes.iter().find(|n| n.contains("PeerMemory")).unwrap();
+        assert!(
+            note.contains("128 KiB") && note.contains("4 MiB on 2 devices"),
+            "{note}"
+        );
+    }
+
+    #[test]
+    fn the_workspace_bounds_every_message() {
+        let d = 4;
+        assert!(fits_peer_memory(CommunicationKind::Allreduce, 32 << 20, d));
+        assert!(!fits_peer_memory(
+            CommunicationKind::Allreduce,
+            (32 << 20) + 4096,
+            d
+        ));
+        assert!(fits_peer_memory(CommunicationKind::Allgather, 64 << 20, d));
+        assert!(!fits_peer_memory(CommunicationKind::Broadcast, 16, d));
+        assert_eq!(human_bytes(100), "100 B");
+    }
+}

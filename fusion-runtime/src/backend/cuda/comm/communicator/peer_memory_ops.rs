@@ -1,0 +1,91 @@
+//! Allreduce, Allgather and ReduceScatter over peer memory: the same buffer layout as on
+//! NCCL (contiguous, block by block; views staged and copied back on the same stream),
+//! then one kernel ([`crate::backend::cuda::comm::peer_memory`]).
+
+use fusion_compiler::hir::CommunicationKind;
+
+use super::buffers::axis_first;
+use super::{Collective, CudaCommunicator};
+use crate::backend::cuda::comm::peer_memory::PeerCall;
+use crate::error::Result;
+
+impl CudaCommunicator {
+    /// Collective `call` over peer memory.
+    pub(super) fn peer_memory_collective(&self, call: &Collective<'_>) -> Result<()> {
+        let (s, c) = (call.s, call.c);
+        let kind = c.kind.name();
+        let Some(pm) = self.peer_memory.as_ref() else {
+            return Err(self.err(format!(
+                "the program puts a {kind} on peer memory, which this world has not mapped \
+                 (its ranks do not all reach each other's memory); run it through the \
+                 executor, which lowers onto the world's transports, or lower with \
+                 LowerOptions::transports.peer_memory = Never"
+            )));
+        };
+        let (Some(input), Some(output)) = (call.input, call.output) else {
+            return Err(self.err(format!(
+                "{kind} over peer memory needs an input and an output on every rank"
+            )));
+        };
+        let (x, dst) = match c.kind {
+            CommunicationKind::Allreduce => (
+                self.squeeze(input, c.in_sharded_axis, kind)?,
+                output.clone(),
+            ),
+            CommunicationKind::Allgather => {
+                let o = c.out_sharded_axis.or(c.in_sharded_axis).unwrap_or(0);
+                (
+                    self.squeeze(input, c.in_sharded_axis, kind)?,
+                    axis_first(output, o)?,
+                )
+            }
+            _ => {
+                let x = self.squeeze(input, c.in_sharded_axis, kind)?;
+                let sa = self.scatter_axis(c)?;
+                (
+                    axis_first(&x, sa)?,
+                    self.squeeze(output, c.out_sharded_axis, kind)?,
+                )
+            }
+        };
+        let x = self.contiguous(s, &x)?;
+        let expected = match c.kind {
+            CommunicationKind::Allreduce => x.numel(),
+            CommunicationKind::Allgather => x.numel() * self.world_size,
+            _ => x.numel() / self.world_size,
+        };
+        if dst.numel() != expected || x.dtype() != dst.dtype() {
+            return Err(self.err(format!(
+                "{kind} over peer memory: input {:?} {} and output {:?} {} do not match on \
+                 {} ranks",
+                x.shape(),
+                x.dtype(),
+                dst.shape(),
+                dst.dtype(),
+                self.world_size
+            )));
+        }
+        // The kernels move 16 bytes at a time where both sides are aligned, else elements.
+        let (buf, back) = self.receive_buffer(s, &dst)?;
+        let elements = match c.kind {
+            CommunicationKind::Allgather => x.numel(),
+            _ => buf.numel(),
+        };
+        let raw = self.device.raw_stream(s)?;
+        pm.launch(
+            &self.device,
+            raw,
+            PeerCall {
+                kind: c.kind,
+                dtype: x.dtype(),
+                input: x.device_ptr().unwrap_or(0),
+                output: buf.device_ptr().unwrap_or(0),
+                elements,
+            },
+        )?;
+        if back {
+            self.copy_back(s, &buf, &dst)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,262 @@
+// Collectives over peer memory: one kernel per rank and call. Every rank's workspace is
+// mapped into every other rank's address space (`Peers::ws`, by rank). A workspace holds
+// flags, then two halves of data; calls alternate halves, so a call writes into a half its
+// peers finished reading two calls ago (a rank's calls run one after another on its
+// device, and a peer cannot pass a call's flags before it finished the previous call).
+//
+// A block's flags: `pads[block][peer]`, the last epoch `peer` raised for this block, and
+// per block of this rank an epoch counter (moved only by the blocks a call runs: every
+// rank runs the same calls with the same grids, so block b's counters agree on every
+// rank) and a call counter (every call moves all GMAX of them, the blocks it does not run
+// too, so every block of a call picks the same half). Block b only reads what block b of a peer wrote, so the flags
+// of block b order everything it touches. A flag wait that outlasts the
+// timeout, or sees the host's release word set, records itself in the status words
+// (host memory) and the kernel ends early.
+//
+// The element type comes from a `#define` prepended by the host: DT_F32, DT_BF16, DT_F16.
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+#define MAXR 8
+#define GMAX 128
+#define SEQ_AT (GMAX * MAXR)
+#define CALLS_AT (GMAX * MAXR + GMAX)
+
+#if defined(DT_F32)
+#define EPV 4
+typedef float E;
+__device__ __forceinline__ float ld1(E x) { return x; }
+__device__ __forceinline__ E st1(float f) { return f; }
+#elif defined(DT_BF16)
+#define EPV 8
+typedef u16 E;
+__device__ __forceinline__ float ld1(E h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ E st1(float f) { u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
+#else
+#define EPV 8
+typedef u16 E;
+__device__ __forceinline__ float ld1(E h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ E st1(float f) { u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
+#endif
+
+struct Peers { u64 ws[MAXR]; };
+struct Ctl {
+    u64 status;      // host-mapped u32[4]: state (1 timed out, 2 released), peer, op, ms
+    u64 release;     // host-mapped u32: set by the host when the world failed
+    u64 timeout_ns;
+    u64 data_offset; // bytes from a workspace's start to its first half
+    u64 half_bytes;
+};
+
+__device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ void st_release(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+// Workspace data written by peers: read past L1.
+__device__ __forceinline__ uint4 ld_cg(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ E ld_cg1(const E* p) { volatile const E* q = p; return *q; }
+
+__device__ __forceinline__ void unpack(uint4 v, float* f) {
+#if defined(DT_F32)
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+#else
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { f[2 * i] = ld1((E)(w[i] & 0xffff)); f[2 * i + 1] = ld1((E)(w[i] >> 16)); }
+#endif
+}
+__device__ __forceinline__ uint4 pack(const float* f) {
+#if defined(DT_F32)
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+#else
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = (u32)st1(f[2 * i]) | ((u32)st1(f[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+#endif
+}
+
+// Elements [e, e + count) of `src` (count <= EPV) into `dst`, as one vector when whole and aligned.
+__device__ __forceinline__ void move_elems(E* dst, const E* src, u64 count, bool cg) {
+    if (count == EPV && ((((u64)dst) | ((u64)src)) & 15) == 0) {
+        *(uint4*)dst = cg ? ld_cg(src) : *(const uint4*)src;
+    } else {
+        for (u64 k = 0; k < count; ++k) dst[k] = cg ? ld_cg1(src + k) : src[k];
+    }
+}
+__device__ __forceinline__ void store_sum(E* dst, const float* f, u64 count) {
+    if (count == EPV && (((u64)dst) & 15) == 0) { *(uint4*)dst = pack(f); }
+    else { for (u64 k = 0; k < count; ++k) dst[k] = st1(f[k]); }
+}
+
+// This block's share [lo, hi) of `nv` vectors.
+__device__ __forceinline__ void share(u64 nv, u64* lo, u64* hi) {
+    u64 per = (nv + gridDim.x - 1) / gridDim.x;
+    *lo = min(nv, per * blockIdx.x);
+    *hi = min(nv, *lo + per);
+}
+
+// Raises this block's flag `epoch` at every peer and waits for every peer's.
+__device__ void meet(const Peers& P, int rank, int world, u32 epoch, const Ctl& c, u32 op, volatile int* failed) {
+    __syncthreads();
+    int t = threadIdx.x;
+    if (t < world && t != rank && !*failed) {
+        st_release((u32*)P.ws[t] + blockIdx.x * MAXR + rank, epoch);
+        const u32* mine = (const u32*)P.ws[rank] + blockIdx.x * MAXR + t;
+        u64 start = 0;
+        u32 spins = 0;
+        while ((int)(ld_acquire(mine) - epoch) < 0) {
+            if ((++spins & 1023) != 0) continue;
+            u64 tn = now_ns();
+            if (start == 0) { start = tn; continue; }
+            bool released = *(volatile u32*)c.release != 0;
+            if (released || tn - start > c.timeout_ns) {
+                volatile u32* s = (volatile u32*)c.status;
+                s[1] = (u32)t; s[2] = op; s[3] = (u32)((tn - start) / 1000000ull);
+                __threadfence_system();
+                s[0] = released ? 2u : 1u;
+                __threadfence_system();
+                *failed = 1;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+#define BEGIN(op) \
+    __shared__ u32 s_seq, s_par; __shared__ int s_failed; \
+    u32* counters = (u32*)P.ws[rank]; \
+    if (threadIdx.x == 0) { s_seq = counters[SEQ_AT + blockIdx.x]; s_par = counters[CALLS_AT + blockIdx.x]; s_failed = 0; } \
+    __syncthreads(); \
+    u32 seq = s_seq; \
+    const u64 half = c.data_offset + (u64)(s_par & 1u) * c.half_bytes; \
+    const u32 OP = op;
+#define END() \
+    __syncthreads(); \
+    if (threadIdx.x == 0) { counters[SEQ_AT + blockIdx.x] = seq; counters[CALLS_AT + blockIdx.x] = s_par + 1u; } \
+    for (u32 slot = gridDim.x + blockIdx.x + threadIdx.x * gridDim.x; slot < GMAX; slot += blockDim.x * gridDim.x) \
+        counters[CALLS_AT + slot] = s_par + 1u;
+#define AT(q) ((E*)(P.ws[q] + half))
+#define MEET() do { meet(P, rank, world, ++seq, c, OP, &s_failed); if (s_failed) { END(); return; } } while (0)
+
+// Allreduce, one shot: every rank writes its whole input into slot `rank` of every peer,
+// then sums the `world` slots of its own workspace (in rank order: the same bits on every rank).
+extern "C" __global__ void __launch_bounds__(512) peer_allreduce_one_shot(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
+    BEGIN(1);
+    const u64 slot = (n + EPV - 1) / EPV * EPV;
+    u64 lo, hi; share((n + EPV - 1) / EPV, &lo, &hi);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        u64 e = i * EPV, cnt = min((u64)EPV, n - e);
+        for (int q = 0; q < world; ++q) move_elems(AT(q) + rank * slot + e, in + e, cnt, false);
+    }
+    MEET();
+    const E* mine = AT(rank);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        u64 e = i * EPV, cnt = min((u64)EPV, n - e);
+        float acc[EPV], f[EPV];
+#pragma unroll
+        for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
+        for (int r = 0; r < world; ++r) {
+            unpack(ld_cg(mine + r * slot + e), f);
+#pragma unroll
+            for (int k = 0; k < EPV; ++k) acc[k] += f[k];
+        }
+        store_sum(out + e, acc, cnt);
+    }
+    END();
+}
+
+// Allreduce, two shots: part q of the input goes to rank q (slot `rank`), each rank sums
+// its part and writes the sum into every peer's gather area, then copies the gathered sums out.
+extern "C" __global__ void __launch_bounds__(512) peer_allreduce_two_shot(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
+    BEGIN(2);
+    const u64 part = ((n + world - 1) / world + EPV - 1) / EPV * EPV;
+    const u64 gather = (u64)world * part;
+    u64 lo, hi; share(part / EPV, &lo, &hi);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        for (int q = 0; q < world; ++q) {
+            u64 e = q * part + i * EPV;
+            if (e >= n) continue;
+            move_elems(AT(q) + rank * part + i * EPV, in + e, min((u64)EPV, n - e), false);
+        }
+    }
+    MEET();
+    const E* mine = AT(rank);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        u64 e = rank * part + i * EPV;
+        if (e >= n) continue;
+        float acc[EPV], f[EPV];
+#pragma unroll
+        for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
+        for (int r = 0; r < world; ++r) {
+            unpack(ld_cg(mine + r * part + i * EPV), f);
+#pragma unroll
+            for (int k = 0; k < EPV; ++k) acc[k] += f[k];
+        }
+        uint4 v = pack(acc);
+        for (int q = 0; q < world; ++q) *(uint4*)(AT(q) + gather + e) = v;
+    }
+    MEET();
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        for (int q = 0; q < world; ++q) {
+            u64 e = q * part + i * EPV;
+            if (e >= n) continue;
+            move_elems(out + e, mine + gather + e, min((u64)EPV, n - e), true);
+        }
+    }
+    END();
+}
+
+// Allgather: `m` elements per rank into slot `rank` of every peer; then the slots, in rank order, out.
+extern "C" __global__ void __launch_bounds__(512) peer_allgather(const E* in, E* out, u64 m, Peers P, int rank, int world, Ctl c) {
+    BEGIN(3);
+    const u64 slot = (m + EPV - 1) / EPV * EPV;
+    u64 lo, hi; share(slot / EPV, &lo, &hi);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        u64 e = i * EPV, cnt = min((u64)EPV, m - e);
+        for (int q = 0; q < world; ++q) move_elems(AT(q) + rank * slot + e, in + e, cnt, false);
+    }
+    MEET();
+    const E* mine = AT(rank);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        u64 e = i * EPV, cnt = min((u64)EPV, m - e);
+        for (int r = 0; r < world; ++r) move_elems(out + r * m + e, mine + r * slot + e, cnt, true);
+    }
+    END();
+}
+
+// ReduceScatter: block q (`m` elements) of the input into slot `rank` of rank q; then the
+// sum of the slots (in rank order) out.
+extern "C" __global__ void __launch_bounds__(512) peer_reduce_scatter(const E* in, E* out, u64 m, Peers P, int rank, int world, Ctl c) {
+    BEGIN(4);
+    const u64 slot = (m + EPV - 1) / EPV * EPV;
+    u64 lo, hi; share(slot / EPV, &lo, &hi);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        u64 e = i * EPV, cnt = min((u64)EPV, m - e);
+        for (int q = 0; q < world; ++q) move_elems(AT(q) + rank * slot + e, in + q * m + e, cnt, false);
+    }
+    MEET();
+    const E* mine = AT(rank);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        u64 e = i * EPV, cnt = min((u64)EPV, m - e);
+        float acc[EPV], f[EPV];
+#pragma unroll
+        for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
+        for (int r = 0; r < world; ++r) {
+            unpack(ld_cg(mine + r * slot + e), f);
+#pragma unroll
+            for (int k = 0; k < EPV; ++k) acc[k] += f[k];
+        }
+        store_sum(out + e, acc, cnt);
+    }
+    END();
+}

@@ -1,0 +1,169 @@
+//! A rank's peer-memory workspace and the peers' workspaces mapped here.
+//!
+//! A workspace is one allocation of physical device memory (`cuMemCreate`, exportable as a
+//! POSIX file descriptor): flags at the start, then two halves of
+//! [`PEER_MEMORY_REGION_BYTES`] that calls alternate. Ranks of this process map each
+//! other's directly (access granted to every local device); a rank of another process of
+//! this host maps it from the descriptor it published at bootstrap (`pidfd_getfd`), once.
+
+use cudarc::driver::sys;
+use fusion_compiler::lower::PEER_MEMORY_REGION_BYTES;
+
+use crate::backend::cuda::libs::cu_check as check;
+use crate::backend::cuda::memory::shared_arena::{grant, map, unmap};
+use crate::error::Result;
+
+/// Bytes before the first half: the flags (`GMAX * MAXR` pads, then the per-block epoch
+/// and call counters of the kernels), rounded up so that the halves stay aligned.
+pub(crate) const DATA_OFFSET: usize = 64 << 10;
+
+/// Bytes of a whole workspace.
+pub(crate) const WORKSPACE_BYTES: usize = DATA_OFFSET + 2 * PEER_MEMORY_REGION_BYTES;
+
+const POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+
+/// This rank's own workspace.
+pub(crate) struct Workspace {
+    pub(crate) va: sys::CUdeviceptr,
+    pub(crate) size: usize,
+    /// The exported descriptor (peers of other processes duplicate it).
+    pub(crate) fd: i32,
+    handle: sys::CUmemGenericAllocationHandle,
+}
+
+// SAFETY: driver handles and a device address, usable from any thread.
+unsafe impl Send for Workspace {}
+unsafe impl Sync for Workspace {}
+
+impl std::fmt::Debug for Workspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Workspace({:#x}, {} bytes)", self.va, self.size)
+    }
+}
+
+impl Workspace {
+    /// A zeroed workspace on device `ordinal` (whose context is current), which the
+    /// devices `local_peers` of this process may access too.
+    pub(crate) fn create(ordinal: usize, local_peers: &[usize]) -> Result<Workspace> {
+        // SAFETY: zero is a valid starting value for this plain C struct.
+        let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        p.requestedHandleTypes = POSIX_FD;
+        p.location = crate::backend::cuda::libs::device_location(ordinal as i32);
+        let mut granularity = 0usize;
+        // SAFETY: a valid property struct.
+        check(
+            unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut granularity,
+                    &p,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                )
+            },
+            "cuMemGetAllocationGranularity (peer-memory workspace)",
+        )?;
+        let size = WORKSPACE_BYTES.div_ceil(granularity.max(1)) * granularity.max(1);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: creating physical memory of a granularity multiple.
+        check(
+            unsafe { sys::cuMemCreate(&mut handle, size, &p, 0) },
+            &format!("allocating the {size}-byte peer-memory workspace on device {ordinal}"),
+        )?;
+        let va = match map(handle, size) {
+            Ok(va) => va,
+            Err(e) => {
+                // SAFETY: releasing the handle just created.
+                unsafe {
+                    let _ = sys::cuMemRelease(handle);
+                }
+                return Err(e);
+            }
+        };
+        let mut ws = Workspace {
+            va,
+            size,
+            fd: -1,
+            handle,
+        };
+        let mut access = vec![ordinal as i32];
+        access.extend(local_peers.iter().map(|&o| o as i32));
+        grant(va, size, &access)?;
+        // SAFETY: a mapped range of `size` bytes this device may write.
+        check(
+            unsafe { sys::cuMemsetD8_v2(va, 0, size) },
+            "zeroing the peer-memory workspace",
+        )?;
+        let mut fd: libc::c_int = -1;
+        // SAFETY: exporting a handle created with this handle type.
+        let exported = unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut libc::c_int).cast(),
+                handle,
+                POSIX_FD,
+                0,
+            )
+        };
+        check(exported, "exporting the peer-memory workspace")?;
+        ws.fd = fd;
+        Ok(ws)
+    }
+
+    /// Zeroes the flags and counters (the world's ranks start over after a failure; no
+    /// kernel of any rank may be running).
+    pub(crate) fn reset_flags(&self) -> Result<()> {
+        // SAFETY: the first DATA_OFFSET bytes of the mapped workspace.
+        check(
+            unsafe { sys::cuMemsetD8_v2(self.va, 0, DATA_OFFSET) },
+            "zeroing the peer-memory flags",
+        )
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        unmap(self.va, self.size, self.handle);
+        if self.fd >= 0 {
+            // SAFETY: closing the descriptor this workspace exported.
+            unsafe {
+                libc::close(self.fd);
+            }
+        }
+    }
+}
+
+/// A peer's workspace (of another process) mapped here.
+pub(crate) struct MappedWorkspace {
+    pub(crate) va: sys::CUdeviceptr,
+    size: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+}
+
+// SAFETY: driver handles and a device address, usable from any thread.
+unsafe impl Send for MappedWorkspace {}
+unsafe impl Sync for MappedWorkspace {}
+
+impl MappedWorkspace {
+    /// Maps the workspace a peer exported, given the driver's import of its descriptor
+    /// (`import` fills the handle), for device `ordinal`.
+    pub(crate) fn map(
+        size: usize,
+        ordinal: usize,
+        import: impl FnOnce(&mut sys::CUmemGenericAllocationHandle) -> Result<()>,
+    ) -> Result<MappedWorkspace> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        import(&mut handle)?;
+        let va = map(handle, size)?;
+        if let Err(e) = grant(va, size, &[ordinal as i32]) {
+            unmap(va, size, handle);
+            return Err(e);
+        }
+        Ok(MappedWorkspace { va, size, handle })
+    }
+}
+
+impl Drop for MappedWorkspace {
+    fn drop(&mut self) {
+        unmap(self.va, self.size, self.handle);
+    }
+}
