@@ -307,10 +307,7 @@ fn gemm_rows(
     Ok(out)
 }
 
-fn collect(
-    rows: &mut Vec<Row>,
-    per_rank: Vec<Vec<Sample>>,
-) {
+fn collect(rows: &mut Vec<Row>, per_rank: Vec<Vec<Sample>>) {
     for (i, (what, variant, mode, _, _)) in per_rank[0].iter().enumerate() {
         let row = Row {
             what: what.clone(),

@@ -35,7 +35,7 @@ pub const PEER_MEMORY_MAX_RANKS: usize = 8;
 /// faster than NCCL (docs/DECISIONS.md, "Small collectives over peer memory").
 pub fn peer_memory_limit(kind: CommunicationKind, world_size: usize) -> usize {
     match kind {
-        CommunicationKind::Allreduce if world_size == 2 => PEER_MEMORY_REGION_BYTES,
+        CommunicationKind::Allreduce if world_size == 2 => usize::MAX,
         CommunicationKind::Allreduce => 4 << 20,
         CommunicationKind::Allgather | CommunicationKind::ReduceScatter => 1 << 20,
         _ => 0,
@@ -43,19 +43,20 @@ pub fn peer_memory_limit(kind: CommunicationKind, world_size: usize) -> usize {
 }
 
 /// Whether a message of `bytes` of a `kind` collective on `world_size` ranks fits the
-/// workspace: an Allreduce needs its message once to scatter and once to gather (the
-/// two-shot kernel; the one-shot kernel, used only where `world_size` copies fit, needs
-/// that many), an Allgather or ReduceScatter its message once. Each of the `world_size`
-/// slots is rounded up to 16 bytes.
+/// workspace: an Allreduce always does (the two-shot kernel goes through a larger one in
+/// chunks; the one-shot kernel runs only where `world_size` copies fit), an Allgather or
+/// ReduceScatter needs its message once, each of the `world_size` slots rounded up to 16
+/// bytes.
 pub fn fits_peer_memory(kind: CommunicationKind, bytes: usize, world_size: usize) -> bool {
     let d = world_size.max(1);
     let slot = bytes.div_ceil(d).div_ceil(16) * 16;
-    let need = match kind {
-        CommunicationKind::Allreduce => 2 * d * slot,
-        CommunicationKind::Allgather | CommunicationKind::ReduceScatter => d * slot,
-        _ => return false,
-    };
-    need <= PEER_MEMORY_REGION_BYTES
+    match kind {
+        CommunicationKind::Allreduce => true,
+        CommunicationKind::Allgather | CommunicationKind::ReduceScatter => {
+            d * slot <= PEER_MEMORY_REGION_BYTES
+        }
+        _ => false,
+    }
 }
 
 /// Moves the program's eligible collectives onto peer memory (see the module
@@ -109,12 +110,16 @@ pub fn choose_peer_memory(
         }
         c.transport = Transport::PeerMemory;
         notes.push(format!(
-            "{} of `{}` ({}) on PeerMemory: at most {} on {d} devices \
+            "{} of `{}` ({}) on PeerMemory: {} on {d} devices \
              (LowerOptions::transports.peer_memory)",
             c.kind.name(),
             program.ir.tensor_name(c.output),
             human_bytes(bytes),
-            human_bytes(limit.min(PEER_MEMORY_REGION_BYTES)),
+            if limit == usize::MAX {
+                "any size".to_string()
+            } else {
+                format!("at most {}", human_bytes(limit))
+            },
         ));
     }
     program.body = body;
@@ -210,6 +215,7 @@ mod tests {
         assert_eq!(transports(&f, decode, &o, 4), vec![Transport::PeerMemory]);
         let prefill = [(m, 8192), (k, 1024), (n, 8192)];
         assert_eq!(transports(&f, prefill, &o, 4), vec![Transport::Nccl]);
+        assert_eq!(transports(&f, prefill, &o, 2), vec![Transport::PeerMemory]);
         let never = LowerOptions {
             transports: crate::options::TransportOptions {
                 peer_memory: PeerMemoryCollectives::Never,
@@ -251,18 +257,25 @@ mod tests {
         .program;
         let note = p.notes.iter().find(|n| n.contains("PeerMemory")).unwrap();
         assert!(
-            note.contains("128 KiB") && note.contains("4 MiB on 2 devices"),
+            note.contains("128 KiB") && note.contains("any size on 2 devices"),
             "{note}"
         );
+        let p = lower_for_shapes(&f, 4, &LowerOptions::default(), &|s| {
+            shape.iter().find(|(id, _)| *id == s).map(|(_, v)| *v)
+        })
+        .unwrap()
+        .program;
+        let note = p.notes.iter().find(|n| n.contains("PeerMemory")).unwrap();
+        assert!(note.contains("at most 4 MiB on 4 devices"), "{note}");
     }
 
     #[test]
     fn the_workspace_bounds_every_message() {
         let d = 4;
-        assert!(fits_peer_memory(CommunicationKind::Allreduce, 32 << 20, d));
+        assert!(fits_peer_memory(CommunicationKind::Allreduce, 1 << 30, d));
         assert!(!fits_peer_memory(
-            CommunicationKind::Allreduce,
-            (32 << 20) + 4096,
+            CommunicationKind::Allgather,
+            (64 << 20) + 4096,
             d
         ));
         assert!(fits_peer_memory(CommunicationKind::Allgather, 64 << 20, d));

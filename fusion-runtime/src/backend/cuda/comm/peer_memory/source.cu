@@ -39,6 +39,7 @@ __device__ __forceinline__ float ld1(E h) { float f; asm("cvt.f32.f16 %0, %1;" :
 __device__ __forceinline__ E st1(float f) { u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
 #endif
 
+struct alignas(16) V4 { u32 x, y, z, w; };
 struct Peers { u64 ws[MAXR]; };
 struct Ctl {
     u64 status;      // host-mapped u32[4]: state (1 timed out, 2 released), peer, op, ms
@@ -56,14 +57,14 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
 // Workspace data written by peers: read past L1.
-__device__ __forceinline__ uint4 ld_cg(const void* p) {
-    uint4 v;
+__device__ __forceinline__ V4 ld_cg(const void* p) {
+    V4 v;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 __device__ __forceinline__ E ld_cg1(const E* p) { volatile const E* q = p; return *q; }
 
-__device__ __forceinline__ void unpack(uint4 v, float* f) {
+__device__ __forceinline__ void unpack(V4 v, float* f) {
 #if defined(DT_F32)
     f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
     f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
@@ -73,27 +74,27 @@ __device__ __forceinline__ void unpack(uint4 v, float* f) {
     for (int i = 0; i < 4; ++i) { f[2 * i] = ld1((E)(w[i] & 0xffff)); f[2 * i + 1] = ld1((E)(w[i] >> 16)); }
 #endif
 }
-__device__ __forceinline__ uint4 pack(const float* f) {
+__device__ __forceinline__ V4 pack(const float* f) {
 #if defined(DT_F32)
-    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+    return V4{__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3])};
 #else
     u32 w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = (u32)st1(f[2 * i]) | ((u32)st1(f[2 * i + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    return V4{w[0], w[1], w[2], w[3]};
 #endif
 }
 
 // Elements [e, e + count) of `src` (count <= EPV) into `dst`, as one vector when whole and aligned.
 __device__ __forceinline__ void move_elems(E* dst, const E* src, u64 count, bool cg) {
     if (count == EPV && ((((u64)dst) | ((u64)src)) & 15) == 0) {
-        *(uint4*)dst = cg ? ld_cg(src) : *(const uint4*)src;
+        *(V4*)dst = cg ? ld_cg(src) : *(const V4*)src;
     } else {
         for (u64 k = 0; k < count; ++k) dst[k] = cg ? ld_cg1(src + k) : src[k];
     }
 }
 __device__ __forceinline__ void store_sum(E* dst, const float* f, u64 count) {
-    if (count == EPV && (((u64)dst) & 15) == 0) { *(uint4*)dst = pack(f); }
+    if (count == EPV && (((u64)dst) & 15) == 0) { *(V4*)dst = pack(f); }
     else { for (u64 k = 0; k < count; ++k) dst[k] = st1(f[k]); }
 }
 
@@ -138,13 +139,14 @@ __device__ void meet(const Peers& P, int rank, int world, u32 epoch, const Ctl& 
     if (threadIdx.x == 0) { s_seq = counters[SEQ_AT + blockIdx.x]; s_par = counters[CALLS_AT + blockIdx.x]; s_failed = 0; } \
     __syncthreads(); \
     u32 seq = s_seq; \
-    const u64 half = c.data_offset + (u64)(s_par & 1u) * c.half_bytes; \
+    u32 halves = 1u; \
+    u64 half = c.data_offset + (u64)(s_par & 1u) * c.half_bytes; \
     const u32 OP = op;
 #define END() \
     __syncthreads(); \
-    if (threadIdx.x == 0) { counters[SEQ_AT + blockIdx.x] = seq; counters[CALLS_AT + blockIdx.x] = s_par + 1u; } \
+    if (threadIdx.x == 0) { counters[SEQ_AT + blockIdx.x] = seq; counters[CALLS_AT + blockIdx.x] = s_par + halves; } \
     for (u32 slot = gridDim.x + blockIdx.x + threadIdx.x * gridDim.x; slot < GMAX; slot += blockDim.x * gridDim.x) \
-        counters[CALLS_AT + slot] = s_par + 1u;
+        counters[CALLS_AT + slot] = s_par + halves;
 #define AT(q) ((E*)(P.ws[q] + half))
 #define MEET() do { meet(P, rank, world, ++seq, c, OP, &s_failed); if (s_failed) { END(); return; } } while (0)
 
@@ -176,41 +178,52 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_one_shot(const 
 }
 
 // Allreduce, two shots: part q of the input goes to rank q (slot `rank`), each rank sums
-// its part and writes the sum into every peer's gather area, then copies the gathered sums out.
-extern "C" __global__ void __launch_bounds__(512) peer_allreduce_two_shot(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
+// its part and writes the sum into every peer's gather area, then copies the gathered sums
+// out. A message larger than half a workspace goes in chunks, each in the next half (the
+// call counter moves once per chunk, so the halves keep alternating across calls).
+extern "C" __global__ void __launch_bounds__(512) peer_allreduce_two_shot(const E* in_all, E* out_all, u64 n_all, Peers P, int rank, int world, Ctl c) {
     BEGIN(2);
-    const u64 part = ((n + world - 1) / world + EPV - 1) / EPV * EPV;
-    const u64 gather = (u64)world * part;
-    u64 lo, hi; share(part / EPV, &lo, &hi);
-    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        for (int q = 0; q < world; ++q) {
-            u64 e = q * part + i * EPV;
-            if (e >= n) continue;
-            move_elems(AT(q) + rank * part + i * EPV, in + e, min((u64)EPV, n - e), false);
+    const u64 unit = (u64)world * EPV;
+    const u64 cap = c.half_bytes / sizeof(E) / 2 / unit * unit;
+    halves = (u32)((n_all + cap - 1) / cap);
+    for (u32 ch = 0; ch < halves; ++ch) {
+        half = c.data_offset + (u64)((s_par + ch) & 1u) * c.half_bytes;
+        const E* in = in_all + (u64)ch * cap;
+        E* out = out_all + (u64)ch * cap;
+        const u64 n = min(cap, n_all - (u64)ch * cap);
+        const u64 part = ((n + world - 1) / world + EPV - 1) / EPV * EPV;
+        const u64 gather = (u64)world * part;
+        u64 lo, hi; share(part / EPV, &lo, &hi);
+        for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            for (int q = 0; q < world; ++q) {
+                u64 e = q * part + i * EPV;
+                if (e >= n) continue;
+                move_elems(AT(q) + rank * part + i * EPV, in + e, min((u64)EPV, n - e), false);
+            }
         }
-    }
-    MEET();
-    const E* mine = AT(rank);
-    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        u64 e = rank * part + i * EPV;
-        if (e >= n) continue;
-        float acc[EPV], f[EPV];
-#pragma unroll
-        for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
-        for (int r = 0; r < world; ++r) {
-            unpack(ld_cg(mine + r * part + i * EPV), f);
-#pragma unroll
-            for (int k = 0; k < EPV; ++k) acc[k] += f[k];
-        }
-        uint4 v = pack(acc);
-        for (int q = 0; q < world; ++q) *(uint4*)(AT(q) + gather + e) = v;
-    }
-    MEET();
-    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        for (int q = 0; q < world; ++q) {
-            u64 e = q * part + i * EPV;
+        MEET();
+        const E* mine = AT(rank);
+        for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            u64 e = rank * part + i * EPV;
             if (e >= n) continue;
-            move_elems(out + e, mine + gather + e, min((u64)EPV, n - e), true);
+            float acc[EPV], f[EPV];
+#pragma unroll
+            for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
+            for (int r = 0; r < world; ++r) {
+                unpack(ld_cg(mine + r * part + i * EPV), f);
+#pragma unroll
+                for (int k = 0; k < EPV; ++k) acc[k] += f[k];
+            }
+            V4 v = pack(acc);
+            for (int q = 0; q < world; ++q) *(V4*)(AT(q) + gather + e) = v;
+        }
+        MEET();
+        for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            for (int q = 0; q < world; ++q) {
+                u64 e = q * part + i * EPV;
+                if (e >= n) continue;
+                move_elems(out + e, mine + gather + e, min((u64)EPV, n - e), true);
+            }
         }
     }
     END();
