@@ -1,41 +1,84 @@
 //! `examples/candle_llama` on the CPU backend: the Llama layer with its tensor-parallel
 //! parts as fusions, on 1, 2 and 4 simulated devices and as 2 launched processes, in f32
-//! and bf16, every step (prefill and decode, with tokens that do and do not divide by the
-//! rank count) within the dtype's tolerance of candle alone in f32.
+//! and bf16, in both forms for prefill and decode, with the decode step recorded once and
+//! replayed (`--graph`: on the CPU its body runs again on the same fixed buffers), and
+//! candle's own modes; every output (prefill and decode, with tokens that do and do not
+//! divide by the rank count) within the dtype's tolerance of candle alone in f32.
 
 #[path = "../examples/candle_llama/app.rs"]
 mod app;
+#[path = "../examples/candle_llama/cache.rs"]
+mod cache;
+#[path = "../examples/candle_llama/calls.rs"]
+mod calls;
 mod common;
+#[path = "../examples/candle_llama/config.rs"]
+mod config;
 #[path = "../examples/candle_llama/fusions.rs"]
 mod fusions;
+#[path = "../examples/candle_llama/graph.rs"]
+mod graph;
 #[path = "../examples/candle_llama/layer.rs"]
 mod layer;
+#[path = "../examples/candle_llama/ops.rs"]
+mod ops;
+#[path = "../examples/candle_llama/reference.rs"]
+mod reference;
+#[path = "../examples/candle_llama/report.rs"]
+mod report;
+#[path = "../examples/candle_llama/schedule.rs"]
+mod schedule;
 #[path = "../examples/candle_llama/tp.rs"]
 mod tp;
 
 use std::time::Duration;
 
-use app::{Args, Dt};
+use app::Args;
+use clap::Parser;
 use common::launch::{expect_success, launch};
 use fusion::runtime::world::LaunchSpec;
 
-fn args(devices: Option<usize>, dtype: Dt, decode_tokens: usize) -> Args {
+/// The example's arguments for a small run (24 prefill tokens timed 3 times, 3 decode
+/// steps, unless `extra` says otherwise) on `devices` (`None`: the launcher's world),
+/// with a weights file of its own.
+fn args(devices: Option<usize>, extra: &[&str]) -> Args {
+    let name: String = extra
+        .concat()
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .collect();
     let weights = std::env::temp_dir().join(format!(
-        "fusion-test-llama-{}-{decode_tokens}.safetensors",
+        "fusion-test-llama-{}-{devices:?}-{name}.safetensors",
         std::process::id()
     ));
-    Args {
-        devices,
-        dtype,
-        prefill: 24,
-        decode_steps: 3,
-        decode_tokens,
-        llama3_8b: false,
-        weights: Some(weights),
-        seed: 11,
-        candle_tp: false,
-        candle_only: false,
+    let mut argv = vec!["candle_llama".to_string()];
+    for (flag, value) in [
+        ("--prefill", "24"),
+        ("--prefill-reps", "3"),
+        ("--decode-steps", "3"),
+        ("--seed", "11"),
+    ] {
+        if !extra.contains(&flag) {
+            argv.extend([flag.to_string(), value.to_string()]);
+        }
     }
+    argv.extend(["--weights".into(), weights.display().to_string()]);
+    if let Some(d) = devices {
+        argv.extend(["--devices".into(), d.to_string()]);
+    }
+    argv.extend(extra.iter().map(|s| s.to_string()));
+    Args::try_parse_from(argv).unwrap()
+}
+
+/// Runs the example, panicking with what ran when it fails.
+fn run(devices: usize, extra: &[&str]) {
+    let args = args(Some(devices), extra);
+    let weights = args.weights.clone();
+    let ran = app::run(args);
+    if let Some(w) = weights {
+        let _ = std::fs::remove_file(w);
+    }
+    ran.unwrap_or_else(|e| panic!("{devices} devices, {extra:?}: {e}"));
 }
 
 fn in_child() -> bool {
@@ -48,15 +91,77 @@ fn the_layer_matches_candle_alone_on_1_2_and_4_devices() {
         return;
     }
     for d in [1, 2, 4] {
-        for dtype in [Dt::F32, Dt::Bf16] {
-            // 3 tokens per decode step: padded on 2 and 4 ranks.
-            for decode_tokens in [1, 3] {
-                app::run(args(Some(d), dtype, decode_tokens)).unwrap_or_else(|e| {
-                    panic!("{d} devices, {dtype:?}, {decode_tokens} tokens per step: {e}")
-                });
+        for dtype in ["f32", "bf16"] {
+            // 3 tokens per decode step: padded on 2 and 4 ranks in the sp form.
+            for tokens in ["1", "3"] {
+                run(d, &["--dtype", dtype, "--decode-tokens", tokens]);
             }
         }
     }
+}
+
+#[test]
+fn both_forms_serve_prefill_and_decode() {
+    if in_child() {
+        return;
+    }
+    for d in [2, 4] {
+        let sp_decode = ["--decode-form", "sp", "--prefill-form", "tp"];
+        run(d, &[&sp_decode[..], &["--decode-tokens", "3"]].concat());
+        let tp_only = [
+            "--decode-form",
+            "tp",
+            "--prefill-form",
+            "tp",
+            "--prefill",
+            "32",
+        ];
+        run(d, &tp_only);
+    }
+    // 1024 prefill tokens: the tensor-parallel projections in 4 pipelined chunks.
+    run(
+        2,
+        &[
+            "--prefill-form",
+            "tp",
+            "--prefill",
+            "1024",
+            "--prefill-reps",
+            "1",
+        ],
+    );
+}
+
+#[test]
+fn a_recorded_decode_step_replays_at_every_position() {
+    if in_child() {
+        return;
+    }
+    for d in [1, 2, 4] {
+        for form in ["tp", "sp"] {
+            run(
+                d,
+                &["--graph", "--decode-form", form, "--decode-tokens", "3"],
+            );
+        }
+    }
+    run(2, &["--graph", "--dtype", "bf16"]);
+    run(2, &["--graph", "--candle-only"]);
+    run(1, &["--graph", "--candle-tp"]);
+}
+
+#[test]
+fn candle_modes_have_the_tensor_parallel_form_only() {
+    if in_child() {
+        return;
+    }
+    run(2, &["--candle-only"]);
+    run(1, &["--candle-tp"]);
+    let err = app::run(args(Some(2), &["--candle-only", "--decode-form", "sp"]))
+        .expect_err("candle has no sequence-parallel form");
+    assert!(err.to_string().contains("--decode-form sp"), "{err}");
+    let err = app::run(args(Some(2), &["--candle-tp"])).expect_err("no NCCL on the CPU");
+    assert!(err.to_string().contains("candle-cuda"), "{err}");
 }
 
 #[test]
@@ -66,11 +171,11 @@ fn child_llama() {
         in_child(),
         "run by the_layer_matches_candle_alone_in_2_launched_processes"
     );
-    let dtype = match std::env::var("LLAMA_DTYPE").as_deref() {
-        Ok("bf16") => Dt::Bf16,
-        _ => Dt::F32,
-    };
-    app::run(args(None, dtype, 2)).unwrap();
+    let dtype = std::env::var("LLAMA_DTYPE").unwrap_or_else(|_| "f32".into());
+    let graph = std::env::var("LLAMA_GRAPH").is_ok_and(|g| g == "1");
+    let mut extra = vec!["--dtype", dtype.as_str(), "--decode-tokens", "2"];
+    extra.extend(graph.then_some("--graph"));
+    app::run(args(None, &extra)).unwrap();
     println!("LLAMA-OK");
 }
 
@@ -79,7 +184,8 @@ fn the_layer_matches_candle_alone_in_2_launched_processes() {
     if in_child() {
         return;
     }
-    for dtype in ["f32", "bf16"] {
+    // bf16 with the decode step recorded and replayed.
+    for (dtype, graph) in [("f32", "0"), ("bf16", "1")] {
         let ended = launch(
             2,
             &[0, 1],
@@ -93,6 +199,7 @@ fn the_layer_matches_candle_alone_in_2_launched_processes() {
             &[
                 ("FUSION_TIMEOUT", "60".into()),
                 ("LLAMA_DTYPE", dtype.into()),
+                ("LLAMA_GRAPH", graph.into()),
             ],
             |_| Vec::new(),
             Duration::from_secs(240),
@@ -106,11 +213,14 @@ fn the_layer_matches_candle_alone_in_2_launched_processes() {
                 e.log()
             );
         }
-        // Rank 0 checks every step against the reference and says so.
-        assert!(
-            ended[0].stdout.contains("check: max relative error"),
-            "{}",
-            ended[0].log()
-        );
+        // Rank 0 checks every step against the reference, says so, and prints every
+        // rank's times in the table.
+        for line in [
+            "check: max relative error",
+            "| fusions | decode | tp |",
+            "rank 1 ",
+        ] {
+            assert!(ended[0].stdout.contains(line), "{line}: {}", ended[0].log());
+        }
     }
 }

@@ -1,6 +1,15 @@
-//! The tensor-parallel parts of a Llama decoder layer as fusions, sequence-parallel over
-//! the world: each rank holds `m` rows (tokens) of the layer's input and every weight is
-//! split into one block per rank.
+//! The tensor-parallel parts of a Llama decoder layer as fusions, in the layer's two forms.
+//!
+//! - Tensor-parallel (`row_parallel`): every rank holds every token (activations
+//!   replicated); the column-parallel projections (Q, K, V, gate, up) are local GEMMs in
+//!   candle, and each row-parallel projection (attention output, down) is one fusion: the
+//!   GEMM of this rank's block of the contracted dimension followed by the AllReduce of the
+//!   partial sums, like the `matmul_ar` example.
+//! - Sequence-parallel (`qkv`, `out_proj`, `gated_mlp`): each rank holds `m` rows (tokens)
+//!   of the layer's input; the fusions gather the rows, project them for this rank's heads
+//!   and columns, and reduce-scatter the row-parallel sums back to each rank's rows.
+//!
+//! Every weight is split into one block per rank.
 
 use fusion::prelude::*;
 
@@ -12,9 +21,23 @@ mod blocks;
 pub use blocks::gated_mlp;
 
 fusion! {
+    /// Row-parallel projection + AllReduce: a `[s, d @ DIDx, m, k]` (`s` chunks of `m`
+    /// tokens; this rank's block of the contracted dimension), w `[d @ DIDx, k, n]` (the
+    /// matching rows of the weight) -> the sum over ranks, `[s, m, n]` on every rank. With
+    /// chunks large enough the AllReduce of one chunk overlaps the next chunk's GEMM.
+    #[allow(dead_code)] // called through `row_parallel::executor()`, with output buffers
+    pub fn row_parallel<T: Float, s, d, m, k, n>(
+        a: Tensor<T, [s, d @ DIDx, m, k]>,
+        w: Tensor<T, [d @ DIDx, k, n]>,
+    ) -> Tensor<T, [s @ Stream, m, n]> {
+        let partial: Tensor<T, [s @ Stream, d @ DIDx, m, n]> = matmul(a, w);
+        sum(partial, 1)
+    }
+
     /// Column-parallel QKV projection of the gathered rows: x `[d @ DIDx, m, h]` (this
     /// rank's tokens), w `[d @ DIDx, h, q]` (this rank's heads' Q, K and V columns) ->
     /// every token's projection for this rank's heads, chunk by chunk as the rows arrive.
+    #[allow(dead_code)] // called through `qkv::executor()`, with output buffers
     pub fn qkv<T: Float, d, m, h, q>(
         x: Tensor<T, [d @ DIDx, m, h]>,
         w: Tensor<T, [d @ DIDx, h, q]>,
@@ -25,11 +48,24 @@ fusion! {
     /// Row-parallel attention-output projection + ReduceScatter: a `[d, d @ DIDx, m, f]`
     /// (every token, this rank's heads), w `[d @ DIDx, f, h]` (the matching rows of Wo^T)
     /// -> this rank's tokens of the summed projection.
+    #[allow(dead_code)] // called through `out_proj::executor()`, with output buffers
     pub fn out_proj<T: Float, d, m, f, h>(
         a: Tensor<T, [d, d @ DIDx, m, f]>,
         w: Tensor<T, [d @ DIDx, f, h]>,
     ) -> Tensor<T, [d @ DIDx, m, h]> {
         let partial: Tensor<T, [d @ Stream, d @ DIDx, m, h]> = matmul(a, w);
         sum(partial, 1)
+    }
+}
+
+/// The chunks `row_parallel` splits `tokens` into: 4 where each chunk has enough rows for
+/// the lowering to pipeline it (`AUTO_MIN_CHUNK_ROWS`), else 1 (decode: one GEMM and one
+/// AllReduce).
+pub fn row_chunks(tokens: usize) -> usize {
+    let rows = fusion::compiler::lower::AUTO_MIN_CHUNK_ROWS;
+    if tokens % 4 == 0 && tokens / 4 >= rows {
+        4
+    } else {
+        1
     }
 }

@@ -1,24 +1,44 @@
-//! A Llama decoder layer written in candle whose tensor-parallel parts are fusions.
+//! A Llama decoder layer written in candle, as a serving application would run it
+//! tensor-parallel over the world, with its communicating parts as fusions.
 //!
-//! The layer (RMSNorm, rotary attention with grouped KV heads and a KV cache, SiLU-gated
-//! MLP) runs sequence- and tensor-parallel over the world: each rank holds its share of
-//! the tokens and of every weight; the QKV projection (with the all-gather of the tokens),
-//! the attention-output projection (with the reduce-scatter) and the gated MLP block are
-//! fusions, the rest is candle. Weights come from a safetensors file through candle's
-//! loader (`--weights PATH`; a random-weight file is written there first if it does not
-//! exist). It runs a prefill of `--prefill` tokens and `--decode-steps` decode steps of
-//! `--decode-tokens` tokens, checks every rank's output of every step against the same
-//! layer run by candle alone on one device in f32, and prints the relative error, the time
-//! per step and how many fusion calls replayed a CUDA graph.
+//! Two forms of the layer (`--decode-form`, `--prefill-form`):
+//!
+//! - `tp`, tensor-parallel (the default for decode): every rank holds every token; the Q,
+//!   K, V, gate and up projections are local GEMMs over this rank's heads and FFN columns,
+//!   and the attention-output and down projections are each one fusion, a GEMM followed by
+//!   an AllReduce of the partial sums;
+//! - `sp`, sequence-parallel (the default for prefill): each rank holds its share of the
+//!   tokens, and the QKV projection (with the all-gather of the tokens), the
+//!   attention-output projection (with the reduce-scatter) and the gated MLP are fusions.
+//!
+//! Everything else (RMSNorm, rotary attention with grouped KV heads over a KV cache) is
+//! candle. Weights come from a safetensors file through candle's loader (`--weights PATH`;
+//! a random-weight file is written there first if it does not exist). A run warms up, then
+//! times `--prefill-reps` prefills of `--prefill` tokens, each from an empty cache, and
+//! `--decode-steps` decode steps of `--decode-tokens` tokens, on every rank. Each fusion
+//! call reads and writes buffers kept across steps, so decode calls replay their CUDA
+//! graphs; with `--graph` the whole decode step is recorded as one CUDA graph on candle's
+//! stream and replayed. `--candle-tp` runs candle's own tensor parallelism (a blocking NCCL
+//! all-reduce per block) and `--candle-only` candle alone, for comparison. Every output is
+//! checked against the same layer run by candle alone on one device in f32; the report
+//! ends with a table of median times and replayed calls.
 //!
 //! ```sh
 //! cargo run --release --features candle --example candle_llama -- --devices 2
-//! cargo run --release --features candle --example candle_llama -- --dtype bf16 --decode-steps 20
+//! cargo run --release --features candle --example candle_llama -- --dtype bf16 --graph
 //! ```
 
 mod app;
+mod cache;
+mod calls;
+mod config;
 mod fusions;
+mod graph;
 mod layer;
+mod ops;
+mod reference;
+mod report;
+mod schedule;
 mod tp;
 
 use clap::Parser;

@@ -1,0 +1,150 @@
+//! How the layer calls its fusions: each call's activation and output at fixed addresses
+//! (a slot per call and shape), so that the runtime replays the call's CUDA graph, and a
+//! count of how every call ran.
+//!
+//! The runtime replays a call's graph only while the call's inputs and outputs sit where
+//! they sat when it was captured. A candle activation is a fresh allocation every step, so
+//! each call copies its activation into its slot's input (a few kilobytes when decoding)
+//! and writes its output into the slot's `OutputBuffer`, which candle then reads in place.
+
+use std::collections::BTreeMap;
+use std::collections::HashMap;
+
+use candle_core::{DType as CDType, Device, Tensor as CTensor};
+use fusion::prelude::*;
+use fusion::runtime::replay::ReplayStatus;
+use fusion_candle::OutputBuffer;
+
+/// How a set of fusion calls ran.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Replays {
+    pub calls: usize,
+    pub replayed: usize,
+    /// Calls captured as a new graph (and launched).
+    pub captured: usize,
+    /// Calls that walked their program, by the runtime's reason.
+    pub eager: BTreeMap<String, usize>,
+}
+
+impl Replays {
+    /// Adds other calls' counts.
+    pub fn add(&mut self, other: &Replays) {
+        self.calls += other.calls;
+        self.replayed += other.replayed;
+        self.captured += other.captured;
+        for (why, n) in &other.eager {
+            *self.eager.entry(why.clone()).or_default() += n;
+        }
+    }
+
+    /// Counts how a call ran.
+    pub fn count(&mut self, status: &ReplayStatus) {
+        self.calls += 1;
+        match status {
+            ReplayStatus::Replayed => self.replayed += 1,
+            ReplayStatus::Captured(_) => self.captured += 1,
+            ReplayStatus::Eager(why) => {
+                let mut why = why.to_string();
+                why.truncate(160);
+                *self.eager.entry(why).or_default() += 1;
+            }
+        }
+    }
+
+    /// `calls` calls that all replayed (inside a replayed step graph).
+    #[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
+    pub fn all_replayed(calls: usize) -> Replays {
+        Replays {
+            calls,
+            replayed: calls,
+            ..Replays::default()
+        }
+    }
+
+    /// The eager reasons in one line, most frequent first (empty when none).
+    pub fn eager_reasons(&self) -> String {
+        let mut v: Vec<(&String, &usize)> = self.eager.iter().collect();
+        v.sort_by(|a, b| b.1.cmp(a.1));
+        v.iter()
+            .map(|(why, n)| format!("{n}x {why}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+}
+
+/// A call's activation input and output, kept at one address across the steps of one
+/// shape.
+struct Slot {
+    input: CTensor,
+    view: fusion::Tensor,
+    out: OutputBuffer,
+}
+
+/// The fusion calls of one rank's layer and how they ran.
+pub struct FusionCalls {
+    dtype: CDType,
+    device: Device,
+    slots: HashMap<(&'static str, Vec<usize>), Slot>,
+    pub options: ExecOptions,
+    /// How the calls ran since the last [`FusionCalls::take`].
+    replays: Replays,
+}
+
+impl FusionCalls {
+    /// Calls with activations and outputs in `dtype` on `device`.
+    pub fn new(dtype: CDType, device: &Device) -> Self {
+        FusionCalls {
+            dtype,
+            device: device.clone(),
+            slots: HashMap::new(),
+            options: ExecOptions::default(),
+            replays: Replays::default(),
+        }
+    }
+
+    /// How the calls ran since the last take.
+    pub fn take(&mut self) -> Replays {
+        std::mem::take(&mut self.replays)
+    }
+
+    /// One fusion call: `act` (this step's activation, named `name` in errors) and
+    /// `weights` in, an output of `out_shape` back as a candle tensor, without copies
+    /// between the libraries. On a GPU the activation and output live in the slot of this
+    /// call and shape, and the returned tensor shares the slot's output: read it before
+    /// the next call of the same slot (candle's stream orders that).
+    pub fn call(
+        &mut self,
+        call: &dyn CallTarget,
+        exec: &FusionExecutor,
+        name: &'static str,
+        act: &CTensor,
+        weights: &[&fusion::Tensor],
+        out_shape: &[usize],
+    ) -> fusion_candle::Result<CTensor> {
+        let rank = call.target().rank().clone();
+        if self.device.is_cpu() {
+            let input = fusion_candle::input(&rank, name, act)?;
+            let out = OutputBuffer::new(&rank, name, self.dtype, out_shape, &self.device)?;
+            let mut inputs = vec![&input];
+            inputs.extend(weights);
+            let report = exec.run_with(call, &inputs, Some(&[&out.tensor()]), &self.options)?;
+            self.replays.count(&report.replay);
+            drop(report);
+            return out.into_candle();
+        }
+        let key = (name, act.dims().to_vec());
+        if !self.slots.contains_key(&key) {
+            let input = CTensor::zeros(act.dims(), self.dtype, &self.device)?;
+            let view = fusion_candle::input(&rank, name, &input)?;
+            let out = OutputBuffer::new(&rank, name, self.dtype, out_shape, &self.device)?;
+            self.slots.insert(key.clone(), Slot { input, view, out });
+        }
+        let slot = &self.slots[&key];
+        slot.input.slice_set(&act.contiguous()?, 0, 0)?;
+        let mut inputs = vec![&slot.view];
+        inputs.extend(weights);
+        let report = exec.run_with(call, &inputs, Some(&[&slot.out.tensor()]), &self.options)?;
+        self.replays.count(&report.replay);
+        slot.out.shared()
+    }
+}

@@ -1,0 +1,205 @@
+//! `--graph`: the whole decode step recorded once as a CUDA graph on candle's stream and
+//! replayed every step.
+//!
+//! A graph replays exactly the work it recorded, at the addresses it recorded, so
+//! everything a step reads from the host or from memory outside the graph must sit at a
+//! fixed place that is rewritten before each replay:
+//!
+//! - the step's input and its tokens' positions are fixed device buffers; a replay first
+//!   copies the step's values into them (two device copies), then launches the graph;
+//! - the step's output is copied, inside the graph, into a fixed buffer;
+//! - positions reach the step only as that device tensor: the rotary rows, the KV cache
+//!   rows written and the causal mask all come from it (`cache.rs`), and attention reads
+//!   the whole cache (masked past each query), so one graph serves every position;
+//! - the fusion calls' activations and outputs sit in their slots (`calls.rs`), so the
+//!   programs the runtime records into this capture read and write where their own
+//!   graphs, captured during the warm-up runs, did;
+//! - everything else candle allocates while the step runs is allocated and freed inside
+//!   the capture (every temporary is dropped before the capture ends): cudarc allocates
+//!   with `cuMemAllocAsync` on candle's stream, which a capture records as graph memory
+//!   nodes at fixed virtual addresses, reused by every replay;
+//! - candle uploads small host arrays (strided kernels' shapes and strides, scalars) per
+//!   op; with its CUDA-graph upload cache on during the warm-up runs and the capture, each
+//!   upload is made once, outside the capture, and the capture reads the cached copy.
+//!
+//! Candle's device runs on a stream of its own (`Device::new_cuda_with_stream`), captured
+//! in thread-local mode, so other ranks' threads in the same process do not disturb it,
+//! and without cudarc's per-buffer events (all of candle's work is on that one stream).
+//! On the CPU there is no graph: a replay runs the same recorded body again on the same
+//! fixed buffers, which checks that the step needs nothing from the host but them.
+
+use candle_core::{Device, Tensor as CTensor};
+use fusion::prelude::*;
+
+use crate::calls::Replays;
+use crate::layer::{Form, RankLayer, StepIn};
+
+/// Warm-up runs of the step before it is recorded: the first compiles kernels, makes the
+/// GEMM plans and lowers the fusions; the second captures the fusions' own graphs.
+const WARM_UPS: usize = 2;
+
+/// A decode step of one shape, recorded once.
+pub struct StepGraph {
+    form: Form,
+    x: CTensor,
+    positions: CTensor,
+    y: CTensor,
+    /// Cached positions the recorded step reads: the whole cache.
+    keys: usize,
+    /// Fusion calls one step makes.
+    calls: usize,
+    #[cfg(feature = "candle-cuda")]
+    graph: Option<cuda::Recorded>,
+}
+
+impl StepGraph {
+    /// Records `layer`'s step in `form` on `call` (the rank on candle's stream) for inputs
+    /// shaped like `x` and `positions`, after warm-up runs with those values (which write
+    /// the keys and values of those positions into the cache, as the real step will).
+    pub fn record(
+        layer: &mut RankLayer,
+        call: &dyn CallTarget,
+        form: Form,
+        x: &CTensor,
+        positions: &CTensor,
+        device: &Device,
+    ) -> fusion_candle::Result<Self> {
+        #[allow(unused_mut)]
+        let mut step = StepGraph {
+            form,
+            x: x.copy()?,
+            positions: positions.copy()?,
+            y: x.zeros_like()?,
+            keys: layer.capacity(),
+            calls: 0,
+            #[cfg(feature = "candle-cuda")]
+            graph: None,
+        };
+        // Candle's cache of small host uploads for CUDA graphs, on while this lives.
+        #[cfg(feature = "candle-cuda")]
+        let _uploads = match device {
+            Device::Cuda(d) => Some(d.enable_cuda_graph_htod_cache()),
+            _ => None,
+        };
+        #[cfg(not(feature = "candle-cuda"))]
+        let _ = device;
+        for _ in 0..WARM_UPS {
+            step.run(layer, call)?;
+        }
+        layer.calls.take();
+        #[cfg(feature = "candle-cuda")]
+        if let Some(stream) = fusion_candle::stream_of(device) {
+            step.graph = Some(cuda::record(&stream, || step.run(layer, call))?);
+        }
+        step.calls = layer.calls.take().calls;
+        Ok(step)
+    }
+
+    /// Nodes of the recorded graph (none on the CPU) and the fusion calls in it.
+    pub fn size(&self) -> Option<(usize, usize)> {
+        #[cfg(feature = "candle-cuda")]
+        if let Some(g) = &self.graph {
+            return Some((g.nodes, self.calls));
+        }
+        None
+    }
+
+    /// The recorded body: the step on the fixed buffers, its output copied into `y`.
+    /// Every candle tensor it makes is dropped when it returns.
+    fn run(&self, layer: &mut RankLayer, call: &dyn CallTarget) -> fusion_candle::Result<()> {
+        let step = StepIn {
+            x: &self.x,
+            positions: &self.positions,
+            keys: self.keys,
+        };
+        let y = layer.forward(call, self.form, &step)?;
+        self.y.slice_set(&y, 0, 0)?;
+        Ok(())
+    }
+
+    /// The step for input `x` at `positions`: writes them into the fixed buffers and
+    /// launches the graph (on the CPU: runs the body again). Returns how its fusion calls
+    /// ran. The output is in [`StepGraph::output`] until the next replay.
+    pub fn replay(
+        &self,
+        layer: &mut RankLayer,
+        call: &dyn CallTarget,
+        x: &CTensor,
+        positions: &CTensor,
+    ) -> fusion_candle::Result<Replays> {
+        self.x.slice_set(x, 0, 0)?;
+        self.positions.slice_set(positions, 0, 0)?;
+        #[cfg(feature = "candle-cuda")]
+        if let Some(g) = &self.graph {
+            g.launch()?;
+            return Ok(Replays::all_replayed(self.calls));
+        }
+        self.run(layer, call)?;
+        Ok(layer.calls.take())
+    }
+
+    /// A copy of the last replay's output (made on candle's stream, so before the next
+    /// replay overwrites it).
+    pub fn output(&self) -> candle_core::Result<CTensor> {
+        self.y.copy()
+    }
+}
+
+#[cfg(feature = "candle-cuda")]
+mod cuda {
+    use std::sync::Arc;
+
+    use fusion::runtime::cudarc::driver::{sys, CudaGraph, CudaStream, DriverError};
+
+    /// A recorded step and its node count.
+    pub struct Recorded {
+        graph: CudaGraph,
+        pub nodes: usize,
+    }
+
+    impl Recorded {
+        /// One replay on the stream it was recorded on.
+        pub fn launch(&self) -> fusion_candle::Result<()> {
+            self.graph
+                .launch()
+                .map_err(|e| driver("launching the step's graph", e))
+        }
+    }
+
+    fn driver(what: &str, e: DriverError) -> fusion_candle::Error {
+        fusion_candle::Error::Internal(format!("{what}: {e:?}"))
+    }
+
+    /// Captures what `body` enqueues on `stream` (thread-local mode) and instantiates it;
+    /// the capture is ended whatever `body` returns.
+    pub fn record(
+        stream: &Arc<CudaStream>,
+        body: impl FnOnce() -> fusion_candle::Result<()>,
+    ) -> fusion_candle::Result<Recorded> {
+        stream
+            .synchronize()
+            .map_err(|e| driver("before recording the step", e))?;
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| driver("beginning the step's capture", e))?;
+        let ran = body();
+        let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        ran.map_err(|e| {
+            fusion_candle::Error::Internal(format!(
+                "recording the decode step as a CUDA graph: {e}"
+            ))
+        })?;
+        let graph = ended
+            .map_err(|e| driver("ending the step's capture", e))?
+            .ok_or_else(|| fusion_candle::Error::Internal("the step's capture is empty".into()))?;
+        graph
+            .upload()
+            .map_err(|e| driver("uploading the step's graph", e))?;
+        let mut nodes = 0usize;
+        // SAFETY: counting the nodes of the valid graph `graph` owns.
+        unsafe {
+            let _ = sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut nodes);
+        }
+        Ok(Recorded { graph, nodes })
+    }
+}
