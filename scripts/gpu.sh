@@ -29,9 +29,12 @@ one GPU or more:
   host-ab [pairs]         host_costs against .gpu/bin/host_costs_base (another build's),
                           [pairs] alternating pinned processes, paired medians per row
   candle [prefill] [steps]  the candle Llama layer (binary built with candle-cuda)
-  candle-tp [gpus]        the candle Llama layer tensor-parallel over [gpus] processes
+  candle-tp [gpus] [part] the candle Llama layer tensor-parallel over [gpus] processes
                           (default: every GPU) under torchrun: fusions against candle's own
-                          TP, prefill 2048 and 8192, decode 1, 8 and 64 tokens per step
+                          TP; part decode (1, 8, 64 tokens, eager and --graph), prefill
+                          (512 and 2048 tokens, median of 20) or all
+  decode [gpus]           decode_bench (Allreduce 4 KB-64 MB, GEMM + Allreduce at Llama-70B
+                          decode shapes) and PyTorch's Allreduce (NCCL, symm_mem) alike
 two GPUs or more:
   buffers                 tensors over cudarc buffers (tests, cuda_buffers example)
   launch                  conformance and examples under torchrun and mpirun, failures,
@@ -255,36 +258,64 @@ task_candle() {
 }
 
 # The candle Llama layer (Llama-3-8B sizes, bf16) tensor-parallel over [gpus] processes under
-# torchrun, one GPU each: the fusions against candle's own tensor parallelism
-# (--candle-tp: a blocking NCCL all-reduce per block), prefill of 2048 and 8192 tokens and
-# decode steps of 1, 8 and 64 tokens (30 steps each: medians of at least 20), every step
-# checked against candle alone in f32 on rank 0. Rank 0's summary lines go to the table.
+# torchrun, one GPU each, as a serving application runs it: the fusions against candle's own
+# tensor parallelism (--candle-tp: a blocking NCCL all-reduce per block). [part] is
+# `decode` (1, 8 and 64 tokens per step, 30 steps: the fusions in the tensor-parallel form,
+# eager and with the step recorded as one CUDA graph (--graph), the sequence-parallel form
+# at 1 token, candle's TP eager and recorded), `prefill` (512 and 2048 tokens from an empty
+# cache, the median of 20 on every rank: both forms and candle's TP) or `all`. Every step
+# is checked against candle alone in f32. Each run's table rows go to the summary.
 task_candle_tp() {
-    local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+    local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)} part=${2:-all}
     candle_libraries
     export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=120
     gpus_info >"$OUT/machine.txt" 2>&1
     local w="$OUT/llama3-8b-layer.safetensors"
-    local mode shape name
-    for shape in "prefill-2048:--prefill 2048 --decode-steps 0" \
-        "prefill-8192:--prefill 8192 --decode-steps 0" \
-        "decode-1:--prefill 64 --decode-steps 30 --decode-tokens 1" \
-        "decode-8:--prefill 64 --decode-steps 30 --decode-tokens 8" \
-        "decode-64:--prefill 64 --decode-steps 30 --decode-tokens 64"; do
-        for mode in fusions candle-tp; do
-            name="tp$gpus-${shape%%:*}-$mode"
-            local flags=""
-            [ "$mode" = candle-tp ] && flags=--candle-tp
-            # shellcheck disable=SC2086
-            step "$name" 300 torchrun --nproc-per-node "$gpus" --no-python "$BIN/candle_llama" \
-                --llama3-8b --weights "$w" --dtype bf16 ${shape#*:} $flags
+    local runs=() run name
+    if [ "$part" = decode ] || [ "$part" = all ]; then
+        for t in 1 8 64; do
+            runs+=("decode$t-tp:--prefill 64 --decode-steps 30 --decode-tokens $t"
+                "decode$t-tp-graph:--prefill 64 --decode-steps 30 --decode-tokens $t --graph"
+                "decode$t-candle-tp:--prefill 64 --decode-steps 30 --decode-tokens $t --candle-tp"
+                "decode$t-candle-tp-graph:--prefill 64 --decode-steps 30 --decode-tokens $t --candle-tp --graph")
         done
+        runs+=("decode1-sp:--prefill 64 --decode-steps 30 --decode-tokens 1 --decode-form sp")
+    fi
+    if [ "$part" = prefill ] || [ "$part" = all ]; then
+        for t in 512 2048; do
+            runs+=("prefill$t-sp:--prefill $t --decode-steps 0"
+                "prefill$t-tp:--prefill $t --decode-steps 0 --prefill-form tp"
+                "prefill$t-candle-tp:--prefill $t --decode-steps 0 --candle-tp")
+        done
+    fi
+    for run in "${runs[@]}"; do
+        name="tp$gpus-${run%%:*}"
+        # shellcheck disable=SC2086
+        step "$name" 240 torchrun --nproc-per-node "$gpus" --no-python "$BIN/candle_llama" \
+            --llama3-8b --weights "$w" --dtype bf16 ${run#*:}
     done
     rm -f "$w"
     cat "$OUT/machine.txt"
     for f in "$OUT"/tp*.log; do
-        echo "$(basename "$f" .log): $(grep -E 'prefill \(|decode:|check:|error' "$f" | tr -s ' ' | tr '\n' '|' | cut -c1-300)"
+        echo "$(basename "$f" .log): $(grep -E '^\| [a-z]|check:|error' "$f" | grep -v '^| mode' | tr -s ' ' | tr '\n' '|' | cut -c1-300)"
     done
+    printf '%s\n' "${summary[@]}"
+}
+
+# Decode-size communication on [gpus] GPUs (default: every GPU): decode_bench's Allreduce
+# latency (4 KB to 64 MB) and GEMM + Allreduce at Llama-70B's decode shapes, calls replayed
+# one by one and recorded into one CUDA graph of the caller's (--graph); then PyTorch's
+# Allreduce (NCCL, symm_mem one-shot and two-shot) under torchrun on the same GPUs.
+task_decode() {
+    local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+    export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
+    gpus_info >"$OUT/machine.txt" 2>&1
+    step "decode-bench-d$gpus" 240 "$BIN/decode_bench" --json "$OUT/decode-d$gpus.jsonl"
+    step "decode-bench-graph-d$gpus" 240 "$BIN/decode_bench" --graph --json "$OUT/decode-graph-d$gpus.jsonl"
+    step "torch-allreduce-d$gpus" 240 torchrun --nproc-per-node "$gpus" bench/torch_allreduce.py
+    cat "$OUT/machine.txt"
+    grep -h '^| ' "$OUT/decode-bench-graph-d$gpus.log" "$OUT/decode-bench-d$gpus.log"
+    grep -h '^torch' "$OUT/torch-allreduce-d$gpus.log"
     printf '%s\n' "${summary[@]}"
 }
 
@@ -741,7 +772,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | faults | host | host-ab | launch | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | decode | faults | host | host-ab | launch | replay-x2 | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
