@@ -324,6 +324,30 @@ pub trait DeviceLifecycle: Send + Sync {
     /// Ends the recording that [`DeviceLifecycle::begin_capture`] started and returns the
     /// graph.
     fn end_capture(&self) -> Result<Box<dyn DeviceGraph>>;
+    /// Recording calls into a graph the caller is capturing on its own stream, where the
+    /// device can ([`CallerCapture`]); `None` (the default) refuses such calls.
+    fn caller_capture(&self) -> Option<&dyn CallerCapture> {
+        None
+    }
+}
+
+/// Recording a call into a graph the caller is capturing on its stream (`Rank::on` with a
+/// stream in capture): the call's program is captured on the device's streams as a graph
+/// of its own, which is added to the caller's capture and lives as long as the caller's
+/// graph.
+pub trait CallerCapture: Send + Sync {
+    /// Whether `on` is being captured into a graph of the caller's now.
+    fn capturing(&self, on: &CallerStream) -> bool;
+    /// Starts recording the calling thread's work on the device's streams for the capture
+    /// on `on`; the buffers the recorded work allocates come from `arena_bytes` set aside
+    /// now (the caller's graph must hold no allocation of its own).
+    fn begin_recording(&self, on: &CallerStream, arena_bytes: usize) -> Result<()>;
+    /// Ends the recording of [`CallerCapture::begin_recording`]. With `keep`, adds it to the
+    /// capture on `on` (after the work captured there so far; the caller's next work there
+    /// comes after it) and keeps `keep`, and the memory the recording uses, alive as long
+    /// as the caller's graph; returns the number of nodes added. Without `keep` (the walk
+    /// failed), the recording is thrown away.
+    fn end_recording(&self, on: &CallerStream, keep: Option<&[Tensor]>) -> Result<usize>;
 }
 
 /// The life cycle's steps for any device: a device without [`DeviceLifecycle`] needs no
@@ -378,6 +402,11 @@ impl dyn Device + '_ {
             Some(l) => l.end_replay(on),
             None => no_caller_streams(self.kind(), on),
         }
+    }
+
+    /// [`DeviceLifecycle::caller_capture`], or `None`.
+    pub fn caller_capture(&self) -> Option<&dyn CallerCapture> {
+        self.lifecycle().and_then(|l| l.caller_capture())
     }
 
     /// [`DeviceLifecycle::hand_out`], or nothing.

@@ -26,7 +26,8 @@ pub use crate::program_facts::{capture_plan, has_peer_copies, EagerReason, CAPTU
 pub enum ReplayStatus {
     /// It walked the host program.
     Eager(EagerReason),
-    /// It was captured as a graph of this many nodes, then launched.
+    /// It was captured as a graph of this many nodes, then launched; on a stream the
+    /// caller is capturing, recorded into the caller's graph (nothing ran).
     Captured(usize),
     /// It launched the graph captured earlier.
     Replayed,

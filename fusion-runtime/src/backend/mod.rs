@@ -11,8 +11,8 @@ pub mod cuda;
 mod default_world;
 
 pub use crate::device::{
-    capture_arena_bytes, BackendKind, CallerStream, Device, DeviceGraph, DeviceLifecycle,
-    DeviceMemory, Kernel, PointwiseInstr, PointwiseProgram, CAPTURE_ARENA_ALIGN,
+    capture_arena_bytes, BackendKind, CallerCapture, CallerStream, Device, DeviceGraph,
+    DeviceLifecycle, DeviceMemory, Kernel, PointwiseInstr, PointwiseProgram, CAPTURE_ARENA_ALIGN,
 };
 pub use crate::streams::{StreamHandle, StreamLayout};
 

@@ -10,11 +10,13 @@
 //! One call, top-down ([`FusionExecutor::run_with`]): find (or lower) the program for the
 //! call's key (`lowering`), look up what is known of the program (`ProgramFacts`), tell
 //! the communicator a call begins, then walk the program, capture it or replay its graph
-//! (`replay_driver`), hand the outputs out, and write the call's trace file (`dumps`).
+//! (`replay_driver`), or, on a stream the caller is capturing, record it into the caller's
+//! graph (`recording`), hand the outputs out, and write the call's trace file (`dumps`).
 
 mod dumps;
 mod lowering;
 mod options;
+mod recording;
 mod replay_driver;
 
 use std::collections::HashMap;
@@ -227,9 +229,17 @@ impl FusionExecutor {
             options,
             start: call_start,
         };
-        let (ex, replay) = self.graphs.run_program(&call)?;
-        rank.device().hand_out(&ex.outputs, call.on.as_ref());
+        let device = rank.device();
+        let recording = (call.on.as_ref())
+            .zip(device.caller_capture())
+            .filter(|(on, capture)| capture.capturing(on));
+        let (ex, replay) = match recording {
+            Some((on, capture)) => self.graphs.record_program(&call, capture, on)?,
+            None => self.graphs.run_program(&call)?,
+        };
+        device.hand_out(&ex.outputs, call.on.as_ref());
         scope.ran(match replay {
+            _ if recording.is_some() => "recorded",
             ReplayStatus::Replayed => "replayed",
             ReplayStatus::Captured(_) => "captured",
             ReplayStatus::Eager(_) => "walked",

@@ -111,7 +111,7 @@ impl GraphSlots {
 
     /// The graph slot of `program` on `rank` with its communicator (made at the first
     /// call; slots of communicators that are gone, with their worlds, are dropped then).
-    fn slot(&self, rank: &Rank, program: &Arc<HostProgram>) -> SharedSlot {
+    pub(super) fn slot(&self, rank: &Rank, program: &Arc<HostProgram>) -> SharedSlot {
         let mut graphs = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let key = (
             Arc::as_ptr(program) as usize,
@@ -141,7 +141,7 @@ impl GraphSlots {
 /// Why the call must walk its program whatever its graph slot holds, if it must:
 /// graphs are off, the program or the communicator cannot be captured, the call is
 /// traced or race-checked, or an input lives on the host.
-fn eager_reason(call: &Call<'_>) -> Option<EagerReason> {
+pub(super) fn eager_reason(call: &Call<'_>) -> Option<EagerReason> {
     let (program, facts, ctx) = (call.program, call.facts, call.ctx);
     if !call.options.graphs {
         return Some(EagerReason::Disabled);
@@ -289,7 +289,7 @@ fn launch(
 /// The outputs of a call that may replay: they live outside the graph. Given by the
 /// caller; else the last call's on this stream when the caller let go of them (`kept`);
 /// else allocated here for this call (and kept for the next).
-fn call_outputs(
+pub(super) fn call_outputs(
     call: &Call<'_>,
     kept: &mut Vec<(Option<CallerStream>, Vec<Tensor>)>,
 ) -> Result<Vec<Tensor>> {
@@ -327,7 +327,7 @@ fn call_outputs(
 }
 
 /// One program and rank's graphs, locked by that rank while it runs.
-type SharedSlot = Arc<Mutex<ReplaySlot>>;
+pub(super) type SharedSlot = Arc<Mutex<ReplaySlot>>;
 
 /// A graph slot's program (address), rank and communicator instance.
 type SlotKey = (usize, usize, u64);
@@ -336,14 +336,14 @@ type SlotKey = (usize, usize, u64);
 type SlotEntry = (Weak<dyn Communicator>, SharedSlot);
 
 /// A program and rank's graphs, and the outputs of its last calls through them.
-struct ReplaySlot {
-    graphs: GraphSlot,
+pub(super) struct ReplaySlot {
+    pub(super) graphs: GraphSlot,
     /// The outputs this executor allocated for the last call on each stream (the rank's
     /// own, or a caller's): when the caller has let go of all of them, the next call on
     /// the same stream writes into them again (no allocation, and the same addresses, so
     /// the same graph), as a free and a new allocation on that stream would. At most
     /// [`GRAPHS_PER_SLOT`] streams, the oldest dropped first.
-    outputs: Vec<(Option<CallerStream>, Vec<Tensor>)>,
+    pub(super) outputs: Vec<(Option<CallerStream>, Vec<Tensor>)>,
 }
 
 /// The last call's outputs `kept` by a slot, when nobody else holds any of them.

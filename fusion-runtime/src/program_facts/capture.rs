@@ -1,12 +1,16 @@
 //! Whether a program can be captured as a device graph, and the words for why a call runs
-//! eagerly instead ([`EagerReason`]); the arena a captured call's buffers get.
+//! eagerly instead ([`EagerReason`]); the arena a captured call's buffers get; whether a
+//! call on a stream the caller is capturing can be recorded into that capture, and the
+//! error that says why not ([`recording_refused`]).
 
 use std::fmt;
 
 use fusion_compiler::hir::HostProgram;
 
 use super::receives::peer_copy_receives;
+use super::ProgramFacts;
 use crate::device::BackendKind;
+use crate::error::Error;
 
 /// Why a call ran eagerly rather than from a graph.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,6 +108,70 @@ pub fn capture_plan(
 /// calls; the arena holds the sum of a call's buffers rather than their peak.
 pub const CAPTURE_ARENA_LIMIT: usize = 64 << 20;
 
+/// Why a call that would otherwise run eagerly for `reason` cannot be recorded into a
+/// graph the caller is capturing on its stream, and what to do instead; `None` where
+/// `reason` does not keep a call out of the caller's capture (a call at new addresses is
+/// recorded like any other: the recording is captured for them).
+pub(crate) fn recording_refusal(reason: &EagerReason) -> Option<String> {
+    let why = match reason {
+        EagerReason::Moved => return None,
+        EagerReason::FirstCall => "this program has not run on this rank yet: its first \
+            call compiles kernels, builds GEMM plans and makes library handles, none of which \
+            may happen in a capture; call it once outside the capture with the same shapes \
+            (a warm-up step), then capture"
+            .to_string(),
+        EagerReason::Disabled => "graphs are off (ExecOptions::graphs); turn them on to \
+            record calls into your capture"
+            .to_string(),
+        EagerReason::Traced => "traced calls read their device timings on the host after \
+            the call; capture without ExecOptions::trace, trace_dir or FUSION_TRACE"
+            .to_string(),
+        EagerReason::RaceChecked => "race-checked calls follow the host program as it runs; \
+            capture without ExecOptions::race_check"
+            .to_string(),
+        EagerReason::HostInput(t) => format!(
+            "input {t} is on the host (its upload waits for the device); pass tensors on the \
+             rank's device"
+        ),
+        EagerReason::PeerCopies(why) => format!(
+            "its copy-engine transfers cannot be captured: {why}; lower it with \
+             ExecOptions::lower.transports.p2p = Transport::Nccl to record it, or call it \
+             outside the capture"
+        ),
+        EagerReason::AliasedOutputs | EagerReason::Backend(_) | EagerReason::CaptureFailed(_) => {
+            format!("{reason}; call it outside the capture")
+        }
+    };
+    Some(why)
+}
+
+/// The error of a call on rank `rank` whose stream the caller is capturing, when the call
+/// cannot be recorded into that capture for `reason` (see [`recording_refusal`]).
+pub(crate) fn recording_refused(rank: usize, reason: &EagerReason) -> Option<Error> {
+    let why = recording_refusal(reason)?;
+    Some(Error::Backend {
+        backend: "cuda",
+        reason: format!(
+            "rank {rank}: the stream given to Rank::on is being captured into a CUDA graph of \
+             yours, and this call cannot be recorded into it: {why}"
+        ),
+    })
+}
+
+impl ProgramFacts {
+    /// The arena of a call recorded into a graph the caller is capturing: room for
+    /// everything an eager call of the program allocated, however large (the recording
+    /// may hold no allocation of its own); 0 when none allocated anything.
+    pub(crate) fn recording_arena_bytes(&self) -> usize {
+        use std::sync::atomic::Ordering;
+        let count = self.call_allocations.load(Ordering::Relaxed);
+        if count == 0 {
+            return 0;
+        }
+        crate::device::capture_arena_bytes(self.call_bytes.load(Ordering::Relaxed), count)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,5 +187,53 @@ mod tests {
         assert!(EagerReason::Backend(BackendKind::Cpu)
             .to_string()
             .contains("cpu backend"));
+    }
+
+    #[test]
+    fn a_call_at_new_addresses_is_recorded_into_the_callers_capture() {
+        assert_eq!(recording_refusal(&EagerReason::Moved), None);
+        assert!(recording_refused(0, &EagerReason::Moved).is_none());
+    }
+
+    #[test]
+    fn every_other_reason_refuses_a_recording_saying_what_to_do() {
+        let cases = [
+            (
+                EagerReason::FirstCall,
+                "once outside the capture with the same shapes",
+            ),
+            (EagerReason::Disabled, "ExecOptions::graphs"),
+            (EagerReason::Traced, "without ExecOptions::trace"),
+            (EagerReason::RaceChecked, "without ExecOptions::race_check"),
+            (EagerReason::HostInput("x".into()), "input x is on the host"),
+            (
+                EagerReason::AliasedOutputs,
+                "outputs are written into inputs",
+            ),
+            (
+                EagerReason::PeerCopies("they land in T2".into()),
+                "transports.p2p = Transport::Nccl",
+            ),
+            (
+                EagerReason::CaptureFailed("out of memory".into()),
+                "capturing failed: out of memory",
+            ),
+            (EagerReason::Backend(BackendKind::Cpu), "cpu backend"),
+        ];
+        for (reason, what) in cases {
+            let text = recording_refused(3, &reason)
+                .unwrap_or_else(|| panic!("{reason:?} refuses"))
+                .to_string();
+            assert!(text.contains(what), "{reason:?}: {text}");
+            assert!(
+                text.starts_with(
+                    "cuda backend: rank 3: the stream given to Rank::on is being \
+                                  captured into a CUDA graph of yours"
+                ),
+                "{text}"
+            );
+        }
+        let text = recording_refusal(&EagerReason::PeerCopies("over CUDA IPC".into())).unwrap();
+        assert!(text.contains("over CUDA IPC") && text.contains("outside the capture"));
     }
 }

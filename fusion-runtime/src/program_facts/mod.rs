@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use fusion_compiler::hir::{for_each_node, HostProgram, Node};
 use fusion_compiler::DType;
 
+pub(crate) use capture::recording_refused;
 pub use capture::{capture_plan, EagerReason, CAPTURE_ARENA_LIMIT};
 pub use receives::{
     has_peer_copies, peer_copy_receives, received_by_peer_copies, PeerCopyReceives,

@@ -27,8 +27,19 @@
 //! caller orders its own later work on that stream before letting go of the outputs
 //! (see `Rank::on_per_thread_stream`). The device holds the caller's cudarc stream (an
 //! `Arc`, in [`CallerStream`]) while it may still order work after it.
+//!
+//! A caller's stream that is being captured into a graph of the caller's neither walks
+//! nor replays: the call is recorded into that capture (`caller_capture`), and nothing
+//! runs. No event recorded there can be waited for outside the capture, and the device's
+//! streams must not wait for one (they would join the caller's capture), so such a call
+//! only leaves the join owed, as a walk does: it is made at the device's first work once
+//! the capture has ended, and covers the caller's graph launched there by then. What the
+//! caller's graph holds (memory, the recorded graph) is handed back by the driver when the
+//! caller's graph is destroyed ([`release_later`]) and freed at the device's next call
+//! ([`CallerChain::free_released`]).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use cudarc::driver::{result, sys};
@@ -174,7 +185,8 @@ impl CallerChain {
         order(late, stream, raw(caller))
     }
 
-    /// Destroys the chain's events (the device's streams are idle).
+    /// Destroys the chain's events (the device's streams are idle) and frees what callers'
+    /// graphs let go of.
     pub(crate) fn release(&self) {
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         for e in [st.tail.take(), st.join.take(), st.late.take()]
@@ -189,6 +201,8 @@ impl CallerChain {
         st.synced = None;
         st.last = None;
         self.pending.store(false, Ordering::Release);
+        drop(st);
+        self.free_released();
     }
 }
 
@@ -200,17 +214,16 @@ impl CallerChain {
     }
 
     /// An error when `on` is being captured into a graph of the caller's (device
-    /// `ordinal`).
+    /// `ordinal`): a call on such a stream is recorded into the capture before it gets
+    /// here, so the capture began during the call.
     fn not_capturing(on: &CallerStream, ordinal: usize) -> Result<()> {
         if stream_is_capturing(RawStream(raw(on))) {
             return Err(Error::Backend {
                 backend: "cuda",
                 reason: format!(
-                    "the stream given to Rank::on is being captured into a CUDA graph of the \
-                     caller's (device {ordinal}): a fusion call cannot be recorded into a \
-                     capture it does not own (its buffers and streams live beyond the \
-                     caller's graph); call the fusion outside the capture: from its second \
-                     call it is replayed as a CUDA graph of its own, one launch on that stream"
+                    "the stream given to Rank::on began being captured into a CUDA graph \
+                     (device {ordinal}) while a fusion call on it was under way; begin the \
+                     capture before the call (the call is then recorded into it) or after it"
                 ),
             });
         }
@@ -225,6 +238,7 @@ impl CallerChain {
         ordinal: usize,
         on: Option<&CallerStream>,
     ) -> Result<()> {
+        self.free_released();
         let main = main()?;
         self.after_callers(main.0, true)?;
         if let Some(s) = on {
@@ -257,17 +271,19 @@ impl CallerChain {
         Ok(())
     }
 
-    /// See [`crate::device::Device::begin_replay`].
+    /// See [`crate::device::Device::begin_replay`]. A stream being captured does not get
+    /// here (the executor records such calls, having just asked), so a replay, the hot
+    /// path, does not ask again; `_ordinal` names the device.
     pub(crate) fn begin_replay(
         &self,
         main: impl Fn() -> Result<RawStream>,
-        ordinal: usize,
+        _ordinal: usize,
         on: Option<&CallerStream>,
     ) -> Result<()> {
+        self.free_released();
         let Some(s) = on else {
             return self.after_callers(main()?.0, true);
         };
-        Self::not_capturing(s, ordinal)?;
         let epoch = self.epoch.load(Ordering::Acquire);
         {
             let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -307,6 +323,59 @@ impl CallerChain {
         self.pending.store(true, Ordering::Release);
         Ok(())
     }
+
+    /// A call was recorded into the capture on the caller's stream `on` (see the module
+    /// documentation): the device's streams owe that stream a join, and a later replay
+    /// there first waits for the main stream (the recording allocated on it).
+    pub(crate) fn recorded(&self, on: &CallerStream) {
+        self.bump();
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.last = Some(on.clone());
+        st.tail_recorded = false;
+        self.pending.store(true, Ordering::Release);
+    }
+
+    /// This chain's name among what callers' graphs let go of ([`release_later`]).
+    pub(crate) fn key(&self) -> usize {
+        self as *const Self as usize
+    }
+
+    /// Frees what the callers' graphs of this device let go of ([`release_later`]): with
+    /// the device's context current and no lock of the chain held (the buffers freed join
+    /// the chain).
+    pub(crate) fn free_released(&self) {
+        if RELEASED_COUNT.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mine: Vec<(usize, Box<dyn Any + Send>)> = {
+            let mut all = RELEASED.lock().unwrap_or_else(PoisonError::into_inner);
+            let (mine, others) = std::mem::take(&mut *all)
+                .into_iter()
+                .partition(|(k, _)| *k == self.key());
+            *all = others;
+            RELEASED_COUNT.fetch_sub(mine.len(), Ordering::AcqRel);
+            mine
+        };
+        drop(mine);
+    }
+}
+
+/// What callers' graphs let go of (the memory and graphs of calls recorded into them), with
+/// the [`CallerChain::key`] of their device; filled by the driver's thread, freed by the
+/// device's next call.
+static RELEASED: Mutex<Vec<(usize, Box<dyn Any + Send>)>> = Mutex::new(Vec::new());
+
+/// How many entries [`RELEASED`] holds (changed under its lock, read without it).
+static RELEASED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Hands `what`, which a caller's graph held for the device whose chain has `key`, to that
+/// device's next call to free. It calls no driver function and drops nothing: the
+/// destructor of a CUDA user object calls it, on a thread of the driver where neither is
+/// allowed.
+pub(crate) fn release_later(key: usize, what: Box<dyn Any + Send>) {
+    let mut all = RELEASED.lock().unwrap_or_else(PoisonError::into_inner);
+    all.push((key, what));
+    RELEASED_COUNT.fetch_add(1, Ordering::AcqRel);
 }
 
 impl CallerStream {
@@ -337,5 +406,41 @@ impl CallerStream {
                 _keep: Some(keep),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use std::sync::Arc;
+
+    /// Counts its drops.
+    struct Counted(Arc<AtomicUsize>);
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    #[test]
+    fn what_a_callers_graph_lets_go_of_is_freed_by_its_own_device() {
+        let (a, b) = (CallerChain::default(), CallerChain::default());
+        let freed = Arc::new(AtomicUsize::new(0));
+        release_later(a.key(), Box::new(Counted(freed.clone())));
+        release_later(b.key(), Box::new(Counted(freed.clone())));
+        release_later(a.key(), Box::new(Counted(freed.clone())));
+        assert_eq!(
+            freed.load(Ordering::Acquire),
+            0,
+            "nothing is dropped when released"
+        );
+        a.free_released();
+        assert_eq!(freed.load(Ordering::Acquire), 2, "a's two");
+        a.free_released();
+        assert_eq!(freed.load(Ordering::Acquire), 2, "once");
+        b.free_released();
+        assert_eq!(freed.load(Ordering::Acquire), 3, "then b's");
     }
 }

@@ -779,4 +779,8 @@ impl DeviceLifecycle for CudaDevice {
         )?;
         Ok(Box::new(graph))
     }
+
+    fn caller_capture(&self) -> Option<&dyn crate::device::CallerCapture> {
+        Some(self)
+    }
 }

@@ -3,7 +3,9 @@
 //! Capture runs on the rank's main stream (stream 0) in thread-local mode: every worker
 //! stream the program uses joins the capture through the program's own waits, so the whole
 //! call becomes one graph. Ending the capture first joins back every stream still in it.
-//! A failed capture is always ended, so the streams return to normal.
+//! A failed capture is always ended, so the streams return to normal. A captured graph is
+//! instantiated to be launched by the rank ([`CudaGraph`]), or kept as it is
+//! ([`CapturedGraph`]) to be added to a graph the caller is capturing (`caller_capture`).
 
 use std::sync::Arc;
 
@@ -16,14 +18,80 @@ use super::stream::RawStream;
 use crate::device::{DeviceGraph, StreamHandle};
 use crate::error::Result;
 
+/// A captured graph of one rank's call, not instantiated, destroyed when dropped.
+pub(crate) struct CapturedGraph {
+    device: Arc<DeviceShared>,
+    graph: sys::CUgraph,
+    nodes: usize,
+}
+
+// SAFETY: a graph handle is a driver handle, usable from any thread with the context
+// current; it is only read (cloned into another graph, printed) after the capture.
+unsafe impl Send for CapturedGraph {}
+unsafe impl Sync for CapturedGraph {}
+
+impl CapturedGraph {
+    /// The driver's handle.
+    pub(crate) fn raw(&self) -> sys::CUgraph {
+        self.graph
+    }
+
+    /// How many nodes the capture recorded.
+    pub(crate) fn nodes(&self) -> usize {
+        self.nodes
+    }
+
+    /// How many of its nodes allocate or free memory (a graph added to another as a child
+    /// may hold none).
+    pub(crate) fn memory_nodes(&self) -> Result<usize> {
+        let mut count = self.nodes;
+        let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
+        // SAFETY: room for `count` nodes of a valid graph; the driver writes how many.
+        check(
+            unsafe { sys::cuGraphGetNodes(self.graph, nodes.as_mut_ptr(), &mut count) },
+            "cuGraphGetNodes",
+        )?;
+        nodes.truncate(count);
+        let mut memory = 0;
+        for node in nodes {
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL;
+            // SAFETY: a node of this graph.
+            check(
+                unsafe { sys::cuGraphNodeGetType(node, &mut kind) },
+                "cuGraphNodeGetType",
+            )?;
+            if matches!(
+                kind,
+                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC
+                    | sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE
+            ) {
+                memory += 1;
+            }
+        }
+        Ok(memory)
+    }
+}
+
+impl Drop for CapturedGraph {
+    fn drop(&mut self) {
+        // A graph on a device that closed stuck may still be running: left to the
+        // process's end (see `DEVICE_STUCK`).
+        if !super::health::a_device_is_stuck() && self.device.bind().is_ok() {
+            // SAFETY: the handle made by `finish_capture`, destroyed once.
+            unsafe {
+                let _ = sys::cuGraphDestroy(self.graph);
+            }
+        }
+    }
+}
+
 /// An instantiated graph of one rank's call, launched on the rank's main stream or on the
 /// caller's stream of a call.
 pub(crate) struct CudaGraph {
-    device: Arc<DeviceShared>,
-    graph: sys::CUgraph,
     exec: sys::CUgraphExec,
     stream: sys::CUstream,
-    nodes: usize,
+    /// The graph `exec` was instantiated from (destroyed after it).
+    captured: CapturedGraph,
     /// The memory of the buffers the captured call allocated, which every launch uses.
     _arena: Option<Arc<CaptureArena>>,
 }
@@ -45,7 +113,7 @@ impl DeviceGraph for CudaGraph {
     }
 
     fn nodes(&self) -> usize {
-        self.nodes
+        self.captured.nodes
     }
 
     fn write_dot(&self, path: &std::path::Path) -> Result<()> {
@@ -60,7 +128,7 @@ impl DeviceGraph for CudaGraph {
         let c_path = std::ffi::CString::new(path.to_string_lossy().as_bytes())
             .map_err(|_| failed("the path holds a NUL byte".into()))?;
         // SAFETY: a valid graph and a NUL-terminated path; flags 0 print the default details.
-        let r = unsafe { sys::cuGraphDebugDotPrint(self.graph, c_path.as_ptr(), 0) };
+        let r = unsafe { sys::cuGraphDebugDotPrint(self.captured.graph, c_path.as_ptr(), 0) };
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(failed(super::libs::cu_text(r)));
         }
@@ -72,11 +140,11 @@ impl Drop for CudaGraph {
     fn drop(&mut self) {
         // A graph on a device that closed stuck may still be running: left to the
         // process's end (see `DEVICE_STUCK`).
-        if !super::health::a_device_is_stuck() && self.device.bind().is_ok() {
-            // SAFETY: handles made by `end_capture`, destroyed once.
+        if !super::health::a_device_is_stuck() && self.captured.device.bind().is_ok() {
+            // SAFETY: the handle made by `end_capture`, destroyed once (its graph goes
+            // after it, with `captured`).
             unsafe {
                 let _ = sys::cuGraphExecDestroy(self.exec);
-                let _ = sys::cuGraphDestroy(self.graph);
             }
         }
     }
@@ -96,6 +164,13 @@ pub(crate) fn begin_capture(
     } else {
         None
     };
+    start_capture(shared, main)?;
+    Ok(arena)
+}
+
+/// Starts capturing the calling thread's work on the device's `main` stream (the device's
+/// context current), with no arena: what the call allocates belongs to the graph.
+pub(crate) fn start_capture(shared: &DeviceShared, main: RawStream) -> Result<()> {
     // SAFETY: a stream of this device, not capturing yet.
     check(
         unsafe {
@@ -107,7 +182,7 @@ pub(crate) fn begin_capture(
         "cuStreamBeginCapture",
     )?;
     shared.free_list.set_capturing(true);
-    Ok(arena)
+    Ok(())
 }
 
 /// Ends the capture started by [`begin_capture`] on `main` and instantiates it. Every
@@ -120,6 +195,25 @@ pub(crate) fn end_capture(
     join: &dyn Fn(StreamHandle) -> Result<()>,
     arena: Option<Arc<CaptureArena>>,
 ) -> Result<CudaGraph> {
+    let captured = finish_capture(shared, main, workers, join)?;
+    let exec = instantiate(captured.graph, main)?;
+    Ok(CudaGraph {
+        exec,
+        stream: main.0,
+        captured,
+        _arena: arena,
+    })
+}
+
+/// Ends the capture started on `main` ([`begin_capture`], [`start_capture`]) and returns
+/// its graph, not instantiated. Every stream of `workers` still capturing is joined into
+/// the main stream first (`join(s)` makes the main stream wait for worker `s`).
+pub(crate) fn finish_capture(
+    shared: &Arc<DeviceShared>,
+    main: RawStream,
+    workers: &[(StreamHandle, RawStream)],
+    join: &dyn Fn(StreamHandle) -> Result<()>,
+) -> Result<CapturedGraph> {
     shared.free_list.set_capturing(false);
     shared.bind()?;
     let mut join_error = None;
@@ -141,55 +235,43 @@ pub(crate) fn end_capture(
         unsafe { sys::cuStreamEndCapture(main.0, &mut graph) },
         "cuStreamEndCapture",
     );
+    let captured = (!graph.is_null()).then(|| CapturedGraph {
+        device: shared.clone(),
+        graph,
+        nodes: 0,
+    });
     if let Some(e) = join_error {
-        if !graph.is_null() {
-            // SAFETY: the graph just returned, not used elsewhere.
-            unsafe {
-                let _ = sys::cuGraphDestroy(graph);
-            }
-        }
         return Err(e);
     }
     ended?;
-    let mut nodes = 0usize;
+    let Some(mut captured) = captured else {
+        return Err(crate::error::Error::Backend {
+            backend: "cuda",
+            reason: "cuStreamEndCapture returned no graph".into(),
+        });
+    };
     // SAFETY: counting the nodes of a valid graph.
     unsafe {
-        let _ = sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes);
+        let _ = sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut captured.nodes);
     }
-    let exec = instantiate(graph, main)?;
-    Ok(CudaGraph {
-        device: shared.clone(),
-        graph,
-        exec,
-        stream: main.0,
-        nodes,
-        _arena: arena,
-    })
+    Ok(captured)
 }
 
 /// Instantiates `graph` and uploads its work on `main` (so that the first launch costs
-/// what the later ones do); on failure the graph is destroyed.
+/// what the later ones do); the graph stays its owner's.
 fn instantiate(graph: sys::CUgraph, main: RawStream) -> Result<sys::CUgraphExec> {
     let mut exec: sys::CUgraphExec = std::ptr::null_mut();
     // SAFETY: instantiating the captured graph.
-    let inst = check(
+    check(
         unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
         "cuGraphInstantiate",
-    );
-    if let Err(e) = inst {
-        // SAFETY: destroying the graph we own.
-        unsafe {
-            let _ = sys::cuGraphDestroy(graph);
-        }
-        return Err(e);
-    }
+    )?;
     // SAFETY: an instantiated graph of this device and a stream of it.
     let uploaded = check(unsafe { sys::cuGraphUpload(exec, main.0) }, "cuGraphUpload");
     if let Err(e) = uploaded {
-        // SAFETY: destroying the handles we own, once.
+        // SAFETY: destroying the handle made above, once.
         unsafe {
             let _ = sys::cuGraphExecDestroy(exec);
-            let _ = sys::cuGraphDestroy(graph);
         }
         return Err(e);
     }

@@ -4,7 +4,9 @@
 //! with memory nodes costs a few microseconds more at every launch. A small call's
 //! buffers therefore come from one allocation made before the capture and owned by the
 //! graph: handed out in order, never reused within the call (the arena holds the sum of
-//! the call's allocations), freed with the graph.
+//! the call's allocations), freed with the graph. An arena for a call recorded into a graph
+//! the caller is capturing is a stream-ordered buffer instead ([`CaptureArena::over`]):
+//! a synchronous allocation may not happen while a capture is under way.
 
 use std::any::Any;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -25,6 +27,9 @@ pub(crate) struct CaptureArena {
     base: sys::CUdeviceptr,
     size: usize,
     next: Mutex<usize>,
+    /// The buffer the arena lies in, when it is one ([`CaptureArena::over`]): freed as
+    /// buffers are; else the arena frees its own allocation.
+    backing: Option<super::buffer::CudaBuffer>,
 }
 
 impl std::fmt::Debug for CaptureArena {
@@ -56,7 +61,19 @@ impl CaptureArena {
             base,
             size,
             next: Mutex::new(0),
+            backing: None,
         }))
+    }
+
+    /// An arena over `buffer`, a buffer of the device allocated on one of its streams.
+    pub(crate) fn over(shared: &Arc<DeviceShared>, buffer: super::buffer::CudaBuffer) -> Arc<Self> {
+        Arc::new(CaptureArena {
+            shared: shared.clone(),
+            base: DeviceBuffer::ptr(&buffer),
+            size: DeviceBuffer::len_bytes(&buffer),
+            next: Mutex::new(0),
+            backing: Some(buffer),
+        })
     }
 
     /// The next `bytes` of the arena, or `None` when it has no room left (the caller then
@@ -83,6 +100,9 @@ fn place(used: usize, bytes: usize, size: usize) -> Option<(usize, usize)> {
 
 impl Drop for CaptureArena {
     fn drop(&mut self) {
+        if self.backing.is_some() {
+            return;
+        }
         if !crate::backend::cuda::health::a_device_is_stuck() && self.shared.bind().is_ok() {
             // SAFETY: the allocation made in `new`, freed once, when neither the graph nor
             // any buffer of it is left.

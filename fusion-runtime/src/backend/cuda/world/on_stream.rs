@@ -90,9 +90,11 @@ impl Rank {
     /// This rank on the caller's `stream` (a cudarc stream of the rank's device context,
     /// e.g. a stream of `rank.cuda_context()?`, or candle's `CudaDevice::cuda_stream()`):
     /// a fusion called with `&rank.on(&stream)` behaves like one more op on that stream.
-    /// A stream of another device or context is an error at the call, and so is a stream
-    /// being captured into a graph of yours. The rank keeps a reference to the stream while
-    /// it may still order work after it (outputs handed out on it, kept outputs).
+    /// A stream of another device or context is an error at the call. On a stream being
+    /// captured into a graph of yours, the call is recorded into that graph instead of run
+    /// (docs/PROGRAMS.md, "Capturing a step into your own CUDA graph"). The rank keeps a
+    /// reference to the stream while it may still order work after it (outputs handed out
+    /// on it, kept outputs).
     pub fn on<'a>(&'a self, stream: &'a Arc<cudarc::driver::CudaStream>) -> OnStream<'a> {
         OnStream {
             rank: self,

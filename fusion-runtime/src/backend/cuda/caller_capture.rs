@@ -1,0 +1,314 @@
+//! Recording a call into a CUDA graph the caller is capturing on its stream (`Rank::on`
+//! with a stream in capture), so that an application can capture a whole step (its own
+//! kernels and the fusion calls) once and replay it.
+//!
+//! The call's program is captured on the device's own streams into a graph of its own
+//! (as a replayed call's is, but not instantiated and not run), and that graph is added to
+//! the caller's capture as one child graph node after the work captured on the caller's
+//! stream so far; the caller's next work there comes after it. Each launch of the
+//! caller's graph then runs the program once, with no host work of this library.
+//!
+//! Nothing may be allocated by the caller's graph itself (a graph whose allocations outlive
+//! a launch cannot be launched again, and a child graph may hold no allocation), so
+//! everything the recording uses is allocated before it, on the main stream: the
+//! intermediates come from an arena sized by the program's earlier eager calls, and
+//! outputs the caller did not give are allocated (or reused) by the executor. Those
+//! stream-ordered allocations are ordered before the caller's graph by an event recorded
+//! once on the main stream, which the caller's graph waits for (an event wait node before
+//! the child, which every launch passes at once).
+//!
+//! The caller's graph owns what it uses: the recording (its graph, arena, the outputs the
+//! executor allocated, the event) is a CUDA user object retained by the caller's graph,
+//! which the driver releases once the caller's graph and every graph instantiated from it
+//! are destroyed and their launches have finished. Its destructor, on a thread of the
+//! driver, only hands the recording to the device (`caller_stream::release_later`), whose
+//! next call frees it. So later calls of the same fusion, at other addresses or not, and
+//! the executor itself may go first; the world (its devices, communicators and the
+//! receive buffers they keep) and the caller's inputs and given outputs must outlive the
+//! caller's graph.
+
+use std::ffi::{c_uint, c_void};
+use std::sync::{Arc, PoisonError};
+
+use cudarc::driver::{result, sys};
+
+use super::caller_stream::release_later;
+use super::device::CudaDevice;
+use super::graph::{self, CapturedGraph};
+use super::libs::{cu_check as check, driver_err};
+use super::memory::buffer::CudaBuffer;
+use super::memory::capture_arena::CaptureArena;
+use super::memory::device_shared::DeviceShared;
+use super::stream::{stream_is_capturing, RawStream};
+use crate::device::{CallerCapture, CallerStream, Device};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// What the caller's graph holds of one call recorded into it.
+struct Recording {
+    /// The [`super::caller_stream::CallerChain::key`] of the device, which frees it.
+    key: usize,
+    /// The graph the caller's holds a copy of: what its nodes use (NCCL keeps its own
+    /// resources with it) lives as long as it.
+    graph: CapturedGraph,
+    /// The memory of the call's intermediates.
+    _arena: Option<Arc<CaptureArena>>,
+    /// The outputs the executor allocated for the call, which every launch writes.
+    _outputs: Vec<Tensor>,
+    /// Recorded on the main stream after the memory above was allocated there.
+    ready: ReadyEvent,
+}
+
+/// An event recorded once on the main stream, destroyed when dropped.
+struct ReadyEvent {
+    device: Arc<DeviceShared>,
+    event: sys::CUevent,
+}
+
+// SAFETY: an event handle is a driver handle, usable from any thread with the context
+// current; it is only waited for after it is recorded.
+unsafe impl Send for ReadyEvent {}
+
+impl ReadyEvent {
+    /// A new event, recorded on `stream` of `device`.
+    fn record(device: &Arc<DeviceShared>, stream: RawStream) -> Result<Self> {
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver_err("creating an event for a recorded call", e))?;
+        let ready = ReadyEvent {
+            device: device.clone(),
+            event,
+        };
+        // SAFETY: an event and a stream of this device's context (current).
+        unsafe { result::event::record(event, stream.0) }
+            .map_err(|e| driver_err("recording an event for a recorded call", e))?;
+        Ok(ready)
+    }
+}
+
+impl Drop for ReadyEvent {
+    fn drop(&mut self) {
+        if !super::health::a_device_is_stuck() && self.device.bind().is_ok() {
+            // SAFETY: the event made in `record`, destroyed once.
+            unsafe {
+                let _ = result::event::destroy(self.event);
+            }
+        }
+    }
+}
+
+/// Calls on a stream the caller is capturing are recorded into that capture.
+impl CallerCapture for CudaDevice {
+    fn capturing(&self, on: &CallerStream) -> bool {
+        stream_is_capturing(RawStream(on.raw as sys::CUstream))
+    }
+
+    fn begin_recording(&self, _on: &CallerStream, arena_bytes: usize) -> Result<()> {
+        let shared = self.shared();
+        shared.chain.free_released();
+        shared.bind()?;
+        let main = self.raw_stream(0)?;
+        // A join owed to a caller's stream is made now, outside any capture of ours (a
+        // wait for an event of a stream being captured would pull the main stream into
+        // that capture; none is recorded on one).
+        shared.chain.after_callers(main.0, true)?;
+        let arena = match arena_bytes {
+            0 => None,
+            bytes => Some(CaptureArena::over(
+                shared,
+                CudaBuffer::alloc(shared, main, bytes)?,
+            )),
+        };
+        graph::start_capture(shared, main)?;
+        *self
+            .capture_arena
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = arena;
+        Ok(())
+    }
+
+    fn end_recording(&self, on: &CallerStream, keep: Option<&[Tensor]>) -> Result<usize> {
+        let shared = self.shared();
+        let arena = self
+            .capture_arena
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let main = self.raw_stream(0)?;
+        let workers = (1..self.stream_count())
+            .map(|s| Ok((s, self.raw_stream(s)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let captured = graph::finish_capture(shared, main, &workers, &|s| self.stream_wait(0, s))?;
+        let Some(outputs) = keep else {
+            return Ok(0);
+        };
+        let allocating = captured.memory_nodes()?;
+        if allocating > 0 {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: format!(
+                    "a call recorded into your capture allocated memory its earlier calls did \
+                     not ({allocating} allocation or free nodes), which a graph added to yours \
+                     cannot hold; call the fusion once more outside the capture with these \
+                     shapes, then capture again"
+                ),
+            });
+        }
+        let nodes = captured.nodes();
+        if nodes == 0 {
+            return Ok(0);
+        }
+        let recording = Recording {
+            key: shared.chain.key(),
+            graph: captured,
+            _arena: arena,
+            _outputs: outputs.to_vec(),
+            ready: ReadyEvent::record(shared, main)?,
+        };
+        add_to_capture(RawStream(on.raw as sys::CUstream), recording)?;
+        shared.chain.recorded(on);
+        Ok(nodes)
+    }
+}
+
+/// Adds `recording` to the capture on `stream`: after the work captured there so far, a
+/// wait for its ready event and then its graph as a child graph node, which the stream's
+/// next work follows. The capture's graph owns the recording before any node is added,
+/// and the stream's capture moves on only at the end, when every step succeeded.
+fn add_to_capture(stream: RawStream, recording: Recording) -> Result<()> {
+    let (graph, after) = capture_point(stream)?;
+    let (child, ready) = (recording.graph.raw(), recording.ready.event);
+    give(graph, recording)?;
+    let mut wait: sys::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: the capture's graph (nodes may be added while it captures), its current
+    // dependencies, and an event of this context recorded once, outside the capture.
+    check(
+        unsafe {
+            sys::cuGraphAddEventWaitNode(&mut wait, graph, after.as_ptr(), after.len(), ready)
+        },
+        "ordering a recorded call after its memory in your capture (cuGraphAddEventWaitNode)",
+    )?;
+    let mut node: sys::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: as above; a graph of the same context, cloned into the node.
+    check(
+        unsafe { sys::cuGraphAddChildGraphNode(&mut node, graph, &wait, 1, child) },
+        "adding a recorded call to your capture (cuGraphAddChildGraphNode)",
+    )?;
+    // SAFETY: the capturing stream, and a node of its capture's graph; default edges.
+    check(
+        unsafe {
+            sys::cuStreamUpdateCaptureDependencies_v2(
+                stream.0,
+                &mut node,
+                std::ptr::null(),
+                1,
+                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
+                    as c_uint,
+            )
+        },
+        "continuing your capture after a recorded call (cuStreamUpdateCaptureDependencies)",
+    )
+}
+
+/// The graph the capture on `stream` records into, and the nodes its next work depends on.
+fn capture_point(stream: RawStream) -> Result<(sys::CUgraph, Vec<sys::CUgraphNode>)> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id: sys::cuuint64_t = 0;
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    let mut deps: *const sys::CUgraphNode = std::ptr::null();
+    let mut count = 0usize;
+    // SAFETY: a live stream; the outputs are valid places; no edge data is asked for (the
+    // driver then refuses to drop edges that carry any, `CUDA_ERROR_LOSSY_QUERY`).
+    let r = unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream.0,
+            &mut status,
+            &mut id,
+            &mut graph,
+            &mut deps,
+            std::ptr::null_mut(),
+            &mut count,
+        )
+    };
+    const LOSSY_QUERY: u32 = 402;
+    if r as u32 == LOSSY_QUERY {
+        return Err(refused(
+            "the work captured last on it has programmatic dependencies, which a recorded \
+             call cannot follow; capture an ordinary operation before the call",
+        ));
+    }
+    check(r, "reading your capture (cuStreamGetCaptureInfo)")?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        return Err(refused(
+            "the capture was invalidated by an earlier operation in it (end it, and capture \
+             again)",
+        ));
+    }
+    let after = if count == 0 || deps.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: the driver's array of `count` nodes, valid until the stream's next call.
+        unsafe { std::slice::from_raw_parts(deps, count) }.to_vec()
+    };
+    Ok((graph, after))
+}
+
+/// Makes `graph` own `recording` (a user object whose destructor hands it back).
+fn give(graph: sys::CUgraph, recording: Recording) -> Result<()> {
+    let ptr = Box::into_raw(Box::new(recording));
+    let mut object: sys::CUuserObject = std::ptr::null_mut();
+    // SAFETY: `ptr` is passed to `released` once, when the object's last reference goes.
+    let created = unsafe {
+        sys::cuUserObjectCreate(
+            &mut object,
+            ptr.cast::<c_void>(),
+            Some(released),
+            1,
+            sys::CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as c_uint,
+        )
+    };
+    if let Err(e) = check(
+        created,
+        "keeping a recorded call's memory (cuUserObjectCreate)",
+    ) {
+        // SAFETY: the box made above, not handed to the driver.
+        drop(unsafe { Box::from_raw(ptr) });
+        return Err(e);
+    }
+    // SAFETY: the capture's graph takes over the reference made above.
+    let moved = unsafe {
+        sys::cuGraphRetainUserObject(
+            graph,
+            object,
+            1,
+            sys::CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE as c_uint,
+        )
+    };
+    if let Err(e) = check(moved, "giving a recorded call's memory to your graph") {
+        // SAFETY: the reference is still ours: its release hands the recording back.
+        unsafe {
+            let _ = sys::cuUserObjectRelease(object, 1);
+        }
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// The destructor of a recording's user object (on a thread of the driver, where no CUDA
+/// call is allowed): hands the recording to its device.
+unsafe extern "C" fn released(ptr: *mut c_void) {
+    // SAFETY: the box `give` made, passed here once.
+    let recording = unsafe { Box::from_raw(ptr.cast::<Recording>()) };
+    let key = recording.key;
+    release_later(key, recording);
+}
+
+/// An error of a call that cannot be recorded into the capture on its stream.
+fn refused(why: &str) -> Error {
+    Error::Backend {
+        backend: "cuda",
+        reason: format!(
+            "the stream given to Rank::on is being captured into a CUDA graph of yours, and \
+             this call cannot be recorded into it: {why}"
+        ),
+    }
+}
