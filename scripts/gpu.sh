@@ -113,6 +113,10 @@ task_check() {
     step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
     step cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
     step cuda_graphs 180 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture
+    # Calls recorded into the caller's own CUDA graph (one GPU, then tensor-parallel).
+    step caller_capture 240 $BIN/test-caller_capture --ignored --test-threads=1 --nocapture
+    # The peer-memory plan (simulated devices; its GPU side runs in every conformance case).
+    step peer_memory 60 $BIN/test-peer_memory --test-threads=1
     # The runtime's GPU unit tests: copy-engine flag hand-offs, eager and replayed.
     step runtime_unit_gpu 120 $BIN/test-fusion_runtime_lib --ignored --test-threads=1
     # What a machine without `libnccl.so` reports (gpu-env.sh's symlink directory left
@@ -193,6 +197,7 @@ task_caller_stream() {
     step test-rank_handles 120 $BIN/test-rank_handles --test-threads=1
     step test-conformance-1gpu 240 $BIN/test-conformance --test-threads=1
     step test-cuda_graphs 240 $BIN/test-cuda_graphs --ignored --test-threads=1
+    step test-caller_capture 240 $BIN/test-caller_capture --ignored --test-threads=1 --nocapture
     STEP_PATTERN='rror|us per call'
     for i in 1 2; do
         step host-costs-$i 120 $BIN/host_costs --devices 1

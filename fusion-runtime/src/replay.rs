@@ -6,8 +6,9 @@
 //! together with the addresses of the call it captured: the inputs and the outputs (which
 //! are allocated before the capture, outside the graph). A call whose inputs or outputs
 //! sit elsewhere never replays that graph: it runs eagerly, and when the same new
-//! addresses come twice in a row the graph is captured again for them. Stale pointers are
-//! never replayed. Loops that drop their outputs before the next call get the same
+//! addresses come back (among the last [`RECENT_ADDRESSES`] sets seen) the graph is
+//! captured again for them, so one fusion called from several places with buffers of its
+//! own (the layers of a model) replays at each. Stale pointers are never replayed. Loops that drop their outputs before the next call get the same
 //! addresses back from the allocator and replay every call.
 //!
 //! Programs that cannot be captured run eagerly, and [`ReplayStatus::Eager`] says why.
@@ -33,9 +34,12 @@ pub enum ReplayStatus {
     Replayed,
 }
 
-/// Graphs kept per program and rank (for alternating buffers, e.g. outputs kept while the
-/// next call runs); the oldest goes first.
-pub(crate) const GRAPHS_PER_SLOT: usize = 4;
+/// Graphs kept per program and rank (one per place the program is called from with
+/// buffers of its own, e.g. a layer's, or alternating outputs); the oldest goes first.
+pub(crate) const GRAPHS_PER_SLOT: usize = 16;
+
+/// New address sets a slot remembers: one seen again among them is captured.
+pub(crate) const RECENT_ADDRESSES: usize = 16;
 
 /// Where a program and rank stand with graphs.
 pub(crate) enum GraphSlot {
@@ -44,10 +48,10 @@ pub(crate) enum GraphSlot {
     /// One eager call done: the next is captured.
     Warm,
     /// Graphs, each for the addresses it was captured at (inputs, then outputs), oldest
-    /// first; `pending` holds new addresses seen once since.
+    /// first; `recent` holds new addresses seen once since, oldest first.
     Ready {
         graphs: Vec<(Vec<Address>, Box<dyn DeviceGraph>)>,
-        pending: Option<Vec<Address>>,
+        recent: Vec<Vec<Address>>,
     },
     /// This program never replays on this rank.
     Never(EagerReason),
@@ -77,14 +81,16 @@ impl GraphSlot {
             }
             GraphSlot::Warm => Step::Capture,
             GraphSlot::Never(r) => Step::Eager(r.clone()),
-            GraphSlot::Ready { graphs, pending } => {
+            GraphSlot::Ready { graphs, recent } => {
                 if let Some(i) = graphs.iter().position(|(a, _)| a.as_slice() == addresses) {
-                    *pending = None;
                     Step::Launch(i)
-                } else if pending.as_deref() == Some(addresses) {
+                } else if recent.iter().any(|a| a.as_slice() == addresses) {
                     Step::Capture
                 } else {
-                    *pending = Some(addresses.to_vec());
+                    if recent.len() >= RECENT_ADDRESSES {
+                        recent.remove(0);
+                    }
+                    recent.push(addresses.to_vec());
                     Step::Eager(EagerReason::Moved)
                 }
             }
@@ -94,17 +100,17 @@ impl GraphSlot {
     /// Keeps `graph`, captured at `addresses`.
     pub(crate) fn install(&mut self, addresses: Vec<Address>, graph: Box<dyn DeviceGraph>) {
         match self {
-            GraphSlot::Ready { graphs, pending } => {
+            GraphSlot::Ready { graphs, recent } => {
                 if graphs.len() >= GRAPHS_PER_SLOT {
                     graphs.remove(0);
                 }
+                recent.retain(|a| *a != addresses);
                 graphs.push((addresses, graph));
-                *pending = None;
             }
             _ => {
                 *self = GraphSlot::Ready {
                     graphs: vec![(addresses, graph)],
-                    pending: None,
+                    recent: Vec::new(),
                 }
             }
         }
@@ -173,5 +179,32 @@ mod tests {
         let why = EagerReason::PeerCopies("x".into());
         let mut never = GraphSlot::Never(why.clone());
         assert_eq!(never.step(&at(1)), Step::Eager(why));
+    }
+
+    #[test]
+    fn one_fusion_called_from_several_places_replays_at_each() {
+        // A model's layers call one fusion with buffers of their own, in turn.
+        let layers: Vec<u64> = (100..132).collect();
+        let mut s = GraphSlot::Fresh;
+        assert_eq!(s.step(&at(layers[0])), Step::Eager(EagerReason::FirstCall));
+        assert_eq!(s.step(&at(layers[1])), Step::Capture);
+        s.install(at(layers[1]), Box::new(FakeGraph));
+        let mut captured = 1;
+        for step in 0..3 {
+            for &p in &layers[..GRAPHS_PER_SLOT] {
+                match s.step(&at(p)) {
+                    Step::Capture => {
+                        s.install(at(p), Box::new(FakeGraph));
+                        captured += 1;
+                    }
+                    Step::Launch(_) => assert!(step > 0 || p == layers[1], "{p}"),
+                    Step::Eager(r) => assert_eq!((step, r), (0, EagerReason::Moved), "{p}"),
+                }
+            }
+        }
+        assert_eq!(captured, GRAPHS_PER_SLOT);
+        for &p in &layers[..GRAPHS_PER_SLOT] {
+            assert!(matches!(s.step(&at(p)), Step::Launch(_)), "{p}");
+        }
     }
 }
