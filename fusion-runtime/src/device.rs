@@ -338,6 +338,11 @@ pub trait DeviceLifecycle: Send + Sync {
 pub trait CallerCapture: Send + Sync {
     /// Whether `on` is being captured into a graph of the caller's now.
     fn capturing(&self, on: &CallerStream) -> bool;
+    /// Lets the calling thread use the device's own streams (allocate, capture, wait)
+    /// while the caller's capture goes on (`true`, before a recording), or gives the
+    /// caller's capture its own rules back (`false`, after it). A caller capturing in
+    /// global or thread-local mode forbids those calls on its thread otherwise.
+    fn relax_capture(&self, relaxed: bool) -> Result<()>;
     /// Starts recording the calling thread's work on the device's streams for the capture
     /// on `on`; the buffers the recorded work allocates come from `arena_bytes` set aside
     /// now (the caller's graph must hold no allocation of its own).

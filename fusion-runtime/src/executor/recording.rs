@@ -50,6 +50,20 @@ impl GraphSlots {
         if let Some(e) = never.and_then(|r| recording_refused(rank, &r)) {
             return Err(e);
         }
+        capture.relax_capture(true)?;
+        let recorded = Self::record_relaxed(call, capture, on, kept);
+        capture.relax_capture(false)?;
+        recorded
+    }
+
+    /// [`Self::record_program`] once the caller's capture lets this thread use the
+    /// device's own streams.
+    fn record_relaxed(
+        call: &Call<'_>,
+        capture: &dyn CallerCapture,
+        on: &CallerStream,
+        kept: &mut Vec<(Option<CallerStream>, Vec<Tensor>)>,
+    ) -> Result<(Execution, ReplayStatus)> {
         let owned = call_outputs(call, kept)?;
         let outs: Vec<&Tensor> = owned.iter().collect();
         capture.begin_recording(on, call.facts.recording_arena_bytes())?;

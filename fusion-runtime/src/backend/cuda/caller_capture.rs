@@ -102,6 +102,25 @@ impl CallerCapture for CudaDevice {
         stream_is_capturing(RawStream(on.raw as sys::CUstream))
     }
 
+    fn relax_capture(&self, relaxed: bool) -> Result<()> {
+        thread_local! {
+            static GIVEN_BACK: std::cell::Cell<Option<sys::CUstreamCaptureMode>> =
+                const { std::cell::Cell::new(None) };
+        }
+        let mut mode = match (relaxed, GIVEN_BACK.get()) {
+            (true, _) => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            (false, Some(m)) => m,
+            (false, None) => return Ok(()),
+        };
+        // SAFETY: exchanges the calling thread's capture mode; `mode` is a valid place.
+        check(
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) },
+            "cuThreadExchangeStreamCaptureMode",
+        )?;
+        GIVEN_BACK.set(relaxed.then_some(mode));
+        Ok(())
+    }
+
     fn begin_recording(&self, _on: &CallerStream, arena_bytes: usize) -> Result<()> {
         let shared = self.shared();
         shared.chain.free_released();
