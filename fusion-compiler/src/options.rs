@@ -93,8 +93,8 @@ impl Default for TransportOptions {
 /// larger of what a rank holds before and after (for an Allreduce, the tensor).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PeerMemoryCollectives {
-    /// Up to the sizes where peer memory measured faster than NCCL on this many devices
-    /// ([`crate::lower::peer_memory_limit`]).
+    /// At the sizes where peer memory measured faster than NCCL on this many devices
+    /// ([`crate::lower::peer_memory_wins`]).
     #[default]
     Auto,
     /// Messages of at most this many bytes.

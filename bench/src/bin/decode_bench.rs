@@ -58,6 +58,9 @@ struct Args {
     /// Skip the GEMM + Allreduce rows.
     #[arg(long)]
     no_gemm: bool,
+    /// Also time Allgather and ReduceScatter at these message sizes (bytes).
+    #[arg(long, default_value = "4096,32768,262144,1048576,4194304")]
+    gather_sizes: String,
     /// Also time the calls recorded into a CUDA graph of the caller's.
     #[arg(long)]
     graph: bool,
@@ -130,13 +133,20 @@ fn gemm(dt: DType) -> Result<Fusion> {
     fusion_bench::fusions::gemm(dt)
 }
 
+/// `ours`: the default options; `peer`: every eligible collective on peer memory;
+/// `nccl`: none.
 fn options(variant: &str) -> ExecOptions {
     let mut o = ExecOptions::default();
-    if variant == "nccl" {
-        o.lower.transports.peer_memory = PeerMemoryCollectives::Never;
-    }
+    o.lower.transports.peer_memory = match variant {
+        "nccl" => PeerMemoryCollectives::Never,
+        "peer" => PeerMemoryCollectives::UpTo(usize::MAX),
+        _ => PeerMemoryCollectives::Auto,
+    };
     o
 }
+
+/// The variants every collective row is timed in.
+const VARIANTS: [&str; 3] = ["ours", "peer", "nccl"];
 
 /// Median microseconds per call of `call` (run `calls` times per sample) in both modes.
 fn time_modes(
@@ -248,24 +258,78 @@ fn allreduce_rows(
         }
     }
     let x = mine.expect("this rank's input");
+    collective_rows(rank, a, exec, &x, &want, format!("allreduce {bytes}"))
+}
+
+/// Ours, peer memory throughout and NCCL for one collective of `exec` on input `x`,
+/// checked against `want`, in both modes.
+fn collective_rows(
+    rank: &Rank,
+    a: &Args,
+    exec: &FusionExecutor,
+    x: &Tensor,
+    want: &[f64],
+    what: String,
+) -> Result<Vec<Sample>> {
     let mut out = Vec::new();
-    for variant in ["ours", "nccl"] {
+    for variant in VARIANTS {
         let o = options(variant);
-        let y = exec.run_with(rank, &[&x], None, &o)?.outputs[0].clone();
-        let err = relerr(rank, &y, &want)?;
-        let (replay, graph) = time_modes(rank, a, &|on| {
-            exec.run_with(on, &[&x], None, &o).map(|_| ())
-        })?;
-        let what = format!("allreduce {bytes}");
+        let y = exec.run_with(rank, &[x], None, &o)?.outputs[0].clone();
+        let err = relerr(rank, &y, want)?;
+        let (replay, graph) =
+            time_modes(rank, a, &|on| exec.run_with(on, &[x], None, &o).map(|_| ()))?;
         out.push((what.clone(), variant, "replay", replay, err));
         match graph {
-            Ok(us) => out.push((what, variant, "graph", us, err)),
-            Err(e) if a.graph => {
-                println!("rank {}: {variant} {bytes} B: no graph: {e}", rank.index())
-            }
+            Ok(us) => out.push((what.clone(), variant, "graph", us, err)),
+            Err(e) if a.graph => println!("rank {}: {variant} {what}: no graph: {e}", rank.index()),
             Err(_) => {}
         }
     }
+    Ok(out)
+}
+
+/// The Allgather and ReduceScatter rows of one message size (the gathered output, the
+/// scattered input) on one rank.
+fn gather_scatter_rows(
+    rank: &Rank,
+    a: &Args,
+    (ag, rs): (&FusionExecutor, &FusionExecutor),
+    bytes: usize,
+    seed: u64,
+) -> Result<Vec<Sample>> {
+    let dt = a.dtype.dtype();
+    let (d, r) = (rank.world_size(), rank.index());
+    let cols = 64;
+    let m = (bytes / dt.size_bytes() / d / cols).max(1);
+    let blocks: Vec<Tensor> = (0..d)
+        .map(|q| random(&[1, m, cols], dt, seed + 7 * q as u64))
+        .collect::<Result<_>>()?;
+    let mut gathered = Vec::new();
+    for b in &blocks {
+        gathered.extend(b.to_f32_vec()?.into_iter().map(f64::from));
+    }
+    let x = rank.to_device(&blocks[r])?;
+    let mut out = collective_rows(rank, a, ag, &x, &gathered, format!("allgather {bytes}"))?;
+    let partials: Vec<Vec<f32>> = (0..d)
+        .map(|q| random(&[1, d, m, cols], dt, seed + 11 * q as u64)?.to_f32_vec())
+        .collect::<Result<_>>()?;
+    let want: Vec<f64> = (0..m * cols)
+        .map(|i| {
+            partials
+                .iter()
+                .map(|p| f64::from(p[r * m * cols + i]))
+                .sum()
+        })
+        .collect();
+    let p = rank.to_device(&random(&[1, d, m, cols], dt, seed + 11 * r as u64)?)?;
+    out.extend(collective_rows(
+        rank,
+        a,
+        rs,
+        &p,
+        &want,
+        format!("reduce_scatter {bytes}"),
+    )?);
     Ok(out)
 }
 
@@ -356,6 +420,16 @@ fn run() -> Result<()> {
             world.run(|rank| allreduce_rows(rank, &a, &ar, bytes, seed))?,
         );
     }
+    let (ag, rs) = (
+        FusionExecutor::new(fusion_bench::fusions::allgather(dt)?),
+        FusionExecutor::new(fusion_bench::fusions::reduce_scatter(dt)?),
+    );
+    for bytes in list(&a.gather_sizes) {
+        collect(
+            &mut rows,
+            world.run(|rank| gather_scatter_rows(rank, &a, (&ag, &rs), bytes, seed))?,
+        );
+    }
     if !a.no_gemm {
         let (mar, g) = (
             FusionExecutor::new(matmul_allreduce(dt)?),
@@ -405,13 +479,16 @@ fn print_tables(rows: &[Row], d: usize) {
             whats.push(&r.what);
         }
     }
-    println!("\n| D = {d} | ours graph | NCCL graph | ours replay | NCCL replay | GEMM graph | ours - GEMM |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "\n| D = {d} | ours graph | peer graph | NCCL graph | ours replay | NCCL replay | GEMM graph | ours - GEMM |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for w in whats {
         let g = get(w, "gemm", "graph");
         let ours = get(w, "ours", "graph");
         println!(
-            "| {w} | {ours:.2} | {:.2} | {:.2} | {:.2} | {g:.2} | {:.2} |",
+            "| {w} | {ours:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {g:.2} | {:.2} |",
+            get(w, "peer", "graph"),
             get(w, "nccl", "graph"),
             get(w, "ours", "replay"),
             get(w, "nccl", "replay"),

@@ -29,8 +29,8 @@ pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
 use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};
 pub use peer_memory::{
-    choose_peer_memory, fits_peer_memory, peer_memory_limit, PEER_MEMORY_MAX_RANKS,
-    PEER_MEMORY_REGION_BYTES,
+    choose_peer_memory, fits_peer_memory, peer_memory_wins, PEER_MEMORY_FLAGGED_BYTES,
+    PEER_MEMORY_MAX_RANKS, PEER_MEMORY_REGION_BYTES,
 };
 pub use pipelining::PipelineDecision;
 

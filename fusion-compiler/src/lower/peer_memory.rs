@@ -12,8 +12,9 @@
 //!   order), summing where they reduce, over f32, bf16 or f16;
 //! - stand at the top of the program (a stream loop's collectives overlap the loop's
 //!   GEMMs on other streams; the peer kernels of a rank run one at a time);
-//! - move at most [`peer_memory_limit`] bytes ([`PeerMemoryCollectives`]), and fit the
-//!   per-rank workspace ([`PEER_MEMORY_REGION_BYTES`]).
+//! - are of a size where peer memory measured faster ([`peer_memory_wins`]; or at most a
+//!   size, [`PeerMemoryCollectives`]), and fit the per-rank workspace
+//!   ([`PEER_MEMORY_REGION_BYTES`]).
 //!
 //! Each choice is printed under the host program.
 
@@ -27,18 +28,30 @@ use crate::options::PeerMemoryCollectives;
 /// runtime allocates two of them per rank, plus the flags.
 pub const PEER_MEMORY_REGION_BYTES: usize = 64 << 20;
 
+/// Bytes at the end of each half that only the small-message Allreduce uses (its data
+/// travels with flags beside it, so nothing else may write there): up to 64 KB on 8 ranks.
+pub const PEER_MEMORY_FLAGGED_BYTES: usize = 2 << 20;
+
 /// The most ranks a peer-memory collective spans (one flag per peer and block).
 pub const PEER_MEMORY_MAX_RANKS: usize = 8;
 
-/// The largest message (bytes) that [`PeerMemoryCollectives::Auto`] puts on peer memory
-/// for a collective of `kind` on `world_size` devices: where the peer kernels measured
-/// faster than NCCL (docs/DECISIONS.md, "Small collectives over peer memory").
-pub fn peer_memory_limit(kind: CommunicationKind, world_size: usize) -> usize {
+/// Whether [`PeerMemoryCollectives::Auto`] puts a `kind` collective of `bytes` on
+/// `world_size` devices on peer memory: where the peer kernels measured faster than NCCL
+/// (docs/DECISIONS.md, "Small collectives over peer memory"; 2x H200, CUDA graphs). On 2
+/// devices an Allreduce up to 64 KB (its data travels with its flags: 4.5-5.9 us against
+/// NCCL's 6.0-7.0) and above 1 MB (the two-shot kernel: 16.7 against 26.7 us at 2 MB),
+/// NCCL between; an Allgather from 1 MB and a ReduceScatter above 1 MB (NCCL's kernels
+/// are ~1 us faster below). On more devices every Allreduce, where NCCL's latency grows
+/// (20-28 us up to 1 MB on 4 H200s against 7-18 us for peer kernels, PyTorch's
+/// measurement).
+pub fn peer_memory_wins(kind: CommunicationKind, bytes: usize, world_size: usize) -> bool {
+    const MB: usize = 1 << 20;
     match kind {
-        CommunicationKind::Allreduce if world_size == 2 => usize::MAX,
-        CommunicationKind::Allreduce => 4 << 20,
-        CommunicationKind::Allgather | CommunicationKind::ReduceScatter => 1 << 20,
-        _ => 0,
+        CommunicationKind::Allreduce if world_size == 2 => bytes <= 64 << 10 || bytes > MB,
+        CommunicationKind::Allreduce => true,
+        CommunicationKind::Allgather => bytes >= MB,
+        CommunicationKind::ReduceScatter => bytes > MB,
+        _ => false,
     }
 }
 
@@ -53,7 +66,7 @@ pub fn fits_peer_memory(kind: CommunicationKind, bytes: usize, world_size: usize
     match kind {
         CommunicationKind::Allreduce => true,
         CommunicationKind::Allgather | CommunicationKind::ReduceScatter => {
-            d * slot <= PEER_MEMORY_REGION_BYTES
+            d * slot <= PEER_MEMORY_REGION_BYTES - PEER_MEMORY_FLAGGED_BYTES
         }
         _ => false,
     }
@@ -100,26 +113,24 @@ pub fn choose_peer_memory(
         else {
             continue;
         };
-        let limit = match use_ {
-            PeerMemoryCollectives::Auto => peer_memory_limit(c.kind, d),
-            PeerMemoryCollectives::UpTo(n) => n,
-            PeerMemoryCollectives::Never => 0,
+        let (chosen, why) = match use_ {
+            PeerMemoryCollectives::Auto => (
+                peer_memory_wins(c.kind, bytes, d),
+                format!("measured faster than NCCL at this size on {d} devices"),
+            ),
+            PeerMemoryCollectives::UpTo(usize::MAX) => (true, "every size".to_string()),
+            PeerMemoryCollectives::UpTo(n) => (bytes <= n, format!("at most {}", human_bytes(n))),
+            PeerMemoryCollectives::Never => (false, String::new()),
         };
-        if bytes == 0 || bytes > limit || !fits_peer_memory(c.kind, bytes, d) {
+        if bytes == 0 || !chosen || !fits_peer_memory(c.kind, bytes, d) {
             continue;
         }
         c.transport = Transport::PeerMemory;
         notes.push(format!(
-            "{} of `{}` ({}) on PeerMemory: {} on {d} devices \
-             (LowerOptions::transports.peer_memory)",
+            "{} of `{}` ({}) on PeerMemory: {why} (LowerOptions::transports.peer_memory)",
             c.kind.name(),
             program.ir.tensor_name(c.output),
             human_bytes(bytes),
-            if limit == usize::MAX {
-                "any size".to_string()
-            } else {
-                format!("at most {}", human_bytes(limit))
-            },
         ));
     }
     program.body = body;
@@ -208,14 +219,24 @@ mod tests {
     }
 
     #[test]
-    fn small_allreduces_go_to_peer_memory_and_large_ones_stay_on_nccl() {
+    fn allreduces_go_where_they_measured_faster() {
         let (f, [m, k, n]) = matmul_ar(DType::BF16);
         let o = LowerOptions::default();
+        // 2 devices: 128 KiB on peer memory, 1 MiB on NCCL, 128 MiB on peer memory again.
         let decode = [(m, 8), (k, 1024), (n, 8192)];
-        assert_eq!(transports(&f, decode, &o, 4), vec![Transport::PeerMemory]);
+        let mid = [(m, 64), (k, 1024), (n, 8192)];
         let prefill = [(m, 8192), (k, 1024), (n, 8192)];
-        assert_eq!(transports(&f, prefill, &o, 4), vec![Transport::Nccl]);
+        assert_eq!(
+            transports(&f, [(m, 4), (k, 1024), (n, 8192)], &o, 2),
+            vec![Transport::PeerMemory]
+        );
+        assert_eq!(transports(&f, decode, &o, 2), vec![Transport::Nccl]);
+        assert_eq!(transports(&f, mid, &o, 2), vec![Transport::Nccl]);
         assert_eq!(transports(&f, prefill, &o, 2), vec![Transport::PeerMemory]);
+        // 4 devices: every size.
+        for shape in [decode, mid, prefill] {
+            assert_eq!(transports(&f, shape, &o, 4), vec![Transport::PeerMemory]);
+        }
         let never = LowerOptions {
             transports: crate::options::TransportOptions {
                 peer_memory: PeerMemoryCollectives::Never,
@@ -224,13 +245,22 @@ mod tests {
             ..o.clone()
         };
         assert_eq!(transports(&f, decode, &never, 4), vec![Transport::Nccl]);
-        let up_to = LowerOptions::default().with_transport(Transport::PeerMemory);
-        let mid = [(m, 512), (k, 1024), (n, 8192)];
-        assert_eq!(transports(&f, mid, &up_to, 4), vec![Transport::PeerMemory]);
+        let all = LowerOptions::default().with_transport(Transport::PeerMemory);
+        assert_eq!(transports(&f, mid, &all, 2), vec![Transport::PeerMemory]);
         assert_eq!(
             transports(&f, mid, &LowerOptions::plain(), 4),
             vec![Transport::Nccl]
         );
+    }
+
+    #[test]
+    fn gathers_and_scatters_go_to_peer_memory_from_a_megabyte() {
+        use CommunicationKind::{Allgather, ReduceScatter};
+        assert!(!peer_memory_wins(Allgather, 256 << 10, 2));
+        assert!(peer_memory_wins(Allgather, 1 << 20, 4));
+        assert!(!peer_memory_wins(ReduceScatter, 1 << 20, 2));
+        assert!(peer_memory_wins(ReduceScatter, 4 << 20, 2));
+        assert!(!peer_memory_wins(CommunicationKind::Broadcast, 16, 2));
     }
 
     #[test]
@@ -249,7 +279,7 @@ mod tests {
     #[test]
     fn the_choice_is_noted_with_its_size() {
         let (f, [m, k, n]) = matmul_ar(DType::BF16);
-        let shape = [(m, 8), (k, 1024), (n, 8192)];
+        let shape = [(m, 2), (k, 1024), (n, 8192)];
         let p = lower_for_shapes(&f, 2, &LowerOptions::default(), &|s| {
             shape.iter().find(|(id, _)| *id == s).map(|(_, v)| *v)
         })
@@ -257,7 +287,8 @@ mod tests {
         .program;
         let note = p.notes.iter().find(|n| n.contains("PeerMemory")).unwrap();
         assert!(
-            note.contains("128 KiB") && note.contains("any size on 2 devices"),
+            note.contains("(32 KiB)")
+                && note.contains("faster than NCCL at this size on 2 devices"),
             "{note}"
         );
         let p = lower_for_shapes(&f, 4, &LowerOptions::default(), &|s| {
@@ -266,7 +297,18 @@ mod tests {
         .unwrap()
         .program;
         let note = p.notes.iter().find(|n| n.contains("PeerMemory")).unwrap();
-        assert!(note.contains("at most 4 MiB on 4 devices"), "{note}");
+        assert!(note.contains("on 4 devices"), "{note}");
+        let up_to = LowerOptions::default().with_transport(Transport::PeerMemory);
+        let p = lower_for_shapes(&f, 2, &up_to, &|s| {
+            shape.iter().find(|(id, _)| *id == s).map(|(_, v)| *v)
+        })
+        .unwrap()
+        .program;
+        assert!(
+            p.notes.iter().any(|n| n.contains("every size")),
+            "{:?}",
+            p.notes
+        );
     }
 
     #[test]
@@ -275,10 +317,10 @@ mod tests {
         assert!(fits_peer_memory(CommunicationKind::Allreduce, 1 << 30, d));
         assert!(!fits_peer_memory(
             CommunicationKind::Allgather,
-            (64 << 20) + 4096,
+            (62 << 20) + 4096,
             d
         ));
-        assert!(fits_peer_memory(CommunicationKind::Allgather, 64 << 20, d));
+        assert!(fits_peer_memory(CommunicationKind::Allgather, 62 << 20, d));
         assert!(!fits_peer_memory(CommunicationKind::Broadcast, 16, d));
         assert_eq!(human_bytes(100), "100 B");
     }

@@ -28,7 +28,9 @@ use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
 use fusion_compiler::hir::CommunicationKind;
-use fusion_compiler::lower::{PEER_MEMORY_MAX_RANKS, PEER_MEMORY_REGION_BYTES};
+use fusion_compiler::lower::{
+    PEER_MEMORY_FLAGGED_BYTES, PEER_MEMORY_MAX_RANKS, PEER_MEMORY_REGION_BYTES,
+};
 use fusion_compiler::DType;
 
 use crate::backend::cuda::device::CudaDevice;
@@ -53,20 +55,26 @@ fn grid_for(bytes: usize) -> u32 {
 /// Threads per block.
 const BLOCK: u32 = 512;
 
-/// Largest Allreduce (bytes) that runs one-shot on `world_size` ranks: every rank reads
-/// `world_size` copies, which costs more than the two-shot kernel's extra flag round trip
-/// beyond this (docs/DECISIONS.md, "Small collectives over peer memory").
-fn one_shot_limit(world_size: usize) -> usize {
-    match world_size {
-        2 => 512 << 10,
-        _ => 256 << 10,
-    }
-}
+/// Largest Allreduce (bytes) whose data travels with its flags (`peer_allreduce_ll`: no
+/// flag round trip, twice the bytes on the links): 4.5-5.9 us up to 64 KB on 2 H200s, 8.1
+/// at 128 KB where the one-shot and NCCL are faster.
+const FLAGGED_LIMIT: usize = 64 << 10;
+
+/// Largest Allreduce (bytes) that runs one-shot (every rank reads `world_size` copies)
+/// rather than two-shot (one more flag round trip): docs/DECISIONS.md, "Small
+/// collectives over peer memory".
+const ONE_SHOT_LIMIT: usize = 256 << 10;
+
+/// Bytes of a half that the flag-meeting kernels use (the rest is the flagged kernel's).
+const USABLE_BYTES: usize = PEER_MEMORY_REGION_BYTES - PEER_MEMORY_FLAGGED_BYTES;
 
 /// Which kernel runs an Allreduce of `bytes` on `world_size` ranks.
 pub(crate) fn allreduce_kernel(bytes: usize, world_size: usize) -> &'static str {
-    let fits = world_size * bytes.div_ceil(16) * 16 <= PEER_MEMORY_REGION_BYTES;
-    if bytes <= one_shot_limit(world_size) && fits {
+    let flagged = world_size * bytes.div_ceil(8) * 16 <= PEER_MEMORY_FLAGGED_BYTES;
+    let one_shot = world_size * bytes.div_ceil(16) * 16 <= USABLE_BYTES;
+    if bytes <= FLAGGED_LIMIT && flagged {
+        "peer_allreduce_ll"
+    } else if bytes <= ONE_SHOT_LIMIT && one_shot {
         "peer_allreduce_one_shot"
     } else {
         "peer_allreduce_two_shot"
@@ -99,6 +107,7 @@ struct Ctl {
     timeout_ns: u64,
     data_offset: u64,
     half_bytes: u64,
+    usable_bytes: u64,
 }
 
 /// One rank's handle on its world's peer memory: every rank's workspace as mapped here,
@@ -183,6 +192,7 @@ impl PeerMemory {
             timeout_ns: self.health.timeout().as_nanos().min(u128::from(u64::MAX)) as u64,
             data_offset: DATA_OFFSET as u64,
             half_bytes: PEER_MEMORY_REGION_BYTES as u64,
+            usable_bytes: USABLE_BYTES as u64,
         };
         let mut args: [*mut c_void; 7] = [
             (&mut input as *mut u64).cast(),
@@ -215,10 +225,11 @@ mod tests {
 
     #[test]
     fn small_allreduces_run_one_shot_and_larger_ones_two_shot() {
-        assert_eq!(allreduce_kernel(32 << 10, 4), "peer_allreduce_one_shot");
+        assert_eq!(allreduce_kernel(32 << 10, 4), "peer_allreduce_ll");
+        assert_eq!(allreduce_kernel(64 << 10, 8), "peer_allreduce_ll");
+        assert_eq!(allreduce_kernel(128 << 10, 4), "peer_allreduce_one_shot");
         assert_eq!(allreduce_kernel(4 << 20, 4), "peer_allreduce_two_shot");
-        assert_eq!(allreduce_kernel(512 << 10, 2), "peer_allreduce_one_shot");
-        assert_eq!(allreduce_kernel(512 << 10, 4), "peer_allreduce_two_shot");
+        assert_eq!(allreduce_kernel(1 << 20, 2), "peer_allreduce_two_shot");
     }
 
     #[test]

@@ -46,7 +46,9 @@ struct Ctl {
     u64 release;     // host-mapped u32: set by the host when the world failed
     u64 timeout_ns;
     u64 data_offset; // bytes from a workspace's start to its first half
-    u64 half_bytes;
+    u64 half_bytes;  // bytes from one half to the next
+    u64 usable_bytes; // bytes of a half the flag-meeting kernels use; the flagged-data
+                      // (LL) kernel uses the rest, which nothing else writes
 };
 
 __device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
@@ -179,12 +181,12 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_one_shot(const 
 
 // Allreduce, two shots: part q of the input goes to rank q (slot `rank`), each rank sums
 // its part and writes the sum into every peer's gather area, then copies the gathered sums
-// out. A message larger than half a workspace goes in chunks, each in the next half (the
+// out (measured faster than reading the other parts from their owners). A message larger than half a workspace goes in chunks, each in the next half (the
 // call counter moves once per chunk, so the halves keep alternating across calls).
 extern "C" __global__ void __launch_bounds__(512) peer_allreduce_two_shot(const E* in_all, E* out_all, u64 n_all, Peers P, int rank, int world, Ctl c) {
     BEGIN(2);
     const u64 unit = (u64)world * EPV;
-    const u64 cap = c.half_bytes / sizeof(E) / 2 / unit * unit;
+    const u64 cap = c.usable_bytes / sizeof(E) / 2 / unit * unit;
     halves = (u32)((n_all + cap - 1) / cap);
     for (u32 ch = 0; ch < halves; ++ch) {
         half = c.data_offset + (u64)((s_par + ch) & 1u) * c.half_bytes;
@@ -225,6 +227,69 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_two_shot(const 
                 move_elems(out + e, mine + gather + e, min((u64)EPV, n - e), true);
             }
         }
+    }
+    END();
+}
+
+// Allreduce for small messages, one shot without a flag round trip: every 8 bytes of the
+// input travel with the call's flag beside them (16-byte stores of data, flag, data, flag),
+// so a rank reads a peer's slot as soon as the flags there say this call, with no fence and
+// no separate flag. The call counter (the same on every rank) is the flag; calls alternate
+// halves, so a slot is written again only after its reader finished the call before.
+__device__ __forceinline__ void st_ll(void* p, u32 d0, u32 d1, u32 flag) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag) : "memory");
+}
+__device__ __forceinline__ void ld_ll(const void* p, u32* d0, u32* d1, u32* f0, u32* f1) {
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(*d0), "=r"(*f0), "=r"(*d1), "=r"(*f1) : "l"(p) : "memory");
+}
+#define PE (8 / (int)sizeof(E))
+
+extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
+    BEGIN(5);
+    const u32 flag = s_par + 1u;
+    const u64 packets = (n + PE - 1) / PE;
+    u64 lo, hi; share(packets, &lo, &hi);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        union { E e[PE]; u32 w[2]; } pk;
+        u64 e0 = i * PE;
+#pragma unroll
+        for (int k = 0; k < PE; ++k) pk.e[k] = e0 + k < n ? in[e0 + k] : (E)0;
+        for (int q = 0; q < world; ++q) st_ll((char*)AT(q) + c.usable_bytes + (rank * packets + i) * 16, pk.w[0], pk.w[1], flag);
+    }
+    const char* mine = (const char*)AT(rank) + c.usable_bytes;
+    for (u64 i = lo + threadIdx.x; i < hi && !*(volatile int*)&s_failed; i += blockDim.x) {
+        float acc[PE];
+#pragma unroll
+        for (int k = 0; k < PE; ++k) acc[k] = 0.f;
+        for (int r = 0; r < world; ++r) {
+            union { E e[PE]; u32 w[2]; } pk;
+            u32 f0, f1;
+            u64 start = 0;
+            u32 spins = 0;
+            for (;;) {
+                ld_ll(mine + (r * packets + i) * 16, &pk.w[0], &pk.w[1], &f0, &f1);
+                if (f0 == flag && f1 == flag) break;
+                if ((++spins & 1023) != 0) continue;
+                u64 tn = now_ns();
+                if (start == 0) { start = tn; continue; }
+                bool released = *(volatile u32*)c.release != 0;
+                if (released || tn - start > c.timeout_ns) {
+                    volatile u32* st = (volatile u32*)c.status;
+                    st[1] = (u32)r; st[2] = OP; st[3] = (u32)((tn - start) / 1000000ull);
+                    __threadfence_system();
+                    st[0] = released ? 2u : 1u;
+                    __threadfence_system();
+                    s_failed = 1;
+                    break;
+                }
+            }
+            if (s_failed) break;
+#pragma unroll
+            for (int k = 0; k < PE; ++k) acc[k] += ld1(pk.e[k]);
+        }
+        u64 e0 = i * PE;
+#pragma unroll
+        for (int k = 0; k < PE; ++k) if (e0 + k < n) out[e0 + k] = st1(acc[k]);
     }
     END();
 }

@@ -22,6 +22,7 @@ fn op_name(op: u32) -> &'static str {
         2 => "two-shot Allreduce",
         3 => "Allgather",
         4 => "ReduceScatter",
+        5 => "small Allreduce",
         _ => "collective",
     }
 }

@@ -7,7 +7,7 @@
 //! this host maps it from the descriptor it published at bootstrap (`pidfd_getfd`), once.
 
 use cudarc::driver::sys;
-use fusion_compiler::lower::PEER_MEMORY_REGION_BYTES;
+use fusion_compiler::lower::{PEER_MEMORY_FLAGGED_BYTES, PEER_MEMORY_REGION_BYTES};
 
 use crate::backend::cuda::libs::cu_check as check;
 use crate::backend::cuda::memory::shared_arena::{grant, map, unmap};
@@ -109,14 +109,26 @@ impl Workspace {
         Ok(ws)
     }
 
-    /// Zeroes the flags and counters (the world's ranks start over after a failure; no
-    /// kernel of any rank may be running).
+    /// Zeroes the flags and counters, and the data that travels with flags (the world's
+    /// ranks start over after a failure, their call counters at zero again; no kernel of
+    /// any rank may be running).
     pub(crate) fn reset_flags(&self) -> Result<()> {
-        // SAFETY: the first DATA_OFFSET bytes of the mapped workspace.
-        check(
-            unsafe { sys::cuMemsetD8_v2(self.va, 0, DATA_OFFSET) },
-            "zeroing the peer-memory flags",
-        )
+        let flagged = PEER_MEMORY_REGION_BYTES - PEER_MEMORY_FLAGGED_BYTES;
+        for (offset, bytes) in [
+            (0, DATA_OFFSET),
+            (DATA_OFFSET + flagged, PEER_MEMORY_FLAGGED_BYTES),
+            (
+                DATA_OFFSET + PEER_MEMORY_REGION_BYTES + flagged,
+                PEER_MEMORY_FLAGGED_BYTES,
+            ),
+        ] {
+            // SAFETY: a range inside the mapped workspace.
+            check(
+                unsafe { sys::cuMemsetD8_v2(self.va + offset as u64, 0, bytes) },
+                "zeroing the peer-memory flags",
+            )?;
+        }
+        Ok(())
     }
 }
 
