@@ -211,6 +211,26 @@ pub fn capture_arena_bytes(bytes: usize, count: usize) -> usize {
 /// Alignment of the buffers of a capture arena (the stream-ordered allocator's).
 pub const CAPTURE_ARENA_ALIGN: usize = 256;
 
+/// Buffers a device handed out, whoever asked: the evaluator for a program's tensors, a
+/// kernel for its scratch, a transport for its staging ([`CallerCapture::handed_out`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HandedOut {
+    /// How many buffers.
+    pub buffers: usize,
+    /// Their bytes, in all.
+    pub bytes: usize,
+}
+
+impl HandedOut {
+    /// What was handed out between the reading `earlier` and this one (of one device).
+    pub fn since(self, earlier: HandedOut) -> HandedOut {
+        HandedOut {
+            buffers: self.buffers.wrapping_sub(earlier.buffers),
+            bytes: self.bytes.wrapping_sub(earlier.bytes),
+        }
+    }
+}
+
 /// A call recorded on a device that can be replayed with one launch (a CUDA graph).
 pub trait DeviceGraph: Send + Sync {
     /// Launches the recorded work on the device's main stream, or on the caller's stream
@@ -353,6 +373,11 @@ pub trait CallerCapture: Send + Sync {
     /// as the caller's graph; returns the number of nodes added. Without `keep` (the walk
     /// failed), the recording is thrown away.
     fn end_recording(&self, on: &CallerStream, keep: Option<&[Tensor]>) -> Result<usize>;
+    /// Every buffer the device handed out so far, a running total: [`Device::allocate`]'s
+    /// and what its kernels and transports allocate for themselves, on any stream. What an
+    /// eager call adds to it is what a recording of the same call takes from its arena
+    /// (the evaluator's own count misses the buffers the backend allocates).
+    fn handed_out(&self) -> HandedOut;
 }
 
 /// The life cycle's steps for any device: a device without [`DeviceLifecycle`] needs no

@@ -199,9 +199,15 @@ fn run_eagerly(
         })?;
     }
     let outputs = outputs.or(call.outputs);
+    // What the device hands out, the backend's own buffers too, sizes a recording's arena.
+    let recorder = call.rank.device().caller_capture();
+    let before = recorder.map(|r| r.handed_out());
     let ex = execute(call.program, call.ctx, call.symbols, call.inputs, outputs)?;
     call.facts
         .note_allocations(ex.stats.allocated_bytes, ex.stats.allocations);
+    if let (Some(r), Some(before)) = (recorder, before) {
+        call.facts.note_handed_out(r.handed_out().since(before));
+    }
     Ok((ex, ReplayStatus::Eager(reason)))
 }
 

@@ -1,15 +1,17 @@
 //! Whether a program can be captured as a device graph, and the words for why a call runs
 //! eagerly instead ([`EagerReason`]); the arena a captured call's buffers get; whether a
-//! call on a stream the caller is capturing can be recorded into that capture, and the
-//! error that says why not ([`recording_refused`]).
+//! call on a stream the caller is capturing can be recorded into that capture, the error
+//! that says why not ([`recording_refused`]), and the arena its buffers get
+//! ([`MostHandedOut`]).
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fusion_compiler::hir::HostProgram;
 
 use super::receives::peer_copy_receives;
 use super::ProgramFacts;
-use crate::device::BackendKind;
+use crate::device::{capture_arena_bytes, BackendKind, HandedOut};
 use crate::error::Error;
 
 /// Why a call ran eagerly rather than from a graph.
@@ -158,17 +160,51 @@ pub(crate) fn recording_refused(rank: usize, reason: &EagerReason) -> Option<Err
     })
 }
 
-impl ProgramFacts {
-    /// The arena of a call recorded into a graph the caller is capturing: room for
-    /// everything an eager call of the program allocated, however large (the recording
-    /// may hold no allocation of its own); 0 when none allocated anything.
-    pub(crate) fn recording_arena_bytes(&self) -> usize {
-        use std::sync::atomic::Ordering;
-        let count = self.call_allocations.load(Ordering::Relaxed);
-        if count == 0 {
-            return 0;
+/// The most buffers, and bytes, the device handed out in one eager call of a program, on
+/// any rank ([`HandedOut`]): every buffer a recording of the program takes from its arena.
+///
+/// A recording may hold no allocation of its own, so its arena must hold everything the
+/// walk allocates: the evaluator's buffers and the backend's own (a GEMM's f32 product
+/// before an epilogue it cannot fuse, copies of operands it cannot read in place, a
+/// transport's staging and receive buffers), on every stream. The device counts them where
+/// it hands them out, which is where a recording takes them from the arena. A walk
+/// allocates the same buffers at every call with the same inputs' layouts (a recording
+/// writes into outputs allocated before it, which only takes fewer), so the most of the
+/// eager calls holds a recording whose inputs are laid out as in one of them.
+#[derive(Debug, Default)]
+pub(crate) struct MostHandedOut {
+    buffers: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+impl MostHandedOut {
+    /// Notes what one eager call had its device hand out.
+    fn note(&self, call: HandedOut) {
+        self.buffers.fetch_max(call.buffers, Ordering::Relaxed);
+        self.bytes.fetch_max(call.bytes, Ordering::Relaxed);
+    }
+
+    /// The arena that holds every buffer of any call noted, each aligned; 0 when none
+    /// allocated anything.
+    fn arena_bytes(&self) -> usize {
+        match self.buffers.load(Ordering::Relaxed) {
+            0 => 0,
+            buffers => capture_arena_bytes(self.bytes.load(Ordering::Relaxed), buffers),
         }
-        crate::device::capture_arena_bytes(self.call_bytes.load(Ordering::Relaxed), count)
+    }
+}
+
+impl ProgramFacts {
+    /// Notes what an eager call had its device hand out ([`MostHandedOut`]).
+    pub(crate) fn note_handed_out(&self, call: HandedOut) {
+        self.handed_out.note(call);
+    }
+
+    /// The arena of a call recorded into a graph the caller is capturing: room for every
+    /// buffer the device handed out in an eager call of the program, however large (see
+    /// [`MostHandedOut`]); 0 when none allocated anything.
+    pub(crate) fn recording_arena_bytes(&self) -> usize {
+        self.handed_out.arena_bytes()
     }
 }
 
@@ -187,6 +223,21 @@ mod tests {
         assert!(EagerReason::Backend(BackendKind::Cpu)
             .to_string()
             .contains("cpu backend"));
+    }
+
+    #[test]
+    fn a_recordings_arena_holds_the_most_any_eager_call_had_handed_out() {
+        let most = MostHandedOut::default();
+        assert_eq!(most.arena_bytes(), 0, "nothing allocated: no arena");
+        let call = |buffers, bytes| HandedOut { buffers, bytes };
+        // The first call allocates receive buffers that later calls reuse; a later call
+        // at other layouts stages more. The arena holds either.
+        most.note(call(5, 13312));
+        most.note(call(7, 9000));
+        most.note(call(2, 1024));
+        assert_eq!(most.arena_bytes(), capture_arena_bytes(13312, 7));
+        assert!(most.arena_bytes() >= capture_arena_bytes(13312, 5));
+        assert!(most.arena_bytes() >= capture_arena_bytes(9000, 7));
     }
 
     #[test]

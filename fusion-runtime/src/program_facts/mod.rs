@@ -36,10 +36,13 @@ pub(crate) struct ProgramFacts {
     /// Whether it can be captured as a device graph, worked out once: replayed calls
     /// must not walk the program.
     pub(crate) capture: std::result::Result<(), EagerReason>,
-    /// The most bytes, and buffers, one eager call of it allocated on any rank: the size
-    /// of a captured call's arena.
+    /// The most bytes, and buffers, one eager call of it allocated on any rank (the
+    /// evaluator's buffers): the size of a replayed call's arena.
     call_bytes: AtomicUsize,
     call_allocations: AtomicUsize,
+    /// The most one eager call of it had its device hand out on any rank, the backend's
+    /// own buffers included: the arena of a call recorded into the caller's capture.
+    handed_out: capture::MostHandedOut,
 }
 
 impl ProgramFacts {
@@ -55,6 +58,7 @@ impl ProgramFacts {
             capture: capture_plan(program, backend),
             call_bytes: AtomicUsize::new(0),
             call_allocations: AtomicUsize::new(0),
+            handed_out: Default::default(),
         }
     }
 

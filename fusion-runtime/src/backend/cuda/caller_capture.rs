@@ -10,8 +10,10 @@
 //!
 //! Nothing may be allocated by the caller's graph itself (a graph whose allocations outlive
 //! a launch cannot be launched again, and a child graph may hold no allocation), so
-//! everything the recording uses is allocated before it, on the main stream: the
-//! intermediates come from an arena sized by the program's earlier eager calls, and
+//! everything the recording uses is allocated before it, on the main stream: every buffer
+//! the walk asks the device for (the evaluator's intermediates, a GEMM's scratch, a
+//! transport's staging, on any stream) comes from an arena sized by what the device handed
+//! out in the program's earlier eager calls (`ProgramFacts::recording_arena_bytes`), and
 //! outputs the caller did not give are allocated (or reused) by the executor. Those
 //! stream-ordered allocations are ordered before the caller's graph by an event recorded
 //! once on the main stream, which the caller's graph waits for (an event wait node before
@@ -40,7 +42,7 @@ use super::memory::buffer::CudaBuffer;
 use super::memory::capture_arena::CaptureArena;
 use super::memory::device_shared::DeviceShared;
 use super::stream::{stream_is_capturing, RawStream};
-use crate::device::{CallerCapture, CallerStream, Device};
+use crate::device::{CallerCapture, CallerStream, Device, HandedOut};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -162,15 +164,7 @@ impl CallerCapture for CudaDevice {
         };
         let allocating = captured.memory_nodes()?;
         if allocating > 0 {
-            return Err(Error::Backend {
-                backend: "cuda",
-                reason: format!(
-                    "a call recorded into your capture allocated memory its earlier calls did \
-                     not ({allocating} allocation or free nodes), which a graph added to yours \
-                     cannot hold; call the fusion once more outside the capture with these \
-                     shapes, then capture again"
-                ),
-            });
+            return Err(beyond_arena(allocating, arena.as_deref()));
         }
         let nodes = captured.nodes();
         if nodes == 0 {
@@ -186,6 +180,33 @@ impl CallerCapture for CudaDevice {
         add_to_capture(RawStream(on.raw as sys::CUstream), recording)?;
         shared.chain.recorded(on);
         Ok(nodes)
+    }
+
+    fn handed_out(&self) -> HandedOut {
+        self.handed_out.total()
+    }
+}
+
+/// The error of a recording that allocated beyond its arena (`arena`, if it had one): its
+/// graph holds `nodes` allocation or free nodes, which a child graph may not.
+fn beyond_arena(nodes: usize, arena: Option<&CaptureArena>) -> Error {
+    let (missed, size) = arena.map_or((None, 0), |a| (Some(a.missed()), a.size()));
+    let what = match missed {
+        Some(m) if m.buffers > 0 => format!(
+            "{} buffers of {} bytes in all did not fit its arena of {size} bytes",
+            m.buffers, m.bytes
+        ),
+        Some(_) => format!("its arena of {size} bytes held every buffer the device handed out"),
+        None => "it had no arena: its earlier calls allocated nothing".to_string(),
+    };
+    Error::Backend {
+        backend: "cuda",
+        reason: format!(
+            "a call recorded into your capture allocated memory its earlier calls did not \
+             ({nodes} allocation or free nodes: {what}), which a graph added to yours cannot \
+             hold; call the fusion once more outside the capture with these inputs (the \
+             same shapes and layouts), then capture again"
+        ),
     }
 }
 

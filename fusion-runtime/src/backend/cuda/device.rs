@@ -16,6 +16,7 @@ use super::memory::buffer::CudaBuffer;
 use super::memory::capture_arena::CaptureArena;
 use super::memory::device_shared::DeviceShared;
 use super::memory::free_list::FreeList;
+use super::memory::handed_out::HandedOutMeter;
 use super::memory::shared_arena::SharedArena;
 use super::stream::RawStream;
 use super::{graph, health::WorldHealth};
@@ -55,12 +56,15 @@ pub struct CudaDevice {
     pub(crate) kernels: KernelCache,
     /// cuBLASLt handle, GEMM plans and workspaces.
     pub(crate) lt: LtPlans,
-    poison: std::sync::atomic::AtomicBool,
+    /// Whether new allocations are filled with NaN bytes (`Device::set_poison`).
+    pub(super) poison: std::sync::atomic::AtomicBool,
     health: Arc<WorldHealth>,
     /// Memory peers in other processes map (launched worlds with such peers).
     arena: std::sync::OnceLock<Arc<SharedArena>>,
     /// While a call is captured: the memory its buffers come from (see `capture_arena`).
     pub(crate) capture_arena: Mutex<Option<Arc<CaptureArena>>>,
+    /// Every buffer handed out (see `allocation`), for the arenas of recorded calls.
+    pub(crate) handed_out: HandedOutMeter,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -98,6 +102,7 @@ impl CudaDevice {
             health,
             arena: std::sync::OnceLock::new(),
             capture_arena: Mutex::new(None),
+            handed_out: HandedOutMeter::default(),
         };
         dev.shared.bind()?;
         configure_pool(ordinal)?;
@@ -127,16 +132,6 @@ impl CudaDevice {
     /// The arena of [`Self::enable_shared_arena`], if any.
     pub(crate) fn shared_arena(&self) -> Option<&Arc<SharedArena>> {
         self.arena.get()
-    }
-
-    /// Fills a new allocation with NaN bytes when poisoning is on (`Device::set_poison`).
-    fn poison_new(&self, ptr: u64, bytes: usize, raw: RawStream) -> Result<()> {
-        if bytes > 0 && self.poison.load(std::sync::atomic::Ordering::Relaxed) {
-            // SAFETY: the range was just allocated on `raw` with `bytes` bytes.
-            unsafe { result::memset_d8_async(ptr, 0xFF, bytes, raw.0) }
-                .map_err(|e| driver_err("poisoning an allocation", e))?;
-        }
-        Ok(())
     }
 
     /// Number of streams: the main stream and the worker pool.
@@ -187,36 +182,6 @@ impl CudaDevice {
                 backend: "cuda",
                 reason: format!("stream {s} does not exist"),
             })
-    }
-
-    /// Allocates a contiguous tensor on `stream` (poisoned when poisoning is on).
-    pub(crate) fn alloc_tensor(
-        &self,
-        stream: StreamHandle,
-        dtype: DType,
-        shape: &[usize],
-    ) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
-        let bytes = numel * dtype.size_bytes();
-        let raw = self.raw_stream(stream)?;
-        if stream == 0 {
-            // A buffer of the main stream: after the replays on callers' streams that may
-            // have used its memory, and before any replay that uses it.
-            self.shared.chain.after_callers(raw.0, true)?;
-            self.shared.chain.bump();
-        }
-        let arena = self
-            .capture_arena
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        if let Some(buf) = arena.and_then(|a| a.take(bytes)) {
-            self.poison_new(crate::tensor::DeviceBuffer::ptr(&buf), bytes, raw)?;
-            return Ok(Tensor::from_device(dtype, shape, Arc::new(buf)));
-        }
-        let buf = CudaBuffer::alloc(&self.shared, raw, bytes)?;
-        self.poison_new(buf_ptr(&buf), bytes, raw)?;
-        Ok(Tensor::from_device(dtype, shape, Arc::new(buf)))
     }
 
     /// Blocks until `event` is reached, polling like [`Self::wait_stream`].
@@ -295,11 +260,6 @@ impl CudaDevice {
             unsafe { sys::cuStreamQuery(stream.0) }
         })
     }
-}
-
-pub(crate) fn buf_ptr(b: &CudaBuffer) -> sys::CUdeviceptr {
-    use crate::tensor::DeviceBuffer;
-    b.ptr()
 }
 
 /// Keeps freed memory in the device's default pool instead of returning it to the driver.

@@ -12,6 +12,7 @@
 //! kernels), `comm/` (the CUDA communicator: NCCL, copy-engine transfers, CUDA IPC) and
 //! `world/` (CUDA worlds: devices, communicators and transports per pair of ranks).
 
+mod allocation;
 mod caller_capture;
 mod caller_stream;
 pub(crate) mod comm;

@@ -19,14 +19,21 @@ use crate::tensor::DeviceBuffer;
 
 #[cfg(test)]
 use crate::device::capture_arena_bytes as arena_bytes;
-use crate::device::CAPTURE_ARENA_ALIGN as ALIGN;
+use crate::device::{HandedOut, CAPTURE_ARENA_ALIGN as ALIGN};
+
+/// Where an arena stands: the bytes handed out, and what did not fit.
+#[derive(Debug, Default)]
+struct Cursor {
+    used: usize,
+    missed: HandedOut,
+}
 
 /// One allocation made before a capture, handed out in order during it.
 pub(crate) struct CaptureArena {
     shared: Arc<DeviceShared>,
     base: sys::CUdeviceptr,
     size: usize,
-    next: Mutex<usize>,
+    cursor: Mutex<Cursor>,
     /// The buffer the arena lies in, when it is one ([`CaptureArena::over`]): freed as
     /// buffers are; else the arena frees its own allocation.
     backing: Option<super::buffer::CudaBuffer>,
@@ -60,7 +67,7 @@ impl CaptureArena {
             shared: shared.clone(),
             base,
             size,
-            next: Mutex::new(0),
+            cursor: Mutex::default(),
             backing: None,
         }))
     }
@@ -71,22 +78,39 @@ impl CaptureArena {
             shared: shared.clone(),
             base: DeviceBuffer::ptr(&buffer),
             size: DeviceBuffer::len_bytes(&buffer),
-            next: Mutex::new(0),
+            cursor: Mutex::default(),
             backing: Some(buffer),
         })
     }
 
     /// The next `bytes` of the arena, or `None` when it has no room left (the caller then
-    /// allocates as usual).
+    /// allocates as usual, and the arena notes what it missed).
     pub(crate) fn take(self: &Arc<Self>, bytes: usize) -> Option<ArenaBuffer> {
-        let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
-        let (start, end) = place(*next, bytes, self.size)?;
-        *next = end;
+        let mut cursor = self.cursor.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some((start, end)) = place(cursor.used, bytes, self.size) else {
+            cursor.missed.buffers += 1;
+            cursor.missed.bytes += bytes;
+            return None;
+        };
+        cursor.used = end;
         Some(ArenaBuffer {
             arena: self.clone(),
             ptr: self.base + start as u64,
             bytes,
         })
+    }
+
+    /// The arena's size.
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The buffers asked for that did not fit, allocated elsewhere.
+    pub(crate) fn missed(&self) -> HandedOut {
+        self.cursor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .missed
     }
 }
 
@@ -151,6 +175,43 @@ mod tests {
             assert!(start >= used && end - start == s.max(1));
             used = end;
         }
+    }
+
+    /// Whether buffers of `sizes`, taken in order, all fit an arena of `size` bytes.
+    fn all_fit(sizes: &[usize], size: usize) -> bool {
+        let mut used = 0;
+        for &s in sizes {
+            match place(used, s, size) {
+                Some((_, end)) => used = end,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    #[test]
+    fn a_recordings_arena_holds_what_the_backend_allocates_beside_the_evaluator() {
+        use crate::backend::cuda::memory::handed_out::HandedOutMeter;
+        // One rank's eager call of the tensor-parallel MLP on 2 GPUs (f32, m = 8, h = 32,
+        // f = 64): the evaluator's gathered rows (2 KiB), activation (4 KiB), partial
+        // products (2 KiB) and output (1 KiB), and the f32 product a batched GEMM writes
+        // before its relu epilogue (4 KiB), which the evaluator does not see.
+        let evaluator = [2048, 4096, 2048, 1024];
+        let gemm_product = 4096;
+        let meter = HandedOutMeter::default();
+        let before = meter.total();
+        for bytes in [2048, 4096, gemm_product, 2048, 1024] {
+            meter.count(bytes);
+        }
+        let eager = meter.total().since(before);
+        // The recording writes into an output allocated before it.
+        let recorded = [2048, 4096, gemm_product, 2048];
+        let by_evaluator = arena_bytes(evaluator.iter().sum(), evaluator.len());
+        assert!(
+            !all_fit(&recorded, by_evaluator),
+            "sized by the evaluator's count, the partial products spill out of the arena"
+        );
+        assert!(all_fit(&recorded, arena_bytes(eager.bytes, eager.buffers)));
     }
 
     #[test]
