@@ -6,10 +6,11 @@
 //! together with the addresses of the call it captured: the inputs and the outputs (which
 //! are allocated before the capture, outside the graph). A call whose inputs or outputs
 //! sit elsewhere never replays that graph: it runs eagerly, and when the same new
-//! addresses come back (among the last [`RECENT_ADDRESSES`] sets seen) the graph is
-//! captured again for them, so one fusion called from several places with buffers of its
-//! own (the layers of a model) replays at each. Stale pointers are never replayed. Loops that drop their outputs before the next call get the same
-//! addresses back from the allocator and replay every call.
+//! addresses come back (among the last 16 sets seen) the graph is captured again for
+//! them, so one fusion called from several places with buffers of its own (the layers of
+//! a model) replays at each. Stale pointers are never replayed. Loops that drop their
+//! outputs before the next call get the same addresses back from the allocator and replay
+//! every call.
 //!
 //! Programs that cannot be captured run eagerly, and [`ReplayStatus::Eager`] says why.
 //!
