@@ -89,6 +89,9 @@ impl StepGraph {
         layer.calls.take();
         #[cfg(feature = "candle-cuda")]
         if let Some(stream) = fusion_candle::stream_of(device) {
+            // candle's allocations inside the capture come from the default pool: a
+            // launched world's exportable pool cannot hand out graph memory.
+            let _pool = call.target().rank().graph_allocations()?;
             step.graph = Some(cuda::record(&stream, || step.run(layer, call))?);
         }
         step.calls = layer.calls.take().calls;

@@ -26,7 +26,7 @@ pub mod world;
 #[cfg(feature = "cuda")]
 pub use backend::cuda::CudaElement;
 #[cfg(feature = "cuda")]
-pub use backend::cuda::OnStream;
+pub use backend::cuda::{GraphAllocations, OnStream};
 pub use backend::BackendKind;
 /// The cudarc version the runtime is built with: `CudaSlice`, `CudaView`, `CudaContext`,
 /// `CudaStream` of this crate are what [`Rank::from_cuda_slice`], [`Rank::with_cuda_view`]

@@ -32,7 +32,7 @@ pub use libs::{check_libraries, device_count, driver_present};
 pub use user_buffers::CudaElement;
 pub use world::{
     cuda_world, cuda_world_sharing_gpus, cuda_world_without_peer_access,
-    launched_world_sharing_gpus, OnStream,
+    launched_world_sharing_gpus, GraphAllocations, OnStream,
 };
 
 pub use health::a_device_is_stuck;

@@ -24,7 +24,7 @@ mod user_buffers;
 
 pub(crate) use launched::launched_cuda_world;
 pub use launched::launched_world_sharing_gpus;
-pub use on_stream::OnStream;
+pub use on_stream::{GraphAllocations, OnStream};
 
 use std::sync::Arc;
 

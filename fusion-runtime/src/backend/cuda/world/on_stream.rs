@@ -114,3 +114,58 @@ impl Rank {
         }
     }
 }
+
+/// While alive, stream-ordered allocations on the rank's GPU (yours too: candle's,
+/// cudarc's) come from the device's default memory pool; dropping it gives the previous
+/// pool back. See [`Rank::graph_allocations`].
+#[must_use = "the default pool is current only while the guard lives"]
+pub struct GraphAllocations {
+    device: cudarc::driver::sys::CUdevice,
+    previous: cudarc::driver::sys::CUmemoryPool,
+}
+
+// SAFETY: a device ordinal and a pool handle, usable from any thread.
+unsafe impl Send for GraphAllocations {}
+
+impl Rank {
+    /// Makes the device's default memory pool the current one until the guard drops.
+    /// A world of several processes makes an exportable pool current (its buffers can be
+    /// mapped by peers), and a CUDA graph cannot allocate from an exportable pool: hold
+    /// this guard while you capture work that allocates (a candle step), or the capture's
+    /// `cuMemAllocAsync` fails with `CUDA_ERROR_NOT_SUPPORTED`. Fusion calls recorded in
+    /// the meantime are unaffected; hand your tensors to fusion calls outside the guard.
+    pub fn graph_allocations(&self) -> Result<GraphAllocations> {
+        use crate::backend::cuda::libs::cu_check as check;
+        use cudarc::driver::sys;
+        let ordinal = self.cuda_device("graph_allocations")?.shared().ordinal as i32;
+        let mut device: sys::CUdevice = 0;
+        let mut previous: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut default: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: queries and a setter on a valid device ordinal; the out-pointers are valid.
+        unsafe {
+            check(sys::cuDeviceGet(&mut device, ordinal), "cuDeviceGet")?;
+            check(
+                sys::cuDeviceGetMemPool(&mut previous, device),
+                "cuDeviceGetMemPool",
+            )?;
+            check(
+                sys::cuDeviceGetDefaultMemPool(&mut default, device),
+                "cuDeviceGetDefaultMemPool",
+            )?;
+            check(
+                sys::cuDeviceSetMemPool(device, default),
+                "making the default memory pool current",
+            )?;
+        }
+        Ok(GraphAllocations { device, previous })
+    }
+}
+
+impl Drop for GraphAllocations {
+    fn drop(&mut self) {
+        // SAFETY: restores the pool that was current when the guard was made.
+        unsafe {
+            let _ = cudarc::driver::sys::cuDeviceSetMemPool(self.device, self.previous);
+        }
+    }
+}
