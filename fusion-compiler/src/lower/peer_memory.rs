@@ -37,18 +37,18 @@ pub const PEER_MEMORY_MAX_RANKS: usize = 8;
 
 /// Whether [`PeerMemoryCollectives::Auto`] puts a `kind` collective of `bytes` on
 /// `world_size` devices on peer memory: where the peer kernels measured faster than NCCL
-/// (docs/DECISIONS.md, "Small collectives over peer memory"; 2x H200, CUDA graphs). On 2
-/// devices an Allreduce up to 64 KB (its data travels with its flags: 4.5-5.9 us against
-/// NCCL's 6.0-7.0) and above 1 MB (the two-shot kernel: 16.7 against 26.7 us at 2 MB),
-/// NCCL between; an Allgather from 1 MB and a ReduceScatter above 1 MB (NCCL's kernels
-/// are ~1 us faster below). On more devices every Allreduce, where NCCL's latency grows
-/// (20-28 us up to 1 MB on 4 H200s against 7-18 us for peer kernels, PyTorch's
-/// measurement).
+/// (docs/DECISIONS.md, "Small collectives over peer memory"; CUDA graphs). On 2 H200s an
+/// Allreduce up to 64 KB (its data travels with its flags: 4.5-5.9 us against NCCL's
+/// 6.0-7.0) and above 1 MB (the two-shot kernel: 16.7 against 26.7 us at 2 MB), NCCL
+/// between. On 4 H100s an Allreduce up to 128 KB (5.8-9.4 us against 9.0-10.8), NCCL
+/// above (11.1 against 12.9 us at 256 KB, level from 1 to 16 MB, 323 against 342 at
+/// 64 MB). An Allgather from 1 MB and a ReduceScatter above 1 MB (NCCL's kernels are
+/// faster below, on 2 and on 4 GPUs).
 pub fn peer_memory_wins(kind: CommunicationKind, bytes: usize, world_size: usize) -> bool {
     const MB: usize = 1 << 20;
     match kind {
         CommunicationKind::Allreduce if world_size == 2 => bytes <= 64 << 10 || bytes > MB,
-        CommunicationKind::Allreduce => true,
+        CommunicationKind::Allreduce => bytes <= 128 << 10,
         CommunicationKind::Allgather => bytes >= MB,
         CommunicationKind::ReduceScatter => bytes > MB,
         _ => false,
@@ -233,10 +233,10 @@ mod tests {
         assert_eq!(transports(&f, decode, &o, 2), vec![Transport::Nccl]);
         assert_eq!(transports(&f, mid, &o, 2), vec![Transport::Nccl]);
         assert_eq!(transports(&f, prefill, &o, 2), vec![Transport::PeerMemory]);
-        // 4 devices: every size.
-        for shape in [decode, mid, prefill] {
-            assert_eq!(transports(&f, shape, &o, 4), vec![Transport::PeerMemory]);
-        }
+        // 4 devices: up to 128 KiB.
+        assert_eq!(transports(&f, decode, &o, 4), vec![Transport::PeerMemory]);
+        assert_eq!(transports(&f, mid, &o, 4), vec![Transport::Nccl]);
+        assert_eq!(transports(&f, prefill, &o, 4), vec![Transport::Nccl]);
         let never = LowerOptions {
             transports: crate::options::TransportOptions {
                 peer_memory: PeerMemoryCollectives::Never,
