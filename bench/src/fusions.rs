@@ -12,7 +12,8 @@ use fusion::{DType, Result};
 
 use ParallelType::{DIDx as D, Serial as S, Stream as St};
 
-fn axes(b: &mut FusionBuilder, spec: &[(&str, ParallelType)]) -> Vec<Axis> {
+/// One axis per `(symbol name, parallel type)`, the symbol made (or found) by name.
+pub fn axes(b: &mut FusionBuilder, spec: &[(&str, ParallelType)]) -> Vec<Axis> {
     spec.iter()
         .map(|&(s, p)| Axis {
             extent: b.symbol(s),

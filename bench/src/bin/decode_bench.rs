@@ -27,6 +27,7 @@ use fusion::{
 };
 use fusion_bench::cli::{list, seed_or_clock, write_file};
 use fusion_bench::finish::finish;
+use fusion_bench::fusions::axes;
 use fusion_bench::measure::{barrier, median, random};
 use fusion_bench::Dt;
 use std::sync::Arc;
@@ -91,19 +92,10 @@ impl Row {
     }
 }
 
-fn symbols(b: &mut FusionBuilder, spec: &[(&str, ParallelType)]) -> Vec<Axis> {
-    spec.iter()
-        .map(|&(s, p)| Axis {
-            extent: b.symbol(s),
-            parallel: p,
-        })
-        .collect()
-}
-
 /// `sum(x, 0)` of `x: [d @ DIDx, n]`.
 fn allreduce(dt: DType) -> Result<Fusion> {
     let mut b = FusionBuilder::new();
-    let a = symbols(
+    let a = axes(
         &mut b,
         &[("d", ParallelType::DIDx), ("n", ParallelType::Serial)],
     );
@@ -117,7 +109,7 @@ fn allreduce(dt: DType) -> Result<Fusion> {
 fn matmul_allreduce(dt: DType) -> Result<Fusion> {
     use ParallelType::{DIDx, Serial};
     let mut b = FusionBuilder::new();
-    let xa = symbols(&mut b, &[("d", DIDx), ("m", Serial), ("k", Serial)]);
+    let xa = axes(&mut b, &[("d", DIDx), ("m", Serial), ("k", Serial)]);
     let x = b.input("x", dt, &xa)?;
     let (d, k) = (xa[0].extent, xa[2].extent);
     let n = b.symbol("n");
@@ -160,28 +152,15 @@ fn time_modes(
     for _ in 0..3 {
         call(&on)?;
     }
-    let mut replay = Vec::new();
-    for _ in 0..a.iters {
-        barrier(rank)?;
-        stream.synchronize().map_err(driver)?;
-        let start = stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver)?;
-        for _ in 0..a.calls {
-            call(&on)?;
-        }
-        let end = stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver)?;
-        end.synchronize().map_err(driver)?;
-        replay.push(f64::from(start.elapsed_ms(&end).map_err(driver)?) * 1e3 / a.calls as f64);
-    }
+    let replay = per_call_us(rank, a, &stream, &|| {
+        (0..a.calls).try_for_each(|_| call(&on))
+    })?;
     let graph = if a.graph {
         captured(rank, a, &stream, call).map_err(|e| e.to_string())
     } else {
         Err("not asked for (--graph)".to_string())
     };
-    Ok((median(replay), graph))
+    Ok((replay, graph))
 }
 
 /// Device time per call with `calls` calls recorded into one graph of the caller's.
@@ -204,17 +183,29 @@ fn captured(
     let graph =
         graph?.ok_or_else(|| fusion::Error::World("the capture recorded nothing".into()))?;
     graph.launch().map_err(driver)?;
+    per_call_us(rank, a, stream, &|| graph.launch().map_err(driver))
+}
+
+/// Median microseconds per call over `iters` samples of `run` (`calls` calls) on `stream`,
+/// every rank starting together, timed with events on the stream.
+fn per_call_us(
+    rank: &Rank,
+    a: &Args,
+    stream: &Arc<CudaStream>,
+    run: &dyn Fn() -> Result<()>,
+) -> Result<f64> {
+    let event = || {
+        stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)
+    };
     let mut samples = Vec::new();
     for _ in 0..a.iters {
         barrier(rank)?;
         stream.synchronize().map_err(driver)?;
-        let start = stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver)?;
-        graph.launch().map_err(driver)?;
-        let end = stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver)?;
+        let start = event()?;
+        run()?;
+        let end = event()?;
         end.synchronize().map_err(driver)?;
         samples.push(f64::from(start.elapsed_ms(&end).map_err(driver)?) * 1e3 / a.calls as f64);
     }

@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use cudarc::driver::sys;
 
 use crate::backend::cuda::libs::cu_check as check;
+use crate::backend::cuda::memory::mapped_host::mapped_host;
 use crate::backend::cuda::stream::RawStream;
 use crate::error::Result;
 
@@ -106,35 +107,9 @@ impl SignalBoard {
     /// Zeroed flags for `ranks` ranks (a context of this process must be current).
     pub(crate) fn new(ranks: usize) -> Result<Self> {
         let bytes = Self::words(ranks) * std::mem::size_of::<u32>();
-        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: a plain pinned allocation of `bytes`, freed in Drop.
-        check(
-            unsafe {
-                sys::cuMemHostAlloc(
-                    &mut host,
-                    bytes,
-                    sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
-                )
-            },
-            "cuMemHostAlloc (copy-engine flags)",
-        )?;
-        // SAFETY: `host` holds `bytes` writable bytes.
-        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
-        let mut device: sys::CUdeviceptr = 0;
-        // SAFETY: `host` is mapped (DEVICEMAP); portable, so valid in every context.
-        let mapped = check(
-            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) },
-            "cuMemHostGetDevicePointer (copy-engine flags)",
-        );
-        if let Err(e) = mapped {
-            // SAFETY: freeing the allocation made above.
-            unsafe {
-                let _ = sys::cuMemFreeHost(host);
-            }
-            return Err(e);
-        }
+        let (host, device) = mapped_host(bytes, "copy-engine flags")?;
         Ok(SignalBoard {
-            host: host as *mut u32,
+            host,
             device,
             ranks,
             used: (0..ranks * ranks).map(|_| AtomicUsize::new(0)).collect(),

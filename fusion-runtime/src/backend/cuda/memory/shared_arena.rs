@@ -69,7 +69,8 @@ impl std::fmt::Debug for SharedArena {
     }
 }
 
-fn prop(ordinal: usize) -> sys::CUmemAllocationProp {
+/// Pinned device memory on `ordinal`, exportable as a POSIX file descriptor.
+pub(crate) fn prop(ordinal: usize) -> sys::CUmemAllocationProp {
     // SAFETY: zero is a valid starting value for this plain C struct.
     let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -77,6 +78,23 @@ fn prop(ordinal: usize) -> sys::CUmemAllocationProp {
         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     p.location = crate::backend::cuda::libs::device_location(ordinal as i32);
     p
+}
+
+/// The recommended allocation granularity for memory of `p`.
+pub(crate) fn granularity(p: &sys::CUmemAllocationProp) -> Result<usize> {
+    let mut granularity = 0usize;
+    // SAFETY: a valid property struct.
+    check(
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                p,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        },
+        "cuMemGetAllocationGranularity",
+    )?;
+    Ok(granularity.max(1))
 }
 
 /// Read-write access for `devices` to `[va, va + size)`.
@@ -125,29 +143,63 @@ pub(crate) fn unmap(va: sys::CUdeviceptr, size: usize, handle: sys::CUmemGeneric
     }
 }
 
+/// `size` bytes (a granularity multiple) of physical memory on device `ordinal`, mapped at
+/// a fresh address that `access` (device ordinals) may read and write, and exported as a
+/// POSIX file descriptor: (handle, address, descriptor). `what` names it in errors.
+pub(crate) fn create_exported(
+    ordinal: usize,
+    size: usize,
+    access: &[i32],
+    what: &str,
+) -> Result<(sys::CUmemGenericAllocationHandle, sys::CUdeviceptr, i32)> {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: creating physical memory of a granularity multiple.
+    check(
+        unsafe { sys::cuMemCreate(&mut handle, size, &prop(ordinal), 0) },
+        what,
+    )?;
+    let va = match map(handle, size) {
+        Ok(va) => va,
+        Err(e) => {
+            // SAFETY: releasing the handle just created.
+            unsafe {
+                let _ = sys::cuMemRelease(handle);
+            }
+            return Err(e);
+        }
+    };
+    if let Err(e) = grant(va, size, access) {
+        unmap(va, size, handle);
+        return Err(e);
+    }
+    let mut fd: libc::c_int = -1;
+    // SAFETY: exporting a handle created with this handle type.
+    let r = unsafe {
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut libc::c_int).cast(),
+            handle,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    };
+    if let Err(e) = check(r, "exporting shareable memory") {
+        unmap(va, size, handle);
+        return Err(e);
+    }
+    Ok((handle, va, fd))
+}
+
 impl SharedArena {
     /// An arena on `device`, whose chunks `local_peers` (other devices of this process)
     /// may also access.
     pub(crate) fn new(device: Arc<DeviceShared>, local_peers: &[usize]) -> Result<SharedArena> {
         device.bind()?;
-        let p = prop(device.ordinal);
-        let mut granularity = 0usize;
-        // SAFETY: a valid property struct.
-        check(
-            unsafe {
-                sys::cuMemGetAllocationGranularity(
-                    &mut granularity,
-                    &p,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-                )
-            },
-            "cuMemGetAllocationGranularity",
-        )?;
+        let granularity = granularity(&prop(device.ordinal))?;
         let mut access = vec![device.ordinal as i32];
         access.extend(local_peers.iter().map(|&o| o as i32));
         Ok(SharedArena {
             device,
-            granularity: granularity.max(1),
+            granularity,
             access,
             inner: Mutex::new(Inner::default()),
         })
@@ -155,44 +207,11 @@ impl SharedArena {
 
     fn make_chunk(&self, id: u32, bytes: usize) -> Result<Chunk> {
         let size = bytes.max(1).div_ceil(self.granularity) * self.granularity;
-        let p = prop(self.device.ordinal);
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: creating physical memory of a granularity multiple.
-        check(
-            unsafe { sys::cuMemCreate(&mut handle, size, &p, 0) },
-            &format!(
-                "allocating {size} bytes of shareable memory on device {}",
-                self.device.ordinal
-            ),
-        )?;
-        let va = match map(handle, size) {
-            Ok(va) => va,
-            Err(e) => {
-                // SAFETY: releasing the handle just created.
-                unsafe {
-                    let _ = sys::cuMemRelease(handle);
-                }
-                return Err(e);
-            }
-        };
-        if let Err(e) = grant(va, size, &self.access) {
-            unmap(va, size, handle);
-            return Err(e);
-        }
-        let mut fd: libc::c_int = -1;
-        // SAFETY: exporting a handle created with this handle type.
-        let r = unsafe {
-            sys::cuMemExportToShareableHandle(
-                (&mut fd as *mut libc::c_int).cast(),
-                handle,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        };
-        if let Err(e) = check(r, "exporting shareable memory") {
-            unmap(va, size, handle);
-            return Err(e);
-        }
+        let what = format!(
+            "allocating {size} bytes of shareable memory on device {}",
+            self.device.ordinal
+        );
+        let (handle, va, fd) = create_exported(self.device.ordinal, size, &self.access, &what)?;
         Ok(Chunk {
             id,
             va,

@@ -100,12 +100,45 @@ __device__ __forceinline__ void store_sum(E* dst, const float* f, u64 count) {
     else { for (u64 k = 0; k < count; ++k) dst[k] = st1(f[k]); }
 }
 
+// The sum, in rank order, of the `world` slots (`stride` elements apart) of `base` at `e`.
+__device__ __forceinline__ void sum_slots(const E* base, u64 stride, u64 e, int world, float* acc) {
+    float f[EPV];
+#pragma unroll
+    for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
+    for (int r = 0; r < world; ++r) {
+        unpack(ld_cg(base + r * stride + e), f);
+#pragma unroll
+        for (int k = 0; k < EPV; ++k) acc[k] += f[k];
+    }
+}
+
 // This block's share [lo, hi) of `nv` vectors.
 __device__ __forceinline__ void share(u64 nv, u64* lo, u64* hi) {
     u64 per = (nv + gridDim.x - 1) / gridDim.x;
     *lo = min(nv, per * blockIdx.x);
     *hi = min(nv, *lo + per);
 }
+
+// A bounded wait's clock: `tick()` after every failed check; true once the wait must end
+// (the world's timeout passed, or the host released the waits), after recording why in
+// the status words (the peer waited for, the collective, milliseconds).
+struct Patience {
+    u64 start;
+    u32 spins;
+    __device__ __forceinline__ bool tick(const Ctl& c, u32 peer, u32 op) {
+        if ((++spins & 1023) != 0) return false;
+        u64 tn = now_ns();
+        if (start == 0) { start = tn; return false; }
+        bool released = *(volatile u32*)c.release != 0;
+        if (!released && tn - start <= c.timeout_ns) return false;
+        volatile u32* s = (volatile u32*)c.status;
+        s[1] = peer; s[2] = op; s[3] = (u32)((tn - start) / 1000000ull);
+        __threadfence_system();
+        s[0] = released ? 2u : 1u;
+        __threadfence_system();
+        return true;
+    }
+};
 
 // Raises this block's flag `epoch` at every peer and waits for every peer's.
 __device__ void meet(const Peers& P, int rank, int world, u32 epoch, const Ctl& c, u32 op, volatile int* failed) {
@@ -114,22 +147,9 @@ __device__ void meet(const Peers& P, int rank, int world, u32 epoch, const Ctl& 
     if (t < world && t != rank && !*failed) {
         st_release((u32*)P.ws[t] + blockIdx.x * MAXR + rank, epoch);
         const u32* mine = (const u32*)P.ws[rank] + blockIdx.x * MAXR + t;
-        u64 start = 0;
-        u32 spins = 0;
+        Patience p = {0, 0};
         while ((int)(ld_acquire(mine) - epoch) < 0) {
-            if ((++spins & 1023) != 0) continue;
-            u64 tn = now_ns();
-            if (start == 0) { start = tn; continue; }
-            bool released = *(volatile u32*)c.release != 0;
-            if (released || tn - start > c.timeout_ns) {
-                volatile u32* s = (volatile u32*)c.status;
-                s[1] = (u32)t; s[2] = op; s[3] = (u32)((tn - start) / 1000000ull);
-                __threadfence_system();
-                s[0] = released ? 2u : 1u;
-                __threadfence_system();
-                *failed = 1;
-                break;
-            }
+            if (p.tick(c, (u32)t, op)) { *failed = 1; break; }
         }
     }
     __syncthreads();
@@ -166,14 +186,8 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_one_shot(const 
     const E* mine = AT(rank);
     for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         u64 e = i * EPV, cnt = min((u64)EPV, n - e);
-        float acc[EPV], f[EPV];
-#pragma unroll
-        for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
-        for (int r = 0; r < world; ++r) {
-            unpack(ld_cg(mine + r * slot + e), f);
-#pragma unroll
-            for (int k = 0; k < EPV; ++k) acc[k] += f[k];
-        }
+        float acc[EPV];
+        sum_slots(mine, slot, e, world, acc);
         store_sum(out + e, acc, cnt);
     }
     END();
@@ -208,14 +222,8 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_two_shot(const 
         for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
             u64 e = rank * part + i * EPV;
             if (e >= n) continue;
-            float acc[EPV], f[EPV];
-#pragma unroll
-            for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
-            for (int r = 0; r < world; ++r) {
-                unpack(ld_cg(mine + r * part + i * EPV), f);
-#pragma unroll
-                for (int k = 0; k < EPV; ++k) acc[k] += f[k];
-            }
+            float acc[EPV];
+            sum_slots(mine, part, i * EPV, world, acc);
             V4 v = pack(acc);
             for (int q = 0; q < world; ++q) *(V4*)(AT(q) + gather + e) = v;
         }
@@ -264,24 +272,11 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll(const E* in,
         for (int r = 0; r < world; ++r) {
             union { E e[PE]; u32 w[2]; } pk;
             u32 f0, f1;
-            u64 start = 0;
-            u32 spins = 0;
+            Patience p = {0, 0};
             for (;;) {
                 ld_ll(mine + (r * packets + i) * 16, &pk.w[0], &pk.w[1], &f0, &f1);
                 if (f0 == flag && f1 == flag) break;
-                if ((++spins & 1023) != 0) continue;
-                u64 tn = now_ns();
-                if (start == 0) { start = tn; continue; }
-                bool released = *(volatile u32*)c.release != 0;
-                if (released || tn - start > c.timeout_ns) {
-                    volatile u32* st = (volatile u32*)c.status;
-                    st[1] = (u32)r; st[2] = OP; st[3] = (u32)((tn - start) / 1000000ull);
-                    __threadfence_system();
-                    st[0] = released ? 2u : 1u;
-                    __threadfence_system();
-                    s_failed = 1;
-                    break;
-                }
+                if (p.tick(c, (u32)r, OP)) { s_failed = 1; break; }
             }
             if (s_failed) break;
 #pragma unroll
@@ -326,14 +321,8 @@ extern "C" __global__ void __launch_bounds__(512) peer_reduce_scatter(const E* i
     const E* mine = AT(rank);
     for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         u64 e = i * EPV, cnt = min((u64)EPV, m - e);
-        float acc[EPV], f[EPV];
-#pragma unroll
-        for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
-        for (int r = 0; r < world; ++r) {
-            unpack(ld_cg(mine + r * slot + e), f);
-#pragma unroll
-            for (int k = 0; k < EPV; ++k) acc[k] += f[k];
-        }
+        float acc[EPV];
+        sum_slots(mine, slot, e, world, acc);
         store_sum(out + e, acc, cnt);
     }
     END();

@@ -9,7 +9,7 @@
 use cudarc::driver::sys;
 
 use crate::backend::cuda::health::SelfTimedWaits;
-use crate::backend::cuda::libs::cu_check as check;
+use crate::backend::cuda::memory::mapped_host::mapped_host;
 use crate::error::Result;
 
 const WORDS: usize = 8;
@@ -43,39 +43,8 @@ unsafe impl Sync for WaitStatus {}
 impl WaitStatus {
     /// Zeroed words for `rank` (a context of this process must be current).
     pub(crate) fn new(rank: usize) -> Result<WaitStatus> {
-        let bytes = WORDS * 4;
-        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: a plain pinned allocation, freed in Drop.
-        check(
-            unsafe {
-                sys::cuMemHostAlloc(
-                    &mut host,
-                    bytes,
-                    sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
-                )
-            },
-            "cuMemHostAlloc (peer-memory wait status)",
-        )?;
-        // SAFETY: `host` holds `bytes` writable bytes.
-        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
-        let mut device: sys::CUdeviceptr = 0;
-        // SAFETY: `host` is mapped (DEVICEMAP); portable, so valid in every context.
-        let mapped = check(
-            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) },
-            "cuMemHostGetDevicePointer (peer-memory wait status)",
-        );
-        if let Err(e) = mapped {
-            // SAFETY: freeing the allocation just made.
-            unsafe {
-                let _ = sys::cuMemFreeHost(host);
-            }
-            return Err(e);
-        }
-        Ok(WaitStatus {
-            rank,
-            host: host as *mut u32,
-            device,
-        })
+        let (host, device) = mapped_host(WORDS * 4, "peer-memory wait status")?;
+        Ok(WaitStatus { rank, host, device })
     }
 
     /// The device address of the state words (the kernels' `status`).

@@ -10,7 +10,9 @@ use cudarc::driver::sys;
 use fusion_compiler::lower::{PEER_MEMORY_FLAGGED_BYTES, PEER_MEMORY_REGION_BYTES};
 
 use crate::backend::cuda::libs::cu_check as check;
-use crate::backend::cuda::memory::shared_arena::{grant, map, unmap};
+use crate::backend::cuda::memory::shared_arena::{
+    create_exported, grant, granularity, map, prop, unmap,
+};
 use crate::error::Result;
 
 /// Bytes before the first half: the flags (`GMAX * MAXR` pads, then the per-block epoch
@@ -19,9 +21,6 @@ pub(crate) const DATA_OFFSET: usize = 64 << 10;
 
 /// Bytes of a whole workspace.
 pub(crate) const WORKSPACE_BYTES: usize = DATA_OFFSET + 2 * PEER_MEMORY_REGION_BYTES;
-
-const POSIX_FD: sys::CUmemAllocationHandleType =
-    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 
 /// This rank's own workspace.
 pub(crate) struct Workspace {
@@ -46,66 +45,23 @@ impl Workspace {
     /// A zeroed workspace on device `ordinal` (whose context is current), which the
     /// devices `local_peers` of this process may access too.
     pub(crate) fn create(ordinal: usize, local_peers: &[usize]) -> Result<Workspace> {
-        // SAFETY: zero is a valid starting value for this plain C struct.
-        let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        p.requestedHandleTypes = POSIX_FD;
-        p.location = crate::backend::cuda::libs::device_location(ordinal as i32);
-        let mut granularity = 0usize;
-        // SAFETY: a valid property struct.
-        check(
-            unsafe {
-                sys::cuMemGetAllocationGranularity(
-                    &mut granularity,
-                    &p,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-                )
-            },
-            "cuMemGetAllocationGranularity (peer-memory workspace)",
-        )?;
-        let size = WORKSPACE_BYTES.div_ceil(granularity.max(1)) * granularity.max(1);
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: creating physical memory of a granularity multiple.
-        check(
-            unsafe { sys::cuMemCreate(&mut handle, size, &p, 0) },
-            &format!("allocating the {size}-byte peer-memory workspace on device {ordinal}"),
-        )?;
-        let va = match map(handle, size) {
-            Ok(va) => va,
-            Err(e) => {
-                // SAFETY: releasing the handle just created.
-                unsafe {
-                    let _ = sys::cuMemRelease(handle);
-                }
-                return Err(e);
-            }
-        };
-        let mut ws = Workspace {
-            va,
-            size,
-            fd: -1,
-            handle,
-        };
+        let g = granularity(&prop(ordinal))?;
+        let size = WORKSPACE_BYTES.div_ceil(g) * g;
         let mut access = vec![ordinal as i32];
         access.extend(local_peers.iter().map(|&o| o as i32));
-        grant(va, size, &access)?;
+        let what = format!("allocating the {size}-byte peer-memory workspace on device {ordinal}");
+        let (handle, va, fd) = create_exported(ordinal, size, &access, &what)?;
+        let ws = Workspace {
+            va,
+            size,
+            fd,
+            handle,
+        };
         // SAFETY: a mapped range of `size` bytes this device may write.
         check(
             unsafe { sys::cuMemsetD8_v2(va, 0, size) },
             "zeroing the peer-memory workspace",
         )?;
-        let mut fd: libc::c_int = -1;
-        // SAFETY: exporting a handle created with this handle type.
-        let exported = unsafe {
-            sys::cuMemExportToShareableHandle(
-                (&mut fd as *mut libc::c_int).cast(),
-                handle,
-                POSIX_FD,
-                0,
-            )
-        };
-        check(exported, "exporting the peer-memory workspace")?;
-        ws.fd = fd;
         Ok(ws)
     }
 
