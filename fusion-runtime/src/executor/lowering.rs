@@ -1,13 +1,13 @@
 //! Finding a call's host program: binding the call's dtypes and dimension symbols, and
 //! lowering the fusion at the first call of each key (dtypes, symbols, world, backend,
-//! options), cached per key.
+//! options), cached per key, with the program's fingerprint for the world's call ledger.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use fusion_compiler::generic::GenericFusion;
-use fusion_compiler::hir::HostProgram;
+use fusion_compiler::hir::{for_each_node, HostProgram, Node};
 use fusion_compiler::ir::Fusion;
 use fusion_compiler::lower::{lower_for_shapes, LowerOptions};
 use fusion_compiler::DType;
@@ -46,10 +46,42 @@ struct CacheKey {
     lower: LowerOptions,
 }
 
+/// A lowered program and what the call ledger knows it by.
+#[derive(Clone)]
+pub(super) struct Lowered {
+    pub(super) program: Arc<HostProgram>,
+    /// A hash of the program's text (the same on every rank for the same fusion and
+    /// shapes), for programs that communicate: the world's call ledger checks that the
+    /// ranks' calls of one number run the same program. `None`: nothing to check.
+    pub(super) fingerprint: Option<u64>,
+}
+
+impl Lowered {
+    /// `program` with its fingerprint, registered under `name` for the ledger's errors.
+    fn new(program: HostProgram, name: &str) -> Self {
+        use std::hash::{Hash, Hasher};
+        let mut communicates = false;
+        for_each_node(&program.body, &mut |n| {
+            communicates |= matches!(n, Node::Communication(_) | Node::P2P(_));
+        });
+        let fingerprint = communicates.then(|| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            program.to_string().hash(&mut h);
+            let fingerprint = h.finish();
+            crate::world::name_program(fingerprint, name);
+            fingerprint
+        });
+        Lowered {
+            program: Arc::new(program),
+            fingerprint,
+        }
+    }
+}
+
 /// A fusion (or a dtype-generic one and its instances) plus its cache of lowered programs.
 pub(super) struct ProgramCache {
     source: Source,
-    cache: Mutex<HashMap<CacheKey, Arc<HostProgram>>>,
+    cache: Mutex<HashMap<CacheKey, Lowered>>,
     lowerings: AtomicUsize,
 }
 
@@ -99,20 +131,21 @@ impl ProgramCache {
     }
 
     /// Binds the dtypes and the dimension symbols of a call and finds (or lowers) its
-    /// program.
+    /// program; `name` (the executor's) names it in the call ledger's errors.
     pub(super) fn prepare(
         &self,
+        name: &str,
         rank: &Rank,
         inputs: &[&Tensor],
         options: &ExecOptions,
-    ) -> Result<(Arc<HostProgram>, SymbolBindings)> {
+    ) -> Result<(Lowered, SymbolBindings)> {
         let dtypes = match &self.source {
             Source::Fixed(_) => Vec::new(),
             Source::Generic { generic, .. } => bind_dtypes(generic, inputs)?,
         };
         let fusion = self.fusion_for(&dtypes)?;
         let symbols = self.bind(&fusion, &dtypes, rank, inputs)?;
-        let program = self.program_for(&fusion, dtypes, rank, &symbols, options)?;
+        let program = self.program_for(&fusion, name, dtypes, rank, &symbols, options)?;
         Ok((program, symbols))
     }
 
@@ -183,11 +216,12 @@ impl ProgramCache {
     fn program_for(
         &self,
         fusion: &Fusion,
+        name: &str,
         dtypes: Vec<DType>,
         rank: &Rank,
         symbols: &SymbolBindings,
         options: &ExecOptions,
-    ) -> Result<Arc<HostProgram>> {
+    ) -> Result<Lowered> {
         let lower = rank.communicator().capabilities().lowering(&options.lower);
         let key = CacheKey {
             dtypes,
@@ -221,8 +255,18 @@ impl ProgramCache {
         }
         self.lowerings.fetch_add(1, Ordering::SeqCst);
         tracing::debug!(nodes = lowered.program.node_count(), "lowered fusion");
-        let program = Arc::new(lowered.program);
+        let program = Lowered::new(lowered.program, &readable_name(name, fusion));
         cache.insert(key, program.clone());
         Ok(program)
+    }
+}
+
+/// The name of a fusion in errors: the executor's (`fusion!` names it after the fusion),
+/// else the fusion's first output's name.
+fn readable_name(executor: &str, fusion: &Fusion) -> String {
+    let output = (fusion.outputs().first()).and_then(|&t| fusion.tensor(t).name.clone());
+    match output {
+        Some(output) if executor == super::UNNAMED => output,
+        _ => executor.to_string(),
     }
 }

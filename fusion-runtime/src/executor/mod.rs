@@ -8,7 +8,8 @@
 //! process, not once per rank; [`FusionExecutor::lowering_count`] counts lowerings.
 //!
 //! One call, top-down ([`FusionExecutor::run_with`]): find (or lower) the program for the
-//! call's key (`lowering`), look up what is known of the program (`ProgramFacts`), tell
+//! call's key (`lowering`), check it against the peers' calls of the same number (the
+//! world's call ledger), look up what is known of the program (`ProgramFacts`), tell
 //! the communicator a call begins, then walk the program, capture it or replay its graph
 //! (`replay_driver`), or, on a stream the caller is capturing, record it into the caller's
 //! graph (`recording`), hand the outputs out, and write the call's trace file (`dumps`).
@@ -66,6 +67,9 @@ pub struct RunReport {
     pub race: Option<RaceCheck>,
 }
 
+/// The name of an executor not given one.
+const UNNAMED: &str = "fusion";
+
 /// A fusion plus its cache of lowered programs.
 pub struct FusionExecutor {
     /// The fusion and its lowered programs, per key.
@@ -99,7 +103,7 @@ impl FusionExecutor {
     fn from_source(source: Source) -> Self {
         FusionExecutor {
             programs: ProgramCache::new(source),
-            name: "fusion".into(),
+            name: UNNAMED.into(),
             traces: TraceFiles::default(),
             graphs: GraphSlots::default(),
             facts: Mutex::new(HashMap::new()),
@@ -198,7 +202,10 @@ impl FusionExecutor {
     ) -> Result<RunReport> {
         let call_start = std::time::Instant::now();
         let scope = crate::observe::CallScope::enter(&self.name, rank.index());
-        let (program, symbols) = self.programs.prepare(rank, inputs, options)?;
+        let (lowered, symbols) = self.programs.prepare(&self.name, rank, inputs, options)?;
+        // Before any data moves: the ranks' calls of this number run the same program.
+        rank.enter_ledger(lowered.fingerprint)?;
+        let program = lowered.program;
         let facts = self.facts(&program, rank.backend());
         let trace_dir = options.resolved_trace_dir();
         let ctx = CallContext {
@@ -268,6 +275,9 @@ impl FusionExecutor {
         options: &ExecOptions,
     ) -> Result<Arc<HostProgram>> {
         let rank = rank.target().rank;
-        rank.call(|| Ok(self.programs.prepare(rank, inputs, options)?.0))
+        rank.call(|| {
+            let (lowered, _) = self.programs.prepare(&self.name, rank, inputs, options)?;
+            Ok(lowered.program)
+        })
     }
 }

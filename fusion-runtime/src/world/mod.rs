@@ -9,7 +9,8 @@
 //! rank's pending communication, in this process or another, returns an error instead of
 //! waiting forever; the root-cause error is returned, and the world is failed for good.
 //!
-//! Submodules: `rank` (the handles, one call at a time each), `launcher` (which rank this
+//! Submodules: `rank` (the handles, one call at a time each), `ledger` (an in-process
+//! world's check that the ranks' communicating calls match), `launcher` (which rank this
 //! process is, from the environment), `launch_options` (what code sets about a launched
 //! world: its job token), `bootstrap` and `topology` (the rendezvous on rank 0's process
 //! and what every rank learns there), `split` (sub-worlds). The backends
@@ -22,6 +23,7 @@ pub(crate) mod bootstrap;
 pub(crate) mod gpu_layout;
 mod launch_options;
 pub mod launcher;
+mod ledger;
 mod rank;
 mod split;
 pub mod topology;
@@ -42,9 +44,10 @@ pub use crate::comm::remote::JobToken;
 pub use bootstrap::VERSION;
 pub use launch_options::LaunchOptions;
 pub use launcher::{LaunchSpec, Launcher};
+pub(crate) use ledger::name_program;
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 pub(crate) use rank::CallerStreamSource;
-pub use rank::{CallTarget, Rank, Target};
+pub use rank::{CallTarget, Rank, RankLock, Target};
 pub use topology::{Link, RankInfo, Topology};
 
 pub(crate) use bootstrap::Session;

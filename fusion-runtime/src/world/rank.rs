@@ -8,6 +8,10 @@
 //! on its streams. The lock is reentrant, so code running inside a call's closure (a
 //! borrowed CUDA buffer's) may call again on the same thread.
 //!
+//! A forward made of several calls holds the rank across them with [`Rank::lock`]; in an
+//! in-process world the call ledger (`ledger`) fails ranks whose communicating calls of
+//! one number run different programs.
+//!
 //! A failed call fails the world for good: the failure is recorded where every handle of
 //! the world sees it, the communicator is aborted so that peers stop waiting, and every
 //! later call returns [`Error::PeerFailed`] naming the rank that failed.
@@ -17,6 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::ThreadId;
 
 use super::bootstrap::Session;
+use super::ledger::CallLedger;
 use crate::comm::local::Block;
 use crate::comm::Communicator;
 use crate::device::{BackendKind, CallerStream, Device};
@@ -24,13 +29,16 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// What a world and its rank handles share: the world's size and backend, its failure,
-/// and a launched world's session (kept open while any handle lives).
+/// a launched world's session (kept open while any handle lives), and an in-process
+/// world's call ledger.
 pub(crate) struct WorldShared {
     pub(crate) size: usize,
     pub(crate) kind: BackendKind,
     pub(crate) session: Option<Arc<Session>>,
     failed: AtomicBool,
     failure: Mutex<Option<(usize, String)>>,
+    /// Every rank's latest communicating calls, when all ranks live in this process.
+    ledger: Option<CallLedger>,
 }
 
 impl WorldShared {
@@ -38,6 +46,7 @@ impl WorldShared {
         WorldShared {
             size,
             kind,
+            ledger: session.is_none().then(|| CallLedger::new(size)),
             session,
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
@@ -110,13 +119,32 @@ impl CallLock {
                 }
             }
         }
-        CallGuard { lock: self }
+        CallGuard {
+            lock: self,
+            _not_send: std::marker::PhantomData,
+        }
     }
 }
 
-/// Leaves the call when dropped.
+/// Leaves the call when dropped (on the thread that entered: the lock counts that
+/// thread's depth).
 struct CallGuard<'a> {
     lock: &'a CallLock,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+/// A rank held by one thread across several calls ([`Rank::lock`]): calls from other
+/// threads wait until it is dropped. Dropped on the thread that took it (it is not
+/// `Send`).
+#[must_use = "the rank is held only while the guard lives"]
+pub struct RankLock<'a> {
+    _call: CallGuard<'a>,
+}
+
+impl std::fmt::Debug for RankLock<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RankLock")
+    }
 }
 
 impl Drop for CallGuard<'_> {
@@ -246,6 +274,32 @@ impl Rank {
                 self.0.world.fail(self.0.index, &reason);
                 self.0.comm.abort(&reason);
             }
+        }
+    }
+
+    /// Holds this rank for the calling thread until the guard is dropped, so that several
+    /// calls run as one unit: calls from other threads wait, calls from this thread run
+    /// (the lock is reentrant). Needed when one rank handle is driven from several threads
+    /// and a step is made of several communicating calls (a layer's forward of two
+    /// fusions): without it each call is serialized, but the ranks may interleave the
+    /// threads' calls differently and exchange the wrong data. In a world whose ranks are
+    /// all in this process such calls fail, naming both calls; launched worlds do not
+    /// check yet.
+    pub fn lock(&self) -> RankLock<'_> {
+        RankLock {
+            _call: self.0.calls.enter(),
+        }
+    }
+
+    /// Enters the next communicating call (a program of `fingerprint`; `None`: one that
+    /// does not communicate) in the world's call ledger: an error if a peer's call of the
+    /// same number runs another program.
+    pub(crate) fn enter_ledger(&self, fingerprint: Option<u64>) -> Result<()> {
+        match (fingerprint, &self.0.world.ledger) {
+            (Some(fingerprint), Some(ledger)) => ledger
+                .enter(self.0.index, fingerprint)
+                .map_err(|m| m.into_error()),
+            _ => Ok(()),
         }
     }
 
