@@ -330,6 +330,8 @@ pub use fusion_runtime::FusionExecutor;
 /// # Ok::<(), fusion::Error>(())
 /// ```
 pub use fusion_runtime::ExecOptions;
+/// How a call's plan is chosen, and what was chosen (`RunReport::plan`).
+pub use fusion_runtime::{CandidateReport, PlanMode, PlanReport, PlanSource};
 
 /// The names most programs use.
 pub mod prelude {

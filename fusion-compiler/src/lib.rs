@@ -29,6 +29,7 @@ pub mod ir;
 pub mod lower;
 mod options;
 pub mod pass;
+pub mod plan;
 mod print;
 pub mod resharding;
 pub mod suggest;

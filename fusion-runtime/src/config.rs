@@ -43,9 +43,15 @@ pub const DEVICES_PER_PROCESS: &str = "FUSION_DEVICES_PER_PROCESS";
 /// The launched job's secret, the same on every rank: only connections that prove
 /// knowledge of it join the world (unset: any connection that speaks the protocol).
 pub const JOB_TOKEN: &str = "FUSION_JOB_TOKEN";
+/// How a call's plan is chosen where its options leave it open: `off` (the default
+/// plan), `model` (the cost model's pick) or `tune` (timed at the first call per shape).
+pub const PLAN: &str = "FUSION_PLAN";
+/// The file of tuned plans (unset: `$XDG_CACHE_HOME/fusion/plans.json`, else
+/// `$HOME/.cache/fusion/plans.json`; `off`: no file).
+pub const PLAN_CACHE: &str = "FUSION_PLAN_CACHE";
 
 /// Every variable the library reads.
-pub const VARIABLES: [&str; 13] = [
+pub const VARIABLES: [&str; 15] = [
     BACKEND,
     DEVICES,
     TIMEOUT,
@@ -59,6 +65,8 @@ pub const VARIABLES: [&str; 13] = [
     MASTER_PORT,
     DEVICES_PER_PROCESS,
     JOB_TOKEN,
+    PLAN,
+    PLAN_CACHE,
 ];
 
 /// Default time a communication (or the bootstrap) may wait for its peers before failing.
@@ -223,6 +231,49 @@ pub fn trace_dir() -> Option<PathBuf> {
         .clone()
 }
 
+/// How [`PLAN`] says plans are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanSetting {
+    /// `off`: the default plan.
+    Off,
+    /// `model`: the cost model's pick, nothing timed.
+    Model,
+    /// `tune`: candidates timed at the first call of each shape.
+    Tune,
+}
+
+/// [`PLAN`], if set (read at every plan decision).
+pub fn plan() -> Result<Option<PlanSetting>> {
+    parse_plan(var(PLAN).as_deref())
+}
+
+fn parse_plan(v: Option<&str>) -> Result<Option<PlanSetting>> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some("off") => Ok(Some(PlanSetting::Off)),
+        Some("model") => Ok(Some(PlanSetting::Model)),
+        Some("tune") => Ok(Some(PlanSetting::Tune)),
+        Some(other) => Err(bad(PLAN, other, "`off`, `model` or `tune`")),
+    }
+}
+
+/// Where tuned plans are kept ([`PLAN_CACHE`]): `None` when set to `off`, or when no
+/// cache directory is known.
+pub fn plan_cache() -> Option<PathBuf> {
+    let home = |v: &str| {
+        std::env::var_os(v)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    match var(PLAN_CACHE).as_deref().map(str::trim) {
+        Some("off") => None,
+        Some(p) if !p.is_empty() => Some(PathBuf::from(p)),
+        _ => home("XDG_CACHE_HOME")
+            .or_else(|| home("HOME").map(|h| h.join(".cache")))
+            .map(|d| d.join("fusion").join("plans.json")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,6 +366,14 @@ mod tests {
             "host_ir,graphs",
             "`fusion`, `host_ir`, `host_ir_passes`",
         );
+        says(
+            parse_plan(Some("fast")).unwrap_err(),
+            "FUSION_PLAN",
+            "fast",
+            "`off`, `model` or `tune`",
+        );
+        assert_eq!(parse_plan(Some("tune")).unwrap(), Some(PlanSetting::Tune));
+        assert_eq!(parse_plan(None).unwrap(), None);
         says(
             parse_job_token(Some("".as_ref())).unwrap_err(),
             "FUSION_JOB_TOKEN",

@@ -301,6 +301,11 @@ pub trait Device: Send + Sync {
     fn lifecycle(&self) -> Option<&dyn DeviceLifecycle> {
         None
     }
+    /// What the device is, for keys of measurements that hold only on the same hardware
+    /// (the plan file): the GPU's name, or the backend's.
+    fn model(&self) -> String {
+        self.kind().name().to_string()
+    }
 }
 
 /// The call life cycle of a device with streams (CUDA): the thread that drives it, memory

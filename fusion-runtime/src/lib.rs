@@ -36,7 +36,9 @@ pub use cudarc;
 #[cfg(feature = "cuda")]
 pub use error::NcclFailure;
 pub use error::{Error, Result};
-pub use executor::{ExecOptions, FusionExecutor, RunReport};
+pub use executor::{
+    CandidateReport, ExecOptions, FusionExecutor, PlanMode, PlanReport, PlanSource, RunReport,
+};
 pub use ranked::{Ranked, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6};
 pub use tensor::{ShardTag, Tensor};
 pub use world::{concat, CallTarget, Rank, World};

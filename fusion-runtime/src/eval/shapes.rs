@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 
 /// The values of a program's leaf scalars for a call: the dimension symbols, the rank and
 /// the stream count.
-pub(super) fn bound_leaves(
+pub(crate) fn bound_leaves(
     p: &HostProgram,
     symbols: &SymbolBindings,
     rank: usize,

@@ -78,6 +78,15 @@ impl Lowered {
     }
 }
 
+/// A call's inputs bound: its fusion, dtypes and dimension symbols, and the program its
+/// options ask for.
+pub(super) struct Prepared {
+    pub(super) fusion: Arc<Fusion>,
+    pub(super) dtypes: Vec<DType>,
+    pub(super) symbols: SymbolBindings,
+    pub(super) lowered: Lowered,
+}
+
 /// A fusion (or a dtype-generic one and its instances) plus its cache of lowered programs.
 pub(super) struct ProgramCache {
     source: Source,
@@ -138,15 +147,43 @@ impl ProgramCache {
         rank: &Rank,
         inputs: &[&Tensor],
         options: &ExecOptions,
-    ) -> Result<(Lowered, SymbolBindings)> {
+        print: bool,
+    ) -> Result<Prepared> {
         let dtypes = match &self.source {
             Source::Fixed(_) => Vec::new(),
             Source::Generic { generic, .. } => bind_dtypes(generic, inputs)?,
         };
         let fusion = self.fusion_for(&dtypes)?;
         let symbols = self.bind(&fusion, &dtypes, rank, inputs)?;
-        let program = self.program_for(&fusion, name, dtypes, rank, &symbols, options)?;
-        Ok((program, symbols))
+        let lowered = self.program_for(
+            &fusion,
+            name,
+            dtypes.clone(),
+            rank,
+            &symbols,
+            options,
+            print,
+        )?;
+        Ok(Prepared {
+            fusion,
+            dtypes,
+            symbols,
+            lowered,
+        })
+    }
+
+    /// The program of the call `prepared` with other `options` (another plan), lowered
+    /// without dumps.
+    pub(super) fn program_for_prepared(
+        &self,
+        name: &str,
+        rank: &Rank,
+        prepared: &Prepared,
+        options: &ExecOptions,
+    ) -> Result<Lowered> {
+        let dtypes = prepared.dtypes.clone();
+        let (fusion, symbols) = (&prepared.fusion, &prepared.symbols);
+        self.program_for(fusion, name, dtypes, rank, symbols, options, false)
     }
 
     /// Checks the inputs and binds the dimension symbols. When an input lives on only
@@ -213,6 +250,8 @@ impl ProgramCache {
     /// its key onto the transports the rank's world has
     /// ([`Capabilities::lowering`](crate::comm::Capabilities::lowering): copy engines only
     /// where every pair of ranks has them), so that the program and its dump say what runs.
+    /// `print`: print what `FUSION_DUMP` asks for when it lowers.
+    #[allow(clippy::too_many_arguments)]
     fn program_for(
         &self,
         fusion: &Fusion,
@@ -221,6 +260,7 @@ impl ProgramCache {
         rank: &Rank,
         symbols: &SymbolBindings,
         options: &ExecOptions,
+        print: bool,
     ) -> Result<Lowered> {
         let lower = rank.communicator().capabilities().lowering(&options.lower);
         let key = CacheKey {
@@ -238,7 +278,10 @@ impl ProgramCache {
         // Once per key, before lowering: results declared DIDx over extents the inputs
         // bound to other than the mesh size cannot be sharded.
         check_didx_extents(fusion, symbols, rank.world_size())?;
-        let dump = DumpOptions::from_env()?;
+        let mut dump = DumpOptions::from_env()?;
+        if !print {
+            dump = DumpOptions::default();
+        }
         let mut lower_options = lower.into_owned();
         lower_options.passes.dump_each |= dump.host_ir_passes;
         if dump.fusion {

@@ -17,6 +17,8 @@
 mod dumps;
 mod lowering;
 mod options;
+mod plan_choice;
+mod plan_file;
 mod recording;
 mod replay_driver;
 
@@ -30,10 +32,12 @@ use fusion_compiler::ir::Fusion;
 use fusion_compiler::DType;
 
 pub use crate::config::DumpOptions;
-pub use options::ExecOptions;
+pub use options::{ExecOptions, PlanMode};
+pub use plan_choice::{CandidateReport, PlanReport, PlanSource};
 
 use dumps::TraceFiles;
 use lowering::{ProgramCache, Source};
+use plan_choice::PlanChoices;
 use replay_driver::{Call, GraphSlots};
 
 use crate::comm::CallStart;
@@ -65,6 +69,9 @@ pub struct RunReport {
     pub replay: ReplayStatus,
     /// The happens-before order the race checker verified, when it ran.
     pub race: Option<RaceCheck>,
+    /// Which plan ran and why, when the call's options left the plan open
+    /// ([`ExecOptions::plan`]).
+    pub plan: Option<Arc<PlanReport>>,
 }
 
 /// The name of an executor not given one.
@@ -82,6 +89,8 @@ pub struct FusionExecutor {
     graphs: GraphSlots,
     /// Facts per cached program (keyed by its address, stable while it is cached).
     facts: Mutex<HashMap<usize, Arc<ProgramFacts>>>,
+    /// The plan each (shape, rank) runs, once decided.
+    plans: PlanChoices,
 }
 
 impl FusionExecutor {
@@ -107,6 +116,7 @@ impl FusionExecutor {
             traces: TraceFiles::default(),
             graphs: GraphSlots::default(),
             facts: Mutex::new(HashMap::new()),
+            plans: PlanChoices::default(),
         }
     }
 
@@ -146,6 +156,12 @@ impl FusionExecutor {
     /// How many times this executor has lowered a program.
     pub fn lowering_count(&self) -> usize {
         self.programs.lowering_count()
+    }
+
+    /// How many plan decisions of this executor timed their candidates (in this process;
+    /// a decision read from the plan file times nothing).
+    pub fn tunings(&self) -> usize {
+        self.plans.tunings()
     }
 
     /// How many graph slots (one per program, rank and communicator, holding that rank's
@@ -202,11 +218,93 @@ impl FusionExecutor {
     ) -> Result<RunReport> {
         let call_start = std::time::Instant::now();
         let scope = crate::observe::CallScope::enter(&self.name, rank.index());
-        let (lowered, symbols) = self.programs.prepare(&self.name, rank, inputs, options)?;
+        let prepared = self
+            .programs
+            .prepare(&self.name, rank, inputs, options, true)?;
         // Before any data moves: the ranks' calls of this number run the same program.
-        rank.enter_ledger(lowered.fingerprint)?;
-        let program = lowered.program;
-        let facts = self.facts(&program, rank.backend());
+        rank.enter_ledger(prepared.lowered.fingerprint)?;
+        let device = rank.device();
+        let recording = (on.as_ref())
+            .zip(device.caller_capture())
+            .is_some_and(|(on, capture)| capture.capturing(on));
+        let symbols = prepared.symbols.clone();
+        let choice = self.plans.choose(plan_choice::PlanCall {
+            exec: self,
+            rank,
+            on: on.as_ref(),
+            recording,
+            prepared,
+            inputs,
+            options,
+        })?;
+        let program = choice.lowered.program.clone();
+        let (ex, replay, recorded) = self.execute_from(
+            rank,
+            on,
+            &program,
+            &symbols,
+            inputs,
+            outputs,
+            &choice.options,
+            call_start,
+        )?;
+        scope.ran(match replay {
+            _ if recorded => "recorded",
+            ReplayStatus::Replayed => "replayed",
+            ReplayStatus::Captured(_) => "captured",
+            ReplayStatus::Eager(_) => "walked",
+        });
+        let trace_file = match &choice.options.resolved_trace_dir() {
+            Some(dir) => Some(self.traces.write(dir, &self.name, rank, &program, &ex)?),
+            None => None,
+        };
+        Ok(RunReport {
+            outputs: ex.outputs,
+            stats: ex.stats,
+            trace: ex.trace,
+            host_trace: ex.host_trace,
+            trace_file,
+            replay,
+            race: ex.race,
+            plan: choice.report,
+        })
+    }
+
+    /// Runs `program` on `rank` (held) for a call whose symbols are bound: walks it,
+    /// captures or replays its graph, or records it into the caller's capture; hands the
+    /// outputs out on the caller's stream. (Also how plan tuning times a candidate.)
+    #[allow(clippy::too_many_arguments)]
+    fn execute(
+        &self,
+        rank: &Rank,
+        on: Option<CallerStream>,
+        program: &Arc<HostProgram>,
+        symbols: &crate::eval::SymbolBindings,
+        inputs: &[&Tensor],
+        outputs: Option<&[&Tensor]>,
+        options: &ExecOptions,
+    ) -> Result<crate::eval::Execution> {
+        let start = std::time::Instant::now();
+        let (ex, _, _) =
+            self.execute_from(rank, on, program, symbols, inputs, outputs, options, start)?;
+        Ok(ex)
+    }
+
+    /// [`FusionExecutor::execute`] for a call that started at `start`; also says how it
+    /// ran and whether it was recorded into the caller's capture.
+    #[allow(clippy::too_many_arguments)]
+    fn execute_from(
+        &self,
+        rank: &Rank,
+        on: Option<CallerStream>,
+        program: &Arc<HostProgram>,
+        symbols: &crate::eval::SymbolBindings,
+        inputs: &[&Tensor],
+        outputs: Option<&[&Tensor]>,
+        options: &ExecOptions,
+        start: std::time::Instant,
+    ) -> Result<(crate::eval::Execution, ReplayStatus, bool)> {
+        let facts = self.facts(program, rank.backend());
         let trace_dir = options.resolved_trace_dir();
         let ctx = CallContext {
             device: rank.device(),
@@ -227,43 +325,26 @@ impl FusionExecutor {
         let call = Call {
             rank,
             on,
-            program: &program,
+            program,
             facts: &facts,
             ctx: &ctx,
-            symbols: &symbols,
+            symbols,
             inputs,
             outputs,
             options,
-            start: call_start,
+            start,
         };
         let device = rank.device();
         let recording = (call.on.as_ref())
             .zip(device.caller_capture())
             .filter(|(on, capture)| capture.capturing(on));
+        let recorded = recording.is_some();
         let (ex, replay) = match recording {
             Some((on, capture)) => self.graphs.record_program(&call, capture, on)?,
             None => self.graphs.run_program(&call)?,
         };
         device.hand_out(&ex.outputs, call.on.as_ref());
-        scope.ran(match replay {
-            _ if recording.is_some() => "recorded",
-            ReplayStatus::Replayed => "replayed",
-            ReplayStatus::Captured(_) => "captured",
-            ReplayStatus::Eager(_) => "walked",
-        });
-        let trace_file = match &trace_dir {
-            Some(dir) => Some(self.traces.write(dir, &self.name, rank, &program, &ex)?),
-            None => None,
-        };
-        Ok(RunReport {
-            outputs: ex.outputs,
-            stats: ex.stats,
-            trace: ex.trace,
-            host_trace: ex.host_trace,
-            trace_file,
-            replay,
-            race: ex.race,
-        })
+        Ok((ex, replay, recorded))
     }
 
     /// The host program for these inputs and options, lowering it if needed (a call of
@@ -276,8 +357,10 @@ impl FusionExecutor {
     ) -> Result<Arc<HostProgram>> {
         let rank = rank.target().rank;
         rank.call(|| {
-            let (lowered, _) = self.programs.prepare(&self.name, rank, inputs, options)?;
-            Ok(lowered.program)
+            let prepared = self
+                .programs
+                .prepare(&self.name, rank, inputs, options, true)?;
+            Ok(prepared.lowered.program)
         })
     }
 }

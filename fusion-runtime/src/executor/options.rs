@@ -31,18 +31,46 @@ pub struct ExecOptions {
     /// node kinds, kernels, edges) into this directory, as `graph-rank<r>-<n>.dot`, to
     /// see what a replayed call launches.
     pub graph_dot_dir: Option<PathBuf>,
+    /// How the call's plan (its `lower` options and stream count) is chosen when both are
+    /// left at their defaults ([`PlanMode`]); setting either makes it the plan.
+    pub plan: PlanMode,
+    /// The plan file tuned plans are kept in ([`PlanMode::Tune`]); unset,
+    /// `FUSION_PLAN_CACHE` or the user's cache directory (`docs/PROGRAMS.md`).
+    pub plan_file: Option<PathBuf>,
+}
+
+/// How a call's plan is chosen among the candidates of the plan space
+/// ([`fusion_compiler::plan`]), once per fusion, shape, dtype and world, the same on every
+/// rank. Applies only while [`ExecOptions::lower`] and [`ExecOptions::number_of_streams`]
+/// are their defaults: options set by hand are the plan.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PlanMode {
+    /// `FUSION_PLAN` where set; else [`PlanMode::Tune`] on CUDA and [`PlanMode::Default`]
+    /// on the CPU backend (whose timings say nothing about a GPU).
+    #[default]
+    Auto,
+    /// The default options, nothing chosen.
+    Default,
+    /// The candidate the cost model estimates fastest; nothing timed.
+    Model,
+    /// The candidates timed on the device with the call's own inputs at the first call of
+    /// each shape (or read from the plan file a previous process wrote); the fastest on
+    /// the slowest rank runs.
+    Tune,
 }
 
 impl Default for ExecOptions {
     fn default() -> Self {
         ExecOptions {
-            number_of_streams: 4,
+            number_of_streams: fusion_compiler::plan::DEFAULT_STREAMS,
             lower: LowerOptions::default(),
             trace: false,
             trace_dir: None,
             graphs: true,
             race_check: false,
             graph_dot_dir: None,
+            plan: PlanMode::Auto,
+            plan_file: None,
         }
     }
 }

@@ -109,6 +109,20 @@ impl GraphSlots {
         }
     }
 
+    /// Drops the graph slot of `program` on `rank` (its graphs and kept outputs), e.g. of
+    /// a plan candidate that lost.
+    pub(super) fn forget(&self, rank: &Rank, program: &Arc<HostProgram>) {
+        let key = (
+            Arc::as_ptr(program) as usize,
+            rank.index(),
+            rank.communicator().instance(),
+        );
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key);
+    }
+
     /// The graph slot of `program` on `rank` with its communicator (made at the first
     /// call; slots of communicators that are gone, with their worlds, are dropped then).
     pub(super) fn slot(&self, rank: &Rank, program: &Arc<HostProgram>) -> SharedSlot {

@@ -401,6 +401,13 @@ impl Device for CudaDevice {
         BackendKind::Cuda
     }
 
+    fn model(&self) -> String {
+        self.shared
+            .ctx
+            .name()
+            .unwrap_or_else(|_| "CUDA device".into())
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

@@ -1,0 +1,191 @@
+//! The plan space: every way the lowering can be told to run one fusion call, as named
+//! candidates ([`Plan`]), and a cost model that estimates each lowered candidate
+//! ([`cost`]).
+//!
+//! A plan is a [`LowerOptions`] plus the size of the worker stream pool. The candidates
+//! are the choices that won somewhere in the measurements of `docs/DECISIONS.md`:
+//! pipelined or whole collectives, the P2P transport, the reduce-scatter pipeline and its
+//! row ranges, compute-first streams, the ring's compute streams, the pool size, which
+//! collectives run over peer memory, and whether pointwise ops fold into GEMM epilogues. Most candidates change nothing for a given fusion
+//! (a fusion without a reduce-scatter has no reduce-scatter pipeline); the runtime lowers
+//! them all and keeps one candidate per distinct program. Which one a call runs is decided
+//! per shape by the runtime, from the cost model or by timing them.
+
+pub mod cost;
+
+use crate::hir::Transport;
+use crate::options::{LowerOptions, PeerMemoryCollectives, Pipelining, ReduceScatterPipeline};
+
+/// The worker stream pool a call gets by default (`ExecOptions::number_of_streams`): one
+/// stream per device of a P2P pipeline up to 4 devices.
+pub const DEFAULT_STREAMS: usize = 4;
+
+/// Bumped whenever the candidates or their meaning change, so that plans tuned by an
+/// older build are not trusted.
+pub const PLAN_SPACE_REVISION: u32 = 1;
+
+/// One candidate: a name (stable across builds of the same revision, used in caches and
+/// dumps), the lowering options and the stream pool size.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Plan {
+    /// `default`, `unpipelined`, `rs_ring4`, ...: what differs from the default.
+    pub name: String,
+    /// How the fusion is lowered.
+    pub lower: LowerOptions,
+    /// Size of the worker stream pool.
+    pub number_of_streams: usize,
+}
+
+impl Plan {
+    fn new(name: impl Into<String>, lower: LowerOptions, number_of_streams: usize) -> Self {
+        Plan {
+            name: name.into(),
+            lower,
+            number_of_streams,
+        }
+    }
+}
+
+/// The candidates for a call on `world_size` devices, the default first (a tie keeps it).
+/// Every candidate computes the same result; they differ in how the program overlaps
+/// communication with compute.
+pub fn candidates(world_size: usize) -> Vec<Plan> {
+    let d = world_size;
+    let base = LowerOptions::default();
+    let mut out = vec![Plan::new("default", base.clone(), DEFAULT_STREAMS)];
+    if d < 2 {
+        return out;
+    }
+    let with = |f: &dyn Fn(&mut LowerOptions)| {
+        let mut o = base.clone();
+        f(&mut o);
+        o
+    };
+    out.push(Plan::new(
+        "unpipelined",
+        base.clone().with_pipelining(Pipelining::Never),
+        DEFAULT_STREAMS,
+    ));
+    out.push(Plan::new(
+        "pipelined",
+        base.clone().with_pipelining(Pipelining::Always),
+        DEFAULT_STREAMS,
+    ));
+    out.push(Plan::new(
+        "p2p_nccl",
+        with(&|o| o.transports.p2p = Transport::Nccl),
+        DEFAULT_STREAMS,
+    ));
+    out.push(Plan::new(
+        "collectives_ce",
+        with(&|o| o.transports.collectives = Transport::CopyEngine),
+        DEFAULT_STREAMS,
+    ));
+    out.push(Plan::new(
+        "peer_memory_never",
+        with(&|o| o.transports.peer_memory = PeerMemoryCollectives::Never),
+        DEFAULT_STREAMS,
+    ));
+    out.push(Plan::new(
+        "peer_memory_all",
+        with(&|o| o.transports.peer_memory = PeerMemoryCollectives::UpTo(usize::MAX)),
+        DEFAULT_STREAMS,
+    ));
+    for streams in [2, d, 2 * d] {
+        if streams != DEFAULT_STREAMS && streams <= 16 && !out_has_streams(&out, streams) {
+            out.push(Plan::new(
+                format!("streams{streams}"),
+                base.clone(),
+                streams,
+            ));
+        }
+    }
+    // Reduce-scatter pipelines (a fusion without one lowers them all to the default).
+    for (pipeline, tag) in [
+        (ReduceScatterPipeline::Direct, "direct"),
+        (ReduceScatterPipeline::Ring, "ring"),
+    ] {
+        for rows in [1, 2, 4] {
+            if pipeline == ReduceScatterPipeline::Ring && rows == 1 {
+                continue;
+            }
+            let lower = with(&|o| {
+                o.pipelines.reduce_scatter = pipeline;
+                o.pipelines.reduce_scatter_subchunks = Some(rows);
+            });
+            // A ring with more row ranges than devices also gets a pool stream per range.
+            let streams = if pipeline == ReduceScatterPipeline::Ring && rows > d {
+                DEFAULT_STREAMS.max(rows)
+            } else {
+                DEFAULT_STREAMS
+            };
+            out.push(Plan::new(format!("rs_{tag}{rows}"), lower.clone(), streams));
+            if pipeline == ReduceScatterPipeline::Ring {
+                let mut two = lower;
+                two.streams.ring_compute_streams = 2;
+                out.push(Plan::new(format!("rs_{tag}{rows}_c2"), two, streams));
+            }
+        }
+    }
+    out.push(Plan::new(
+        "one_stream",
+        with(&|o| o.streams.compute_first = false),
+        DEFAULT_STREAMS,
+    ));
+    // Pointwise consumers as separate kernels instead of in the GEMM's epilogue.
+    out.push(Plan::new(
+        "no_epilogue_fusion",
+        base.clone().without_pass("FuseEpilogue"),
+        DEFAULT_STREAMS,
+    ));
+    out
+}
+
+fn out_has_streams(plans: &[Plan], streams: usize) -> bool {
+    plans
+        .iter()
+        .any(|p| p.lower == LowerOptions::default() && p.number_of_streams == streams)
+}
+
+/// The candidate named `name` on `world_size` devices.
+pub fn find(world_size: usize, name: &str) -> Option<Plan> {
+    candidates(world_size).into_iter().find(|p| p.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_device_has_only_the_default() {
+        let c = candidates(1);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].name, "default");
+    }
+
+    #[test]
+    fn names_are_unique_and_the_default_comes_first() {
+        for d in [2, 3, 4, 8] {
+            let c = candidates(d);
+            assert_eq!(c[0].lower, LowerOptions::default());
+            assert_eq!(c[0].number_of_streams, DEFAULT_STREAMS);
+            let mut names: Vec<_> = c.iter().map(|p| p.name.clone()).collect();
+            names.sort();
+            names.dedup();
+            assert_eq!(names.len(), c.len(), "{names:?}");
+            assert!(find(d, "rs_ring4").is_some());
+            assert!(find(d, "nonsense").is_none());
+        }
+    }
+
+    #[test]
+    fn pool_sizes_follow_the_device_count() {
+        assert!(find(2, "streams2").is_some());
+        assert!(find(4, "streams4").is_none(), "4 streams is the default");
+        assert!(find(4, "streams8").is_some());
+        assert!(find(8, "streams8").is_some());
+        assert!(find(8, "streams16").is_some());
+        assert_eq!(find(2, "rs_ring4").unwrap().number_of_streams, 4);
+        assert_eq!(find(8, "rs_ring4").unwrap().number_of_streams, 4);
+    }
+}

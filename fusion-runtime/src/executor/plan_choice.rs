@@ -1,0 +1,543 @@
+//! Choosing a call's plan: which candidate of the plan space ([`fusion_compiler::plan`])
+//! runs a fusion at a call's shapes, decided once per (fusion, dtypes, shapes, world) and
+//! rank, the same on every rank.
+//!
+//! Only calls whose options leave the plan open (default `lower` and stream count) and that
+//! communicate get a choice. Every candidate is lowered and those that give the same
+//! program are merged. Then, in order: the plan file (rank 0's entry wins, so every rank
+//! runs the same plan), else the cost model ([`PlanMode::Model`], or a call recorded into
+//! the caller's graph, where nothing can be timed), else tuning ([`PlanMode::Tune`]): every
+//! rank times each distinct candidate with the call's own inputs (outputs discarded),
+//! the ranks exchange their medians, and the candidate whose slowest rank is fastest runs;
+//! rank 0 writes it to the plan file. The decision is kept per rank in the executor.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fusion_compiler::hir::StreamDef;
+use fusion_compiler::lower::LowerOptions;
+use fusion_compiler::plan::{self, cost, Plan};
+use serde_json::json;
+
+use super::lowering::{Lowered, Prepared};
+use super::options::{ExecOptions, PlanMode};
+use super::plan_file;
+use super::FusionExecutor;
+use crate::config::{self, PlanSetting};
+use crate::device::{BackendKind, CallerStream};
+use crate::error::Result;
+use crate::eval::bound_leaves;
+use crate::tensor::Tensor;
+use crate::world::Rank;
+
+/// Candidates timed at most, in the cost model's order.
+const MAX_TUNED: usize = 12;
+/// Samples per timed candidate (the median counts).
+const SAMPLES: usize = 5;
+/// A sample lasts about this long (calls are batched up to it).
+const SAMPLE_TARGET: Duration = Duration::from_millis(2);
+
+/// Why a plan runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanSource {
+    /// Every candidate lowered to the same program.
+    OnlyCandidate,
+    /// The cost model's estimate was the lowest.
+    Model,
+    /// It was timed fastest on the slowest rank, in this process.
+    Tuned,
+    /// A previous process tuned it (the plan file).
+    File,
+}
+
+/// One distinct candidate program of a decision.
+#[derive(Clone, Debug)]
+pub struct CandidateReport {
+    /// The candidate's name ([`fusion_compiler::plan::candidates`]).
+    pub name: String,
+    /// Other candidates that lowered to the same program.
+    pub same_as: Vec<String>,
+    /// The cost model's estimate, ms.
+    pub model_ms: f64,
+    /// Its tuned time (the slowest rank's median), ms, when it was timed.
+    pub tuned_ms: Option<f64>,
+}
+
+/// Which plan a call ran and why (`RunReport::plan`, and the host-program dump).
+#[derive(Clone, Debug)]
+pub struct PlanReport {
+    /// The candidate that runs.
+    pub plan: String,
+    /// How it was chosen.
+    pub source: PlanSource,
+    /// The distinct candidates, in the order they were considered.
+    pub candidates: Vec<CandidateReport>,
+    /// Host time spent timing candidates, ms (0 unless tuned in this process).
+    pub tuning_ms: f64,
+    /// Where the machine rates of the model came from.
+    pub profile: String,
+    /// Problems met on the way (an ignored plan file, a file that could not be written).
+    pub warnings: Vec<String>,
+}
+
+impl std::fmt::Display for PlanReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let why = match self.source {
+            PlanSource::OnlyCandidate => "the only distinct program",
+            PlanSource::Model => "lowest cost-model estimate",
+            PlanSource::Tuned => "fastest when timed",
+            PlanSource::File => "tuned by an earlier process (plan file)",
+        };
+        write!(f, "plan: {} ({why}", self.plan)?;
+        if self.tuning_ms > 0.0 {
+            write!(f, "; tuning took {:.1} ms", self.tuning_ms)?;
+        }
+        writeln!(f, "; model: {})", self.profile)?;
+        for c in &self.candidates {
+            write!(f, "//   {:<20} model {:>9.3} ms", c.name, c.model_ms)?;
+            if let Some(t) = c.tuned_ms {
+                write!(f, "  timed {t:>9.3} ms")?;
+            }
+            if !c.same_as.is_empty() {
+                write!(f, "  (same program: {})", c.same_as.join(", "))?;
+            }
+            writeln!(f)?;
+        }
+        for w in &self.warnings {
+            writeln!(f, "//   warning: {w}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A call's plan: its program and options.
+pub(super) struct Choice {
+    pub(super) lowered: Lowered,
+    pub(super) options: ExecOptions,
+    pub(super) report: Option<Arc<PlanReport>>,
+}
+
+/// What a decision is kept under: the call's dtypes and symbols, the rank and its
+/// communicator instance.
+type DecisionKey = (String, usize, u64);
+
+/// The decisions of an executor, per key and rank.
+#[derive(Default)]
+pub(super) struct PlanChoices {
+    decided: Mutex<HashMap<DecisionKey, (Plan, Arc<PlanReport>)>>,
+    /// How many decisions timed candidates (for tests and benchmarks).
+    tunings: std::sync::atomic::AtomicUsize,
+}
+
+/// The mode `options` asks for on `backend`: `None` when the plan is given.
+fn mode(options: &ExecOptions, backend: BackendKind) -> Result<Option<PlanSetting>> {
+    if options.lower != LowerOptions::default()
+        || options.number_of_streams != plan::DEFAULT_STREAMS
+    {
+        return Ok(None);
+    }
+    let setting = match options.plan {
+        PlanMode::Default => PlanSetting::Off,
+        PlanMode::Model => PlanSetting::Model,
+        PlanMode::Tune => PlanSetting::Tune,
+        PlanMode::Auto => match config::plan()? {
+            Some(s) => s,
+            None if backend == BackendKind::Cuda => PlanSetting::Tune,
+            None => PlanSetting::Off,
+        },
+    };
+    Ok((setting != PlanSetting::Off).then_some(setting))
+}
+
+/// The call a plan is chosen for.
+pub(super) struct PlanCall<'a> {
+    pub(super) exec: &'a FusionExecutor,
+    pub(super) rank: &'a Rank,
+    /// The caller's stream, when the call was given one.
+    pub(super) on: Option<&'a CallerStream>,
+    /// The caller is capturing the call into its own graph: nothing can be timed.
+    pub(super) recording: bool,
+    pub(super) prepared: Prepared,
+    pub(super) inputs: &'a [&'a Tensor],
+    pub(super) options: &'a ExecOptions,
+}
+
+/// A distinct candidate: its plan, program, report line and program text.
+struct Distinct {
+    plan: Plan,
+    lowered: Lowered,
+    report: CandidateReport,
+    text: String,
+}
+
+impl PlanChoices {
+    /// How many decisions timed their candidates.
+    pub(super) fn tunings(&self) -> usize {
+        self.tunings.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The plan of `call`, whose default program is `call.prepared`.
+    pub(super) fn choose(&self, call: PlanCall<'_>) -> Result<Choice> {
+        let (rank, options) = (call.rank, call.options);
+        let open = rank.world_size() >= 2 && call.prepared.lowered.fingerprint.is_some();
+        let setting = if open {
+            mode(options, rank.backend())?
+        } else {
+            None
+        };
+        let Some(setting) = setting else {
+            return Ok(Choice {
+                lowered: call.prepared.lowered,
+                options: options.clone(),
+                report: None,
+            });
+        };
+        let key: DecisionKey = (
+            format!(
+                "{:?} {:?}",
+                call.prepared.dtypes,
+                call.prepared.symbols.entries()
+            ),
+            rank.index(),
+            rank.communicator().instance(),
+        );
+        let known = (self.decided.lock().unwrap_or_else(|p| p.into_inner()))
+            .get(&key)
+            .cloned();
+        let (plan, report) = match known {
+            Some(k) => k,
+            None => {
+                let decided = self.decide(&call, setting)?;
+                (self.decided.lock().unwrap_or_else(|p| p.into_inner()))
+                    .insert(key, decided.clone());
+                decided
+            }
+        };
+        let options = with_plan(options, &plan);
+        let exec = call.exec;
+        let lowered =
+            (exec.programs).program_for_prepared(&exec.name, rank, &call.prepared, &options)?;
+        Ok(Choice {
+            lowered,
+            options,
+            report: Some(report),
+        })
+    }
+
+    /// Decides the plan of `call` (see the module's documentation for the order).
+    fn decide(&self, call: &PlanCall<'_>, setting: PlanSetting) -> Result<(Plan, Arc<PlanReport>)> {
+        let profile = cost::MachineProfile::hopper();
+        let mut distinct = lower_candidates(call, &profile)?;
+        let mut report = PlanReport {
+            plan: distinct[0].plan.name.clone(),
+            source: PlanSource::OnlyCandidate,
+            candidates: Vec::new(),
+            tuning_ms: 0.0,
+            profile: profile.source.clone(),
+            warnings: Vec::new(),
+        };
+        if distinct.len() == 1 {
+            return Ok(finish(call, report, distinct, 0));
+        }
+        // The plan file: rank 0's entry decides.
+        let texts: Vec<&str> = distinct.iter().map(|d| d.text.as_str()).collect();
+        let file_key = file_key(call, &texts);
+        let path = call.options.plan_file.clone().or_else(config::plan_cache);
+        let mine = match &path {
+            Some(path) => file_choice(path, &file_key, &distinct, &mut report.warnings),
+            None => -1,
+        };
+        for w in &report.warnings {
+            tracing::warn!(rank = call.rank.index(), "{w}");
+        }
+        let agreed = call.rank.communicator().exchange(&[mine])?;
+        let from_rank0 = agreed
+            .first()
+            .and_then(|v| v.first())
+            .copied()
+            .unwrap_or(-1);
+        if from_rank0 >= 0 && (from_rank0 as usize) < distinct.len() {
+            report.source = PlanSource::File;
+            return Ok(finish(call, report, distinct, from_rank0 as usize));
+        }
+        // The model's order (stable: the default first among equals).
+        let mut order: Vec<usize> = (0..distinct.len()).collect();
+        order.sort_by(|&a, &b| {
+            distinct[a]
+                .report
+                .model_ms
+                .total_cmp(&distinct[b].report.model_ms)
+        });
+        if setting == PlanSetting::Model || call.recording {
+            report.source = PlanSource::Model;
+            return Ok(finish(call, report, distinct, order[0]));
+        }
+        order.truncate(MAX_TUNED);
+        let started = Instant::now();
+        let slowest = tune(call, &distinct, &order)?;
+        for (j, &i) in order.iter().enumerate() {
+            distinct[i].report.tuned_ms = Some(slowest[j] as f64 / 1e6);
+        }
+        let best = (0..order.len())
+            .min_by_key(|&j| (slowest[j], order[j]))
+            .unwrap_or(0);
+        let pick = order[best];
+        report.source = PlanSource::Tuned;
+        report.tuning_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.tunings
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // The losers' graphs and buffers are of no further use on this rank.
+        for (j, d) in distinct.iter().enumerate() {
+            if j != pick {
+                call.exec.graphs.forget(call.rank, &d.lowered.program);
+            }
+        }
+        if let (0, Some(path)) = (call.rank.index(), &path) {
+            if let Err(w) = remember(call, path, &file_key, &distinct, pick, slowest[best]) {
+                tracing::warn!("{w}");
+                report.warnings.push(w);
+            }
+        }
+        Ok(finish(call, report, distinct, pick))
+    }
+}
+
+/// Every candidate of the plan space lowered for `call`, one per distinct program, with
+/// the model's estimate. A candidate whose lowering refuses this fusion is not one
+/// (lowering errors come before any communication, on every rank alike).
+fn lower_candidates(call: &PlanCall<'_>, profile: &cost::MachineProfile) -> Result<Vec<Distinct>> {
+    let (exec, rank, prepared) = (call.exec, call.rank, &call.prepared);
+    let mut distinct: Vec<Distinct> = Vec::new();
+    for c in plan::candidates(rank.world_size()) {
+        let o = with_plan(call.options, &c);
+        let Ok(lowered) = exec
+            .programs
+            .program_for_prepared(&exec.name, rank, prepared, &o)
+        else {
+            continue;
+        };
+        let p = &lowered.program;
+        let pooled = p.streams.iter().any(|s| matches!(s, StreamDef::Pool(_)));
+        let streams = if pooled { c.number_of_streams } else { 0 };
+        let text = format!("{p}\nstreams {streams}");
+        if let Some(d) = distinct.iter_mut().find(|d| d.text == text) {
+            d.report.same_as.push(c.name.clone());
+            continue;
+        }
+        let leaves = bound_leaves(p, &prepared.symbols, rank.index(), c.number_of_streams);
+        let est = cost::estimate(p, &|s| leaves.get(s.index()).copied().flatten(), profile);
+        let report = CandidateReport {
+            name: c.name.clone(),
+            same_as: Vec::new(),
+            model_ms: est.seconds * 1e3,
+            tuned_ms: None,
+        };
+        distinct.push(Distinct {
+            plan: c,
+            lowered,
+            report,
+            text,
+        });
+    }
+    if distinct.is_empty() {
+        // The default always lowers (the call's own program did).
+        return Err(crate::error::Error::World(
+            "no candidate plan lowers this fusion".into(),
+        ));
+    }
+    Ok(distinct)
+}
+
+/// This rank's plan file entry for `key`: the index of its candidate, or -1 (none, or
+/// not to be trusted: the reason goes to `warnings`).
+fn file_choice(
+    path: &std::path::Path,
+    key: &str,
+    distinct: &[Distinct],
+    warnings: &mut Vec<String>,
+) -> i64 {
+    match plan_file::load(path).and_then(|m| plan_file::entry(&m, key)) {
+        Ok(Some(e)) => match distinct.iter().position(|d| d.plan.name == e.plan) {
+            Some(i) => i as i64,
+            None => {
+                warnings.push(format!(
+                    "plan file entry {key} names `{}`, not a candidate here; tuning again",
+                    e.plan
+                ));
+                -1
+            }
+        },
+        Ok(None) => -1,
+        Err(w) => {
+            warnings.push(w);
+            -1
+        }
+    }
+}
+
+/// Times the candidates `order` of `call` on every rank; the slowest rank's median of
+/// each, in ns, in that order.
+fn tune(call: &PlanCall<'_>, distinct: &[Distinct], order: &[usize]) -> Result<Vec<i64>> {
+    let mut medians = Vec::with_capacity(order.len());
+    for &i in order {
+        let o = with_plan(call.options, &distinct[i].plan);
+        let t = time_candidate(call, &distinct[i].lowered, &o)?;
+        medians.push((t.as_nanos() as i64).max(1));
+    }
+    let all = call.rank.communicator().exchange(&medians)?;
+    Ok((0..order.len())
+        .map(|j| {
+            all.iter()
+                .filter_map(|v| v.get(j))
+                .copied()
+                .max()
+                .unwrap_or(i64::MAX)
+        })
+        .collect())
+}
+
+/// Writes the tuned plan `pick` (its time `ns`) into the plan file at `path`.
+fn remember(
+    call: &PlanCall<'_>,
+    path: &std::path::Path,
+    key: &str,
+    distinct: &[Distinct],
+    pick: usize,
+    ns: i64,
+) -> std::result::Result<(), String> {
+    let entry = plan_file::FileEntry {
+        plan: distinct[pick].plan.name.clone(),
+        ms: ns as f64 / 1e6,
+    };
+    let default_ms = distinct[0]
+        .report
+        .tuned_ms
+        .map_or(serde_json::Value::Null, |t| json!(t));
+    let rank = call.rank;
+    let extra = [
+        ("fusion", json!(call.exec.name)),
+        (
+            "shapes",
+            json!(format!("{:?}", call.prepared.symbols.entries())),
+        ),
+        (
+            "world",
+            json!(format!("{} x {:?}", rank.world_size(), rank.backend())),
+        ),
+        ("device", json!(rank.device().model())),
+        ("default_ms", default_ms),
+    ];
+    plan_file::store(path, key, &entry, &extra)
+        .map_err(|e| format!("plan file {} not written: {e}", path.display()))
+}
+
+/// The decision for `pick`, its report completed; printed with `FUSION_DUMP=host_ir`
+/// (rank 0).
+fn finish(
+    call: &PlanCall<'_>,
+    mut report: PlanReport,
+    distinct: Vec<Distinct>,
+    pick: usize,
+) -> (Plan, Arc<PlanReport>) {
+    report.plan = distinct[pick].plan.name.clone();
+    let plan = distinct[pick].plan.clone();
+    let chosen = distinct[pick].lowered.program.clone();
+    report.candidates = distinct.into_iter().map(|d| d.report).collect();
+    let report = Arc::new(report);
+    let dump = crate::config::DumpOptions::from_env().is_ok_and(|d| d.host_ir);
+    if call.rank.index() == 0 && dump {
+        eprintln!("// {}: {report}", call.exec.name);
+        super::dumps::dump_program(&chosen, call.rank);
+    }
+    (plan, report)
+}
+
+/// `options` with `plan`'s lowering and stream count, and no further choosing.
+fn with_plan(options: &ExecOptions, plan: &Plan) -> ExecOptions {
+    ExecOptions {
+        lower: plan.lower.clone(),
+        number_of_streams: plan.number_of_streams,
+        plan: PlanMode::Default,
+        ..options.clone()
+    }
+}
+
+/// The plan file's key of a decision: the build, the fusion, dtypes and shapes, the world
+/// and GPU, and the distinct candidate programs.
+fn file_key(call: &PlanCall<'_>, programs: &[&str]) -> String {
+    let (rank, prepared) = (call.rank, &call.prepared);
+    let caps = rank.communicator().capabilities();
+    let fusion = prepared.fusion.to_string();
+    let shapes = format!("{:?} {:?}", prepared.dtypes, prepared.symbols.entries());
+    let world = format!(
+        "{} ranks, {:?}, {}",
+        rank.world_size(),
+        rank.backend(),
+        caps.transports.join("; ")
+    );
+    let device = rank.device().model();
+    let revision = format!(
+        "{} {}",
+        env!("CARGO_PKG_VERSION"),
+        plan::PLAN_SPACE_REVISION
+    );
+    let name = call.exec.name.as_str();
+    let mut parts = vec![revision.as_str(), name, &fusion, &shapes, &world, &device];
+    parts.extend_from_slice(programs);
+    plan_file::stable_key(&parts)
+}
+
+/// The median time of one call of `lowered` (a candidate of the call `prepared`) on this
+/// rank: two warm-up calls (a walk and a capture), then [`SAMPLES`] batches of calls
+/// between device synchronizations.
+fn time_candidate(
+    call: &PlanCall<'_>,
+    lowered: &Lowered,
+    options: &ExecOptions,
+) -> Result<Duration> {
+    let rank = call.rank;
+    let device = rank.device();
+    let symbols = &call.prepared.symbols;
+    let run = || -> Result<()> {
+        let on = call.on.cloned();
+        (call.exec).execute(
+            rank,
+            on,
+            &lowered.program,
+            symbols,
+            call.inputs,
+            None,
+            options,
+        )?;
+        Ok(())
+    };
+    run()?;
+    run()?;
+    device.synchronize()?;
+    let t = Instant::now();
+    run()?;
+    device.synchronize()?;
+    // Every rank runs the same number of calls: the batch follows the slowest rank.
+    let mine = t.elapsed().as_nanos().max(1000) as i64;
+    let all = rank.communicator().exchange(&[mine])?;
+    let slowest = all
+        .iter()
+        .filter_map(|v| v.first())
+        .copied()
+        .max()
+        .unwrap_or(mine);
+    let one = Duration::from_nanos(slowest as u64);
+    let batch = (SAMPLE_TARGET.as_secs_f64() / one.as_secs_f64()).clamp(1.0, 50.0) as u32;
+    let mut samples = Vec::with_capacity(SAMPLES);
+    for _ in 0..SAMPLES {
+        let t = Instant::now();
+        for _ in 0..batch {
+            run()?;
+        }
+        device.synchronize()?;
+        samples.push(t.elapsed() / batch);
+    }
+    samples.sort();
+    Ok(samples[SAMPLES / 2])
+}

@@ -1,0 +1,333 @@
+//! The plan a call runs when its options leave it open: the plan space enumerated on 1, 2,
+//! 3, 4 and 8 simulated devices with every candidate computing the unpipelined result;
+//! tuning that gives every rank the same plan; the plan file read by a later executor
+//! (as a second process would) so that nothing is timed again; untrusted files ignored
+//! with a warning; the cost model's pick; options set by hand kept as the plan.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use common::cases;
+use common::*;
+use fusion::compiler::ir::{Fusion, UnaryOp};
+use fusion::compiler::lower::Pipelining;
+use fusion::compiler::plan;
+use fusion::{DType, ExecOptions, FusionExecutor, PlanMode, PlanReport, PlanSource, Tensor};
+
+/// A fusion of the suite with its inputs (full tensors and how ranks get them) and how
+/// its output is assembled.
+struct Case {
+    name: &'static str,
+    fusion: Fusion,
+    inputs: Vec<(Tensor, Give)>,
+    take: Take,
+}
+
+fn cases_for(d: usize, salt: u64) -> Vec<Case> {
+    let dt = DType::F32;
+    let r = |shape: &[usize], s: u64| Tensor::randn(shape, dt, salt * 101 + s + d as u64);
+    let (m, k, n, f) = (4, 6, 5, 3);
+    vec![
+        Case {
+            name: "ag_matmul",
+            fusion: cases::ag_matmul_p2p(dt),
+            inputs: vec![
+                (r(&[d, m, k], 1), Give::Shard(0)),
+                (r(&[k, n], 2), Give::Whole),
+            ],
+            take: Take::Replicated,
+        },
+        Case {
+            name: "matmul_rs",
+            fusion: cases::matmul_rs_p2p(),
+            inputs: vec![
+                (r(&[d, d, m, k], 3), Give::Shard(0)),
+                (r(&[d, k, n], 4), Give::Shard(0)),
+            ],
+            take: Take::Sharded(0),
+        },
+        Case {
+            name: "mlp",
+            fusion: cases::tp_mlp(dt, UnaryOp::Gelu),
+            inputs: vec![
+                (r(&[d, m, k], 5), Give::Shard(0)),
+                (r(&[d, k, f], 6), Give::Shard(0)),
+                (r(&[d, f, k], 7), Give::Shard(0)),
+            ],
+            take: Take::Sharded(0),
+        },
+    ]
+}
+
+/// Runs `exec` on `d` devices with `options`; the assembled output and every rank's plan.
+fn run_case(
+    exec: &FusionExecutor,
+    d: usize,
+    case: &Case,
+    options: &ExecOptions,
+) -> (Tensor, Vec<Option<Arc<PlanReport>>>) {
+    let world = world(d);
+    let per_rank = world
+        .run(|rank| {
+            let local = distribute(rank, &case.inputs)?;
+            let refs: Vec<&Tensor> = local.iter().collect();
+            let report = exec.run_with(rank, &refs, None, options)?;
+            Ok((rank.to_host(&report.outputs[0])?, report.plan))
+        })
+        .unwrap_or_else(|e| panic!("{} on {d} devices: {e}", case.name));
+    let parts: Vec<Tensor> = per_rank.iter().map(|p| p.0.clone()).collect();
+    let out = match case.take {
+        Take::Replicated => parts[0].clone(),
+        ref t => assemble(&parts, t),
+    };
+    (out, per_rank.into_iter().map(|p| p.1).collect())
+}
+
+fn close(a: &Tensor, b: &Tensor, what: &str) {
+    let (a, b) = (a.to_f32_vec().unwrap(), b.to_f32_vec().unwrap());
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+            "{what}: [{i}] {x} vs {y}"
+        );
+    }
+}
+
+/// A plan file of its own for each test.
+fn plan_file(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("fusion-plans-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir.join("plans.json")
+}
+
+fn tuned(file: &std::path::Path) -> ExecOptions {
+    ExecOptions {
+        plan: PlanMode::Tune,
+        plan_file: Some(file.to_path_buf()),
+        ..ExecOptions::default()
+    }
+}
+
+#[test]
+fn every_candidate_computes_the_unpipelined_result() {
+    for d in [1, 2, 3, 4, 8] {
+        for case in cases_for(d, 1) {
+            let exec = FusionExecutor::new(case.fusion.clone());
+            let mut whole = ExecOptions::default();
+            whole.lower.pipelines.pipelining = Pipelining::Never;
+            let (want, _) = run_case(&exec, d, &case, &whole);
+            let mut programs = std::collections::BTreeSet::new();
+            for p in plan::candidates(d) {
+                // As the plan space gives it, and pipelined at these small shapes too.
+                for always in [false, true] {
+                    let mut lower = p.lower.clone();
+                    if always {
+                        lower.pipelines.pipelining = Pipelining::Always;
+                    }
+                    let o = ExecOptions {
+                        lower,
+                        number_of_streams: p.number_of_streams,
+                        race_check: true,
+                        ..ExecOptions::default()
+                    };
+                    // A candidate that does not apply to this fusion is refused by the
+                    // lowering (and skipped by the plan choice).
+                    let program = world(d).run(|rank| {
+                        let local = distribute(rank, &case.inputs)?;
+                        let refs: Vec<&Tensor> = local.iter().collect();
+                        Ok(exec.program(rank, &refs, &o)?.to_string())
+                    });
+                    let Ok(program) = program else {
+                        continue;
+                    };
+                    programs.insert(program[0].clone());
+                    let (got, _) = run_case(&exec, d, &case, &o);
+                    let what = format!(
+                        "{} on {d} devices, plan {} (always {always})",
+                        case.name, p.name
+                    );
+                    close(&got, &want, &what);
+                }
+            }
+            if d > 1 {
+                assert!(
+                    programs.len() >= 3,
+                    "{} on {d} devices: {} distinct programs",
+                    case.name,
+                    programs.len()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn tuning_gives_every_rank_one_plan_and_keeps_it() {
+    let file = plan_file("tuning");
+    for d in [2, 4] {
+        for case in cases_for(d, 2) {
+            let exec = FusionExecutor::new(case.fusion.clone()).with_name(case.name);
+            let mut whole = ExecOptions::default();
+            whole.lower.pipelines.pipelining = Pipelining::Never;
+            let (want, _) = run_case(&exec, d, &case, &whole);
+            let (got, plans) = run_case(&exec, d, &case, &tuned(&file));
+            close(&got, &want, case.name);
+            let first = plans[0].clone().expect("a plan report");
+            assert_eq!(first.source, PlanSource::Tuned, "{first}");
+            assert!(first.candidates.len() > 1, "{first}");
+            assert!(
+                first.candidates.iter().all(|c| c.tuned_ms.is_some()),
+                "{first}"
+            );
+            assert!(first.tuning_ms > 0.0);
+            for p in &plans {
+                assert_eq!(
+                    p.as_ref().unwrap().plan,
+                    first.plan,
+                    "every rank runs one plan"
+                );
+            }
+            let text = first.to_string();
+            assert!(text.contains(&format!("plan: {}", first.plan)), "{text}");
+            assert_eq!(exec.tunings(), d, "each rank decided once");
+            // Later calls of the shape keep the decision.
+            let (again, plans) = run_case(&exec, d, &case, &tuned(&file));
+            close(&again, &want, case.name);
+            assert_eq!(exec.tunings(), d);
+            assert_eq!(plans[1].as_ref().unwrap().plan, first.plan);
+        }
+    }
+}
+
+#[test]
+fn a_later_process_reads_the_plan_file_and_tunes_nothing() {
+    let file = plan_file("second");
+    let d = 2;
+    for case in cases_for(d, 3) {
+        let first = FusionExecutor::new(case.fusion.clone()).with_name(case.name);
+        let (want, plans) = run_case(&first, d, &case, &tuned(&file));
+        let chosen = plans[0].as_ref().unwrap().plan.clone();
+        assert!(file.exists(), "rank 0 wrote {}", file.display());
+        // A new executor knows nothing: like a second process, it has only the file.
+        let second = FusionExecutor::new(case.fusion.clone()).with_name(case.name);
+        let (got, plans) = run_case(&second, d, &case, &tuned(&file));
+        close(&got, &want, case.name);
+        assert_eq!(second.tunings(), 0, "nothing timed");
+        for p in &plans {
+            let p = p.as_ref().unwrap();
+            assert_eq!(p.source, PlanSource::File, "{p}");
+            assert_eq!(p.plan, chosen);
+        }
+    }
+}
+
+#[test]
+fn untrusted_plan_files_are_ignored_with_a_warning() {
+    let file = plan_file("untrusted");
+    let d = 2;
+    let case = cases_for(d, 4).remove(0);
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    std::fs::write(&file, "{ this is not json").unwrap();
+    let exec = FusionExecutor::new(case.fusion.clone()).with_name(case.name);
+    let (_, plans) = run_case(&exec, d, &case, &tuned(&file));
+    let p = plans[0].as_ref().unwrap();
+    assert_eq!(p.source, PlanSource::Tuned, "{p}");
+    assert!(
+        p.warnings.iter().any(|w| w.contains("not JSON")),
+        "{:?}",
+        p.warnings
+    );
+    // The file was replaced by a good one; now make its entry name a plan that is not a
+    // candidate (a stale entry): it is not trusted either.
+    let text = std::fs::read_to_string(&file).unwrap();
+    let stale = text.replace(
+        &format!("\"plan\": \"{}\"", p.plan),
+        "\"plan\": \"no_such_plan\"",
+    );
+    assert_ne!(stale, text, "{text}");
+    std::fs::write(&file, stale).unwrap();
+    let again = FusionExecutor::new(case.fusion.clone()).with_name(case.name);
+    let (_, plans) = run_case(&again, d, &case, &tuned(&file));
+    let p = plans[0].as_ref().unwrap();
+    assert_eq!(p.source, PlanSource::Tuned, "{p}");
+    assert!(
+        p.warnings.iter().any(|w| w.contains("no_such_plan")),
+        "{:?}",
+        p.warnings
+    );
+    // Another version of the format is not read either.
+    std::fs::write(
+        &file,
+        r#"{"format": "fusion-plans", "version": 0, "entries": {}}"#,
+    )
+    .unwrap();
+    let third = FusionExecutor::new(case.fusion.clone()).with_name(case.name);
+    let (_, plans) = run_case(&third, d, &case, &tuned(&file));
+    let p = plans[0].as_ref().unwrap();
+    assert!(
+        p.warnings.iter().any(|w| w.contains("version")),
+        "{:?}",
+        p.warnings
+    );
+}
+
+#[test]
+fn the_model_picks_without_timing() {
+    for d in [2, 3, 4, 8] {
+        for case in cases_for(d, 5) {
+            let exec = FusionExecutor::new(case.fusion.clone());
+            let o = ExecOptions {
+                plan: PlanMode::Model,
+                plan_file: None,
+                ..ExecOptions::default()
+            };
+            let mut whole = ExecOptions::default();
+            whole.lower.pipelines.pipelining = Pipelining::Never;
+            let (want, _) = run_case(&exec, d, &case, &whole);
+            let (got, plans) = run_case(&exec, d, &case, &o);
+            close(&got, &want, case.name);
+            assert_eq!(exec.tunings(), 0);
+            let first = plans[0].as_ref().unwrap();
+            assert!(
+                matches!(first.source, PlanSource::Model | PlanSource::OnlyCandidate),
+                "{first}"
+            );
+            assert!(first.candidates.iter().all(|c| c.model_ms > 0.0), "{first}");
+            for p in &plans {
+                assert_eq!(p.as_ref().unwrap().plan, first.plan);
+            }
+        }
+    }
+}
+
+#[test]
+fn options_set_by_hand_are_the_plan() {
+    let d = 2;
+    let case = cases_for(d, 6).remove(1);
+    let exec = FusionExecutor::new(case.fusion.clone());
+    let mut by_hand = ExecOptions {
+        plan: PlanMode::Tune,
+        ..ExecOptions::default()
+    };
+    by_hand.lower.pipelines.pipelining = Pipelining::Always;
+    let (_, plans) = run_case(&exec, d, &case, &by_hand);
+    assert!(plans.iter().all(Option::is_none));
+    let streams = ExecOptions {
+        plan: PlanMode::Tune,
+        number_of_streams: 2,
+        ..ExecOptions::default()
+    };
+    let (_, plans) = run_case(&exec, d, &case, &streams);
+    assert!(plans.iter().all(Option::is_none));
+    assert_eq!(exec.tunings(), 0);
+    // On the CPU backend the default mode chooses nothing (unless FUSION_PLAN says so).
+    if std::env::var_os("FUSION_PLAN").is_none()
+        && std::env::var("FUSION_BACKEND").as_deref() != Ok("cuda")
+    {
+        let (_, plans) = run_case(&exec, d, &case, &ExecOptions::default());
+        assert!(plans.iter().all(Option::is_none));
+    }
+}
