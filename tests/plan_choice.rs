@@ -331,3 +331,26 @@ fn options_set_by_hand_are_the_plan() {
         assert!(plans.iter().all(Option::is_none));
     }
 }
+
+#[test]
+fn the_trace_file_says_which_plan_ran() {
+    let file = plan_file("trace");
+    let dir = file.parent().unwrap().join("traces");
+    let d = 2;
+    let case = cases_for(d, 7).remove(2);
+    let exec = FusionExecutor::new(case.fusion.clone()).with_name("traced_mlp");
+    let o = ExecOptions {
+        trace_dir: Some(dir.clone()),
+        ..tuned(&file)
+    };
+    let (_, plans) = run_case(&exec, d, &case, &o);
+    let chosen = plans[0].as_ref().unwrap().plan.clone();
+    let traces: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(traces.len(), d, "one trace per rank");
+    for t in traces {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(t.path()).unwrap()).unwrap();
+        let plan = v["otherData"]["plan"].as_str().unwrap();
+        assert!(plan.starts_with(&format!("plan: {chosen} (")), "{plan}");
+    }
+}

@@ -14,7 +14,8 @@
 //!   pre-order index in the program, `text` its line of the program dump);
 //! - threads `stream s`: the device intervals, named `op [chunk]`, category `comm` or
 //!   `compute`, with `args` = `{node, stream, chunk}`;
-//! - `otherData`: the fusion, call, rank, world size, backend and the program's text.
+//! - `otherData`: the fusion, call, rank, world size, backend, the program's text and the
+//!   plan that ran (and why).
 //!
 //! Host and device times both count from the call's start but on different clocks (the
 //! host's, and the device's from a marker the call records first), so they align only
@@ -206,6 +207,8 @@ pub struct CallTrace<'a> {
     pub device: &'a [TraceEvent],
     /// Its nodes' host spans.
     pub host: &'a [HostSpan],
+    /// Which plan ran and why, when the call's options left it open (empty otherwise).
+    pub plan: &'a str,
 }
 
 /// The Chrome trace of one call on one rank: every executed node on the host thread,
@@ -245,6 +248,7 @@ pub fn call_trace(t: &CallTrace<'_>) -> Value {
             "backend": t.backend,
             "nodes": texts.len(),
             "program": t.program.to_string(),
+            "plan": t.plan,
         },
     })
 }

@@ -72,6 +72,7 @@ impl TraceFiles {
         rank: &Rank,
         program: &HostProgram,
         ex: &Execution,
+        plan: Option<&super::PlanReport>,
     ) -> Result<PathBuf> {
         let call = {
             let mut calls = self.traced_calls.lock().unwrap_or_else(|p| p.into_inner());
@@ -88,6 +89,7 @@ impl TraceFiles {
             program,
             device: ex.trace.as_deref().unwrap_or_default(),
             host: ex.host_trace.as_deref().unwrap_or_default(),
+            plan: &plan.map(ToString::to_string).unwrap_or_default(),
         };
         write_call_trace(dir, &t)
     }

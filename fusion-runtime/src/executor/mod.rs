@@ -255,7 +255,10 @@ impl FusionExecutor {
             ReplayStatus::Eager(_) => "walked",
         });
         let trace_file = match &choice.options.resolved_trace_dir() {
-            Some(dir) => Some(self.traces.write(dir, &self.name, rank, &program, &ex)?),
+            Some(dir) => {
+                let plan = choice.report.as_deref();
+                Some((self.traces).write(dir, &self.name, rank, &program, &ex, plan)?)
+            }
             None => None,
         };
         Ok(RunReport {

@@ -227,7 +227,7 @@ impl PlanChoices {
 
     /// Decides the plan of `call` (see the module's documentation for the order).
     fn decide(&self, call: &PlanCall<'_>, setting: PlanSetting) -> Result<(Plan, Arc<PlanReport>)> {
-        let profile = cost::MachineProfile::hopper();
+        let profile = world_profile(call)?;
         let mut distinct = lower_candidates(call, &profile)?;
         let mut report = PlanReport {
             plan: distinct[0].plan.name.clone(),
@@ -451,6 +451,77 @@ fn finish(
         super::dumps::dump_program(&chosen, call.rank);
     }
     (plan, report)
+}
+
+/// The machine rates of `call`'s world, probed at its first decision on each rank (every
+/// rank of a world decides its first plan at the same call): on CUDA the bf16 GEMM rate
+/// of this device, agreed as the slowest rank's so that every rank's model orders the
+/// candidates alike; the link rates are Hopper's. The CPU backend, and a call recorded
+/// into the caller's capture (nothing can wait for the device), keep the defaults.
+fn world_profile(call: &PlanCall<'_>) -> Result<cost::MachineProfile> {
+    type Profiles = Mutex<HashMap<(u64, usize), cost::MachineProfile>>;
+    static PROFILES: std::sync::OnceLock<Profiles> = std::sync::OnceLock::new();
+    let rank = call.rank;
+    let key = (rank.communicator().instance(), rank.index());
+    let profiles = PROFILES.get_or_init(Default::default);
+    if let Some(p) = profiles.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return Ok(p.clone());
+    }
+    let base = cost::MachineProfile::hopper();
+    if rank.backend() != BackendKind::Cuda || call.recording {
+        return Ok(base);
+    }
+    let mine = probe_gemm_flops(rank)?;
+    let all = rank.communicator().exchange(&[(mine / 1e9) as i64])?;
+    let slowest = all.iter().filter_map(|v| v.first()).copied().min().unwrap_or(0);
+    let source = format!(
+        "bf16 GEMM probed at {:.0} TFLOP/s (slowest rank), Hopper link rates",
+        slowest as f64 / 1e3
+    );
+    let profile = base.with_gemm_flops(slowest as f64 * 1e9, &source);
+    (profiles.lock().unwrap_or_else(|p| p.into_inner())).insert(key, profile.clone());
+    Ok(profile)
+}
+
+/// Side of the square bf16 GEMM the probe times.
+const PROBE_SIDE: usize = 4096;
+
+/// This device's bf16 GEMM rate, FLOP/s: the median of 5 timed `PROBE_SIDE`^3 GEMMs on
+/// random inputs after 2 warm-ups.
+fn probe_gemm_flops(rank: &Rank) -> Result<f64> {
+    use fusion_compiler::DType;
+    let dev = rank.device();
+    let n = PROBE_SIDE;
+    let a = dev.upload(&Tensor::randn(&[n, n], DType::BF16, 0x5eed))?;
+    let b = dev.upload(&Tensor::randn(&[n, n], DType::BF16, 0x5eee))?;
+    let c = dev.allocate(0, DType::BF16, &[n, n])?;
+    let gemm = || {
+        dev.execute(
+            0,
+            crate::device::Kernel::Gemm {
+                a: &a,
+                b: &b,
+                bias: None,
+                accumulate: false,
+                addend: None,
+                epilogue: &[],
+                dst: &c,
+            },
+        )
+    };
+    gemm()?;
+    gemm()?;
+    let mut ms = Vec::with_capacity(5);
+    for _ in 0..5 {
+        let start = dev.record_marker(0)?;
+        gemm()?;
+        let end = dev.record_marker(0)?;
+        ms.push(dev.marker_elapsed_ms(start, end)?);
+    }
+    dev.clear_markers();
+    ms.sort_by(f64::total_cmp);
+    let flops = 2.0 * (n as f64).powi(3);
+    Ok(flops / (ms[2].max(1e-6) * 1e-3))
 }
 
 /// `options` with `plan`'s lowering and stream count, and no further choosing.

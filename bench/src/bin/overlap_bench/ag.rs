@@ -6,7 +6,7 @@ use fusion::compiler::hir::Transport;
 use fusion::{Rank, Result, Tensor};
 use fusion_bench::cli::list;
 
-use crate::sample::{opts, variant, Execs, Samples};
+use crate::sample::{default_call, opts, variant, Execs, Samples};
 use crate::Args;
 
 /// AG+GEMM variants on one rank. `transport` is `None` for the NCCL and baseline group.
@@ -54,6 +54,11 @@ pub fn run_ag(
         }
         return Ok(out);
     }
+    if a.only_default {
+        let (s, _) = default_call(rank, a, &e.ag_p2p, &[&a_local, &b], check)?;
+        out.push(("default_call".into(), s));
+        return Ok(out);
+    }
     let (s, gathered) = variant(rank, a, &e.allgather, &[&a_local], &nccl_seq, None)?;
     out.push(("comm_alone".into(), s));
     // One [m, k] @ [k, n] GEMM (the bound's GEMM), on the gathered rows.
@@ -62,6 +67,8 @@ pub fn run_ag(
     out.push(("gemm_alone".into(), s));
     let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &nccl_seq, check)?;
     out.push(("sequential".into(), s));
+    let (s, _) = default_call(rank, a, &e.ag_p2p, &[&a_local, &b], check)?;
+    out.push(("default_call".into(), s));
     for &ns in &list(&a.streams) {
         for &c in &list(&a.chunks) {
             if (m / d) % c != 0 {

@@ -72,6 +72,14 @@ struct Args {
     /// Write every measurement as JSON lines here.
     #[arg(long)]
     json: Option<String>,
+    /// The plan file of the `default_call` variants (default: `FUSION_PLAN_CACHE` or the
+    /// user's cache directory). A second run with the same file tunes nothing.
+    #[arg(long)]
+    plan_file: Option<String>,
+    /// Only the sequential program and the default call (e.g. a second process that
+    /// should read every plan from `--plan-file`).
+    #[arg(long)]
+    only_default: bool,
     /// Seed of the random inputs (default: drawn from the clock, so every run gets fresh
     /// inputs; printed for a rerun).
     #[arg(long)]
@@ -148,6 +156,14 @@ fn run() -> Result<()> {
         write_file(path, text)?;
     }
     report::print_table(&rows);
+    let tuned = execs.ag_p2p.tunings() + execs.rs_p2p.tunings();
+    let from_file = rows
+        .iter()
+        .filter(|r| r.plan.as_ref().is_some_and(|p| p.1 == "File"))
+        .count();
+    println!(
+        "plan decisions: {tuned} tuned (per rank), {from_file} default calls read the plan file"
+    );
     Ok(())
 }
 
@@ -182,6 +198,7 @@ fn measure(
             });
             let groups: Vec<Option<String>> = std::iter::once(None)
                 .chain(transports.iter().cloned().map(Some))
+                .take(if a.only_default { 1 } else { usize::MAX })
                 .collect();
             for g in groups {
                 let per_rank = world.run(|rank| {
@@ -210,14 +227,24 @@ fn measure(
                         relerr: every.iter().map(|s| s.1).fold(0.0, f64::max),
                         peak_bytes: samples[0].peak_bytes,
                         nodes: samples[0].nodes,
+                        plan: samples[0].plan.clone(),
                     });
                     let r = rows.last().expect("pushed");
                     if !reports {
                         continue;
                     }
                     println!(
-                        "{:8} {m:>6} {k:>6} {n:>6} {:<28} {:8.3} ms  relerr {:.2e}",
-                        r.op, r.variant, r.ms, r.relerr
+                        "{:8} {m:>6} {k:>6} {n:>6} {:<28} {:8.3} ms  relerr {:.2e}{}",
+                        r.op,
+                        r.variant,
+                        r.ms,
+                        r.relerr,
+                        match &r.plan {
+                            Some((plan, why, first)) => {
+                                format!("  plan {plan} ({why}; first call {first:.1} ms)")
+                            }
+                            None => String::new(),
+                        }
                     );
                     if a.trace.split(',').any(|t| t == name) {
                         report::print_trace(&per_rank[0][i].1);

@@ -20,13 +20,21 @@ pub struct Row {
     pub relerr: f64,
     pub peak_bytes: usize,
     pub nodes: usize,
+    /// Rank 0's plan, why it was chosen, and its first call's host ms (the default call).
+    pub plan: Option<(String, String, f64)>,
 }
 
 impl Row {
     pub fn json(&self) -> String {
         let ranks: Vec<String> = self.rank_ms.iter().map(|x| format!("{x:.4}")).collect();
+        let plan = match &self.plan {
+            Some((plan, why, first)) => format!(
+                ", \"plan\": \"{plan}\", \"plan_source\": \"{why}\", \"first_call_ms\": {first:.3}"
+            ),
+            None => String::new(),
+        };
         format!(
-            "{{\"op\": \"{}\", \"M\": {}, \"K\": {}, \"N\": {}, \"D\": {}, \"dtype\": \"{}\", \"case\": \"{}\", \"ms\": {:.4}, \"rank_ms\": [{}], \"relerr\": {:.3e}, \"peak_bytes\": {}, \"nodes\": {}}}",
+            "{{\"op\": \"{}\", \"M\": {}, \"K\": {}, \"N\": {}, \"D\": {}, \"dtype\": \"{}\", \"case\": \"{}\", \"ms\": {:.4}, \"rank_ms\": [{}], \"relerr\": {:.3e}, \"peak_bytes\": {}, \"nodes\": {}{plan}}}",
             self.op,
             self.m,
             self.k,
@@ -50,8 +58,10 @@ pub fn print_table(rows: &[Row]) {
         by.entry((r.op.clone(), r.m, r.k, r.n)).or_default().push(r);
     }
     println!();
-    println!("| op | M, K, N | D | comm | GEMM | bound | sequential | ours best | variant | best / bound | max relerr |");
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| op | M, K, N | D | comm | GEMM | bound | sequential | ours best | variant | best / bound | default call | plan | default / best option | max relerr |");
+    println!(
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    );
     for ((op, m, k, n), rs) in by {
         let get = |name: &str| rs.iter().find(|r| r.variant == name).map(|r| r.ms);
         let (Some(comm), Some(gemm)) = (get("comm_alone"), get("gemm_alone")) else {
@@ -67,17 +77,36 @@ pub fn print_table(rows: &[Row]) {
             })
             .min_by(|a, b| a.ms.total_cmp(&b.ms));
         let relerr = rs.iter().map(|r| r.relerr).fold(0.0, f64::max);
+        // Options of the same fusion (not the collective pipelines, which take their
+        // input in another layout).
+        let best_option = rs
+            .iter()
+            .filter(|r| is_option_of_the_fusion(&r.variant))
+            .map(|r| r.ms)
+            .fold(f64::INFINITY, f64::min);
+        let default = rs.iter().find(|r| r.variant == "default_call");
+        let (dms, dplan) = match default {
+            Some(r) => (r.ms, r.plan.as_ref().map_or("-".into(), |p| p.0.clone())),
+            None => (f64::NAN, "-".into()),
+        };
         if let Some(best) = ours {
             println!(
-                "| {op} | {m}, {k}, {n} | {} | {comm:.3} | {gemm:.3} | {bound:.3} | {:.3} | {:.3} | {} | {:.2} | {relerr:.1e} |",
+                "| {op} | {m}, {k}, {n} | {} | {comm:.3} | {gemm:.3} | {bound:.3} | {:.3} | {:.3} | {} | {:.2} | {dms:.3} | {dplan} | {:.3} | {relerr:.1e} |",
                 best.devices,
                 get("sequential").unwrap_or(f64::NAN),
                 best.ms,
                 best.variant,
-                best.ms / bound
+                best.ms / bound,
+                dms / best_option,
             );
         }
     }
+}
+
+/// Whether `variant` runs the benchmark's P2P fusion with options (or by default), as
+/// opposed to a component alone or the collective pipelines' other input layout.
+pub fn is_option_of_the_fusion(variant: &str) -> bool {
+    variant == "sequential" || variant == "default_call" || variant.starts_with("p2p_")
 }
 
 /// Rank 0's timeline of a traced call: each communication and kernel with its stream,

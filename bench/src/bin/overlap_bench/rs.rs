@@ -9,7 +9,7 @@ use fusion::{Rank, Result, Tensor};
 use fusion_bench::cli::list;
 use fusion_bench::measure::{device_ms, random};
 
-use crate::sample::{opts, variant, Execs, Sample, Samples};
+use crate::sample::{default_call, opts, variant, Execs, Sample, Samples};
 use crate::Args;
 
 /// Median device ms of `x @ w` computed as `pieces` GEMMs of consecutive row ranges, taking
@@ -80,6 +80,11 @@ pub fn run_rs(
     if let Some(t) = transport {
         return rs_copy_engine(rank, a, e, t, [&a_local, &a4, &b_local], &seq, (m, n));
     }
+    if a.only_default {
+        let (s, _) = default_call(rank, a, &e.rs_p2p, &[&a4, &b_local], check)?;
+        out.push(("default_call".into(), s));
+        return Ok(out);
+    }
     // One [m, k/d] @ [k/d, n] GEMM, then its result reduce-scattered.
     let (s, partial) = variant(
         rank,
@@ -122,6 +127,8 @@ pub fn run_rs(
     out.push(("comm_alone".into(), s));
     let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &seq_o, check)?;
     out.push(("sequential".into(), s));
+    let (s, _) = default_call(rank, a, &e.rs_p2p, &[&a4, &b_local], check)?;
+    out.push(("default_call".into(), s));
     for &c in &list(&a.chunks) {
         if (m / d) % c != 0 {
             continue;

@@ -21,6 +21,9 @@ pub struct Sample {
     pub trace: Option<Vec<fusion::runtime::trace::TraceEvent>>,
     /// Host time per node kind of that call: (kind, count, microseconds).
     pub host: Vec<(String, u32, f64)>,
+    /// For a call whose plan was chosen: the plan, why, and the host time of its first
+    /// call (which tuned it), ms.
+    pub plan: Option<(String, String, f64)>,
 }
 
 /// One rank's samples, each with its variant's name.
@@ -67,6 +70,33 @@ pub fn opts(
         lower,
         ..ExecOptions::default()
     }
+}
+
+/// The call a user gets: default options (the plan chosen per shape, tuned on GPUs at the
+/// first call), the plan file at `plan_file` if given. Times the first call (tuning
+/// included) on the host, then like every variant.
+pub fn default_call(
+    rank: &Rank,
+    a: &Args,
+    exec: &FusionExecutor,
+    inputs: &[&Tensor],
+    check: Check<'_>,
+) -> Result<(Sample, Tensor)> {
+    let o = ExecOptions {
+        plan_file: a.plan_file.as_ref().map(std::path::PathBuf::from),
+        ..ExecOptions::default()
+    };
+    rank.synchronize()?;
+    let start = std::time::Instant::now();
+    let first = exec.run_with(rank, inputs, None, &o)?;
+    rank.synchronize()?;
+    let first_ms = start.elapsed().as_secs_f64() * 1e3;
+    let (mut sample, out) = variant(rank, a, exec, inputs, &o, check)?;
+    sample.plan = Some(match &first.plan {
+        Some(p) => (p.plan.clone(), format!("{:?}", p.source), first_ms),
+        None => ("given".into(), "-".into(), first_ms),
+    });
+    Ok((sample, out))
 }
 
 /// How a variant's output is compared: the error fusion, the reference, and a view of
@@ -119,6 +149,7 @@ pub fn variant(
             peak_bytes: profile.stats.peak_live_bytes,
             nodes: profile.stats.nodes_executed,
             trace,
+            plan: None,
             host: profile
                 .stats
                 .host_profile()
