@@ -52,8 +52,8 @@ pub use fusion_candle as candle;
 pub use fusion_compiler::builder::Axis;
 pub use fusion_compiler::ir::ParallelType;
 pub use fusion_compiler::lower::{
-    LowerOptions, PassOptions, PeerMemoryCollectives, PipelineOptions, Pipelining, StreamOptions,
-    TransportOptions,
+    CopyStreams, LowerOptions, PassOptions, PeerMemoryCollectives, PipelineOptions, Pipelining,
+    StreamOptions, TransportOptions,
 };
 pub use fusion_compiler::DType;
 pub use fusion_runtime::{

@@ -197,6 +197,7 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
                         } else {
                             fusion::PeerMemoryCollectives::Never
                         },
+                        ..Default::default()
                     },
                     streams: fusion::StreamOptions {
                         buffers,

@@ -5,6 +5,9 @@
 
 use std::collections::BTreeSet;
 
+/// Which copy streams copy-engine transfers run on ([`TransportOptions::copy_streams`]);
+/// defined with the host program, which keeps the choice for the runtime.
+pub use crate::hir::CopyStreams;
 use crate::hir::Transport;
 
 /// Order in which a P2P pipeline visits the chunks of its stream loop.
@@ -75,6 +78,11 @@ pub struct TransportOptions {
     /// ([`Transport::PeerMemory`]) instead: small ones, by message size
     /// ([`PeerMemoryCollectives`]). Worlds without peer access use `collectives`.
     pub peer_memory: PeerMemoryCollectives,
+    /// Which copy streams a rank's copy-engine transfers run on: a stream per peer by
+    /// default, or one for all ([`CopyStreams::One`]), which measured faster on some
+    /// shapes; a plan candidate, so tuning picks it per shape. Programs without
+    /// copy-engine transfers ignore it.
+    pub copy_streams: CopyStreams,
 }
 
 impl Default for TransportOptions {
@@ -83,6 +91,7 @@ impl Default for TransportOptions {
             p2p: Transport::CopyEngine,
             collectives: Transport::Nccl,
             peer_memory: PeerMemoryCollectives::Auto,
+            copy_streams: CopyStreams::PerPeer,
         }
     }
 }
@@ -233,6 +242,7 @@ impl LowerOptions {
                 p2p: t,
                 collectives: t,
                 peer_memory: PeerMemoryCollectives::Never,
+                copy_streams: self.transports.copy_streams,
             },
         };
         self

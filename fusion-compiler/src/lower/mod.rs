@@ -7,7 +7,8 @@
 //! 4. Run the pass pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
 //!    `FuseEpilogue`, `FuseElementwise`, `InsertDeallocations` (each can be disabled by
 //!    name).
-//! 5. Put small collectives of the whole world on peer memory (`peer_memory`).
+//! 5. Put small collectives of the whole world on peer memory (`peer_memory`), and keep
+//!    the copy-stream choice in a program with copy-engine transfers.
 //! 6. Verify that nothing left in the program still needs a communication.
 
 mod insert_reshardings;
@@ -17,13 +18,13 @@ pub mod pipelining;
 use std::collections::HashSet;
 
 use crate::error::{Error, Result};
-use crate::hir::{for_each_node, HostProgram, Node};
+use crate::hir::{for_each_node, HostProgram, Node, Transport};
 use crate::ir::{DeviceMesh, Fusion, Op, ScalarId};
 use crate::pass::{PassContext, PassDump, PassManager};
 
 pub use crate::options::{
-    LowerOptions, P2pSchedule, PassOptions, PeerMemoryCollectives, PipelineOptions, Pipelining,
-    ReduceScatterPipeline, StreamOptions, TransportOptions, AUTO_MIN_CHUNK_ROWS,
+    CopyStreams, LowerOptions, P2pSchedule, PassOptions, PeerMemoryCollectives, PipelineOptions,
+    Pipelining, ReduceScatterPipeline, StreamOptions, TransportOptions, AUTO_MIN_CHUNK_ROWS,
 };
 pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
 use insert_reshardings::live_exprs;
@@ -83,8 +84,31 @@ pub fn lower_for_shapes(
     let pctx = PassContext::new(world_size, options);
     let dumps = manager.run(&mut program, &pctx)?;
     choose_peer_memory(&mut program, pctx.options.transports.peer_memory, extent);
+    choose_copy_streams(&mut program, pctx.options.transports.copy_streams);
     verify(&program)?;
     Ok(Lowered { program, dumps })
+}
+
+/// Keeps `copy_streams` in a program that has copy-engine transfers, with a note (so that
+/// its text, which the plan choice compares, differs from the per-peer program's).
+fn choose_copy_streams(program: &mut HostProgram, copy_streams: CopyStreams) {
+    if copy_streams == CopyStreams::PerPeer {
+        return;
+    }
+    let mut copies = false;
+    for_each_node(&program.body, &mut |n| {
+        copies |= match n {
+            Node::P2P(p) => p.transport == Transport::CopyEngine,
+            Node::Communication(c) => c.transport == Transport::CopyEngine,
+            _ => false,
+        };
+    });
+    if copies {
+        program.copy_streams = copy_streams;
+        program.notes.push(
+            "copy streams: one for every peer (LowerOptions::transports.copy_streams)".into(),
+        );
+    }
 }
 
 fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
@@ -141,4 +165,59 @@ fn verify(p: &HostProgram) -> Result<()> {
         }
     });
     err.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::builder::{Axis, FusionBuilder};
+    use crate::dtype::DType;
+
+    /// `y [d, m] = x [d @ DIDx, m]`: one Allgather.
+    fn allgather() -> Fusion {
+        let mut b = FusionBuilder::new();
+        let (d, m) = (b.symbol("d"), b.symbol("m"));
+        let x = b
+            .input("x", DType::F32, &[Axis::didx(d), Axis::serial(m)])
+            .unwrap();
+        let y = b.set(x).unwrap();
+        let y = b
+            .declare(y, DType::F32, &[Axis::serial(d), Axis::serial(m)])
+            .unwrap();
+        b.output(y).unwrap();
+        b.build().unwrap()
+    }
+
+    fn lowered(collectives: Transport, copy_streams: CopyStreams) -> HostProgram {
+        let options = LowerOptions {
+            transports: TransportOptions {
+                collectives,
+                peer_memory: PeerMemoryCollectives::Never,
+                copy_streams,
+                ..TransportOptions::default()
+            },
+            ..LowerOptions::default()
+        };
+        lower(&allgather(), 2, &options).unwrap().program
+    }
+
+    fn has_note(p: &HostProgram) -> bool {
+        p.notes.iter().any(|n| n.starts_with("copy streams: one"))
+    }
+
+    #[test]
+    fn one_copy_stream_is_kept_and_noted_only_with_copy_engine_transfers() {
+        let one = lowered(Transport::CopyEngine, CopyStreams::One);
+        assert_eq!(one.copy_streams, CopyStreams::One);
+        assert!(has_note(&one), "{one}");
+        assert!(one
+            .to_string()
+            .contains("// copy streams: one for every peer"));
+        let per_peer = lowered(Transport::CopyEngine, CopyStreams::PerPeer);
+        assert_eq!(per_peer.copy_streams, CopyStreams::PerPeer);
+        assert!(!has_note(&per_peer), "{per_peer}");
+        let nccl = lowered(Transport::Nccl, CopyStreams::One);
+        assert_eq!(nccl.copy_streams, CopyStreams::PerPeer);
+        assert!(!has_note(&nccl), "{nccl}");
+    }
 }

@@ -6,15 +6,19 @@
 //! are the choices that won somewhere in the measurements of `docs/DECISIONS.md`:
 //! pipelined or whole collectives, the P2P transport, the reduce-scatter pipeline and its
 //! row ranges, compute-first streams, the ring's compute streams, the pool size, which
-//! collectives run over peer memory, and whether pointwise ops fold into GEMM epilogues. Most candidates change nothing for a given fusion
-//! (a fusion without a reduce-scatter has no reduce-scatter pipeline); the runtime lowers
-//! them all and keeps one candidate per distinct program. Which one a call runs is decided
-//! per shape by the runtime, from the cost model or by timing them.
+//! collectives run over peer memory, one copy stream or one per peer for copy-engine
+//! transfers, and whether pointwise ops fold into GEMM epilogues. Most candidates change
+//! nothing for a given fusion (a fusion without a reduce-scatter has no reduce-scatter
+//! pipeline); the runtime lowers them all and keeps one candidate per distinct program.
+//! Which one a call runs is decided per shape by the runtime, from the cost model or by
+//! timing them.
 
 pub mod cost;
 
 use crate::hir::Transport;
-use crate::options::{LowerOptions, PeerMemoryCollectives, Pipelining, ReduceScatterPipeline};
+use crate::options::{
+    CopyStreams, LowerOptions, PeerMemoryCollectives, Pipelining, ReduceScatterPipeline,
+};
 
 /// The worker stream pool a call gets by default (`ExecOptions::number_of_streams`): one
 /// stream per device of a P2P pipeline up to 4 devices.
@@ -79,6 +83,13 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
     out.push(Plan::new(
         "collectives_ce",
         with(&|o| o.transports.collectives = Transport::CopyEngine),
+        DEFAULT_STREAMS,
+    ));
+    // Every copy-engine transfer of a rank on one copy stream (fusions without copy-engine
+    // transfers lower it to the default program).
+    out.push(Plan::new(
+        "ce_one_copy_stream",
+        with(&|o| o.transports.copy_streams = CopyStreams::One),
         DEFAULT_STREAMS,
     ));
     out.push(Plan::new(
@@ -176,6 +187,19 @@ mod tests {
             assert!(find(d, "rs_ring4").is_some());
             assert!(find(d, "nonsense").is_none());
         }
+    }
+
+    #[test]
+    fn one_copy_stream_is_a_candidate() {
+        for d in [2, 4] {
+            let p = find(d, "ce_one_copy_stream").unwrap();
+            assert_eq!(p.lower.transports.copy_streams, CopyStreams::One);
+            let mut back = p.lower.clone();
+            back.transports.copy_streams = CopyStreams::PerPeer;
+            assert_eq!(back, LowerOptions::default());
+            assert_eq!(p.number_of_streams, DEFAULT_STREAMS);
+        }
+        assert!(find(1, "ce_one_copy_stream").is_none());
     }
 
     #[test]

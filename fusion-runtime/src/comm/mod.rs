@@ -28,7 +28,7 @@ pub mod remote;
 
 pub use capabilities::{is_peer_copy, Capabilities, KeptReceives, PeerCopies};
 
-use fusion_compiler::hir::{Communication, Transport};
+use fusion_compiler::hir::{Communication, CopyStreams, Transport};
 
 use crate::device::StreamHandle;
 use crate::error::Result;
@@ -59,6 +59,9 @@ pub struct CallStart {
     /// The call is run again after a failed capture (nothing of the first attempt ran):
     /// the transfers are numbered from the start again, as the same call.
     pub rerun: bool,
+    /// Which copy streams the call's copy-engine transfers run on (the program's
+    /// [`fusion_compiler::hir::HostProgram::copy_streams`]).
+    pub copy_streams: CopyStreams,
 }
 
 /// A rank's endpoint to the other ranks of its world.

@@ -324,6 +324,7 @@ impl FusionExecutor {
         rank.communicator().begin_call(&CallStart {
             identity: facts.identity(inputs, options.number_of_streams),
             rerun: false,
+            copy_streams: program.copy_streams,
         })?;
         let call = Call {
             rank,

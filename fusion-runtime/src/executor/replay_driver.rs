@@ -210,6 +210,7 @@ fn run_eagerly(
                 .facts
                 .identity(call.inputs, call.options.number_of_streams),
             rerun: true,
+            copy_streams: call.program.copy_streams,
         })?;
     }
     let outputs = outputs.or(call.outputs);

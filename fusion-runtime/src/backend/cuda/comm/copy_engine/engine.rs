@@ -6,6 +6,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use fusion_compiler::hir::CopyStreams;
+
 use super::registry::{CopyRegistry, Event, Transfer};
 use crate::backend::cuda::comm::ipc::IpcState;
 use crate::backend::cuda::comm::landing::KeptBuffers;
@@ -23,6 +25,8 @@ pub(super) struct CallState {
     pub(super) identity: Option<u64>,
     /// Transfers of this call so far, per (source, destination).
     indices: HashMap<(usize, usize), usize>,
+    /// Which copy streams this call's copies run on (see `copy_stream_after`).
+    pub(super) copy_streams: CopyStreams,
 }
 
 /// A rank's copy-engine endpoint.
@@ -70,14 +74,15 @@ impl CopyEngine {
         }
     }
 
-    /// A call starts: transfers are numbered from 0 again, and receive buffers are kept
-    /// under `call.identity`.
+    /// A call starts: transfers are numbered from 0 again, receive buffers are kept under
+    /// `call.identity`, and copies run on the copy streams `call.copy_streams` names.
     pub(crate) fn begin_call(&self, call: &crate::comm::CallStart) {
         let mut state = self.call.lock().unwrap_or_else(PoisonError::into_inner);
         if !call.rerun {
             state.calls += 1;
         }
         state.identity = call.identity;
+        state.copy_streams = call.copy_streams;
         state.indices.clear();
         drop(state);
         self.landing.lock().begin(call.identity);

@@ -1,5 +1,6 @@
 //! How a rank's streams are ordered around its copies: pooled events recorded and waited
-//! on, the copy stream per peer, and the order in which single receives land.
+//! on, the copy stream per peer (or one for all), and the order in which single receives
+//! land.
 //!
 //! Events are pooled per device (in the registry) and given back once every wait on their
 //! last record has been enqueued. A rank's single receives (P2P pipeline steps) land one
@@ -8,11 +9,16 @@
 use std::sync::PoisonError;
 
 use cudarc::driver::{result, sys};
+use fusion_compiler::hir::CopyStreams;
 
 use super::engine::CopyEngine;
 use super::registry::{Event, Transfer};
 use crate::backend::cuda::stream::RawStream;
 use crate::error::Result;
+
+/// The device's copy-stream key of the one copy stream every peer shares (per-peer keys
+/// are peer ranks).
+const ONE_COPY_STREAM: usize = usize::MAX;
 
 impl CopyEngine {
     /// An idle event of this rank: from the pool, else a new one.
@@ -77,18 +83,28 @@ impl CopyEngine {
         .map_err(|e| self.driver_err("cuStreamWaitEvent", e))
     }
 
-    /// The stream a copy with `peer` runs on: that peer's copy stream, after the work
-    /// `own` (the iteration's stream) has queued so far. (A copy stream per peer lets the
-    /// blocks of one collective run on several copy engines at once; copying on the
-    /// iteration's stream was measured up to 39% slower, `docs/DECISIONS.md`,
-    /// "One copy stream per peer".)
+    /// The stream a copy with `peer` runs on, after the work `own` (the iteration's
+    /// stream) has queued so far: that peer's copy stream, or the one copy stream of every
+    /// peer when the call's program asks for it ([`CopyStreams::One`]). (A copy stream per
+    /// peer lets the blocks of one collective run on several copy engines at once, one for
+    /// all measured faster on some shapes; copying on the iteration's stream was measured
+    /// up to 39% slower, `docs/DECISIONS.md`, "One copy stream per peer".)
     pub(super) fn copy_stream_after(
         &self,
         t: &Transfer,
         peer: usize,
         own: RawStream,
     ) -> Result<RawStream> {
-        let cs = self.device.copy_stream(peer)?;
+        let copy_streams = self
+            .call
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .copy_streams;
+        let key = match copy_streams {
+            CopyStreams::PerPeer => peer,
+            CopyStreams::One => ONE_COPY_STREAM,
+        };
+        let cs = self.device.copy_stream(key)?;
         debug_assert!(cs != own, "a copy stream is never a pool stream");
         let before = self.record(t)?;
         self.wait_on(cs, before)?;

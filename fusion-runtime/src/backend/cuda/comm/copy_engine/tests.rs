@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use fusion_compiler::hir::CopyStreams;
 use fusion_compiler::DType;
 
 use super::{CopyEngine, CopyRegistry};
@@ -39,6 +40,7 @@ fn exchange(
         engine.begin_call(&CallStart {
             identity: Some(7),
             rerun: false,
+            copy_streams: CopyStreams::PerPeer,
         });
         let fresh = dev.upload(&Tensor::from_f32(&[n], &payload(r, call, n), DType::F32)?)?;
         dev.execute(
@@ -157,6 +159,7 @@ fn exchange_host_us(r: usize, dev: &CudaDevice, engine: &CopyEngine, calls: u32)
         engine.begin_call(&CallStart {
             identity: Some(9),
             rerun: false,
+            copy_streams: CopyStreams::PerPeer,
         });
         let recv = engine
             .landing_buffer(0, DType::F32, &[n])?
@@ -252,6 +255,7 @@ fn a_device_wait_for_a_rank_that_never_sends_ends_in_an_error() {
     engines[0].begin_call(&CallStart {
         identity: Some(3),
         rerun: false,
+        copy_streams: CopyStreams::PerPeer,
     });
     let what = Some("the test's receive from rank 1".into());
     let t = engines[0].transfer(0, 1, &buf, false, what).unwrap();
