@@ -117,9 +117,6 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
         (ReduceScatterPipeline::Ring, "ring"),
     ] {
         for rows in [1, 2, 4] {
-            if pipeline == ReduceScatterPipeline::Ring && rows == 1 {
-                continue;
-            }
             let lower = with(&|o| {
                 o.pipelines.reduce_scatter = pipeline;
                 o.pipelines.reduce_scatter_subchunks = Some(rows);
