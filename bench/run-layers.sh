@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# One run on one GPU machine (2 GPUs, about 3-5 minutes): the layer checks on the GPUs, then our layer
+# One run on one GPU machine (2 or 4 GPUs, about 5 minutes): the layer checks on the GPUs, then our layer
 # benchmark and PyTorch's on the same shapes, then the table of docs/PERFORMANCE.md.
 #   1. tests/layers.rs (MLP, gated MLP, attention projections against f64 references on
 #      1 and 2 GPUs, f32 and bf16), tests/epilogues.rs, and the GEMM-epilogue kernel test
 #      (cuBLASLt plans and the fallback kernel against the CPU backend);
 #   2. layer_bench (bench/src/bin/layer_bench.rs: components alone, sequential, pipelined
-#      variants; each checked against our sequential result before it is timed);
+#      variants, every plan candidate set by hand, the default call whose plan is tuned at
+#      its first call, and the MLP block written in other ways; each checked against our
+#      sequential result before it is timed), with a fresh plan file $OUT/plans.json;
+#      then again in a second process with the same plan file, only the default calls and
+#      the forms: their plans come from the file, with no tuning;
 #   3. bench/torch_layers.py (NCCL + cuBLAS sequential, async-TP);
 #   4. bench/report_layers.py -> $OUT/table.md, printed last.
 # Binaries come from scripts/stage-gpu.sh (.gpu/bin). Logs and JSON lines go to $OUT.
@@ -31,7 +35,7 @@ step() { # name timeout command...
     local start=$SECONDS
     CUDA_VISIBLE_DEVICES=$visible timeout "$t" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
-    status+=("$(printf '%-22s rc=%-4s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E 'test result|FAILED|panicked|rror' "$OUT/$name.log" | tail -1 | cut -c1-100)")")
+    status+=("$(printf '%-22s rc=%-4s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(grep -E 'test result|FAILED|panicked|rror|plan decisions' "$OUT/$name.log" | tail -1 | cut -c1-100)")")
 }
 export FUSION_TEST_SEED=${FUSION_TEST_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
 echo "FUSION_TEST_SEED=$FUSION_TEST_SEED" >>"$OUT/machine.txt"
@@ -41,11 +45,16 @@ FUSION_BACKEND=cuda step check-epilogues 60 $BIN/test-epilogues --test-threads=1
 step check-gemm-kernels 90 $BIN/test-cuda_kernels --ignored --test-threads=1 gemm
 step example-tp_mlp 60 $BIN/tp_mlp --devices "$D" --dtype bf16 -m 1024 --hidden 1024 -f 1024
 step example-tp_mlp-gated 60 $BIN/tp_mlp --devices "$D" --dtype bf16 --gated -m 1024 --hidden 1024 -f 1024
-step ours 300 $BIN/layer_bench --devices "$D" --json "$OUT/ours-layers-d$D.jsonl" ${LAYER_ARGS:-}
+rm -f "$OUT/plans.json"
+step ours 300 $BIN/layer_bench --devices "$D" --plan-file "$OUT/plans.json" \
+    --json "$OUT/ours-layers-d$D.jsonl" ${LAYER_ARGS:-}
+step ours-second 120 $BIN/layer_bench --devices "$D" --plan-file "$OUT/plans.json" --only-default \
+    --json "$OUT/ours-layers-d$D-second.jsonl" ${LAYER_ARGS:-}
 # Host time of enqueuing one GEMM (cuBLASLt from a cached plan).
 step host-costs 60 $BIN/host_costs --devices 1
 step torch 300 python3 bench/torch_layers.py --out "$OUT/torch-layers-d$D.jsonl"
-python3 bench/report_layers.py "$OUT/ours-layers-d$D.jsonl" "$OUT/torch-layers-d$D.jsonl" >"$OUT/table.md" 2>&1
+python3 bench/report_layers.py "$OUT/ours-layers-d$D.jsonl" "$OUT/torch-layers-d$D.jsonl" \
+    "$OUT/ours-layers-d$D-second.jsonl" >"$OUT/table.md" 2>&1
 cat "$OUT/machine.txt"
 grep -h "GEMM" "$OUT/host-costs.log" 2>/dev/null | sed 's/^/cuBLASLt plans: /'
 printf '%s\n' "${status[@]}"

@@ -7,6 +7,7 @@ pub mod cli;
 #[path = "../../examples/common/finish.rs"]
 pub mod finish;
 pub mod fusions;
+pub mod layer_forms;
 pub mod measure;
 
 #[path = "../../examples/common/dtype.rs"]
