@@ -39,20 +39,27 @@ step() { # name timeout command...
 }
 export FUSION_TEST_SEED=${FUSION_TEST_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
 echo "FUSION_TEST_SEED=$FUSION_TEST_SEED" >>"$OUT/machine.txt"
-FUSION_BACKEND=cuda FUSION_RESULTS="$OUT/layers-check.jsonl" \
-    step check-layers 120 $BIN/test-layers --test-threads=1
-FUSION_BACKEND=cuda step check-epilogues 60 $BIN/test-epilogues --test-threads=1
-step check-gemm-kernels 90 $BIN/test-cuda_kernels --ignored --test-threads=1 gemm
-step example-tp_mlp 60 $BIN/tp_mlp --devices "$D" --dtype bf16 -m 1024 --hidden 1024 -f 1024
-step example-tp_mlp-gated 60 $BIN/tp_mlp --devices "$D" --dtype bf16 --gated -m 1024 --hidden 1024 -f 1024
+# LAYER_LITE=1: the benchmark alone (no checks, examples, host costs or PyTorch).
+if [ -z "${LAYER_LITE:-}" ]; then
+    FUSION_BACKEND=cuda FUSION_RESULTS="$OUT/layers-check.jsonl" \
+        step check-layers 120 $BIN/test-layers --test-threads=1
+    FUSION_BACKEND=cuda step check-epilogues 60 $BIN/test-epilogues --test-threads=1
+    step check-gemm-kernels 90 $BIN/test-cuda_kernels --ignored --test-threads=1 gemm
+    step example-tp_mlp 60 $BIN/tp_mlp --devices "$D" --dtype bf16 -m 1024 --hidden 1024 -f 1024
+    step example-tp_mlp-gated 60 $BIN/tp_mlp --devices "$D" --dtype bf16 --gated -m 1024 --hidden 1024 -f 1024
+fi
 rm -f "$OUT/plans.json"
 step ours 300 $BIN/layer_bench --devices "$D" --plan-file "$OUT/plans.json" \
     --json "$OUT/ours-layers-d$D.jsonl" ${LAYER_ARGS:-}
 step ours-second 120 $BIN/layer_bench --devices "$D" --plan-file "$OUT/plans.json" --only-default \
     --json "$OUT/ours-layers-d$D-second.jsonl" ${LAYER_ARGS:-}
-# Host time of enqueuing one GEMM (cuBLASLt from a cached plan).
-step host-costs 60 $BIN/host_costs --devices 1
-step torch 300 python3 bench/torch_layers.py --out "$OUT/torch-layers-d$D.jsonl"
+if [ -z "${LAYER_LITE:-}" ]; then
+    # Host time of enqueuing one GEMM (cuBLASLt from a cached plan).
+    step host-costs 60 $BIN/host_costs --devices 1
+    step torch 300 python3 bench/torch_layers.py --out "$OUT/torch-layers-d$D.jsonl"
+else
+    : >"$OUT/torch-layers-d$D.jsonl"
+fi
 python3 bench/report_layers.py "$OUT/ours-layers-d$D.jsonl" "$OUT/torch-layers-d$D.jsonl" \
     "$OUT/ours-layers-d$D-second.jsonl" >"$OUT/table.md" 2>&1
 cat "$OUT/machine.txt"

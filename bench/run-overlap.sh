@@ -19,7 +19,7 @@ ARGS=${BENCH_ARGS:-}
 } >"$OUT/machine.txt" 2>&1
 n=$(nvidia-smi -L | wc -l)
 # D = all GPUs, then 4 and 2 on the first GPUs where there are more (SKIP_D2=1: all only;
-# OVERLAP_D="4 2": those counts only).
+# OVERLAP_D="4 2": those counts only; SKIP_TORCH=1: ours only).
 counts=("$n")
 if [ -z "${SKIP_D2:-}" ]; then
     for d in 4 2; do [ "$d" -lt "$n" ] && counts+=("$d"); done
@@ -40,7 +40,11 @@ for d in "${counts[@]}"; do
         --plan-file "$OUT/plans-d$d.json" $ARGS >"$OUT/ours-d$d-second.log" 2>&1; echo "ours D=$d second process rc=$?"
     grep -h "plan decisions" "$OUT/ours-d$d.log" "$OUT/ours-d$d-second.log"
     port=$((port + 1))
-    CUDA_VISIBLE_DEVICES=$visible timeout 300 python3 bench/torch_baseline.py --port $port --out "$OUT/torch-d$d.jsonl" >"$OUT/torch-d$d.log" 2>&1; echo "torch D=$d rc=$?"
+    if [ -z "${SKIP_TORCH:-}" ]; then
+        CUDA_VISIBLE_DEVICES=$visible timeout 300 python3 bench/torch_baseline.py --port $port --out "$OUT/torch-d$d.jsonl" >"$OUT/torch-d$d.log" 2>&1; echo "torch D=$d rc=$?"
+    else
+        : >"$OUT/torch-d$d.jsonl"
+    fi
     files+=("$OUT/ours-d$d.jsonl" "$OUT/torch-d$d.jsonl")
 done
 python3 bench/report.py "${files[@]}" | tee "$OUT/table.md"
