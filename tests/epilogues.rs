@@ -13,7 +13,7 @@ use fusion::compiler::ir::{BinaryOp, Fusion, Op, ParallelType, UnaryOp};
 use fusion::compiler::lower::{lower, LowerOptions};
 use fusion::{DType, ExecOptions, Tensor};
 
-use ParallelType::{Serial as S, Stream as St};
+use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
 
 /// The fused GEMMs of a program: (linear, epilogue as printed).
 fn fused(p: &HostProgram) -> Vec<(bool, String)> {
@@ -80,6 +80,61 @@ fn matmul_bias_act(dt: DType, act: UnaryOp, stream: bool) -> Fusion {
     };
     b.output(y).unwrap();
     b.build().unwrap()
+}
+
+/// A column-parallel layer with its bias blocks: `gelu_tanh(x @ w + bias)` with x `[m, k]`
+/// replicated, w `[d@DIDx, k, n]` and bias `[d@DIDx, 1, n]` (each rank its block).
+#[test]
+fn a_sharded_bias_block_folds_into_the_matmul() {
+    let dt = DType::F32;
+    let mut b = FusionBuilder::new();
+    let tx = axes(&mut b, &[("m", S), ("k", S)]);
+    let tw = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);
+    let one = b.constant(1);
+    let mut tb = axes(&mut b, &[("d", Dx), ("n", S)]);
+    tb.insert(
+        1,
+        fusion::Axis {
+            extent: one,
+            parallel: S,
+        },
+    );
+    let x = b.input("x", dt, &tx).unwrap();
+    let w = b.input("w", dt, &tw).unwrap();
+    let bias = b.input("bias", dt, &tb).unwrap();
+    let p = b.matmul(x, w).unwrap();
+    let p = b.add(p, bias).unwrap();
+    let y = b.unary(UnaryOp::GeluTanh, p).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    for d in device_counts() {
+        let p = lower(&f, d, &LowerOptions::default()).unwrap().program;
+        assert_eq!(fused(&p), [(false, "bias, gelu_tanh".to_string())], "{p}");
+        let xs = Tensor::randn(&[4, 8], dt, 11);
+        let ws = Tensor::randn(&[d, 8, 5], dt, 12);
+        let bs = Tensor::randn(&[d, 1, 5], dt, 13);
+        let expected = RefArray::from_tensor(&xs)
+            .matmul(&RefArray::from_tensor(&ws))
+            .zip(&RefArray::from_tensor(&bs), |x, y| x + y)
+            .map(|v| UnaryOp::GeluTanh.apply_f64(v));
+        let r = run(
+            &f,
+            d,
+            &[
+                (xs, Give::Whole),
+                (ws, Give::Shard(0)),
+                (bs, Give::Shard(0)),
+            ],
+            &[Take::Sharded(0)],
+            &ExecOptions::default(),
+        );
+        assert_close(
+            &expected,
+            &r.outputs[0],
+            tolerance_for(dt),
+            "sharded bias block",
+        );
+    }
 }
 
 #[test]

@@ -361,16 +361,22 @@ impl FusionBuilder {
     /// one that becomes the Stream axis (gathered chunk by chunk). Only intermediates that
     /// this chain alone uses, that no annotation fixed, and that a matmul, linear or
     /// elementwise op (not a `set`) computes are changed; elementwise ones pass it on.
+    ///
+    /// A streamed matmul or linear passes it on to elementwise operands only, so that
+    /// `let up: [d @ Stream, ..] = matmul(x, w1); let y: [d @ Stream, ..] =
+    /// matmul(gelu(up), w2)` computes the activation chunk by chunk in the same loop (and
+    /// folds it into the first GEMM's epilogue) as when the activation is annotated.
     fn stream_producers(&mut self, t: TensorId) {
         let Some(id) = self.f.definition(t) else {
             return;
         };
         let e = self.f.expr(id).clone();
         let elementwise = matches!(e.op, Op::Unary(_) | Op::Binary(_) | Op::Cast);
+        let gemm = matches!(e.op, Op::Matmul | Op::Linear);
         let Some(s) = self.f.find_parallel_axis(t, ParallelType::Stream) else {
             return;
         };
-        if !elementwise {
+        if !elementwise && !gemm {
             return;
         }
         let map = axis_map(&self.f, &e);
@@ -378,12 +384,14 @@ impl FusionBuilder {
             let Some(q) = map.producer_axis(i, s) else {
                 continue;
             };
-            let streams = self.f.definition(u).is_some_and(|d| {
-                matches!(
-                    self.f.expr(d).op,
-                    Op::Matmul | Op::Linear | Op::Unary(_) | Op::Binary(_) | Op::Cast
-                )
-            });
+            let streams = self
+                .f
+                .definition(u)
+                .is_some_and(|d| match self.f.expr(d).op {
+                    Op::Unary(_) | Op::Binary(_) | Op::Cast => true,
+                    Op::Matmul | Op::Linear => elementwise,
+                    _ => false,
+                });
             if !streams
                 || self.declared.contains(&u)
                 || self.f.is_output(u)

@@ -228,3 +228,38 @@ fn problems_are_all_found_once_each_with_their_site() {
         .contains("`matmul` takes DIDx axes from two operands"));
     assert_eq!(validate(b.fusion()), Err(found[0].1.clone()));
 }
+
+/// `up: [d @ Stream, ..] = matmul(rows, w1); y: [d @ Stream, ..] = matmul(gelu(up), w2)`:
+/// the activation between two streamed matmuls is streamed too (one loop, not two), while
+/// a matmul feeding a streamed matmul directly is left alone.
+#[test]
+fn a_streamed_matmul_streams_its_elementwise_operand() {
+    let dt = DType::F32;
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", dt, &[("d", Dx), ("m", S), ("h", S)]);
+    let w1 = input(&mut b, "w1", dt, &[("d", Dx), ("h", S), ("f", S)]);
+    let w2 = input(&mut b, "w2", dt, &[("d", Dx), ("f", S), ("h", S)]);
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    let up = b.matmul(rows, w1).unwrap();
+    let tu = axes(&mut b, &[("d", St), ("d", Dx), ("m", S), ("f", S)]);
+    let up = b.declare(up, dt, &tu).unwrap();
+    let act = b.unary(UnaryOp::GeluTanh, up).unwrap();
+    let y = b.matmul(act, w2).unwrap();
+    let ty = axes(&mut b, &[("d", St), ("d", Dx), ("m", S), ("h", S)]);
+    let y = b.declare(y, dt, &ty).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    assert_eq!(f.find_parallel_axis(act, ParallelType::Stream), Some(0));
+    // Without the activation, the first matmul is not re-annotated by the second.
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", dt, &[("m", S), ("h", S)]);
+    let w1 = input(&mut b, "w1", dt, &[("h", S), ("f", S)]);
+    let w2 = input(&mut b, "w2", dt, &[("f", S), ("h", S)]);
+    let up = b.matmul(x, w1).unwrap();
+    let y = b.matmul(up, w2).unwrap();
+    let ty = axes(&mut b, &[("m", St), ("h", S)]);
+    let y = b.declare(y, dt, &ty).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    assert_eq!(f.find_parallel_axis(up, ParallelType::Stream), None);
+}

@@ -22,7 +22,7 @@ use std::collections::{HashMap, HashSet};
 use super::context::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{for_each_node, for_each_node_mut, HostProgram, Node};
-use crate::ir::{BinaryOp, Epilogue, Expr, Fusion, IterKind, Op, TensorId};
+use crate::ir::{BinaryOp, Epilogue, Expr, Fusion, IterKind, Op, ParallelType, TensorId};
 
 /// The epilogue-folding pass.
 pub struct FuseEpilogue;
@@ -220,7 +220,9 @@ fn feeds_binary(readers: &Readers, t: TensorId) -> bool {
 }
 
 /// True when `b` is a vector along `t`'s last axis broadcast over the others: every other
-/// axis is a broadcast (or extent 1), and the last has `t`'s last extent and dtype.
+/// axis is a broadcast, of extent 1, or sharded (DIDx: a rank stores one index of it, so a
+/// per-rank bias block `[d @ DIDx, 1, n]` of a column-parallel layer is a row vector on
+/// every rank), and the last has `t`'s last extent and dtype.
 fn is_row_vector(f: &Fusion, b: TensorId, t: TensorId) -> bool {
     let (vb, vt) = (f.visible_axes(b), f.visible_axes(t));
     let (Some(&lb), Some(&lt)) = (vb.last(), vt.last()) else {
@@ -228,7 +230,9 @@ fn is_row_vector(f: &Fusion, b: TensorId, t: TensorId) -> bool {
     };
     let unit = |q: usize| {
         let d = f.axis(b, q);
-        d.kind == IterKind::Broadcast || f.const_value(d.extent) == Some(1)
+        d.kind == IterKind::Broadcast
+            || d.parallel == ParallelType::DIDx
+            || f.const_value(d.extent) == Some(1)
     };
     vb.len() <= vt.len()
         && f.tensor(b).dtype == f.tensor(t).dtype

@@ -473,7 +473,12 @@ fn world_profile(call: &PlanCall<'_>) -> Result<cost::MachineProfile> {
     }
     let mine = probe_gemm_flops(rank)?;
     let all = rank.communicator().exchange(&[(mine / 1e9) as i64])?;
-    let slowest = all.iter().filter_map(|v| v.first()).copied().min().unwrap_or(0);
+    let slowest = all
+        .iter()
+        .filter_map(|v| v.first())
+        .copied()
+        .min()
+        .unwrap_or(0);
     let source = format!(
         "bf16 GEMM probed at {:.0} TFLOP/s (slowest rank), Hopper link rates",
         slowest as f64 / 1e3
