@@ -49,7 +49,8 @@ def main(paths):
         comm, gemm = rows["comm_alone"]["ms"], rows["gemm_alone"]["ms"]
         bound = max(comm, gemm)
         cand = [r for c, r in rows.items()
-                if c not in ALONE and not c.startswith("gemm_alone") and not c.endswith("_fullbuf")]
+                if c not in ALONE and not c.startswith("gemm_alone") and not c.endswith("_fullbuf")
+                and not c.startswith("ab_")]
         best = min(cand, key=lambda r: r["ms"])
         tcand = [r for r in torch.get(k, []) if "ms" in r and r["case"] not in ALONE]
         tbest = min(tcand, key=lambda r: r["ms"]) if tcand else None
@@ -65,6 +66,10 @@ def main(paths):
         options = [r["ms"] for c, r in rows.items()
                    if c in ("sequential", "default_call") or c.startswith("p2p_")]
         dbo = f"{default['ms'] / min(options):.3f}" if default and options else "-"
+        if "ab_default" in rows and "ab_best" in rows:
+            # Timed in alternation (drift between measurements minutes apart kept out).
+            ab = rows["ab_default"]["ms"] / rows["ab_best"]["ms"]
+            dbo += f" ({ab:.3f} alt. vs {rows['ab_best'].get('plan', '?')})"
         dplan = default.get("plan", "-") if default else "-"
         print(f"| {op} | {m}, {kk}, {n} | {d} | {comm:.3f} | {gemm:.3f} | {bound:.3f} | {best['ms']:.3f} | "
               f"{best['case']} | {ob:.2f} | {db} | {dplan} | {dbo} | "

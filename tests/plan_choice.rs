@@ -127,10 +127,12 @@ fn every_candidate_computes_the_unpipelined_result() {
                     if always {
                         lower.pipelines.pipelining = Pipelining::Always;
                     }
+                    // Run as given: nothing chosen (on GPUs the default mode would tune).
                     let o = ExecOptions {
                         lower,
                         number_of_streams: p.number_of_streams,
                         race_check: true,
+                        plan: PlanMode::Default,
                         ..ExecOptions::default()
                     };
                     // A candidate that does not apply to this fusion is refused by the
@@ -279,9 +281,10 @@ fn the_model_picks_without_timing() {
     for d in [2, 3, 4, 8].into_iter().filter(|&d| runnable(d)) {
         for case in cases_for(d, 5) {
             let exec = FusionExecutor::new(case.fusion.clone());
+            // A plan file of its own that nothing wrote: the model decides.
             let o = ExecOptions {
                 plan: PlanMode::Model,
-                plan_file: None,
+                plan_file: Some(plan_file(&format!("model-{d}-{}", case.name))),
                 ..ExecOptions::default()
             };
             let mut whole = ExecOptions::default();

@@ -6,7 +6,7 @@ use fusion::compiler::hir::Transport;
 use fusion::{Rank, Result, Tensor};
 use fusion_bench::cli::list;
 
-use crate::sample::{default_call, opts, variant, Execs, Samples};
+use crate::sample::{default_against_best, default_call, opts, variant, Execs, Samples};
 use crate::Args;
 
 /// AG+GEMM variants on one rank. `transport` is `None` for the NCCL and baseline group.
@@ -34,6 +34,7 @@ pub fn run_ag(
         let o = opts(d, Transport::CopyEngine, true, true);
         let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
         out.push((format!("p2p_ce_{tag}_n{d}"), s));
+        let options = vec![(format!("p2p_ce_{tag}_n{d}"), o)];
         for &ns in &list(&a.streams) {
             for &c in &list(&a.chunks) {
                 if (m / d) % c != 0 {
@@ -52,6 +53,8 @@ pub fn run_ag(
                 out.push((format!("collective_ce_{tag}_s{c}_n{ns}"), s));
             }
         }
+        let ab = default_against_best(rank, a, &e.ag_p2p, &[&a_local, &b], &options, &out)?;
+        out.extend(ab);
         return Ok(out);
     }
     if a.only_default {

@@ -9,7 +9,7 @@ use fusion::{Rank, Result, Tensor};
 use fusion_bench::cli::list;
 use fusion_bench::measure::{device_ms, random};
 
-use crate::sample::{default_call, opts, variant, Execs, Sample, Samples};
+use crate::sample::{default_against_best, default_call, opts, variant, Execs, Sample, Samples};
 use crate::Args;
 
 /// Median device ms of `x @ w` computed as `pieces` GEMMs of consecutive row ranges, taking
@@ -169,6 +169,8 @@ fn rs_copy_engine(
     let mut o = opts(d, Transport::CopyEngine, true, true);
     let (s, _) = variant(rank, a, &e.rs_p2p, &[a4, b_local], &o, check)?;
     out.push((format!("p2p_ce_{tag}_n{d}"), s));
+    // The option variants of this group, for the alternating comparison at the end.
+    let mut options = vec![(format!("p2p_ce_{tag}_n{d}"), o.clone())];
     if a.rs_subchunk_transports.split(',').any(|x| x.trim() == t) {
         // Both pipelines with each block in `c` row ranges: direct (partials sent to
         // their owner, summed round by round) and the ring (running sums added in the
@@ -209,7 +211,9 @@ fn rs_copy_engine(
                     }
                     let (s, _) = variant(rank, a, &e.rs_p2p, &[a4, b_local], &oc, check)?;
                     let suffix = if compute == 1 { "" } else { "_c2" };
-                    out.push((format!("p2p_ce_{tag}_n{n}_{name}{c}{suffix}"), s));
+                    let vname = format!("p2p_ce_{tag}_n{n}_{name}{c}{suffix}");
+                    options.push((vname.clone(), oc.clone()));
+                    out.push((vname, s));
                 }
             }
         }
@@ -218,6 +222,7 @@ fn rs_copy_engine(
         o.lower.streams.compute_first = false;
         let (s, _) = variant(rank, a, &e.rs_p2p, &[a4, b_local], &o, check)?;
         out.push((format!("p2p_ce_{tag}_n{d}_one_stream"), s));
+        options.push((format!("p2p_ce_{tag}_n{d}_one_stream"), o.clone()));
     }
     for &c in &list(&a.chunks) {
         if (m / d) % c != 0 {
@@ -229,6 +234,8 @@ fn rs_copy_engine(
         let (s, _) = variant(rank, a, &e.rs_coll, &[&chunked, b_local], &o, check_c)?;
         out.push((format!("collective_ce_{tag}_s{c}_n2"), s));
     }
+    let ab = default_against_best(rank, a, &e.rs_p2p, &[a4, b_local], &options, &out)?;
+    out.extend(ab);
     Ok(out)
 }
 

@@ -82,10 +82,7 @@ pub fn default_call(
     inputs: &[&Tensor],
     check: Check<'_>,
 ) -> Result<(Sample, Tensor)> {
-    let o = ExecOptions {
-        plan_file: a.plan_file.as_ref().map(std::path::PathBuf::from),
-        ..ExecOptions::default()
-    };
+    let o = default_options(a);
     rank.synchronize()?;
     let start = std::time::Instant::now();
     let first = exec.run_with(rank, inputs, None, &o)?;
@@ -97,6 +94,74 @@ pub fn default_call(
         None => ("given".into(), "-".into(), first_ms),
     });
     Ok((sample, out))
+}
+
+/// The options of the default call (see [`default_call`]).
+pub fn default_options(a: &Args) -> ExecOptions {
+    ExecOptions {
+        plan_file: a.plan_file.as_ref().map(std::path::PathBuf::from),
+        ..ExecOptions::default()
+    }
+}
+
+/// The default call against the fastest of `options` (named variants of the same fusion
+/// and inputs, as this group measured them; rank 0's pick), timed in alternation: 5
+/// rounds of `a.iters` calls of each, the median of each side's rounds. Two measurements
+/// minutes apart drift by a few percent (clocks, temperature); alternating keeps that out
+/// of the comparison. Rows `ab_default` and `ab_best` (the latter named in its sample's
+/// plan field).
+pub fn default_against_best(
+    rank: &Rank,
+    a: &Args,
+    exec: &FusionExecutor,
+    inputs: &[&Tensor],
+    options: &[(String, ExecOptions)],
+    measured: &Samples,
+) -> Result<Samples> {
+    let ms = |name: &str| {
+        measured
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(f64::INFINITY, |(_, s)| s.ms)
+    };
+    let Some(mine) =
+        (0..options.len()).min_by(|&i, &j| ms(&options[i].0).total_cmp(&ms(&options[j].0)))
+    else {
+        return Ok(Vec::new());
+    };
+    let pick = rank.communicator().exchange(&[mine as i64])?[0][0] as usize;
+    let (name, best) = &options[pick.min(options.len() - 1)];
+    let default = default_options(a);
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        x.push(device_ms(rank, a.iters, 2, || {
+            exec.run_with(rank, inputs, None, &default).map(|_| ())
+        })?);
+        y.push(device_ms(rank, a.iters, 2, || {
+            exec.run_with(rank, inputs, None, best).map(|_| ())
+        })?);
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(vec![
+        (
+            "ab_default".into(),
+            Sample {
+                ms: median(x),
+                ..Sample::default()
+            },
+        ),
+        (
+            "ab_best".into(),
+            Sample {
+                ms: median(y),
+                plan: Some((name.clone(), "alternating".into(), 0.0)),
+                ..Sample::default()
+            },
+        ),
+    ])
 }
 
 /// How a variant's output is compared: the error fusion, the reference, and a view of
