@@ -76,6 +76,15 @@ pub struct Estimate {
     pub iterations: usize,
 }
 
+impl std::ops::AddAssign for Estimate {
+    fn add_assign(&mut self, part: Estimate) {
+        self.seconds += part.seconds;
+        self.gemm_seconds += part.gemm_seconds;
+        self.comm_seconds += part.comm_seconds;
+        self.iterations += part.iterations;
+    }
+}
+
 /// Estimates `program` with `leaf` giving the values of its leaf scalars (dimension
 /// symbols, the rank, the stream count); an extent it cannot evaluate counts as 1.
 pub fn estimate(
@@ -88,15 +97,7 @@ pub fn estimate(
         leaf,
         profile,
     };
-    let mut total = Estimate::default();
-    for node in &program.body {
-        let part = model.node(node);
-        total.seconds += part.seconds;
-        total.gemm_seconds += part.gemm_seconds;
-        total.comm_seconds += part.comm_seconds;
-        total.iterations += part.iterations;
-    }
-    total
+    model.nodes(&program.body)
 }
 
 struct Model<'a> {
@@ -106,6 +107,15 @@ struct Model<'a> {
 }
 
 impl Model<'_> {
+    /// `nodes` one after another.
+    fn nodes(&self, nodes: &[Node]) -> Estimate {
+        let mut total = Estimate::default();
+        for node in nodes {
+            total += self.node(node);
+        }
+        total
+    }
+
     fn value(&self, s: ScalarId) -> Option<i64> {
         self.program.ir.evaluate(s, self.leaf)
     }
@@ -193,14 +203,7 @@ impl Model<'_> {
                     (Some(a), Some(b)) if b > a => (b - a) as usize,
                     _ => 1,
                 };
-                let mut body = Estimate::default();
-                for node in &l.body {
-                    let part = self.node(node);
-                    body.seconds += part.seconds;
-                    body.gemm_seconds += part.gemm_seconds;
-                    body.comm_seconds += part.comm_seconds;
-                    body.iterations += part.iterations;
-                }
+                let body = self.nodes(&l.body);
                 let (g, c) = (body.gemm_seconds, body.comm_seconds);
                 let nf = n as f64;
                 let other = body.seconds - g - c;
@@ -222,17 +225,7 @@ impl Model<'_> {
                 ..
             } => {
                 // The larger branch: the model does not know which one runs.
-                let branch = |b: &[Node]| {
-                    b.iter().fold(Estimate::default(), |mut acc, n| {
-                        let part = self.node(n);
-                        acc.seconds += part.seconds;
-                        acc.gemm_seconds += part.gemm_seconds;
-                        acc.comm_seconds += part.comm_seconds;
-                        acc.iterations += part.iterations;
-                        acc
-                    })
-                };
-                let (a, b) = (branch(then_body), branch(else_body));
+                let (a, b) = (self.nodes(then_body), self.nodes(else_body));
                 if a.seconds >= b.seconds {
                     a
                 } else {

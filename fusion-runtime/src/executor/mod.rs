@@ -273,28 +273,10 @@ impl FusionExecutor {
         })
     }
 
-    /// Runs `program` on `rank` (held) for a call whose symbols are bound: walks it,
-    /// captures or replays its graph, or records it into the caller's capture; hands the
-    /// outputs out on the caller's stream. (Also how plan tuning times a candidate.)
-    #[allow(clippy::too_many_arguments)]
-    fn execute(
-        &self,
-        rank: &Rank,
-        on: Option<CallerStream>,
-        program: &Arc<HostProgram>,
-        symbols: &crate::eval::SymbolBindings,
-        inputs: &[&Tensor],
-        outputs: Option<&[&Tensor]>,
-        options: &ExecOptions,
-    ) -> Result<crate::eval::Execution> {
-        let start = std::time::Instant::now();
-        let (ex, _, _) =
-            self.execute_from(rank, on, program, symbols, inputs, outputs, options, start)?;
-        Ok(ex)
-    }
-
-    /// [`FusionExecutor::execute`] for a call that started at `start`; also says how it
-    /// ran and whether it was recorded into the caller's capture.
+    /// Runs `program` on `rank` (held) for a call whose symbols are bound and that started
+    /// at `start`: walks it, captures or replays its graph, or records it into the
+    /// caller's capture; hands the outputs out on the caller's stream. Says how it ran and
+    /// whether it was recorded. (Also how plan tuning times a candidate.)
     #[allow(clippy::too_many_arguments)]
     fn execute_from(
         &self,

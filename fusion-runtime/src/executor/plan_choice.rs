@@ -577,15 +577,8 @@ fn time_candidate(
     let symbols = &call.prepared.symbols;
     let run = || -> Result<()> {
         let on = call.on.cloned();
-        (call.exec).execute(
-            rank,
-            on,
-            &lowered.program,
-            symbols,
-            call.inputs,
-            None,
-            options,
-        )?;
+        let (p, start) = (&lowered.program, Instant::now());
+        (call.exec).execute_from(rank, on, p, symbols, call.inputs, None, options, start)?;
         Ok(())
     };
     run()?;
