@@ -31,7 +31,10 @@ pub(crate) fn turn_off_graph_mixing() {
 
 /// Whether a rank launched a graph that may hold NCCL work since its last NCCL call
 /// outside graphs: such a call first waits on the host until the rank's main stream, where
-/// graphs are launched, is idle.
+/// graphs are launched, is idle. A graph replayed on a caller's stream is covered too:
+/// every walk (where NCCL calls outside graphs happen) first makes the main stream wait
+/// for earlier replays on callers' streams (`CallerChain::begin_walk`), so the main
+/// stream is idle only once they are done.
 pub(crate) struct GraphFence {
     outstanding: AtomicBool,
 }

@@ -80,8 +80,19 @@ impl CudaCommunicator {
             ReduceOp::Sum => 0.0,
             ReduceOp::Max => f32::NEG_INFINITY,
         };
-        let host = Tensor::full(&[1], like.dtype(), value);
-        let one = self.device.upload(&host)?;
+        let one = {
+            let mut cache = (self.identities.lock()).unwrap_or_else(|p| p.into_inner());
+            match cache.get(&(like.dtype(), op)) {
+                Some(t) => t.clone(),
+                None => {
+                    let t = self
+                        .device
+                        .upload(&Tensor::full(&[1], like.dtype(), value))?;
+                    cache.insert((like.dtype(), op), t.clone());
+                    t
+                }
+            }
+        };
         let src = one.reshape(&[])?.expand(like.shape())?;
         self.device
             .execute(s, Kernel::Copy { src: &src, dst: &t })?;

@@ -77,6 +77,11 @@ pub struct CudaCommunicator {
     instance: u64,
     /// The last graph launch, which NCCL calls outside graphs wait for.
     graph_fence: GraphFence,
+    /// A one-element device tensor per (dtype, reduction) holding its identity, uploaded at
+    /// the first (walked) call that needs it, so that a captured call uploads nothing.
+    identities: Mutex<
+        std::collections::HashMap<(fusion_compiler::DType, fusion_compiler::ir::ReduceOp), Tensor>,
+    >,
     /// What the next send or receive is in the program (see
     /// [`Communicator::describe_next_transfer`][describe]); taken by that send or receive.
     ///
@@ -147,6 +152,7 @@ impl CudaCommunicator {
             group: Mutex::new(None),
             instance: crate::comm::next_instance(),
             graph_fence: GraphFence::new(),
+            identities: Mutex::new(std::collections::HashMap::new()),
             next_label: Mutex::new(None),
             capabilities,
         }
