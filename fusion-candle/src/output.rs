@@ -7,10 +7,35 @@ use crate::device::check_device;
 use crate::error::{Error, Result};
 
 /// Memory for one fusion output that becomes a candle tensor without a copy: pass
-/// [`OutputBuffer::tensor`] as the call's output (`run_with(.., Some(&out), ..)`), then
-/// take the result with [`OutputBuffer::into_candle`]. On the CPU the runtime's own
-/// vector moves into candle; on a GPU the memory is a candle tensor from the start (made
-/// on the candle device's stream, which the call must then run on: `rank.on(..)`).
+/// [`OutputBuffer::tensor`] as the call's output (`run_with(.., Some(&[&out.tensor()]),
+/// ..)`), then take the result with [`OutputBuffer::into_candle`]. On the CPU the runtime's
+/// own vector moves into candle; on a GPU the memory is a candle tensor from the start
+/// (made on the candle device's stream, which the call must then run on: `rank.on(..)`).
+/// [`OutputBuffer::for_output`] sizes it from the fusion's output spec.
+///
+/// ```
+/// use fusion::prelude::*;
+/// use fusion_candle::OutputBuffer;
+///
+/// fusion! {
+///     fn square<n>(x: Tensor<f32, [n]>) -> Tensor<f32, [n]> { x * x }
+/// }
+/// World::local(1)?.run(|rank| {
+///     let x: Tensor1 = rank.to_device(&Tensor::from_f32(&[3], &[1.0, 2.0, 3.0], DType::F32)?)?
+///         .try_into()?;
+///     let exec = square::executor()?;
+///     let opts = ExecOptions::default();
+///     // This rank's shape of output 0, from the fusion's spec.
+///     let layout = exec.output_layouts(rank, &[&x], &opts)?[0].clone().expect("on this rank");
+///     let out = OutputBuffer::for_output(rank, "y", &layout, &candle_core::Device::Cpu)
+///         .map_err(|e| fusion::Error::World(e.to_string()))?;
+///     exec.run_with(rank, &[&x], Some(&[&out.tensor()]), &opts)?;
+///     let y = out.into_candle().map_err(|e| fusion::Error::World(e.to_string()))?;
+///     assert_eq!(y.to_vec1::<f32>().unwrap(), [1.0, 4.0, 9.0]);
+///     Ok(())
+/// })?;
+/// # Ok::<(), fusion::Error>(())
+/// ```
 pub struct OutputBuffer {
     name: String,
     device: candle_core::Device,
@@ -20,6 +45,22 @@ pub struct OutputBuffer {
 }
 
 impl OutputBuffer {
+    /// The output whose dtype and shape on `rank` are `layout` (from
+    /// `FusionExecutor::output_layouts`), on candle device `device` (the rank's).
+    pub fn for_output(
+        rank: &Rank,
+        name: &str,
+        layout: &fusion_runtime::eval::OutputLayout,
+        device: &candle_core::Device,
+    ) -> Result<OutputBuffer> {
+        let dtype = match layout.0 {
+            fusion_compiler::DType::F32 => candle_core::DType::F32,
+            fusion_compiler::DType::BF16 => candle_core::DType::BF16,
+            fusion_compiler::DType::F16 => candle_core::DType::F16,
+        };
+        OutputBuffer::new(rank, name, dtype, &layout.1, device)
+    }
+
     /// An output of `shape` and `dtype` (f32, bf16 or f16) for `rank`, on candle device
     /// `device` (the rank's). `name` names it in errors.
     pub fn new(

@@ -333,6 +333,30 @@ impl FusionExecutor {
         Ok((ex, replay, recorded))
     }
 
+    /// The dtype and shape of each output on `rank` for these inputs, `None` where the
+    /// rank holds no part of it: what preallocated outputs (`run_with(.., Some(outputs),
+    /// ..)`, a candle `OutputBuffer`) must look like, worked out from the fusion's output
+    /// specs instead of by hand. A call of the rank like [`FusionExecutor::program`].
+    pub fn output_layouts<T: CallTarget + ?Sized>(
+        &self,
+        rank: &T,
+        inputs: &[&Tensor],
+        options: &ExecOptions,
+    ) -> Result<Vec<Option<crate::eval::OutputLayout>>> {
+        let rank = rank.target().rank;
+        rank.call(|| {
+            let prepared = self
+                .programs
+                .prepare(&self.name, rank, inputs, options, true)?;
+            crate::eval::output_layouts(
+                &prepared.lowered.program,
+                &prepared.symbols,
+                rank.index(),
+                options.number_of_streams,
+            )
+        })
+    }
+
     /// The host program for these inputs and options, lowering it if needed (a call of
     /// the rank: ranks that bind extents from each other exchange them).
     pub fn program<T: CallTarget + ?Sized>(
