@@ -158,6 +158,15 @@ pub struct PipelineOptions {
     /// the transfer of one row range behind the GEMMs of the others. A loop whose rows
     /// cannot be split into contiguous ranges runs unsplit.
     pub reduce_scatter_subchunks: Option<usize>,
+    /// Row ranges per gathered chunk in a P2P allgather pipeline that does not also
+    /// reduce-scatter (AllGather + GEMM; `None` or 1: unsplit, the default). With `c > 1`
+    /// the loop runs `D * c` iterations, each receiving `1/c` of a chunk's rows (the first
+    /// axis after the Stream axis) and running the GEMM of those rows, so only `1/(D c)`
+    /// of the GEMM is left after the last transfer instead of `1/D`. Ranges are
+    /// `[r m / c, (r + 1) m / c)`: rows `c` does not divide give uneven ranges; a loop whose
+    /// rows cannot be split into contiguous ranges runs unsplit. A loop that gathers and
+    /// reduce-scatters takes its row ranges from [`Self::reduce_scatter_subchunks`].
+    pub allgather_subchunks: Option<usize>,
 }
 
 /// Choices that change the lowered program, in four groups; part of the executor's cache
@@ -215,6 +224,12 @@ impl LowerOptions {
                 .unwrap_or(default)
                 .max(1),
         )
+    }
+
+    /// Row ranges per gathered chunk of an allgather pipeline without a reduce-scatter
+    /// ([`PipelineOptions::allgather_subchunks`]; 1 when unsplit).
+    pub fn allgather_row_ranges(&self) -> usize {
+        self.pipelines.allgather_subchunks.unwrap_or(1).max(1)
     }
 
     /// Options with the named pass disabled.

@@ -7,7 +7,8 @@
 //! pipelined or whole collectives, the P2P transport, the reduce-scatter pipeline and its
 //! row ranges, compute-first streams, the ring's compute streams, the pool size, which
 //! collectives run over peer memory, one copy stream or one per peer for copy-engine
-//! transfers, and whether pointwise ops fold into GEMM epilogues. Most candidates change
+//! transfers, and whether pointwise ops fold into GEMM epilogues; and, not measured yet,
+//! the AllGather + GEMM pipeline in row ranges. Most candidates change
 //! nothing for a given fusion (a fusion without a reduce-scatter has no reduce-scatter
 //! pipeline); the runtime lowers them all and keeps one candidate per distinct program.
 //! Which one a call runs is decided per shape by the runtime, from the cost model or by
@@ -26,7 +27,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
 /// older build are not trusted.
-pub const PLAN_SPACE_REVISION: u32 = 1;
+pub const PLAN_SPACE_REVISION: u32 = 2;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -146,6 +147,15 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
         base.clone().without_pass("FuseEpilogue"),
         DEFAULT_STREAMS,
     ));
+    // AllGather + GEMM in row ranges per gathered chunk (a fusion without such a loop
+    // lowers them to the default).
+    for rows in [2, 4] {
+        out.push(Plan::new(
+            format!("ag_rows{rows}"),
+            with(&|o| o.pipelines.allgather_subchunks = Some(rows)),
+            DEFAULT_STREAMS,
+        ));
+    }
     out
 }
 
@@ -163,12 +173,122 @@ pub fn find(world_size: usize, name: &str) -> Option<Plan> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::builder::{Axis, FusionBuilder};
+    use crate::hir::{HostProgram, Node};
+    use crate::ir::Fusion;
+    use crate::lower::lower;
+    use crate::DType;
+
+    /// `[d @ Stream, m, n] = matmul(a [d @ DIDx, m, k], b [k, n])`: AllGather + GEMM.
+    fn ag_gemm() -> Fusion {
+        let mut b = FusionBuilder::new();
+        let (d, m, k, n) = (b.symbol("d"), b.symbol("m"), b.symbol("k"), b.symbol("n"));
+        let a = b
+            .input(
+                "a",
+                DType::F32,
+                &[Axis::didx(d), Axis::serial(m), Axis::serial(k)],
+            )
+            .unwrap();
+        let w = b
+            .input("b", DType::F32, &[Axis::serial(k), Axis::serial(n)])
+            .unwrap();
+        let c = b.matmul(a, w).unwrap();
+        let out = [Axis::stream(d), Axis::serial(m), Axis::serial(n)];
+        let c = b.declare(c, DType::F32, &out).unwrap();
+        b.output(c).unwrap();
+        b.build().unwrap()
+    }
+
+    /// The AllGather + GEMM program of candidate `name` on `world` devices, pipelined.
+    fn ag_program(world: usize, name: &str, buffers: bool) -> HostProgram {
+        let mut o = find(world, name).unwrap().lower;
+        o.pipelines.pipelining = Pipelining::Always;
+        o.streams.buffers = buffers;
+        lower(&ag_gemm(), world, &o).unwrap().program
+    }
+
+    /// The main stream loop's iteration count (printed) and body (printed).
+    fn main_loop(p: &HostProgram) -> (String, String) {
+        let l = p
+            .body
+            .iter()
+            .filter_map(|n| match n {
+                Node::ForLoop(l) => Some(l),
+                _ => None,
+            })
+            .max_by_key(|l| l.body.len())
+            .expect("a stream loop");
+        let mut body = p.clone();
+        body.body = l.body.clone();
+        (p.ir.display_scalar(l.stop).to_string(), body.to_string())
+    }
+
+    #[test]
+    fn ag_rows_split_each_gathered_chunk_into_row_ranges() {
+        for (name, c) in [("ag_rows2", 2), ("ag_rows4", 4)] {
+            for buffers in [true, false] {
+                let p = ag_program(4, name, buffers);
+                let (stop, body) = main_loop(&p);
+                assert_eq!(stop, format!("( d * {c} )"), "D * c iterations");
+                // Step-major: ring step `i / c`, row range `i % c`.
+                assert!(body.contains(&format!("( StreamIdx / {c} )")), "{body}");
+                assert!(body.contains(&format!("( StreamIdx % {c} )")), "{body}");
+                // The chunk's rows, the local shard's rows (sent) and the output's rows
+                // are row-range slices: three in the receiving branch and the GEMM.
+                assert!(body.matches(" = slice(").count() >= 3, "{body}");
+                assert_eq!(body.matches("type=recv").count(), 1, "{body}");
+                assert!(p.notes.iter().any(|n| n.contains("row ranges")));
+                if buffers {
+                    // Slots of one row range each: ceil(m / c) rows.
+                    let text = p.to_string();
+                    assert!(text.contains(&format!("( m + {} ) / {c}", c - 1)), "{text}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ag_rows_leave_the_default_program_alone_when_unsplit() {
+        let p = ag_program(4, "default", true);
+        let (stop, body) = main_loop(&p);
+        assert_eq!(stop, "d");
+        assert!(!body.contains(" = slice("), "{body}");
+        assert!(!p.notes.iter().any(|n| n.contains("row ranges")));
+        let mut one = LowerOptions::default();
+        one.pipelines.allgather_subchunks = Some(1);
+        one.pipelines.pipelining = Pipelining::Always;
+        let unsplit = lower(&ag_gemm(), 4, &one).unwrap().program;
+        assert_eq!(unsplit.to_string(), p.to_string());
+    }
+
+    #[test]
+    fn one_device_has_no_gather_to_split() {
+        let mut o = LowerOptions::default().with_pipelining(Pipelining::Always);
+        o.pipelines.allgather_subchunks = Some(2);
+        let p = lower(&ag_gemm(), 1, &o).unwrap().program;
+        assert_eq!(main_loop(&p).0, "d");
+        assert!(p.notes.is_empty(), "{:?}", p.notes);
+    }
 
     #[test]
     fn one_device_has_only_the_default() {
         let c = candidates(1);
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].name, "default");
+    }
+
+    #[test]
+    fn ag_rows_are_candidates() {
+        for d in [2, 4, 8] {
+            for c in [2, 4] {
+                let p = find(d, &format!("ag_rows{c}")).unwrap();
+                let mut back = p.lower.clone();
+                assert_eq!(back.pipelines.allgather_subchunks, Some(c));
+                back.pipelines.allgather_subchunks = None;
+                assert_eq!(back, LowerOptions::default());
+            }
+        }
     }
 
     #[test]

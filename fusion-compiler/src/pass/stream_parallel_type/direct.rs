@@ -2,10 +2,10 @@
 //! that owns its block, into one slot per source; the slots are summed after the loop, or
 //! per round of row ranges inside it.
 
-use super::exchange::{coalesced_exchange, require_world_mesh};
+use super::exchange::{coalesced_exchange, own_chunk_or_not, require_world_mesh};
 use super::group::{stream_error, ReduceScatterFold};
 use super::schedule::Schedule;
-use super::views::{slice_tensor, RowSlicing, Slicer};
+use super::views::{select, slice_tensor, RowSlicing, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef, Transport};
 use crate::ir::{
@@ -118,13 +118,7 @@ pub(super) fn emit_reduce_scatter_step(
     // A slot (one source's partial), narrowed to the round's rows when sub-chunked.
     let slot_view =
         |p: &mut HostProgram, slicer: &Slicer, index: ScalarId, body: &mut Vec<Node>| {
-            let v = slice_tensor(&mut p.ir, slots, slot_pos);
-            body.push(Node::AliasSelect {
-                input: slots,
-                output: v,
-                axis: slot_pos,
-                index,
-            });
+            let v = select(p, slots, slot_pos, index, body);
             match (&step.round, &slicer.rows) {
                 (Some(round), Some(rows)) => {
                     let q = in_block(round.out_rows);
@@ -155,12 +149,7 @@ pub(super) fn emit_reduce_scatter_step(
         sched.send_peer,
         transport,
     ));
-    let cond = p.ir.binary(ScalarOp::Eq, sched.chunk, sched.rank);
-    body.push(Node::IfThenElse {
-        cond,
-        then_body,
-        else_body,
-    });
+    body.push(own_chunk_or_not(p, sched, then_body, else_body));
     Ok(())
 }
 

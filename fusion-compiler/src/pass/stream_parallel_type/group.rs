@@ -1,5 +1,5 @@
-//! The expressions one stream loop hosts ([`LoopGroup`]), the reduce-scatter folded into
-//! it, and the error every step of the pass reports a Stream axis it cannot lower with.
+//! The expressions one stream loop hosts ([`LoopGroup`]), its gathers, the reduce-scatter
+//! folded into it, and the error every step of the pass reports a Stream axis it cannot lower with.
 
 use std::collections::{HashMap, HashSet};
 
@@ -16,6 +16,15 @@ pub(super) struct ReduceScatterFold {
     pub(super) didx: usize,
     /// Position of the output's DIDx axis (the one the loop's Stream axis becomes).
     pub(super) out_didx: usize,
+}
+
+/// One gathered input of a loop: `out = set(input)` turns `input`'s DIDx axis `in_axis`
+/// into the Stream axis `s` of `out`.
+pub(super) struct Gather {
+    pub(super) input: TensorId,
+    pub(super) in_axis: usize,
+    pub(super) out: TensorId,
+    pub(super) s: usize,
 }
 
 /// Expressions that will share one stream loop.
@@ -77,6 +86,25 @@ impl LoopGroup {
             linked = true;
         }
         Ok(linked && f.axis(e.output, s).extent == self.extent)
+    }
+
+    /// The loop's gathers (its `set`s from a DIDx axis to the Stream axis).
+    pub(super) fn gathers(&self, p: &HostProgram) -> Result<Vec<Gather>> {
+        let ctx = MeshContext {
+            world_size: Some(p.world_size),
+        };
+        let mut out = Vec::new();
+        for (e, s) in &self.exprs {
+            if let Resharding::DidxToStream { in_axis, .. } = classify(&p.ir, e, ctx)? {
+                out.push(Gather {
+                    input: e.inputs[0],
+                    in_axis,
+                    out: e.output,
+                    s: *s,
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// How many leading exprs are local compute, when communication follows them in the

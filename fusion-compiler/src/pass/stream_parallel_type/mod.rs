@@ -25,6 +25,24 @@
 //! the partial of device `rank + i + 1`, so the local chunk comes last. Either way every
 //! send meets its receive in the same iteration.
 //!
+//! With `LowerOptions::pipelines.allgather_subchunks` = `c > 1`, an allgather loop that
+//! does not reduce-scatter (AllGather + GEMM) runs `D * c` iterations, chunk by chunk:
+//! iteration `i` gathers rows `[r m / c, (r + 1) m / c)` (`r = i % c`) of the chunk of ring
+//! step `i / c` into those rows of the chunk (from row 0 of a slot) and runs the loop's
+//! expressions on those rows, so one range's GEMM, not a chunk's, follows the last
+//! transfer. Why chunk by chunk (step-major) and not range by range (round-major, as the
+//! reduce-scatter's rounds): either order transfers the same `(D - 1) c` row ranges one
+//! after another, so the last one lands at the same time and leaves one range's GEMM,
+//! `1/(D c)` of the whole, after it; the last GEMM starts as early as the GEMMs before it
+//! let it. What differs is the work the GPU has while the first transfers are in flight:
+//! step-major puts every range of the local chunk first (`1/D` of the GEMM, as unsplit) to
+//! cover the first transfer, where round-major has only `1/(D c)` there and puts the other
+//! local ranges between rounds, where their pool stream (`i % numberOfStreams`) may queue
+//! them behind a receive. A GEMM-bound loop that starts idle pushes every later GEMM back,
+//! the last one included.
+//! A loop that gathers and reduce-scatters ignores the option: its row ranges are the
+//! reduce-scatter's.
+//!
 //! With `compute_first_streams` (the default), a loop whose local compute precedes its
 //! communication runs that compute on the caller's stream `S`, in order, and only the
 //! communication on the pool stream, which waits for `S`; a join loop after it makes `S`
@@ -282,5 +300,12 @@ fn emit_loop(
             p.ir.tensor_name(rs.expr.output)
         );
     }
+    // Without a reduce-scatter, the row ranges are the allgather's (the AllGather + GEMM
+    // pipeline); a loop that gathers and reduce-scatters took the gather-scatter path above.
+    let subchunks = if g.reduce_scatter.is_some() {
+        subchunks
+    } else {
+        ctx.options.allgather_row_ranges()
+    };
     stream_loop::emit(g, p, ctx, internal, has_allgather, subchunks)
 }

@@ -1,8 +1,9 @@
 //! The standard stream loop, for every loop group that is neither a ring nor a
-//! gather-scatter pipeline: one iteration per chunk (or, with row ranges, `D * c` in
-//! rounds), whose body runs the loop's expressions on their slices (allgather steps
-//! included) and the direct reduce-scatter step, between a fork and a join of the pool
-//! streams; a folded reduce-scatter's partials are summed after the loop (or per round).
+//! gather-scatter pipeline: one iteration per chunk (or, with row ranges, `D * c`: in
+//! rounds for a reduce-scatter, chunk by chunk for an allgather), whose body runs the
+//! loop's expressions on their slices (allgather steps included) and the direct
+//! reduce-scatter step, between a fork and a join of the pool streams; a folded
+//! reduce-scatter's partials are summed after the loop (or per round).
 
 use std::collections::{HashMap, HashSet};
 
@@ -13,7 +14,7 @@ use super::direct::{
 use super::group::{LoopGroup, ReduceScatterFold};
 use super::iteration::{emit_body_expr, fork_loop, join_loop};
 use super::schedule::Schedule;
-use super::subchunk::SubChunkPlan;
+use super::subchunk::{gather_rows, SubChunkPlan};
 use super::views::{slice_tensor, RowSlicing, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef, StreamId, Transport};
@@ -22,7 +23,8 @@ use crate::pass::context::PassContext;
 use crate::resharding::MeshContext;
 
 /// Emits the standard loop for `g`; `has_allgather` when one of its expressions gathers,
-/// `subchunks` the row ranges per block a folded reduce-scatter asks for.
+/// `subchunks` the row ranges per block a folded reduce-scatter asks for, or without one
+/// the row ranges per chunk of its allgathers.
 pub(super) fn emit(
     g: LoopGroup,
     p: &mut HostProgram,
@@ -32,7 +34,25 @@ pub(super) fn emit(
     subchunks: usize,
 ) -> Result<Vec<Node>> {
     let plan = subchunk_plan(&g, p, subchunks);
-    let it = Iterations::new(p, &g, plan.as_ref());
+    let gather = if plan.is_none() && has_allgather {
+        gather_plan(&g, p, subchunks)?
+    } else {
+        None
+    };
+    let split = match (&plan, &gather) {
+        (Some(plan), _) => Some(RowSplit {
+            count: plan.count,
+            rows: &plan.rows,
+            step_major: false,
+        }),
+        (None, Some(rows)) => Some(RowSplit {
+            count: subchunks,
+            rows,
+            step_major: true,
+        }),
+        (None, None) => None,
+    };
+    let it = Iterations::new(p, &g, split);
     let sched = Schedule::new(
         p,
         ctx.options.pipelines.p2p_schedule,
@@ -120,8 +140,46 @@ fn subchunk_plan(g: &LoopGroup, p: &HostProgram, c: usize) -> Option<SubChunkPla
     plan
 }
 
-/// The loop's iterations: one per chunk, or with row ranges `D * c`, round `i / D`, ring
-/// step `i % D`.
+/// The row ranges of a split loop: `count` per chunk, the row axis of each loop tensor,
+/// and the order of the iterations.
+struct RowSplit<'a> {
+    count: usize,
+    rows: &'a HashMap<TensorId, usize>,
+    /// `false`: round-major, every chunk's range 0, then every chunk's range 1 (a
+    /// reduce-scatter sums a round once every chunk's range arrived); `true`: step-major,
+    /// every range of one chunk, then the next chunk's (an allgather).
+    step_major: bool,
+}
+
+/// The row axes of a loop that gathers and does not reduce-scatter, split into `c` ranges
+/// per chunk (`None` unsplit), with a note under the program when it splits. Its
+/// iterations go step-major (the module doc of `stream_parallel_type` says why).
+fn gather_plan(
+    g: &LoopGroup,
+    p: &mut HostProgram,
+    c: usize,
+) -> Result<Option<HashMap<TensorId, usize>>> {
+    if c < 2 {
+        return Ok(None);
+    }
+    let gathers = g.gathers(p)?;
+    let rows = gather_rows(&p.ir, &g.exprs, &gathers, c);
+    let name = p.ir.tensor_name(g.exprs[g.exprs.len() - 1].0.output);
+    match &rows {
+        Some(_) => p.notes.push(format!(
+            "allgather pipeline of `{name}` in {c} row ranges per chunk \
+             (LowerOptions::pipelines.allgather_subchunks)"
+        )),
+        None => tracing::debug!(
+            "allgather pipeline of `{name}` runs unsplit: its row axis cannot be split into \
+             {c} contiguous ranges"
+        ),
+    }
+    Ok(rows)
+}
+
+/// The loop's iterations: one per chunk, or with row ranges `D * c`: round-major (round
+/// `i / D`, ring step `i % D`) or step-major (ring step `i / c`, range `i % c`).
 struct Iterations {
     index: ScalarId,
     /// The pool stream of iteration `i`: `i % numberOfStreams`.
@@ -134,7 +192,7 @@ struct Iterations {
 }
 
 impl Iterations {
-    fn new(p: &mut HostProgram, g: &LoopGroup, plan: Option<&SubChunkPlan>) -> Self {
+    fn new(p: &mut HostProgram, g: &LoopGroup, plan: Option<RowSplit>) -> Self {
         let index = p.ir.loop_index("StreamIdx");
         let n = p.ir.named(NamedScalar::NumberOfStreams);
         let pool_index = p.ir.binary(ScalarOp::Mod, index, n);
@@ -153,8 +211,17 @@ impl Iterations {
         let mut dom = p.ir.iter_domain(g.axis).clone();
         dom.extent = stop;
         let axis = p.ir.add_iter_domain(dom);
-        let step = p.ir.binary(ScalarOp::Mod, index, g.extent);
-        let sub = p.ir.binary(ScalarOp::Div, index, g.extent);
+        let (step, sub) = if plan.step_major {
+            (
+                p.ir.binary(ScalarOp::Div, index, c),
+                p.ir.binary(ScalarOp::Mod, index, c),
+            )
+        } else {
+            (
+                p.ir.binary(ScalarOp::Mod, index, g.extent),
+                p.ir.binary(ScalarOp::Div, index, g.extent),
+            )
+        };
         Iterations {
             index,
             pool_index,

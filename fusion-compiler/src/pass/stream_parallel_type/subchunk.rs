@@ -1,4 +1,6 @@
-//! Sub-chunked P2P reduce-scatter pipelines ([`LowerOptions::pipelines.reduce_scatter_subchunks`]).
+//! Row ranges of P2P pipelines: sub-chunked reduce-scatters
+//! ([`LowerOptions::pipelines.reduce_scatter_subchunks`]) and, at the end, the row axes of
+//! a gathering loop ([`gather_rows`]).
 //!
 //! With `c` sub-chunks the loop runs `D * c` iterations in `c` rounds. Round `r` is the
 //! usual ring of `D` steps (this device's own chunk last) over rows
@@ -12,7 +14,7 @@
 
 use std::collections::HashMap;
 
-use super::group::ReduceScatterFold;
+use super::group::{Gather, ReduceScatterFold};
 use crate::ir::{axis_map, Expr, Fusion, IterKind, ParallelType, TensorId};
 
 /// Which axis of each loop tensor is split into row ranges, decided once per loop.
@@ -39,27 +41,7 @@ impl SubChunkPlan {
         if count < 2 {
             return None;
         }
-        let mut rows: HashMap<TensorId, usize> = HashMap::new();
-        for (e, s) in exprs {
-            let r = row_axis(f, e.output, *s)?;
-            let map = axis_map(f, e);
-            for (i, &t) in e.inputs.iter().enumerate() {
-                let sliced = map.producer_axis(i, *s).is_some();
-                let q = map.producer_axis(i, r).filter(|&q| !is_unit(f, t, q));
-                match (sliced, q, rows.get(&t)) {
-                    // A loop tensor whose rows this expression does not carry through.
-                    (_, None, Some(_)) => return None,
-                    (_, None, None) => {}
-                    // Rows of an input the loop does not slice per iteration.
-                    (false, Some(_), _) => return None,
-                    (true, Some(q), Some(&known)) if q != known => return None,
-                    (true, Some(q), _) => {
-                        rows.insert(t, q);
-                    }
-                }
-            }
-            rows.insert(e.output, r);
-        }
+        let rows = row_axes(f, exprs)?;
         let x = rs.expr.inputs[0];
         let rx = *rows.get(&x)?;
         let s = f.find_parallel_axis(x, ParallelType::Stream)?;
@@ -79,6 +61,62 @@ impl SubChunkPlan {
             out_rows,
         })
     }
+}
+
+/// The row axis of every loop tensor (position in its `axes`), or `None` when some
+/// expression does not carry the rows of its output straight through from its sliced
+/// inputs, or reads rows of an input the loop does not slice per iteration.
+fn row_axes(f: &Fusion, exprs: &[(Expr, usize)]) -> Option<HashMap<TensorId, usize>> {
+    let mut rows: HashMap<TensorId, usize> = HashMap::new();
+    for (e, s) in exprs {
+        let r = row_axis(f, e.output, *s)?;
+        let map = axis_map(f, e);
+        for (i, &t) in e.inputs.iter().enumerate() {
+            let sliced = map.producer_axis(i, *s).is_some();
+            let q = map.producer_axis(i, r).filter(|&q| !is_unit(f, t, q));
+            match (sliced, q, rows.get(&t)) {
+                // A loop tensor whose rows this expression does not carry through.
+                (_, None, Some(_)) => return None,
+                (_, None, None) => {}
+                // Rows of an input the loop does not slice per iteration.
+                (false, Some(_), _) => return None,
+                (true, Some(q), Some(&known)) if q != known => return None,
+                (true, Some(q), _) => {
+                    rows.insert(t, q);
+                }
+            }
+        }
+        rows.insert(e.output, r);
+    }
+    Some(rows)
+}
+
+/// The row axis of every tensor of a loop that gathers (and does not reduce-scatter), split
+/// into `count` ranges ([`LowerOptions::pipelines.allgather_subchunks`]): `None` when
+/// `count < 2`, when the rows do not go straight through the loop, or when a gather's row
+/// range would not be contiguous in the local shard it sends or in the chunk it receives
+/// into (the loop then runs unsplit).
+///
+/// [`LowerOptions::pipelines.allgather_subchunks`]: crate::lower::LowerOptions::pipelines.allgather_subchunks
+pub(super) fn gather_rows(
+    f: &Fusion,
+    exprs: &[(Expr, usize)],
+    gathers: &[Gather],
+    count: usize,
+) -> Option<HashMap<TensorId, usize>> {
+    if count < 2 || gathers.is_empty() {
+        return None;
+    }
+    let rows = row_axes(f, exprs)?;
+    for g in gathers {
+        let (&qx, &qo) = (rows.get(&g.input)?, rows.get(&g.out)?);
+        if !leads_after_units(f, g.input, qx, &[g.in_axis])
+            || !leads_after_units(f, g.out, qo, &[g.s])
+        {
+            return None;
+        }
+    }
+    Some(rows)
 }
 
 /// The first serial iteration axis after the Stream axis `s` of `t`.

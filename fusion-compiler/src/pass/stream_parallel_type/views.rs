@@ -93,6 +93,24 @@ pub(super) fn slice_tensor(f: &mut Fusion, t: TensorId, pos: usize) -> TensorId 
     })
 }
 
+/// Emits `AliasSelect` of index `index` of `t`'s axis `pos` into a new view, returned.
+pub(super) fn select(
+    p: &mut HostProgram,
+    t: TensorId,
+    pos: usize,
+    index: ScalarId,
+    body: &mut Vec<Node>,
+) -> TensorId {
+    let v = slice_tensor(&mut p.ir, t, pos);
+    body.push(Node::AliasSelect {
+        input: t,
+        output: v,
+        axis: pos,
+        index,
+    });
+    v
+}
+
 /// A new buffer like `t` with the given `(axis, extent)` changes.
 pub(super) fn with_axis_extent(
     f: &mut Fusion,

@@ -61,7 +61,7 @@ use crate::ir::TensorId;
 use crate::pass::context::PassContext;
 use crate::resharding::{classify, MeshContext, Resharding};
 use scalars::{UnitScalars, UnitStreams};
-use steps::{gathers, GatherScatter};
+use steps::GatherScatter;
 
 /// Why a loop that gathers and reduce-scatters cannot be this pipeline, or `None` when it
 /// can: compute-first streams, gathered chunks only this loop reads, gathers of tensors
@@ -137,7 +137,7 @@ pub(super) fn emit(
         .expect("a gather-scatter loop reduce-scatters");
     let x = rs.expr.inputs[0];
     require_world_mesh(p, x, rs.didx)?;
-    let gathers = gathers(p, &g)?;
+    let gathers = g.gathers(p)?;
     for gth in &gathers {
         require_world_mesh(p, gth.input, gth.in_axis)?;
     }

@@ -1,5 +1,5 @@
-//! The steps of a gather-scatter loop: its gathers, the buffers it allocates, and per
-//! unit the prefetch of the next unit's rows, the compute on this unit's rows and the
+//! The steps of a gather-scatter loop: the buffers it allocates, and per unit the
+//! prefetch of the next unit's rows, the compute on this unit's rows and the
 //! reduce onto the running sum that arrived.
 
 use std::collections::{HashMap, HashSet};
@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::hir::{HostProgram, Node, StreamId, Transport};
 use crate::ir::{axis_map, Expr, ScalarId, TensorId};
 use crate::pass::stream_parallel_type::exchange::coalesced_exchange;
-use crate::pass::stream_parallel_type::group::{LoopGroup, ReduceScatterFold};
+use crate::pass::stream_parallel_type::group::{Gather, LoopGroup, ReduceScatterFold};
 use crate::pass::stream_parallel_type::iteration::emit_body_expr;
 use crate::pass::stream_parallel_type::ring::{
     allocate_running_sums, drop_didx, RingStep, RunningSums,
@@ -19,35 +19,6 @@ use crate::pass::stream_parallel_type::ring::{
 use crate::pass::stream_parallel_type::schedule::Schedule;
 use crate::pass::stream_parallel_type::subchunk::SubChunkPlan;
 use crate::pass::stream_parallel_type::views::{with_axis_extent, RowSlicing, Slicer};
-use crate::resharding::{classify, MeshContext, Resharding};
-
-/// One gathered input of the loop: `out = set(input)` turns `input`'s DIDx axis `in_axis`
-/// into the Stream axis `s` of `out`.
-pub(super) struct Gather {
-    pub(super) input: TensorId,
-    pub(super) in_axis: usize,
-    pub(super) out: TensorId,
-    pub(super) s: usize,
-}
-
-/// The loop's gathers (its `set`s from a DIDx axis to the Stream axis).
-pub(super) fn gathers(p: &HostProgram, g: &LoopGroup) -> Result<Vec<Gather>> {
-    let ctx = MeshContext {
-        world_size: Some(p.world_size),
-    };
-    let mut out = Vec::new();
-    for (e, s) in &g.exprs {
-        if let Resharding::DidxToStream { in_axis, .. } = classify(&p.ir, e, ctx)? {
-            out.push(Gather {
-                input: e.inputs[0],
-                in_axis,
-                out: e.output,
-                s: *s,
-            });
-        }
-    }
-    Ok(out)
-}
 
 /// The buffers of the loop besides the caller's.
 pub(super) struct Buffers {
