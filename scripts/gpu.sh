@@ -119,6 +119,7 @@ task_check() {
     step peer_memory 60 $BIN/test-peer_memory --test-threads=1
     # Plans chosen per shape: every candidate's result, tuning, the plan file.
     step plan_choice 240 $BIN/test-plan_choice --test-threads=1
+    step ag_row_ranges 120 $BIN/test-ag_row_ranges --test-threads=1
     # The runtime's GPU unit tests: copy-engine flag hand-offs, eager and replayed.
     step runtime_unit_gpu 120 $BIN/test-fusion_runtime_lib --ignored --test-threads=1
     # What a machine without `libnccl.so` reports (gpu-env.sh's symlink directory left
