@@ -34,9 +34,9 @@ use crate::world::Rank;
 /// Candidates timed at most, in the cost model's order.
 const MAX_TUNED: usize = 16;
 /// Samples per timed candidate (the median counts).
-const SAMPLES: usize = 5;
+const SAMPLES: usize = 7;
 /// A sample lasts about this long (calls are batched up to it).
-const SAMPLE_TARGET: Duration = Duration::from_millis(2);
+const SAMPLE_TARGET: Duration = Duration::from_millis(3);
 
 /// Why a plan runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -377,14 +377,28 @@ fn file_choice(
 }
 
 /// Times the candidates `order` of `call` on every rank; the slowest rank's median of
-/// each, in ns, in that order.
+/// each, in ns, in that order. Every candidate is warmed up (walked, captured) and its
+/// batch sized first; then [`SAMPLES`] rounds time one batch of every candidate in turn,
+/// so that the machine's drift over the tuning (clocks, temperature: a few percent over
+/// minutes) falls on all candidates alike instead of on the later ones.
 fn tune(call: &PlanCall<'_>, distinct: &[Distinct], order: &[usize]) -> Result<Vec<i64>> {
-    let mut medians = Vec::with_capacity(order.len());
-    for &i in order {
-        let o = with_plan(call.options, &distinct[i].plan);
-        let t = time_candidate(call, &distinct[i].lowered, &o)?;
-        medians.push((t.as_nanos() as i64).max(1));
+    let timers: Vec<CandidateTimer<'_>> = order
+        .iter()
+        .map(|&i| CandidateTimer::new(call, &distinct[i]))
+        .collect::<Result<_>>()?;
+    let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(SAMPLES); timers.len()];
+    for _ in 0..SAMPLES {
+        for (t, s) in timers.iter().zip(&mut samples) {
+            s.push(t.sample()?);
+        }
     }
+    let medians: Vec<i64> = samples
+        .into_iter()
+        .map(|mut s| {
+            s.sort();
+            (s[s.len() / 2].as_nanos() as i64).max(1)
+        })
+        .collect();
     let all = call.rank.communicator().exchange(&medians)?;
     Ok((0..order.len())
         .map(|j| {
@@ -564,49 +578,68 @@ fn file_key(call: &PlanCall<'_>, programs: &[&str]) -> String {
     plan_file::stable_key(&parts)
 }
 
-/// The median time of one call of `lowered` (a candidate of the call `prepared`) on this
-/// rank: two warm-up calls (a walk and a capture), then [`SAMPLES`] batches of calls
-/// between device synchronizations.
-fn time_candidate(
-    call: &PlanCall<'_>,
-    lowered: &Lowered,
-    options: &ExecOptions,
-) -> Result<Duration> {
-    let rank = call.rank;
-    let device = rank.device();
-    let symbols = &call.prepared.symbols;
-    let run = || -> Result<()> {
-        let on = call.on.cloned();
-        let (p, start) = (&lowered.program, Instant::now());
-        (call.exec).execute_from(rank, on, p, symbols, call.inputs, None, options, start)?;
+/// One candidate being timed on this rank: its options and the batch of calls a sample
+/// times.
+struct CandidateTimer<'a> {
+    call: &'a PlanCall<'a>,
+    lowered: &'a Lowered,
+    options: ExecOptions,
+    batch: u32,
+}
+
+impl<'a> CandidateTimer<'a> {
+    /// Warms `candidate` up (a walked call and a captured one), times one call and sizes
+    /// the batch from the slowest rank's time, so that every rank runs as many calls.
+    fn new(call: &'a PlanCall<'a>, candidate: &'a Distinct) -> Result<Self> {
+        let mut timer = CandidateTimer {
+            call,
+            lowered: &candidate.lowered,
+            options: with_plan(call.options, &candidate.plan),
+            batch: 1,
+        };
+        timer.run()?;
+        timer.run()?;
+        let one = timer.sample()?;
+        let mine = one.as_nanos().max(1000) as i64;
+        let all = call.rank.communicator().exchange(&[mine])?;
+        let slowest = all
+            .iter()
+            .filter_map(|v| v.first())
+            .copied()
+            .max()
+            .unwrap_or(mine);
+        let slowest = Duration::from_nanos(slowest as u64);
+        timer.batch = (SAMPLE_TARGET.as_secs_f64() / slowest.as_secs_f64()).clamp(1.0, 50.0) as u32;
+        Ok(timer)
+    }
+
+    /// One call of the candidate.
+    fn run(&self) -> Result<()> {
+        let c = self.call;
+        let (p, start) = (&self.lowered.program, Instant::now());
+        let symbols = &c.prepared.symbols;
+        (c.exec).execute_from(
+            c.rank,
+            c.on.cloned(),
+            p,
+            symbols,
+            c.inputs,
+            None,
+            &self.options,
+            start,
+        )?;
         Ok(())
-    };
-    run()?;
-    run()?;
-    device.synchronize()?;
-    let t = Instant::now();
-    run()?;
-    device.synchronize()?;
-    // Every rank runs the same number of calls: the batch follows the slowest rank.
-    let mine = t.elapsed().as_nanos().max(1000) as i64;
-    let all = rank.communicator().exchange(&[mine])?;
-    let slowest = all
-        .iter()
-        .filter_map(|v| v.first())
-        .copied()
-        .max()
-        .unwrap_or(mine);
-    let one = Duration::from_nanos(slowest as u64);
-    let batch = (SAMPLE_TARGET.as_secs_f64() / one.as_secs_f64()).clamp(1.0, 50.0) as u32;
-    let mut samples = Vec::with_capacity(SAMPLES);
-    for _ in 0..SAMPLES {
+    }
+
+    /// The time per call of one batch, between device synchronizations.
+    fn sample(&self) -> Result<Duration> {
+        let device = self.call.rank.device();
+        device.synchronize()?;
         let t = Instant::now();
-        for _ in 0..batch {
-            run()?;
+        for _ in 0..self.batch {
+            self.run()?;
         }
         device.synchronize()?;
-        samples.push(t.elapsed() / batch);
+        Ok(t.elapsed() / self.batch)
     }
-    samples.sort();
-    Ok(samples[SAMPLES / 2])
 }
