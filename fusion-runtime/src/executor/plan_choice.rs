@@ -32,7 +32,7 @@ use crate::tensor::Tensor;
 use crate::world::Rank;
 
 /// Candidates timed at most, in the cost model's order.
-const MAX_TUNED: usize = 16;
+const MAX_TUNED: usize = 32;
 /// Samples per timed candidate (the median counts).
 const SAMPLES: usize = 7;
 /// A sample lasts about this long (calls are batched up to it).
