@@ -265,6 +265,7 @@ impl Model<'_> {
 mod tests {
     use super::*;
     use crate::builder::{Axis, FusionBuilder};
+    use crate::ir::Fusion;
     use crate::lower::{lower_for_shapes, LowerOptions, Pipelining};
     use crate::DType;
 
@@ -294,11 +295,17 @@ mod tests {
         b.output(c).unwrap();
         let f = b.build().unwrap();
         let values = [(d, 4), (m, 4096), (k, 8192), (nn, n)];
+        pipelined_and_whole(&f, &values)
+    }
+
+    /// The estimates of `f` on 4 devices at the symbol values `values`, pipelined and not
+    /// (4 pool streams, rank 0).
+    fn pipelined_and_whole(f: &Fusion, values: &[(ScalarId, i64)]) -> (Estimate, Estimate) {
         let extent = |s: ScalarId| values.iter().find(|(x, _)| *x == s).map(|(_, v)| *v);
         let profile = MachineProfile::hopper();
         let est = |pipelining| {
             let o = LowerOptions::default().with_pipelining(pipelining);
-            let p = lower_for_shapes(&f, 4, &o, &extent).unwrap().program;
+            let p = lower_for_shapes(f, 4, &o, &extent).unwrap().program;
             let leaf = |s: ScalarId| {
                 extent(s).or(match p.ir.scalar_node(s) {
                     crate::ir::Scalar::Named(crate::ir::NamedScalar::NumberOfStreams) => Some(4),
@@ -373,21 +380,7 @@ mod tests {
         b.output(y).unwrap();
         let fusion = b.build().unwrap();
         let values = [(d, 4), (m, 4096), (h, 8192), (f, 7168)];
-        let extent = |s: ScalarId| values.iter().find(|(x, _)| *x == s).map(|(_, v)| *v);
-        let profile = MachineProfile::hopper();
-        let est = |pipelining| {
-            let o = LowerOptions::default().with_pipelining(pipelining);
-            let p = lower_for_shapes(&fusion, 4, &o, &extent).unwrap().program;
-            let leaf = |s: ScalarId| {
-                extent(s).or(match p.ir.scalar_node(s) {
-                    crate::ir::Scalar::Named(crate::ir::NamedScalar::NumberOfStreams) => Some(4),
-                    crate::ir::Scalar::Named(crate::ir::NamedScalar::Rank) => Some(0),
-                    _ => None,
-                })
-            };
-            estimate(&p, &leaf, &profile)
-        };
-        let (piped, whole) = (est(Pipelining::Always), est(Pipelining::Never));
+        let (piped, whole) = pipelined_and_whole(&fusion, &values);
         // 2 GEMMs of 2 * 16384 * 8192 * 7168 FLOP: about 5.5 ms at 700 TFLOP/s.
         assert!(whole.gemm_seconds > 4e-3, "{whole:?}");
         let ratio = piped.gemm_seconds / whole.gemm_seconds;
