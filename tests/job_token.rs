@@ -83,12 +83,23 @@ fn child_guarded() {
         std::thread::sleep(Duration::from_millis(20));
     }
     if me == 0 && world.backend() == BackendKind::Cpu {
-        // Every refused connection's thread has ended (each ends with its handshake).
+        // Every refused connection's thread has ended (each ends with its handshake). The
+        // count taken after the first call may include a refused connection's thread that
+        // was still in its handshake then, so the count now may be lower, never higher.
         let waited = Instant::now();
-        while live_threads() != settled && waited.elapsed() < Duration::from_secs(15) {
+        let over = || {
+            live_threads()
+                .zip(settled)
+                .is_some_and(|(now, then)| now > then)
+        };
+        while over() && waited.elapsed() < Duration::from_secs(15) {
             std::thread::sleep(Duration::from_millis(50));
         }
-        assert_eq!(live_threads(), settled, "threads left behind");
+        assert!(
+            !over(),
+            "threads left behind: {:?} now, {settled:?} after the first call",
+            live_threads()
+        );
     }
     // No rank leaves (its goodbye ends the hub's threads for it) before rank 0 counted.
     let barrier = Tensor::zeros(&[1], DType::F32);
