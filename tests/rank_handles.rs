@@ -1,6 +1,6 @@
 //! Long-lived rank handles on simulated devices: kept in layer structs and called from the
 //! application's own threads, one call at a time per handle, nothing made per call, a
-//! failed call failing the world for good, and the `tracing` spans of a call.
+//! failed call failing the world until it recovers, and the `tracing` spans of a call.
 //! (`tests/launched.rs` drives handles in a world of two processes.)
 
 mod common;
@@ -263,7 +263,7 @@ fn a_call_has_a_span_naming_the_fusion_the_rank_and_how_it_ran_and_nodes_at_debu
 }
 
 #[test]
-fn a_failed_call_fails_every_handle_of_the_world_for_good() {
+fn a_failed_call_fails_every_handle_of_the_world_until_it_recovers() {
     let _serial = serial();
     let world = World::local(2).unwrap();
     let ranks = world.ranks().unwrap();
@@ -275,8 +275,12 @@ fn a_failed_call_fails_every_handle_of_the_world_for_good() {
                 let (rank, w) = (rank.clone(), &w);
                 s.spawn(move || {
                     let layer = Layer::new(rank.clone(), w)?;
-                    // Rank 1 passes a block with the wrong `k`.
+                    // Rank 1 passes a block with the wrong `k`, once rank 0 waits in its call
+                    // (had rank 1 called first, the call would be refused and the world kept).
                     let k = if rank.index() == 1 { 5 } else { 4 };
+                    if rank.index() == 1 {
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
                     let x: Ranked<3> = Tensor::zeros(&[1, 3, k], DType::F32).try_into()?;
                     layer.forward(&x).map(|_| ())
                 })
@@ -310,6 +314,16 @@ fn a_failed_call_fails_every_handle_of_the_world_for_good() {
         );
     }
     assert!(world.run(|_| Ok(())).is_err());
+    // Recovered in place, the same handles run again.
+    world.recover().unwrap();
+    let x = Tensor::randn(&[2, 3, 4], DType::F32, 1);
+    world
+        .run(|rank| {
+            let x: Ranked<3> = rank.shard(&x, 0)?.try_into()?;
+            let w: Ranked<3> = rank.shard(&weights(2), 0)?.try_into()?;
+            row_parallel(rank, &x, &w).map(|_| ())
+        })
+        .unwrap();
 }
 
 #[cfg(feature = "cuda")]

@@ -16,6 +16,8 @@ use crate::error::{Error, Result};
 /// is the tensor's name in errors. A CUDA tensor's memory is read on the device in the
 /// order of the candle device's stream: call the fusion on that stream
 /// (`&rank.on(&candle_device.cuda_stream())`, see `stream_of` with the `cuda` feature).
+/// An error here comes before the call, so the peers do not know of it: tell them with
+/// `rank.abort(..)` (their calls end at once) unless every rank gives up the call.
 pub fn input(rank: &Rank, name: &str, t: &candle_core::Tensor) -> Result<Tensor> {
     check_device(name, &t.device().location(), rank)?;
     check_layout(name, t)?;

@@ -124,6 +124,19 @@ pub fn classify(f: &Fusion, e: &Expr, ctx: MeshContext) -> Result<Resharding> {
     }
 }
 
+/// Whether fusion `f` may communicate in a world of `world_size` ranks: some expression
+/// is not local (or cannot be classified). A fusion for which this is false lowers to a
+/// program without communication.
+pub fn may_communicate(f: &Fusion, world_size: usize) -> bool {
+    let ctx = MeshContext {
+        world_size: Some(world_size),
+    };
+    world_size > 1
+        && f.exprs()
+            .iter()
+            .any(|e| !matches!(classify(f, e, ctx), Ok(Resharding::Local)))
+}
+
 /// Inputs of `e` not distributed like its output (axis for axis, and mesh).
 pub fn inconsistent_inputs(f: &Fusion, e: &Expr, ctx: MeshContext) -> Vec<usize> {
     let map = axis_map(f, e);

@@ -108,6 +108,12 @@ pub trait Communicator: Send + Sync {
     /// Marks the world as failed because of rank `failed_rank` (this rank failed because
     /// of it), so every peer names the root cause rather than this rank.
     fn abort_for(&self, failed_rank: usize, reason: &str);
+    /// This rank's part of recovering a failed world in place: every rank of the world
+    /// calls it (each from its own thread or process, with no call in flight); when all
+    /// have, the failure and everything in flight are forgotten and the communicator
+    /// numbers its transfers from the start again. An error when this communicator cannot
+    /// recover (the world stays failed).
+    fn recover(&self) -> Result<()>;
     /// Host-side allgather of small integer vectors among all ranks of the world (call
     /// metadata such as extents); returns every rank's vector in rank order. Every rank
     /// must call it at the same point of its program.

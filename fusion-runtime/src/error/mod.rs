@@ -76,6 +76,19 @@ pub enum Error {
         /// Its error.
         reason: String,
     },
+    /// A peer refused this call before any data moved (its own inputs did not fit), so
+    /// this rank did not run it either; the world is healthy and the next call runs.
+    #[error("rank {rank}: communicating call {call} did not run: rank {refused_by} refused it before any data moved: {reason} (the world is healthy)")]
+    CallRefused {
+        /// This rank.
+        rank: usize,
+        /// The call number (counting this rank's communicating calls).
+        call: u64,
+        /// The rank that refused the call.
+        refused_by: usize,
+        /// Its error.
+        reason: String,
+    },
     /// A communication waited longer than the world's timeout.
     #[error("rank {rank}: {what} timed out after {seconds:.1} s (a peer may have stopped participating)")]
     Timeout {
@@ -273,7 +286,7 @@ impl Error {
 
     /// True for errors caused by another rank's failure (not the root cause).
     pub fn is_secondary(&self) -> bool {
-        matches!(self, Error::PeerFailed { .. })
+        matches!(self, Error::PeerFailed { .. } | Error::CallRefused { .. })
     }
 
     /// A `BadTensor` error.

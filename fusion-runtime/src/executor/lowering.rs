@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::eval::{bind_dtypes, bind_inputs, check_didx_extents, SymbolBindings};
 use crate::program_facts::{dtype_code, dtype_from_code};
 use crate::tensor::Tensor;
-use crate::world::Rank;
+use crate::world::{Rank, RefusalScope};
 
 /// Where the executor's fusions come from.
 pub(super) enum Source {
@@ -137,6 +137,34 @@ impl ProgramCache {
     /// How many times this executor has lowered a program.
     pub(super) fn lowering_count(&self) -> usize {
         self.lowerings.load(Ordering::SeqCst)
+    }
+
+    /// Who a failure of [`ProgramCache::prepare`] on `rank` might leave waiting: nobody when
+    /// the fusion does not communicate in this world; the peers in the call's own
+    /// transfers when it does and binding exchanges nothing first; unknown when binding
+    /// exchanges extents (a peer may wait there) or the fusion cannot be told.
+    pub(super) fn refusal_scope(&self, rank: &Rank, inputs: &[&Tensor]) -> RefusalScope {
+        let fusion = match &self.source {
+            Source::Fixed(f) => Ok(f.clone()),
+            Source::Generic { generic, .. } => bind_dtypes(generic, inputs)
+                .or_else(|_| Ok(vec![DType::F32; generic.params().len()]))
+                .and_then(|dtypes| self.fusion_for(&dtypes)),
+        };
+        let Ok(fusion) = fusion else {
+            return RefusalScope::Unknown;
+        };
+        let ws = rank.world_size();
+        let partial = fusion
+            .inputs()
+            .iter()
+            .any(|&t| fusion.tensor(t).mesh.resolve(ws) != (0..ws).collect::<Vec<_>>());
+        if !fusion_compiler::resharding::may_communicate(&fusion, ws) {
+            RefusalScope::Nobody
+        } else if partial {
+            RefusalScope::Unknown
+        } else {
+            RefusalScope::Peers
+        }
     }
 
     /// Binds the dtypes and the dimension symbols of a call and finds (or lowers) its

@@ -191,7 +191,12 @@ impl FusionExecutor {
 
     /// Runs with explicit options and optional preallocated outputs, on a rank
     /// ([`Rank`]) or a rank on the caller's stream (`Rank::on`). The call holds the rank
-    /// (one call at a time per rank); an error fails the rank's world for good.
+    /// (one call at a time per rank). An error fails the rank's world (peers stop waiting
+    /// at once; `World::recover` restores it), except inputs that do not fit, found before
+    /// any data moves: that call is refused on every rank (the peers get
+    /// [`Error::CallRefused`](crate::Error::CallRefused)) and the world stays healthy where
+    /// the peers can be told so (all ranks in this process, or a fusion that does not
+    /// communicate).
     pub fn run_with<T: CallTarget + ?Sized>(
         &self,
         rank: &T,
@@ -218,9 +223,15 @@ impl FusionExecutor {
     ) -> Result<RunReport> {
         let call_start = std::time::Instant::now();
         let scope = crate::observe::CallScope::enter(&self.name, rank.index());
-        let prepared = self
-            .programs
-            .prepare(&self.name, rank, inputs, options, true)?;
+        // Nothing has moved yet: a failure here refuses the call (the world stays healthy
+        // where the peers can be told so; `Rank::refuse_call`).
+        let prepared = match (self.programs).prepare(&self.name, rank, inputs, options, true) {
+            Ok(p) => p,
+            Err(e) => {
+                let scope = self.programs.refusal_scope(rank, inputs);
+                return Err(rank.refuse_call(e, scope));
+            }
+        };
         // Before any data moves: the ranks' calls of this number run the same program.
         rank.enter_ledger(prepared.lowered.fingerprint)?;
         let device = rank.device();

@@ -22,6 +22,12 @@
 //! entry is written as "busy, fingerprint, number" and read as "number, fingerprint,
 //! number", so a reader never pairs a number with another call's fingerprint.
 //!
+//! **Refusals.** A rank whose call fails before any data moves (its inputs do not fit) writes
+//! its entry of the number as *refused*: a peer that enters the number later sees it and
+//! fails its call the same way, without moving data, and the world stays healthy. If a peer
+//! had entered the number already (it may be waiting for this rank), the refusal is not
+//! clean and the world fails, so that the peer stops waiting.
+//!
 //! Cost: three stores and three loads per peer, no lock, no allocation. Fingerprints are
 //! hashes of a lowered program's text (the same on every rank for the same fusion and
 //! shapes); the readable names errors use are registered when a program is lowered.
@@ -40,6 +46,9 @@ const SLOTS: usize = 1024;
 /// The number of a slot being written (or never written).
 const BUSY: u64 = u64::MAX;
 
+/// The fingerprint of a refused call.
+const REFUSED: u64 = u64::MAX;
+
 /// One rank's entry for one call number.
 struct Slot {
     number: AtomicU64,
@@ -56,6 +65,8 @@ struct RankRing {
 /// communicating calls.
 pub(crate) struct CallLedger {
     ranks: Box<[RankRing]>,
+    /// Why each refused call (rank, number) was refused, for the peers' errors.
+    refusals: Mutex<HashMap<(usize, u64), String>>,
 }
 
 /// Two ranks ran different programs under the same call number.
@@ -85,6 +96,61 @@ impl CallLedger {
         };
         CallLedger {
             ranks: (0..size).map(|_| ring()).collect(),
+            refusals: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Forgets every entry (a world recovering; no rank is in a call): numbering starts
+    /// from 0 again.
+    pub(crate) fn reset(&self) {
+        for ring in self.ranks.iter() {
+            ring.next.store(0, SeqCst);
+            for slot in ring.slots.iter() {
+                slot.number.store(BUSY, SeqCst);
+            }
+        }
+        self.refusals
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
+    /// Rank `rank` (in a call, so alone on its ring) refuses its next communicating call
+    /// because of `reason`, before moving any data. Clean (`true`) when no peer has entered
+    /// that number: each will see the refusal when it does. Not clean when one has (it may
+    /// be waiting for this rank): the world must fail.
+    pub(crate) fn refuse(&self, rank: usize, reason: &str) -> bool {
+        let Some(ring) = self.ranks.get(rank) else {
+            return false;
+        };
+        let number = ring.next.load(SeqCst);
+        self.refusals
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert((rank, number), reason.to_string());
+        // A peer seen with a program of this number may wait for this rank; one not seen
+        // yet will see the refusal (the argument above).
+        self.enter(rank, REFUSED).is_ok()
+    }
+
+    /// The error of this rank's call for a conflict `enter` found: a mismatch (both calls
+    /// named) or a peer's refusal (its reason).
+    pub(crate) fn error(&self, m: Mismatch) -> Error {
+        if m.peer_fingerprint != REFUSED {
+            return m.into_error();
+        }
+        let reason = self
+            .refusals
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&(m.peer, m.call))
+            .cloned()
+            .unwrap_or_else(|| "its call failed before any data moved".into());
+        Error::CallRefused {
+            rank: m.rank,
+            call: m.call,
+            refused_by: m.peer,
+            reason,
         }
     }
 
@@ -123,7 +189,7 @@ impl CallLedger {
 
 impl Mismatch {
     /// The error of this rank's call: both calls by name, and the likely cause.
-    pub(crate) fn into_error(self) -> Error {
+    fn into_error(self) -> Error {
         Error::World(format!(
             "rank {}'s communicating call {} runs `{}` but rank {}'s call {} runs `{}`: the \
              ranks made different calls in different orders. Likely cause: one rank handle \

@@ -7,7 +7,10 @@
 //! on every rank of this process at once over those handles and returns each rank's
 //! result. If a rank fails (error or panic), its communicator is aborted so every other
 //! rank's pending communication, in this process or another, returns an error instead of
-//! waiting forever; the root-cause error is returned, and the world is failed for good.
+//! waiting forever; the root-cause error is returned, and the world stays failed until
+//! [`World::recover`] restores it in place (handles, buffers and programs kept). A call
+//! whose inputs do not fit, found before any data moves, is refused instead, without
+//! failing the world, where the peers can be told (see `Rank::call`).
 //!
 //! Submodules: `rank` (the handles, one call at a time each), `ledger` (an in-process
 //! world's check that the ranks' communicating calls match), `launcher` (which rank this
@@ -45,9 +48,9 @@ pub use bootstrap::VERSION;
 pub use launch_options::LaunchOptions;
 pub use launcher::{LaunchSpec, Launcher};
 pub(crate) use ledger::name_program;
-#[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
-pub(crate) use rank::CallerStreamSource;
 pub use rank::{CallTarget, Rank, RankLock, Target};
+#[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
+pub(crate) use rank::{CallerStreamSource, RefusalScope};
 pub use topology::{Link, RankInfo, Topology};
 
 pub(crate) use bootstrap::Session;
@@ -107,8 +110,8 @@ enum Hosts {
 /// [`World::rank`]): the device, communicators, stream pool, lowered programs, graphs and
 /// kept buffers live as long as the handles, and calls on them spawn no thread and make no
 /// communicator. [`World::run`] runs a closure on every local rank at once, each on its own
-/// thread, over the same handles. A failed call fails the world for good: every later
-/// call on any of its handles returns an error naming the rank that failed.
+/// thread, over the same handles. A failed call fails the world: every later call on any
+/// of its handles returns an error naming the rank that failed, until [`World::recover`].
 pub struct World {
     /// This process's ranks: (index in the world, device).
     local: Vec<(usize, Arc<dyn Device>)>,
@@ -315,14 +318,17 @@ impl World {
             .local
             .iter()
             .zip(comms)
-            .map(|((r, device), comm)| Rank::new(*r, self.shared.clone(), device.clone(), comm))
+            .map(|((r, device), comm)| {
+                Rank::new(*r, self.shared.clone(), device.clone(), comm, self.timeout)
+            })
             .collect())
     }
 
     /// Runs `f` on every rank of this process, each on its own thread, with the world's
     /// long-lived rank handles; returns the results in [`World::local_ranks`] order, or the
     /// error of the rank that failed first (not one that failed because of it). A rank
-    /// whose closure fails (an error or a panic) fails the world for good. Every process of
+    /// whose closure fails (an error or a panic) fails the world, except with the error of
+    /// a refused call (which left the world healthy). Every process of
     /// a launched world must call `run` the same number of times.
     pub fn run<T, F>(&self, f: F) -> Result<Vec<T>>
     where
@@ -334,7 +340,10 @@ impl World {
             return Err(Error::PeerFailed {
                 rank: self.local.first().map_or(0, |l| l.0),
                 failed_rank,
-                reason: format!("the world failed earlier and cannot run again: {reason}"),
+                reason: format!(
+                    "the world failed earlier; it runs again once recovered (World::recover): \
+                     {reason}"
+                ),
             });
         }
         let results: Vec<Result<T>> = std::thread::scope(|s| {
@@ -350,7 +359,9 @@ impl World {
                         })) {
                             Ok(Ok(v)) => Ok(v),
                             Ok(Err(e)) => {
-                                rank.fail_world(&e);
+                                if !rank.take_kept_world() {
+                                    rank.fail_world(&e);
+                                }
                                 Err(e)
                             }
                             Err(payload) => {
@@ -393,6 +404,61 @@ impl World {
             Some(e) => Err(e),
             None => Ok(values),
         }
+    }
+}
+
+impl World {
+    /// Recovers the world in place after a failure: communicators and everything in
+    /// flight are reset, while the rank handles, devices, buffers, weights and the
+    /// executors' lowered programs are kept; the next calls run as if nothing had failed.
+    /// A collective: in a launched world every process calls it; it holds each local rank
+    /// (waiting for calls in progress, which end at once in a failed world) and returns
+    /// when every rank of the world has recovered, or with an error (the world stays
+    /// failed; a rank that never comes ends it with a timeout). Harmless on a healthy
+    /// world. A world split from another is not recovered by itself: recover the one it
+    /// was split from, then split it again. CUDA worlds cannot recover yet (an error says
+    /// so).
+    pub fn recover(&self) -> Result<()> {
+        let ranks = self.ranks()?;
+        let all_held = std::sync::Barrier::new(ranks.len());
+        let any_failed = std::sync::atomic::AtomicBool::new(false);
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|rank| {
+                    let (all_held, any_failed) = (&all_held, &any_failed);
+                    crate::counters::thread_spawned();
+                    s.spawn(move || {
+                        let _held = rank.lock();
+                        let result = rank.recover_communicator();
+                        if result.is_err() {
+                            any_failed.store(true, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        // Every local rank is held and recovered (or failed to): the first
+                        // to pass forgets the world's failure, before any rank is let go.
+                        if all_held.wait().is_leader()
+                            && !any_failed.load(std::sync::atomic::Ordering::SeqCst)
+                        {
+                            rank.world_shared().recovered();
+                        }
+                        all_held.wait();
+                        result
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|p| {
+                        Err(Error::World(format!(
+                            "recovering the world panicked: {}",
+                            panic_message(p.as_ref())
+                        )))
+                    })
+                })
+                .collect()
+        });
+        results.into_iter().collect()
     }
 }
 

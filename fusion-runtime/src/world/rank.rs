@@ -8,17 +8,22 @@
 //! on its streams. The lock is reentrant, so code running inside a call's closure (a
 //! borrowed CUDA buffer's) may call again on the same thread.
 //!
-//! A forward made of several calls holds the rank across them with [`Rank::lock`]; in an
-//! in-process world the call ledger (`ledger`) fails ranks whose communicating calls of
-//! one number run different programs.
+//! A forward made of several calls holds the rank across them with [`Rank::lock`], or
+//! with [`Rank::lock_step`] so that every rank takes the forwards in one numbered order;
+//! in an in-process world the call ledger (`ledger`) fails ranks whose communicating calls
+//! of one number run different programs.
 //!
-//! A failed call fails the world for good: the failure is recorded where every handle of
-//! the world sees it, the communicator is aborted so that peers stop waiting, and every
-//! later call returns [`Error::PeerFailed`] naming the rank that failed.
+//! A failed call fails the world: the failure is recorded where every handle of the world
+//! sees it, the communicator is aborted so that peers stop waiting at once, and every later
+//! call returns [`Error::PeerFailed`] naming the rank that failed, until the world recovers
+//! (`World::recover`). A call whose inputs do not fit, found before any data moves, is
+//! refused instead where the peers can be told without failing the world (see
+//! [`Rank::call`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::ThreadId;
+use std::time::{Duration, Instant};
 
 use super::bootstrap::Session;
 use super::ledger::CallLedger;
@@ -66,6 +71,16 @@ impl WorldShared {
         self.session.as_ref().and_then(|s| s.watch.failure())
     }
 
+    /// The world recovered (every rank is held, none in a call): its failure and its
+    /// call ledger are forgotten.
+    pub(crate) fn recovered(&self) {
+        *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        self.failed.store(false, Ordering::Release);
+        if let Some(ledger) = &self.ledger {
+            ledger.reset();
+        }
+    }
+
     /// Records that `rank` failed the world (the first failure is kept).
     fn fail(&self, rank: usize, reason: &str) {
         let mut f = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
@@ -92,6 +107,10 @@ struct CallLockState {
     /// variable's notify is a system call even with nobody waiting, about a third of a
     /// microsecond on every call otherwise).
     waiting: usize,
+    /// The next step [`Rank::lock_step`] lets in, and the step of the thread holding the
+    /// rank through it.
+    next_step: u64,
+    step_held: Option<u64>,
 }
 
 impl CallLock {
@@ -122,6 +141,50 @@ impl CallLock {
         CallGuard {
             lock: self,
             _not_send: std::marker::PhantomData,
+        }
+    }
+
+    /// Waits until no other thread is in a call and every step before `step` has been
+    /// held and let go, then enters as `step` (for at most `timeout` of waiting).
+    fn enter_step(&self, step: u64, rank: usize, timeout: Duration) -> Result<CallGuard<'_>> {
+        let me = std::thread::current().id();
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if step < st.next_step {
+                return Err(Error::World(format!(
+                    "rank {rank}: step {step} was held already (the next is {}): each step is \
+                     held once, numbered from 0 in the same order on every rank",
+                    st.next_step
+                )));
+            }
+            if st.owner.is_none() && st.next_step == step {
+                st.owner = Some((me, 1));
+                st.step_held = Some(step);
+                return Ok(CallGuard {
+                    lock: self,
+                    _not_send: std::marker::PhantomData,
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    rank,
+                    what: format!(
+                        "holding step {step} of the rank (step {} has not been held and let \
+                         go yet)",
+                        st.next_step
+                    ),
+                    seconds: timeout.as_secs_f64(),
+                });
+            }
+            st.waiting += 1;
+            st = self
+                .released
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+            st.waiting -= 1;
         }
     }
 }
@@ -158,8 +221,12 @@ impl Drop for CallGuard<'_> {
             *depth -= 1;
             if *depth == 0 {
                 st.owner = None;
+                if let Some(step) = st.step_held.take() {
+                    st.next_step = step + 1;
+                }
+                // Step waiters wait for a particular step: wake them all.
                 if st.waiting > 0 {
-                    self.lock.released.notify_one();
+                    self.lock.released.notify_all();
                 }
             }
         }
@@ -171,6 +238,14 @@ struct RankInner {
     device: Arc<dyn Device>,
     comm: Arc<dyn Communicator>,
     calls: CallLock,
+    /// The world's communication timeout (also bounds [`Rank::lock_step`]'s wait).
+    timeout: Duration,
+    /// Set by [`Rank::refuse_call`] when the failing call was refused cleanly (the world
+    /// stays healthy); taken by [`Rank::call`].
+    refused: AtomicBool,
+    /// The last call's error left the world healthy (a refusal): `World::run` does not
+    /// fail the world for it either.
+    kept_world: AtomicBool,
     /// Dropped last: a launched world's session, when this holds its last reference,
     /// waits for every rank's goodbye, which this rank's communicator says when it goes.
     world: Arc<WorldShared>,
@@ -204,13 +279,17 @@ impl Rank {
         world: Arc<WorldShared>,
         device: Arc<dyn Device>,
         comm: Arc<dyn Communicator>,
+        timeout: Duration,
     ) -> Rank {
         Rank(Arc::new(RankInner {
             index,
+            timeout,
             world,
             device,
             comm,
             calls: CallLock::default(),
+            refused: AtomicBool::new(false),
+            kept_world: AtomicBool::new(false),
         }))
     }
 
@@ -252,7 +331,10 @@ impl Rank {
             .map(|(failed_rank, reason)| Error::PeerFailed {
                 rank: self.0.index,
                 failed_rank,
-                reason: format!("the world failed earlier and cannot run again: {reason}"),
+                reason: format!(
+                    "the world failed earlier; it runs again once recovered (World::recover): \
+                     {reason}"
+                ),
             })
     }
 
@@ -291,16 +373,66 @@ impl Rank {
         }
     }
 
+    /// Holds this rank like [`Rank::lock`], as step `step` of a sequence numbered from 0:
+    /// waits until steps `0..step` have each been held and let go. When several threads
+    /// drive one handle (two requests served at once, each a forward of several calls),
+    /// [`Rank::lock`] keeps each forward whole but the ranks may still take the forwards
+    /// in different orders and pair one thread's data with another's; numbering the
+    /// forwards the same way on every rank (a request's index, say) and holding each with
+    /// its number makes every rank take them in that order. An error when `step` was held
+    /// already, or when waiting for the steps before it outlasts the world's timeout.
+    pub fn lock_step(&self, step: u64) -> Result<RankLock<'_>> {
+        let call = (self.0.calls).enter_step(step, self.0.index, self.0.timeout)?;
+        Ok(RankLock { _call: call })
+    }
+
     /// Enters the next communicating call (a program of `fingerprint`; `None`: one that
     /// does not communicate) in the world's call ledger: an error if a peer's call of the
     /// same number runs another program.
+    /// A peer's refusal of this number is this call's refusal too (the world stays
+    /// healthy).
     pub(crate) fn enter_ledger(&self, fingerprint: Option<u64>) -> Result<()> {
         match (fingerprint, &self.0.world.ledger) {
-            (Some(fingerprint), Some(ledger)) => ledger
-                .enter(self.0.index, fingerprint)
-                .map_err(|m| m.into_error()),
+            (Some(fingerprint), Some(ledger)) => {
+                ledger.enter(self.0.index, fingerprint).map_err(|m| {
+                    let e = ledger.error(m);
+                    if matches!(e, Error::CallRefused { .. }) {
+                        self.0.refused.store(true, Ordering::Relaxed);
+                    }
+                    e
+                })
+            }
             _ => Ok(()),
         }
+    }
+
+    /// The call in progress failed with `e` before any data moved. Whether the world must
+    /// fail depends on `scope`: a call that would not have communicated leaves no peer
+    /// waiting; one that would have is refused in the call ledger where the world has one
+    /// (peers that have not entered the call see the refusal; if one has, the world
+    /// fails); without a ledger (ranks in several processes) the world fails, so peers
+    /// stop waiting at once. Returns `e`.
+    pub(crate) fn refuse_call(&self, e: Error, scope: RefusalScope) -> Error {
+        let clean = match (scope, &self.0.world.ledger) {
+            (RefusalScope::Nobody, _) => true,
+            (RefusalScope::Peers, Some(ledger)) => ledger.refuse(self.0.index, &e.to_string()),
+            _ => false,
+        };
+        if clean {
+            self.0.refused.store(true, Ordering::Relaxed);
+        }
+        e
+    }
+
+    /// Fails this rank's world because of an error of the application or of an adapter
+    /// (`reason`), raised outside a fusion call (e.g. inputs refused before a call): every
+    /// peer's pending and later calls end at once with [`Error::PeerFailed`] naming this
+    /// rank and `reason`, instead of waiting for the timeout. The world can then be
+    /// recovered (`World::recover`). Returns the error this rank reports.
+    pub fn abort(&self, reason: &str) -> Error {
+        let e = Error::World(format!("rank {} aborted the world: {reason}", self.0.index));
+        self.fail_world(&e);
+        e
     }
 
     /// Runs `f` as one call of this rank: after the calls of other threads on this rank
@@ -312,12 +444,36 @@ impl Rank {
             return Err(e);
         }
         let failed = FailOnUnwind(self);
+        self.0.refused.store(false, Ordering::Relaxed);
+        self.0.kept_world.store(false, Ordering::Relaxed);
         let result = self.0.device.bind_thread().and_then(|()| f());
         std::mem::forget(failed);
         if let Err(e) = &result {
-            self.fail_world(e);
+            if self.0.refused.swap(false, Ordering::Relaxed) {
+                self.0.kept_world.store(true, Ordering::Relaxed);
+            } else {
+                self.fail_world(e);
+            }
         }
         result
+    }
+
+    /// Whether the last call's error left the world healthy (a refused call); taking it
+    /// clears it.
+    pub(crate) fn take_kept_world(&self) -> bool {
+        self.0.kept_world.swap(false, Ordering::Relaxed)
+    }
+
+    /// Recovers this rank's communicator after a failure (this rank's part of
+    /// `World::recover`; the caller holds the rank).
+    pub(crate) fn recover_communicator(&self) -> Result<()> {
+        self.0.device.bind_thread()?;
+        self.0.comm.recover()
+    }
+
+    /// The world's shared state (its failure and ledger).
+    pub(crate) fn world_shared(&self) -> &Arc<WorldShared> {
+        &self.0.world
     }
 
     /// Copies a host tensor to this rank's device.
@@ -390,6 +546,19 @@ impl Rank {
             .map(|b| Tensor::from_f32(&b.shape, &b.data, t.dtype()))
             .collect()
     }
+}
+
+/// Who a call that fails before moving any data might leave waiting ([`Rank::refuse_call`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RefusalScope {
+    /// Nobody: the call would not have communicated.
+    Nobody,
+    /// The peers in the same call: it would have communicated, and no peer waits for this
+    /// rank in anything but the call's own transfers.
+    Peers,
+    /// Unknown (a peer may wait in an exchange before the call's transfers): the world
+    /// fails.
+    Unknown,
 }
 
 /// Fails the world when a call unwinds (a panic inside the runtime).

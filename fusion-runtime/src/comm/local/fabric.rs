@@ -64,6 +64,13 @@ pub trait Fabric: Send + Sync + std::fmt::Debug {
     fn post(&self, space: u64, from: usize, to: usize, block: Block) -> Result<()>;
     /// Takes the oldest message from `from` to `to` in `space`, waiting for one to arrive.
     fn take(&self, space: u64, from: usize, to: usize) -> Result<Arc<Block>>;
+    /// Rank `rank`'s part of recovering the world after a failure: every rank of the
+    /// world (space 0) calls it once; when all have, the failure, every open collective
+    /// and every queued message are forgotten and the next generation starts. Waits
+    /// despite the failure (and up to the timeout). Returns the new generation.
+    fn recover(&self, rank: usize) -> Result<u64>;
+    /// How many times the world has recovered.
+    fn generation(&self) -> u64;
 }
 
 #[derive(Default)]
@@ -80,6 +87,10 @@ struct State {
     departed: HashMap<usize, String>,
     slots: HashMap<SlotKey, Slot>,
     mailboxes: HashMap<(u64, usize, usize), VecDeque<Arc<Block>>>,
+    /// Recoveries so far; a failure reported for an earlier generation is stale.
+    generation: u64,
+    /// Ranks that have come to recover the current generation.
+    recovering: std::collections::BTreeSet<usize>,
 }
 
 /// Why a wait ended without its condition.
@@ -144,12 +155,86 @@ impl LocalFabric {
 
     /// Marks the world as failed by `rank` (see [`Fabric::fail`]).
     pub fn fail(&self, rank: usize, reason: &str) {
+        let generation = self.generation();
+        self.fail_in(generation, rank, reason);
+    }
+
+    /// Marks the world as failed by `rank`, as seen in `generation`: a failure of an
+    /// earlier generation (a report that crossed a recovery) is ignored. Says whether this
+    /// failure is the world's first of its generation.
+    pub fn fail_in(&self, generation: u64, rank: usize, reason: &str) -> bool {
         let mut st = self.lock();
-        if st.failed.is_none() {
+        let first = st.generation == generation && st.failed.is_none();
+        if first {
             st.failed = Some((rank, reason.to_string()));
         }
         drop(st);
         self.changed.notify_all();
+        first
+    }
+
+    /// How many times the world has recovered (see [`Fabric::generation`]).
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// See [`Fabric::recover`]. The last rank to come resets the state; the others wait
+    /// for the generation to change.
+    pub fn recover(&self, rank: usize) -> Result<u64> {
+        let mut st = self.lock();
+        if rank >= self.world_size {
+            return Err(Error::World(format!(
+                "rank {rank} cannot recover a world of {} ranks",
+                self.world_size
+            )));
+        }
+        let generation = st.generation;
+        st.recovering.insert(rank);
+        if st.recovering.len() == self.world_size {
+            st.failed = None;
+            st.slots.clear();
+            st.mailboxes.clear();
+            st.recovering.clear();
+            st.generation += 1;
+            let next = st.generation;
+            drop(st);
+            self.changed.notify_all();
+            return Ok(next);
+        }
+        self.changed.notify_all();
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if st.generation != generation {
+                return Ok(st.generation);
+            }
+            let absent: Vec<usize> = (0..self.world_size)
+                .filter(|r| !st.recovering.contains(r))
+                .collect();
+            if let Some((gone, why)) = departed_among(&st, 0, absent.iter().copied()) {
+                st.recovering.remove(&rank);
+                return Err(Error::PeerFailed {
+                    rank,
+                    failed_rank: gone,
+                    reason: format!("it cannot take part in recovering the world: {why}"),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                st.recovering.remove(&rank);
+                return Err(Error::Timeout {
+                    rank,
+                    what: format!(
+                        "recovering the world (ranks {absent:?} did not come to recover)"
+                    ),
+                    seconds: self.timeout.as_secs_f64(),
+                });
+            }
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
     }
 
     /// Records that rank `rank` of the launched world has left it (its process ended its
@@ -347,5 +432,11 @@ impl Fabric for LocalFabric {
     }
     fn take(&self, space: u64, from: usize, to: usize) -> Result<Arc<Block>> {
         LocalFabric::take(self, space, from, to)
+    }
+    fn recover(&self, rank: usize) -> Result<u64> {
+        LocalFabric::recover(self, rank)
+    }
+    fn generation(&self) -> u64 {
+        LocalFabric::generation(self)
     }
 }

@@ -355,6 +355,22 @@ impl Communicator for LocalCommunicator {
         self.fabric.fail(failed_rank, reason);
     }
 
+    fn recover(&self) -> Result<()> {
+        if self.member.space != 0 {
+            return Err(self.error(
+                "a world split from another recovers with it: recover the world it was \
+                 split from, then split it again",
+            ));
+        }
+        self.fabric.recover(self.member.world_rank)?;
+        self.sequences
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        *self.group.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        Ok(())
+    }
+
     fn host_allgather(&self, block: Block) -> Result<Vec<Block>> {
         let members: Vec<usize> = (0..self.world_size_()).collect();
         self.share("host allgather", &members, block)

@@ -123,7 +123,10 @@ type FailureHook = Box<dyn Fn(usize, &str) + Send + Sync>;
 /// failures go out on it (a rank thread's own connection may be busy waiting).
 pub struct Watch {
     out: Mutex<Option<TcpStream>>,
-    failure: Mutex<Option<(usize, String)>>,
+    /// The world's failure: its generation, the rank, why.
+    failure: Mutex<Option<(u64, usize, String)>>,
+    /// The generation this process has recovered to (failures of earlier ones are stale).
+    generation: std::sync::atomic::AtomicU64,
     hooks: Mutex<Vec<FailureHook>>,
     /// Ranks that ended their part cleanly, and the hooks told of each.
     departed: Mutex<std::collections::HashMap<usize, String>>,
@@ -186,6 +189,7 @@ impl Watch {
         let watch = Arc::new(Watch {
             out: Mutex::new(Some(stream)),
             failure: Mutex::new(None),
+            generation: std::sync::atomic::AtomicU64::new(0),
             hooks: Mutex::new(Vec::new()),
             departed: Mutex::new(std::collections::HashMap::new()),
             departure_hooks: Mutex::new(Vec::new()),
@@ -202,8 +206,10 @@ impl Watch {
                     match frame {
                         Ok(Some(p)) if p.first() == Some(&to_client::FAILURE) => {
                             let mut r = Reader::new(&p[1..], "failure");
-                            if let (Ok(rank), Ok(reason)) = (r.usize(), r.str()) {
-                                w.record(rank, &reason);
+                            if let (Ok(generation), Ok(rank), Ok(reason)) =
+                                (r.u64(), r.usize(), r.str())
+                            {
+                                w.record(generation, rank, &reason);
                             }
                         }
                         Ok(Some(p)) if p.first() == Some(&to_client::DEPARTED) => {
@@ -216,6 +222,7 @@ impl Watch {
                         Ok(None) | Err(_) => {
                             if !w.closing.load(std::sync::atomic::Ordering::SeqCst) {
                                 w.record(
+                                    w.generation(),
                                     0,
                                     "the rendezvous host (rank 0's process) is gone: it exited \
                                      or crashed",
@@ -230,17 +237,34 @@ impl Watch {
         Ok(watch)
     }
 
-    /// Keeps the first failure and runs the hooks once for it.
-    fn record(&self, rank: usize, reason: &str) {
+    /// Keeps the first failure of the latest generation and runs the hooks once for it;
+    /// a failure of a generation this process has recovered from is stale.
+    fn record(&self, generation: u64, rank: usize, reason: &str) {
         {
             let mut f = lock(&self.failure);
-            if f.is_some() {
+            let newer = f.as_ref().is_none_or(|(g, _, _)| generation > *g);
+            if generation < self.generation() || !newer {
                 return;
             }
-            *f = Some((rank, reason.to_string()));
+            *f = Some((generation, rank, reason.to_string()));
         }
         for hook in lock(&self.hooks).iter() {
             hook(rank, reason);
+        }
+    }
+
+    /// The world's generation as this process knows it.
+    fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The world recovered to `generation`: failures of earlier generations are forgotten.
+    fn recovered(&self, generation: u64) {
+        let mut f = lock(&self.failure);
+        self.generation
+            .fetch_max(generation, std::sync::atomic::Ordering::SeqCst);
+        if f.as_ref().is_some_and(|(g, _, _)| *g < generation) {
+            *f = None;
         }
     }
 
@@ -271,17 +295,20 @@ impl Watch {
 
     /// The world's failure, if the host reported one.
     pub fn failure(&self) -> Option<(usize, String)> {
-        lock(&self.failure).clone()
+        lock(&self.failure)
+            .clone()
+            .map(|(_, rank, why)| (rank, why))
     }
 
     /// Reports a failure of `rank` to the host (and records it here).
     pub fn fail(&self, rank: usize, reason: &str) {
+        let generation = self.generation();
         let mut w = Writer::default();
-        w.u8(to_hub::FAIL).usize(rank).str(reason);
+        w.u8(to_hub::FAIL).u64(generation).usize(rank).str(reason);
         if let Some(s) = lock(&self.out).as_mut() {
             let _ = write_frame(s, &w.0);
         }
-        self.record(rank, reason);
+        self.record(generation, rank, reason);
     }
 
     /// Closes the connection cleanly (the host then stops expecting failures from it).
@@ -456,5 +483,18 @@ impl Fabric for RemoteFabric {
         w.u8(to_hub::TAKE).u64(space).usize(from).usize(to);
         let reply = self.call(&format!("recv from rank {from}"), &w)?;
         Ok(Arc::new(Reader::new(&reply, "message").block()?))
+    }
+
+    fn recover(&self, rank: usize) -> Result<u64> {
+        let mut w = Writer::default();
+        w.u8(to_hub::RECOVER).usize(rank);
+        let reply = self.call("recovering the world", &w)?;
+        let generation = Reader::new(&reply, "recovery").u64()?;
+        self.watch.recovered(generation);
+        Ok(generation)
+    }
+
+    fn generation(&self) -> u64 {
+        self.watch.generation()
     }
 }

@@ -63,19 +63,29 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl HubState {
-    /// Fails the world (first failure wins) and tells every watching process.
-    fn fail(&self, rank: usize, reason: &str) {
-        let first = self.fabric.failure().is_none();
-        self.fabric.fail(rank, reason);
-        if first {
-            let (rank, reason) = self.fabric.failure().unwrap_or((rank, reason.into()));
-            let mut w = Writer::default();
-            w.u8(to_client::FAILURE).usize(rank).str(&reason);
+    /// Fails the world (first failure of the current generation wins; a report from an
+    /// earlier generation is stale and ignored) and tells every watching process.
+    fn fail(&self, generation: u64, rank: usize, reason: &str) {
+        if self.fabric.fail_in(generation, rank, reason) {
+            let w = failure_message(generation, rank, reason);
             for s in lock(&self.watchers).iter_mut() {
                 let _ = write_frame(s, &w.0);
             }
         }
         self.changed.notify_all();
+    }
+
+    /// Fails the world in its current generation (a failure the hub sees itself).
+    fn fail_now(&self, rank: usize, reason: &str) {
+        self.fail(self.fabric.generation(), rank, reason);
+    }
+
+    /// A `FAIL` report read from a rank's connection.
+    fn fail_reported(&self, payload: &[u8]) {
+        let mut r = Reader::new(payload, "failure");
+        if let (Ok(generation), Ok(who), Ok(reason)) = (r.u64(), r.usize(), r.str()) {
+            self.fail(generation, who, &reason);
+        }
     }
 
     /// Rank `rank` left cleanly: waits that need it fail naming it, and every process
@@ -218,7 +228,7 @@ impl HubState {
         }
         for (rank, mut stream) in welcomes {
             if let Err(e) = write_frame(&mut stream, &w.0) {
-                self.fail(rank, &format!("could not welcome rank {rank}: {e}"));
+                self.fail_now(rank, &format!("could not welcome rank {rank}: {e}"));
             }
         }
         boot.outcome = Some(Ok(()));
@@ -259,12 +269,7 @@ impl HubState {
         let clean = loop {
             match read_frame(&mut reader) {
                 Ok(Some(p)) if p.first() == Some(&to_hub::GOODBYE) => break true,
-                Ok(Some(p)) if p.first() == Some(&to_hub::FAIL) => {
-                    let mut r = Reader::new(&p[1..], "failure");
-                    if let (Ok(who), Ok(reason)) = (r.usize(), r.str()) {
-                        self.fail(who, &reason);
-                    }
-                }
+                Ok(Some(p)) if p.first() == Some(&to_hub::FAIL) => self.fail_reported(&p[1..]),
                 Ok(Some(p)) => {
                     if tx.send(p).is_err() {
                         break false;
@@ -278,7 +283,7 @@ impl HubState {
             self.depart(rank);
         } else {
             if !self.closing.load(Ordering::SeqCst) {
-                self.fail(
+                self.fail_now(
                     rank,
                     &format!(
                         "the process of rank {rank} exited or crashed (its rendezvous \
@@ -337,6 +342,10 @@ impl HubState {
                 let block = r.block()?;
                 self.fabric.post(space, from, to, block)?;
             }
+            to_hub::RECOVER => {
+                let rank = r.usize()?;
+                w.u64(self.fabric.recover(rank)?);
+            }
             to_hub::TAKE => {
                 let space = r.u64()?;
                 let (from, to) = (r.usize()?, r.usize()?);
@@ -359,10 +368,7 @@ impl HubState {
                 let mut reader = stream;
                 while let Ok(Some(p)) = read_frame(&mut reader) {
                     if p.first() == Some(&to_hub::FAIL) {
-                        let mut r = Reader::new(&p[1..], "failure");
-                        if let (Ok(who), Ok(reason)) = (r.usize(), r.str()) {
-                            state.fail(who, &reason);
-                        }
+                        state.fail_reported(&p[1..]);
                     }
                 }
             });
@@ -375,8 +381,7 @@ impl HubState {
             return;
         }
         if let Some((rank, reason)) = self.fabric.failure() {
-            let mut w = Writer::default();
-            w.u8(to_client::FAILURE).usize(rank).str(&reason);
+            let w = failure_message(self.fabric.generation(), rank, &reason);
             let _ = write_frame(&mut push, &w.0);
         }
         lock(&self.watchers).push(push);
@@ -470,6 +475,16 @@ impl Hub {
     pub(super) fn refused(&self) -> std::collections::BTreeMap<super::auth::Refusal, usize> {
         self.state.gate.refused()
     }
+}
+
+/// The `FAILURE` push for a failure of `rank` in `generation`.
+fn failure_message(generation: u64, rank: usize, reason: &str) -> Writer {
+    let mut w = Writer::default();
+    w.u8(to_client::FAILURE)
+        .u64(generation)
+        .usize(rank)
+        .str(reason);
+    w
 }
 
 fn accept_loop(state: Arc<HubState>, listener: TcpListener) {

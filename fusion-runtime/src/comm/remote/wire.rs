@@ -225,7 +225,7 @@ pub(crate) mod to_hub {
     pub const RENDEZVOUS: u8 = 3;
     pub const POST: u8 = 4;
     pub const TAKE: u8 = 5;
-    /// `rank, reason`.
+    /// `generation, rank, reason`: a failure seen in that generation of the world.
     pub const FAIL: u8 = 6;
     /// A clean end: this rank is done with the world.
     pub const GOODBYE: u8 = 7;
@@ -233,6 +233,9 @@ pub(crate) mod to_hub {
     /// length prefixes): the answer to the hub's challenge, every connection's first
     /// message (`auth.rs`).
     pub const PROOF: u8 = 8;
+    /// `rank`: this rank's part of recovering the world; answered with the new generation
+    /// once every rank has come.
+    pub const RECOVER: u8 = 9;
 }
 
 /// Message tags, hub to client.
@@ -243,7 +246,7 @@ pub(crate) mod to_client {
     pub const REJECT: u8 = 2;
     pub const OK: u8 = 3;
     pub const ERR: u8 = 4;
-    /// `rank, reason`: pushed to watchers when the world fails.
+    /// `generation, rank, reason`: pushed to watchers when the world fails.
     pub const FAILURE: u8 = 5;
     /// `rank, reason`: pushed to watchers when a rank leaves the world cleanly.
     pub const DEPARTED: u8 = 6;

@@ -10,7 +10,7 @@ use fusion_compiler::hir::{Communication, Transport};
 use super::{Collective, CudaCommunicator, Group};
 use crate::comm::{CallStart, Capabilities, CommLifecycle, Communicator};
 use crate::device::StreamHandle;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 impl Communicator for CudaCommunicator {
@@ -95,6 +95,16 @@ impl Communicator for CudaCommunicator {
         self.host.abort_for(failed_rank, reason);
         self.copy_engine.release_device_waits();
         self.state.abort_all();
+    }
+
+    fn recover(&self) -> Result<()> {
+        // NCCL communicators, copy-engine sequence numbers and peer-memory signal counters
+        // would all have to restart together on every rank: not done yet.
+        Err(Error::World(format!(
+            "rank {}: a world of CUDA devices cannot be recovered in place yet: drop it and \
+             make a new one (the CPU backend's worlds recover)",
+            self.rank
+        )))
     }
 
     fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>> {
