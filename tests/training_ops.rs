@@ -5,6 +5,9 @@
 //! whole matrices, on 1 to 4 simulated devices and under every candidate plan; the
 //! transposed operands reach the GEMMs as views (no copy in the program).
 
+// The typed entry points are not called: the test runs each `build()` under every plan.
+#![allow(dead_code)]
+
 mod common;
 
 use common::reference::RefArray;
@@ -118,8 +121,8 @@ fn cases(d: usize) -> Vec<Case> {
         want,
     });
 
-    // dY as a whole [d m, d n] (block (s, r) = dy[s, r]), W as a whole [d n, k]... here
-    // W_r = w[r] is [k, n]: dX = sum_r dY[:, r] W_r^T, row block s on rank s.
+    // dY as a whole [d m, d n] (block (s, r) = dy[s, r]), W as a whole [k, d n] (column
+    // block r = w[r]): dX = dY W^T = sum_r dY[:, r] W_r^T, row block s on rank s.
     let (dy, w) = (t(&[d, d, M, N], 3), t(&[d, K, N], 4));
     let (dya, wa) = (full(&dy), full(&w));
     let want = reference(&[d, M, K], |i| {
