@@ -156,6 +156,7 @@ fn expr_string(f: &Fusion, e: &Expr, indent: &str) -> String {
             t(e.inputs[0]),
             f.display_scalar(*outer)
         ),
+        Op::Permute { perm } => format!("permute( {}, perm = {perm:?} )", t(e.inputs[0])),
     };
     format!("{out}\n{indent}   = {rhs}")
 }

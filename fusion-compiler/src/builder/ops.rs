@@ -347,7 +347,71 @@ impl FusionBuilder {
         Ok(out)
     }
 
+    /// Reorders the visible axes of `x`: result axis `j` is axis `perm[j]` of `x`. Every
+    /// axis keeps its extent and parallel type (a DIDx axis stays DIDx where it moves, and
+    /// a Stream axis stays Stream). Lowering feeds it to a GEMM as a transposed operand,
+    /// without a copy, and copies it elsewhere.
+    pub fn permute(&mut self, x: TensorId, perm: &[usize]) -> Result<TensorId> {
+        let rank = self.f.visible_axes(x).len();
+        if perm.len() != rank {
+            return Err(Error::Argument {
+                op: "permute".into(),
+                reason: format!(
+                    "`{}` has rank {rank}, but the permutation lists {} axes; list every axis \
+                     of the input once, in the order of the result (`[{}]` keeps them)",
+                    self.f.tensor_name(x),
+                    perm.len(),
+                    (0..rank)
+                        .map(|a| a.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                culprit: Culprit::Arg(1),
+            });
+        }
+        for (k, &a) in perm.iter().enumerate() {
+            let at = Culprit::Element { arg: 1, index: k };
+            self.visible_pos(x, a, "permute", at)?;
+            if perm[..k].contains(&a) {
+                return Err(Error::Argument {
+                    op: "permute".into(),
+                    reason: format!(
+                        "axis {a} of `{}` is listed twice; a permutation lists each axis \
+                         once (here each of 0..{rank})",
+                        self.f.tensor_name(x)
+                    ),
+                    culprit: at,
+                });
+            }
+        }
+        Ok(self.reorder(x, perm))
+    }
+
+    /// Swaps visible axes `a` and `b` of `x` (the [`FusionBuilder::permute`] doing that;
+    /// `a == b` leaves `x`'s axes in place).
+    pub fn transpose(&mut self, x: TensorId, a: usize, b: usize) -> Result<TensorId> {
+        let rank = self.f.visible_axes(x).len();
+        self.visible_pos(x, a, "transpose", Culprit::Arg(1))?;
+        self.visible_pos(x, b, "transpose", Culprit::Arg(2))?;
+        let mut perm: Vec<usize> = (0..rank).collect();
+        perm.swap(a, b);
+        Ok(self.reorder(x, &perm))
+    }
+
     // ----- helpers -----
+
+    /// `permute(x, perm)` for a checked permutation.
+    fn reorder(&mut self, x: TensorId, perm: &[usize]) -> TensorId {
+        let vis = self.f.visible_axes(x);
+        let domains = perm
+            .iter()
+            .map(|&a| self.f.axis(x, vis[a]).clone())
+            .collect();
+        let out = self.new_like(x, None, domains);
+        let perm = perm.to_vec();
+        self.define(Op::Permute { perm }, vec![x], out);
+        out
+    }
 
     fn pointwise(&mut self, op: Op, inputs: &[TensorId], dtype: DTypeSpec) -> Result<TensorId> {
         let name = op.name();

@@ -172,7 +172,7 @@ fn didx_extent_problem(
 }
 
 /// A Stream axis expression `e` cannot have: one a `split` makes or splits, or one on the
-/// result of a view.
+/// result of a view (except a permute's, which lowering then follows with a copy).
 fn stream_axis_problem(f: &Fusion, e: &Expr) -> Option<(Site, Error)> {
     let stream = |t: TensorId, axis: usize, reason: String| {
         let e = Error::Parallelization {
@@ -207,7 +207,7 @@ fn stream_axis_problem(f: &Fusion, e: &Expr) -> Option<(Site, Error)> {
             );
         }
     }
-    if !e.op.is_view() {
+    if !e.op.is_view() || matches!(e.op, Op::Permute { .. }) {
         return None;
     }
     let ax = f.find_parallel_axis(e.output, ParallelType::Stream)?;

@@ -287,11 +287,12 @@ pub enum NodeKind {
     Slice,
     Split,
     Launch,
+    Permute,
 }
 
 impl NodeKind {
     /// Every kind, in declaration order (`kind as usize` indexes it).
-    pub const ALL: [NodeKind; 25] = [
+    pub const ALL: [NodeKind; 26] = [
         NodeKind::Allocate,
         NodeKind::Deallocate,
         NodeKind::ForLoop,
@@ -317,6 +318,7 @@ impl NodeKind {
         NodeKind::Slice,
         NodeKind::Split,
         NodeKind::Launch,
+        NodeKind::Permute,
     ];
 }
 
@@ -351,6 +353,7 @@ impl Node {
                 Op::Select { .. } => NodeKind::Select,
                 Op::Slice { .. } => NodeKind::Slice,
                 Op::Split { .. } => NodeKind::Split,
+                Op::Permute { .. } => NodeKind::Permute,
             },
         }
     }

@@ -75,6 +75,11 @@ pub fn axis_map(f: &Fusion, e: &Expr) -> AxisMap {
                 *m = vis[0].get(src).copied();
             }
         }
+        Op::Permute { perm } => {
+            for (m, &src) in per_input[0].iter_mut().zip(perm) {
+                *m = vis[0].get(src).copied();
+            }
+        }
         Op::Matmul => map_matmul(&vis, out_rank, &mut per_input),
         Op::Linear | Op::Gemm { linear: true, .. } => map_linear(&vis, out_rank, &mut per_input),
         Op::Gemm { linear: false, .. } => {

@@ -25,12 +25,30 @@ pub enum UnaryOp {
     Silu,
     /// `1 / sqrt(x)` (the scale of RMS and layer norms).
     Rsqrt,
+    /// `d/dx gelu(x) = Φ(x) + x φ(x)` (exact GELU's derivative, for backward passes).
+    GeluGrad,
+    /// `d/dx gelu_tanh(x)`.
+    GeluTanhGrad,
+    /// `d/dx silu(x) = s(x) (1 + x (1 - s(x)))` with `s` the sigmoid.
+    SiluGrad,
+    /// `d/dx sigmoid(x) = s(x) (1 - s(x))`, computed from the input `x`.
+    SigmoidGrad,
+    /// `d/dx tanh(x) = 1 - tanh²(x)`, from the input `x`.
+    TanhGrad,
+    /// `d/dx relu(x)`: 1 where `x > 0`, else 0.
+    ReluGrad,
+    /// `d/dx rsqrt(x) = -0.5 x^-1.5`.
+    RsqrtGrad,
+    /// `d/dx sqrt(x) = 0.5 / sqrt(x)`.
+    SqrtGrad,
+    /// `d/dx abs(x)`: the sign of `x` (0 at 0).
+    AbsGrad,
 }
 
 impl UnaryOp {
     /// Every unary op, in the order the DSL lists them (`fusion!` takes its op names
     /// from here).
-    pub const ALL: [UnaryOp; 11] = [
+    pub const ALL: [UnaryOp; 20] = [
         UnaryOp::Relu,
         UnaryOp::Gelu,
         UnaryOp::Neg,
@@ -42,6 +60,15 @@ impl UnaryOp {
         UnaryOp::GeluTanh,
         UnaryOp::Silu,
         UnaryOp::Rsqrt,
+        UnaryOp::GeluGrad,
+        UnaryOp::GeluTanhGrad,
+        UnaryOp::SiluGrad,
+        UnaryOp::SigmoidGrad,
+        UnaryOp::TanhGrad,
+        UnaryOp::ReluGrad,
+        UnaryOp::RsqrtGrad,
+        UnaryOp::SqrtGrad,
+        UnaryOp::AbsGrad,
     ];
 
     /// DSL and dump name.
@@ -58,7 +85,53 @@ impl UnaryOp {
             UnaryOp::GeluTanh => "gelu_tanh",
             UnaryOp::Silu => "silu",
             UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::GeluGrad => "gelu_grad",
+            UnaryOp::GeluTanhGrad => "gelu_tanh_grad",
+            UnaryOp::SiluGrad => "silu_grad",
+            UnaryOp::SigmoidGrad => "sigmoid_grad",
+            UnaryOp::TanhGrad => "tanh_grad",
+            UnaryOp::ReluGrad => "relu_grad",
+            UnaryOp::RsqrtGrad => "rsqrt_grad",
+            UnaryOp::SqrtGrad => "sqrt_grad",
+            UnaryOp::AbsGrad => "abs_grad",
         }
+    }
+
+    /// The op computing this op's derivative from the same input, for a backward pass:
+    /// `exp` is its own; `neg`'s is the constant -1 and the derivative ops have none here
+    /// (`None`).
+    pub fn derivative(self) -> Option<UnaryOp> {
+        match self {
+            UnaryOp::Relu => Some(UnaryOp::ReluGrad),
+            UnaryOp::Gelu => Some(UnaryOp::GeluGrad),
+            UnaryOp::Exp => Some(UnaryOp::Exp),
+            UnaryOp::Tanh => Some(UnaryOp::TanhGrad),
+            UnaryOp::Sigmoid => Some(UnaryOp::SigmoidGrad),
+            UnaryOp::Abs => Some(UnaryOp::AbsGrad),
+            UnaryOp::Sqrt => Some(UnaryOp::SqrtGrad),
+            UnaryOp::GeluTanh => Some(UnaryOp::GeluTanhGrad),
+            UnaryOp::Silu => Some(UnaryOp::SiluGrad),
+            UnaryOp::Rsqrt => Some(UnaryOp::RsqrtGrad),
+            _ => None,
+        }
+    }
+
+    /// True for the derivative ops (`gelu_grad`, ..). `FuseEpilogue` leaves them out of
+    /// GEMM epilogues: a backward pass multiplies them into an incoming gradient, in a
+    /// fused elementwise kernel.
+    pub fn is_derivative(self) -> bool {
+        matches!(
+            self,
+            UnaryOp::GeluGrad
+                | UnaryOp::GeluTanhGrad
+                | UnaryOp::SiluGrad
+                | UnaryOp::SigmoidGrad
+                | UnaryOp::TanhGrad
+                | UnaryOp::ReluGrad
+                | UnaryOp::RsqrtGrad
+                | UnaryOp::SqrtGrad
+                | UnaryOp::AbsGrad
+        )
     }
 
     /// Reference implementation in f64 (the CPU backend and tests use it).
@@ -78,9 +151,42 @@ impl UnaryOp {
             }
             UnaryOp::Silu => x / (1.0 + (-x).exp()),
             UnaryOp::Rsqrt => 1.0 / x.sqrt(),
+            UnaryOp::GeluGrad => {
+                let pdf = (-0.5 * x * x).exp() * INV_SQRT_2PI;
+                0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2)) + x * pdf
+            }
+            UnaryOp::GeluTanhGrad => {
+                let t = (GELU_TANH_SCALE * (x + 0.044_715 * x * x * x)).tanh();
+                let inner = GELU_TANH_SCALE * (1.0 + 3.0 * 0.044_715 * x * x);
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * inner
+            }
+            UnaryOp::SiluGrad => {
+                let s = 1.0 / (1.0 + (-x).exp());
+                s * (1.0 + x * (1.0 - s))
+            }
+            UnaryOp::SigmoidGrad => {
+                let s = 1.0 / (1.0 + (-x).exp());
+                s * (1.0 - s)
+            }
+            UnaryOp::TanhGrad => 1.0 - x.tanh() * x.tanh(),
+            UnaryOp::ReluGrad => f64::from(u8::from(x > 0.0)),
+            UnaryOp::RsqrtGrad => -0.5 / (x * x.sqrt()),
+            UnaryOp::SqrtGrad => 0.5 / x.sqrt(),
+            UnaryOp::AbsGrad => {
+                if x > 0.0 {
+                    1.0
+                } else if x < 0.0 {
+                    -1.0
+                } else {
+                    0.0
+                }
+            }
         }
     }
 }
+
+/// `1/√(2π)`, the standard normal density at 0 ([`UnaryOp::GeluGrad`]).
+const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 /// `√(2/π)`, the scale inside [`UnaryOp::GeluTanh`].
 pub const GELU_TANH_SCALE: f64 = 0.797_884_560_802_865_4;
@@ -247,6 +353,11 @@ pub enum Op {
         axis: usize,
         outer: ScalarId,
     },
+    /// Reorders the visible axes: output axis `j` is input axis `perm[j]` (`transpose` is
+    /// the permute that swaps two axes). Each axis keeps its parallel type.
+    Permute {
+        perm: Vec<usize>,
+    },
 }
 
 impl Op {
@@ -266,14 +377,21 @@ impl Op {
             Op::Select { .. } => "select".into(),
             Op::Slice { .. } => "slice".into(),
             Op::Split { .. } => "split".into(),
+            Op::Permute { .. } => "permute".into(),
         }
     }
 
-    /// True for ops whose output is a view of the input (no data is moved).
+    /// True for ops whose output is a view of the input (no data is moved). A permute is a
+    /// view where lowering keeps it one (a GEMM operand); elsewhere lowering follows it
+    /// with a copy.
     pub fn is_view(&self) -> bool {
         matches!(
             self,
-            Op::Select { .. } | Op::Slice { .. } | Op::Split { .. } | Op::Broadcast { .. }
+            Op::Select { .. }
+                | Op::Slice { .. }
+                | Op::Split { .. }
+                | Op::Broadcast { .. }
+                | Op::Permute { .. }
         )
     }
 
@@ -353,5 +471,42 @@ mod tests {
                 "{op:?} shares its name"
             );
         }
+    }
+    #[test]
+    fn derivatives_match_central_differences() {
+        // Central differences of each op in f64, at negative, zero, small and large
+        // points (positive only where the op is defined there, away from the kinks of
+        // relu and abs, which are checked at 0 below).
+        let h = 1e-5;
+        let everywhere = [-8.0, -3.0, -1.0, -0.4, 0.0, 0.3, 1.0, 2.5, 8.0, 30.0];
+        let positive = [1e-2, 0.3, 1.0, 2.5, 30.0, 1e4];
+        let off_kink = [-30.0, -2.0, -0.3, 0.3, 2.0, 30.0];
+        for op in UnaryOp::ALL {
+            let Some(d) = op.derivative() else {
+                continue;
+            };
+            assert!(d.is_derivative() || op == UnaryOp::Exp, "{op:?}");
+            let points: &[f64] = match op {
+                UnaryOp::Sqrt | UnaryOp::Rsqrt => &positive,
+                UnaryOp::Relu | UnaryOp::Abs => &off_kink,
+                _ => &everywhere,
+            };
+            for &x in points {
+                let step = h * x.abs().max(1.0);
+                let fd = (op.apply_f64(x + step) - op.apply_f64(x - step)) / (2.0 * step);
+                let got = d.apply_f64(x);
+                assert!(
+                    (got - fd).abs() <= 1e-5 * (1.0 + fd.abs()),
+                    "{}({x}) = {got}, central difference {fd}",
+                    d.name()
+                );
+            }
+        }
+        assert_eq!(UnaryOp::ReluGrad.apply_f64(0.0), 0.0);
+        assert_eq!(UnaryOp::AbsGrad.apply_f64(0.0), 0.0);
+        assert_eq!(UnaryOp::AbsGrad.apply_f64(-2.0), -1.0);
+        assert_eq!(UnaryOp::Neg.derivative(), None);
+        let derivatives = UnaryOp::ALL.iter().filter(|u| u.is_derivative()).count();
+        assert_eq!(derivatives, 9);
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! 1. Resolve meshes for the world size and drop expressions no output needs.
 //! 2. Insert reshardings, so that every expression is either local compute or a pure
-//!    resharding `set`/reduction (segmentation at resharding boundaries).
+//!    resharding `set`/reduction (segmentation at resharding boundaries); then follow each
+//!    permute that is not a GEMM operand with a copy (`permutes`).
 //! 3. Emit one top-level node per expression.
 //! 4. Run the pass pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
 //!    `FuseEpilogue`, `FuseElementwise`, `InsertDeallocations` (each can be disabled by
@@ -13,6 +14,7 @@
 
 mod insert_reshardings;
 mod peer_memory;
+mod permutes;
 pub mod pipelining;
 
 use std::collections::HashSet;
@@ -68,6 +70,7 @@ pub fn lower_for_shapes(
         world_size: Some(world_size),
     };
     insert_reshardings(&mut f, &mut order, ctx)?;
+    permutes::materialize_permutes(&mut f, &mut order);
     let mut program = HostProgram::new(f, world_size);
     program.body = order
         .iter()

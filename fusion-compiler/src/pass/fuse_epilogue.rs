@@ -12,6 +12,7 @@
 //! `silu(g) * u`) stays out: `FuseElementwise` fuses it with that op into one kernel,
 //! where folding it would leave two passes on backends without that epilogue (cuBLASLt has
 //! bias, relu and the tanh GELU; other activations run in a kernel right after the GEMM).
+//! The derivative ops of backward passes (`gelu_grad`, ..) are never folded.
 //!
 //! Between the GEMM and its reader there may be only view bindings (the stream loop's
 //! slot views); the GEMM moves to its reader's place. The views, slot buffers and
@@ -160,7 +161,7 @@ fn fold_one(
         }
         match &reader.op {
             Op::Unary(u) => {
-                if feeds_binary(readers, reader.output) {
+                if u.is_derivative() || feeds_binary(readers, reader.output) {
                     continue;
                 }
                 epilogue.activations.push(*u);

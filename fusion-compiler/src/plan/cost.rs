@@ -183,6 +183,8 @@ impl Model<'_> {
                     ..Estimate::default()
                 }
             }
+            // A permute left in a program is a view read by GEMMs (its copies are `set`s).
+            Node::Compute(e) if matches!(e.op, Op::Permute { .. }) => Estimate::default(),
             Node::Compute(e) => {
                 // Pointwise work and sums: bound by memory.
                 let moved: f64 =

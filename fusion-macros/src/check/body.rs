@@ -42,6 +42,8 @@ fn ops() -> Vec<OpSig> {
         method("select", "x, axis, index", 3, 3),
         method("slice", "x, axis, start, stop", 4, 4),
         method("split", "x, axis, outer", 3, 3),
+        method("transpose", "x, axis, axis", 3, 3),
+        method("permute", "x, [axes]", 2, 2),
     ]);
     v
 }
@@ -266,6 +268,19 @@ impl Checker {
                 let call = quote!(broadcast(#tx, &[#(#flags),*]));
                 self.op(e, spans, call, |b| b.broadcast(x, &flags))
             }
+            Kind::Method("transpose") => {
+                let (a, b) = (self.axis_arg(rest[0]), self.axis_arg(rest[1]));
+                let (x, a, b) = (x?, a?, b?);
+                self.op(e, spans, quote!(transpose(#tx, #a, #b)), |b_| {
+                    b_.transpose(x, a, b)
+                })
+            }
+            Kind::Method("permute") => {
+                let perm = self.perm_arg(rest[0]);
+                let (x, perm) = (x?, perm?);
+                let call = quote!(permute(#tx, &[#(#perm),*]));
+                self.op(e, spans, call, |b| b.permute(x, &perm))
+            }
             Kind::Method(method) => {
                 // The views: `select(x, axis, index)`, `slice(x, axis, start, stop)`,
                 // `split(x, axis, outer)`.
@@ -354,6 +369,19 @@ impl Checker {
                 None
             }
         }
+    }
+
+    /// A permutation: a list of axis indices, `[1, 0]`.
+    fn perm_arg(&mut self, e: &Expr) -> Option<Vec<usize>> {
+        if let Expr::Array(a) = e {
+            let v: Vec<_> = a.elems.iter().map(|x| self.axis_arg(x)).collect();
+            return v.into_iter().collect();
+        }
+        self.errors.push(SpanRange::of(e).error(
+            "expected a permutation: the input's axes in the order of the result, such as \
+             `[1, 0]` (`transpose(x, a, b)` swaps two)",
+        ));
+        None
     }
 
     fn flags_arg(&mut self, e: &Expr) -> Option<Vec<bool>> {

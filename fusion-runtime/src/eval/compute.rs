@@ -1,4 +1,4 @@
-//! Compute nodes: views, pointwise programs, reductions and GEMMs.
+//! Compute nodes: views (a permute among them), pointwise programs, reductions and GEMMs.
 
 use std::borrow::Cow;
 
@@ -42,6 +42,15 @@ impl Evaluator<'_> {
                 let x = self.get(e.inputs[0])?;
                 let v = x
                     .split_axis(*axis, o.max(0) as usize)
+                    .map_err(|err| self.op_error(e, err.to_string()))?;
+                self.bind_view(e, v)
+            }
+            Op::Permute { perm } => {
+                // Lowering keeps a permute only where a view does (a GEMM operand); a
+                // copied one is a view and a `set`.
+                let v = self
+                    .get(e.inputs[0])?
+                    .permute(perm)
                     .map_err(|err| self.op_error(e, err.to_string()))?;
                 self.bind_view(e, v)
             }

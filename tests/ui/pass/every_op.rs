@@ -17,6 +17,13 @@ fusion! {
         silu(gelu_tanh(sqrt(abs(sigmoid(tanh(exp(gelu(relu(neg(x))))))))))
     }
 
+    /// The derivative ops of backward passes (of positive inputs where the op needs them).
+    fn derivatives<m>(x: Tensor<f32, [m]>) -> Tensor<f32, [m]> {
+        let p = exp(x);
+        gelu_grad(x) + gelu_tanh_grad(x) + silu_grad(x) + sigmoid_grad(x) + tanh_grad(x)
+            + relu_grad(x) + abs_grad(x) + sqrt_grad(p) + rsqrt_grad(p)
+    }
+
     /// The scale of an RMS norm: `rsqrt` of each row's sum of squares.
     fn inverse_norms<m, n>(x: Tensor<f32, [m, n]>) -> Tensor<f32, [m]> {
         rsqrt(sum(x * x, 1))
@@ -47,6 +54,10 @@ fusion! {
 
     fn views<m, n>(x: Tensor<f32, [m, n]>) -> (Tensor<f32, [n]>, Tensor<f32, [m, 2]>, Tensor<f32, [m, 2, n / 2]>) {
         (select(x, 0, 1), slice(x, 1, 1, 3), split(x, 1, 2))
+    }
+
+    fn permutes<a, b, c>(x: Tensor<f32, [a, b, c]>) -> (Tensor<f32, [c, a, b]>, Tensor<f32, [a, c, b]>) {
+        (permute(x, [2, 0, 1]), transpose(x, 1, 2))
     }
 
     /// Sharding: reduce a sharded axis (an Allreduce) and copy to device 0 (a Gather).
@@ -84,6 +95,27 @@ pub fn main() -> fusion::Result<()> {
 
         let u = unary(rank, &t(&[5], 4).try_into()?)?;
         assert_eq!(u.shape(), &[5]);
+        let x = t(&[6], 16);
+        let grads = derivatives(rank, &x.clone().try_into()?)?;
+        let got = host(rank, &grads)?;
+        for (&v, got) in x.to_f32_vec()?.iter().zip(got) {
+            use fusion::compiler::ir::UnaryOp::{self, RsqrtGrad, SqrtGrad};
+            let (v, p) = (f64::from(v), f64::from(v).exp());
+            let at_x = UnaryOp::ALL
+                .into_iter()
+                .filter(|u| u.is_derivative() && !matches!(u, SqrtGrad | RsqrtGrad));
+            let want = at_x.map(|op| op.apply_f64(v)).sum::<f64>()
+                + SqrtGrad.apply_f64(p)
+                + RsqrtGrad.apply_f64(p);
+            assert!(
+                (f64::from(got) - want).abs() < 1e-4 * (1.0 + want.abs()),
+                "derivatives: {got} vs {want}"
+            );
+        }
+        let x = t(&[2, 3, 4], 17);
+        let (p, q) = permutes(rank, &x.clone().try_into()?)?;
+        assert_eq!(host(rank, &p)?, x.permute(&[2, 0, 1])?.to_f32_vec()?);
+        assert_eq!(host(rank, &q)?, x.permute(&[0, 2, 1])?.to_f32_vec()?);
         let x = t(&[3, 5], 15);
         let norms = inverse_norms(rank, &x.clone().try_into()?)?;
         let norms = host(rank, &norms)?;

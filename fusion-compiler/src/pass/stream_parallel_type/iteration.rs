@@ -146,7 +146,7 @@ fn op_without_stream_axis(f: &Fusion, e: &Expr, s: usize, removed: &[Option<usiz
             }
             Op::Linear
         }
-        Op::Select { .. } | Op::Slice { .. } | Op::Split { .. } => {
+        Op::Select { .. } | Op::Slice { .. } | Op::Split { .. } | Op::Permute { .. } => {
             return Err(stream_error(
                 f,
                 e.output,

@@ -63,6 +63,28 @@ fn unary(op: UnaryOp, x: &str) -> String {
         ),
         UnaryOp::Silu => format!("({x} / (1.0f + expf(-{x})))"),
         UnaryOp::Rsqrt => format!("rsqrtf({x})"),
+        UnaryOp::GeluGrad => format!(
+            "(0.5f * (1.0f + erff({x} * 0.70710678118654752f)) + {x} * 0.3989422804014327f * expf(-0.5f * {x} * {x}))"
+        ),
+        UnaryOp::GeluTanhGrad => {
+            let t = format!("tanhf(0.7978845608028654f * ({x} + 0.044715f * {x} * {x} * {x}))");
+            format!(
+                "(0.5f * (1.0f + {t}) + 0.5f * {x} * (1.0f - {t} * {t}) * 0.7978845608028654f * (1.0f + 0.134145f * {x} * {x}))"
+            )
+        }
+        UnaryOp::SiluGrad => {
+            let s = format!("(1.0f / (1.0f + expf(-{x})))");
+            format!("({s} * (1.0f + {x} * (1.0f - {s})))")
+        }
+        UnaryOp::SigmoidGrad => {
+            let s = format!("(1.0f / (1.0f + expf(-{x})))");
+            format!("({s} * (1.0f - {s}))")
+        }
+        UnaryOp::TanhGrad => format!("(1.0f - tanhf({x}) * tanhf({x}))"),
+        UnaryOp::ReluGrad => format!("({x} > 0.0f ? 1.0f : 0.0f)"),
+        UnaryOp::RsqrtGrad => format!("(-0.5f * rsqrtf({x}) / {x})"),
+        UnaryOp::SqrtGrad => format!("(0.5f * rsqrtf({x}))"),
+        UnaryOp::AbsGrad => format!("({x} > 0.0f ? 1.0f : ({x} < 0.0f ? -1.0f : 0.0f))"),
     }
 }
 
@@ -322,6 +344,8 @@ mod tests {
         for needle in [
             "erff(",
             "rsqrtf(",
+            "0.3989422804014327f",
+            "? 1.0f : 0.0f",
             "tanhf(",
             "fminf(",
             "ld_bf16(in1[o1])",
