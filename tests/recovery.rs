@@ -375,3 +375,22 @@ fn a_launched_world_of_three_recovers_from_a_bad_input() {
         assert!(e.stdout.contains("RECOVERED-OK"), "{}", e.log());
     }
 }
+
+#[test]
+fn another_error_after_a_refused_call_still_fails_the_world() {
+    let (world, ranks, weights) = world(2);
+    let err = world
+        .run(|rank| {
+            let w = &weights[rank.index()];
+            let x: Ranked<3> = Tensor::randn(&[1, M, K + 1], DType::F32, 3).try_into()?;
+            let x = rank.to_device(&x)?.try_into()?;
+            // The application swallows the refusal, then fails on its own.
+            let _ = row_parallel(rank, &x, &w.mine);
+            Err::<(), _>(Error::World("the application's own failure".into()))
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("own failure"), "{err}");
+    assert!(world.failure().is_some());
+    world.recover().unwrap();
+    run_forwards(&ranks, &weights, 0, 5);
+}

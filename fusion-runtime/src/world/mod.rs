@@ -359,7 +359,7 @@ impl World {
                         })) {
                             Ok(Ok(v)) => Ok(v),
                             Ok(Err(e)) => {
-                                if !rank.take_kept_world() {
+                                if !rank.take_kept_world(&e) {
                                     rank.fail_world(&e);
                                 }
                                 Err(e)

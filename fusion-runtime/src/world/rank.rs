@@ -243,9 +243,9 @@ struct RankInner {
     /// Set by [`Rank::refuse_call`] when the failing call was refused cleanly (the world
     /// stays healthy); taken by [`Rank::call`].
     refused: AtomicBool,
-    /// The last call's error left the world healthy (a refusal): `World::run` does not
-    /// fail the world for it either.
-    kept_world: AtomicBool,
+    /// The text of the last call's error when it left the world healthy (a refusal):
+    /// `World::run` does not fail the world for that same error either.
+    kept_world: Mutex<Option<String>>,
     /// Dropped last: a launched world's session, when this holds its last reference,
     /// waits for every rank's goodbye, which this rank's communicator says when it goes.
     world: Arc<WorldShared>,
@@ -289,7 +289,7 @@ impl Rank {
             comm,
             calls: CallLock::default(),
             refused: AtomicBool::new(false),
-            kept_world: AtomicBool::new(false),
+            kept_world: Mutex::new(None),
         }))
     }
 
@@ -445,12 +445,12 @@ impl Rank {
         }
         let failed = FailOnUnwind(self);
         self.0.refused.store(false, Ordering::Relaxed);
-        self.0.kept_world.store(false, Ordering::Relaxed);
+        *self.kept_world() = None;
         let result = self.0.device.bind_thread().and_then(|()| f());
         std::mem::forget(failed);
         if let Err(e) = &result {
             if self.0.refused.swap(false, Ordering::Relaxed) {
-                self.0.kept_world.store(true, Ordering::Relaxed);
+                *self.kept_world() = Some(e.to_string());
             } else {
                 self.fail_world(e);
             }
@@ -458,10 +458,20 @@ impl Rank {
         result
     }
 
-    /// Whether the last call's error left the world healthy (a refused call); taking it
-    /// clears it.
-    pub(crate) fn take_kept_world(&self) -> bool {
-        self.0.kept_world.swap(false, Ordering::Relaxed)
+    /// Whether `e` is the error of this rank's last call and that call left the world
+    /// healthy (a refused call); any other error (one a closure returned after swallowing
+    /// the refusal, say) is not. Taking it clears it.
+    pub(crate) fn take_kept_world(&self, e: &Error) -> bool {
+        self.kept_world()
+            .take()
+            .is_some_and(|text| text == e.to_string())
+    }
+
+    fn kept_world(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        self.0
+            .kept_world
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Recovers this rank's communicator after a failure (this rank's part of
