@@ -46,6 +46,9 @@ two GPUs or more:
   overlap-x2              bench/run-overlap.sh on all GPUs only, with traces
   replay-x2               CUDA-graph tests and host_costs --graph-topologies on 2 GPUs
   ring-x2                 the peer-failure test alone, graph tests, GEMM+RS row ranges x RUNS
+  recovery                a world that survives a bad input (4 GPUs): two threads per handle,
+                          a bad input, World::recover, in one process and under torchrun;
+                          the call-matching check's cost per call
   token                   a world with a job token under torchrun: intruders with a wrong
                           token or none and a fuzzed handshake are refused; ranks that
                           disagree on the token fail at formation saying so
@@ -776,11 +779,30 @@ task_x2() {
     esac
 }
 
+# A world that survives a bad input, on 4 GPUs: two threads per handle, a bad input on one
+# rank and the recovery in one process, then the same as 4 processes under torchrun (CUDA
+# IPC, peer memory and NCCL made again); and the call-matching check's cost per call.
+task_recovery() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    gpus_info >"$OUT/machine.txt" 2>&1
+    step recovery-in-process 300 $BIN/test-recovery --ignored --exact \
+        on_gpus_two_threads_on_one_handle_holding_numbered_steps_are_always_right \
+        on_four_gpus_a_bad_input_ends_every_call_at_once_and_the_world_recovers \
+        on_gpus_a_world_recovers_again_and_again --test-threads=1 --nocapture
+    local tr="torchrun --nproc-per-node ${NPROC:-4} --no-python"
+    FUSION_TIMEOUT=30 step recovery-torchrun 180 $tr $BIN/test-recovery --exact child_recovers --ignored --nocapture
+    FUSION_TIMEOUT=30 step two-threads-torchrun 180 $tr $BIN/test-recovery --exact child_two_threads --ignored --nocapture
+    step ledger-cost 60 $BIN/test-fusion_runtime_lib world::ledger::tests::ledger_cost_per_call --exact --ignored --nocapture
+    cat "$OUT/machine.txt"
+    grep -h "RECOVERY-TIME\|RECOVERED-OK\|TWO-THREADS-OK\|LEDGER-COST\|test result" "$OUT"/*.log
+    printf '%s\n' "${summary[@]}"
+}
+
 task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | decode | faults | host | host-ab | launch | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | decode | faults | host | host-ab | launch | recovery | replay-x2 | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;

@@ -97,6 +97,42 @@ fn copy_and_pointwise_match_the_cpu_backend() {
 
 #[test]
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn every_unary_op_and_derivative_matches_the_cpu_backend() {
+    // Square roots and their derivatives read exp(x) (positive, away from 0); the others
+    // read x itself, over a range where every op (and every derivative) varies.
+    let positive_only = [
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::SqrtGrad,
+        UnaryOp::RsqrtGrad,
+    ];
+    gpu_rank_run(|rank| {
+        for dt in DTYPES {
+            let x = Tensor::randn(&[4, 9, 33], dt, 11);
+            for op in UnaryOp::ALL {
+                let operand = if positive_only.contains(&op) { 1 } else { 0 };
+                compare(rank, op.name(), dt, &|dev, up| {
+                    let out = dev.allocate(0, dt, &[4, 9, 33])?;
+                    let prog = PointwiseProgram {
+                        shape: vec![4, 9, 33],
+                        inputs: vec![up(&x)?],
+                        instrs: vec![
+                            PointwiseInstr::Unary(UnaryOp::Exp, 0),
+                            PointwiseInstr::Unary(op, operand),
+                        ],
+                        outputs: vec![(out.clone(), 2)],
+                    };
+                    dev.execute(0, Kernel::Pointwise(&prog))?;
+                    Ok(vec![out])
+                })?;
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn reductions_match_the_cpu_backend() {
     gpu_rank_run(|rank| {
         for dt in DTYPES {

@@ -163,9 +163,10 @@ fn run_checked(
         let local = distribute(rank, inputs)?;
         let refs: Vec<&Tensor> = local.iter().collect();
         let symbols = bind_inputs(&p.ir, &p.inputs, &refs, rank.index(), world.size())?;
+        let comm = rank.communicator();
         let ctx = CallContext {
             device: rank.device(),
-            comm: rank.communicator(),
+            comm: &*comm,
             rank: rank.index(),
             number_of_streams: streams,
             trace: false,

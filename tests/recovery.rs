@@ -63,9 +63,32 @@ fn forward(rank: &Rank, w: &Weights, step: u64) -> Result<()> {
     Ok(())
 }
 
+/// Makes a world of so many devices (simulated, or GPUs).
+type Maker = fn(usize) -> World;
+
+/// A world of `d` simulated devices.
+fn simulated(d: usize) -> World {
+    World::local(d).unwrap()
+}
+
+/// A world of `d` GPUs of this process (the GPU variants need that many).
+fn gpus(d: usize) -> World {
+    let visible = fusion::runtime::backend::cuda::device_count();
+    assert!(
+        visible >= d,
+        "this test needs {d} CUDA GPUs, {visible} visible"
+    );
+    fusion::runtime::backend::cuda::cuda_world(Some(d)).unwrap()
+}
+
 /// A world of `d` simulated devices with the test timeout, its handles and weights.
 fn world(d: usize) -> (World, Vec<Rank>, Vec<Weights>) {
-    let world = World::local(d).unwrap().with_timeout(TIMEOUT);
+    world_on(simulated, d)
+}
+
+/// A world from `make` of `d` devices with the test timeout, its handles and weights.
+fn world_on(make: Maker, d: usize) -> (World, Vec<Rank>, Vec<Weights>) {
+    let world = make(d).with_timeout(TIMEOUT);
     let ranks = world.ranks().unwrap();
     let weights = ranks.iter().map(|r| Weights::new(r).unwrap()).collect();
     (world, ranks, weights)
@@ -86,22 +109,82 @@ fn run_forwards(ranks: &[Rank], weights: &[Weights], first: u64, calls: u64) {
 
 #[test]
 fn two_threads_on_one_handle_holding_numbered_steps_are_always_right() {
+    two_threads_on_each_handle(simulated);
+}
+
+#[test]
+#[ignore = "needs 4 CUDA GPUs; run with --ignored on a GPU machine"]
+fn on_gpus_two_threads_on_one_handle_holding_numbered_steps_are_always_right() {
+    two_threads_on_each_handle(gpus);
+}
+
+/// Two threads drive each handle of worlds of 2 and 4 devices through 1,000 numbered
+/// steps of a two-fusion forward; every value is checked.
+fn two_threads_on_each_handle(make: Maker) {
     for d in [2, 4] {
-        let (_world, ranks, weights) = world(d);
-        let steps = 1000u64;
+        let (_world, ranks, weights) = world_on(make, d);
         std::thread::scope(|s| {
             for (rank, w) in ranks.iter().zip(&weights) {
-                // Two threads drive each handle: one takes the even steps, one the odd.
-                for parity in 0..2 {
-                    s.spawn(move || {
-                        for step in (parity..steps).step_by(2) {
-                            let _step = rank.lock_step(step).unwrap();
-                            forward(rank, w, step).unwrap();
-                        }
-                    });
-                }
+                s.spawn(move || two_threads_on_one_handle(rank, w, 1000));
             }
         });
+    }
+}
+
+/// Two threads drive `rank` through `steps` numbered steps: one takes the even steps,
+/// one the odd.
+fn two_threads_on_one_handle(rank: &Rank, w: &Weights, steps: u64) {
+    std::thread::scope(|s| {
+        for parity in 0..2 {
+            s.spawn(move || {
+                for step in (parity..steps).step_by(2) {
+                    let _step = rank.lock_step(step).unwrap();
+                    forward(rank, w, step).unwrap();
+                }
+            });
+        }
+    });
+}
+
+/// A rank of a launched world whose handle two threads drive through 1,000 numbered
+/// steps.
+#[test]
+#[ignore = "a rank process of `a_launched_world_of_three_driven_from_two_threads_per_rank_is_right`"]
+fn child_two_threads() {
+    assert!(
+        in_child(),
+        "run by a_launched_world_of_three_driven_from_two_threads_per_rank_is_right"
+    );
+    let world = world_or_exit();
+    let rank = world.rank().unwrap();
+    let w = Weights::new(&rank).unwrap();
+    let started = Instant::now();
+    two_threads_on_one_handle(&rank, &w, 1000);
+    let took = started.elapsed();
+    let token = Tensor::zeros(&[1], DType::F32);
+    world.run(|rank| rank.gather_to_host(&token)).unwrap();
+    println!(
+        "TWO-THREADS-OK rank {}: 1000 steps in {took:?}",
+        rank.index()
+    );
+}
+
+#[test]
+fn a_launched_world_of_three_driven_from_two_threads_per_rank_is_right() {
+    if in_child() {
+        return;
+    }
+    let ended = launch(
+        3,
+        &[0, 1, 2],
+        &child_args("child_two_threads"),
+        &[("FUSION_TIMEOUT", "30".into())],
+        |_| Vec::new(),
+        Duration::from_secs(120),
+    );
+    expect_success(&ended);
+    for e in &ended {
+        assert!(e.stdout.contains("TWO-THREADS-OK"), "{}", e.log());
     }
 }
 
@@ -117,6 +200,13 @@ fn a_step_is_held_once() {
 struct Ended {
     result: Result<()>,
     at: Instant,
+}
+
+/// The row-parallel product of `x`, read back to the host: on a GPU the call only
+/// enqueues its work, and the error of a failed world comes with the wait for the result.
+fn row_parallel_read(rank: &Rank, x: &Ranked<3>, w: &Weights) -> Result<()> {
+    let y = row_parallel(rank, x, &w.mine)?;
+    rank.to_host(&y).map(|_| ())
 }
 
 /// Rank `bad` calls with a wrong `k` while the others call correctly; `peers_first`: the
@@ -147,7 +237,7 @@ fn one_bad_input(
                             std::thread::sleep(Duration::from_millis(200));
                         }
                         *bad_called.lock().unwrap() = Some(Instant::now());
-                        let result = row_parallel(rank, &x, &w.mine).map(|_| ());
+                        let result = row_parallel_read(rank, &x, w);
                         let at = Instant::now();
                         called.wait();
                         Ok(Ended { result, at })
@@ -155,7 +245,7 @@ fn one_bad_input(
                         if !peers_first {
                             called.wait();
                         }
-                        let result = row_parallel(rank, &x, &w.mine).map(|_| ());
+                        let result = row_parallel_read(rank, &x, w);
                         let at = Instant::now();
                         if peers_first {
                             called.wait();
@@ -177,7 +267,19 @@ fn one_bad_input(
 
 #[test]
 fn a_bad_input_on_one_of_four_ranks_ends_every_call_at_once_and_the_world_recovers() {
-    let (world, ranks, weights) = world(4);
+    bad_input_on_one_of_four(simulated);
+}
+
+#[test]
+#[ignore = "needs 4 CUDA GPUs; run with --ignored on a GPU machine"]
+fn on_four_gpus_a_bad_input_ends_every_call_at_once_and_the_world_recovers() {
+    bad_input_on_one_of_four(gpus);
+}
+
+/// Rank 2 of 4 passes a bad input while its peers wait in their call: every rank has its
+/// error within a second, the world recovers in place, and 100 checked forwards follow.
+fn bad_input_on_one_of_four(make: Maker) {
+    let (world, ranks, weights) = world_on(make, 4);
     run_forwards(&ranks, &weights, 0, 3);
     // The peers are in their call, waiting for rank 2's data, when rank 2 finds its input
     // wrong: the world fails, every peer learns it at once.
@@ -210,7 +312,8 @@ fn a_bad_input_on_one_of_four_ranks_ends_every_call_at_once_and_the_world_recove
     assert!(world.failure().is_none());
     // Same handles, same weights, same programs: the next 100 forwards are right.
     run_forwards(&ranks, &weights, 100, 100);
-    println!("recovered a world of 4 simulated devices in {took:?}");
+    let kind = ranks[0].backend().name();
+    println!("RECOVERY-TIME world of 4 {kind} devices: recovered in {took:?}");
 }
 
 #[test]
@@ -300,7 +403,19 @@ fn an_application_error_raised_with_abort_ends_the_peers_calls_at_once() {
 
 #[test]
 fn a_world_recovers_again_and_again() {
-    let (world, ranks, weights) = world(2);
+    recovers_again_and_again(simulated);
+}
+
+#[test]
+#[ignore = "needs 4 CUDA GPUs; run with --ignored on a GPU machine"]
+fn on_gpus_a_world_recovers_again_and_again() {
+    recovers_again_and_again(gpus);
+}
+
+/// Five failures (raised with `abort`) and recoveries of one world of 2 devices, with
+/// checked forwards after each.
+fn recovers_again_and_again(make: Maker) {
+    let (world, ranks, weights) = world_on(make, 2);
     for round in 0..5u64 {
         ranks[round as usize % 2].abort("a test failure");
         assert!(world.failure().is_some());
@@ -333,7 +448,7 @@ fn child_recovers() {
         std::thread::sleep(Duration::from_millis(300));
     }
     let started = Instant::now();
-    let err = row_parallel(&rank, &x, &w.mine).map(|_| ()).unwrap_err();
+    let err = row_parallel_read(&rank, &x, &w).unwrap_err();
     let waited = started.elapsed();
     if me == 1 {
         assert!(err.to_string().contains("`k`"), "{err}");

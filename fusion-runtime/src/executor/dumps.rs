@@ -21,7 +21,8 @@ use crate::world::Rank;
 /// reaches each peer (decided when its world was made).
 pub(super) fn dump_program(program: &HostProgram, rank: &Rank) {
     eprintln!("{program}");
-    let capabilities = rank.communicator().capabilities();
+    let comm = rank.communicator();
+    let capabilities = comm.capabilities();
     let plan = capture_plan(program, rank.backend()).and_then(|()| match &capabilities.capture {
         Err(why) if has_peer_copies(program) => Err(EagerReason::PeerCopies(why.clone())),
         _ => Ok(()),

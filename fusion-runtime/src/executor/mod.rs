@@ -302,14 +302,15 @@ impl FusionExecutor {
     ) -> Result<(crate::eval::Execution, ReplayStatus, bool)> {
         let facts = self.facts(program, rank.backend());
         let trace_dir = options.resolved_trace_dir();
+        let comm = rank.communicator();
         let ctx = CallContext {
             device: rank.device(),
-            comm: rank.communicator(),
+            comm: &*comm,
             rank: rank.index(),
             number_of_streams: options.number_of_streams,
             trace: options.trace || trace_dir.is_some(),
             trace_nodes: trace_dir.is_some(),
-            shared_receives: rank.communicator().capabilities().shared_receives,
+            shared_receives: comm.capabilities().shared_receives,
             kept_receives: (!facts.receives.internal.is_empty())
                 .then_some(&facts.receives.internal),
             race_check: options.race_check,

@@ -118,8 +118,8 @@ pub(super) struct Choice {
     pub(super) report: Option<Arc<PlanReport>>,
 }
 
-/// What a decision is kept under: the call's dtypes and symbols, the rank and its
-/// communicator instance.
+/// What a decision is kept under: the call's dtypes and symbols, the rank and its world
+/// (kept when the world recovers with new communicators).
 type DecisionKey = (String, usize, u64);
 
 /// The decisions of an executor, per key and rank.
@@ -200,7 +200,7 @@ impl PlanChoices {
                 call.prepared.symbols.entries()
             ),
             rank.index(),
-            rank.communicator().instance(),
+            rank.world_shared().id,
         );
         let known = (self.decided.lock().unwrap_or_else(|p| p.into_inner()))
             .get(&key)
@@ -476,7 +476,7 @@ fn world_profile(call: &PlanCall<'_>) -> Result<cost::MachineProfile> {
     type Profiles = Mutex<HashMap<(u64, usize), cost::MachineProfile>>;
     static PROFILES: std::sync::OnceLock<Profiles> = std::sync::OnceLock::new();
     let rank = call.rank;
-    let key = (rank.communicator().instance(), rank.index());
+    let key = (rank.world_shared().id, rank.index());
     let profiles = PROFILES.get_or_init(Default::default);
     if let Some(p) = profiles.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok(p.clone());
@@ -557,7 +557,8 @@ fn with_plan(options: &ExecOptions, plan: &Plan) -> ExecOptions {
 /// and GPU, and the distinct candidate programs.
 fn file_key(call: &PlanCall<'_>, programs: &[&str]) -> String {
     let (rank, prepared) = (call.rank, &call.prepared);
-    let caps = rank.communicator().capabilities();
+    let comm = rank.communicator();
+    let caps = comm.capabilities();
     let fusion = prepared.fusion.to_string();
     let shapes = format!("{:?} {:?}", prepared.dtypes, prepared.symbols.entries());
     let world = format!(

@@ -140,7 +140,7 @@ impl GraphSlots {
             .entry(key)
             .or_insert_with(|| {
                 (
-                    Arc::downgrade(rank.communicator_arc()),
+                    Arc::downgrade(&rank.communicator()),
                     Arc::new(Mutex::new(ReplaySlot {
                         graphs: GraphSlot::Fresh,
                         outputs: Vec::new(),

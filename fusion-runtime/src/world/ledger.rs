@@ -281,4 +281,36 @@ mod tests {
             assert!(seen.iter().any(|&s| s), "neither rank saw the other");
         }
     }
+
+    /// The check's cost per call as a replayed call pays it: 4 ranks, each on its own
+    /// thread, entering the same calls at once (a measurement for the performance notes,
+    /// run with `--ignored --nocapture`; the check itself must agree throughout).
+    #[test]
+    #[ignore = "a measurement: run with --ignored --nocapture"]
+    fn ledger_cost_per_call() {
+        const CALLS: u64 = 1_000_000;
+        let ranks = 4;
+        let ledger = CallLedger::new(ranks);
+        let start = std::sync::Barrier::new(ranks);
+        let per_call: Vec<f64> = std::thread::scope(|s| {
+            let t: Vec<_> = (0..ranks)
+                .map(|rank| {
+                    let (ledger, start) = (&ledger, &start);
+                    s.spawn(move || {
+                        start.wait();
+                        let began = std::time::Instant::now();
+                        for call in 0..CALLS {
+                            assert_eq!(ledger.enter(rank, call % 3), Ok(()));
+                        }
+                        began.elapsed().as_secs_f64() * 1e9 / CALLS as f64
+                    })
+                })
+                .collect();
+            t.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let worst = per_call.iter().cloned().fold(0.0, f64::max);
+        println!(
+            "LEDGER-COST {ranks} ranks: {worst:.1} ns per call (slowest rank; all {per_call:.1?})"
+        );
+    }
 }

@@ -28,6 +28,7 @@ mod launch_options;
 pub mod launcher;
 mod ledger;
 mod rank;
+mod recovery;
 mod split;
 pub mod topology;
 
@@ -92,7 +93,22 @@ pub(crate) trait RunComms: Send + Sync {
     fn transports(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// New communicators for a world that failed and whose ranks have each done their
+    /// part of recovering (`Communicator::recover`: nothing in flight anywhere, every
+    /// device idle), over the same devices and host endpoints; `None` where the old ones
+    /// were reset in place. Every process of the world calls it, from one thread.
+    fn rebuild(
+        &self,
+        _hosts: &[Arc<LocalCommunicator>],
+        _timeout: Duration,
+    ) -> Result<Option<Vec<Arc<dyn Communicator>>>> {
+        Ok(None)
+    }
 }
+
+/// A world's rank handles with their host endpoints, in local order.
+type MadeRanks = (Vec<Rank>, Vec<Arc<LocalCommunicator>>);
 
 /// Where the host-side endpoints of the world's ranks come from.
 enum Hosts {
@@ -122,8 +138,9 @@ pub struct World {
     space: u64,
     /// How many times this world was split (names the sub-worlds' key spaces).
     splits: AtomicU64,
-    /// The rank handles, made at their first use (after [`World::with_timeout`]).
-    ranks: Mutex<Option<Vec<Rank>>>,
+    /// The rank handles, made at their first use (after [`World::with_timeout`]), with
+    /// their host endpoints (which a recovery's new communicators are built over).
+    ranks: Mutex<Option<MadeRanks>>,
     /// Dropped last: a launched world's session waits for every rank's goodbye, which the
     /// communicators above say when they go.
     shared: Arc<WorldShared>,
@@ -271,12 +288,13 @@ impl World {
     /// (or of [`World::run`]), once for the world's life.
     pub fn ranks(&self) -> Result<Vec<Rank>> {
         let mut ranks = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(r) = ranks.as_ref() {
+        if let Some((r, _)) = ranks.as_ref() {
             return Ok(r.clone());
         }
         let made = self.make_ranks()?;
-        *ranks = Some(made.clone());
-        Ok(made)
+        let handles = made.0.clone();
+        *ranks = Some(made);
+        Ok(handles)
     }
 
     /// The handle of this process's one rank: what a process of a launched world with one
@@ -295,8 +313,8 @@ impl World {
     }
 
     /// Makes the rank handles: the host endpoints, the device communicators (once per
-    /// world), one handle per local rank.
-    fn make_ranks(&self) -> Result<Vec<Rank>> {
+    /// world), one handle per local rank; with the host endpoints.
+    fn make_ranks(&self) -> Result<MadeRanks> {
         let hosts: Vec<Arc<LocalCommunicator>> = match &self.hosts {
             Hosts::Fixed(v) => v.clone(),
             Hosts::InProcess => {
@@ -314,14 +332,15 @@ impl World {
                 .collect(),
             Some(factory) => factory.for_run(&hosts, self.timeout)?,
         };
-        Ok(self
+        let ranks = self
             .local
             .iter()
             .zip(comms)
             .map(|((r, device), comm)| {
                 Rank::new(*r, self.shared.clone(), device.clone(), comm, self.timeout)
             })
-            .collect())
+            .collect();
+        Ok((ranks, hosts))
     }
 
     /// Runs `f` on every rank of this process, each on its own thread, with the world's
@@ -407,61 +426,7 @@ impl World {
     }
 }
 
-impl World {
-    /// Recovers the world in place after a failure: communicators and everything in
-    /// flight are reset, while the rank handles, devices, buffers, weights and the
-    /// executors' lowered programs are kept; the next calls run as if nothing had failed.
-    /// A collective: in a launched world every process calls it; it holds each local rank
-    /// (waiting for calls in progress, which end at once in a failed world) and returns
-    /// when every rank of the world has recovered, or with an error (the world stays
-    /// failed; a rank that never comes ends it with a timeout). Harmless on a healthy
-    /// world. A world split from another is not recovered by itself: recover the one it
-    /// was split from, then split it again. CUDA worlds cannot recover yet (an error says
-    /// so).
-    pub fn recover(&self) -> Result<()> {
-        let ranks = self.ranks()?;
-        let all_held = std::sync::Barrier::new(ranks.len());
-        let any_failed = std::sync::atomic::AtomicBool::new(false);
-        let results: Vec<Result<()>> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .iter()
-                .map(|rank| {
-                    let (all_held, any_failed) = (&all_held, &any_failed);
-                    crate::counters::thread_spawned();
-                    s.spawn(move || {
-                        let _held = rank.lock();
-                        let result = rank.recover_communicator();
-                        if result.is_err() {
-                            any_failed.store(true, std::sync::atomic::Ordering::SeqCst);
-                        }
-                        // Every local rank is held and recovered (or failed to): the first
-                        // to pass forgets the world's failure, before any rank is let go.
-                        if all_held.wait().is_leader()
-                            && !any_failed.load(std::sync::atomic::Ordering::SeqCst)
-                        {
-                            rank.world_shared().recovered();
-                        }
-                        all_held.wait();
-                        result
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|p| {
-                        Err(Error::World(format!(
-                            "recovering the world panicked: {}",
-                            panic_message(p.as_ref())
-                        )))
-                    })
-                })
-                .collect()
-        });
-        results.into_iter().collect()
-    }
-}
-
+/// The text of a panic's payload.
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         s.to_string()

@@ -37,6 +37,10 @@ use crate::tensor::Tensor;
 /// a launched world's session (kept open while any handle lives), and an in-process
 /// world's call ledger.
 pub(crate) struct WorldShared {
+    /// A number no other world of this process has (what a world's decisions, such as
+    /// its plans, are remembered under: it outlives a recovery, which replaces the
+    /// communicators).
+    pub(crate) id: u64,
     pub(crate) size: usize,
     pub(crate) kind: BackendKind,
     pub(crate) session: Option<Arc<Session>>,
@@ -48,7 +52,9 @@ pub(crate) struct WorldShared {
 
 impl WorldShared {
     pub(crate) fn new(size: usize, kind: BackendKind, session: Option<Arc<Session>>) -> Self {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         WorldShared {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             size,
             kind,
             ledger: session.is_none().then(|| CallLedger::new(size)),
@@ -236,7 +242,9 @@ impl Drop for CallGuard<'_> {
 struct RankInner {
     index: usize,
     device: Arc<dyn Device>,
-    comm: Arc<dyn Communicator>,
+    /// Replaced when the world recovers (`World::recover` builds new communicators over
+    /// the same devices where the old ones cannot be reset in place).
+    comm: std::sync::RwLock<Arc<dyn Communicator>>,
     calls: CallLock,
     /// The world's communication timeout (also bounds [`Rank::lock_step`]'s wait).
     timeout: Duration,
@@ -286,7 +294,7 @@ impl Rank {
             timeout,
             world,
             device,
-            comm,
+            comm: std::sync::RwLock::new(comm),
             calls: CallLock::default(),
             refused: AtomicBool::new(false),
             kept_world: Mutex::new(None),
@@ -313,14 +321,20 @@ impl Rank {
         self.0.device.as_ref()
     }
 
-    /// This rank's communicator.
-    pub fn communicator(&self) -> &dyn Communicator {
-        self.0.comm.as_ref()
+    /// This rank's communicator (a new one after the world recovers: take it again
+    /// rather than keeping it across a recovery).
+    pub fn communicator(&self) -> Arc<dyn Communicator> {
+        self.0
+            .comm
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
-    /// The communicator as shared (graph slots hold it weakly: they go with the world).
-    pub(crate) fn communicator_arc(&self) -> &Arc<dyn Communicator> {
-        &self.0.comm
+    /// Puts `comm` in place of this rank's communicator (the world recovered with new
+    /// ones; the caller holds the rank, so no call is using the old one).
+    pub(crate) fn replace_communicator(&self, comm: Arc<dyn Communicator>) {
+        *self.0.comm.write().unwrap_or_else(PoisonError::into_inner) = comm;
     }
 
     /// The world's failure, as this rank's error, if the world failed.
@@ -349,12 +363,12 @@ impl Rank {
                 ..
             } => {
                 self.0.world.fail(*failed_rank, reason);
-                self.0.comm.abort_for(*failed_rank, reason);
+                self.communicator().abort_for(*failed_rank, reason);
             }
             _ => {
                 let reason = format!("rank {} failed: {e}", self.0.index);
                 self.0.world.fail(self.0.index, &reason);
-                self.0.comm.abort(&reason);
+                self.communicator().abort(&reason);
             }
         }
     }
@@ -478,7 +492,7 @@ impl Rank {
     /// `World::recover`; the caller holds the rank).
     pub(crate) fn recover_communicator(&self) -> Result<()> {
         self.0.device.bind_thread()?;
-        self.0.comm.recover()
+        self.communicator().recover()
     }
 
     /// The world's shared state (its failure and ledger).
@@ -493,7 +507,10 @@ impl Rank {
         }
         let _guard = self.0.calls.enter();
         self.0.device.bind_thread()?;
-        self.0.device.upload(t)
+        self.0
+            .device
+            .upload(t)
+            .map_err(|e| self.with_recovery_hint(e))
     }
 
     /// Copies a tensor of this rank's device to the host (waiting for the calls that
@@ -504,7 +521,19 @@ impl Rank {
         }
         let _guard = self.0.calls.enter();
         self.0.device.bind_thread()?;
-        self.0.device.download(t)
+        self.0
+            .device
+            .download(t)
+            .map_err(|e| self.with_recovery_hint(e))
+    }
+
+    /// A device wait's error because a peer failed, as the world's failure (which says how
+    /// the world runs again); any other error as it is.
+    fn with_recovery_hint(&self, e: Error) -> Error {
+        match e {
+            Error::PeerFailed { .. } => self.world_failure().unwrap_or(e),
+            other => other,
+        }
     }
 
     /// This rank's shard of host tensor `full` along `axis`, whose extent must equal the
@@ -550,7 +579,7 @@ impl Rank {
             shape: host.shape().to_vec(),
             data: host.to_f32_vec()?,
         };
-        let blocks = self.call(|| self.0.comm.host_allgather(block))?;
+        let blocks = self.call(|| self.communicator().host_allgather(block))?;
         blocks
             .into_iter()
             .map(|b| Tensor::from_f32(&b.shape, &b.data, t.dtype()))

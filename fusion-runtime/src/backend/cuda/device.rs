@@ -252,6 +252,38 @@ impl CudaDevice {
         }
     }
 
+    /// Every stream this device made (its pool and its copy streams).
+    fn own_streams(&self) -> Vec<RawStream> {
+        self.copy_streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .copied()
+            .chain(
+                self.streams
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .iter()
+                    .map(|s| s.stream),
+            )
+            .collect()
+    }
+
+    /// Waits until every stream of this device is idle after a failure (its device-side
+    /// waits were let through), as a world's recovery needs before it resets what those
+    /// streams used; an error, and the device marked stuck, when one never gets there.
+    pub(crate) fn drain_after_failure(&self) -> Result<()> {
+        self.shared.bind()?;
+        if self.own_streams().into_iter().all(|s| self.drains(s)) {
+            return Ok(());
+        }
+        super::health::mark_device_stuck();
+        Err(Error::World(format!(
+            "rank {}: device {} still runs work that waits for a peer after the failure, so              the world cannot recover in place: drop it and make a new one",
+            self.rank, self.shared.ordinal
+        )))
+    }
+
     /// Blocks until `stream` is idle, polling so that a failed world or a timeout ends
     /// the wait with an error instead of a hang.
     pub(crate) fn wait_stream(&self, stream: RawStream, what: &str) -> Result<()> {
@@ -296,21 +328,7 @@ impl Drop for CudaDevice {
         // A stream that never gets idle (its work waits for a failed peer) would hang every
         // synchronizing call below: then the streams, handles and memory are left to the
         // process's end, which the error that failed the world is bringing.
-        let pending: Vec<RawStream> = self
-            .copy_streams
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .copied()
-            .chain(
-                self.streams
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .iter()
-                    .map(|s| s.stream),
-            )
-            .collect();
-        let stuck = pending.into_iter().any(|s| !self.drains(s));
+        let stuck = self.own_streams().into_iter().any(|s| !self.drains(s));
         if stuck {
             super::health::mark_device_stuck();
             self.shared.free_list.close();

@@ -166,18 +166,14 @@ impl CudaComms {
     }
 }
 
-impl RunComms for CudaComms {
-    fn for_run(
+impl CudaComms {
+    /// One communicator per local rank over the world's NCCL state (made again where it
+    /// was aborted), a fresh copy-engine registry and the world's peer memory.
+    fn make_communicators(
         &self,
         hosts: &[Arc<LocalCommunicator>],
         timeout: Duration,
     ) -> Result<Vec<Arc<dyn Communicator>>> {
-        if matches!(self.source, NcclSource::All(_)) {
-            if self.health.failure().is_some() {
-                PeerWorld::reset_flags(&self.peer_world, &self.peer_world_spec());
-            }
-            self.health.reset();
-        }
         self.health.set_timeout(timeout);
         let states = self.ensure_nccl()?;
         let copies = Arc::new(self.registry());
@@ -211,6 +207,86 @@ impl RunComms for CudaComms {
             .collect())
     }
 
+    /// The world's NCCL communicators joined again after a recovery: rank 0 makes a new
+    /// unique id and every rank joins with it, each from its own thread (in one process
+    /// too: measured faster than `ncclCommInitAll` from one thread).
+    fn rejoin_nccl(&self, hosts: &[Arc<LocalCommunicator>]) -> Result<()> {
+        if matches!(self.source, NcclSource::Unavailable(_)) {
+            return Ok(());
+        }
+        let mut guard = self.nccl.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(old) = guard.take() {
+            for r in &old {
+                r.abort_all();
+            }
+        }
+        let comms = join_nccl(
+            self.local.iter().zip(hosts).collect(),
+            self.size,
+            "nccl world id after a recovery",
+        )?;
+        *guard = Some(
+            comms
+                .into_iter()
+                .map(|c| Arc::new(NcclRankState::new(c)))
+                .collect(),
+        );
+        Ok(())
+    }
+}
+
+/// A rank of this process: its rank in the world and its device.
+type LocalRank = (usize, Arc<CudaDevice>);
+
+/// Joins a new NCCL communicator of `size` ranks on each local `(rank, device)` with its
+/// host endpoint: the group's rank 0 makes the unique id and shares it (as `label`)
+/// through the host endpoints.
+fn join_nccl(
+    members: Vec<(&LocalRank, &Arc<LocalCommunicator>)>,
+    size: usize,
+    label: &str,
+) -> Result<Vec<crate::backend::cuda::comm::nccl::RawComm>> {
+    let all: Vec<usize> = (0..size).collect();
+    on_each(members, |((r, device), host)| {
+        device.bind_thread()?;
+        let mine = if *r == 0 {
+            id_bytes(&unique_id()?)
+        } else {
+            Vec::new()
+        };
+        let ids = host.share_bytes(label, &all, &mine)?;
+        init_rank(device, id_from_bytes(&ids[0])?, size, *r)
+    })
+}
+
+impl RunComms for CudaComms {
+    fn for_run(
+        &self,
+        hosts: &[Arc<LocalCommunicator>],
+        timeout: Duration,
+    ) -> Result<Vec<Arc<dyn Communicator>>> {
+        self.make_communicators(hosts, timeout)
+    }
+
+    fn rebuild(
+        &self,
+        hosts: &[Arc<LocalCommunicator>],
+        timeout: Duration,
+    ) -> Result<Option<Vec<Arc<dyn Communicator>>>> {
+        // Every device of the world is idle (each rank drained it before the last
+        // barrier): the flags peers write into start at zero again, the CUDA IPC
+        // hand-offs forget what was in flight, the health its failure.
+        PeerWorld::reset_flags(&self.peer_world, &self.peer_world_spec())?;
+        for ipc in self.ipc.iter().flatten() {
+            ipc.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .forget_in_flight();
+        }
+        self.health.reset();
+        self.rejoin_nccl(hosts)?;
+        self.make_communicators(hosts, timeout).map(Some)
+    }
+
     fn subset(
         &self,
         local: &[usize],
@@ -227,20 +303,10 @@ impl RunComms for CudaComms {
             .zip(hosts)
             .map(|(&i, h)| (h.membership().rank, self.local[i].1.clone()))
             .collect();
-        // The group's rank 0 makes the id; every member joins its communicator.
-        let all: Vec<usize> = (0..sub_size).collect();
-        let states = on_each(
+        let states = join_nccl(
             members.iter().zip(hosts).collect(),
-            |((r, device), host)| {
-                device.bind_thread()?;
-                let mine = if *r == 0 {
-                    id_bytes(&unique_id()?)
-                } else {
-                    Vec::new()
-                };
-                let ids = host.share_bytes("nccl sub-world id", &all, &mine)?;
-                init_rank(device, id_from_bytes(&ids[0])?, sub_size, *r)
-            },
+            sub_size,
+            "nccl sub-world id",
         )?;
         let states: Vec<Arc<NcclRankState>> = states
             .into_iter()

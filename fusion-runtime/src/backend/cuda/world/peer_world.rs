@@ -78,20 +78,25 @@ impl PeerWorld {
         })
     }
 
-    /// Zeroes the flags of the workspaces made here (a new run after a failure; the
-    /// devices are idle).
-    pub(super) fn reset_flags(this: &Mutex<PeerWorld>, spec: &PeerWorldSpec<'_>) {
+    /// Zeroes the flags of every local rank's workspace, made here or by its IPC side (the
+    /// world starts over after a failure; no device of the world runs).
+    pub(super) fn reset_flags(this: &Mutex<PeerWorld>, spec: &PeerWorldSpec<'_>) -> Result<()> {
         let guard = this.lock().unwrap_or_else(PoisonError::into_inner);
-        for (j, w) in &guard.own {
-            let Some((_, device)) = spec.local.get(*j) else {
-                continue;
-            };
-            if device.bind_thread().is_ok() {
-                if let Err(e) = w.reset_flags() {
-                    tracing::warn!("resetting the peer-memory flags: {e}");
-                }
+        for (j, (_, device)) in spec.local.iter().enumerate() {
+            device.bind_thread()?;
+            let ipc = spec.ipc[j]
+                .as_ref()
+                .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner));
+            let own = guard.own.iter().find(|(k, _)| *k == j).map(|(_, w)| w);
+            match (
+                own,
+                ipc.as_ref().and_then(|st| st.device.workspace.as_ref()),
+            ) {
+                (Some(w), _) | (None, Some(w)) => w.reset_flags()?,
+                (None, None) => {}
             }
         }
+        Ok(())
     }
 
     /// Every local rank's handle, or `None` where some rank of this process cannot reach

@@ -10,7 +10,7 @@ use fusion_compiler::hir::{Communication, Transport};
 use super::{Collective, CudaCommunicator, Group};
 use crate::comm::{CallStart, Capabilities, CommLifecycle, Communicator};
 use crate::device::StreamHandle;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::Tensor;
 
 impl Communicator for CudaCommunicator {
@@ -98,13 +98,16 @@ impl Communicator for CudaCommunicator {
     }
 
     fn recover(&self) -> Result<()> {
-        // NCCL communicators, copy-engine sequence numbers and peer-memory signal counters
-        // would all have to restart together on every rank: not done yet.
-        Err(Error::World(format!(
-            "rank {}: a world of CUDA devices cannot be recovered in place yet: drop it and \
-             make a new one (the CPU backend's worlds recover)",
-            self.rank
-        )))
+        // The host fabric first: a barrier of every rank of the world (none is in a call any
+        // more) that starts its new generation. Then this rank stops what may still wait:
+        // its NCCL communicators (if the failure has not aborted them) and its device-side
+        // waits, and its device drains. The last barrier: no device of the world runs when
+        // the world builds its new communicators and zeroes the flags peers write into.
+        self.host.recover()?;
+        self.copy_engine.release_device_waits();
+        self.state.abort_all();
+        self.device.drain_after_failure()?;
+        self.host.exchange(&[]).map(|_| ())
     }
 
     fn exchange(&self, values: &[i64]) -> Result<Vec<Vec<i64>>> {

@@ -49,6 +49,16 @@ pub(crate) struct IpcState {
     pub peers: HashMap<usize, IpcPeer>,
 }
 
+impl IpcState {
+    /// Forgets every hand-off in flight with every peer, for a world that recovers (no
+    /// rank sends, no device runs): see [`IpcPeer::forget_in_flight`].
+    pub(crate) fn forget_in_flight(&mut self) {
+        for peer in self.peers.values_mut() {
+            peer.forget_in_flight(&mut self.device);
+        }
+    }
+}
+
 /// (source rank, destination rank, sequence number of the pair).
 pub(crate) type Key = (usize, usize, u64);
 

@@ -130,6 +130,25 @@ impl IpcPeer {
         Ok(())
     }
 
+    /// Forgets what was in flight with this peer (a recovering world; every rank of it
+    /// does the same between two barriers, with no rank sending and no device running):
+    /// messages that arrived are dropped, this rank's events of unfinished hand-offs go
+    /// back to `own`, and the counters both sides keep of done events start from zero.
+    /// The rings' positions go on from where they are (both sides see the same ones).
+    pub(crate) fn forget_in_flight(&mut self, own: &mut IpcDevice) {
+        self.drain();
+        self.pending.clear();
+        for (_, slot) in self.ready_of.drain() {
+            own.give_event(slot);
+        }
+        for slot in self.sent_dones.drain(..) {
+            own.give_event(slot);
+        }
+        self.dones_sent = 0;
+        self.dones_acked_by_peer = 0;
+        self.dones_waited = 0;
+    }
+
     /// Reads every message that has arrived into `pending`.
     fn drain(&mut self) {
         let head = self.inbox.head().load(Ordering::Acquire);
