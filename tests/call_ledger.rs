@@ -1,10 +1,15 @@
 //! Ranks of an in-process world that make different communicating calls under the same call
 //! number fail at once, naming both calls (the call ledger), and a thread that holds a rank
-//! across several calls (`Rank::lock`) keeps other threads' calls out of its step.
+//! across several calls (`Rank::lock`) keeps other threads' calls out of its step. The same
+//! across the processes of a launched world on one host (this binary's `child_*` functions
+//! are its ranks).
+
+mod common;
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
+use common::launch::{child_args, expect_success, in_child, launch, world_or_exit};
 use fusion::prelude::*;
 
 fusion! {
@@ -101,6 +106,60 @@ fn ranks_calling_two_fusions_in_different_orders_fail_naming_both() {
     });
     assert_named_both(&results, started);
     assert!(world.failure().is_some());
+}
+
+/// A rank of a launched world of three: even ranks call the Allreduce first, odd ranks the
+/// Allgather; every rank's error must name both fusions, before any timeout.
+#[test]
+#[ignore = "a rank process of `processes_calling_two_fusions_in_different_orders_fail_naming_both`"]
+fn child_different_orders() {
+    assert!(
+        in_child(),
+        "run by processes_calling_two_fusions_in_different_orders_fail_naming_both"
+    );
+    let world = world_or_exit();
+    let rank = world.rank().unwrap();
+    let x = Tensor::randn(&[world.size(), N], DType::F32, 1);
+    let started = Instant::now();
+    let result = (|| -> Result<()> {
+        let mine: Ranked<2> = rank.shard(&x, 0)?.try_into()?;
+        let sum = |rank: &Rank| -> Result<()> {
+            let y = ledger_allreduce(rank, &mine)?;
+            rank.to_host(&y).map(drop)
+        };
+        let all = |rank: &Rank| -> Result<()> {
+            let y = ledger_allgather(rank, &mine)?;
+            rank.to_host(&y).map(drop)
+        };
+        if rank.index() % 2 == 0 {
+            sum(&rank)?;
+            all(&rank)
+        } else {
+            all(&rank)?;
+            sum(&rank)
+        }
+    })();
+    assert_named_both(&[result], started);
+    println!("LEDGER-OK rank {}", rank.index());
+}
+
+#[test]
+fn processes_calling_two_fusions_in_different_orders_fail_naming_both() {
+    if in_child() {
+        return;
+    }
+    let ended = launch(
+        3,
+        &[0, 1, 2],
+        &child_args("child_different_orders"),
+        &[("FUSION_TIMEOUT", "30".into())],
+        |_| Vec::new(),
+        Duration::from_secs(120),
+    );
+    expect_success(&ended);
+    for e in &ended {
+        assert!(e.stdout.contains("LEDGER-OK"), "{}", e.log());
+    }
 }
 
 /// Two application threads drive the same handles, each a step of two calls per rank;

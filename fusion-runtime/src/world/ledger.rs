@@ -1,6 +1,9 @@
-//! The call ledger of a world whose ranks all live in this process: ranks that make
-//! different communicating calls under the same call number fail at once, naming both
-//! calls, instead of exchanging the wrong data and returning wrong outputs.
+//! The call ledger of a world: ranks that make different communicating calls under the
+//! same call number fail at once, naming both calls, instead of exchanging the wrong data
+//! and returning wrong outputs. A world whose ranks all live in this process keeps it in
+//! memory; the processes of a launched world on one host share it through a file in
+//! `/dev/shm` (`ledger_words`), with a table of program names, so that a rank names a
+//! peer's program its own process has not lowered yet.
 //!
 //! Ranks must make the same communicating calls in the same order. Calls on one rank are
 //! serialized, but when one rank handle is driven from two threads (two layers' forwards,
@@ -32,41 +35,59 @@
 //! hashes of a lowered program's text (the same on every rank for the same fusion and
 //! shapes); the readable names errors use are registered when a program is lowered.
 //! The ledger tells calls of different programs apart, not two calls of the same program
-//! on different data. Launched worlds (ranks in several processes) have no ledger yet.
+//! on different data. Ranks on different hosts do not check each other.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
+use super::ledger_words::LedgerWords;
 use crate::error::Error;
 
 /// Entries per rank: a peer further ahead than this is not checked against.
 const SLOTS: usize = 1024;
 
-/// The number of a slot being written (or never written).
-const BUSY: u64 = u64::MAX;
+/// Words per rank: the number its next communicating call takes, then per slot the
+/// entry's number (plus one: 0 is "being written, or never") and its fingerprint.
+const STRIDE: usize = 1 + 2 * SLOTS;
+
+/// The number word of a slot being written (or never written).
+const BUSY: u64 = 0;
 
 /// The fingerprint of a refused call.
 const REFUSED: u64 = u64::MAX;
 
-/// One rank's entry for one call number.
-struct Slot {
-    number: AtomicU64,
-    fingerprint: AtomicU64,
-}
+/// Entries of a shared ledger's table of program names (after the ranks' words): so that
+/// a rank names a peer's program that its own process has not lowered.
+const NAMES: usize = 256;
 
-/// One rank's ring of entries, and the number its next communicating call takes.
-struct RankRing {
-    next: AtomicU64,
-    slots: Box<[Slot]>,
-}
+/// Words of a name entry: its fingerprint (0: free, [`NAMING`]: being written), then the
+/// name's first bytes.
+const NAME_WORDS: usize = 1 + 8;
 
-/// Per rank of an in-process world, the numbers and program fingerprints of its latest
-/// communicating calls.
+/// The fingerprint word of a name entry being written.
+const NAMING: u64 = u64::MAX - 1;
+
+/// Fingerprints this process published lately, by `fingerprint % PUBLISHED` (a call whose
+/// program is there publishes nothing).
+const PUBLISHED: usize = 64;
+
+/// Per rank of a world, the numbers and program fingerprints of its latest communicating
+/// calls: every rank of an in-process world, or the ranks of a launched world's processes
+/// on this host (through a shared file).
 pub(crate) struct CallLedger {
-    ranks: Box<[RankRing]>,
-    /// Why each refused call (rank, number) was refused, for the peers' errors.
+    size: usize,
+    words: LedgerWords,
+    /// Whether every rank of the world writes here (else a refusal cannot reach the
+    /// ranks of other hosts).
+    covers_all: bool,
+    /// Why each refused call (rank, number) was refused, for the peers' errors (those of
+    /// this process; a peer in another process gets a general reason).
     refusals: Mutex<HashMap<(usize, u64), String>>,
+    /// Shared with other processes: their programs' names are in the table after the
+    /// ranks' words, and this process publishes its own (`published` remembers which).
+    shared: bool,
+    published: [AtomicU64; PUBLISHED],
 }
 
 /// Two ranks ran different programs under the same call number.
@@ -83,32 +104,117 @@ pub(crate) struct Mismatch {
 }
 
 impl CallLedger {
-    /// An empty ledger for `size` ranks.
+    /// An empty ledger for the `size` ranks of an in-process world.
     pub(crate) fn new(size: usize) -> Self {
-        let ring = || RankRing {
-            next: AtomicU64::new(0),
-            slots: (0..SLOTS)
-                .map(|_| Slot {
-                    number: AtomicU64::new(BUSY),
-                    fingerprint: AtomicU64::new(0),
-                })
-                .collect(),
-        };
         CallLedger {
-            ranks: (0..size).map(|_| ring()).collect(),
+            size,
+            words: LedgerWords::owned(size * STRIDE),
+            covers_all: true,
             refusals: Mutex::new(HashMap::new()),
+            shared: false,
+            published: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 
-    /// Forgets every entry (a world recovering; no rank is in a call): numbering starts
-    /// from 0 again.
-    pub(crate) fn reset(&self) {
-        for ring in self.ranks.iter() {
-            ring.next.store(0, SeqCst);
-            for slot in ring.slots.iter() {
-                slot.number.store(BUSY, SeqCst);
+    /// The ledger of a launched world of `size` ranks that its processes on this host
+    /// share through the file `name` (the same name in every process of the world);
+    /// `covers_all`: every rank of the world is on this host.
+    pub(crate) fn shared(size: usize, name: &str, covers_all: bool) -> Result<Self, Error> {
+        Ok(CallLedger {
+            size,
+            words: LedgerWords::shared(name, size * STRIDE + NAMES * NAME_WORDS)?,
+            covers_all,
+            refusals: Mutex::new(HashMap::new()),
+            shared: true,
+            published: std::array::from_fn(|_| AtomicU64::new(0)),
+        })
+    }
+
+    /// Puts the name of the program of `fingerprint` into the shared table of names, once
+    /// per process (a shared ledger only).
+    fn publish(&self, fingerprint: u64) {
+        let seen = &self.published[fingerprint as usize % PUBLISHED];
+        if !self.shared || seen.load(SeqCst) == fingerprint || fingerprint >= NAMING {
+            return;
+        }
+        seen.store(fingerprint, SeqCst);
+        let Some(name) = registered_name(fingerprint) else {
+            return;
+        };
+        let w = &self.words.words()[self.size * STRIDE..];
+        for probe in 0..NAMES {
+            let at = (fingerprint as usize + probe) % NAMES * NAME_WORDS;
+            match w[at].compare_exchange(0, NAMING, SeqCst, SeqCst) {
+                Ok(_) => {
+                    let mut bytes = [0u8; 8 * (NAME_WORDS - 1)];
+                    let n = name.len().min(bytes.len());
+                    bytes[..n].copy_from_slice(&name.as_bytes()[..n]);
+                    for (i, chunk) in bytes.chunks(8).enumerate() {
+                        let word = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+                        w[at + 1 + i].store(word, SeqCst);
+                    }
+                    w[at].store(fingerprint, SeqCst);
+                    return;
+                }
+                Err(f) if f == fingerprint => return,
+                Err(_) => {}
             }
         }
+    }
+
+    /// The name of the program of `fingerprint`: this process's, or one another process
+    /// published in the shared table.
+    fn program_name(&self, fingerprint: u64) -> String {
+        if let Some(name) = registered_name(fingerprint) {
+            return name;
+        }
+        let words = self.words.words();
+        if self.shared {
+            let w = &words[self.size * STRIDE..];
+            for probe in 0..NAMES {
+                let at = (fingerprint as usize + probe) % NAMES * NAME_WORDS;
+                match w[at].load(SeqCst) {
+                    0 => break,
+                    f if f == fingerprint => {
+                        let bytes: Vec<u8> = w[at + 1..at + NAME_WORDS]
+                            .iter()
+                            .flat_map(|x| x.load(SeqCst).to_le_bytes())
+                            .take_while(|&b| b != 0)
+                            .collect();
+                        return String::from_utf8_lossy(&bytes).into_owned();
+                    }
+                    _ => {}
+                }
+            }
+        }
+        format!("program {fingerprint:016x}")
+    }
+
+    /// Rank `rank`'s next-number word and its slot `slot`'s (number, fingerprint) words.
+    fn next(&self, rank: usize) -> &AtomicU64 {
+        &self.words.words()[rank * STRIDE]
+    }
+
+    fn slot(&self, rank: usize, slot: usize) -> (&AtomicU64, &AtomicU64) {
+        let w = self.words.words();
+        let at = rank * STRIDE + 1 + 2 * slot;
+        (&w[at], &w[at + 1])
+    }
+
+    /// Forgets rank `rank`'s entries (the rank recovers, in no call; every rank of the
+    /// world does so before the recovery's barrier): its numbering starts from 0 again.
+    pub(crate) fn reset_rank(&self, rank: usize) {
+        if rank >= self.size {
+            return;
+        }
+        self.next(rank).store(0, SeqCst);
+        for i in 0..SLOTS {
+            self.slot(rank, i).0.store(BUSY, SeqCst);
+        }
+    }
+
+    /// Forgets the reasons of refused calls (the world recovered).
+    pub(crate) fn forget_refusals(&self) {
         self.refusals
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -120,10 +226,10 @@ impl CallLedger {
     /// that number: each will see the refusal when it does. Not clean when one has (it may
     /// be waiting for this rank): the world must fail.
     pub(crate) fn refuse(&self, rank: usize, reason: &str) -> bool {
-        let Some(ring) = self.ranks.get(rank) else {
+        if rank >= self.size || !self.covers_all {
             return false;
-        };
-        let number = ring.next.load(SeqCst);
+        }
+        let number = self.next(rank).load(SeqCst);
         self.refusals
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -137,7 +243,7 @@ impl CallLedger {
     /// named) or a peer's refusal (its reason).
     pub(crate) fn error(&self, m: Mismatch) -> Error {
         if m.peer_fingerprint != REFUSED {
-            return m.into_error();
+            return m.into_error(self);
         }
         let reason = self
             .refusals
@@ -158,22 +264,24 @@ impl CallLedger {
     /// the program `fingerprint`: a peer whose entry of the same number names another
     /// program is a mismatch.
     pub(crate) fn enter(&self, rank: usize, fingerprint: u64) -> Result<(), Mismatch> {
-        let Some(ring) = self.ranks.get(rank) else {
+        if rank >= self.size {
             return Ok(());
-        };
-        let number = ring.next.fetch_add(1, SeqCst);
+        }
+        // Before the entry: a peer that sees the entry finds the name.
+        self.publish(fingerprint);
+        let number = self.next(rank).fetch_add(1, SeqCst);
         let slot = number as usize % SLOTS;
-        let mine = &ring.slots[slot];
-        mine.number.store(BUSY, SeqCst);
-        mine.fingerprint.store(fingerprint, SeqCst);
-        mine.number.store(number, SeqCst);
-        for (peer, theirs) in self.ranks.iter().enumerate() {
-            let entry = &theirs.slots[slot];
-            if peer == rank || entry.number.load(SeqCst) != number {
+        let (mine, mine_fingerprint) = self.slot(rank, slot);
+        mine.store(BUSY, SeqCst);
+        mine_fingerprint.store(fingerprint, SeqCst);
+        mine.store(number + 1, SeqCst);
+        for peer in (0..self.size).filter(|&p| p != rank) {
+            let (theirs, theirs_fingerprint) = self.slot(peer, slot);
+            if theirs.load(SeqCst) != number + 1 {
                 continue;
             }
-            let peer_fingerprint = entry.fingerprint.load(SeqCst);
-            if entry.number.load(SeqCst) == number && peer_fingerprint != fingerprint {
+            let peer_fingerprint = theirs_fingerprint.load(SeqCst);
+            if theirs.load(SeqCst) == number + 1 && peer_fingerprint != fingerprint {
                 return Err(Mismatch {
                     call: number,
                     rank,
@@ -189,7 +297,7 @@ impl CallLedger {
 
 impl Mismatch {
     /// The error of this rank's call: both calls by name, and the likely cause.
-    fn into_error(self) -> Error {
+    fn into_error(self, ledger: &CallLedger) -> Error {
         Error::World(format!(
             "rank {}'s communicating call {} runs `{}` but rank {}'s call {} runs `{}`: the \
              ranks made different calls in different orders. Likely cause: one rank handle \
@@ -197,10 +305,10 @@ impl Mismatch {
              ranks; hold `rank.lock()` across a forward made of several calls",
             self.rank,
             self.call,
-            program_name(self.fingerprint),
+            ledger.program_name(self.fingerprint),
             self.peer,
             self.call,
-            program_name(self.peer_fingerprint),
+            ledger.program_name(self.peer_fingerprint),
         ))
     }
 }
@@ -221,14 +329,13 @@ pub(crate) fn name_program(fingerprint: u64, name: &str) {
         .or_insert_with(|| name.to_string());
 }
 
-/// The name registered for the program of `fingerprint`.
-fn program_name(fingerprint: u64) -> String {
+/// The name this process registered for the program of `fingerprint`, if any.
+fn registered_name(fingerprint: u64) -> Option<String> {
     names()
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .get(&fingerprint)
         .cloned()
-        .unwrap_or_else(|| format!("program {fingerprint:016x}"))
 }
 
 #[cfg(test)]
@@ -254,7 +361,7 @@ mod tests {
         let m = ledger.enter(1, 0xb22).unwrap_err();
         assert_eq!((m.call, m.rank, m.peer), (0, 1, 0));
         assert_eq!((m.fingerprint, m.peer_fingerprint), (0xb22, 0xa11));
-        let text = m.into_error().to_string();
+        let text = m.into_error(&ledger).to_string();
         assert!(text.contains("`row`") && text.contains("`col`"), "{text}");
         assert!(text.contains("rank.lock()"), "{text}");
         // A peer behind (no entry of this number yet) is not a mismatch.

@@ -27,6 +27,7 @@ pub(crate) mod gpu_layout;
 mod launch_options;
 pub mod launcher;
 mod ledger;
+mod ledger_words;
 mod rank;
 mod recovery;
 mod split;
@@ -154,7 +155,7 @@ impl World {
         device_comms: Option<Box<dyn RunComms>>,
     ) -> World {
         World {
-            shared: Arc::new(WorldShared::new(devices.len(), kind, None)),
+            shared: Arc::new(WorldShared::new(devices.len(), kind, None, 0)),
             local: devices.into_iter().enumerate().collect(),
             hosts: Hosts::InProcess,
             device_comms,
@@ -201,6 +202,7 @@ impl World {
                 session.topology.ranks.len(),
                 kind,
                 Some(session),
+                0,
             )),
             local,
             hosts: Hosts::Fixed(hosts),

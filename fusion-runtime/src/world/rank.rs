@@ -10,7 +10,8 @@
 //!
 //! A forward made of several calls holds the rank across them with [`Rank::lock`], or
 //! with [`Rank::lock_step`] so that every rank takes the forwards in one numbered order;
-//! in an in-process world the call ledger (`ledger`) fails ranks whose communicating calls
+//! the call ledger (`ledger`: every rank of an in-process world, the ranks of a launched
+//! world on one host) fails ranks whose communicating calls
 //! of one number run different programs.
 //!
 //! A failed call fails the world: the failure is recorded where every handle of the world
@@ -51,13 +52,23 @@ pub(crate) struct WorldShared {
 }
 
 impl WorldShared {
-    pub(crate) fn new(size: usize, kind: BackendKind, session: Option<Arc<Session>>) -> Self {
+    /// The shared state of a world of `size` ranks; `space`: the key space of its messages
+    /// (tells a launched world's sub-worlds apart).
+    pub(crate) fn new(
+        size: usize,
+        kind: BackendKind,
+        session: Option<Arc<Session>>,
+        space: u64,
+    ) -> Self {
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         WorldShared {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             size,
             kind,
-            ledger: session.is_none().then(|| CallLedger::new(size)),
+            ledger: match &session {
+                None => Some(CallLedger::new(size)),
+                Some(s) => launched_ledger(size, s, space),
+            },
             session,
             failed: AtomicBool::new(false),
             failure: Mutex::new(None),
@@ -77,13 +88,13 @@ impl WorldShared {
         self.session.as_ref().and_then(|s| s.watch.failure())
     }
 
-    /// The world recovered (every rank is held, none in a call): its failure and its
-    /// call ledger are forgotten.
+    /// The world recovered (every rank is held, none in a call, every rank's ledger
+    /// entries forgotten): its failure and the reasons of refused calls are forgotten.
     pub(crate) fn recovered(&self) {
         *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = None;
         self.failed.store(false, Ordering::Release);
         if let Some(ledger) = &self.ledger {
-            ledger.reset();
+            ledger.forget_refusals();
         }
     }
 
@@ -95,6 +106,27 @@ impl WorldShared {
         }
         self.failed.store(true, Ordering::Release);
     }
+}
+
+/// The call ledger a launched world's processes on this host share (see `ledger`), named
+/// after what every process knows alike: the rendezvous port and every rank's host and
+/// process id (no two live worlds of one host have both alike), and the key space of a
+/// sub-world's messages. `None`, with a warning, where the shared file cannot be made:
+/// calls are then not checked across processes.
+fn launched_ledger(size: usize, session: &Session, space: u64) -> Option<CallLedger> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    for r in &session.topology.ranks {
+        (&r.host, r.pid, r.rank).hash(&mut h);
+    }
+    let name = format!(
+        "fusion-ledger-{}-{:016x}-{space:016x}",
+        session.spec.master_port,
+        h.finish()
+    );
+    CallLedger::shared(size, &name, session.topology.hosts() == 1)
+        .map_err(|e| tracing::warn!("calls are not checked across processes: {e}"))
+        .ok()
 }
 
 /// One call at a time per rank, reentrant on the thread that holds it.
@@ -424,8 +456,8 @@ impl Rank {
     /// fail depends on `scope`: a call that would not have communicated leaves no peer
     /// waiting; one that would have is refused in the call ledger where the world has one
     /// (peers that have not entered the call see the refusal; if one has, the world
-    /// fails); without a ledger (ranks in several processes) the world fails, so peers
-    /// stop waiting at once. Returns `e`.
+    /// fails); without a ledger that every rank writes (ranks on several hosts) the world
+    /// fails, so peers stop waiting at once. Returns `e`.
     pub(crate) fn refuse_call(&self, e: Error, scope: RefusalScope) -> Error {
         let clean = match (scope, &self.0.world.ledger) {
             (RefusalScope::Nobody, _) => true,
@@ -491,6 +523,10 @@ impl Rank {
     /// Recovers this rank's communicator after a failure (this rank's part of
     /// `World::recover`; the caller holds the rank).
     pub(crate) fn recover_communicator(&self) -> Result<()> {
+        // Before the communicator's barrier: once past it, every rank's entries are gone.
+        if let Some(ledger) = &self.0.world.ledger {
+            ledger.reset_rank(self.0.index);
+        }
         self.0.device.bind_thread()?;
         self.communicator().recover()
     }

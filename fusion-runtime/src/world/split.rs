@@ -127,6 +127,7 @@ impl World {
                     size,
                     self.shared.kind,
                     self.shared.session.clone(),
+                    space,
                 )),
                 local: local
                     .iter()

@@ -303,10 +303,9 @@ impl Watch {
     /// Reports a failure of `rank` to the host (and records it here).
     pub fn fail(&self, rank: usize, reason: &str) {
         let generation = self.generation();
-        let mut w = Writer::default();
-        w.u8(to_hub::FAIL).u64(generation).usize(rank).str(reason);
+        let frame = fail_frame(generation, rank, reason);
         if let Some(s) = lock(&self.out).as_mut() {
-            let _ = write_frame(s, &w.0);
+            let _ = write_frame(s, &frame);
         }
         self.record(generation, rank, reason);
     }
@@ -403,6 +402,13 @@ impl Drop for RemoteFabric {
     }
 }
 
+/// A `FAIL` report of `rank` in `generation`.
+fn fail_frame(generation: u64, rank: usize, reason: &str) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u8(to_hub::FAIL).u64(generation).usize(rank).str(reason);
+    w.0
+}
+
 fn say_goodbye(conn: &mut TcpStream) {
     let mut w = Writer::default();
     w.u8(to_hub::GOODBYE);
@@ -441,6 +447,16 @@ impl Fabric for RemoteFabric {
 
     fn fail(&self, rank: usize, reason: &str) {
         self.watch.fail(rank, reason);
+        // Also on this rank's own connection, ahead of a goodbye there: the host reads the
+        // two connections on different threads, and a process that fails and exits at
+        // once must be reported by its failure, not by its goodbye. Skipped while another
+        // thread of this rank is in a request (the watch connection has it then).
+        if let Ok(mut conn) = self.conn.try_lock() {
+            let _ = write_frame(
+                &mut *conn,
+                &fail_frame(self.watch.generation(), rank, reason),
+            );
+        }
     }
 
     fn failure(&self) -> Option<(usize, String)> {
