@@ -41,6 +41,8 @@ pub struct FusionDef {
     pub outputs: Vec<TensorType>,
     /// The body, parsed separately so that a syntax error there keeps the signature.
     pub body: syn::Result<Body>,
+    /// `#[backward]`: generate the backward (taken out of `attrs`).
+    pub backward: Option<crate::backward::BackwardAttr>,
 }
 
 /// One input: `name: Tensor<..>`.
@@ -104,7 +106,8 @@ impl Parse for Block {
 
 impl Parse for FusionDef {
     fn parse(input: ParseStream) -> syn::Result<Self> {
-        let attrs = input.call(Attribute::parse_outer)?;
+        let mut attrs = input.call(Attribute::parse_outer)?;
+        let backward = crate::backward::take_attr(&mut attrs)?;
         let vis: Visibility = input.parse()?;
         if !input.peek(Token![fn]) {
             return Err(input.error(
@@ -168,6 +171,7 @@ impl Parse for FusionDef {
             params,
             outputs,
             body,
+            backward,
         })
     }
 }

@@ -44,3 +44,14 @@ impl AutodiffError {
 
 /// Result type of the reverse-mode pass.
 pub type Result<T> = std::result::Result<T, AutodiffError>;
+
+/// A derivation error as a `fusion_compiler::Error` (what executors and entry points
+/// carry): a builder error as itself, the others as an invalid fusion.
+impl From<AutodiffError> for crate::Error {
+    fn from(e: AutodiffError) -> Self {
+        match e {
+            AutodiffError::Build(e) => e,
+            e => crate::Error::Invalid(e.to_string()),
+        }
+    }
+}
