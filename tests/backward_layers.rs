@@ -8,7 +8,7 @@
 mod backward_support;
 mod common;
 
-use backward_support::{eval, finite_difference, Arr};
+use backward_support::{distance, eval, finite_difference, Arr};
 use common::{device_counts, run, Give, Take};
 use fusion::compiler::autodiff::{backward, BackwardInput, GradSpec};
 use fusion::compiler::builder::FusionBuilder;
@@ -124,7 +124,7 @@ fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
     let takes: Vec<Take> = bf.outputs().iter().map(|&t| take(bf, t)).collect();
     for (k, &i) in bw.outputs.iter().enumerate() {
         let fd = finite_difference(forward, &whole, &dy_whole, i);
-        let e = exact[k].rel_error(&fd);
+        let e = distance(&exact[k], &fd);
         assert!(
             e < 1e-6,
             "{name} on {d}: the f64 backward of input {i} is off by {e:.2e}"
@@ -136,7 +136,7 @@ fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
         let got = run(bf, d, &given, &takes, &options);
         for (k, t) in got.outputs.iter().enumerate() {
             let v = t.to_f32_vec().unwrap().into_iter().map(f64::from).collect();
-            let e = Arr::new(t.shape(), v).rel_error(&exact[k]);
+            let e = distance(&Arr::new(t.shape(), v), &exact[k]);
             assert!(
                 e < 1e-4,
                 "{name} on {d} devices ({pipelining:?}): gradient {k} off by {e:.2e}"

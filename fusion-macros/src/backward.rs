@@ -1,74 +1,18 @@
-//! The backward opt-in: `#[backward]` on a fusion (or `#[backward(x, w)]`, the inputs
-//! that want gradients; all by default) derives its backward with
-//! `fusion_compiler::autodiff` at compile time, reports an op it cannot differentiate
-//! with a span on the op, and generates `name::backward(rank, inputs.., d_outputs..)`
-//! returning the input gradients, with the module `name::backward` (`derive`,
-//! `executor`, `program`, `call`, `lowering_count`, `INPUTS`, `GRADIENTS`) beside it.
-//! The backward re-derives from `build()` at its first call; it takes every forward input
-//! (it reads the ones the derivation lists) and one gradient per output.
+//! Expansion of the backward opt-in: `#[backward]` on a fusion (or `#[backward(x, w)]`,
+//! the inputs that want gradients; all by default; parsed in `parse`, and derived once at
+//! compile time by `check`, which reports an op it cannot differentiate on its source)
+//! generates `name::backward(rank, inputs.., d_outputs..)` returning the input
+//! gradients, with the module `name::backward` (`derive`, `executor`, `program`, `call`,
+//! `lowering_count`, `INPUTS`, `GRADIENTS`) beside it. The backward is derived again from
+//! `build()` at its first call; it takes every forward input (and reads the ones the
+//! derivation lists) and one gradient per output.
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote};
-use syn::{Attribute, Ident};
+use syn::Ident;
 
 use crate::check::emit::fc;
 use crate::parse::FusionDef;
-use crate::span::SpanRange;
-
-/// The `#[backward]` attribute of a fusion.
-pub struct BackwardAttr {
-    pub span: SpanRange,
-    /// The inputs named in `#[backward(..)]`, or `None` for all.
-    pub inputs: Option<Vec<Ident>>,
-}
-
-/// Takes `#[backward]` / `#[backward(a, b)]` out of `attrs` (the rest go to the entry
-/// point).
-pub fn take_attr(attrs: &mut Vec<Attribute>) -> syn::Result<Option<BackwardAttr>> {
-    let Some(i) = attrs.iter().position(|a| a.path().is_ident("backward")) else {
-        return Ok(None);
-    };
-    let a = attrs.remove(i);
-    let inputs = match &a.meta {
-        syn::Meta::Path(_) => None,
-        syn::Meta::List(l) => Some(
-            l.parse_args_with(
-                syn::punctuated::Punctuated::<Ident, syn::Token![,]>::parse_terminated,
-            )?
-            .into_iter()
-            .collect(),
-        ),
-        syn::Meta::NameValue(_) => {
-            return Err(syn::Error::new_spanned(
-                &a,
-                "write `#[backward]` (gradients for every input) or `#[backward(x, w)]` (for \
-                 these inputs)",
-            ))
-        }
-    };
-    Ok(Some(BackwardAttr {
-        span: SpanRange::of(&a),
-        inputs,
-    }))
-}
-
-/// The indices of the inputs that want gradients, or an error at an unknown name.
-pub fn wanted(def: &FusionDef, attr: &BackwardAttr) -> Result<Vec<usize>, syn::Error> {
-    let Some(names) = &attr.inputs else {
-        return Ok((0..def.params.len()).collect());
-    };
-    names
-        .iter()
-        .map(|n| {
-            def.params.iter().position(|p| p.name == *n).ok_or_else(|| {
-                syn::Error::new(
-                    n.span(),
-                    format!("`{n}` is not an input of `{}`; name inputs here", def.name),
-                )
-            })
-        })
-        .collect()
-}
 
 fn fr() -> TokenStream {
     quote!(::fusion::__private::fusion_runtime)

@@ -53,7 +53,7 @@ pub fn stub(def: &FusionDef) -> TokenStream {
         }
     };
     let backward = def.backward.as_ref().map(|attr| {
-        let wanted = crate::backward::wanted(def, attr).unwrap_or_default();
+        let wanted = crate::parse::wanted_inputs(def, attr).unwrap_or_default();
         crate::backward::expand(def, &wanted, true)
     });
     items(def, build, backward.unwrap_or_default(), true)

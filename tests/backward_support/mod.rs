@@ -8,81 +8,67 @@ use std::collections::HashMap;
 
 use fusion::compiler::ir::{Fusion, Op, ReduceOp, TensorId};
 
-/// A dense row-major f64 array.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Arr {
-    pub shape: Vec<usize>,
-    pub data: Vec<f64>,
+/// The whole arrays the interpreter computes on (the conformance suites' reference type).
+pub use crate::common::reference::RefArray as Arr;
+
+/// Row-major offset of `idx` in `shape`, reading extent-1 axes at 0 and aligning `idx`
+/// (of the result's rank) to the right: the element of a broadcast operand.
+fn broadcast_offset(shape: &[usize], idx: &[usize]) -> usize {
+    let off = idx.len() - shape.len();
+    (shape.iter().enumerate()).fold(0, |acc, (a, &n)| {
+        acc * n + if n == 1 { 0 } else { idx[a + off] }
+    })
 }
 
-fn strides(shape: &[usize]) -> Vec<usize> {
-    let mut s = vec![1; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        s[i] = s[i + 1] * shape[i + 1];
-    }
-    s
+fn at(x: &Arr, idx: &[usize]) -> f64 {
+    x.data[broadcast_offset(&x.shape, idx)]
 }
 
-fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+/// The array of `shape` whose element at each index is `f(index)`.
+fn build(shape: &[usize], f: impl Fn(&[usize]) -> f64) -> Arr {
+    let n: usize = shape.iter().product();
     let mut idx = vec![0; shape.len()];
-    for d in (0..shape.len()).rev() {
-        idx[d] = i % shape[d];
-        i /= shape[d];
-    }
-    idx
+    let data = (0..n)
+        .map(|i| {
+            let mut rest = i;
+            for (a, slot) in idx.iter_mut().enumerate().rev() {
+                *slot = rest % shape[a];
+                rest /= shape[a];
+            }
+            f(&idx)
+        })
+        .collect();
+    Arr::new(shape, data)
 }
 
-impl Arr {
-    pub fn new(shape: &[usize], data: Vec<f64>) -> Self {
-        assert_eq!(shape.iter().product::<usize>(), data.len(), "{shape:?}");
-        Arr {
-            shape: shape.to_vec(),
-            data,
-        }
-    }
+/// Sum of elementwise products (the loss `<dy, y>`).
+pub fn dot(a: &Arr, b: &Arr) -> f64 {
+    assert_eq!(a.shape, b.shape);
+    a.data.iter().zip(&b.data).map(|(x, y)| x * y).sum()
+}
 
-    /// The element at `idx` of the right-aligned broadcast of this array to a shape of
-    /// `idx.len()` axes.
-    fn at_broadcast(&self, idx: &[usize]) -> f64 {
-        let off = idx.len() - self.shape.len();
-        let s = strides(&self.shape);
-        let mut k = 0;
-        for (a, (&n, &st)) in self.shape.iter().zip(&s).enumerate() {
-            let i = if n == 1 { 0 } else { idx[a + off] };
-            k += i * st;
-        }
-        self.data[k]
-    }
-
-    fn build(shape: &[usize], f: impl Fn(&[usize]) -> f64) -> Arr {
-        let n: usize = shape.iter().product();
-        Arr::new(shape, (0..n).map(|i| f(&unravel(i, shape))).collect())
-    }
-
-    /// Sum of elementwise products (the loss `<dy, y>`).
-    pub fn dot(&self, o: &Arr) -> f64 {
-        assert_eq!(self.shape, o.shape);
-        self.data.iter().zip(&o.data).map(|(a, b)| a * b).sum()
-    }
-
-    /// Relative Frobenius distance to `want`.
-    pub fn rel_error(&self, want: &Arr) -> f64 {
-        assert_eq!(self.shape, want.shape, "shapes");
-        let num: f64 = (self.data.iter().zip(&want.data))
-            .map(|(a, b)| (a - b) * (a - b))
-            .sum();
-        let den: f64 = want.data.iter().map(|b| b * b).sum();
-        (num / den.max(1e-300)).sqrt()
-    }
+/// Relative Frobenius distance of `got` from `want`.
+pub fn distance(got: &Arr, want: &Arr) -> f64 {
+    assert_eq!(got.shape, want.shape, "shapes");
+    let num: f64 = (got.data.iter().zip(&want.data))
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum();
+    let den: f64 = want.data.iter().map(|b| b * b).sum();
+    (num / den.max(1e-300)).sqrt()
 }
 
 fn broadcast_shape(a: &[usize], b: &[usize]) -> Vec<usize> {
     let r = a.len().max(b.len());
     (0..r)
         .map(|j| {
-            let x = (j + a.len() >= r).then(|| a[j + a.len() - r]).unwrap_or(1);
-            let y = (j + b.len() >= r).then(|| b[j + b.len() - r]).unwrap_or(1);
-            x.max(y)
+            let at = |v: &[usize]| {
+                if j + v.len() >= r {
+                    v[j + v.len() - r]
+                } else {
+                    1
+                }
+            };
+            at(a).max(at(b))
         })
         .collect()
 }
@@ -95,7 +81,7 @@ fn matmul(a: &Arr, b: &Arr) -> Arr {
     let batch = broadcast_shape(&a.shape[..ra - 2], &b.shape[..rb - 2]);
     let mut shape = batch.clone();
     shape.extend([m, n]);
-    Arr::build(&shape, |idx| {
+    build(&shape, |idx| {
         let nb = batch.len();
         let mut ia = idx[..nb].to_vec();
         let mut ib = ia.clone();
@@ -105,7 +91,7 @@ fn matmul(a: &Arr, b: &Arr) -> Arr {
         for kk in 0..k {
             ia[nb + 1] = kk;
             ib[nb] = kk;
-            acc += a.at_broadcast(&ia) * b.at_broadcast(&ib);
+            acc += at(a, &ia) * at(b, &ib);
         }
         acc
     })
@@ -113,12 +99,12 @@ fn matmul(a: &Arr, b: &Arr) -> Arr {
 
 fn permute(x: &Arr, perm: &[usize]) -> Arr {
     let shape: Vec<usize> = perm.iter().map(|&p| x.shape[p]).collect();
-    Arr::build(&shape, |idx| {
+    build(&shape, |idx| {
         let mut src = vec![0; perm.len()];
         for (j, &p) in perm.iter().enumerate() {
             src[p] = idx[j];
         }
-        x.at_broadcast(&src)
+        at(x, &src)
     })
 }
 
@@ -128,14 +114,15 @@ fn reduce(x: &Arr, op: ReduceOp, axes: &[usize]) -> Arr {
         .map(|a| x.shape[a])
         .collect();
     let mut out = Arr::new(&shape, vec![op.init(); shape.iter().product()]);
-    let os = strides(&shape);
-    for (i, &v) in x.data.iter().enumerate() {
-        let idx = unravel(i, &x.shape);
-        let k: usize = (0..x.shape.len())
+    let all = build(&x.shape, |idx| {
+        let kept: Vec<usize> = (0..idx.len())
             .filter(|a| !axes.contains(a))
-            .zip(&os)
-            .map(|(a, s)| idx[a] * s)
-            .sum();
+            .map(|a| idx[a])
+            .collect();
+        broadcast_offset(&shape, &kept) as f64
+    });
+    for (&k, &v) in all.data.iter().zip(&x.data) {
+        let k = k as usize;
         out.data[k] = op.combine(out.data[k], v);
     }
     out
@@ -157,9 +144,7 @@ pub fn eval(f: &Fusion, inputs: &[Arr]) -> Vec<Arr> {
             ),
             Op::Binary(b) => {
                 let shape = broadcast_shape(&x[0].shape, &x[1].shape);
-                Arr::build(&shape, |idx| {
-                    b.apply_f64(x[0].at_broadcast(idx), x[1].at_broadcast(idx))
-                })
+                build(&shape, |idx| b.apply_f64(at(x[0], idx), at(x[1], idx)))
             }
             Op::Reduction { op, axes } => reduce(x[0], *op, axes),
             Op::Broadcast { flags } => {
@@ -177,9 +162,7 @@ pub fn eval(f: &Fusion, inputs: &[Arr]) -> Vec<Arr> {
                 let mut y = matmul(x[0], &permute(x[1], &[r - 1, r - 2]));
                 if let Some(bias) = x.get(2) {
                     let b = (*bias).clone();
-                    y = Arr::build(&y.shape.clone(), |idx| {
-                        y.at_broadcast(idx) + b.at_broadcast(idx)
-                    });
+                    y = build(&y.shape.clone(), |idx| at(&y, idx) + at(&b, idx));
                 }
                 y
             }
@@ -193,7 +176,8 @@ pub fn eval(f: &Fusion, inputs: &[Arr]) -> Vec<Arr> {
 /// Central finite differences in f64 of `L(inputs) = sum_o <dys[o], f(inputs)[o]>` with
 /// respect to every element of input `i`.
 pub fn finite_difference(f: &Fusion, inputs: &[Arr], dys: &[Arr], i: usize) -> Arr {
-    let loss = |ins: &[Arr]| -> f64 { eval(f, ins).iter().zip(dys).map(|(y, dy)| y.dot(dy)).sum() };
+    let loss =
+        |ins: &[Arr]| -> f64 { eval(f, ins).iter().zip(dys).map(|(y, dy)| dot(y, dy)).sum() };
     let mut grad = vec![0.0; inputs[i].data.len()];
     let mut ins = inputs.to_vec();
     for (k, g) in grad.iter_mut().enumerate() {

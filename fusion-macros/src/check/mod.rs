@@ -111,9 +111,9 @@ impl Checker {
     fn backward(
         &mut self,
         def: &FusionDef,
-        attr: &crate::backward::BackwardAttr,
+        attr: &crate::parse::BackwardAttr,
     ) -> Option<Vec<usize>> {
-        let wanted = crate::backward::wanted(def, attr)
+        let wanted = crate::parse::wanted_inputs(def, attr)
             .map_err(|e| self.errors.push(e))
             .ok()?;
         if !def.dtype_params.is_empty() {
