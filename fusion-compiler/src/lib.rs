@@ -20,6 +20,7 @@
 
 #![warn(clippy::too_many_lines)]
 
+pub mod autodiff;
 pub mod builder;
 mod dtype;
 mod error;

@@ -35,7 +35,10 @@ fn hygienic(name: &str) -> Ident {
 /// The expansion of a fusion that passed every check.
 pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
     let build = build_fn(checked, &def.dtype_params);
-    let asserts = static_asserts(checked);
+    let mut asserts = static_asserts(checked);
+    if let Some(wanted) = &checked.backward {
+        asserts.extend(crate::backward::expand(def, wanted, false));
+    }
     items(def, build, asserts, false)
 }
 
@@ -49,7 +52,11 @@ pub fn stub(def: &FusionDef) -> TokenStream {
             ::core::panic!("this fusion did not compile")
         }
     };
-    items(def, build, TokenStream::new(), true)
+    let backward = def.backward.as_ref().map(|attr| {
+        let wanted = crate::parse::wanted_inputs(def, attr).unwrap_or_default();
+        crate::backward::expand(def, &wanted, true)
+    });
+    items(def, build, backward.unwrap_or_default(), true)
 }
 
 /// `Ranked<N>`, spanned on the DSL type it stands for (so rustc's notes point there).

@@ -21,6 +21,7 @@
 
 #![warn(clippy::too_many_lines)]
 
+mod backward;
 mod check;
 mod expand;
 mod parse;

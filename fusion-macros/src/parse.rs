@@ -1,7 +1,7 @@
 //! Parsing: `fusion! { ... }` tokens into a small AST.
 //!
 //! ```text
-//! block   := fusion*
+//! block   := fusion*                (an attr may be `#[backward]` or `#[backward(input,*)]`)
 //! fusion  := attr* vis `fn` name (`<` generic,* `>`)? `(` (name `:` type),* `)` `->` ret `{` body `}`
 //! generic := dim-symbol | dtype-param `:` `Float`
 //! ret     := type | `(` type,* `)`
@@ -41,6 +41,8 @@ pub struct FusionDef {
     pub outputs: Vec<TensorType>,
     /// The body, parsed separately so that a syntax error there keeps the signature.
     pub body: syn::Result<Body>,
+    /// `#[backward]`: generate the backward (taken out of `attrs`).
+    pub backward: Option<BackwardAttr>,
 }
 
 /// One input: `name: Tensor<..>`.
@@ -104,7 +106,8 @@ impl Parse for Block {
 
 impl Parse for FusionDef {
     fn parse(input: ParseStream) -> syn::Result<Self> {
-        let attrs = input.call(Attribute::parse_outer)?;
+        let mut attrs = input.call(Attribute::parse_outer)?;
+        let backward = take_attr(&mut attrs)?;
         let vis: Visibility = input.parse()?;
         if !input.peek(Token![fn]) {
             return Err(input.error(
@@ -168,6 +171,7 @@ impl Parse for FusionDef {
             params,
             outputs,
             body,
+            backward,
         })
     }
 }
@@ -381,4 +385,60 @@ impl Parse for Let {
             semi: semi.span,
         })
     }
+}
+
+/// The `#[backward]` attribute of a fusion.
+pub struct BackwardAttr {
+    pub span: SpanRange,
+    /// The inputs named in `#[backward(..)]`, or `None` for all.
+    pub inputs: Option<Vec<Ident>>,
+}
+
+/// Takes `#[backward]` / `#[backward(a, b)]` out of `attrs` (the rest go to the entry
+/// point).
+pub fn take_attr(attrs: &mut Vec<Attribute>) -> syn::Result<Option<BackwardAttr>> {
+    let Some(i) = attrs.iter().position(|a| a.path().is_ident("backward")) else {
+        return Ok(None);
+    };
+    let a = attrs.remove(i);
+    let inputs = match &a.meta {
+        syn::Meta::Path(_) => None,
+        syn::Meta::List(l) => Some(
+            l.parse_args_with(
+                syn::punctuated::Punctuated::<Ident, syn::Token![,]>::parse_terminated,
+            )?
+            .into_iter()
+            .collect(),
+        ),
+        syn::Meta::NameValue(_) => {
+            return Err(syn::Error::new_spanned(
+                &a,
+                "write `#[backward]` (gradients for every input) or `#[backward(x, w)]` (for \
+                 these inputs)",
+            ))
+        }
+    };
+    Ok(Some(BackwardAttr {
+        span: SpanRange::of(&a),
+        inputs,
+    }))
+}
+
+/// The indices of the inputs `#[backward]` wants gradients for, or an error at an
+/// unknown name.
+pub fn wanted_inputs(def: &FusionDef, attr: &BackwardAttr) -> Result<Vec<usize>, syn::Error> {
+    let Some(names) = &attr.inputs else {
+        return Ok((0..def.params.len()).collect());
+    };
+    names
+        .iter()
+        .map(|n| {
+            def.params.iter().position(|p| p.name == *n).ok_or_else(|| {
+                syn::Error::new(
+                    n.span(),
+                    format!("`{n}` is not an input of `{}`; name inputs here", def.name),
+                )
+            })
+        })
+        .collect()
 }

@@ -59,16 +59,23 @@ impl Pass for FuseEpilogue {
 }
 
 /// For every tensor, the compute nodes (by expression) that read its value, and whether
-/// anything else (a communication, a view, a launch) reads it.
+/// anything else (a communication, a view, a launch) reads it. A stream chunk (an
+/// `AliasSelect` output) is read wherever its whole tensor is selected again.
 struct Readers {
     exprs: HashMap<TensorId, Vec<Expr>>,
     other: HashSet<TensorId>,
+    /// Chunk -> the tensor it selects from.
+    chunk_of: HashMap<TensorId, TensorId>,
+    /// How many nodes select chunks of a tensor.
+    selects: HashMap<TensorId, usize>,
 }
 
 fn readers(body: &[Node]) -> Readers {
     let mut r = Readers {
         exprs: HashMap::new(),
         other: HashSet::new(),
+        chunk_of: HashMap::new(),
+        selects: HashMap::new(),
     };
     for_each_node(body, &mut |n| match n {
         Node::Compute(e) => {
@@ -80,8 +87,10 @@ fn readers(body: &[Node]) -> Readers {
                 }
             }
         }
-        Node::AliasSelect { input, .. } => {
+        Node::AliasSelect { input, output, .. } => {
             r.other.insert(*input);
+            r.chunk_of.insert(*output, *input);
+            *r.selects.entry(*input).or_default() += 1;
         }
         Node::Communication(c) => {
             r.other.insert(c.input);
@@ -96,10 +105,16 @@ fn readers(body: &[Node]) -> Readers {
 }
 
 impl Readers {
-    /// The one expression that reads `t`, if nothing else does.
+    /// The one expression that reads `t`, if nothing else does (for a chunk: nothing
+    /// else reads its whole tensor, e.g. a later loop selecting chunks of it again).
     fn only_reader(&self, t: TensorId) -> Option<&Expr> {
         if self.other.contains(&t) {
             return None;
+        }
+        if let Some(whole) = self.chunk_of.get(&t) {
+            if self.selects.get(whole).copied().unwrap_or(0) > 1 || self.exprs.contains_key(whole) {
+                return None;
+            }
         }
         match self.exprs.get(&t).map(Vec::as_slice) {
             Some([e]) => Some(e),

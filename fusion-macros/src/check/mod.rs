@@ -33,6 +33,8 @@ use locate::CallSpans;
 pub struct Checked {
     pub stmts: Vec<TokenStream>,
     pub facts: Vec<(LiteralFact, SpanRange)>,
+    /// With `#[backward]`: the inputs that want gradients.
+    pub backward: Option<Vec<usize>>,
 }
 
 /// Checks one fusion; all independent errors are combined into one.
@@ -51,11 +53,16 @@ pub fn check(def: &FusionDef) -> Result<Checked, syn::Error> {
             c.errors.push(span.error(e));
         }
     }
+    let backward = match &def.backward {
+        Some(attr) if c.errors.is_empty() => c.backward(def, attr),
+        _ => None,
+    };
     match combined(c.errors) {
         Some(e) => Err(e),
         None => Ok(Checked {
             stmts: c.stmts,
             facts: c.facts,
+            backward,
         }),
     }
 }
@@ -99,6 +106,37 @@ struct Checker {
 }
 
 impl Checker {
+    /// Derives the backward `#[backward]` asks for, as the generated code will; an op
+    /// without a derivative is an error on its source. Returns the wanted inputs.
+    fn backward(
+        &mut self,
+        def: &FusionDef,
+        attr: &crate::parse::BackwardAttr,
+    ) -> Option<Vec<usize>> {
+        let wanted = crate::parse::wanted_inputs(def, attr)
+            .map_err(|e| self.errors.push(e))
+            .ok()?;
+        if !def.dtype_params.is_empty() {
+            self.errors.push(attr.span.error(
+                "`#[backward]` does not take a fusion generic over dtypes yet; write the \
+                 fusion with concrete dtypes",
+            ));
+            return None;
+        }
+        let spec = fusion_compiler::autodiff::GradSpec {
+            outputs: (0..def.outputs.len()).collect(),
+            inputs: wanted.clone(),
+        };
+        match fusion_compiler::autodiff::backward(self.b.fusion(), &spec) {
+            Ok(_) => Some(wanted),
+            Err(e) => {
+                let at = e.expr().map_or(attr.span, |id| self.site(Site::Expr(id)));
+                self.errors.push(at.error(e));
+                None
+            }
+        }
+    }
+
     fn run(&mut self, def: &FusionDef) {
         if def.outputs.is_empty() {
             self.errors.push(syn::Error::new(

@@ -1,0 +1,260 @@
+//! One test per adjoint rule: the ops the derived backward is made of, its inputs and
+//! outputs, and the refusals. (Numbers are checked against finite differences on
+//! simulated devices in the facade's `tests/backward_layers.rs`.)
+
+use super::{backward, AutodiffError, Backward, BackwardInput, GradSpec};
+use crate::builder::{Axis, FusionBuilder};
+use crate::ir::{BinaryOp, Fusion, Op, ParallelType, TensorId, UnaryOp};
+use crate::DType;
+
+use ParallelType::{DIDx as Dx, Serial as S};
+
+fn input(b: &mut FusionBuilder, name: &str, spec: &[(&str, ParallelType)]) -> TensorId {
+    let axes: Vec<Axis> = (spec.iter())
+        .map(|&(s, parallel)| Axis {
+            extent: b.symbol(s),
+            parallel,
+        })
+        .collect();
+    b.input(name, DType::F32, &axes).unwrap()
+}
+
+/// The fusion `f(x, y)` for `x`, `y` of shape `[m, n]` (`y` `[n]` when `row`).
+fn binary_fusion(f: impl Fn(&mut FusionBuilder, TensorId, TensorId) -> TensorId) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", &[("m", S), ("n", S)]);
+    let y = input(&mut b, "y", &[("m", S), ("n", S)]);
+    let out = f(&mut b, x, y);
+    b.output(out).unwrap();
+    b.build().unwrap()
+}
+
+fn unary_fusion(f: impl Fn(&mut FusionBuilder, TensorId) -> TensorId) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", &[("m", S), ("n", S)]);
+    let out = f(&mut b, x);
+    b.output(out).unwrap();
+    b.build().unwrap()
+}
+
+fn derive(f: &Fusion) -> Backward {
+    backward(f, &GradSpec::all(f)).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The ops of the backward, in order.
+fn ops(bw: &Backward) -> Vec<Op> {
+    bw.fusion.exprs().iter().map(|e| e.op.clone()).collect()
+}
+
+fn parallel(f: &Fusion, t: TensorId) -> Vec<ParallelType> {
+    (f.visible_axes(t).into_iter())
+        .map(|p| f.axis(t, p).parallel)
+        .collect()
+}
+
+#[test]
+fn add_passes_the_gradient_to_both_operands() {
+    let bw = derive(&binary_fusion(|b, x, y| b.add(x, y).unwrap()));
+    // Nothing is recomputed: only the output gradient comes in.
+    assert_eq!(bw.inputs, [BackwardInput::OutputGrad(0)]);
+    assert_eq!(bw.outputs, [0, 1]);
+    // Both outputs are the incoming gradient (copies, as outputs of an input).
+    assert_eq!(ops(&bw), [Op::Set, Op::Set]);
+}
+
+#[test]
+fn sub_negates_the_subtrahends_gradient() {
+    let bw = derive(&binary_fusion(|b, x, y| {
+        b.binary(BinaryOp::Sub, x, y).unwrap()
+    }));
+    assert_eq!(ops(&bw), [Op::Unary(UnaryOp::Neg), Op::Set]);
+}
+
+#[test]
+fn mul_and_div_read_the_other_operand() {
+    let bw = derive(&binary_fusion(|b, x, y| b.mul(x, y).unwrap()));
+    assert_eq!(bw.inputs.len(), 3, "x and y are passed again");
+    assert_eq!(
+        ops(&bw),
+        [Op::Binary(BinaryOp::Mul), Op::Binary(BinaryOp::Mul)]
+    );
+    let bw = derive(&binary_fusion(|b, x, y| {
+        b.binary(BinaryOp::Div, x, y).unwrap()
+    }));
+    let div = Op::Binary(BinaryOp::Div);
+    assert_eq!(ops(&bw).iter().filter(|o| **o == div).count(), 2);
+    assert!(ops(&bw).contains(&Op::Unary(UnaryOp::Neg)));
+}
+
+#[test]
+fn maximum_and_minimum_route_the_gradient_through_a_mask() {
+    for op in [BinaryOp::Max, BinaryOp::Min] {
+        let bw = derive(&binary_fusion(|b, x, y| b.binary(op, x, y).unwrap()));
+        let o = ops(&bw);
+        assert!(o.contains(&Op::Unary(UnaryOp::ReluGrad)), "{op:?}: {o:?}");
+        assert_eq!(
+            o.iter()
+                .filter(|x| **x == Op::Binary(BinaryOp::Sub))
+                .count(),
+            2
+        );
+    }
+}
+
+#[test]
+fn unary_ops_multiply_by_their_derivative_op() {
+    for u in UnaryOp::ALL
+        .into_iter()
+        .filter(|u| u.derivative().is_some())
+    {
+        let bw = derive(&unary_fusion(|b, x| b.unary(u, x).unwrap()));
+        let d = u.derivative().unwrap();
+        assert_eq!(
+            ops(&bw),
+            [Op::Unary(d), Op::Binary(BinaryOp::Mul)],
+            "{}",
+            u.name()
+        );
+        assert_eq!(bw.inputs[0], BackwardInput::Primal(0), "x is passed again");
+    }
+    let bw = derive(&unary_fusion(|b, x| b.unary(UnaryOp::Neg, x).unwrap()));
+    assert_eq!(ops(&bw), [Op::Unary(UnaryOp::Neg)]);
+}
+
+#[test]
+fn a_derivative_op_is_refused_naming_it_and_its_tensor() {
+    let f = unary_fusion(|b, x| {
+        let g = b.unary(UnaryOp::GeluGrad, x).unwrap();
+        b.name(g, "slope");
+        g
+    });
+    let e = backward(&f, &GradSpec::all(&f)).unwrap_err();
+    assert!(matches!(e, AutodiffError::NotDifferentiable { .. }), "{e}");
+    assert_eq!(e.expr().map(|id| id.index()), Some(0));
+    let msg = e.to_string();
+    assert!(
+        msg.contains("`gelu_grad`") && msg.contains("`slope`"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn views_and_max_reductions_are_refused() {
+    let select = unary_fusion(|b, x| {
+        let i = b.constant(0);
+        b.select(x, 0, i).unwrap()
+    });
+    let max = unary_fusion(|b, x| b.reduce(crate::ir::ReduceOp::Max, x, &[1]).unwrap());
+    for (f, op) in [(select, "select"), (max, "max")] {
+        let e = backward(&f, &GradSpec::all(&f)).unwrap_err();
+        assert!(e.to_string().contains(&format!("`{op}`")), "{e}");
+    }
+}
+
+#[test]
+fn sum_and_broadcast_are_each_others_adjoint() {
+    // y = sum(x, 1) broadcast back and added to x: d_x = d_y + broadcast(sum(d_y, 1)).
+    let bw = derive(&unary_fusion(|b, x| {
+        let s = b.sum(x, &[1]).unwrap();
+        let s = b.broadcast(s, &[false, true]).unwrap();
+        b.add(x, s).unwrap()
+    }));
+    let o = ops(&bw);
+    let sum = o.iter().position(|x| matches!(x, Op::Reduction { .. }));
+    let bcast = o.iter().position(|x| matches!(x, Op::Broadcast { .. }));
+    assert!(sum.unwrap() < bcast.unwrap(), "{o:?}");
+    assert!(
+        o.contains(&Op::Binary(BinaryOp::Add)),
+        "the two paths accumulate: {o:?}"
+    );
+}
+
+#[test]
+fn permute_and_cast_are_undone() {
+    let bw = derive(&unary_fusion(|b, x| {
+        let t = b.transpose(x, 0, 1).unwrap();
+        b.cast(t, DType::BF16).unwrap()
+    }));
+    assert_eq!(ops(&bw), [Op::Cast, Op::Permute { perm: vec![1, 0] }]);
+    let out = bw.fusion.outputs()[0];
+    assert_eq!(bw.fusion.tensor(out).dtype, DType::F32);
+}
+
+#[test]
+fn a_gather_is_differentiated_as_a_copy_back_to_the_shards() {
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", &[("d", Dx), ("m", S)]);
+    let d = b.symbol("d");
+    let m = b.symbol("m");
+    let full = b
+        .declare(x, DType::F32, &[Axis::serial(d), Axis::serial(m)])
+        .unwrap();
+    b.output(full).unwrap();
+    let f = b.build().unwrap();
+    let bw = derive(&f);
+    let g = bw.fusion.outputs()[0];
+    assert_eq!(parallel(&bw.fusion, g), [Dx, S], "d_x has x's sharding");
+}
+
+#[test]
+fn matmul_takes_transposed_operands() {
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", &[("m", S), ("k", S)]);
+    let w = input(&mut b, "w", &[("d", Dx), ("k", S), ("n", S)]);
+    let y = b.matmul(x, w).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    let bw = derive(&f);
+    let o = ops(&bw);
+    let permutes = o.iter().filter(|x| matches!(x, Op::Permute { .. })).count();
+    let matmuls = o.iter().filter(|x| **x == Op::Matmul).count();
+    assert_eq!((permutes, matmuls), (2, 2), "{o:?}");
+    // d_x sums the column blocks (an all-reduce), d_w keeps w's sharding.
+    assert!(o.iter().any(|x| matches!(x, Op::Reduction { .. })));
+    let (dx, dw) = (bw.fusion.outputs()[0], bw.fusion.outputs()[1]);
+    assert_eq!(parallel(&bw.fusion, dx), [S, S]);
+    assert_eq!(parallel(&bw.fusion, dw), [Dx, S, S]);
+}
+
+#[test]
+fn linear_gives_input_weight_and_bias_gradients() {
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", &[("s", S), ("m", S), ("k", S)]);
+    let w = input(&mut b, "w", &[("n", S), ("k", S)]);
+    let bias = input(&mut b, "bias", &[("n", S)]);
+    let y = b.linear(x, w, Some(bias)).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    let bw = derive(&f);
+    let shapes: Vec<usize> = (bw.fusion.outputs().iter())
+        .map(|&t| bw.fusion.visible_axes(t).len())
+        .collect();
+    assert_eq!(shapes, [3, 2, 1]);
+    assert_eq!(ops(&bw).iter().filter(|x| **x == Op::Matmul).count(), 2);
+}
+
+#[test]
+fn requests_that_do_not_fit_are_errors() {
+    let f = binary_fusion(|b, x, _| b.unary(UnaryOp::Exp, x).unwrap());
+    let e = backward(&f, &GradSpec::all(&f)).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("no differentiated output depends on `y`"),
+        "{e}"
+    );
+    let spec = GradSpec {
+        outputs: vec![1],
+        inputs: vec![0],
+    };
+    let e = backward(&f, &spec).unwrap_err();
+    assert!(e.to_string().contains("output 1 does not exist"), "{e}");
+    let spec = GradSpec {
+        outputs: vec![0],
+        inputs: vec![0],
+    };
+    assert_eq!(derive_with(&f, &spec).outputs, [0]);
+}
+
+fn derive_with(f: &Fusion, spec: &GradSpec) -> Backward {
+    backward(f, spec).unwrap_or_else(|e| panic!("{e}"))
+}
