@@ -781,7 +781,8 @@ task_x2() {
 
 # A world that survives a bad input, on 4 GPUs: two threads per handle, a bad input on one
 # rank and the recovery in one process, then the same as 4 processes under torchrun (CUDA
-# IPC, peer memory and NCCL made again); and the call-matching check's cost per call.
+# IPC, peer memory and NCCL made again), processes calling two fusions in different orders
+# (the call ledger they share names both); and the call-matching check's cost per call.
 task_recovery() {
     export FUSION_BACKEND=cuda RUST_BACKTRACE=1
     gpus_info >"$OUT/machine.txt" 2>&1
@@ -792,9 +793,10 @@ task_recovery() {
     local tr="torchrun --nproc-per-node ${NPROC:-4} --no-python"
     FUSION_TIMEOUT=30 step recovery-torchrun 180 $tr $BIN/test-recovery --exact child_recovers --ignored --nocapture
     FUSION_TIMEOUT=30 step two-threads-torchrun 180 $tr $BIN/test-recovery --exact child_two_threads --ignored --nocapture
+    FUSION_TIMEOUT=30 step ledger-torchrun 120 $tr $BIN/test-call_ledger --exact child_different_orders --ignored --nocapture
     step ledger-cost 60 $BIN/test-fusion_runtime_lib world::ledger::tests::ledger_cost_per_call --exact --ignored --nocapture
     cat "$OUT/machine.txt"
-    grep -h "RECOVERY-TIME\|RECOVERED-OK\|TWO-THREADS-OK\|LEDGER-COST\|test result" "$OUT"/*.log
+    grep -h "RECOVERY-TIME\|RECOVERED-OK\|TWO-THREADS-OK\|LEDGER-OK\|LEDGER-COST\|test result" "$OUT"/*.log
     printf '%s\n' "${summary[@]}"
 }
 

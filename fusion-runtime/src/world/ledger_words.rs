@@ -45,6 +45,7 @@ impl LedgerWords {
             .read(true)
             .write(true)
             .create(true)
+            .truncate(false)
             .mode(0o600)
             .open(&path)
             .map_err(|e| err("file", e))?;
