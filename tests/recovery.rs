@@ -434,6 +434,7 @@ fn child_recovers() {
         in_child(),
         "run by a_launched_world_of_three_recovers_from_a_bad_input"
     );
+    common::launch::backtrace_on_crash();
     let world = world_or_exit();
     let rank = world.rank().unwrap();
     let me = rank.index();

@@ -26,6 +26,27 @@ pub fn child_args(name: &str) -> Vec<&str> {
     ]
 }
 
+/// Prints a backtrace of the thread that crashes (a segmentation fault or an abort) before
+/// the process ends with the signal, so that a rank process's crash says where it was.
+pub fn backtrace_on_crash() {
+    extern "C" fn on_crash(signal: libc::c_int) {
+        let trace = std::backtrace::Backtrace::force_capture();
+        eprintln!("CRASH: signal {signal} on thread {:?}\n{trace}", std::thread::current().name());
+        // SAFETY: back to the default action, then the same signal again: the process ends
+        // as it would have.
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
+            libc::raise(signal);
+        }
+    }
+    for signal in [libc::SIGSEGV, libc::SIGBUS, libc::SIGABRT] {
+        // SAFETY: installing a handler for a fatal signal (diagnostics only).
+        unsafe {
+            libc::signal(signal, on_crash as *const () as libc::sighandler_t);
+        }
+    }
+}
+
 /// Whether this process was started as a rank of a launched world (launcher variables).
 pub fn in_child() -> bool {
     fusion::runtime::world::LaunchSpec::from_env()

@@ -48,13 +48,12 @@ impl NcclRankState {
     }
 
     /// Aborts every communicator of this rank (pending operations fail instead of hanging).
-    /// Each is taken out of the state first, so nothing finds it afterwards.
+    /// Each is taken out of the state first, so nothing finds it afterwards; the world
+    /// communicator's lock is held until every abort has returned, so that another caller
+    /// (a recovery about to join new communicators, while a failure notice's thread still
+    /// aborts) waits for them: NCCL calls of one process must not overlap an abort.
     pub(crate) fn abort_all(&self) {
-        let world = self
-            .world
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let mut world = self.world.lock().unwrap_or_else(PoisonError::into_inner);
         let teams: Vec<RawComm> = self
             .teams
             .lock()
@@ -62,12 +61,19 @@ impl NcclRankState {
             .drain()
             .map(|(_, c)| c)
             .collect();
-        for c in world.into_iter().chain(teams) {
+        for c in world.take().into_iter().chain(teams) {
             // SAFETY: aborting a communicator we own; it is not used afterwards.
             unsafe {
                 let _ = nccl::comm_abort(c.0);
             }
         }
+    }
+
+    /// Puts `world` in as this rank's world communicator, after an abort (a world that
+    /// recovered): whoever holds this state (the communicators, the failure watch) uses
+    /// the new one from now on; team communicators are made again when next used.
+    pub(crate) fn install(&self, world: RawComm) {
+        *self.world.lock().unwrap_or_else(PoisonError::into_inner) = Some(world);
     }
 
     /// True once aborted (the world must build new communicators).

@@ -215,22 +215,31 @@ impl CudaComms {
             return Ok(());
         }
         let mut guard = self.nccl.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(old) = guard.take() {
-            for r in &old {
-                r.abort_all();
-            }
+        // Waits for an abort still in progress (a failure notice's thread) to return.
+        for r in guard.iter().flatten() {
+            r.abort_all();
         }
         let comms = join_nccl(
             self.local.iter().zip(hosts).collect(),
             self.size,
             "nccl world id after a recovery",
         )?;
-        *guard = Some(
-            comms
-                .into_iter()
-                .map(|c| Arc::new(NcclRankState::new(c)))
-                .collect(),
-        );
+        // Into the same states: the failure watch of a launched world holds them too.
+        match guard.as_ref() {
+            Some(states) => {
+                for (state, comm) in states.iter().zip(comms) {
+                    state.install(comm);
+                }
+            }
+            None => {
+                *guard = Some(
+                    comms
+                        .into_iter()
+                        .map(|c| Arc::new(NcclRankState::new(c)))
+                        .collect(),
+                )
+            }
+        }
         Ok(())
     }
 }

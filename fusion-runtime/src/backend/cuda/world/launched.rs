@@ -602,8 +602,10 @@ fn watch_failures(
             let Some(session) = weak_session.upgrade() else {
                 return;
             };
+            // Nothing to watch while the world is failed (its communicators are aborted);
+            // after a recovery, its new ones.
             if h.failure().is_some() {
-                return;
+                continue;
             }
             for (i, s) in st.iter().enumerate() {
                 let comm = *s.world.lock().unwrap_or_else(PoisonError::into_inner);
