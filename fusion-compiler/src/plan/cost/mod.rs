@@ -6,13 +6,13 @@
 //! Per node, at the call's extents: a GEMM takes `max(flops / gemm rate, bytes it reads
 //! and writes / memory rate) + launch`; an NCCL or peer-memory collective `latency + bytes
 //! on the wire / collective rate`. Transfers are counted at the receiver
-//! ([`transfers`]): a group's receives from several peers run at once where they have a
+//! (`transfers`): a group's receives from several peers run at once where they have a
 //! copy stream each (or are one NCCL group), else one after another, and a pipeline's
 //! single receives land in program order (the runtime makes each wait for the previous
 //! one), so they add up; copy-engine collectives are such groups. Top-level nodes add up.
 //! A stream loop is estimated iteration by iteration (its index bound, so that the
 //! iteration that keeps its own chunk receives nothing) and its iterations flow through
-//! two stages, compute and communication, in the order its body uses them ([`pipeline`]).
+//! two stages, compute and communication, in the order its body uses them (`pipeline`).
 
 mod pipeline;
 mod transfers;
