@@ -2,7 +2,8 @@
 //! 3, 4 and 8 simulated devices with every candidate computing the unpipelined result;
 //! tuning that gives every rank the same plan; the plan file read by a later executor
 //! (as a second process would) so that nothing is timed again; untrusted files ignored
-//! with a warning; the cost model's pick; options set by hand kept as the plan.
+//! with a warning; the cost model's pick; options set by hand kept as the plan; the
+//! device markers tuning times calls with.
 
 mod common;
 
@@ -185,6 +186,10 @@ fn tuning_gives_every_rank_one_plan_and_keeps_it() {
                 "{first}"
             );
             assert!(first.tuning_ms > 0.0);
+            // Back-to-back calls between device markers (host instants on the CPU
+            // backend), unless traced calls need the markers.
+            let traced = std::env::var_os("FUSION_TRACE").is_some();
+            assert_eq!(first.device_timed, !traced, "{first}");
             for p in &plans {
                 assert_eq!(
                     p.as_ref().unwrap().plan,
@@ -194,6 +199,8 @@ fn tuning_gives_every_rank_one_plan_and_keeps_it() {
             }
             let text = first.to_string();
             assert!(text.contains(&format!("plan: {}", first.plan)), "{text}");
+            let clock = if traced { "host-timed" } else { "device-timed" };
+            assert!(text.contains(clock), "{text}");
             assert_eq!(exec.tunings(), d, "each rank decided once");
             // Later calls of the shape keep the decision.
             let (again, plans) = run_case(&exec, d, &case, &tuned(&file));
@@ -213,6 +220,8 @@ fn a_later_process_reads_the_plan_file_and_tunes_nothing() {
         let (want, plans) = run_case(&first, d, &case, &tuned(&file));
         let chosen = plans[0].as_ref().unwrap().plan.clone();
         assert!(file.exists(), "rank 0 wrote {}", file.display());
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(text.contains("\"timed\""), "{text}");
         // A new executor knows nothing: like a second process, it has only the file.
         let second = FusionExecutor::new(case.fusion.clone()).with_name(case.name);
         let (got, plans) = run_case(&second, d, &case, &tuned(&file));
@@ -356,4 +365,25 @@ fn the_trace_file_says_which_plan_ran() {
         let plan = v["otherData"]["plan"].as_str().unwrap();
         assert!(plan.starts_with(&format!("plan: {chosen} (")), "{plan}");
     }
+}
+
+/// The markers tuning times a batch of calls with: on the stream a call ends on (the main
+/// stream without a caller's stream), the time between two of them in ms.
+#[test]
+fn call_markers_time_what_runs_between_them() {
+    let times = world(1)
+        .run(|rank| {
+            let device = rank.device();
+            let start = device.record_call_marker(None)?;
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            let end = device.record_call_marker(None)?;
+            let ms = device.marker_elapsed_ms(start, end)?;
+            let back = device.marker_elapsed_ms(end, start)?;
+            device.clear_markers();
+            Ok((ms, back))
+        })
+        .unwrap();
+    let (ms, back) = times[0];
+    assert!((4.0..1000.0).contains(&ms), "{ms} ms");
+    assert!(back <= 0.0, "{back} ms");
 }

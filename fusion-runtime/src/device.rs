@@ -279,6 +279,14 @@ pub trait Device: Send + Sync {
     fn synchronize(&self) -> Result<()>;
     /// Records a timing marker on `stream` (for traces); returns its id.
     fn record_marker(&self, stream: StreamHandle) -> Result<usize>;
+    /// Records a timing marker on the stream that a call given the caller's stream `on`
+    /// ends on: `on`, or the main stream. Markers around back-to-back calls time them on
+    /// the device (plan tuning); on the CPU backend, which runs each kernel as it is
+    /// enqueued, a marker is the host's time.
+    fn record_call_marker(&self, on: Option<&CallerStream>) -> Result<usize> {
+        no_caller_streams(self.kind(), on)?;
+        self.record_marker(0)
+    }
     /// Milliseconds from marker `start` to marker `end` (waits for both).
     fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64>;
     /// Forgets every marker (call after reading a trace).

@@ -4,16 +4,19 @@
 //!
 //! Only calls whose options leave the plan open (default `lower` and stream count) and that
 //! communicate get a choice. Every candidate is lowered and those that give the same
-//! program are merged. Then, in order: the plan file (rank 0's entry wins, so every rank
-//! runs the same plan), else the cost model ([`PlanMode::Model`], or a call recorded into
-//! the caller's graph, where nothing can be timed), else tuning ([`PlanMode::Tune`]): every
-//! rank times each distinct candidate with the call's own inputs (outputs discarded),
-//! the ranks exchange their medians, and the candidate whose slowest rank is fastest runs;
-//! rank 0 writes it to the plan file. The decision is kept per rank in the executor.
+//! program are merged. Then, in order: the plan file, else the cost model
+//! ([`PlanMode::Model`], or a call recorded into the caller's graph, where nothing can be
+//! timed), else tuning ([`PlanMode::Tune`], [`tuning`]): every rank times each distinct
+//! candidate with the call's own inputs (outputs discarded; back-to-back calls between
+//! device markers), the ranks exchange their medians, and the candidate whose slowest
+//! rank is fastest runs; rank 0 writes it to the plan file. Rank 0's plan file entry and
+//! model order decide for every rank (one exchange), so every rank runs the same plan and
+//! times the same candidates in the same order. The decision is kept per rank in the
+//! executor.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use fusion_compiler::hir::StreamDef;
 use fusion_compiler::lower::LowerOptions;
@@ -31,12 +34,10 @@ use crate::eval::bound_leaves;
 use crate::tensor::Tensor;
 use crate::world::Rank;
 
+mod tuning;
+
 /// Candidates timed at most, in the cost model's order.
 const MAX_TUNED: usize = 32;
-/// Samples per timed candidate (the median counts).
-const SAMPLES: usize = 7;
-/// A sample lasts about this long (calls are batched up to it).
-const SAMPLE_TARGET: Duration = Duration::from_millis(3);
 
 /// Why a plan runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +76,11 @@ pub struct PlanReport {
     pub candidates: Vec<CandidateReport>,
     /// Host time spent timing candidates, ms (0 unless tuned in this process).
     pub tuning_ms: f64,
+    /// Whether the tuned times were taken on the device: markers (CUDA events) around
+    /// batches of back-to-back calls. False where nothing was tuned in this process or
+    /// the calls were traced (`FUSION_TRACE`; then the host's clock around synchronized
+    /// batches).
+    pub device_timed: bool,
     /// Where the machine rates of the model came from.
     pub profile: String,
     /// Problems met on the way (an ignored plan file, a file that could not be written).
@@ -91,7 +97,12 @@ impl std::fmt::Display for PlanReport {
         };
         write!(f, "plan: {} ({why}", self.plan)?;
         if self.tuning_ms > 0.0 {
-            write!(f, "; tuning took {:.1} ms", self.tuning_ms)?;
+            let clock = if self.device_timed {
+                "device-timed, back to back"
+            } else {
+                "host-timed"
+            };
+            write!(f, "; tuning took {:.1} ms, {clock}", self.tuning_ms)?;
         }
         writeln!(f, "; model: {})", self.profile)?;
         for c in &self.candidates {
@@ -234,13 +245,14 @@ impl PlanChoices {
             source: PlanSource::OnlyCandidate,
             candidates: Vec::new(),
             tuning_ms: 0.0,
+            device_timed: false,
             profile: profile.source.clone(),
             warnings: Vec::new(),
         };
         if distinct.len() == 1 {
             return Ok(finish(call, report, distinct, 0));
         }
-        // The plan file: rank 0's entry decides.
+        // The plan file's entry and the model's order, rank 0's for every rank.
         let texts: Vec<&str> = distinct.iter().map(|d| d.text.as_str()).collect();
         let file_key = file_key(call, &texts);
         let path = call.options.plan_file.clone().or_else(config::plan_cache);
@@ -251,31 +263,19 @@ impl PlanChoices {
         for w in &report.warnings {
             tracing::warn!(rank = call.rank.index(), "{w}");
         }
-        let agreed = call.rank.communicator().exchange(&[mine])?;
-        let from_rank0 = agreed
-            .first()
-            .and_then(|v| v.first())
-            .copied()
-            .unwrap_or(-1);
-        if from_rank0 >= 0 && (from_rank0 as usize) < distinct.len() {
+        let (from_file, mut order) = agree(call, mine, model_order(&distinct))?;
+        if let Some(i) = from_file {
             report.source = PlanSource::File;
-            return Ok(finish(call, report, distinct, from_rank0 as usize));
+            return Ok(finish(call, report, distinct, i));
         }
-        // The model's order (stable: the default first among equals).
-        let mut order: Vec<usize> = (0..distinct.len()).collect();
-        order.sort_by(|&a, &b| {
-            distinct[a]
-                .report
-                .model_ms
-                .total_cmp(&distinct[b].report.model_ms)
-        });
         if setting == PlanSetting::Model || call.recording {
             report.source = PlanSource::Model;
             return Ok(finish(call, report, distinct, order[0]));
         }
         order.truncate(MAX_TUNED);
         let started = Instant::now();
-        let slowest = tune(call, &distinct, &order)?;
+        let (slowest, device_timed) = tuning::tune(call, &distinct, &order)?;
+        report.device_timed = device_timed;
         for (j, &i) in order.iter().enumerate() {
             distinct[i].report.tuned_ms = Some(slowest[j] as f64 / 1e6);
         }
@@ -294,13 +294,42 @@ impl PlanChoices {
             }
         }
         if let (0, Some(path)) = (call.rank.index(), &path) {
-            if let Err(w) = remember(call, path, &file_key, &distinct, pick, slowest[best]) {
+            let tuned = (pick, slowest[best], device_timed);
+            if let Err(w) = remember(call, path, &file_key, &distinct, tuned) {
                 tracing::warn!("{w}");
                 report.warnings.push(w);
             }
         }
         Ok(finish(call, report, distinct, pick))
     }
+}
+
+/// The distinct candidates in the order of the model's estimates (stable: the default
+/// first among equals).
+fn model_order(distinct: &[Distinct]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..distinct.len()).collect();
+    order.sort_by(|&a, &b| (distinct[a].report.model_ms).total_cmp(&distinct[b].report.model_ms));
+    order
+}
+
+/// Rank 0's plan file entry (`file`: an index into the candidates, or -1) and model order
+/// (`order`), exchanged once, for every rank: the entry, if rank 0 has one, and the order
+/// (each rank's model binds its own rank, so estimates may differ between ranks; the
+/// plan, and the calls that tuning makes, must not).
+fn agree(call: &PlanCall<'_>, file: i64, order: Vec<usize>) -> Result<(Option<usize>, Vec<usize>)> {
+    let n = order.len();
+    let mut mine = vec![file];
+    mine.extend(order.iter().map(|&i| i as i64));
+    let all = call.rank.communicator().exchange(&mine)?;
+    let rank0 = all.into_iter().next().unwrap_or_default();
+    let from_file = (rank0.first().copied())
+        .filter(|&i| i >= 0 && (i as usize) < n)
+        .map(|i| i as usize);
+    let theirs: Vec<usize> = rank0.iter().skip(1).map(|&i| i as usize).collect();
+    let mut sorted = theirs.clone();
+    sorted.sort_unstable();
+    let valid = sorted.len() == n && sorted.iter().enumerate().all(|(j, &i)| i == j);
+    Ok((from_file, if valid { theirs } else { order }))
 }
 
 /// Every candidate of the plan space lowered for `call`, one per distinct program, with
@@ -376,49 +405,14 @@ fn file_choice(
     }
 }
 
-/// Times the candidates `order` of `call` on every rank; the slowest rank's median of
-/// each, in ns, in that order. Every candidate is warmed up (walked, captured) and its
-/// batch sized first; then [`SAMPLES`] rounds time one batch of every candidate in turn,
-/// so that the machine's drift over the tuning (clocks, temperature: a few percent over
-/// minutes) falls on all candidates alike instead of on the later ones.
-fn tune(call: &PlanCall<'_>, distinct: &[Distinct], order: &[usize]) -> Result<Vec<i64>> {
-    let timers: Vec<CandidateTimer<'_>> = order
-        .iter()
-        .map(|&i| CandidateTimer::new(call, &distinct[i]))
-        .collect::<Result<_>>()?;
-    let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(SAMPLES); timers.len()];
-    for _ in 0..SAMPLES {
-        for (t, s) in timers.iter().zip(&mut samples) {
-            s.push(t.sample()?);
-        }
-    }
-    let medians: Vec<i64> = samples
-        .into_iter()
-        .map(|mut s| {
-            s.sort();
-            (s[s.len() / 2].as_nanos() as i64).max(1)
-        })
-        .collect();
-    let all = call.rank.communicator().exchange(&medians)?;
-    Ok((0..order.len())
-        .map(|j| {
-            all.iter()
-                .filter_map(|v| v.get(j))
-                .copied()
-                .max()
-                .unwrap_or(i64::MAX)
-        })
-        .collect())
-}
-
-/// Writes the tuned plan `pick` (its time `ns`) into the plan file at `path`.
+/// Writes the tuned plan `pick` (its time `ns`, device-timed or not) into the plan file
+/// at `path`.
 fn remember(
     call: &PlanCall<'_>,
     path: &std::path::Path,
     key: &str,
     distinct: &[Distinct],
-    pick: usize,
-    ns: i64,
+    (pick, ns, device_timed): (usize, i64, bool),
 ) -> std::result::Result<(), String> {
     let entry = plan_file::FileEntry {
         plan: distinct[pick].plan.name.clone(),
@@ -441,6 +435,7 @@ fn remember(
         ),
         ("device", json!(rank.device().model())),
         ("default_ms", default_ms),
+        ("timed", json!(if device_timed { "device" } else { "host" })),
     ];
     plan_file::store(path, key, &entry, &extra)
         .map_err(|e| format!("plan file {} not written: {e}", path.display()))
@@ -553,8 +548,8 @@ fn with_plan(options: &ExecOptions, plan: &Plan) -> ExecOptions {
     }
 }
 
-/// The plan file's key of a decision: the build, the fusion, dtypes and shapes, the world
-/// and GPU, and the distinct candidate programs.
+/// The plan file's key of a decision: the build (and how it tunes), the fusion, dtypes
+/// and shapes, the world and GPU, and the distinct candidate programs.
 fn file_key(call: &PlanCall<'_>, programs: &[&str]) -> String {
     let (rank, prepared) = (call.rank, &call.prepared);
     let comm = rank.communicator();
@@ -569,78 +564,13 @@ fn file_key(call: &PlanCall<'_>, programs: &[&str]) -> String {
     );
     let device = rank.device().model();
     let revision = format!(
-        "{} {}",
+        "{} {} timing {}",
         env!("CARGO_PKG_VERSION"),
-        plan::PLAN_SPACE_REVISION
+        plan::PLAN_SPACE_REVISION,
+        tuning::TUNING_REVISION
     );
     let name = call.exec.name.as_str();
     let mut parts = vec![revision.as_str(), name, &fusion, &shapes, &world, &device];
     parts.extend_from_slice(programs);
     plan_file::stable_key(&parts)
-}
-
-/// One candidate being timed on this rank: its options and the batch of calls a sample
-/// times.
-struct CandidateTimer<'a> {
-    call: &'a PlanCall<'a>,
-    lowered: &'a Lowered,
-    options: ExecOptions,
-    batch: u32,
-}
-
-impl<'a> CandidateTimer<'a> {
-    /// Warms `candidate` up (a walked call and a captured one), times one call and sizes
-    /// the batch from the slowest rank's time, so that every rank runs as many calls.
-    fn new(call: &'a PlanCall<'a>, candidate: &'a Distinct) -> Result<Self> {
-        let mut timer = CandidateTimer {
-            call,
-            lowered: &candidate.lowered,
-            options: with_plan(call.options, &candidate.plan),
-            batch: 1,
-        };
-        timer.run()?;
-        timer.run()?;
-        let one = timer.sample()?;
-        let mine = one.as_nanos().max(1000) as i64;
-        let all = call.rank.communicator().exchange(&[mine])?;
-        let slowest = all
-            .iter()
-            .filter_map(|v| v.first())
-            .copied()
-            .max()
-            .unwrap_or(mine);
-        let slowest = Duration::from_nanos(slowest as u64);
-        timer.batch = (SAMPLE_TARGET.as_secs_f64() / slowest.as_secs_f64()).clamp(1.0, 50.0) as u32;
-        Ok(timer)
-    }
-
-    /// One call of the candidate.
-    fn run(&self) -> Result<()> {
-        let c = self.call;
-        let (p, start) = (&self.lowered.program, Instant::now());
-        let symbols = &c.prepared.symbols;
-        (c.exec).execute_from(
-            c.rank,
-            c.on.cloned(),
-            p,
-            symbols,
-            c.inputs,
-            None,
-            &self.options,
-            start,
-        )?;
-        Ok(())
-    }
-
-    /// The time per call of one batch, between device synchronizations.
-    fn sample(&self) -> Result<Duration> {
-        let device = self.call.rank.device();
-        device.synchronize()?;
-        let t = Instant::now();
-        for _ in 0..self.batch {
-            self.run()?;
-        }
-        device.synchronize()?;
-        Ok(t.elapsed() / self.batch)
-    }
 }

@@ -154,6 +154,23 @@ impl CudaDevice {
             })
     }
 
+    /// Records a timing marker on `raw`, a stream of this device's context; returns its id.
+    fn record_marker_raw(&self, raw: RawStream) -> Result<usize> {
+        let mut m = self.markers.lock().unwrap_or_else(PoisonError::into_inner);
+        let ev = match m.1.pop() {
+            Some(e) => e,
+            None => RawEvent(
+                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                    .map_err(|e| driver_err("creating a timing event", e))?,
+            ),
+        };
+        // SAFETY: an event and a stream of this device's context.
+        unsafe { result::event::record(ev.0, raw.0) }
+            .map_err(|e| driver_err("cuEventRecord", e))?;
+        m.0.push(ev);
+        Ok(m.0.len() - 1)
+    }
+
     /// The device's copy stream `key` (created on first use): transfers on one copy
     /// stream run one after another, on different ones concurrently.
     pub(crate) fn copy_stream(&self, key: usize) -> Result<RawStream> {
@@ -436,20 +453,21 @@ impl Device for CudaDevice {
     }
 
     fn record_marker(&self, stream: StreamHandle) -> Result<usize> {
-        let raw = self.raw_stream(stream)?;
-        let mut m = self.markers.lock().unwrap_or_else(PoisonError::into_inner);
-        let ev = match m.1.pop() {
-            Some(e) => e,
-            None => RawEvent(
-                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-                    .map_err(|e| driver_err("creating a timing event", e))?,
-            ),
+        self.record_marker_raw(self.raw_stream(stream)?)
+    }
+
+    fn record_call_marker(&self, on: Option<&CallerStream>) -> Result<usize> {
+        let Some(on) = on else {
+            return self.record_marker(0);
         };
-        // SAFETY: an event and a stream of this device's context.
-        unsafe { result::event::record(ev.0, raw.0) }
-            .map_err(|e| driver_err("cuEventRecord", e))?;
-        m.0.push(ev);
-        Ok(m.0.len() - 1)
+        // A per-thread default stream's handle means another stream on another thread.
+        if on.thread.is_some_and(|t| t != std::thread::current().id()) {
+            return Err(Error::Backend {
+                backend: "cuda",
+                reason: "a timing marker on another thread's per-thread default stream".into(),
+            });
+        }
+        self.record_marker_raw(RawStream(on.raw as sys::CUstream))
     }
 
     fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64> {
