@@ -13,7 +13,6 @@ use fusion_runtime::tensor::DeviceBuffer;
 use fusion_runtime::{ExecOptions, FusionExecutor, Rank, Tensor};
 use half::{bf16, f16};
 
-use crate::call::Written;
 use crate::error::{Error, Result};
 
 /// Device memory of candle's that fusion tensors view, kept alive by `holds`: a clone of
@@ -137,7 +136,7 @@ pub(crate) fn run(
     inputs: &[&Tensor],
     device: &CudaDevice,
     options: &ExecOptions,
-) -> Result<Vec<Written>> {
+) -> Result<Vec<(Storage, Vec<usize>)>> {
     let stream = device.cuda_stream();
     let target = rank.on(&stream);
     let layouts = exec.output_layouts(&target, inputs, options)?;
