@@ -1,29 +1,32 @@
 //! candle's CUDA tensors as fusion tensors: the same device memory, kept alive by the
-//! candle tensor.
+//! candle tensor; and fusion outputs in memory candle's device allocated, which becomes
+//! candle storage after the call.
 
 use std::any::Any;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::CudaStorageSlice;
-use candle_core::CudaStorage;
+use candle_core::{CudaDevice, CudaStorage, Storage};
 use fusion_compiler::DType;
 use fusion_runtime::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use fusion_runtime::tensor::DeviceBuffer;
-use fusion_runtime::{Rank, Tensor};
+use fusion_runtime::{ExecOptions, FusionExecutor, Rank, Tensor};
+use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 
-/// Device memory of a candle tensor, which `_owner` (a clone of that tensor, holding its
-/// storage) keeps alive as long as any fusion tensor views it.
+/// Device memory of candle's that fusion tensors view, kept alive by `holds`: a clone of
+/// the candle tensor (holding its storage) for an input, the slice itself for a call's
+/// output (until it moves into candle storage).
 #[derive(Debug)]
-struct CandleMemory {
-    _owner: candle_core::Tensor,
+struct CandleMemory<K> {
+    holds: K,
     ptr: u64,
     bytes: usize,
     ordinal: usize,
 }
 
-impl DeviceBuffer for CandleMemory {
+impl<K: std::fmt::Debug + Send + Sync + 'static> DeviceBuffer for CandleMemory<K> {
     fn ptr(&self) -> u64 {
         self.ptr
     }
@@ -88,10 +91,90 @@ pub(crate) fn view(
         )));
     }
     let memory = CandleMemory {
-        _owner: owner.clone(),
+        holds: owner.clone(),
         ptr,
         bytes,
         ordinal: ours.ordinal(),
     };
     Ok(Tensor::from_device(dtype, shape, Arc::new(memory)))
+}
+
+/// An output's memory, allocated by candle's device on its stream.
+#[derive(Debug)]
+enum Slice {
+    F32(CudaSlice<f32>),
+    BF16(CudaSlice<bf16>),
+    F16(CudaSlice<f16>),
+}
+
+/// Memory for an output of `dtype` and `numel` elements on candle's `device`.
+fn allocate(device: &CudaDevice, dtype: DType, numel: usize) -> Result<CandleMemory<Slice>> {
+    let stream = device.cuda_stream();
+    let slice = match dtype {
+        DType::F32 => Slice::F32(device.alloc_zeros::<f32>(numel)?),
+        DType::BF16 => Slice::BF16(device.alloc_zeros::<bf16>(numel)?),
+        DType::F16 => Slice::F16(device.alloc_zeros::<f16>(numel)?),
+    };
+    let (ptr, bytes) = match &slice {
+        Slice::F32(s) => address(s, &stream),
+        Slice::BF16(s) => address(s, &stream),
+        Slice::F16(s) => address(s, &stream),
+    };
+    Ok(CandleMemory {
+        holds: slice,
+        ptr,
+        bytes,
+        ordinal: device.cuda_stream().context().ordinal(),
+    })
+}
+
+/// The call of [`crate::call::run`] on candle's CUDA `device`: on its stream, every output
+/// written into memory that device allocated, handed to candle afterwards (no copy).
+pub(crate) fn run(
+    rank: &Rank,
+    exec: &FusionExecutor,
+    inputs: &[&Tensor],
+    device: &CudaDevice,
+    options: &ExecOptions,
+) -> Result<Vec<(Storage, Vec<usize>)>> {
+    let stream = device.cuda_stream();
+    let target = rank.on(&stream);
+    let layouts = exec.output_layouts(&target, inputs, options)?;
+    let mut memories = Vec::with_capacity(layouts.len());
+    let mut outputs = Vec::with_capacity(layouts.len());
+    for (k, layout) in layouts.into_iter().enumerate() {
+        let Some((dtype, shape)) = layout else {
+            return Err(Error::Unsupported(format!(
+                "output {k} of fusion `{}` has no part on rank {}; a candle call takes \
+                 outputs every rank holds",
+                exec.name(),
+                rank.index()
+            )));
+        };
+        let memory = Arc::new(allocate(device, dtype, shape.iter().product())?);
+        let buffer: Arc<dyn DeviceBuffer> = memory.clone();
+        outputs.push(Tensor::from_device(dtype, &shape, buffer));
+        memories.push((memory, shape));
+    }
+    let refs: Vec<&Tensor> = outputs.iter().collect();
+    drop(exec.run_with(&target, inputs, Some(&refs), options)?);
+    drop(refs);
+    drop(outputs);
+    (memories.into_iter().enumerate())
+        .map(|(k, (memory, shape))| {
+            let memory = Arc::try_unwrap(memory).map_err(|m| Error::Output {
+                name: format!("{} output {k}", exec.name()),
+                source: Box::new(fusion_runtime::Error::Tensor(format!(
+                    "{} fusion tensor(s) still view it after the call",
+                    Arc::strong_count(&m) - 1
+                ))),
+            })?;
+            let storage = match memory.holds {
+                Slice::F32(s) => CudaStorage::wrap_cuda_slice(s, device.clone()),
+                Slice::BF16(s) => CudaStorage::wrap_cuda_slice(s, device.clone()),
+                Slice::F16(s) => CudaStorage::wrap_cuda_slice(s, device.clone()),
+            };
+            Ok((Storage::Cuda(storage), shape))
+        })
+        .collect()
 }

@@ -48,6 +48,9 @@ pub enum Error {
         #[source]
         source: Box<fusion_runtime::Error>,
     },
+    /// A fusion, or a use of one, that the adapter cannot turn into a candle call or op.
+    #[error("{0}")]
+    Unsupported(String),
     /// A broken invariant of the adapter (a bug: please report it).
     #[error("internal error in fusion-candle: {0}")]
     Internal(String),
@@ -62,6 +65,13 @@ pub enum Error {
 impl From<fusion_runtime::Error> for Error {
     fn from(e: fusion_runtime::Error) -> Self {
         Error::Fusion(Box::new(e))
+    }
+}
+
+impl From<fusion_compiler::Error> for Error {
+    /// A fusion that did not build or differentiate (e.g. `name::backward::derive()`).
+    fn from(e: fusion_compiler::Error) -> Self {
+        Error::Fusion(Box::new(fusion_runtime::Error::Core(e)))
     }
 }
 

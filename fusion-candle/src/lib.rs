@@ -48,16 +48,25 @@
 //! place (`Var::set`, `slice_set`) while a fusion reads it is a race. [`output`] consumes
 //! the fusion tensor and moves its memory into the candle tensor; it refuses while another
 //! view of the output is alive, so the two libraries never share an output.
+//!
+//! Training: a [`Differentiable`] (made by [`differentiable!`] from a `#[backward]`
+//! fusion) applies the fusion to candle tensors as a candle op whose gradient is the
+//! derived backward fusion, so `loss.backward()` trains through tensor-parallel layers;
+//! [`call`] runs a fusion on candle tensors without a gradient.
 
 #![warn(clippy::too_many_lines)]
 
+mod call;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device;
+mod differentiable;
 mod error;
 mod input;
 mod output;
 
+pub use call::call;
+pub use differentiable::Differentiable;
 pub use error::{Error, Result};
 pub use input::input;
 #[cfg(feature = "cuda")]
