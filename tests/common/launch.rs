@@ -31,7 +31,10 @@ pub fn child_args(name: &str) -> Vec<&str> {
 pub fn backtrace_on_crash() {
     extern "C" fn on_crash(signal: libc::c_int) {
         let trace = std::backtrace::Backtrace::force_capture();
-        eprintln!("CRASH: signal {signal} on thread {:?}\n{trace}", std::thread::current().name());
+        eprintln!(
+            "CRASH: signal {signal} on thread {:?}\n{trace}",
+            std::thread::current().name()
+        );
         // SAFETY: back to the default action, then the same signal again: the process ends
         // as it would have.
         unsafe {
