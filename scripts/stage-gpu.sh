@@ -33,8 +33,8 @@ for line in sys.stdin:
 # building candle's kernels needs nvcc (e.g. NVIDIA's nvidia-cuda-nvcc 13.0 wheels, with
 # CUDA_HOME pointing at a folder that also holds the link libraries; docs/GPU-TESTING.md).
 if command -v nvcc >/dev/null; then
-    CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} cargo build --release --features candle-cuda --example candle_llama
-    cp target/release/examples/candle_llama .gpu/bin/
+    CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} cargo build --release --features candle-cuda --example candle_llama --example candle_train
+    cp target/release/examples/candle_llama target/release/examples/candle_train .gpu/bin/
 else
     echo "stage-gpu: no nvcc, so no candle_llama (the candle tasks need it)" >&2
 fi
