@@ -44,7 +44,7 @@ fn ag_matmul(d: usize, copy_streams: CopyStreams, p2p: Transport) -> (Tensor, Ho
 
 fn notes_one(p: &HostProgram) -> bool {
     p.to_string()
-        .contains("// copy streams: one for every peer")
+        .contains("// copy streams: one shared by all peers")
 }
 
 #[test]

@@ -109,7 +109,7 @@ fn choose_copy_streams(program: &mut HostProgram, copy_streams: CopyStreams) {
     if copies {
         program.copy_streams = copy_streams;
         program.notes.push(
-            "copy streams: one for every peer (LowerOptions::transports.copy_streams)".into(),
+            "copy streams: one shared by all peers (LowerOptions::transports.copy_streams)".into(),
         );
     }
 }
@@ -215,7 +215,7 @@ mod tests {
         assert!(has_note(&one), "{one}");
         assert!(one
             .to_string()
-            .contains("// copy streams: one for every peer"));
+            .contains("// copy streams: one shared by all peers"));
         let per_peer = lowered(Transport::CopyEngine, CopyStreams::PerPeer);
         assert_eq!(per_peer.copy_streams, CopyStreams::PerPeer);
         assert!(!has_note(&per_peer), "{per_peer}");
