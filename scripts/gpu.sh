@@ -42,6 +42,8 @@ two GPUs or more:
   soak [devices]          the 100,000-call memory soak
   timeline [args..]       the timeline pictures (DEVICES=n, default 2)
   layers                  bench/run-layers.sh: layer checks and benchmark against PyTorch
+  backward                bench/run-backward.sh: the derived backward of the MLP block, AG+GEMM
+                          and GEMM+RS against PyTorch's autograd, D = 4 and 2
   overlap                 bench/run-overlap.sh: overlap benchmark against PyTorch, D = all, 4, 2
   overlap-x2              bench/run-overlap.sh on all GPUs only, with traces
   replay-x2               CUDA-graph tests and host_costs --graph-topologies on 2 GPUs
@@ -808,6 +810,7 @@ case "$task" in
         ring-x2 | shared-ranks | soak | timeline | token | session | x2) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
+    backward) exec bash bench/run-backward.sh ;;
     overlap) exec bash bench/run-overlap.sh ;;
     overlap-x2)
         export SKIP_D2=1

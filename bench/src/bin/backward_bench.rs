@@ -1,0 +1,418 @@
+//! Backward benchmark: the derived backward (`#[backward]`) of tensor-parallel layers on
+//! every device of the world: the sequence-parallel MLP block and the overlap benchmark's
+//! seed layers AG+GEMM and GEMM+RS (`fusion_bench::backward_cases`), in bf16.
+//!
+//! ```sh
+//! cargo run --release -p fusion-bench --bin backward_bench -- --json backward.jsonl
+//! ```
+//!
+//! Per layer and shape: `backward`, the derived backward called as a user calls it
+//! (`name::backward(rank, ..)`, default options: its plan chosen at the first call, tuned
+//! on GPUs; that first call is timed apart on the host clock with its plan and tuning
+//! time), its gradients checked against a reference made of single-device GEMMs and the
+//! collectives alone; `forward` (the layer's own call, default options); `step`, a training
+//! step without the optimizer (forward, then backward); and each step of the reference
+//! alone (`gemm_<name>_alone`, the backward's GEMMs at their whole shapes, `recompute` for
+//! one that recomputes a forward value; `ag_*_alone`, `rs_*_alone`, `act*_alone`). Times
+//! are device-event medians of `--iters` calls after `--warmup`, all ranks released
+//! together, the slowest rank's median; inputs are fresh uniform random values each run
+//! (the seed is printed). A gradient off by more than a bf16 tolerance fails the run after
+//! the rows are written.
+
+use clap::Parser;
+use fusion::{ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
+use fusion_bench::backward_cases::{Kernels, Kind, Op, Parts, Steps, DTYPE};
+use fusion_bench::cli::{list, seed_or_clock, write_file};
+use fusion_bench::finish::finish;
+use fusion_bench::first_call::{first_call, PlanInfo};
+use fusion_bench::fusions as components;
+use fusion_bench::measure::{device_ms, rel_error};
+use serde_json::json;
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Devices (default: every GPU, else 4 simulated devices).
+    #[arg(long)]
+    devices: Option<usize>,
+    /// Layers: `mlp`, `ag` (AG+GEMM), `rs` (GEMM+RS), comma-separated.
+    #[arg(long, default_value = "mlp,ag,rs")]
+    ops: String,
+    /// Shapes of AG+GEMM and GEMM+RS as M,K,N separated by `;` (the overlap benchmark's).
+    #[arg(long, default_value = "8192,8192,8192;16384,8192,2048;16384,8192,8192")]
+    shapes: String,
+    /// Shapes of the MLP block as M,H,F separated by `;` (the layer benchmark's).
+    #[arg(
+        long,
+        default_value = "8192,4096,14336;8192,8192,28672;16384,8192,28672"
+    )]
+    mlp_shapes: String,
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Write every measurement as JSON lines here.
+    #[arg(long)]
+    json: Option<String>,
+    /// Seed of the random inputs (default: from the clock; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Small shapes and few calls, for a run on simulated devices.
+    #[arg(long)]
+    quick: bool,
+}
+
+/// A layer's three sizes (`M, H, F` or `M, K, N`).
+type Shape = (usize, usize, usize);
+
+/// The largest relative error a bf16 gradient may have against the reference.
+const TOLERANCE: f64 = 5e-2;
+
+/// One measured case on one rank.
+#[derive(Clone, Debug)]
+struct Sample {
+    case: String,
+    /// `call`, `gemm`, `comm` or `elementwise`.
+    kind: &'static str,
+    ms: f64,
+    /// The backward's largest relative error over its gradients.
+    relerr: Option<f64>,
+    /// For a GEMM alone: whether it recomputes a forward value.
+    recompute: Option<bool>,
+    plan: Option<PlanInfo>,
+}
+
+impl Sample {
+    fn call(case: &str, ms: f64, plan: Option<PlanInfo>) -> Sample {
+        Sample {
+            case: case.into(),
+            kind: "call",
+            ms,
+            relerr: None,
+            recompute: None,
+            plan,
+        }
+    }
+}
+
+/// The reference's steps, each run once (its output) and timed alone.
+struct Timed<'a> {
+    rank: &'a Rank,
+    a: &'a Args,
+    options: ExecOptions,
+    out: Vec<Sample>,
+}
+
+impl Steps for Timed<'_> {
+    fn step(
+        &mut self,
+        name: &str,
+        kind: Kind,
+        exec: &FusionExecutor,
+        inputs: &[&Tensor],
+    ) -> Result<Tensor> {
+        let (rank, o) = (self.rank, &self.options);
+        let first = exec.run_with(rank, inputs, None, o)?.outputs[0].clone();
+        let ms = device_ms(rank, self.a.iters, self.a.warmup, || {
+            exec.run_with(rank, inputs, None, o).map(|_| ())
+        })?;
+        let (kind, recompute) = match kind {
+            Kind::Gemm { recompute } => ("gemm", Some(recompute)),
+            Kind::Comm => ("comm", None),
+            Kind::Elementwise => ("elementwise", None),
+        };
+        self.out.push(Sample {
+            case: format!("{name}_alone"),
+            kind,
+            ms,
+            relerr: None,
+            recompute,
+            plan: None,
+        });
+        Ok(first)
+    }
+}
+
+/// Options set by hand, so that nothing is tuned (the reference's single-device steps and
+/// collectives alone, as the layer benchmark's components).
+fn fixed() -> ExecOptions {
+    let mut o = ExecOptions::default();
+    o.lower = o.lower.without_pass("StreamParallelType");
+    o
+}
+
+/// The largest relative error of the gradients `got` against `reference` (same shapes).
+fn gradient_error(
+    rank: &Rank,
+    err: &FusionExecutor,
+    got: &[Tensor],
+    reference: &[Tensor],
+) -> Result<f64> {
+    if got.len() != reference.len() {
+        return Err(fusion::Error::World(format!(
+            "the backward returned {} gradients, the reference {}",
+            got.len(),
+            reference.len()
+        )));
+    }
+    let mut worst = 0.0f64;
+    for (i, (g, r)) in got.iter().zip(reference).enumerate() {
+        if g.shape() != r.shape() {
+            return Err(fusion::Error::World(format!(
+                "gradient {i} has shape {:?}, the reference {:?}",
+                g.shape(),
+                r.shape()
+            )));
+        }
+        worst = worst.max(rel_error(rank, err, g, r)?);
+    }
+    Ok(worst)
+}
+
+/// Every case of one layer and shape, on one rank.
+fn run_case(
+    rank: &Rank,
+    a: &Args,
+    k: &Kernels,
+    err: &FusionExecutor,
+    op: Op,
+    shape: Shape,
+    seed: u64,
+) -> Result<Vec<Sample>> {
+    let p: Parts = op.inputs(rank, shape, seed)?;
+    let mut steps = Timed {
+        rank,
+        a,
+        options: fixed(),
+        out: Vec::new(),
+    };
+    let reference = op.reference(k, &p, rank.world_size(), &mut steps)?;
+    let o = ExecOptions::default();
+    let what = format!("{} {shape:?}", op.name());
+    // The backward's first call, on the executor `name::backward` calls (its plan is
+    // chosen here), then as a user calls it.
+    let (exec, ins) = op.backward_call(&p)?;
+    let refs: Vec<&Tensor> = ins.iter().collect();
+    let (plan, report) = first_call(rank, &format!("{what} backward"), || {
+        exec.run_with(rank, &refs, None, &o)
+    })?;
+    let relerr = gradient_error(rank, err, &report.outputs, &reference)?;
+    drop(report);
+    let (iters, warmup) = (a.iters, a.warmup);
+    let ms = device_ms(rank, iters, warmup, || op.backward(rank, &p).map(|_| ()))?;
+    let mut backward = Sample::call("backward", ms, Some(plan));
+    backward.relerr = Some(relerr);
+    let primals: Vec<&Tensor> = p.primals.iter().collect();
+    let forward_exec = op.forward_executor()?;
+    let (plan, _) = first_call(rank, &format!("{what} forward"), || {
+        forward_exec.run_with(rank, &primals, None, &o)
+    })?;
+    let ms = device_ms(rank, iters, warmup, || op.forward(rank, &p).map(|_| ()))?;
+    let forward = Sample::call("forward", ms, Some(plan));
+    let ms = device_ms(rank, iters, warmup, || {
+        op.forward(rank, &p)?;
+        op.backward(rank, &p).map(|_| ())
+    })?;
+    let mut out = vec![backward, forward, Sample::call("step", ms, None)];
+    out.extend(steps.out);
+    Ok(out)
+}
+
+/// One case over the ranks: rank 0's sample with the slowest rank's times and the
+/// largest error.
+struct Row {
+    op: Op,
+    shape: Shape,
+    devices: usize,
+    s: Sample,
+    rank_ms: Vec<f64>,
+}
+
+impl Row {
+    fn new(op: Op, shape: Shape, per_rank: &[Vec<Sample>], i: usize) -> Row {
+        let worst =
+            |f: &dyn Fn(&Sample) -> f64| per_rank.iter().map(|r| f(&r[i])).fold(0.0, f64::max);
+        let mut s = per_rank[0][i].clone();
+        s.ms = worst(&|s| s.ms);
+        if s.relerr.is_some() {
+            s.relerr = Some(worst(&|s| s.relerr.unwrap_or(0.0)));
+        }
+        if let Some(p) = &mut s.plan {
+            p.tuning_ms = worst(&|s| s.plan.as_ref().map_or(0.0, |p| p.tuning_ms));
+            p.first_call_ms = worst(&|s| s.plan.as_ref().map_or(0.0, |p| p.first_call_ms));
+        }
+        Row {
+            op,
+            shape,
+            devices: per_rank.len(),
+            rank_ms: per_rank.iter().map(|r| r[i].ms).collect(),
+            s,
+        }
+    }
+
+    fn json(&self) -> String {
+        let (x, y, z) = self.shape;
+        let [dx, dy, dz] = self.op.dims();
+        let mut v = json!({
+            "source": "ours", "op": self.op.name(), "shape": format!("{x},{y},{z}"),
+            dx: x, dy: y, dz: z, "D": self.devices, "dtype": DTYPE.name(),
+            "case": self.s.case, "kind": self.s.kind, "ms": r4(self.s.ms),
+            "rank_ms": self.rank_ms.iter().copied().map(r4).collect::<Vec<_>>(),
+        });
+        if let Some(e) = self.s.relerr {
+            v["relerr"] = json!(e);
+        }
+        if let Some(r) = self.s.recompute {
+            v["recompute"] = json!(r);
+        }
+        if let Some(p) = &self.s.plan {
+            v["plan"] = json!(p.plan);
+            v["plan_source"] = json!(p.source);
+            v["tuning_ms"] = json!(r4(p.tuning_ms));
+            v["first_call_ms"] = json!(r4(p.first_call_ms));
+        }
+        v.to_string()
+    }
+}
+
+/// `x` rounded to 4 decimals (times in ms).
+fn r4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
+
+fn main() -> std::process::ExitCode {
+    finish(run())
+}
+
+/// The layers and shapes of the run, in order.
+fn cases(a: &Args) -> Result<Vec<(Op, Shape)>> {
+    let mut out = Vec::new();
+    for name in a.ops.split(',').map(str::trim) {
+        let op = Op::parse(name)
+            .ok_or_else(|| fusion::Error::World(format!("unknown op `{name}`: mlp, ag, rs")))?;
+        let shapes = if op == Op::Mlp {
+            &a.mlp_shapes
+        } else {
+            &a.shapes
+        };
+        for s in shapes.split(';') {
+            let &[x, y, z] = list(s).as_slice() else {
+                return Err(fusion::Error::World(format!(
+                    "bad shape `{s}`: three sizes"
+                )));
+            };
+            out.push((op, (x, y, z)));
+        }
+    }
+    Ok(out)
+}
+
+fn run() -> Result<()> {
+    let mut a = Args::parse();
+    if a.quick {
+        a.shapes = "64,32,16;32,32,32".into();
+        a.mlp_shapes = "64,32,48;128,64,96".into();
+        a.iters = 3;
+        a.warmup = 1;
+    }
+    let todo = cases(&a)?; // a wrong name fails before any device work
+    let world = World::auto(a.devices)?;
+    let d = world.size();
+    println!(
+        "backward_bench: backend {} devices {d} dtype {DTYPE}",
+        world.backend().name()
+    );
+    let seed = seed_or_clock(a.seed);
+    println!("backward_bench: input seed {seed}");
+    let kernels = Kernels::new()?;
+    let err = FusionExecutor::new(components::squared_error(DTYPE)?);
+    let mut rows: Vec<Row> = Vec::new();
+    for (op, shape) in todo {
+        if let Some(why) = op.unsplittable(shape, d) {
+            println!("skipping {} {shape:?}: {why}", op.name());
+            continue;
+        }
+        let per_rank = world.run(|rank| run_case(rank, &a, &kernels, &err, op, shape, seed))?;
+        for i in 0..per_rank[0].len() {
+            let row = Row::new(op, shape, &per_rank, i);
+            print_row(&row);
+            rows.push(row);
+        }
+    }
+    if let Some(path) = &a.json {
+        let text: String = rows.iter().map(|r| r.json() + "\n").collect();
+        write_file(path, text)?;
+    }
+    print_table(&rows);
+    let off: Vec<String> = (rows.iter())
+        .filter(|r| r.s.relerr.is_some_and(|e| e.is_nan() || e > TOLERANCE))
+        .map(|r| format!("{} {:?}", r.op.name(), r.shape))
+        .collect();
+    if !off.is_empty() {
+        return Err(fusion::Error::World(format!(
+            "gradients off by more than {TOLERANCE}: {}",
+            off.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// One row on the console; a default call's plan after it.
+fn print_row(row: &Row) {
+    let (x, y, z) = row.shape;
+    print!(
+        "{:8} {x:>6} {y:>6} {z:>6} {:<18} {:8.3} ms",
+        row.op.name(),
+        row.s.case,
+        row.s.ms
+    );
+    if let Some(e) = row.s.relerr {
+        print!("  relerr {e:.2e}");
+    }
+    if let Some(p) = &row.s.plan {
+        print!(
+            "  plan {} ({}, tuning {:.0} ms, first call {:.1} ms)",
+            p.plan, p.source, p.tuning_ms, p.first_call_ms
+        );
+    }
+    println!();
+}
+
+/// Per layer and shape: the backward against its GEMMs alone (all of them, and only those
+/// computing gradients), the collectives alone, the forward and the training step.
+fn print_table(rows: &[Row]) {
+    println!(
+        "\n| layer | shape | D | backward | GEMMs | backward / GEMMs | gradient GEMMs | collectives | forward | step | relerr | plan |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    let mut keys: Vec<(Op, Shape)> = Vec::new();
+    for r in rows {
+        if !keys.contains(&(r.op, r.shape)) {
+            keys.push((r.op, r.shape));
+        }
+    }
+    for (op, shape) in keys {
+        let of_key = || (rows.iter()).filter(|r| r.op == op && r.shape == shape);
+        let sum = |keep: &dyn Fn(&Sample) -> bool| -> f64 {
+            of_key().filter(|r| keep(&r.s)).map(|r| r.s.ms).sum()
+        };
+        let get = |case: &str| of_key().find(|r| r.s.case == case);
+        let ms = |case: &str| get(case).map_or(f64::NAN, |r| r.s.ms);
+        let gemms = sum(&|s| s.kind == "gemm");
+        let grads = sum(&|s| s.kind == "gemm" && s.recompute == Some(false));
+        let comm = sum(&|s| s.kind == "comm");
+        let bw = get("backward");
+        let relerr = bw.and_then(|r| r.s.relerr).unwrap_or(f64::NAN);
+        let plan = (bw.and_then(|r| r.s.plan.as_ref()))
+            .map_or("-".into(), |p| format!("{} ({})", p.plan, p.source));
+        let (x, y, z) = shape;
+        let d = rows.first().map_or(0, |r| r.devices);
+        println!(
+            "| {} | {x}, {y}, {z} | {d} | {:.3} | {gemms:.3} | {:.2} | {grads:.3} | {comm:.3} | {:.3} | {:.3} | {relerr:.1e} | {plan} |",
+            op.name(),
+            ms("backward"),
+            ms("backward") / gemms,
+            ms("forward"),
+            ms("step"),
+        );
+    }
+}
