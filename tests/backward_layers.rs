@@ -1,7 +1,7 @@
 //! The derived backward (`fusion_compiler::autodiff`) of the tensor-parallel layers: the
 //! column-parallel AG+GEMM, the row-parallel GEMM+RS, the plain TP all-reduce forms, the
 //! MLP block (gelu, gelu_tanh, silu), the gated MLP and the attention projections. On 1,
-//! 2, 3, 4 and 8 simulated devices, with pipelining off and forced, each input gradient
+//! 2, 3, 4 and 8 simulated devices, under every plan candidate and pipelining forced, each input gradient
 //! matches central finite differences of the forward (an f64 interpreter of the IR), and
 //! so does the backward fusion itself evaluated in f64.
 
@@ -14,6 +14,7 @@ use fusion::compiler::autodiff::{backward, BackwardInput, GradSpec};
 use fusion::compiler::builder::FusionBuilder;
 use fusion::compiler::ir::{Fusion, ParallelType, Scalar, ScalarId, TensorId, UnaryOp};
 use fusion::compiler::lower::Pipelining;
+use fusion::compiler::plan::candidates;
 use fusion::{DType, ExecOptions, Tensor};
 
 use ParallelType::{DIDx as Dx, Serial as S};
@@ -130,16 +131,23 @@ fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
             "{name} on {d}: the f64 backward of input {i} is off by {e:.2e}"
         );
     }
-    for pipelining in [Pipelining::Never, Pipelining::Always] {
+    // Pipelining forced, and every plan a call's tuning may pick.
+    let mut forced = ExecOptions::default();
+    forced.lower.pipelines.pipelining = Pipelining::Always;
+    let plans = candidates(d).into_iter().map(|p| {
         let mut options = ExecOptions::default();
-        options.lower.pipelines.pipelining = pipelining;
+        options.lower = p.lower;
+        options.number_of_streams = p.number_of_streams;
+        (p.name, options)
+    });
+    for (plan, options) in std::iter::once(("pipelined, forced".to_string(), forced)).chain(plans) {
         let got = run(bf, d, &given, &takes, &options);
         for (k, t) in got.outputs.iter().enumerate() {
             let v = t.to_f32_vec().unwrap().into_iter().map(f64::from).collect();
             let e = distance(&Arr::new(t.shape(), v), &exact[k]);
             assert!(
                 e < 1e-4,
-                "{name} on {d} devices ({pipelining:?}): gradient {k} off by {e:.2e}"
+                "{name} on {d} devices (plan {plan}): gradient {k} off by {e:.2e}"
             );
         }
     }

@@ -60,11 +60,12 @@ impl Pass for FuseEpilogue {
 
 /// For every tensor, the compute nodes (by expression) that read its value, and whether
 /// anything else (a communication, a view, a launch) reads it. A stream chunk (an
-/// `AliasSelect` output) is read wherever its whole tensor is selected again.
+/// `AliasSelect` output), or a view of one (a row range of it), is read wherever its whole
+/// tensor is selected again.
 struct Readers {
     exprs: HashMap<TensorId, Vec<Expr>>,
     other: HashSet<TensorId>,
-    /// Chunk -> the tensor it selects from.
+    /// Chunk or view -> the tensor it selects from or views.
     chunk_of: HashMap<TensorId, TensorId>,
     /// How many nodes select chunks of a tensor.
     selects: HashMap<TensorId, usize>,
@@ -86,6 +87,11 @@ fn readers(body: &[Node]) -> Readers {
                     r.exprs.entry(t).or_default().push(e.clone());
                 }
             }
+            if e.op.is_view() {
+                if let Some(&whole) = e.inputs.first() {
+                    r.chunk_of.insert(e.output, whole);
+                }
+            }
         }
         Node::AliasSelect { input, output, .. } => {
             r.other.insert(*input);
@@ -105,16 +111,20 @@ fn readers(body: &[Node]) -> Readers {
 }
 
 impl Readers {
-    /// The one expression that reads `t`, if nothing else does (for a chunk: nothing
-    /// else reads its whole tensor, e.g. a later loop selecting chunks of it again).
+    /// The one expression that reads `t`, if nothing else does (for a chunk or a view of
+    /// one: nothing else reads the tensor it comes from, e.g. a later loop selecting chunks
+    /// of it again, at any step of the chain of selects and views).
     fn only_reader(&self, t: TensorId) -> Option<&Expr> {
         if self.other.contains(&t) {
             return None;
         }
-        if let Some(whole) = self.chunk_of.get(&t) {
-            if self.selects.get(whole).copied().unwrap_or(0) > 1 || self.exprs.contains_key(whole) {
+        let mut part = t;
+        while let Some(&whole) = self.chunk_of.get(&part) {
+            if self.selects.get(&whole).copied().unwrap_or(0) > 1 || self.exprs.contains_key(&whole)
+            {
                 return None;
             }
+            part = whole;
         }
         match self.exprs.get(&t).map(Vec::as_slice) {
             Some([e]) => Some(e),
