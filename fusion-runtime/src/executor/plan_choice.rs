@@ -274,8 +274,16 @@ impl PlanChoices {
         }
         order.truncate(MAX_TUNED);
         let started = Instant::now();
-        let (slowest, device_timed) = tuning::tune(call, &distinct, &order)?;
+        let tuning::Tuned {
+            slowest,
+            device_timed,
+            warnings,
+        } = tuning::tune(call, &distinct, &order)?;
         report.device_timed = device_timed;
+        for w in warnings {
+            tracing::warn!(rank = call.rank.index(), "{w}");
+            report.warnings.push(w);
+        }
         for (j, &i) in order.iter().enumerate() {
             distinct[i].report.tuned_ms = Some(slowest[j] as f64 / 1e6);
         }
