@@ -135,9 +135,11 @@ fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
     let mut forced = ExecOptions::default();
     forced.lower.pipelines.pipelining = Pipelining::Always;
     let plans = candidates(d).into_iter().map(|p| {
-        let mut options = ExecOptions::default();
-        options.lower = p.lower;
-        options.number_of_streams = p.number_of_streams;
+        let options = ExecOptions {
+            lower: p.lower,
+            number_of_streams: p.number_of_streams,
+            ..Default::default()
+        };
         (p.name, options)
     });
     for (plan, options) in std::iter::once(("pipelined, forced".to_string(), forced)).chain(plans) {
