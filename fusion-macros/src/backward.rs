@@ -11,36 +11,24 @@ use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote};
 use syn::Ident;
 
-use crate::check::emit::fc;
+use crate::check::emit::{fc, fr, hygienic, ranked};
 use crate::parse::FusionDef;
 
-fn fr() -> TokenStream {
-    quote!(::fusion::__private::fusion_runtime)
-}
-
-fn hygienic(name: &str) -> Ident {
-    Ident::new(name, Span::mixed_site())
-}
-
 /// `fn backward` and `mod backward` inside the fusion's module (`wanted`: input indices).
-pub fn expand(def: &FusionDef, wanted: &[usize], stub: bool) -> TokenStream {
+pub fn gradient_items(def: &FusionDef, wanted: &[usize], stub: bool) -> TokenStream {
     let (fc, fr) = (fc(), fr());
-    let rank_of = |axes: usize| quote!(#fr::Ranked<#axes>);
     let params: Vec<Ident> = (0..def.params.len())
         .map(|i| format_ident!("__x{}", i, span = Span::mixed_site()))
         .collect();
     let grads_in: Vec<Ident> = (0..def.outputs.len())
         .map(|o| format_ident!("__dy{}", o, span = Span::mixed_site()))
         .collect();
-    let param_tys: Vec<TokenStream> = def
-        .params
-        .iter()
-        .map(|p| rank_of(p.ty.axes.len()))
+    let param_ty = |i: usize| ranked(def.params[i].ty.axes.len(), def.params[i].ty.span.start);
+    let param_tys: Vec<TokenStream> = (0..def.params.len()).map(param_ty).collect();
+    let dy_tys: Vec<TokenStream> = (def.outputs.iter())
+        .map(|o| ranked(o.axes.len(), o.span.start))
         .collect();
-    let dy_tys: Vec<TokenStream> = def.outputs.iter().map(|o| rank_of(o.axes.len())).collect();
-    let out_tys: Vec<TokenStream> = (wanted.iter())
-        .map(|&i| rank_of(def.params[i].ty.axes.len()))
-        .collect();
+    let out_tys: Vec<TokenStream> = wanted.iter().map(|&i| param_ty(i)).collect();
     let ret = match out_tys.as_slice() {
         [one] => one.clone(),
         more => quote!((#(#more),*)),

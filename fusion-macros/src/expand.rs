@@ -20,24 +20,16 @@ use syn::Ident;
 use fusion_compiler::builder::LiteralFact;
 use fusion_compiler::{DType, DTypeSpec};
 
-use crate::check::emit::{self, fc};
+use crate::check::emit::{self, fc, fr, hygienic, ranked};
 use crate::check::Checked;
 use crate::parse::FusionDef;
-
-fn fr() -> TokenStream {
-    quote!(::fusion::__private::fusion_runtime)
-}
-
-fn hygienic(name: &str) -> Ident {
-    Ident::new(name, Span::mixed_site())
-}
 
 /// The expansion of a fusion that passed every check.
 pub fn expand(def: &FusionDef, checked: &Checked) -> TokenStream {
     let build = build_fn(checked, &def.dtype_params);
     let mut asserts = static_asserts(checked);
     if let Some(wanted) = &checked.backward {
-        asserts.extend(crate::backward::expand(def, wanted, false));
+        asserts.extend(crate::backward::gradient_items(def, wanted, false));
     }
     items(def, build, asserts, false)
 }
@@ -54,14 +46,9 @@ pub fn stub(def: &FusionDef) -> TokenStream {
     };
     let backward = def.backward.as_ref().map(|attr| {
         let wanted = crate::parse::wanted_inputs(def, attr).unwrap_or_default();
-        crate::backward::expand(def, &wanted, true)
+        crate::backward::gradient_items(def, &wanted, true)
     });
     items(def, build, backward.unwrap_or_default(), true)
-}
-
-/// `Ranked<N>`, spanned on the DSL type it stands for (so rustc's notes point there).
-fn rank_of(axes: usize, span: Span) -> TokenStream {
-    quote_spanned!(span=> ::fusion::__private::fusion_runtime::Ranked<#axes>)
 }
 
 /// `names`, each repeat of an earlier name renamed `{prefix}{i}`: the checker reports a
@@ -194,10 +181,10 @@ fn items(def: &FusionDef, build: TokenStream, asserts: TokenStream, stub: bool) 
         "__repeated",
     );
     let param_tys: Vec<TokenStream> = (def.params.iter())
-        .map(|p| rank_of(p.ty.axes.len(), p.ty.span.start))
+        .map(|p| ranked(p.ty.axes.len(), p.ty.span.start))
         .collect();
     let out_tys: Vec<TokenStream> = (def.outputs.iter())
-        .map(|o| rank_of(o.axes.len(), o.span.start))
+        .map(|o| ranked(o.axes.len(), o.span.start))
         .collect();
     let out_refs: Vec<TokenStream> = out_tys.iter().map(|t| quote!(&#t)).collect();
     let (ret, out_refs) = (one_or_tuple(&out_tys), one_or_tuple(&out_refs));

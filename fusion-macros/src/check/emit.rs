@@ -15,6 +15,22 @@ pub fn fc() -> TokenStream {
     quote!(::fusion::__private::fusion_compiler)
 }
 
+/// A name the generated code uses for itself (mixed-site hygiene: it cannot clash with the
+/// user's names).
+pub fn hygienic(name: &str) -> Ident {
+    Ident::new(name, Span::mixed_site())
+}
+
+/// `Ranked<N>`, spanned on the DSL type it stands for (so rustc's notes point there).
+pub fn ranked(axes: usize, span: Span) -> TokenStream {
+    quote::quote_spanned!(span=> ::fusion::__private::fusion_runtime::Ranked<#axes>)
+}
+
+/// The path of `fusion_runtime` as the facade re-exports it (generated entry points).
+pub fn fr() -> TokenStream {
+    quote!(::fusion::__private::fusion_runtime)
+}
+
 /// The builder variable of the generated `build()`.
 pub fn builder() -> Ident {
     Ident::new("__builder", Span::mixed_site())
