@@ -25,19 +25,17 @@
 mod blocks;
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use clap::Parser;
 use fusion::compiler::ir::Fusion;
 use fusion::compiler::plan;
-use fusion::{
-    ExecOptions, FusionExecutor, PlanMode, PlanReport, PlanSource, Rank, Result, Tensor, World,
-};
+use fusion::{ExecOptions, FusionExecutor, PlanMode, Rank, Result, Tensor, World};
 use fusion_bench::cli::{list, seed_or_clock, write_file};
 use fusion_bench::finish::finish;
+use fusion_bench::first_call::{first_call, PlanInfo};
 use fusion_bench::fusions as components;
 use fusion_bench::layer_forms::{self, Form};
-use fusion_bench::measure::{barrier, device_ms, median, random_scaled, rel_error};
+use fusion_bench::measure::{device_ms, median, random_scaled, rel_error};
 use fusion_bench::Dt;
 use serde_json::json;
 
@@ -90,19 +88,6 @@ struct Args {
     /// Small shapes and few calls, for a run on simulated devices.
     #[arg(long)]
     quick: bool,
-}
-
-/// How the plan of a call with default options was chosen (one rank's view).
-#[derive(Clone, Debug)]
-struct PlanInfo {
-    /// The candidate that ran (`default` when nothing was chosen).
-    plan: String,
-    /// `tuned`, `file`, `model`, `only_candidate`, or `none` (the options chose nothing).
-    source: &'static str,
-    /// Host time spent timing candidates, ms.
-    tuning_ms: f64,
-    /// Host time of the whole first call (tuning included) until the device finished, ms.
-    first_call_ms: f64,
 }
 
 /// One measured variant on one rank.
@@ -294,16 +279,6 @@ fn timed(
     Ok((ms, relerr, report.stats.peak_live_bytes, out))
 }
 
-/// The name of a plan source in the rows.
-fn source_name(s: PlanSource) -> &'static str {
-    match s {
-        PlanSource::Tuned => "tuned",
-        PlanSource::File => "file",
-        PlanSource::Model => "model",
-        PlanSource::OnlyCandidate => "only_candidate",
-    }
-}
-
 /// `exec` called as a user calls it (default options): the first call, where the plan
 /// is chosen, timed on the host until the device is done, then checked against
 /// `reference` and timed like the other variants.
@@ -317,27 +292,16 @@ fn timed_default(
     variant: String,
 ) -> Result<Sample> {
     let o = default_options(a);
-    barrier(rank)?;
-    let started = Instant::now();
-    let report = exec.run_with(rank, ins, None, &o)?;
-    rank.synchronize()?;
-    let first_call_ms = started.elapsed().as_secs_f64() * 1e3;
+    // Rank 0 prints the candidates and their tuned times, to compare with the
+    // `plan_<name>` rows.
+    let what = format!("{variant} (x {:?} per rank)", ins[0].shape());
+    let (info, report) = first_call(rank, &what, || exec.run_with(rank, ins, None, &o))?;
     let relerr = rel_error(rank, &e.err, &report.outputs[0], reference)?;
     let ms = device_ms(rank, a.iters, a.warmup, || {
         exec.run_with(rank, ins, None, &o).map(|_| ())
     })?;
-    let plan: Option<&PlanReport> = report.plan.as_deref();
-    if let (0, Some(p)) = (rank.index(), plan) {
-        // The candidates and their tuned times, to compare with the `plan_<name>` rows.
-        print!("{variant} (x {:?} per rank): {p}", ins[0].shape());
-    }
     let mut s = Sample::new(variant, ms, relerr, report.stats.peak_live_bytes);
-    s.plan = Some(PlanInfo {
-        plan: plan.map_or_else(|| "default".into(), |p| p.plan.clone()),
-        source: plan.map_or("none", |p| source_name(p.source)),
-        tuning_ms: plan.map_or(0.0, |p| p.tuning_ms),
-        first_call_ms,
-    });
+    s.plan = Some(info);
     Ok(s)
 }
 
