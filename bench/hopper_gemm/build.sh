@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Builds the Hopper GEMM's standalone check and benchmark (needs nvcc 12.3+ and cuBLAS).
+# Builds the Hopper GEMM's standalone checks and benchmarks (nvcc 12.3+, cuBLAS):
+#   hopper_gemm_bench     one GPU, the GEMM against cuBLAS (harness.cu)
+#   hopper_gemm_rs_bench  D GPUs of one process, GEMM+ReduceScatter in the epilogue
+#   hopper_gemm_ag_bench  D GPUs of one process, AllGather+GEMM on ready words
+# Usage: build.sh [output directory]
 set -eu
 cd "$(dirname "$0")"
-OUTDIR=${1:-.}
-nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v harness.cu \
-    -lcublas -lcuda -o "$OUTDIR/hopper_gemm_bench" 2>&1 | grep -v "^$" | grep -E "hopper_gemm|registers|spill|error|warning" || true
-test -x "$OUTDIR/hopper_gemm_bench"
+OUTDIR=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
+FLAGS="-std=c++17 -O3 -cudart shared -cudadevrt none -gencode=arch=compute_90a,code=sm_90a"
+LIBS="-lcublas -lcuda"
+[ -n "${CUDA_LIB:-}" ] && LIBS="-L$CUDA_LIB $LIBS"
+nvcc $FLAGS harness.cu $LIBS -o "$OUTDIR/hopper_gemm_bench"
+nvcc $FLAGS rs_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_rs_bench"
+nvcc $FLAGS ag_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_ag_bench"

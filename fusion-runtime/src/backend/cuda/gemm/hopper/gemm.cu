@@ -1,7 +1,7 @@
 // A persistent GEMM for Hopper (sm_90a): C[M,N] = A[M,K] B[K,N], bf16 or f16 operands,
 // f32 accumulation, C in the operands' type. One block per SM walks output tiles of
 // 128 x 256 in the order `tile_at` gives. Three warpgroups per block: the first loads
-// (one thread issues bulk tensor copies of A and B tiles into a ring of STAGES shared-memory
+// (one thread issues bulk tensor copies of A and B tiles into a ring of NS shared-memory
 // stages, each completing on its `full` barrier); the other two each multiply 64 rows of
 // the tile with wgmma from shared memory and release a stage on its `empty` barrier once
 // their matrix instructions have read it. Because the loader runs ahead across tiles, the
@@ -19,7 +19,11 @@ typedef unsigned short u16;
 #define BM 128
 #define BN 256
 #define BK 64
+// Stages (NS) and output pieces per consumer (NP) of the plain GEMM; the ReduceScatter
+// variants also run with 3 stages and 4 pieces (a whole 64 x 256 output per consumer
+// staged, so an epilogue whose stores go over NVLink never waits for its own pieces).
 #define STAGES 4
+#define PIECES 2
 #define CONSUMERS 2
 #define THREADS (128 * (CONSUMERS + 1))
 #define A_BYTES (BM * BK * 2)
@@ -28,9 +32,9 @@ typedef unsigned short u16;
 // The epilogue stages a consumer's output through shared memory in pieces of 64 x 64
 // (128-byte rows, swizzled like the operands), two per consumer, stored by the copy engine.
 #define OUT_PIECE_BYTES (64 * 64 * 2)
-#define OUT_BYTES (CONSUMERS * 2 * OUT_PIECE_BYTES)
 // Stages, output pieces, then the barriers; 1024 bytes of slack to align for the swizzle.
-#define SMEM_BYTES (STAGES * STAGE_BYTES + OUT_BYTES + 1024 + 2 * STAGES * 8)
+#define SMEM_FOR(NS, NP) ((NS) * STAGE_BYTES + CONSUMERS * (NP) * OUT_PIECE_BYTES + 1024 + 2 * ((NS) + CONSUMERS * (NP)) * 8)
+#define SMEM_BYTES SMEM_FOR(STAGES, PIECES)
 // M tiles per group of the tile order: a wave of blocks shares A rows and B columns in L2.
 #define GROUP_M 8
 
@@ -103,6 +107,116 @@ __device__ __forceinline__ void tile_at(int t, int tiles_m, int tiles_n, int* tm
     *tn = in_group / rows;
 }
 
+// What a GEMM+ReduceScatter call needs besides its operands. Every rank computes a
+// partial product of all M rows; rows [j * rows_per, (j + 1) * rows_per) belong to rank j.
+// Each tile is added, in the operands' type, straight into its owner's output
+// (`outs[owner]`, zeroed by the owner before the call): the consumers stage the tile in
+// shared memory and three storer warps (the loader's idle warps) read it back and add it
+// with 16-byte reductions over NVLink or locally, so the tensor cores never wait for the
+// links and the copy engine stays free for the operand loads. The tile walk interleaves
+// the owners tile by tile, starting at the next rank, so every link is busy all the call.
+// The owner raises `ready` at every rank (`ready[rank]`, index owner) once the call began
+// (its output zeroed before, in stream order); a source waits for it before its first add
+// there. At the end each block's storers count themselves done at every owner
+// (`done[owner]`, index source) and wait until every source's blocks are done here
+// (every rank runs the same grid), so the output is whole when the kernel ends.
+#define MAXR 8
+struct RsArgs {
+    u64 outs[MAXR];  // every rank's output block (elements, row stride n), mapped here
+    u64 ready[MAXR]; // u32 words
+    u64 done[MAXR];  // u32 counters
+    u64 error;       // u32 word set to 1 + the peer when a wait outlasted `timeout_ns`
+    u64 timeout_ns;
+    int rank, world, rows_per;
+    u32 epoch;       // calls so far, this one included (1, 2, ...)
+};
+
+// What an AllGather+GEMM call needs besides its operands: A is the gathered [world *
+// rows_per, K] buffer, whose row blocks (rank j's rows: block j) are being copied in while
+// the GEMM runs, in `chunks` pieces of rows_per / chunks rows each; `ready` (u32 words,
+// index j * chunks + c) carries the call's epoch once piece c of block j is whole. This
+// rank's own rows are read where they are (`own`, [rows_per, K]), never copied. The
+// loader walks the own block first, then blocks rank + 1, rank + 2, ... (the pieces are
+// best copied piece 0 of every block first, then piece 1, ..., so the block the GEMM
+// reaches next is never the one still arriving), and loads a piece's rows only after its
+// word says so; the consumers see nothing of this.
+struct AgArgs {
+    TensorMap own;
+    int chunks;
+    u64 ready;
+    u64 error;       // u32 word set to 1 + the block when a wait outlasted `timeout_ns`
+    u64 timeout_ns;
+    int rank, world, rows_per;
+    u32 epoch;
+};
+
+__device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ void st_release(u64 p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire(u64 p) {
+    u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+
+__device__ __forceinline__ void red_release_add(u64 p, u32 v) {
+    asm volatile("red.release.sys.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// Waits until `ready(word)` holds, at most the timeout; false (and the error word set to
+// 1 + `peer`) when it gave up.
+template <typename Ready>
+__device__ __forceinline__ bool wait_word(u64 error, u64 timeout_ns, u64 word, int peer, Ready ready) {
+    if (ready(ld_acquire(word))) return true;
+    u64 start = now_ns();
+    while (!ready(ld_acquire(word))) {
+        if (ld_acquire(error) != 0 || now_ns() - start > timeout_ns) {
+            atomicCAS((u32*)error, 0u, (u32)(peer + 1));
+            return false;
+        }
+    }
+    return true;
+}
+
+// How the tiles are walked. PLAIN: grouped tile rows. RS: every owner's row block in
+// turn, tile by tile, from the next rank's on (see RsArgs). AG: row block after row block,
+// this rank's first (see AgArgs). With RS and AG, `tiles_m` counts one block's tile rows.
+#define WALK_PLAIN 0
+#define WALK_RS 1
+#define WALK_AG 2
+struct Walk { int kind, rank, world, rows_per, chunks; };
+
+// Where tile `t` of the walk is: the row of A it starts at, its first column, its owner
+// (its row block; -1 in a plain walk), its index in the owner's block, and its first row
+// in the output.
+struct TilePlace { int a_row, col, owner, local, out_row, chunk; };
+
+__device__ __forceinline__ TilePlace place_tile(int t, int tiles_m, int tiles_n, const Walk& w) {
+    TilePlace p;
+    p.chunk = 0;
+    int tm, tn;
+    if (w.kind == WALK_PLAIN) {
+        tile_at(t, tiles_m, tiles_n, &tm, &tn);
+        p.a_row = tm * BM; p.out_row = tm * BM; p.owner = -1; p.local = t;
+    } else if (w.kind == WALK_RS) {
+        p.local = t / w.world;
+        p.owner = (w.rank + 1 + t % w.world) % w.world;
+        tile_at(p.local, tiles_m, tiles_n, &tm, &tn);
+        p.a_row = p.owner * w.rows_per + tm * BM;
+        p.out_row = tm * BM;
+    } else {
+        int per_block = tiles_m * tiles_n;
+        int pos = t / per_block;
+        p.local = t - pos * per_block;
+        p.owner = (w.rank + pos) % w.world;
+        tile_at(p.local, tiles_m, tiles_n, &tm, &tn);
+        p.chunk = tm / (tiles_m / w.chunks);
+        p.a_row = p.owner * w.rows_per + tm * BM;
+        p.out_row = p.a_row;
+    }
+    p.col = tn * BN;
+    return p;
+}
+
 __device__ __forceinline__ u32 pack2(float lo, float hi, bool f16) {
     u32 r;
     if (f16) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -128,57 +242,152 @@ template <int N> __device__ __forceinline__ void stores_read_wait() {
     asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
 }
 
-// Stores a consumer's 64 x 256 accumulators at rows m0.., columns n0.. of C through its two
-// shared-memory pieces, 64 columns at a time. Thread layout of m64nNk16: warp w owns rows
-// 16w..16w+15; lane l holds, per 8 columns j, rows l/4 and l/4+8, columns 2(l%4) and +1.
-// In a piece, row r's 16-byte chunk j sits at chunk j ^ (r % 8) (the 128-byte swizzle),
-// so a warp's stores hit 32 different banks.
+// Writes columns 64q..64q+63 of a consumer's 64 x 256 accumulators into a 64 x 64 piece of
+// shared memory. Thread layout of m64nNk16: warp w owns rows 16w..16w+15; lane l holds, per
+// 8 columns j, rows l/4 and l/4+8, columns 2(l%4) and +1. In a piece, row r's 16-byte
+// chunk j sits at chunk j ^ (r % 8) (the 128-byte swizzle the copy engine reads), so a
+// warp's stores hit 32 different banks.
 template <bool F16>
-__device__ __forceinline__ void store_tile(const float* d, unsigned char* out, const TensorMap* c_map,
-                                           int consumer, int m0, int n0) {
+__device__ __forceinline__ void write_piece(const float* d, unsigned char* piece, int q) {
     int t = threadIdx.x % 128;
     int row = (t / 32) * 16 + (t % 32) / 4;
 #pragma unroll
-    for (int q = 0; q < BN / 64; ++q) {
-        unsigned char* piece = out + (q % 2) * OUT_PIECE_BYTES;
-        if (t == 0) stores_read_wait<1>();
-        consumer_sync(consumer);
+    for (int jj = 0; jj < 8; ++jj) {
+        int j = 8 * q + jj;
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-            int j = 8 * q + jj;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                int r = row + 8 * h;
-                u32 v = pack2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], F16);
-                *(u32*)(piece + r * 128 + ((jj ^ (r % 8)) * 16) + 4 * (t % 4)) = v;
-            }
+        for (int h = 0; h < 2; ++h) {
+            int r = row + 8 * h;
+            u32 v = pack2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1], F16);
+            *(u32*)(piece + r * 128 + ((jj ^ (r % 8)) * 16) + 4 * (t % 4)) = v;
         }
+    }
+}
+
+// Stores a consumer's 64 x 256 accumulators at rows m0.., columns n0.. of C through its NP
+// shared-memory pieces, 64 columns at a time, each stored by the copy engine.
+template <bool F16, int NP>
+__device__ __forceinline__ void store_tile(const float* d, unsigned char* out, const TensorMap* c_map,
+                                           int consumer, int m0, int n0) {
+    int t = threadIdx.x % 128;
+#pragma unroll
+    for (int q = 0; q < BN / 64; ++q) {
+        unsigned char* piece = out + (q % NP) * OUT_PIECE_BYTES;
+        if (t == 0) stores_read_wait<NP - 1>();
+        consumer_sync(consumer);
+        write_piece<F16>(d, piece, q);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         consumer_sync(consumer);
         if (t == 0) store_box(c_map, n0 + 64 * q, m0, piece);
     }
 }
 
+// Barrier among the storer warps (warps 1-3).
+__device__ __forceinline__ void storer_sync() {
+    asm volatile("bar.sync %0, 96;" :: "r"(CONSUMERS + 1) : "memory");
+}
+
+__device__ __forceinline__ void red_add_v4(u64 p, uint4 v, bool f16) {
+    if (f16)
+        asm volatile("red.relaxed.sys.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};"
+                     :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+    else
+        asm volatile("red.relaxed.sys.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};"
+                     :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// The storers' side of a GEMM+ReduceScatter (see RsArgs): for every tile of the walk and
+// every consumer's piece, wait until it is staged, add it into the owner's output, free it.
+// `staged` / `freed`: per consumer and piece, barriers the consumers and the storers arrive
+// on once per tile.
+template <bool F16, int NP>
+__device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Walk& walk, unsigned char* out,
+                                                      u64* staged, u64* freed, int tiles, int tiles_m,
+                                                      int tiles_n, int n) {
+    static_assert(NP == BN / 64, "the storers take a whole staged tile");
+    int s = threadIdx.x - 32; // 0..95
+    u32 ready_mask = 0;
+    u32 phase = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
+        TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
+        if (!(ready_mask & (1u << p.owner))) {
+            if (s == 0) {
+                u32 epoch = rs->epoch;
+                wait_word(rs->error, rs->timeout_ns, rs->ready[rs->rank] + 4 * (u64)p.owner, p.owner,
+                          [epoch](u32 f) { return f == epoch; });
+            }
+            storer_sync();
+            ready_mask |= 1u << p.owner;
+        }
+        const u16* dst = (const u16*)rs->outs[p.owner];
+        for (int c = 0; c < CONSUMERS; ++c) {
+#pragma unroll
+            for (int q = 0; q < NP; ++q) {
+                bar_wait(&staged[c * NP + q], phase);
+                const unsigned char* piece = out + (c * NP + q) * OUT_PIECE_BYTES;
+                int row0 = p.out_row + c * 64, col0 = p.col + 64 * q;
+                // 512 chunks of 16 bytes: chunk i is row i / 8, 16-byte column i % 8.
+                for (int i = s; i < 512; i += 96) {
+                    int r = i / 8, j = i % 8;
+                    int row = row0 + r, col = col0 + 8 * j;
+                    uint4 v = *(const uint4*)(piece + r * 128 + ((j ^ (r % 8)) * 16));
+                    if (row < rs->rows_per && col < n) red_add_v4((u64)(dst + (u64)row * n + col), v, F16);
+                }
+                storer_sync();
+                if (s == 0) bar_arrive(&freed[c * NP + q]);
+            }
+        }
+    }
+    // Done here: every add of this block is ordered before the count at every owner.
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    storer_sync();
+    if (s == 0) {
+        for (int owner = 0; owner < rs->world; ++owner)
+            red_release_add(rs->done[owner] + 4 * (u64)rs->rank, 1);
+        u32 target = rs->epoch * gridDim.x;
+        for (int src = 0; src < rs->world; ++src)
+            wait_word(rs->error, rs->timeout_ns, rs->done[rs->rank] + 4 * (u64)src, src,
+                      [target](u32 v) { return (int)(v - target) >= 0; });
+    }
+}
+
 // A_MN: A is M-contiguous (its map's inner dimension is M); B_K: B is K-contiguous.
-template <bool F16, bool A_MN, bool B_K>
+// WALK (see Walk): WALK_RS a GEMM+ReduceScatter (`rs`, see RsArgs), WALK_AG an
+// AllGather+GEMM (`ag`, see AgArgs); the other is null. With either, `m` is the rows of one
+// row block.
+template <bool F16, bool A_MN, bool B_K, int NS, int NP, int WALK>
 __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMap* b_map,
-                                          const TensorMap* c_map, int m, int n, int k) {
+                                          const TensorMap* c_map, int m, int n, int k,
+                                          const RsArgs* rs, const AgArgs* ag) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~(u64)1023);
-    unsigned char* out = smem + STAGES * STAGE_BYTES;
-    u64* full = (u64*)(out + OUT_BYTES);
-    u64* empty = full + STAGES;
+    unsigned char* out = smem + NS * STAGE_BYTES;
+    u64* full = (u64*)(out + CONSUMERS * NP * OUT_PIECE_BYTES);
+    u64* empty = full + NS;
+    u64* staged = empty + NS;             // [CONSUMERS][NP], with `rs`
+    u64* freed = staged + CONSUMERS * NP; // [CONSUMERS][NP], with `rs`
     int wg = threadIdx.x / 128;
     int tiles_m = (m + BM - 1) / BM, tiles_n = (n + BN - 1) / BN;
-    int tiles = tiles_m * tiles_n;
+    Walk walk = {WALK, 0, 1, m, 1};
+    if (WALK == WALK_RS) walk = {WALK, rs->rank, rs->world, rs->rows_per, 1};
+    if (WALK == WALK_AG) walk = {WALK, ag->rank, ag->world, ag->rows_per, ag->chunks};
+    int tiles = tiles_m * tiles_n * walk.world;
     int k_blocks = (k + BK - 1) / BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
+        for (int s = 0; s < NS; ++s) {
             bar_init(&full[s], 1);
             bar_init(&empty[s], CONSUMERS * 4);
         }
+        if (WALK == WALK_RS)
+            for (int i = 0; i < CONSUMERS * NP; ++i) {
+                bar_init(&staged[i], 1);
+                bar_init(&freed[i], 1);
+            }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        // This rank's output was zeroed before the call: the peers may add into it.
+        if (WALK == WALK_RS && blockIdx.x == 0)
+            for (int peer = 0; peer < rs->world; ++peer)
+                st_release(rs->ready[peer] + 4 * (u64)rs->rank, rs->epoch);
     }
     __syncthreads();
 
@@ -187,9 +396,22 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         if (threadIdx.x == 0) {
             int stage = 0;
             u32 phase = 0;
+            u64 ready_mask = 0; // bit j * chunks + c: piece c of block j seen ready
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-                int tm, tn;
-                tile_at(t, tiles_m, tiles_n, &tm, &tn);
+                TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
+                const TensorMap* a_src = a_map;
+                if (WALK == WALK_AG && p.owner == ag->rank) {
+                    a_src = &ag->own;
+                    p.a_row -= p.owner * ag->rows_per;
+                } else if (WALK == WALK_AG) {
+                    int word = p.owner * ag->chunks + p.chunk;
+                    if (!(ready_mask & (1ull << word))) {
+                        u32 epoch = ag->epoch;
+                        wait_word(ag->error, ag->timeout_ns, ag->ready + 4 * (u64)word, p.owner,
+                                  [epoch](u32 f) { return f == epoch; });
+                        ready_mask |= 1ull << word;
+                    }
+                }
                 for (int kb = 0; kb < k_blocks; ++kb) {
                     bar_wait(&empty[stage], phase ^ 1);
                     unsigned char* sa = smem + stage * STAGE_BYTES;
@@ -198,30 +420,32 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                     if (A_MN) {
                         // Boxes of 64 (m) x 64 (k): two per tile.
                         for (int i = 0; i < BM / 64; ++i)
-                            load_box(sa + i * 64 * BK * 2, a_map, tm * BM + 64 * i, kb * BK, &full[stage]);
+                            load_box(sa + i * 64 * BK * 2, a_src, p.a_row + 64 * i, kb * BK, &full[stage]);
                     } else {
-                        load_box(sa, a_map, kb * BK, tm * BM, &full[stage]);
+                        load_box(sa, a_src, kb * BK, p.a_row, &full[stage]);
                     }
                     if (B_K) {
-                        load_box(sb, b_map, kb * BK, tn * BN, &full[stage]);
+                        load_box(sb, b_map, kb * BK, p.col, &full[stage]);
                     } else {
                         // Boxes of 64 (n) x 64 (k): four per tile.
                         for (int i = 0; i < BN / 64; ++i)
-                            load_box(sb + i * 64 * BK * 2, b_map, tn * BN + 64 * i, kb * BK, &full[stage]);
+                            load_box(sb + i * 64 * BK * 2, b_map, p.col + 64 * i, kb * BK, &full[stage]);
                     }
-                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                    if (++stage == NS) { stage = 0; phase ^= 1; }
                 }
             }
+        } else if constexpr (WALK == WALK_RS) {
+            if (threadIdx.x >= 32)
+                store_tiles_to_owners<F16, NP>(rs, walk, out, staged, freed, tiles, tiles_m, tiles_n, n);
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         int consumer = wg - 1;
         float d[128];
         int stage = 0;
-        u32 phase = 0;
-        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-            int tm, tn;
-            tile_at(t, tiles_m, tiles_n, &tm, &tn);
+        u32 phase = 0, tile_phase = 0;
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x, tile_phase ^= 1) {
+            TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
             int prev = -1;
             for (int kb = 0; kb < k_blocks; ++kb) {
                 bar_wait(&full[stage], phase);
@@ -249,7 +473,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 wgmma_wait<1>();
                 if (prev >= 0 && threadIdx.x % 32 == 0) bar_arrive(&empty[prev]);
                 prev = stage;
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                if (++stage == NS) { stage = 0; phase ^= 1; }
             }
             wgmma_wait<0>();
             if (prev >= 0 && threadIdx.x % 32 == 0) bar_arrive(&empty[prev]);
@@ -257,8 +481,19 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
 #pragma unroll
                 for (int i = 0; i < 128; ++i) d[i] = 0.f;
             }
-            store_tile<F16>(d, out + consumer * 2 * OUT_PIECE_BYTES, c_map, consumer,
-                            tm * BM + consumer * 64, tn * BN);
+            unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
+            if constexpr (WALK != WALK_RS) {
+                store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col);
+            } else {
+                // Stage the tile for the storers, one piece at a time.
+#pragma unroll
+                for (int q = 0; q < NP; ++q) {
+                    bar_wait(&freed[consumer * NP + q], tile_phase ^ 1);
+                    write_piece<F16>(d, pieces + q * OUT_PIECE_BYTES, q);
+                    consumer_sync(consumer);
+                    if (threadIdx.x % 128 == 0) bar_arrive(&staged[consumer * NP + q]);
+                }
+            }
         }
         if (threadIdx.x % 128 == 0) stores_read_wait<0>();
     }
@@ -268,7 +503,27 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                 \
     NAME(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,  \
          const __grid_constant__ TensorMap c_map, int m, int n, int k) {                     \
-        gemm_body<F16, A_MN, B_K>(&a_map, &b_map, &c_map, m, n, k);                         \
+        gemm_body<F16, A_MN, B_K, STAGES, PIECES, WALK_PLAIN>(&a_map, &b_map, &c_map, m, n, k, nullptr, nullptr); \
+    }
+
+// GEMM+ReduceScatter: `c_map` is this rank's output block (rows_per x n), `m` = rows_per;
+// NS stages, NP output pieces per consumer (shared memory: SMEM_FOR(NS, NP)).
+#define HOPPER_GEMM_RS(NAME, F16, A_MN, B_K, NS, NP)                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                 \
+    NAME(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,  \
+         const __grid_constant__ TensorMap c_map, int m, int n, int k,                       \
+         const __grid_constant__ RsArgs rs) {                                               \
+        gemm_body<F16, A_MN, B_K, NS, NP, WALK_RS>(&a_map, &b_map, &c_map, m, n, k, &rs, nullptr); \
+    }
+
+// AllGather+GEMM: A is the gathered buffer (see AgArgs), `c_map` the whole output, `m` =
+// rows_per.
+#define HOPPER_GEMM_AG(NAME, F16, A_MN, B_K)                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                 \
+    NAME(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,  \
+         const __grid_constant__ TensorMap c_map, int m, int n, int k,                       \
+         const __grid_constant__ AgArgs ag) {                                               \
+        gemm_body<F16, A_MN, B_K, STAGES, PIECES, WALK_AG>(&a_map, &b_map, &c_map, m, n, k, nullptr, &ag); \
     }
 
 #ifdef ALL_VARIANTS
@@ -279,4 +534,8 @@ HOPPER_GEMM(hopper_gemm_bf16_tt, false, true, true)
 HOPPER_GEMM(hopper_gemm_f16_nn, true, false, false)
 HOPPER_GEMM(hopper_gemm_f16_nt, true, false, true)
 HOPPER_GEMM(hopper_gemm_f16_tn, true, true, false)
+HOPPER_GEMM_RS(hopper_gemm_rs_bf16_nn, false, false, false, 3, 4)
+HOPPER_GEMM_RS(hopper_gemm_rs_f16_nn, true, false, false, 3, 4)
+HOPPER_GEMM_AG(hopper_gemm_ag_bf16_nn, false, false, false)
+HOPPER_GEMM_AG(hopper_gemm_ag_f16_nn, true, false, false)
 #endif

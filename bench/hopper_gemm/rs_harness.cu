@@ -1,0 +1,226 @@
+// Checks and times the Hopper GEMM with the ReduceScatter in its epilogue (gemm.cu's
+// `HOPPER_GEMM_RS`) on D GPUs of one process (peer access between every pair): every rank
+// r multiplies A_r [M, K/D] by B_r [K/D, N]; rows [j M/D, (j+1) M/D) of the sum over ranks
+// land on rank j. Checked against the f32 sum of cuBLAS's f32 partials; timed against the
+// same kernel without communication (the local GEMM alone) and cuBLAS's local GEMM, all
+// ranks launched together, the slowest rank's event time per call, medians.
+// Build: bench/hopper_gemm/build.sh        Run: hopper_gemm_rs_bench [D] [reps]
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define ALL_VARIANTS
+#include "../../fusion-runtime/src/backend/cuda/gemm/hopper/gemm.cu"
+#include "common.cuh"
+
+__global__ void add_f32(float* dst, const float* src, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] += src[i];
+}
+
+// sum (x - r)^2, sum r^2, non-finite count; x in 16-bit, r in f32
+__global__ void compare_f32(const u16* x, const float* r, size_t n, bool f16, double* out) {
+    double se = 0, sr = 0, bad = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float a = to_f32(x[i], f16), b = r[i];
+        if (!isfinite(a)) { bad += 1; continue; }
+        se += (double)(a - b) * (a - b);
+        sr += (double)b * b;
+    }
+    atomicAdd(&out[0], se); atomicAdd(&out[1], sr); atomicAdd(&out[2], bad);
+}
+
+struct Rank {
+    u16 *a[2], *b[2], *out, *scratch;
+    u32 *ready, *done, *error;
+    cudaStream_t s;
+    cudaEvent_t e0, e1;
+    cublasHandle_t h;
+};
+
+int main(int argc, char** argv) {
+    int world = 0;
+    CK(cudaGetDeviceCount(&world));
+    if (argc > 1) world = std::min(world, atoi(argv[1]));
+    int reps = argc > 2 ? atoi(argv[2]) : 30;
+    if (world < 1 || world > MAXR) { fprintf(stderr, "need 1..%d GPUs\n", MAXR); return 2; }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    int sms = prop.multiProcessorCount;
+    printf("%d x %s\n", world, prop.name);
+    std::vector<Rank> R(world);
+    for (int r = 0; r < world; ++r) {
+        CK(cudaSetDevice(r));
+        for (int p = 0; p < world; ++p)
+            if (p != r) {
+                cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
+                if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) { fprintf(stderr, "peer access %d->%d: %s\n", r, p, cudaGetErrorString(e)); return 2; }
+            }
+        CK(cudaFuncSetAttribute(hopper_gemm_rs_bf16_nn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_FOR(3, 4)));
+        CK(cudaFuncSetAttribute(hopper_gemm_bf16_nn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+        CK(cudaStreamCreateWithFlags(&R[r].s, cudaStreamNonBlocking));
+        CK(cudaEventCreate(&R[r].e0)); CK(cudaEventCreate(&R[r].e1));
+        CB(cublasCreate(&R[r].h));
+        CB(cublasSetStream(R[r].h, R[r].s));
+    }
+    // (M, K, N) of the seed rows: A [M, K] and B [K, N] sharded on K.
+    struct Shape { int m, k, n; } shapes[] = {{8192, 8192, 8192}, {16384, 8192, 2048}, {16384, 8192, 8192}, {4096, 4096, 4096}};
+    std::vector<std::string> table;
+    bool all_ok = true;
+    for (auto sh : shapes) {
+        int kl = sh.k / world, rows = sh.m / world, n = sh.n;
+        if (rows % BM) { printf("skip %d: rows per rank %d not a multiple of %d\n", sh.m, rows, BM); continue; }
+        int per_block = (rows / BM) * ((n + BN - 1) / BN);
+        size_t na = (size_t)sh.m * kl, nb = (size_t)kl * n, nout = (size_t)rows * n;
+        for (int r = 0; r < world; ++r) {
+            CK(cudaSetDevice(r));
+            for (int s = 0; s < 2; ++s) {
+                CK(cudaMalloc(&R[r].a[s], na * 2)); CK(cudaMalloc(&R[r].b[s], nb * 2));
+                fill(R[r].a[s], na, false); fill(R[r].b[s], nb, false);
+            }
+            CK(cudaMalloc(&R[r].out, nout * 2)); CK(cudaMemset(R[r].out, 0xFF, nout * 2));
+            CK(cudaMalloc(&R[r].scratch, (size_t)sh.m * n * 2));
+            CK(cudaMalloc(&R[r].ready, MAXR * 4)); CK(cudaMemset(R[r].ready, 0, MAXR * 4));
+            CK(cudaMalloc(&R[r].done, MAXR * 4)); CK(cudaMemset(R[r].done, 0, MAXR * 4));
+            CK(cudaMalloc(&R[r].error, 4)); CK(cudaMemset(R[r].error, 0, 4));
+        }
+        for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaDeviceSynchronize()); }
+        u32 epoch = 0; // GEMM+RS calls so far
+        // One call of every rank on input set `set`. Modes: 0 GEMM+RS, 1 the same with K = 0
+        // (the communication alone), 2 our local GEMM alone, 3 cuBLAS's local GEMM alone
+        // (the last two into a scratch of M x N).
+        auto launch = [&](int mode, int set) {
+            if (mode < 2) ++epoch;
+            for (int r = 0; r < world; ++r) {
+                CK(cudaSetDevice(r));
+                Rank& q = R[r];
+                TensorMap am = make_map(q.a[set], kl, sh.m, kl, 64, BM, false);
+                TensorMap bm = make_map(q.b[set], n, kl, n, 64, 64, false);
+                CK(cudaEventRecord(q.e0, q.s));
+                if (mode < 2) {
+                    TensorMap cm = make_map(q.out, n, rows, n, 64, 64, false);
+                    RsArgs a;
+                    memset(&a, 0, sizeof a);
+                    for (int j = 0; j < world; ++j) {
+                        a.outs[j] = (u64)R[j].out;
+                        a.ready[j] = (u64)R[j].ready;
+                        a.done[j] = (u64)R[j].done;
+                    }
+                    a.error = (u64)q.error;
+                    a.timeout_ns = 10ull * 1000 * 1000 * 1000;
+                    a.rank = r; a.world = world; a.rows_per = rows; a.epoch = epoch;
+                    int grid = std::min(per_block * world, sms);
+                    CK(cudaMemsetAsync(q.out, 0, nout * 2, q.s));
+                    hopper_gemm_rs_bf16_nn<<<grid, THREADS, SMEM_FOR(3, 4), q.s>>>(am, bm, cm, rows, n, mode == 1 ? 0 : kl, a);
+                } else if (mode == 2) {
+                    TensorMap cm = make_map(q.scratch, n, sh.m, n, 64, 64, false);
+                    int tiles = (sh.m / BM) * ((n + BN - 1) / BN);
+                    hopper_gemm_bf16_nn<<<std::min(tiles, sms), THREADS, SMEM_BYTES, q.s>>>(am, bm, cm, sh.m, n, kl);
+                } else {
+                    float one = 1.f, zero = 0.f;
+                    CB(cublasGemmEx(q.h, CUBLAS_OP_N, CUBLAS_OP_N, n, sh.m, kl, &one, q.b[set], CUDA_R_16BF, n,
+                                    q.a[set], CUDA_R_16BF, kl, &zero, q.scratch, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                }
+                CK(cudaGetLastError());
+                CK(cudaEventRecord(q.e1, q.s));
+            }
+        };
+        auto finish = [&]() {
+            float worst = 0;
+            for (int r = 0; r < world; ++r) {
+                CK(cudaSetDevice(r));
+                CK(cudaEventSynchronize(R[r].e1));
+                float ms;
+                CK(cudaEventElapsedTime(&ms, R[r].e0, R[r].e1));
+                worst = std::max(worst, ms);
+            }
+            return worst;
+        };
+        // The f32 reference: cuBLAS's f32 partials of every rank, summed block by block at
+        // the owner.
+        std::vector<float*> ref(world);
+        {
+            std::vector<float*> part(world), tmp(world);
+            for (int r = 0; r < world; ++r) {
+                CK(cudaSetDevice(r));
+                CK(cudaMalloc(&part[r], (size_t)sh.m * n * 4));
+                CK(cudaMalloc(&ref[r], nout * 4)); CK(cudaMemset(ref[r], 0, nout * 4));
+                CK(cudaMalloc(&tmp[r], nout * 4));
+                float one = 1.f, zero = 0.f;
+                CB(cublasGemmEx(R[r].h, CUBLAS_OP_N, CUBLAS_OP_N, n, sh.m, kl, &one, R[r].b[0], CUDA_R_16BF, n,
+                                R[r].a[0], CUDA_R_16BF, kl, &zero, part[r], CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                CK(cudaStreamSynchronize(R[r].s));
+            }
+            for (int j = 0; j < world; ++j)
+                for (int s = 0; s < world; ++s) {
+                    CK(cudaMemcpyPeer(tmp[j], j, part[s] + (size_t)j * rows * n, s, nout * 4));
+                    CK(cudaSetDevice(j));
+                    add_f32<<<264, 256>>>(ref[j], tmp[j], nout);
+                    CK(cudaDeviceSynchronize());
+                }
+            for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaFree(part[r])); CK(cudaFree(tmp[r])); }
+        }
+        // Each way's first call against it: worst relative error over the ranks, elements
+        // left unwritten (the output is poisoned first), wait errors.
+        auto check = [&](int mode, double* rel) {
+            for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaMemset(R[r].out, 0xFF, nout * 2)); CK(cudaDeviceSynchronize()); }
+            launch(mode, 0);
+            finish();
+            u32 errors = 0;
+            double unwritten = 0;
+            *rel = 0;
+            for (int j = 0; j < world; ++j) {
+                CK(cudaSetDevice(j));
+                u32 e; CK(cudaMemcpy(&e, R[j].error, 4, cudaMemcpyDeviceToHost)); errors |= e;
+                double* d; CK(cudaMalloc(&d, 24)); CK(cudaMemset(d, 0, 24));
+                compare_f32<<<264, 256>>>(R[j].out, ref[j], nout, false, d);
+                double h[3]; CK(cudaMemcpy(h, d, 24, cudaMemcpyDeviceToHost)); CK(cudaFree(d));
+                *rel = std::max(*rel, sqrt(h[0] / h[1]));
+                unwritten += h[2];
+            }
+            return errors == 0 && unwritten == 0 && *rel < 1e-2;
+        };
+        double rel;
+        bool ok = check(0, &rel);
+        for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaFree(ref[r])); }
+        u32 errors = 0;
+        std::vector<float> t[4];
+        for (int i = 0; i < reps + 3; ++i)
+            for (int mode = 0; mode < 4; ++mode) {
+                for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaStreamSynchronize(R[r].s)); }
+                launch(mode, i % 2);
+                float ms = finish();
+                if (i >= 3) t[mode].push_back(ms);
+            }
+        for (int r = 0; r < world; ++r) {
+            u32 e; CK(cudaSetDevice(r)); CK(cudaMemcpy(&e, R[r].error, 4, cudaMemcpyDeviceToHost)); errors |= e;
+        }
+        ok &= errors == 0;
+        all_ok &= ok;
+        double rs = median(t[0]), comm = median(t[1]), alone = median(t[2]), cub = median(t[3]);
+        double bytes = 2.0 * (world - 1) * rows * (double)n; // what each rank sends
+        char line[320];
+        snprintf(line, sizeof line, "%5d %5d %5d | %d | %7.1f | %7.1f %7.1f | %7.1f (%3.0f GB/s) | %5.3f %5.3f | %.1e %s",
+                 sh.m, sh.k, sh.n, world, rs * 1e3, alone * 1e3, cub * 1e3, comm * 1e3, bytes / comm / 1e6,
+                 rs / alone, rs / std::max(alone, comm), rel, ok ? "ok" : (errors ? "WAIT TIMED OUT" : "FAIL"));
+        puts(line); fflush(stdout);
+        table.push_back(line);
+        for (int r = 0; r < world; ++r) {
+            CK(cudaSetDevice(r));
+            for (int s = 0; s < 2; ++s) { CK(cudaFree(R[r].a[s])); CK(cudaFree(R[r].b[s])); }
+            CK(cudaFree(R[r].out)); CK(cudaFree(R[r].scratch));
+            CK(cudaFree(R[r].ready)); CK(cudaFree(R[r].done)); CK(cudaFree(R[r].error));
+        }
+    }
+    printf("\n    M     K     N | D | GEMM+RS us | GEMM alone: ours, cuBLAS | comm alone (K = 0) | over GEMM alone, over max(GEMM, comm) | rel err vs f32\n");
+    for (auto& l : table) puts(l.c_str());
+    printf("%s\n", all_ok ? "ALL CORRECT" : "SOME FAILED");
+    return all_ok ? 0 : 1;
+}
