@@ -174,7 +174,7 @@ task_hopper_gemm() {
     if command -v nvcc >/dev/null; then
         step harness-build 300 nvcc -std=c++17 -O3 -cudart shared -cudadevrt none \
             -gencode=arch=compute_90a,code=sm_90a bench/hopper_gemm/harness.cu \
-            -lcublas -lcuda -o "$OUT/hopper_gemm_bench"
+            -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcublas -lcuda -o "$OUT/hopper_gemm_bench"
         if [ -x "$OUT/hopper_gemm_bench" ]; then
             STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
                 step harness 600 "$OUT/hopper_gemm_bench" "${HARNESS_REPS:-30}"
