@@ -35,6 +35,8 @@ one GPU or more:
                           (512 and 2048 tokens, median of 20) or all
   decode [gpus]           decode_bench (Allreduce 4 KB-64 MB, GEMM + Allreduce at Llama-70B
                           decode shapes) and PyTorch's Allreduce (NCCL, symm_mem) alike
+  hopper-gemm             the persistent Hopper GEMM against cuBLAS (tests/hopper_gemm.rs),
+                          then its standalone check and benchmark where nvcc is found
 two GPUs or more:
   buffers                 tensors over cudarc buffers (tests, cuda_buffers example)
   launch                  conformance and examples under torchrun and mpirun, failures,
@@ -154,6 +156,35 @@ task_check() {
     cat "$OUT/machine.txt"
     grep -h "rank 0" "$OUT/overlap_trace.log" 2>/dev/null
     cat "$OUT/host_costs.log" "$OUT/host_costs_large.log" 2>/dev/null
+    printf '%s\n' "${summary[@]}"
+}
+
+# The persistent Hopper GEMM (`GemmEngine::Persistent`): the tests of tests/hopper_gemm.rs
+# (every operand layout in bf16 and f16 against cuBLAS at odd and large shapes, fusions with
+# transposed operands and a linear layer, GEMMs it leaves to cuBLAS, replayed calls; fresh
+# inputs, outputs poisoned; on a GPU other than compute capability 9.0 only the fallback to
+# cuBLAS), then, where nvcc is on the PATH, bench/hopper_gemm/harness.cu built for sm_90a
+# and run (its checks against cuBLAS and an f64 reference, then its timings; HARNESS_REPS
+# timed runs per row, default 30). Success: every rc is 0 and the harness says ALL CORRECT.
+task_hopper_gemm() {
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1
+    gpus_info >"$OUT/machine.txt" 2>&1
+    fresh_seed "$OUT/machine.txt"
+    step hopper_gemm 600 $BIN/test-hopper_gemm --ignored --test-threads=1 --nocapture
+    if command -v nvcc >/dev/null; then
+        step harness-build 300 nvcc -std=c++17 -O3 -cudart shared -cudadevrt none \
+            -gencode=arch=compute_90a,code=sm_90a bench/hopper_gemm/harness.cu \
+            -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcublas -lcuda -o "$OUT/hopper_gemm_bench"
+        if [ -x "$OUT/hopper_gemm_bench" ]; then
+            STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
+                step harness 600 "$OUT/hopper_gemm_bench" "${HARNESS_REPS:-30}"
+        fi
+    else
+        summary+=("harness: skipped, no nvcc on the PATH")
+    fi
+    cat "$OUT/machine.txt"
+    grep -E "rel|bit-identical|skipping|GPU 0" "$OUT/hopper_gemm.log" | tail -8
+    tail -14 "$OUT/harness.log" 2>/dev/null
     printf '%s\n' "${summary[@]}"
 }
 
@@ -806,7 +837,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | decode | faults | host | host-ab | launch | recovery | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | decode | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;

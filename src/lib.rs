@@ -330,6 +330,8 @@ pub use fusion_runtime::FusionExecutor;
 /// # Ok::<(), fusion::Error>(())
 /// ```
 pub use fusion_runtime::ExecOptions;
+/// Which engine runs a call's GEMMs on CUDA devices (`ExecOptions::gemm`).
+pub use fusion_runtime::GemmEngine;
 /// How a call's plan is chosen, and what was chosen (`RunReport::plan`).
 pub use fusion_runtime::{CandidateReport, PlanMode, PlanReport, PlanSource};
 

@@ -1,6 +1,8 @@
 //! Counts of what the runtime creates and moves, for tests and reports: threads it
-//! spawns, communicators it makes, tensors it copies from a device to the host. A rank handle's calls create neither after the first call (the
-//! first may make a team's NCCL communicator), which tests check with these counts.
+//! spawns, communicators it makes, tensors it copies from a device to the host, GEMMs it
+//! enqueues on its own persistent kernel. A rank handle's calls create neither threads nor
+//! communicators after the first call (the first may make a team's NCCL communicator),
+//! which tests check with these counts.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -8,6 +10,7 @@ static THREADS: AtomicU64 = AtomicU64::new(0);
 static COMMUNICATORS: AtomicU64 = AtomicU64::new(0);
 static DEVICE_TO_HOST: AtomicU64 = AtomicU64::new(0);
 static TRANSFER_EVENTS: AtomicU64 = AtomicU64::new(0);
+static PERSISTENT_GEMMS: AtomicU64 = AtomicU64::new(0);
 
 /// What this process's runtime has created so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -21,6 +24,9 @@ pub struct RuntimeCounters {
     /// Copies of tensors from a GPU to the host (`Rank::to_host`, `gather_to_host` of a
     /// device tensor): activations that make a host round trip.
     pub device_to_host_copies: u64,
+    /// GEMMs enqueued on the persistent Hopper kernel (`GemmEngine::Persistent` where it
+    /// applies; a GEMM recorded into a graph counts once, when recorded, not per replay).
+    pub persistent_gemms: u64,
 }
 
 /// The counts so far (they only grow).
@@ -29,6 +35,7 @@ pub fn counters() -> RuntimeCounters {
         threads_spawned: THREADS.load(Ordering::Relaxed),
         communicators_created: COMMUNICATORS.load(Ordering::Relaxed),
         device_to_host_copies: DEVICE_TO_HOST.load(Ordering::Relaxed),
+        persistent_gemms: PERSISTENT_GEMMS.load(Ordering::Relaxed),
     }
 }
 
@@ -46,6 +53,12 @@ pub(crate) fn communicators_created(n: u64) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn device_to_host_copy() {
     DEVICE_TO_HOST.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts a GEMM enqueued on the persistent Hopper kernel.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn persistent_gemm() {
+    PERSISTENT_GEMMS.fetch_add(1, Ordering::Relaxed);
 }
 
 /// A thread builder, counted as a spawned thread (for the runtime's named threads).

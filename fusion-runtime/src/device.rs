@@ -109,6 +109,19 @@ impl PointwiseProgram {
     }
 }
 
+/// Which engine runs a device's GEMMs ([`Kernel::Gemm`]), chosen per call
+/// (`ExecOptions::gemm`). A choice among CUDA GEMMs: the CPU backend has one and ignores it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GemmEngine {
+    /// cuBLASLt from cached plans, else cuBLAS (the default).
+    #[default]
+    Cublas,
+    /// The runtime's persistent GEMM for Hopper GPUs (compute capability 9.0) where it
+    /// applies: bf16 or f16 operands and output of one dtype, row-major or transposed
+    /// operands, no bias, epilogue or accumulation; cuBLAS(Lt) for every other GEMM.
+    Persistent,
+}
+
 /// Memory of one device, for soak runs and reports (bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceMemory {
@@ -294,6 +307,11 @@ pub trait Device: Send + Sync {
     /// Fills every later allocation with NaN bytes (`on`), so outputs a program forgets to
     /// write show up in tests ([`crate::World::poison_allocations`]).
     fn set_poison(&self, on: bool);
+    /// Runs the GEMMs enqueued from now on with `engine` (each call sets its own, from its
+    /// options). A device with one GEMM ignores it (the default).
+    fn set_gemm_engine(&self, engine: GemmEngine) {
+        let _ = engine;
+    }
     /// The device's memory in use, where the backend can tell (`None` where its memory is
     /// the process's).
     fn memory(&self) -> Result<Option<DeviceMemory>>;

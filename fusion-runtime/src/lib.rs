@@ -27,7 +27,7 @@ pub mod world;
 pub use backend::cuda::CudaElement;
 #[cfg(feature = "cuda")]
 pub use backend::cuda::{GraphAllocations, OnStream};
-pub use backend::BackendKind;
+pub use backend::{BackendKind, GemmEngine};
 /// The cudarc version the runtime is built with: `CudaSlice`, `CudaView`, `CudaContext`,
 /// `CudaStream` of this crate are what [`Rank::from_cuda_slice`], [`Rank::with_cuda_view`]
 /// and [`Rank::on`] take.

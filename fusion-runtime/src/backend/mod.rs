@@ -12,7 +12,7 @@ mod default_world;
 
 pub use crate::device::{
     capture_arena_bytes, BackendKind, CallerCapture, CallerStream, Device, DeviceGraph,
-    DeviceLifecycle, DeviceMemory, HandedOut, Kernel, PointwiseInstr, PointwiseProgram,
+    DeviceLifecycle, DeviceMemory, GemmEngine, HandedOut, Kernel, PointwiseInstr, PointwiseProgram,
     CAPTURE_ARENA_ALIGN,
 };
 pub use crate::streams::{StreamHandle, StreamLayout};

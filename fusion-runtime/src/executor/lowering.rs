@@ -15,7 +15,7 @@ use fusion_compiler::DType;
 use super::dumps::dump_program;
 use super::options::ExecOptions;
 use crate::config::DumpOptions;
-use crate::device::BackendKind;
+use crate::device::{BackendKind, GemmEngine};
 use crate::error::{Error, Result};
 use crate::eval::{bind_dtypes, bind_inputs, check_didx_extents, SymbolBindings};
 use crate::program_facts::{dtype_code, dtype_from_code};
@@ -44,6 +44,9 @@ struct CacheKey {
     backend: BackendKind,
     number_of_streams: usize,
     lower: LowerOptions,
+    /// The GEMM engine: a graph captured with one engine's kernels is not replayed for
+    /// another, so each engine has its own program (and graph slots).
+    gemm: GemmEngine,
 }
 
 /// A lowered program and what the call ledger knows it by.
@@ -298,6 +301,10 @@ impl ProgramCache {
             backend: rank.backend(),
             number_of_streams: options.number_of_streams,
             lower: lower.clone().into_owned(),
+            gemm: match rank.backend() {
+                BackendKind::Cuda => options.gemm,
+                BackendKind::Cpu => GemmEngine::default(),
+            },
         };
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = cache.get(&key) {

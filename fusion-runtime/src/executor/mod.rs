@@ -315,6 +315,9 @@ impl FusionExecutor {
                 .then_some(&facts.receives.internal),
             race_check: options.race_check,
         };
+        // The call's GEMMs run on the engine it asks for (its program, and so its graphs,
+        // is lowered per engine: `lowering::CacheKey`).
+        rank.device().set_gemm_engine(options.gemm);
         rank.communicator().begin_call(&CallStart {
             identity: facts.identity(inputs, options.number_of_streams),
             rerun: false,

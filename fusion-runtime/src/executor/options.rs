@@ -1,9 +1,11 @@
 //! What a caller sets for a call: the options that change the lowered program or how it
-//! runs (streams, lowering, traces, graphs, race checks, graph dumps).
+//! runs (streams, lowering, traces, graphs, race checks, graph dumps, the GEMM engine).
 
 use std::path::PathBuf;
 
 use fusion_compiler::lower::LowerOptions;
+
+use crate::device::GemmEngine;
 
 /// Options of a call that change the lowered program or how it runs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -37,6 +39,9 @@ pub struct ExecOptions {
     /// The plan file tuned plans are kept in ([`PlanMode::Tune`]); unset,
     /// `FUSION_PLAN_CACHE` or the user's cache directory (`docs/PROGRAMS.md`).
     pub plan_file: Option<PathBuf>,
+    /// Which engine runs the call's GEMMs on CUDA devices ([`GemmEngine`]): cuBLAS(Lt) by
+    /// default; the CPU backend ignores it.
+    pub gemm: GemmEngine,
 }
 
 /// How a call's plan is chosen among the candidates of the plan space
@@ -71,6 +76,7 @@ impl Default for ExecOptions {
             graph_dot_dir: None,
             plan: PlanMode::Auto,
             plan_file: None,
+            gemm: GemmEngine::Cublas,
         }
     }
 }

@@ -9,7 +9,7 @@ use cudarc::driver::{result, sys, CudaContext};
 use fusion_compiler::DType;
 
 use super::gemm::lt::LtPlans;
-use super::gemm::{self, BlasHandle, GemmDevice};
+use super::gemm::{self, BlasHandle, HopperGemms};
 use super::kernels::KernelCache;
 use super::libs::driver_err;
 use super::memory::buffer::CudaBuffer;
@@ -21,7 +21,8 @@ use super::memory::shared_arena::SharedArena;
 use super::stream::RawStream;
 use super::{graph, health::WorldHealth};
 use crate::device::{
-    BackendKind, CallerStream, Device, DeviceLifecycle, DeviceMemory, Kernel, StreamHandle,
+    BackendKind, CallerStream, Device, DeviceLifecycle, DeviceMemory, GemmEngine, Kernel,
+    StreamHandle,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -56,6 +57,10 @@ pub struct CudaDevice {
     pub(crate) kernels: KernelCache,
     /// cuBLASLt handle, GEMM plans and workspaces.
     pub(crate) lt: LtPlans,
+    /// The persistent Hopper GEMM's state on this device.
+    pub(crate) hopper: HopperGemms,
+    /// The engine of the GEMMs enqueued from now on (`Device::set_gemm_engine`).
+    gemm_engine: Mutex<GemmEngine>,
     /// Whether new allocations are filled with NaN bytes (`Device::set_poison`).
     pub(super) poison: std::sync::atomic::AtomicBool,
     health: Arc<WorldHealth>,
@@ -98,6 +103,8 @@ impl CudaDevice {
             copy_streams: Mutex::new(std::collections::HashMap::new()),
             kernels: KernelCache::new(ordinal),
             lt: LtPlans::new(),
+            hopper: HopperGemms::default(),
+            gemm_engine: Mutex::new(GemmEngine::default()),
             poison: Default::default(),
             health,
             arena: std::sync::OnceLock::new(),
@@ -409,24 +416,6 @@ impl Drop for CudaDevice {
     }
 }
 
-impl GemmDevice for CudaDevice {
-    fn raw_stream(&self, s: StreamHandle) -> Result<RawStream> {
-        CudaDevice::raw_stream(self, s)
-    }
-
-    fn blas(&self, s: StreamHandle) -> Result<BlasHandle> {
-        CudaDevice::blas(self, s)
-    }
-
-    fn lt(&self) -> &LtPlans {
-        &self.lt
-    }
-
-    fn shared(&self) -> &DeviceShared {
-        &self.shared
-    }
-}
-
 impl Device for CudaDevice {
     fn lifecycle(&self) -> Option<&dyn DeviceLifecycle> {
         Some(self)
@@ -617,6 +606,10 @@ impl Device for CudaDevice {
                     addend,
                     epilogue,
                     dst,
+                    engine: *self
+                        .gemm_engine
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner),
                 },
             ),
         }
@@ -678,6 +671,13 @@ impl Device for CudaDevice {
 
     fn set_poison(&self, on: bool) {
         self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn set_gemm_engine(&self, engine: GemmEngine) {
+        *self
+            .gemm_engine
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = engine;
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -55,6 +55,12 @@ pub(crate) fn cublas_lt_present() -> bool {
     library_present("cublasLt", &[])
 }
 
+/// True when NVRTC can be loaded (kernels compile without a GPU).
+#[cfg(test)]
+pub(crate) fn nvrtc_present() -> bool {
+    library_present("nvrtc", &[])
+}
+
 /// Number of visible CUDA devices; 0 when the driver is missing or fails to initialize.
 pub fn device_count() -> usize {
     if !driver_present() {

@@ -4,19 +4,21 @@
 //! One [`CudaDevice`] per GPU, driven by one rank thread; kernels for elementwise ops,
 //! reductions and copies are generated, compiled with NVRTC once per process and cached;
 //! matmul and linear go to cuBLASLt (cached plans, epilogues in the GEMM) or cuBLAS, with
-//! f32 accumulation.
+//! f32 accumulation, or to the runtime's persistent Hopper GEMM where a call asks for it.
 //!
 //! Everything CUDA-only lives here, one folder per concern: `memory/` (buffers, the free
 //! list, capture arenas, memory shared with other processes, the caller's buffers),
-//! `gemm/` (cuBLASLt and cuBLAS), `kernels/` (generated elementwise and reduction
-//! kernels), `comm/` (the CUDA communicator: NCCL, copy-engine transfers, CUDA IPC) and
-//! `world/` (CUDA worlds: devices, communicators and transports per pair of ranks).
+//! `gemm/` (cuBLASLt, cuBLAS, the persistent Hopper GEMM), `kernels/` (generated
+//! elementwise and reduction kernels), `comm/` (the CUDA communicator: NCCL, copy-engine
+//! transfers, CUDA IPC) and `world/` (CUDA worlds: devices, communicators and transports
+//! per pair of ranks).
 
 mod allocation;
 mod caller_capture;
 mod caller_stream;
 pub(crate) mod comm;
 mod device;
+mod device_gemm;
 mod gemm;
 mod graph;
 pub(crate) mod health;

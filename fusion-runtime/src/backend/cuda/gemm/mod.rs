@@ -1,6 +1,7 @@
 //! Batched GEMM: cuBLASLt from cached plans with the epilogue in the GEMM (`lt`) where
 //! it applies, else cuBLAS (`cublasGemmStridedBatchedEx`, f32 accumulation) and a
-//! generated kernel for the epilogue.
+//! generated kernel for the epilogue. With [`GemmEngine::Persistent`], the runtime's own
+//! persistent kernel for Hopper GPUs (`hopper`) runs the GEMMs it applies to first.
 //!
 //! Tensors are row-major strided views; cuBLAS is column-major. A row-major matrix with a
 //! unit column stride is, to cuBLAS, its transpose with leading dimension = row stride;
@@ -9,9 +10,12 @@
 //! with neither stride 1 are first copied to contiguous buffers. The last batch axis goes
 //! to cuBLAS as the strided batch; outer batch axes are looped on the host.
 
+mod hopper;
 pub(crate) mod launch_graphs;
 pub(crate) mod lt;
 mod word_hash;
+
+pub(crate) use hopper::HopperGemms;
 
 use std::ffi::c_void;
 
@@ -20,10 +24,11 @@ use fusion_compiler::DType;
 
 use fusion_compiler::ir::{BinaryOp, UnaryOp};
 
+use crate::backend::cuda::kernels::KernelCache;
 use crate::backend::cuda::libs::driver_err;
 use crate::backend::cuda::memory::device_shared::DeviceShared;
 use crate::backend::cuda::stream::RawStream;
-use crate::device::{Device, Kernel, PointwiseInstr, PointwiseProgram, StreamHandle};
+use crate::device::{Device, GemmEngine, Kernel, PointwiseInstr, PointwiseProgram, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use lt::{LtEpilogue, LtMatrix, LtProblem};
@@ -46,6 +51,10 @@ pub(crate) trait GemmDevice: Device {
     fn lt(&self) -> &lt::LtPlans;
     /// What the device's buffers share with it (its context).
     fn shared(&self) -> &DeviceShared;
+    /// The device's compiled kernels (the persistent GEMM loads through them).
+    fn kernels(&self) -> &KernelCache;
+    /// The device's state of the persistent Hopper GEMM.
+    fn hopper(&self) -> &HopperGemms;
 }
 
 /// How a row-major `rows x cols` matrix appears to cuBLAS.
@@ -114,6 +123,8 @@ pub(crate) struct GemmArgs<'a> {
     pub addend: Option<&'a Tensor>,
     pub epilogue: &'a [UnaryOp],
     pub dst: &'a Tensor,
+    /// Which engine runs it where it can ([`GemmEngine`]).
+    pub engine: GemmEngine,
 }
 
 /// Checks ranks, shapes and dtypes of a GEMM.
@@ -179,13 +190,17 @@ fn direct_output(input: DType, output: DType) -> bool {
 }
 
 /// `dst = epilogue(a @ b (+ bias))`, or `dst += a @ b` with `accumulate`; see
-/// [`Kernel::Gemm`]. cuBLASLt from a cached plan with the epilogue in the GEMM where it
-/// can; else cuBLAS, and for an epilogue (or output dtype) cuBLAS cannot store, the product
+/// [`Kernel::Gemm`]. The persistent Hopper kernel first where `g.engine` asks for it and it
+/// applies; cuBLASLt from a cached plan with the epilogue in the GEMM where it can; else
+/// cuBLAS, and for an epilogue (or output dtype) cuBLAS cannot store, the product
 /// in f32 and one generated kernel for the rest (the same f32 semantics as cuBLASLt's
 /// epilogue and the CPU backend).
 pub(crate) fn gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: GemmArgs) -> Result<()> {
     validate(&g)?;
     if g.dst.numel() == 0 {
+        return Ok(());
+    }
+    if g.engine == GemmEngine::Persistent && hopper::try_gemm(dev, stream, &g)? {
         return Ok(());
     }
     if let Some(c) = g.addend.filter(|c| !same_view(c, g.dst)) {

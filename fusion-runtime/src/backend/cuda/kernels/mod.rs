@@ -24,15 +24,32 @@ const BLOCK: u32 = 256;
 const SHORT_REDUCTION: usize = 64;
 const MAX_GRID: usize = 132 * 32;
 
+/// A loaded kernel of a device's context.
 #[derive(Clone, Copy)]
-struct RawFunction(sys::CUfunction);
+pub(crate) struct RawFunction(sys::CUfunction);
 // SAFETY: function handles are driver handles, valid in their context from any thread.
 unsafe impl Send for RawFunction {}
 
-/// PTX by source, shared by every device of the process.
-fn ptx_cache() -> &'static Mutex<HashMap<String, Arc<CString>>> {
-    static CACHE: OnceLock<Mutex<HashMap<String, Arc<CString>>>> = OnceLock::new();
+/// PTX by architecture asked for (`None`: the device's own) and source, shared by every
+/// device of the process.
+type PtxCache = HashMap<(Option<&'static str>, String), Arc<CString>>;
+
+fn ptx_cache() -> &'static Mutex<PtxCache> {
+    static CACHE: OnceLock<Mutex<PtxCache>> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The dynamic shared memory a kernel may use without raising its limit.
+const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
+
+/// What a hand-written kernel needs beyond its source: the architecture NVRTC compiles it
+/// for (`None`: the device's own, as for the generated kernels; e.g. `compute_90a` for
+/// instructions of that architecture only) and the dynamic shared memory it launches with
+/// (above 48 KB, set once as the loaded function's maximum).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct KernelNeeds {
+    pub arch: Option<&'static str>,
+    pub shared_bytes: u32,
 }
 
 fn arch_option(cc: (i32, i32)) -> Option<&'static str> {
@@ -63,9 +80,22 @@ impl KernelCache {
         }
     }
 
-    /// The kernel `name` of `source`, compiled and loaded on first use.
+    /// The kernel `name` of `source`, compiled for the device's architecture and loaded on
+    /// first use.
     fn function(&self, dev: &DeviceShared, source: &str, name: &str) -> Result<RawFunction> {
-        let key = format!("{name}\n{source}");
+        self.function_with(dev, source, name, KernelNeeds::default())
+    }
+
+    /// The kernel `name` of `source` with what it `needs`, compiled and loaded on first
+    /// use (the one place kernels are loaded).
+    pub(crate) fn function_with(
+        &self,
+        dev: &DeviceShared,
+        source: &str,
+        name: &str,
+        needs: KernelNeeds,
+    ) -> Result<RawFunction> {
+        let key = format!("{name}\n{:?}\n{source}", needs.arch);
         if let Some(f) = self
             .functions
             .lock()
@@ -76,15 +106,20 @@ impl KernelCache {
         }
         let ptx = {
             let mut cache = ptx_cache().lock().unwrap_or_else(PoisonError::into_inner);
-            match cache.get(source) {
+            let ptx_key = (needs.arch, source.to_string());
+            match cache.get(&ptx_key) {
                 Some(p) => p.clone(),
                 None => {
-                    let cc = dev
-                        .ctx
-                        .compute_capability()
-                        .map_err(|e| driver_err("compute capability", e))?;
+                    let arch = match needs.arch {
+                        Some(arch) => Some(arch),
+                        None => arch_option(
+                            dev.ctx
+                                .compute_capability()
+                                .map_err(|e| driver_err("compute capability", e))?,
+                        ),
+                    };
                     let opts = cudarc::nvrtc::CompileOptions {
-                        arch: arch_option(cc),
+                        arch,
                         ..Default::default()
                     };
                     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| {
@@ -100,7 +135,7 @@ impl KernelCache {
                         reason: "NVRTC produced PTX with a NUL byte".into(),
                     })?;
                     let text = Arc::new(text);
-                    cache.insert(source.to_string(), text.clone());
+                    cache.insert(ptx_key, text.clone());
                     text
                 }
             }
@@ -113,8 +148,25 @@ impl KernelCache {
                 driver_err(&format!("loading a kernel on device {}", self.ordinal), e)
             })?;
             let cname = CString::new(name).expect("kernel names have no NUL");
-            result::module::get_function(module, cname)
-                .map_err(|e| driver_err("cuModuleGetFunction", e))?
+            let f = result::module::get_function(module, cname)
+                .map_err(|e| driver_err("cuModuleGetFunction", e))?;
+            if needs.shared_bytes > DEFAULT_DYNAMIC_SHARED {
+                result::function::set_function_attribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    needs.shared_bytes as i32,
+                )
+                .map_err(|e| {
+                    driver_err(
+                        &format!(
+                            "allowing {name} {} bytes of shared memory",
+                            needs.shared_bytes
+                        ),
+                        e,
+                    )
+                })?;
+            }
+            f
         };
         let f = RawFunction(f);
         self.functions
@@ -140,10 +192,38 @@ impl KernelCache {
         args: &mut [*mut c_void],
     ) -> Result<()> {
         let f = self.function(dev, source, name)?;
+        // SAFETY: the caller vouches for the arguments.
+        unsafe { self.launch_function(dev, (f, name), (grid, block, 0), stream, args) }
+    }
+
+    /// Launches the loaded function `f` (named `name` in errors) on `grid` blocks of
+    /// `block` threads with `shared_bytes` of dynamic shared memory (at most what it was
+    /// loaded for, [`KernelNeeds::shared_bytes`]); `args` point at its parameters, in order.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list, and every device address among them
+    /// must stay valid until the kernel has run.
+    pub(crate) unsafe fn launch_function(
+        &self,
+        dev: &DeviceShared,
+        (f, name): (RawFunction, &str),
+        (grid, block, shared_bytes): (u32, u32, u32),
+        stream: RawStream,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         dev.bind()?;
         // SAFETY: the caller vouches for the arguments.
-        unsafe { result::launch_kernel(f.0, (grid, 1, 1), (block, 1, 1), 0, stream.0, args) }
-            .map_err(|e| driver_err(&format!("launching {name}"), e))
+        unsafe {
+            result::launch_kernel(
+                f.0,
+                (grid, 1, 1),
+                (block, 1, 1),
+                shared_bytes,
+                stream.0,
+                args,
+            )
+        }
+        .map_err(|e| driver_err(&format!("launching {name}"), e))
     }
 
     /// `dst = src` (same shape): a memcpy when both are contiguous of one dtype.

@@ -1,0 +1,179 @@
+//! What the host knows of the persistent Hopper GEMM (`gemm.cu`): its variants, its launch
+//! geometry, and its source as NVRTC compiles it. NVRTC opens no files, so the source is
+//! `gemm.cu` with its include (`wgmma.inc.cu`) pasted in, and one `HOPPER_GEMM` line that
+//! instantiates the variant. The geometry must match `gemm.cu`'s `#define`s (a unit test
+//! reads them).
+
+/// The kernel's source, as the repository holds it.
+const GEMM_CU: &str = include_str!("gemm.cu");
+/// The file `gemm.cu` includes: the wgmma instructions.
+const WGMMA_INC: &str = include_str!("wgmma.inc.cu");
+/// The line of `gemm.cu` that includes [`WGMMA_INC`].
+const INCLUDE_LINE: &str = "#include \"wgmma.inc.cu\"";
+
+/// Output tile rows.
+pub(crate) const BM: u32 = 128;
+/// Output tile columns.
+pub(crate) const BN: u32 = 256;
+/// Depth of one K step.
+const BK: u32 = 64;
+/// Shared-memory stages of the operand ring.
+const STAGES: u32 = 4;
+/// Consumer warpgroups (each multiplies 64 rows of a tile).
+const CONSUMERS: u32 = 2;
+/// Threads per block: a loader warpgroup and the consumers.
+pub(crate) const THREADS: u32 = 128 * (CONSUMERS + 1);
+/// Bytes of one stage: an A tile and a B tile of bf16/f16.
+const STAGE_BYTES: u32 = BM * BK * 2 + BN * BK * 2;
+/// Bytes of the epilogue's output pieces (two 64 x 64 pieces per consumer).
+const OUT_BYTES: u32 = CONSUMERS * 2 * 64 * 64 * 2;
+/// Dynamic shared memory of a block: the stages, the output pieces, 1024 bytes of slack to
+/// align for the swizzle, the barriers.
+pub(crate) const SMEM_BYTES: u32 = STAGES * STAGE_BYTES + OUT_BYTES + 1024 + 2 * STAGES * 8;
+
+/// The architecture NVRTC compiles the kernel for: wgmma, `setmaxnreg` and the bulk tensor
+/// copies are instructions of sm_90a only.
+pub(crate) const ARCH: &str = "compute_90a";
+
+/// One instantiation of the kernel: the operands' dtype and how each is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Variant {
+    /// f16 operands (else bf16).
+    pub f16: bool,
+    /// A is M-contiguous (a transposed view), else K-contiguous (row-major).
+    pub a_mn: bool,
+    /// B is K-contiguous (a transposed view), else N-contiguous (row-major).
+    pub b_k: bool,
+}
+
+impl Variant {
+    /// The kernel's entry name: `hopper_gemm_<dtype>_<a><b>`, `n` for a row-major operand
+    /// and `t` for a transposed one (the harness's names).
+    pub(crate) fn name(self) -> String {
+        let t = |transposed: bool| if transposed { 't' } else { 'n' };
+        format!(
+            "hopper_gemm_{}_{}{}",
+            if self.f16 { "f16" } else { "bf16" },
+            t(self.a_mn),
+            t(self.b_k)
+        )
+    }
+
+    /// The source NVRTC compiles for this variant: `gemm.cu` with `wgmma.inc.cu` in place
+    /// of its include, then the variant's entry.
+    pub(crate) fn source(self) -> String {
+        let body = GEMM_CU.replacen(INCLUDE_LINE, WGMMA_INC, 1);
+        format!(
+            "{body}\nHOPPER_GEMM({}, {}, {}, {})\n",
+            self.name(),
+            self.f16,
+            self.a_mn,
+            self.b_k
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of `#define NAME value` in `gemm.cu`.
+    fn define(name: &str) -> String {
+        let prefix = format!("#define {name} ");
+        GEMM_CU
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("gemm.cu defines no {name}"))
+            .trim()
+            .to_string()
+    }
+
+    #[test]
+    fn the_geometry_matches_the_kernels_defines() {
+        for (name, value) in [
+            ("BM", BM),
+            ("BN", BN),
+            ("BK", BK),
+            ("STAGES", STAGES),
+            ("CONSUMERS", CONSUMERS),
+        ] {
+            assert_eq!(define(name), value.to_string(), "{name}");
+        }
+        // The formulas as gemm.cu writes them, which the constants above compute.
+        assert_eq!(define("THREADS"), "(128 * (CONSUMERS + 1))");
+        assert_eq!(define("A_BYTES"), "(BM * BK * 2)");
+        assert_eq!(define("B_BYTES"), "(BN * BK * 2)");
+        assert_eq!(define("STAGE_BYTES"), "(A_BYTES + B_BYTES)");
+        assert_eq!(define("OUT_PIECE_BYTES"), "(64 * 64 * 2)");
+        assert_eq!(define("OUT_BYTES"), "(CONSUMERS * 2 * OUT_PIECE_BYTES)");
+        assert_eq!(
+            define("SMEM_BYTES"),
+            "(STAGES * STAGE_BYTES + OUT_BYTES + 1024 + 2 * STAGES * 8)"
+        );
+        assert_eq!((THREADS, SMEM_BYTES), (384, 230_464));
+    }
+
+    #[test]
+    fn the_source_pastes_the_include_and_instantiates_one_variant() {
+        let v = Variant {
+            f16: false,
+            a_mn: true,
+            b_k: false,
+        };
+        assert_eq!(v.name(), "hopper_gemm_bf16_tn");
+        let src = v.source();
+        assert!(!src.contains("#include"), "NVRTC cannot open includes");
+        assert!(src.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"));
+        // The pasted instructions come before the code that calls them.
+        let defined = src.find("void wgmma_bf16(").expect("wgmma_bf16 defined");
+        let used = src.find("wgmma_bf16(d, da").expect("wgmma_bf16 called");
+        assert!(defined < used);
+        assert!(src
+            .trim_end()
+            .ends_with("HOPPER_GEMM(hopper_gemm_bf16_tn, false, true, false)"));
+    }
+
+    /// NVRTC compiles every variant for `compute_90a` (no GPU needed; skipped, saying so,
+    /// where NVRTC cannot be loaded).
+    #[test]
+    fn nvrtc_compiles_every_variant() {
+        if !crate::backend::cuda::libs::nvrtc_present() {
+            eprintln!("skipping: NVRTC (libnvrtc.so) cannot be loaded here");
+            return;
+        }
+        for bits in 0..8 {
+            let v = Variant {
+                f16: bits & 1 != 0,
+                a_mn: bits & 2 != 0,
+                b_k: bits & 4 != 0,
+            };
+            let opts = cudarc::nvrtc::CompileOptions {
+                arch: Some(ARCH),
+                ..Default::default()
+            };
+            let ptx = cudarc::nvrtc::compile_ptx_with_opts(v.source(), opts)
+                .unwrap_or_else(|e| panic!("{}: {e:?}", v.name()));
+            let text = ptx.to_src();
+            assert!(
+                text.contains(&format!(".entry {}(", v.name())),
+                "{}",
+                v.name()
+            );
+            assert!(text.contains(".target sm_90a"));
+        }
+    }
+
+    #[test]
+    fn every_variant_has_its_own_name() {
+        let mut names = std::collections::HashSet::new();
+        for bits in 0..8 {
+            let v = Variant {
+                f16: bits & 1 != 0,
+                a_mn: bits & 2 != 0,
+                b_k: bits & 4 != 0,
+            };
+            assert!(names.insert(v.name()));
+        }
+        assert!(names.contains("hopper_gemm_f16_nt"));
+    }
+}

@@ -1,0 +1,121 @@
+//! The persistent Hopper GEMM's launch arguments: the three tensor maps the copy engine
+//! loads and stores through (`cuTensorMapEncodeTiled`: 2-D, 128-byte swizzle, as
+//! `bench/hopper_gemm/harness.cu` makes them) and the kernel's parameters in the order of
+//! its entry (`HOPPER_GEMM` in `gemm.cu`), in one struct that grows with that entry.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use super::eligibility::{MapView, Plan};
+use crate::backend::cuda::libs::driver_err;
+use crate::error::Result;
+
+/// A tensor map as the kernel takes it by value (`TensorMap` in `gemm.cu`): the driver's
+/// 128 opaque bytes, 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct TensorMap([u64; 16]);
+
+/// Encodes `view` of bf16 (or, with `f16`, f16) elements as a 2-D tensor map.
+fn encode(view: &MapView, f16: bool) -> Result<TensorMap> {
+    use sys::CUtensorMapDataType::{
+        CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    };
+    let dtype = if f16 {
+        CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    } else {
+        CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    };
+    let dims: [sys::cuuint64_t; 2] = [view.inner, view.outer];
+    // Bytes between lines (dimension 1; dimension 0 is contiguous).
+    let strides: [sys::cuuint64_t; 1] = [view.ld * 2];
+    let boxed: [sys::cuuint32_t; 2] = [view.boxed.0, view.boxed.1];
+    let element_strides: [sys::cuuint32_t; 2] = [1, 1];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every array has the rank's length (2, and 1 for the strides); the address
+    // and extents describe memory the GEMM's tensors own (checked by `eligibility`); the
+    // driver only encodes them here.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            dtype,
+            2,
+            view.addr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxed.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+    }
+    .map_err(|e| {
+        driver_err(
+            &format!(
+                "cuTensorMapEncodeTiled ({} x {} elements, lines {} apart, boxes {:?})",
+                view.inner, view.outer, view.ld, view.boxed
+            ),
+            e,
+        )
+    })?;
+    Ok(TensorMap(map.opaque))
+}
+
+/// The kernel's parameters, in the entry's order: the maps of A, B and C, then M, N, K.
+/// A parameter the entry gains (an epilogue mode, a bias address) becomes a field here
+/// and a pointer in [`Params::pointers`].
+pub(crate) struct Params {
+    a: TensorMap,
+    b: TensorMap,
+    c: TensorMap,
+    m: i32,
+    n: i32,
+    k: i32,
+}
+
+impl Params {
+    /// The parameters of `plan`'s launch.
+    pub(crate) fn new(plan: &Plan) -> Result<Params> {
+        let f16 = plan.variant.f16;
+        Ok(Params {
+            a: encode(&plan.a, f16)?,
+            b: encode(&plan.b, f16)?,
+            c: encode(&plan.c, f16)?,
+            m: plan.m,
+            n: plan.n,
+            k: plan.k,
+        })
+    }
+
+    /// A pointer to each parameter, in order, as `cuLaunchKernel` takes them (valid while
+    /// `self` is borrowed).
+    pub(crate) fn pointers(&mut self) -> [*mut c_void; 6] {
+        [
+            (&mut self.a as *mut TensorMap).cast(),
+            (&mut self.b as *mut TensorMap).cast(),
+            (&mut self.c as *mut TensorMap).cast(),
+            (&mut self.m as *mut i32).cast(),
+            (&mut self.n as *mut i32).cast(),
+            (&mut self.k as *mut i32).cast(),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tensor_map_is_128_bytes_64_aligned_like_the_kernels() {
+        assert_eq!(std::mem::size_of::<TensorMap>(), 128);
+        assert_eq!(std::mem::align_of::<TensorMap>(), 64);
+        assert_eq!(
+            std::mem::size_of::<sys::CUtensorMap>(),
+            std::mem::size_of::<TensorMap>()
+        );
+    }
+}

@@ -1,0 +1,135 @@
+//! The persistent Hopper GEMM (`gemm.cu`, sm_90a: wgmma, bulk tensor copies, one block per
+//! SM) as an engine of the runtime's GEMMs ([`crate::device::GemmEngine::Persistent`]).
+//!
+//! [`try_gemm`] runs a GEMM on it where it applies and answers `false` where it does not,
+//! for cuBLAS(Lt) to run it: the device must have compute capability 9.0 (and the shared
+//! memory a block needs), and the GEMM must meet `eligibility`'s rules (bf16/f16, no
+//! extras, layouts and alignment the tensor maps read, batch axes that fold into the rows).
+//! The kernel is compiled by NVRTC for `compute_90a` once per variant and process (`kernel`
+//! assembles its source) and loaded once per device, with its shared-memory limit raised;
+//! each launch encodes three tensor maps (`launch`) and runs `min(tiles, SMs)` blocks.
+
+mod eligibility;
+mod kernel;
+mod launch;
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use cudarc::driver::sys::CUdevice_attribute;
+
+use super::{GemmArgs, GemmDevice};
+use crate::backend::cuda::kernels::{KernelNeeds, RawFunction};
+use crate::backend::cuda::libs::driver_err;
+use crate::backend::cuda::memory::device_shared::DeviceShared;
+use crate::device::StreamHandle;
+use crate::error::Result;
+use crate::tensor::Tensor;
+use eligibility::{Request, View};
+use kernel::{Variant, ARCH, SMEM_BYTES, THREADS};
+
+/// A device's state of the kernel: whether it runs there, and its loaded variants.
+#[derive(Default)]
+pub(crate) struct HopperGemms {
+    /// The device's SM count where the kernel runs on it, else `None` (asked once).
+    sms: OnceLock<Option<u32>>,
+    /// The variants loaded on the device.
+    functions: Mutex<HashMap<Variant, RawFunction>>,
+}
+
+impl HopperGemms {
+    /// The device's SM count if it runs the kernel: compute capability exactly 9.0 (the
+    /// `a` instructions run on no other) and a block's shared memory available.
+    fn sms(&self, dev: &DeviceShared) -> Result<Option<u32>> {
+        if let Some(&s) = self.sms.get() {
+            return Ok(s);
+        }
+        let attribute = |a: CUdevice_attribute| {
+            dev.ctx
+                .attribute(a)
+                .map_err(|e| driver_err("reading a device attribute", e))
+        };
+        use CUdevice_attribute::*;
+        let cc = (
+            attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
+        let shared = attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let sms = attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let runs = cc == (9, 0) && shared >= SMEM_BYTES as i32 && sms > 0;
+        Ok(*self.sms.get_or_init(|| runs.then_some(sms as u32)))
+    }
+
+    /// `variant` loaded on the device (compiled on its first use in the process).
+    fn function(&self, dev: &dyn GemmDevice, variant: Variant, name: &str) -> Result<RawFunction> {
+        let mut loaded = self
+            .functions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(&f) = loaded.get(&variant) {
+            return Ok(f);
+        }
+        let needs = KernelNeeds {
+            arch: Some(ARCH),
+            shared_bytes: SMEM_BYTES,
+        };
+        let f = (dev.kernels()).function_with(dev.shared(), &variant.source(), name, needs)?;
+        loaded.insert(variant, f);
+        Ok(f)
+    }
+}
+
+/// `g` on the persistent kernel when it applies (`Ok(false)` when it does not: cuBLAS's).
+/// `g` has passed `validate` and is not empty.
+pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs) -> Result<bool> {
+    let Some(sms) = dev.hopper().sms(dev.shared())? else {
+        return Ok(false);
+    };
+    let (Some(a), Some(b), Some(dst)) = (view(g.a), view(g.b), view(g.dst)) else {
+        return Ok(false);
+    };
+    let request = Request {
+        a,
+        b,
+        dst,
+        bias: g.bias.is_some(),
+        epilogue: !g.epilogue.is_empty(),
+        accumulate: g.accumulate,
+    };
+    let plan = match eligibility::plan(&request) {
+        Ok(plan) => plan,
+        Err(why) => {
+            tracing::trace!(%why, "the persistent GEMM does not apply; cuBLAS runs it");
+            return Ok(false);
+        }
+    };
+    let name = plan.variant.name();
+    let f = dev.hopper().function(dev, plan.variant, &name)?;
+    let grid = plan.tiles().min(u64::from(sms)) as u32;
+    let mut params = launch::Params::new(&plan)?;
+    let raw = dev.raw_stream(stream)?;
+    // SAFETY: the parameters are the entry's (maps of A, B, C, then M, N, K), the maps
+    // describe views of `g`'s tensors, which the caller keeps until the stream has run
+    // the kernel; the block size and shared memory are the kernel's own.
+    unsafe {
+        dev.kernels().launch_function(
+            dev.shared(),
+            (f, &name),
+            (grid, THREADS, SMEM_BYTES),
+            raw,
+            &mut params.pointers(),
+        )
+    }?;
+    crate::counters::persistent_gemm();
+    Ok(true)
+}
+
+/// `t` as the rules see it, where it lives on a device.
+fn view(t: &Tensor) -> Option<View<'_>> {
+    Some(View {
+        dtype: t.dtype(),
+        shape: t.shape(),
+        strides: t.strides(),
+        addr: t.device_ptr()?,
+    })
+}

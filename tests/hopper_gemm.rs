@@ -1,0 +1,397 @@
+//! The persistent Hopper GEMM (`ExecOptions::gemm = GemmEngine::Persistent`) against
+//! cuBLAS on fresh random inputs (shifted by `FUSION_TEST_SEED`), every output poisoned
+//! first so an element the kernel misses fails: bf16 and f16, shapes that are no multiple
+//! of the 128 x 256 tile and a large one, every operand layout (row-major and transposed
+//! views), fusions with `transpose` and `linear` (a batch folded into the rows), GEMMs the
+//! kernel does not take (which cuBLAS runs), replayed calls and a switch of engines.
+//! `persistent_gemms` (the runtime's counter) tells which engine ran.
+//!
+//! GPU-only (`#[ignore]`d): run with `--ignored`. Without a CUDA GPU each test skips,
+//! saying so; on a GPU other than compute capability 9.0 each checks only that the
+//! persistent engine falls back to cuBLAS.
+
+mod common;
+
+use common::cases::axes;
+use fusion::compiler::builder::FusionBuilder;
+use fusion::compiler::ir::{Fusion, ParallelType::Serial as S};
+use fusion::runtime::backend::Kernel;
+use fusion::runtime::counters::counters;
+use fusion::runtime::replay::ReplayStatus;
+use fusion::{DType, ExecOptions, FusionExecutor, GemmEngine, Rank, Result, Tensor};
+
+/// (M, N, K): tiles cut at every edge, a K of one and a half steps, a deep K, one whole
+/// tile, and a large GEMM.
+const SHAPES: [(usize, usize, usize); 5] = [
+    (200, 296, 136),
+    (1000, 264, 72),
+    (384, 520, 1000),
+    (128, 256, 64),
+    (2048, 4096, 1024),
+];
+
+/// (A transposed, B transposed).
+const LAYOUTS: [(bool, bool); 4] = [(false, false), (true, false), (false, true), (true, true)];
+
+/// Runs `f` on a one-GPU world with poisoned allocations, telling it whether the GPU runs
+/// the persistent kernel (compute capability 9.0); skips, saying so, without a GPU.
+fn on_gpu(f: impl Fn(&Rank, bool) -> Result<()> + Sync) {
+    if fusion::runtime::backend::visible_gpus() == 0 {
+        eprintln!("skipping: no CUDA GPU");
+        return;
+    }
+    let world = fusion::runtime::backend::cuda::cuda_world(Some(1)).expect("a CUDA world");
+    world.poison_allocations(true);
+    world
+        .run(|rank| {
+            let (major, minor) = rank.cuda_context()?.compute_capability()?;
+            let hopper = (major, minor) == (9, 0);
+            if !hopper {
+                eprintln!(
+                    "GPU 0 has compute capability {major}.{minor}; the persistent GEMM needs \
+                     9.0, so only the fallback to cuBLAS is checked"
+                );
+            }
+            f(rank, hopper)
+        })
+        .unwrap();
+}
+
+/// A fresh seed for input `i` of case `case`.
+fn seed(case: usize, i: usize) -> u64 {
+    common::test_seed_base()
+        .wrapping_mul(1_000_003)
+        .wrapping_add((case * 16 + i) as u64)
+}
+
+/// GEMMs the persistent kernel ran so far in this process.
+fn persistent_runs() -> u64 {
+    counters().persistent_gemms
+}
+
+/// Checks `got` (the persistent engine's output) against `want` (cuBLAS's): every element
+/// written and finite, and the relative error within a rounding of the output dtype.
+/// Prints how many elements are bit-identical.
+fn check(got: &Tensor, want: &Tensor, what: &str) {
+    let g = got.to_f32_vec().unwrap();
+    let unwritten = g.iter().filter(|v| !v.is_finite()).count();
+    assert_eq!(unwritten, 0, "{what}: {unwritten} elements not written");
+    let err = got.rel_error(want).unwrap();
+    assert!(
+        err < common::tolerance_for(got.dtype()) / 2.0,
+        "{what}: relative error {err:.3e} against cuBLAS"
+    );
+    let w = want.to_f32_vec().unwrap();
+    let same = g
+        .iter()
+        .zip(&w)
+        .filter(|(x, y)| x.to_bits() == y.to_bits())
+        .count();
+    eprintln!(
+        "{what}: relative error {err:.2e}, {same} of {} elements bit-identical",
+        g.len()
+    );
+}
+
+/// Runs `run` with cuBLAS, then with the persistent engine, and checks their outputs
+/// agree ([`check`]) and that the persistent kernel ran `runs` times.
+fn against_cublas(what: &str, runs: u64, run: impl Fn(GemmEngine) -> Result<Tensor>) -> Result<()> {
+    let want = run(GemmEngine::Cublas)?;
+    let before = persistent_runs();
+    let got = run(GemmEngine::Persistent)?;
+    assert_eq!(
+        persistent_runs() - before,
+        runs,
+        "{what}: persistent kernel runs"
+    );
+    check(&got, &want, what);
+    Ok(())
+}
+
+/// `a @ b` on the device with `engine`, one `Kernel::Gemm` into a poisoned output; `a` and
+/// `b` are given as stored (transposed operands as their `[K, M]` and `[N, K]` matrices).
+fn product(
+    rank: &Rank,
+    engine: GemmEngine,
+    (a, ta): (&Tensor, bool),
+    (b, tb): (&Tensor, bool),
+) -> Result<Tensor> {
+    let on_device = |t: &Tensor, transposed: bool| -> Result<Tensor> {
+        let t = rank.to_device(t)?;
+        if transposed {
+            t.permute(&[1, 0])
+        } else {
+            Ok(t)
+        }
+    };
+    let (a, b) = (on_device(a, ta)?, on_device(b, tb)?);
+    let dev = rank.device();
+    let dst = dev.allocate(0, a.dtype(), &[a.shape()[0], b.shape()[1]])?;
+    dev.set_gemm_engine(engine);
+    let ran = dev.execute(
+        0,
+        Kernel::Gemm {
+            a: &a,
+            b: &b,
+            bias: None,
+            accumulate: false,
+            addend: None,
+            epilogue: &[],
+            dst: &dst,
+        },
+    );
+    dev.set_gemm_engine(GemmEngine::Cublas);
+    ran?;
+    rank.to_host(&dst)
+}
+
+/// Random stored operands of an `m x n x k` GEMM in `dt`, transposed ones as stored.
+fn operands(
+    dt: DType,
+    (m, n, k): (usize, usize, usize),
+    (ta, tb): (bool, bool),
+    case: usize,
+) -> (Tensor, Tensor) {
+    let a = if ta { [k, m] } else { [m, k] };
+    let b = if tb { [n, k] } else { [k, n] };
+    (
+        Tensor::randn(&a, dt, seed(case, 0)),
+        Tensor::randn(&b, dt, seed(case, 1)),
+    )
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn every_layout_and_dtype_matches_cublas() {
+    on_gpu(|rank, hopper| {
+        let mut case = 0;
+        for dt in [DType::BF16, DType::F16] {
+            for shape in SHAPES {
+                for layout in LAYOUTS {
+                    case += 1;
+                    let (a, b) = operands(dt, shape, layout, case);
+                    let what = format!("{dt} {shape:?} transposed (A, B) {layout:?}");
+                    against_cublas(&what, u64::from(hopper), |engine| {
+                        product(rank, engine, (&a, layout.0), (&b, layout.1))
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// `matmul(a, b)`, each operand given as stored: a transposed one as its `[K, M]` or
+/// `[N, K]` matrix and `transpose`d in the fusion (a view the GEMM reads as it is).
+fn matmul_fusion(dt: DType, (ta, tb): (bool, bool)) -> Fusion {
+    let mut f = FusionBuilder::new();
+    let ax = axes(
+        &mut f,
+        if ta {
+            &[("k", S), ("m", S)]
+        } else {
+            &[("m", S), ("k", S)]
+        },
+    );
+    let bx = axes(
+        &mut f,
+        if tb {
+            &[("n", S), ("k", S)]
+        } else {
+            &[("k", S), ("n", S)]
+        },
+    );
+    let mut a = f.input("a", dt, &ax).unwrap();
+    let mut b = f.input("b", dt, &bx).unwrap();
+    if ta {
+        a = f.transpose(a, 0, 1).unwrap();
+    }
+    if tb {
+        b = f.transpose(b, 0, 1).unwrap();
+    }
+    let c = f.matmul(a, b).unwrap();
+    f.output(c).unwrap();
+    f.build().unwrap()
+}
+
+/// Calls `exec` with `inputs` and `engine`; its one output on the host, and how it ran.
+fn call(
+    rank: &Rank,
+    exec: &FusionExecutor,
+    inputs: &[&Tensor],
+    engine: GemmEngine,
+) -> Result<(Tensor, ReplayStatus)> {
+    let options = ExecOptions {
+        gemm: engine,
+        ..ExecOptions::default()
+    };
+    let report = exec.run_with(rank, inputs, None, &options)?;
+    Ok((rank.to_host(&report.outputs[0])?, report.replay))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn fusions_with_transposed_operands_run_on_the_persistent_kernel() {
+    on_gpu(|rank, hopper| {
+        let mut case = 100;
+        for dt in [DType::BF16, DType::F16] {
+            for layout in LAYOUTS {
+                let exec = FusionExecutor::new(matmul_fusion(dt, layout));
+                for shape in [SHAPES[0], SHAPES[2]] {
+                    case += 1;
+                    let (a, b) = operands(dt, shape, layout, case);
+                    let what = format!("fusion {dt} {shape:?} transposed (A, B) {layout:?}");
+                    against_cublas(&what, u64::from(hopper), |engine| {
+                        Ok(call(rank, &exec, &[&a, &b], engine)?.0)
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// `linear(x, w, bias)`: x `[s, m, k]`, w `[n, k]`, bias `[n]` when `bias`.
+fn linear_fusion(dt: DType, bias: bool) -> Fusion {
+    let mut f = FusionBuilder::new();
+    let xa = axes(&mut f, &[("s", S), ("m", S), ("k", S)]);
+    let wa = axes(&mut f, &[("n", S), ("k", S)]);
+    let x = f.input("x", dt, &xa).unwrap();
+    let w = f.input("w", dt, &wa).unwrap();
+    let bias = bias.then(|| {
+        let ba = axes(&mut f, &[("n", S)]);
+        f.input("bias", dt, &ba).unwrap()
+    });
+    let y = f.linear(x, w, bias).unwrap();
+    f.output(y).unwrap();
+    f.build().unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn a_linear_layer_folds_its_batch_into_the_rows() {
+    on_gpu(|rank, hopper| {
+        for (i, dt) in [DType::BF16, DType::F16].into_iter().enumerate() {
+            let exec = FusionExecutor::new(linear_fusion(dt, false));
+            let x = Tensor::randn(&[4, 250, 136], dt, seed(200 + i, 0));
+            let w = Tensor::randn(&[296, 136], dt, seed(200 + i, 1));
+            let what = format!("linear {dt} [4, 250, 136] x [296, 136]^T");
+            against_cublas(&what, u64::from(hopper), |engine| {
+                Ok(call(rank, &exec, &[&x, &w], engine)?.0)
+            })?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn gemms_the_kernel_does_not_take_run_on_cublas() {
+    on_gpu(|rank, _| {
+        let dt = DType::BF16;
+        // A bias (the kernel has no epilogue yet), f32 operands, rows 36 elements apart
+        // (not 16-byte multiples), and a batched GEMM with a B per batch entry.
+        let x = Tensor::randn(&[2, 64, 72], dt, seed(300, 0));
+        let w = Tensor::randn(&[96, 72], dt, seed(300, 1));
+        let bias = Tensor::randn(&[96], dt, seed(300, 2));
+        let f32s = operands(DType::F32, (64, 96, 72), (false, false), 301);
+        let odd_k = operands(dt, (64, 96, 36), (false, false), 302);
+        let mut bmm = FusionBuilder::new();
+        let aa = axes(&mut bmm, &[("s", S), ("m", S), ("k", S)]);
+        let ba = axes(&mut bmm, &[("s", S), ("k", S), ("n", S)]);
+        let (a, b) = (
+            bmm.input("a", dt, &aa).unwrap(),
+            bmm.input("b", dt, &ba).unwrap(),
+        );
+        let c = bmm.matmul(a, b).unwrap();
+        bmm.output(c).unwrap();
+        let batched = (
+            Tensor::randn(&[3, 64, 72], dt, seed(303, 0)),
+            Tensor::randn(&[3, 72, 96], dt, seed(303, 1)),
+        );
+        let cases: [(&str, Fusion, Vec<&Tensor>); 4] = [
+            (
+                "linear with a bias",
+                linear_fusion(dt, true),
+                vec![&x, &w, &bias],
+            ),
+            (
+                "f32",
+                matmul_fusion(DType::F32, (false, false)),
+                vec![&f32s.0, &f32s.1],
+            ),
+            (
+                "K = 36",
+                matmul_fusion(dt, (false, false)),
+                vec![&odd_k.0, &odd_k.1],
+            ),
+            (
+                "a B per batch entry",
+                bmm.build().unwrap(),
+                vec![&batched.0, &batched.1],
+            ),
+        ];
+        for (what, fusion, inputs) in cases {
+            let exec = FusionExecutor::new(fusion);
+            against_cublas(what, 0, |engine| Ok(call(rank, &exec, &inputs, engine)?.0))?;
+        }
+        Ok(())
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn replayed_calls_keep_their_engine() {
+    on_gpu(|rank, hopper| {
+        let dt = DType::BF16;
+        let shape = SHAPES[1];
+        let exec = FusionExecutor::new(matmul_fusion(dt, (false, false)));
+        // Inputs on the device at fixed addresses, so that calls replay; each call gets
+        // fresh values copied into them.
+        let (a0, b0) = operands(dt, shape, (false, false), 400);
+        let (a, b) = (rank.to_device(&a0)?, rank.to_device(&b0)?);
+        // cuBLAS's program walks, is captured and replays; then the persistent engine's
+        // own program does the same (a graph of cuBLAS's kernels is never replayed for
+        // it), then cuBLAS's replays again.
+        let engines = [
+            [GemmEngine::Cublas; 3],
+            [GemmEngine::Persistent; 3],
+            [GemmEngine::Cublas; 3],
+        ]
+        .concat();
+        // Every call's fresh operands and cuBLAS's product of them, first: allocations
+        // between the calls could take the output's address, which a replay needs back.
+        let fresh = (0..engines.len())
+            .map(|i| {
+                let (a, b) = operands(dt, shape, (false, false), 401 + i);
+                let want = product(rank, GemmEngine::Cublas, (&a, false), (&b, false))?;
+                Ok((a, b, want))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut runs = Vec::new();
+        for (i, (engine, (fresh_a, fresh_b, want))) in engines.into_iter().zip(&fresh).enumerate() {
+            for (src, dst) in [(fresh_a, &a), (fresh_b, &b)] {
+                let src = rank.to_device(src)?;
+                rank.device().execute(0, Kernel::Copy { src: &src, dst })?;
+            }
+            let before = persistent_runs();
+            let (got, replay) = call(rank, &exec, &[&a, &b], engine)?;
+            let ran = persistent_runs() - before;
+            check(&got, want, &format!("call {i} on {engine:?}, {replay:?}"));
+            runs.push((engine, ran, replay));
+        }
+        for (i, (engine, ran, replay)) in runs.iter().enumerate() {
+            if i % 3 == 2 {
+                assert_eq!(*replay, ReplayStatus::Replayed, "call {i} on {engine:?}");
+            }
+            // The persistent kernel runs when walked or captured (not counted at replay).
+            let expected = hopper && *engine == GemmEngine::Persistent && i % 3 != 2;
+            assert_eq!(
+                *ran,
+                u64::from(expected),
+                "call {i} on {engine:?}, {replay:?}"
+            );
+        }
+        Ok(())
+    });
+}
