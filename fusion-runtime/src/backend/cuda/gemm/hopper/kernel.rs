@@ -25,11 +25,14 @@ const CONSUMERS: u32 = 2;
 pub(crate) const THREADS: u32 = 128 * (CONSUMERS + 1);
 /// Bytes of one stage: an A tile and a B tile of bf16/f16.
 const STAGE_BYTES: u32 = BM * BK * 2 + BN * BK * 2;
-/// Bytes of the epilogue's output pieces (two 64 x 64 pieces per consumer).
-const OUT_BYTES: u32 = CONSUMERS * 2 * 64 * 64 * 2;
+/// Output pieces (64 x 64) per consumer in the epilogue.
+const PIECES: u32 = 2;
+/// Bytes of the epilogue's output pieces.
+const OUT_BYTES: u32 = CONSUMERS * PIECES * 64 * 64 * 2;
 /// Dynamic shared memory of a block: the stages, the output pieces, 1024 bytes of slack to
-/// align for the swizzle, the barriers.
-pub(crate) const SMEM_BYTES: u32 = STAGES * STAGE_BYTES + OUT_BYTES + 1024 + 2 * STAGES * 8;
+/// align for the swizzle, the barriers (two per stage, two per piece).
+pub(crate) const SMEM_BYTES: u32 =
+    STAGES * STAGE_BYTES + OUT_BYTES + 1024 + 2 * (STAGES + CONSUMERS * PIECES) * 8;
 
 /// The architecture NVRTC compiles the kernel for: wgmma, `setmaxnreg` and the bulk tensor
 /// copies are instructions of sm_90a only.
@@ -95,6 +98,7 @@ mod tests {
             ("BN", BN),
             ("BK", BK),
             ("STAGES", STAGES),
+            ("PIECES", PIECES),
             ("CONSUMERS", CONSUMERS),
         ] {
             assert_eq!(define(name), value.to_string(), "{name}");
@@ -105,12 +109,12 @@ mod tests {
         assert_eq!(define("B_BYTES"), "(BN * BK * 2)");
         assert_eq!(define("STAGE_BYTES"), "(A_BYTES + B_BYTES)");
         assert_eq!(define("OUT_PIECE_BYTES"), "(64 * 64 * 2)");
-        assert_eq!(define("OUT_BYTES"), "(CONSUMERS * 2 * OUT_PIECE_BYTES)");
         assert_eq!(
-            define("SMEM_BYTES"),
-            "(STAGES * STAGE_BYTES + OUT_BYTES + 1024 + 2 * STAGES * 8)"
+            define("SMEM_FOR(NS, NP)"),
+            "((NS) * STAGE_BYTES + CONSUMERS * (NP) * OUT_PIECE_BYTES + 1024 + 2 * ((NS) + CONSUMERS * (NP)) * 8)"
         );
-        assert_eq!((THREADS, SMEM_BYTES), (384, 230_464));
+        assert_eq!(define("SMEM_BYTES"), "SMEM_FOR(STAGES, PIECES)");
+        assert_eq!((THREADS, SMEM_BYTES), (384, 230_528));
     }
 
     #[test]
