@@ -5,9 +5,9 @@
 //! operand. So a permute whose every reader is a `matmul`/`linear` operand (directly or
 //! through a `broadcast`) and that keeps the input's last axis among the last two stays a
 //! view: `matmul(transpose(x, 1, 2), dy)` costs no copy. So does a Stream-parallel permute
-//! whose every reader is such a GEMM, slicing it along one of its axes (a weight gradient's
-//! transposed activation): the stream loop of each reader views the permuted chunk of the
-//! input's chunk. Every other permute becomes a view followed by a copy (`set`) into the
+//! whose every reader is such a GEMM streamed along the permute's Stream axis (a weight
+//! gradient's transposed activation): the stream loop of each reader views the permuted
+//! chunk of the input's chunk. Every other permute becomes a view followed by a copy (`set`) into the
 //! permuted layout, which also carries its Stream axis (a view read whole cannot be
 //! Stream-parallel) and what the fusion returns.
 
@@ -76,24 +76,20 @@ fn stays_view(f: &Fusion, order: &[ExprId], perm: &[usize], y: TensorId) -> bool
 /// Stream axis is `t`'s (each stream loop then slices it).
 fn only_streamed_gemm_operand(f: &Fusion, order: &[ExprId], t: TensorId) -> bool {
     let own = f.find_parallel_axis(t, ParallelType::Stream);
-    let mut readers = order
-        .iter()
-        .map(|&id| f.expr(id))
-        .filter(|e| e.inputs.contains(&t));
-    let mut any = false;
-    let all = readers.all(|e| {
-        any = true;
+    let readers: Vec<&Expr> = (order.iter().map(|&id| f.expr(id)))
+        .filter(|e| e.inputs.contains(&t))
+        .collect();
+    let sliced = |e: &Expr| {
         let map = axis_map(f, e);
-        let sliced = f
-            .find_parallel_axis(e.output, ParallelType::Stream)
+        f.find_parallel_axis(e.output, ParallelType::Stream)
             .is_some_and(|s| {
                 (e.inputs.iter().enumerate())
                     .filter(|&(_, &x)| x == t)
                     .all(|(i, _)| i < 2 && map.producer_axis(i, s) == own)
-            });
-        matches!(e.op, Op::Matmul | Op::Linear) && sliced
-    });
-    any && all
+            })
+    };
+    !readers.is_empty()
+        && (readers.iter()).all(|e| matches!(e.op, Op::Matmul | Op::Linear) && sliced(e))
 }
 
 /// True for a tensor the fusion neither returns nor aliases.
