@@ -3,7 +3,10 @@
 //! MLP block (gelu, gelu_tanh, silu), the gated MLP and the attention projections. On 1,
 //! 2, 3, 4 and 8 simulated devices, under every plan candidate and pipelining forced, each input gradient
 //! matches central finite differences of the forward (an f64 interpreter of the IR), and
-//! so does the backward fusion itself evaluated in f64.
+//! so does the backward fusion itself evaluated in f64; it computes nothing twice and
+//! nothing it does not use. The MLP block's backward program on 4 devices is kept as a
+//! snapshot, with what it must not have: a copy of a transposed operand, a tensor
+//! gathered twice, a weight gradient summed after its GEMMs.
 
 mod backward_support;
 mod common;
@@ -12,8 +15,9 @@ use backward_support::{distance, eval, finite_difference, Arr};
 use common::{device_counts, run, Give, Take};
 use fusion::compiler::autodiff::{backward, BackwardInput, GradSpec};
 use fusion::compiler::builder::FusionBuilder;
-use fusion::compiler::ir::{Fusion, ParallelType, Scalar, ScalarId, TensorId, UnaryOp};
-use fusion::compiler::lower::Pipelining;
+use fusion::compiler::hir::{HostProgram, Node, P2PDirection};
+use fusion::compiler::ir::{Fusion, Op, ParallelType, Scalar, ScalarId, TensorId, UnaryOp};
+use fusion::compiler::lower::{lower, LowerOptions, Pipelining};
 use fusion::compiler::plan::candidates;
 use fusion::{DType, ExecOptions, Tensor};
 
@@ -101,9 +105,29 @@ fn take(f: &Fusion, t: TensorId) -> Take {
     didx(f, t).map_or(Take::Replicated, Take::Sharded)
 }
 
+/// Every expression of a backward is needed and computed once: its result is read or
+/// returned, and no other expression applies the same op to the same inputs.
+fn assert_lean(name: &str, f: &Fusion) {
+    for (i, e) in f.exprs().iter().enumerate() {
+        let read = f.exprs().iter().any(|x| x.inputs.contains(&e.output));
+        assert!(
+            read || f.is_output(e.output),
+            "{name}: `{}` is computed and never read: {f}",
+            f.tensor_name(e.output)
+        );
+        let again = (f.exprs()[..i].iter()).find(|x| x.op == e.op && x.inputs == e.inputs);
+        assert!(
+            again.is_none(),
+            "{name}: `{}` is computed twice: {f}",
+            f.tensor_name(e.output)
+        );
+    }
+}
+
 fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
     let spec = GradSpec::all(forward);
     let bw = backward(forward, &spec).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_lean(name, &bw.fusion);
     let inputs: Vec<(Tensor, Arr)> = (forward.inputs().iter().enumerate())
         .map(|(i, &t)| random(&shape(forward, t, d), seed + i as u64))
         .collect();
@@ -162,4 +186,94 @@ fn layer_gradients_match_finite_differences() {
             check_case(name, &f, d, 10 * i as u64 + d as u64);
         }
     }
+}
+
+/// The nodes of a program, each with whether a loop runs it (branches looked into).
+fn nodes_of(p: &HostProgram) -> Vec<(bool, &Node)> {
+    fn visit<'a>(nodes: &'a [Node], looped: bool, out: &mut Vec<(bool, &'a Node)>) {
+        for n in nodes {
+            out.push((looped, n));
+            match n {
+                Node::ForLoop(l) => visit(&l.body, true, out),
+                Node::IfThenElse {
+                    then_body,
+                    else_body,
+                    ..
+                } => {
+                    visit(then_body, looped, out);
+                    visit(else_body, looped, out);
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut out = Vec::new();
+    visit(&p.body, false, &mut out);
+    out
+}
+
+#[test]
+fn mlp_block_backward_program_snapshot() {
+    // Three loops: the gather of x's rows recomputing the hidden activation; the gather of
+    // dY with dW2's GEMM (the activation's chunk read transposed) adding onto dW2 and the
+    // activation's gradient; then dH, dW1's GEMM (the gathered rows' chunk read
+    // transposed, no second gather) adding onto dW1, and dX's GEMM reduce-scattered.
+    let f = common::cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
+    let bw = backward(&f, &GradSpec::all(&f)).unwrap();
+    let p = lower(&bw.fusion, 4, &LowerOptions::default())
+        .unwrap()
+        .program;
+    let nodes = nodes_of(&p);
+    let computes = || {
+        nodes.iter().filter_map(|&(looped, n)| match n {
+            Node::Compute(e) => Some((looped, e)),
+            _ => None,
+        })
+    };
+    let permuted: Vec<TensorId> = computes()
+        .filter(|(_, e)| matches!(e.op, Op::Permute { .. }))
+        .map(|(_, e)| e.output)
+        .collect();
+    let copies_of_permutes = computes()
+        .filter(|(_, e)| e.op == Op::Set && permuted.contains(&e.inputs[0]))
+        .count();
+    assert_eq!(copies_of_permutes, 0, "a transposed operand is copied: {p}");
+    // Three pipelines send: x's rows, dY's rows (each gathered once, in one loop) and dX's
+    // partials. No collective.
+    let mut sent: Vec<TensorId> = nodes
+        .iter()
+        .filter_map(|(_, n)| match n {
+            Node::P2P(x) if x.direction == P2PDirection::Send => Some(x.buffer),
+            _ => None,
+        })
+        .collect();
+    let sends = sent.len();
+    sent.sort();
+    sent.dedup();
+    assert_eq!(
+        (sends, sent.len()),
+        (3, 3),
+        "x and dY are gathered once each: {p}"
+    );
+    assert!(
+        !nodes
+            .iter()
+            .any(|(_, n)| matches!(n, Node::Communication(_))),
+        "{p}"
+    );
+    let accumulating = computes()
+        .filter(|(looped, e)| *looped && e.op == Op::Matmul && e.inputs.get(2) == Some(&e.output))
+        .count();
+    assert_eq!(
+        accumulating, 2,
+        "dW1 and dW2 accumulate in their loops: {p}"
+    );
+    // The one reduction left is the reduce-scatter's local sum of dX's partials.
+    let reductions = computes()
+        .filter(|(_, e)| matches!(e.op, Op::Reduction { .. }))
+        .count();
+    assert_eq!(reductions, 1, "{p}");
+    common::snapshots_here().bind(|| {
+        insta::assert_snapshot!("mlp_block_backward_4_devices", p.to_string());
+    });
 }

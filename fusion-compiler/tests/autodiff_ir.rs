@@ -2,12 +2,13 @@
 //! columns, the rows gathered chunk by chunk): its IR (an insta snapshot), and the
 //! communication its lowering inserts: dX through a reduce-scatter (a ring of copies
 //! behind the GEMM when pipelined, as the forward's gather was) and dW from the gathered
-//! rows.
+//! rows, read transposed where they arrive, each chunk's GEMM adding onto dW in the
+//! gather's loop.
 
 use fusion_compiler::autodiff::{backward, BackwardInput, GradSpec};
 use fusion_compiler::builder::{Axis, FusionBuilder};
-use fusion_compiler::hir::{for_each_node, CommunicationKind, HostProgram, Node};
-use fusion_compiler::ir::{Fusion, ParallelType};
+use fusion_compiler::hir::{for_each_node, CommunicationKind, HostProgram, Node, P2PDirection};
+use fusion_compiler::ir::{Fusion, Op, ParallelType, TensorId};
 use fusion_compiler::lower::{lower, LowerOptions, Pipelining};
 use fusion_compiler::DType;
 
@@ -59,21 +60,94 @@ fn column_parallel_backward_ir() {
     insta::assert_snapshot!("column_parallel_backward", bw.fusion.to_string());
 }
 
-#[test]
-fn column_parallel_backward_reduce_scatters_dx_and_gathers_x_for_dw() {
+/// The column-parallel backward lowered for 4 devices with `pipelining`.
+fn lowered_backward(pipelining: Pipelining) -> HostProgram {
     let f = column_parallel();
     let bw = backward(&f, &GradSpec::all(&f)).unwrap();
     let mut options = LowerOptions::default();
-    options.pipelines.pipelining = Pipelining::Never;
-    let plain = lower(&bw.fusion, 4, &options).unwrap().program;
+    options.pipelines.pipelining = pipelining;
+    lower(&bw.fusion, 4, &options).unwrap().program
+}
+
+#[test]
+fn column_parallel_backward_reduce_scatters_dx_and_gathers_x_for_dw() {
+    let plain = lowered_backward(Pipelining::Never);
     let (kinds, _) = communications(&plain);
     assert!(kinds.contains(&CommunicationKind::ReduceScatter), "{plain}");
     assert!(kinds.contains(&CommunicationKind::Allgather), "{plain}");
-    options.pipelines.pipelining = Pipelining::Always;
-    let piped = lower(&bw.fusion, 4, &options).unwrap().program;
+    let piped = lowered_backward(Pipelining::Always);
     let (kinds, p2p) = communications(&piped);
     assert!(
         p2p && !kinds.contains(&CommunicationKind::ReduceScatter),
         "dX's reduce-scatter is a ring of copies in the GEMM's loop: {piped}"
     );
+}
+
+/// What a lowered program does with the weight gradient, counted in its text (a loop's
+/// body once): permutes copied (a `set` of a permute's result), collectives, P2P
+/// receives, GEMMs adding onto their own result inside a loop, and reductions.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Shape {
+    permute_copies: usize,
+    collectives: usize,
+    receives: usize,
+    accumulating_in_loops: usize,
+    reductions: usize,
+}
+
+fn shape_of(p: &HostProgram) -> Shape {
+    fn walk(nodes: &[Node], in_loop: bool, permuted: &mut Vec<TensorId>, s: &mut Shape) {
+        for n in nodes {
+            match n {
+                Node::ForLoop(l) => walk(&l.body, true, permuted, s),
+                Node::IfThenElse {
+                    then_body,
+                    else_body,
+                    ..
+                } => {
+                    walk(then_body, in_loop, permuted, s);
+                    walk(else_body, in_loop, permuted, s);
+                }
+                Node::Communication(_) => s.collectives += 1,
+                Node::P2P(x) => s.receives += usize::from(x.direction == P2PDirection::Recv),
+                Node::Compute(e) => match &e.op {
+                    Op::Permute { .. } => permuted.push(e.output),
+                    Op::Set if permuted.contains(&e.inputs[0]) => s.permute_copies += 1,
+                    Op::Matmul if in_loop && e.inputs.get(2) == Some(&e.output) => {
+                        s.accumulating_in_loops += 1
+                    }
+                    Op::Reduction { .. } => s.reductions += 1,
+                    _ => {}
+                },
+                _ => {}
+            }
+        }
+    }
+    let mut s = Shape::default();
+    walk(&p.body, false, &mut Vec::new(), &mut s);
+    s
+}
+
+#[test]
+fn column_parallel_weight_gradient_accumulates_in_the_gather_loop() {
+    let piped = lowered_backward(Pipelining::Always);
+    // One pipeline gathers x's row blocks (a receive in its loop), and each block's GEMM,
+    // reading it transposed, adds onto dW; dX's reduce-scatter is a second pipeline with
+    // its local sum after it, the only reduction left.
+    let want = Shape {
+        receives: 2,
+        accumulating_in_loops: 1,
+        reductions: 1,
+        ..Shape::default()
+    };
+    assert_eq!(shape_of(&piped), want, "{piped}");
+    // Unpipelined: one Allgather of x (not of a copy of its transpose), a batched GEMM
+    // over the gathered view and its sum, and the ReduceScatter of dX.
+    let plain = lowered_backward(Pipelining::Never);
+    let want = Shape {
+        collectives: 2,
+        reductions: 1,
+        ..Shape::default()
+    };
+    assert_eq!(shape_of(&plain), want, "{plain}");
 }

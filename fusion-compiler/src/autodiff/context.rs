@@ -22,6 +22,9 @@ pub(super) struct Ctx<'f> {
     /// Forward tensor -> the sum of the gradient contributions found so far, in a shape
     /// that broadcasts to the tensor's (see `accumulate`).
     pub grads: HashMap<TensorId, TensorId>,
+    /// Forward tensor -> its recomputation with the last two axes swapped (a GEMM
+    /// adjoint's transposed operand).
+    pub transposed: HashMap<TensorId, TensorId>,
     /// Which forward inputs the backward read (the first pass finds them).
     pub used_inputs: Vec<bool>,
 }
@@ -35,6 +38,7 @@ impl<'f> Ctx<'f> {
             primal: HashMap::new(),
             scalars: HashMap::new(),
             grads: HashMap::new(),
+            transposed: HashMap::new(),
             used_inputs: vec![false; f.inputs().len()],
         }
     }

@@ -3,7 +3,9 @@
 //! was broadcast along. Each result takes the forward output's parallel types on the
 //! axes it shares with it, so a column-parallel layer's input gradient is a GEMM whose
 //! row blocks are reduce-scattered (streamed as the forward's gather was) and its weight
-//! gradient a GEMM over the gathered rows.
+//! gradient a GEMM over the gathered rows, streamed along them too: lowering adds each
+//! chunk's GEMM onto the weight gradient as the chunk arrives. A transposed operand is
+//! made once per forward value.
 
 use super::context::Ctx;
 use super::error::{AutodiffError, Result};
@@ -32,31 +34,19 @@ impl Ctx<'_> {
         self.matrix_axes_exact(id, g, out, 2)?;
         let nb = self.rank(out) - 2;
         if wants[1] {
-            let ap = self.primal(a)?;
-            let at = self.b.transpose(ap, ra - 2, ra - 1)?;
+            let at = self.transposed_primal(a)?;
             let r = self.b.matmul(at, g)?;
-            let mut src = self.batch_sources(bm, nb, rb - 2);
-            let n = AxisSource::Output {
-                axis: nb + 1,
-                summed: false,
-            };
-            src.extend([AxisSource::Serial, n]);
+            let mut src = batch_sources(nb);
+            src.extend([AxisSource::Serial, AxisSource::Output(nb + 1)]);
             let r = self.gemm_layout(r, out, &src)?;
             self.name_grad(r, bm);
             self.add_grad(bm, r)?;
         }
         if wants[0] {
-            let bp = self.primal(bm)?;
-            let bt = self.b.transpose(bp, rb - 2, rb - 1)?;
+            let bt = self.transposed_primal(bm)?;
             let r = self.b.matmul(g, bt)?;
-            let mut src = self.batch_sources(a, nb, ra - 2);
-            src.extend([
-                AxisSource::Output {
-                    axis: nb,
-                    summed: false,
-                },
-                AxisSource::Serial,
-            ]);
+            let mut src = batch_sources(nb);
+            src.extend([AxisSource::Output(nb), AxisSource::Serial]);
             let r = self.gemm_layout(r, out, &src)?;
             self.name_grad(r, a);
             self.add_grad(a, r)?;
@@ -87,16 +77,8 @@ impl Ctx<'_> {
             let xp = self.primal(x)?;
             let gt = self.b.transpose(g, rx - 2, rx - 1)?;
             let r = self.b.matmul(gt, xp)?;
-            let mut src: Vec<AxisSource> = (0..rx - 2)
-                .map(|axis| AxisSource::Output { axis, summed: true })
-                .collect();
-            src.extend([
-                AxisSource::Output {
-                    axis: rx - 1,
-                    summed: false,
-                },
-                AxisSource::Serial,
-            ]);
+            let mut src = batch_sources(rx - 2);
+            src.extend([AxisSource::Output(rx - 1), AxisSource::Serial]);
             let r = self.gemm_layout(r, out, &src)?;
             self.name_grad(r, w);
             self.add_grad(w, r)?;
@@ -104,12 +86,7 @@ impl Ctx<'_> {
         if wants(x) {
             let wp = self.primal(w)?;
             let r = self.b.matmul(g, wp)?;
-            let mut src: Vec<AxisSource> = (0..rx - 1)
-                .map(|axis| AxisSource::Output {
-                    axis,
-                    summed: false,
-                })
-                .collect();
+            let mut src = batch_sources(rx - 1);
             src.push(AxisSource::Serial);
             let r = self.gemm_layout(r, out, &src)?;
             self.name_grad(r, x);
@@ -121,22 +98,23 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    /// The forward value `t` with its last two axes swapped (a view), made once: the
+    /// weight gradients of two GEMMs reading one operand (a gated MLP's projections of the
+    /// same rows) share it.
+    fn transposed_primal(&mut self, t: TensorId) -> Result<TensorId> {
+        if let Some(&v) = self.transposed.get(&t) {
+            return Ok(v);
+        }
+        let r = self.rank(t);
+        let p = self.primal(t)?;
+        let v = self.b.transpose(p, r - 2, r - 1)?;
+        self.transposed.insert(t, v);
+        Ok(v)
+    }
+
     /// Visible rank of forward tensor `t`.
     fn rank(&self, t: TensorId) -> usize {
         self.f.visible_axes(t).len()
-    }
-
-    /// Sources of the `nb` batch axes of a GEMM adjoint's result for an operand with
-    /// `own` batch axes (right-aligned): an axis the operand lacks or broadcasts is summed
-    /// afterwards.
-    fn batch_sources(&self, operand: TensorId, nb: usize, own: usize) -> Vec<AxisSource> {
-        let skip = nb - own;
-        (0..nb)
-            .map(|j| {
-                let summed = j < skip || self.forward_broadcast_like(operand, j - skip);
-                AxisSource::Output { axis: j, summed }
-            })
-            .collect()
     }
 
     /// Refuses a GEMM whose gradient is constant along one of the output's last `n` axes
@@ -173,4 +151,11 @@ impl Ctx<'_> {
             expr: id,
         }
     }
+}
+
+/// The sources of a GEMM adjoint's `nb` leading (batch) axes: the forward output's, in
+/// order. An axis the operand lacks or broadcasts is summed afterwards and keeps its
+/// parallel type all the same (see [`AxisSource::Output`]).
+fn batch_sources(nb: usize) -> Vec<AxisSource> {
+    (0..nb).map(AxisSource::Output).collect()
 }

@@ -13,7 +13,8 @@
 //! **Saved or recomputed**: the backward saves nothing. It takes the forward inputs it
 //! reads again ([`Backward::inputs`] lists which) and recomputes inside itself every
 //! forward value an adjoint reads (a GEMM output before its activation, the gathered rows
-//! a weight gradient needs), then the output gradients. The forward stays the fusion it
+//! a weight gradient needs), each once (memoized), then the output gradients. The
+//! lowering gathers each tensor once for all its readers. The forward stays the fusion it
 //! was (no extra outputs, nothing kept alive between the calls); the price is the
 //! recomputed GEMMs and gathers (docs/DECISIONS.md, "A backward recomputes").
 

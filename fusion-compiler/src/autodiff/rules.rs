@@ -190,9 +190,10 @@ impl Ctx<'_> {
 
 /// Where a GEMM adjoint's result takes each axis' parallel type from.
 pub(super) enum AxisSource {
-    /// The forward GEMM output's axis (its DIDx or Stream); `summed`: the axis is summed
-    /// away afterwards, so it cannot be a Stream axis.
-    Output { axis: usize, summed: bool },
+    /// The forward GEMM output's axis (its DIDx or Stream). A Stream axis stays one where
+    /// the gradient is summed over it afterwards (a weight gradient's batch axis): the
+    /// lowering then accumulates each chunk's GEMM into the sum inside the stream loop.
+    Output(usize),
     /// A contracted or weight axis: serial.
     Serial,
 }
@@ -209,10 +210,7 @@ impl Ctx<'_> {
         let vis = self.f.visible_axes(out);
         let pars: Vec<ParallelType> = (sources.iter())
             .map(|s| match *s {
-                AxisSource::Output { axis, summed } => match self.f.axis(out, vis[axis]).parallel {
-                    ParallelType::Stream if summed => ParallelType::Serial,
-                    p => p,
-                },
+                AxisSource::Output(axis) => self.f.axis(out, vis[axis]).parallel,
                 AxisSource::Serial => ParallelType::Serial,
             })
             .collect();

@@ -7,7 +7,7 @@ use crate::builder::{Axis, FusionBuilder};
 use crate::ir::{BinaryOp, Fusion, Op, ParallelType, TensorId, UnaryOp};
 use crate::DType;
 
-use ParallelType::{DIDx as Dx, Serial as S};
+use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
 
 fn input(b: &mut FusionBuilder, name: &str, spec: &[(&str, ParallelType)]) -> TensorId {
     let axes: Vec<Axis> = (spec.iter())
@@ -214,6 +214,44 @@ fn matmul_takes_transposed_operands() {
     let (dx, dw) = (bw.fusion.outputs()[0], bw.fusion.outputs()[1]);
     assert_eq!(parallel(&bw.fusion, dx), [S, S]);
     assert_eq!(parallel(&bw.fusion, dw), [Dx, S, S]);
+}
+
+#[test]
+fn weight_gradients_stream_the_chunks_they_sum_and_share_one_transpose() {
+    // Two column-parallel projections of the same gathered rows, streamed over the row
+    // blocks: `rows w1 + rows w2` (a gated MLP's gate and up projections).
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", &[("d", Dx), ("m", S), ("h", S)]);
+    let w1 = input(&mut b, "w1", &[("d", Dx), ("h", S), ("f", S)]);
+    let w2 = input(&mut b, "w2", &[("d", Dx), ("h", S), ("f", S)]);
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    let streamed: Vec<Axis> = [("d", St), ("d", Dx), ("m", S), ("f", S)]
+        .iter()
+        .map(|&(s, parallel)| Axis {
+            extent: b.symbol(s),
+            parallel,
+        })
+        .collect();
+    let y1 = b.matmul(rows, w1).unwrap();
+    let y1 = b.declare(y1, DType::F32, &streamed).unwrap();
+    let y2 = b.matmul(rows, w2).unwrap();
+    let y2 = b.declare(y2, DType::F32, &streamed).unwrap();
+    let y = b.add(y1, y2).unwrap();
+    b.output(y).unwrap();
+    let bw = derive(&b.build().unwrap());
+    let g = &bw.fusion;
+    // Each weight gradient sums a GEMM over the gathered row blocks, which keeps the
+    // forward's Stream axis: lowering accumulates the chunks' GEMMs in the stream loop.
+    for &dw in &g.outputs()[1..] {
+        let e = g.expr(g.definition(dw).unwrap());
+        assert!(matches!(e.op, Op::Reduction { .. }), "{g}");
+        assert_eq!(parallel(g, e.inputs[0]), [St, Dx, S, S], "{g}");
+    }
+    // rows^T is made once for both weight gradients.
+    let permutes_of_rows = (g.exprs().iter())
+        .filter(|e| matches!(e.op, Op::Permute { .. }) && g.visible_axes(e.inputs[0]).len() == 4)
+        .count();
+    assert_eq!(permutes_of_rows, 1, "{g}");
 }
 
 #[test]

@@ -70,7 +70,9 @@ impl FusionBuilder {
                 });
             }
             self.visible_pos(x, a, name, at)?;
-            if self.f.axis(x, vis[a]).parallel == ParallelType::Stream {
+            // A sum over a Stream axis adds up the loop's chunks (lowering accumulates them
+            // as they come); any other reduction would need every chunk at once.
+            if op != ReduceOp::Sum && self.f.axis(x, vis[a]).parallel == ParallelType::Stream {
                 return Err(Error::Parallelization {
                     tensor: self.f.tensor_name(x),
                     axis: Some(a),

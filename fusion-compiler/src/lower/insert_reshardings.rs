@@ -2,9 +2,14 @@
 //!
 //! For a compute op whose inputs are distributed unlike its output, a `set` to the
 //! output's distribution is inserted before it (e.g. the allgather in front of a matmul).
-//! A reduction that both reduces locally and across devices is split into a local
-//! reduction followed by the cross-device one; a reduction whose output is distributed
-//! unlike its input gets a `set` after it.
+//! A GEMM operand that is a permute (a transposed view) is resharded before the permute
+//! instead, which is then applied to the resharded tensor: the communication moves the
+//! tensor as it is stored, and the GEMM reads the transposed view of what arrived (no
+//! copy into the permuted layout first), sharing the resharded tensor with every other
+//! consumer that wants the same layout. A reduction that both reduces locally and across
+//! devices is split into a local reduction followed by the cross-device one; a reduction
+//! whose output is distributed unlike its input gets a `set` after it. Expressions nothing
+//! reads any more (a permute whose GEMM now reads the resharded view) are dropped.
 
 use crate::builder::Site;
 use crate::error::{Error, Result};
@@ -18,7 +23,7 @@ use crate::ir::{
 /// Rewrites `f` (and the schedule `order`) so that classification never answers
 /// `ReshardInputs` or `SplitReduction`.
 pub fn insert_reshardings(f: &mut Fusion, order: &mut Vec<ExprId>, ctx: MeshContext) -> Result<()> {
-    let mut done = Resharded::new();
+    let mut done = Resharded::default();
     let mut i = 0;
     while i < order.len() {
         let id = order[i];
@@ -26,8 +31,8 @@ pub fn insert_reshardings(f: &mut Fusion, order: &mut Vec<ExprId>, ctx: MeshCont
         match classify(f, &e, ctx)? {
             Resharding::ReshardInputs(inputs) => {
                 for k in inputs {
-                    if let Some(set) = reshard_input(f, id, k, &mut done)? {
-                        order.insert(i, set);
+                    for inserted in reshard_input(f, id, k, &mut done)? {
+                        order.insert(i, inserted);
                         i += 1;
                     }
                 }
@@ -47,53 +52,129 @@ pub fn insert_reshardings(f: &mut Fusion, order: &mut Vec<ExprId>, ctx: MeshCont
         }
         i += 1;
     }
+    let live: HashSet<ExprId> = live_exprs(f).into_iter().collect();
+    order.retain(|e| live.contains(e));
     Ok(())
 }
 
 /// Tensors already resharded: (tensor, the layout it was resharded to) -> the copy. Two
 /// consumers wanting the same layout of one tensor share one copy (e.g. the gate and up
-/// projections of a gated MLP share one gather of their rows).
-type Resharded = HashMap<(TensorId, Vec<IterDomain>, DeviceMesh), TensorId>;
+/// projections of a gated MLP share one gather of their rows), and one permute of it.
+#[derive(Default)]
+struct Resharded {
+    copies: HashMap<(TensorId, Vec<IterDomain>, DeviceMesh), TensorId>,
+    /// (copy, permutation) -> its permute.
+    permuted: HashMap<(TensorId, Vec<usize>), TensorId>,
+}
 
-/// Inserts `t' = set(input k)` with the consumer's distribution and returns the set's id,
-/// or rewires the consumer to an earlier copy with the same layout (and returns `None`).
+/// Reshards input `k` of `consumer` to the consumer's distribution and rewires the
+/// consumer to the copy; returns the expressions to schedule before the consumer: the
+/// `set` (none when an earlier copy with the same layout is reused), and for a permuted
+/// GEMM operand the permute of the resharded tensor after it.
 fn reshard_input(
     f: &mut Fusion,
     consumer: ExprId,
     k: usize,
     done: &mut Resharded,
-) -> Result<Option<ExprId>> {
+) -> Result<Vec<ExprId>> {
     let e = f.expr(consumer).clone();
     let x = e.inputs[k];
-    let out = e.output;
     let map = axis_map(f, &e);
-    let out_didx = f.find_parallel_axis(out, ParallelType::DIDx);
-    let out_stream = f.find_parallel_axis(out, ParallelType::Stream);
-    let want_didx = out_didx.and_then(|c| map.producer_axis(k, c));
-    let want_stream = out_stream.and_then(|s| map.producer_axis(k, s));
-    let domains: Vec<IterDomain> = f
-        .visible_axes(x)
-        .into_iter()
+    let want = |p: ParallelType| {
+        f.find_parallel_axis(e.output, p)
+            .and_then(|c| map.producer_axis(k, c))
+    };
+    let (want_didx, want_stream) = (want(ParallelType::DIDx), want(ParallelType::Stream));
+    let mesh = f.tensor(e.output).mesh.clone();
+    if let Some((z, perm)) = permuted_gemm_operand(f, &e, k) {
+        // The same axes, named in the permute's input.
+        let (vx, vz) = (f.visible_axes(x), f.visible_axes(z));
+        let to_z = |q: Option<usize>| {
+            q.and_then(|q| vx.iter().position(|&p| p == q))
+                .map(|j| vz[perm[j]])
+        };
+        let domains = layout(f, z, to_z(want_didx), to_z(want_stream));
+        if let Ok((yz, set)) = reshard(f, z, domains, mesh.clone(), done) {
+            if let Some(&y) = done.permuted.get(&(yz, perm.clone())) {
+                f.expr_mut(consumer).inputs[k] = y;
+                return Ok(set.into_iter().collect());
+            }
+            let vis = f.visible_axes(yz);
+            let domains = perm.iter().map(|&a| f.axis(yz, vis[a]).clone()).collect();
+            let dtype = f.tensor(x).dtype;
+            let name = f.tensor(x).name.as_ref().map(|n| format!("{n}_resharded"));
+            let y = f.new_tensor(name, dtype, domains, mesh);
+            let view = f.add_expr(Expr {
+                op: Op::Permute { perm: perm.clone() },
+                inputs: vec![yz],
+                output: y,
+            });
+            done.permuted.insert((yz, perm), y);
+            f.expr_mut(consumer).inputs[k] = y;
+            return Ok(set.into_iter().chain([view]).collect());
+        }
+    }
+    let domains = layout(f, x, want_didx, want_stream);
+    let (y, set) = reshard(f, x, domains, mesh, done).map_err(|reason| Error::Resharding {
+        expr: describe(f, &e),
+        reason: format!(
+            "its input `{}` would have to be resharded to the result's layout first, and \
+             that copy cannot be lowered: {reason}",
+            f.tensor_name(x)
+        ),
+    })?;
+    f.expr_mut(consumer).inputs[k] = y;
+    Ok(set.into_iter().collect())
+}
+
+/// `(z, perm)` when operand `k` of GEMM `e` is `permute(z, perm)` with the matrix keeping
+/// a unit stride (the permute stays a view the GEMM reads; see `permutes`).
+fn permuted_gemm_operand(f: &Fusion, e: &Expr, k: usize) -> Option<(TensorId, Vec<usize>)> {
+    if k >= 2 || !matches!(e.op, Op::Matmul | Op::Linear) {
+        return None;
+    }
+    let d = f.expr(f.definition(e.inputs[k])?);
+    let Op::Permute { perm } = &d.op else {
+        return None;
+    };
+    let r = perm.len();
+    let unit_stride = r >= 2 && (perm[r - 1] == r - 1 || perm[r - 2] == r - 1);
+    unit_stride.then(|| (d.inputs[0], perm.clone()))
+}
+
+/// `x`'s visible axes with the parallel types a consumer wants: DIDx at `didx`, Stream at
+/// `stream` (positions in `x`'s axes), serial elsewhere and on broadcast axes.
+fn layout(f: &Fusion, x: TensorId, didx: Option<usize>, stream: Option<usize>) -> Vec<IterDomain> {
+    (f.visible_axes(x).into_iter())
         .map(|q| {
             let mut d = f.axis(x, q).clone();
             let broadcast = d.kind == IterKind::Broadcast || f.const_value(d.extent) == Some(1);
-            d.parallel = if Some(q) == want_didx && !broadcast {
+            d.parallel = if Some(q) == didx && !broadcast {
                 ParallelType::DIDx
-            } else if Some(q) == want_stream && !broadcast {
+            } else if Some(q) == stream && !broadcast {
                 ParallelType::Stream
             } else {
                 ParallelType::Serial
             };
             d
         })
-        .collect();
-    let dtype = f.tensor(x).dtype;
-    let mesh = f.tensor(out).mesh.clone();
+        .collect()
+}
+
+/// `set(x)` with layout `domains` on `mesh`, or the earlier copy with that layout: the
+/// copy, and the `set` when it is new. Fails with the reason a new copy cannot be lowered.
+fn reshard(
+    f: &mut Fusion,
+    x: TensorId,
+    domains: Vec<IterDomain>,
+    mesh: DeviceMesh,
+    done: &mut Resharded,
+) -> std::result::Result<(TensorId, Option<ExprId>), String> {
     let key = (x, domains.clone(), mesh.clone());
-    if let Some(&y) = done.get(&key) {
-        f.expr_mut(consumer).inputs[k] = y;
-        return Ok(None);
+    if let Some(&y) = done.copies.get(&key) {
+        return Ok((y, None));
     }
+    let dtype = f.tensor(x).dtype;
     let name = f.tensor(x).name.as_ref().map(|n| format!("{n}_resharded"));
     let y = f.new_tensor(name, dtype, domains, mesh);
     let set = f.add_expr(Expr {
@@ -103,22 +184,13 @@ fn reshard_input(
     });
     let set_expr = f.expr(set).clone();
     if let Err(err) = classify(f, &set_expr, MeshContext { world_size: None }) {
-        let reason = match err {
+        return Err(match err {
             Error::Resharding { reason, .. } => reason,
             other => other.to_string(),
-        };
-        return Err(Error::Resharding {
-            expr: describe(f, &e),
-            reason: format!(
-                "its input `{}` would have to be resharded to the result's layout first, \
-                 and that copy cannot be lowered: {reason}",
-                f.tensor_name(x)
-            ),
         });
     }
-    f.expr_mut(consumer).inputs[k] = y;
-    done.insert(key, y);
-    Ok(Some(set))
+    done.copies.insert(key, y);
+    Ok((y, Some(set)))
 }
 
 enum Split {

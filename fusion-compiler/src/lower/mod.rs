@@ -2,8 +2,10 @@
 //!
 //! 1. Resolve meshes for the world size and drop expressions no output needs.
 //! 2. Insert reshardings, so that every expression is either local compute or a pure
-//!    resharding `set`/reduction (segmentation at resharding boundaries); then follow each
-//!    permute that is not a GEMM operand with a copy (`permutes`).
+//!    resharding `set`/reduction (segmentation at resharding boundaries; a transposed GEMM
+//!    operand is resharded before its permute, and one layout of a tensor is made once),
+//!    dropping what no output needs any more; then follow each permute that is not a GEMM
+//!    operand with a copy (`permutes`).
 //! 3. Emit one top-level node per expression.
 //! 4. Run the pass pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
 //!    `FuseEpilogue`, `FuseElementwise`, `InsertDeallocations` (each can be disabled by

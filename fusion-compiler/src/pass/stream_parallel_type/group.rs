@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::views::{with_axis_extent, RowSlicing};
+use super::views::{with_axis_extent, PermuteViews, RowSlicing};
 use crate::error::{Error, Result};
 use crate::hir::{HostProgram, Node};
 use crate::ir::{axis_map, Expr, Fusion, IterDomainId, IterKind, NamedScalar, ScalarId, TensorId};
@@ -35,6 +35,11 @@ pub(super) struct LoopGroup {
     /// Tensors produced in the loop -> position of their Stream axis.
     pub(super) produced: HashMap<TensorId, usize>,
     pub(super) reduce_scatter: Option<ReduceScatterFold>,
+    /// Sums over the Stream axis folded into the loop (`accumulate`): each reads a GEMM
+    /// result of the loop, which is added onto the sum chunk by chunk instead of stored.
+    pub(super) accumulate: Vec<Expr>,
+    /// The Stream-parallel permute views the loop's expressions read (`permute_views`).
+    pub(super) views: PermuteViews,
 }
 
 impl LoopGroup {
@@ -54,6 +59,8 @@ impl LoopGroup {
             exprs: Vec::new(),
             produced: HashMap::new(),
             reduce_scatter: None,
+            accumulate: Vec::new(),
+            views: PermuteViews::new(),
         })
     }
 
@@ -86,6 +93,12 @@ impl LoopGroup {
             linked = true;
         }
         Ok(linked && f.axis(e.output, s).extent == self.extent)
+    }
+
+    /// True when the loop's chunks must stay whole (no row ranges): its GEMMs accumulate
+    /// over the chunks, or read permuted views, whose rows are not the loop's rows.
+    pub(super) fn whole_chunks(&self) -> bool {
+        !self.accumulate.is_empty() || !self.views.is_empty()
     }
 
     /// The loop's gathers (its `set`s from a DIDx axis to the Stream axis).
@@ -136,6 +149,11 @@ impl LoopGroup {
         let mut small = HashMap::new();
         for (e, s) in &self.exprs {
             if Some(e.output) == skip {
+                continue;
+            }
+            // An accumulated GEMM result is never stored: its sum is.
+            if let Some(sum) = self.accumulate.iter().find(|a| a.inputs[0] == e.output) {
+                nodes.push(Node::Allocate { tensor: sum.output });
                 continue;
             }
             let t = if internal.contains(&e.output) {

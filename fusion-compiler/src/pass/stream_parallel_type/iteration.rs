@@ -51,7 +51,8 @@ pub(super) fn join_loop(
 }
 
 /// One expression of the loop body on this iteration's slices (an allgather step for a
-/// `set` from DIDx to the Stream axis).
+/// `set` from DIDx to the Stream axis; a GEMM whose result the loop accumulates adds onto
+/// its sum).
 pub(super) fn emit_body_expr(
     p: &mut HostProgram,
     slicer: &mut Slicer,
@@ -88,6 +89,10 @@ pub(super) fn emit_body_expr(
         }
     }
     let op = op_without_stream_axis(&p.ir, e, s, &removed)?;
+    if let Some(&sum) = slicer.accumulate.targets.get(&e.output) {
+        slicer.accumulate.emit(inputs, sum, body);
+        return Ok(());
+    }
     let output = slicer.slice(p, e.output, s, body);
     body.push(Node::Compute(Expr { op, inputs, output }));
     Ok(())

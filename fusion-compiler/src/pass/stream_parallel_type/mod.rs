@@ -50,18 +50,30 @@
 //! With stream buffers on, intermediates produced and consumed inside one loop get
 //! `numberOfStreams` slots instead of the full extent.
 //!
-//! Submodules, from the bottom up: `views` (per-iteration slices, row ranges and derived
-//! buffers), `schedule` (chunk and peers per iteration), `group` (the expressions of one
-//! loop), `subchunk` (row ranges of a block), `exchange` (the coalesced send/receive and
-//! the allgather step), `iteration` (one expression per iteration, fork and join loops),
-//! `direct` and `ring` (the two reduce-scatter pipelines), `stream_loop` (the standard
-//! loop) and `gather_scatter` (a loop that gathers and reduce-scatters).
+//! Two more things belong to the loops without being loop expressions. A Stream-parallel
+//! permute (a view, `permute_views`) is sliced by each loop that reads it: the permute of
+//! its input's slice. And a `sum` over exactly a loop's Stream axis of a GEMM result
+//! nothing else reads (a weight gradient) is folded into that loop, wherever it comes
+//! (`accumulate`): the first iteration's GEMM writes the sum, the others add onto it in
+//! order, and the GEMM result is never stored. Such a loop runs whole chunks (no row
+//! ranges): its GEMMs contract the chunk's rows, which are not the rows a range splits.
+//!
+//! Submodules, from the bottom up: `views` (per-iteration slices, permuted ones and
+//! accumulated results, row ranges and derived buffers), `schedule` (chunk and peers per
+//! iteration), `group` (the expressions of one loop), `subchunk` (row ranges of a block),
+//! `exchange` (the coalesced send/receive and the allgather step), `iteration` (one
+//! expression per iteration, fork and join loops), `direct` and `ring` (the two
+//! reduce-scatter pipelines), `stream_loop` (the standard loop), `gather_scatter` (a loop
+//! that gathers and reduce-scatters), and for the grouping `permute_views` and
+//! `accumulate` (which permutes are views, which sums fold).
 
+mod accumulate;
 mod direct;
 mod exchange;
 mod gather_scatter;
 mod group;
 mod iteration;
+mod permute_views;
 mod ring;
 mod schedule;
 mod stream_loop;
@@ -71,6 +83,7 @@ mod views;
 use std::collections::{HashMap, HashSet};
 
 use group::{stream_error, LoopGroup, ReduceScatterFold};
+use views::PermuteViews;
 
 use super::context::{Pass, PassContext};
 use crate::error::Result;
@@ -93,11 +106,13 @@ impl Pass for StreamParallelType {
     }
 
     fn run(&self, p: &mut HostProgram, ctx: &PassContext) -> Result<()> {
+        let views = permute_views::collect(p, &p.body);
+        let readers = accumulate::Readers::new(p);
         let body = std::mem::take(&mut p.body);
-        let mut items = group_loops(p, body)?;
+        let mut items = group_loops(p, body, &views, &readers)?;
         fold_reduce_scatters(p, &mut items)?;
         let internal = if ctx.options.streams.buffers {
-            loop_internal_tensors(p, &items)
+            loop_internal_tensors(p, &items, &views)
         } else {
             HashSet::new()
         };
@@ -113,14 +128,42 @@ impl Pass for StreamParallelType {
     }
 }
 
-fn group_loops(p: &HostProgram, body: Vec<Node>) -> Result<Vec<Item>> {
+/// Groups the body into loops. Permute views are no items (each loop views them; a node
+/// outside the loops that reads one gets the view right before it), and a sum a loop
+/// accumulates is folded into that loop where it comes.
+fn group_loops(
+    p: &HostProgram,
+    body: Vec<Node>,
+    views: &PermuteViews,
+    readers: &accumulate::Readers,
+) -> Result<Vec<Item>> {
     let mut items: Vec<Item> = Vec::new();
+    let mut placed: HashSet<TensorId> = HashSet::new();
     for node in body {
         let stream = match &node {
+            Node::Compute(e) if views.contains_key(&e.output) => {
+                register_view(p, &mut items, e);
+                continue;
+            }
             Node::Compute(e) => p.ir.find_parallel_axis(e.output, ParallelType::Stream),
             _ => None,
         };
         let Some(s) = stream else {
+            if let Node::Compute(e) = &node {
+                let loops = items.iter_mut().rev().filter_map(|i| match i {
+                    Item::Loop(g) => Some(g),
+                    Item::Node(_) => None,
+                });
+                if let Some(g) = accumulate::folding_loop(p, loops, readers, e) {
+                    g.accumulate.push(e.clone());
+                    continue;
+                }
+                for t in &e.inputs {
+                    if let Some(v) = views.get(t).filter(|_| placed.insert(*t)) {
+                        items.push(Item::Node(Node::Compute(v.clone())));
+                    }
+                }
+            }
             // A view that does not read the open loop's results (e.g. a weight broadcast
             // for the loop's next matmul) moves before that loop instead of closing it.
             if let (Node::Compute(e), Some(Item::Loop(g))) = (&node, items.last()) {
@@ -138,15 +181,37 @@ fn group_loops(p: &HostProgram, body: Vec<Node>) -> Result<Vec<Item>> {
         };
         if let Some(Item::Loop(g)) = items.last_mut() {
             if g.accepts(&p.ir, &e, s)? {
-                g.push(e, s);
+                add_to_loop(g, e, s, views);
                 continue;
             }
         }
         let mut g = LoopGroup::new(&p.ir, &e, s)?;
-        g.push(e, s);
+        add_to_loop(&mut g, e, s, views);
         items.push(Item::Loop(g));
     }
     Ok(items)
+}
+
+/// Adds `e` to loop `g`, with the permute views it reads.
+fn add_to_loop(g: &mut LoopGroup, e: Expr, s: usize, views: &PermuteViews) {
+    for t in &e.inputs {
+        if let Some(v) = views.get(t) {
+            g.views.insert(*t, v.clone());
+        }
+    }
+    g.push(e, s);
+}
+
+/// A permute view of a result of the open loop is that loop's too: an expression reading
+/// it continues the loop.
+fn register_view(p: &HostProgram, items: &mut [Item], view: &Expr) {
+    if let Some(Item::Loop(g)) = items.last_mut() {
+        if g.produced.contains_key(&view.inputs[0]) {
+            if let Some(s) = p.ir.find_parallel_axis(view.output, ParallelType::Stream) {
+                g.produced.insert(view.output, s);
+            }
+        }
+    }
 }
 
 /// Folds `sum` over DIDx right after a loop, sharding the loop's Stream axis, into it.
@@ -206,12 +271,21 @@ fn reduce_scatter_pattern(
     }))
 }
 
-/// Tensors a loop produces and only that loop uses (not outputs or aliases).
-fn loop_internal_tensors(p: &HostProgram, items: &[Item]) -> HashSet<TensorId> {
+/// Tensors a loop produces and only that loop uses (not outputs or aliases; a read of a
+/// permute view is a read of what it views).
+fn loop_internal_tensors(
+    p: &HostProgram,
+    items: &[Item],
+    views: &PermuteViews,
+) -> HashSet<TensorId> {
     let mut used_by: HashMap<TensorId, HashSet<usize>> = HashMap::new();
     for (k, item) in items.iter().enumerate() {
         let mut touch = |t: TensorId| {
             used_by.entry(t).or_default().insert(k);
+            used_by
+                .entry(permute_views::source(views, t))
+                .or_default()
+                .insert(k);
         };
         match item {
             Item::Node(n) => for_each_node(std::slice::from_ref(n), &mut |m| {
@@ -286,7 +360,10 @@ fn emit_loop(
         }
         return gather_scatter::emit(g, p, ctx, internal);
     }
-    let (pipeline, subchunks) = ctx.options.reduce_scatter_plan(p.world_size);
+    let (pipeline, mut subchunks) = ctx.options.reduce_scatter_plan(p.world_size);
+    if g.whole_chunks() {
+        subchunks = 1;
+    }
     if let (Some(rs), ReduceScatterPipeline::Ring) = (&g.reduce_scatter, pipeline) {
         if ctx.options.streams.compute_first
             && g.compute_prefix_len(p, mesh_ctx)? == g.exprs.len()
@@ -302,10 +379,9 @@ fn emit_loop(
     }
     // Without a reduce-scatter, the row ranges are the allgather's (the AllGather + GEMM
     // pipeline); a loop that gathers and reduce-scatters took the gather-scatter path above.
-    let subchunks = if g.reduce_scatter.is_some() {
-        subchunks
-    } else {
-        ctx.options.allgather_row_ranges()
+    let subchunks = match (g.reduce_scatter.is_some(), g.whole_chunks()) {
+        (true, _) | (false, true) => subchunks,
+        (false, false) => ctx.options.allgather_row_ranges(),
     };
     stream_loop::emit(g, p, ctx, internal, has_allgather, subchunks)
 }

@@ -38,7 +38,7 @@ use super::group::{stream_error, LoopGroup, ReduceScatterFold};
 use super::iteration::{emit_body_expr, fork_loop, join_loop};
 use super::schedule::Schedule;
 use super::subchunk::SubChunkPlan;
-use super::views::{narrowed, slice_tensor, RowSlicing, Slicer};
+use super::views::{narrowed, slice_tensor, Accumulations, RowSlicing, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef, StreamId, Transport, COMPUTE_STREAMS};
 use crate::ir::{
@@ -116,6 +116,8 @@ pub(super) fn emit(
         small,
         rows,
         cache: HashMap::new(),
+        views: g.views.clone(),
+        accumulate: Accumulations::new(p, &g.accumulate, sc.index),
     };
     let streams = RingStreams {
         original,

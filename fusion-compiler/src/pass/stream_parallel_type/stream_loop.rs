@@ -15,7 +15,7 @@ use super::group::{LoopGroup, ReduceScatterFold};
 use super::iteration::{emit_body_expr, fork_loop, join_loop};
 use super::schedule::Schedule;
 use super::subchunk::{gather_rows, SubChunkPlan};
-use super::views::{slice_tensor, RowSlicing, Slicer};
+use super::views::{slice_tensor, Accumulations, RowSlicing, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef, StreamId, Transport};
 use crate::ir::{IterDomainId, NamedScalar, ScalarId, ScalarOp, TensorId};
@@ -96,6 +96,7 @@ pub(super) fn emit(
             .any(|(e, _)| small.contains_key(&e.output)),
         reduce_scatter: reduce_scatter_step(&g, &it, plan.as_ref(), rs_buffers),
         transport: ctx.options.transports.p2p,
+        previous: (!g.accumulate.is_empty()).then(|| previous_pool_stream(p, it.index)),
     };
     let mut slicer = Slicer {
         chunk: sched.chunk,
@@ -104,6 +105,8 @@ pub(super) fn emit(
         small,
         rows: it.rows,
         cache: HashMap::new(),
+        views: g.views.clone(),
+        accumulate: Accumulations::new(p, &g.accumulate, it.index),
     };
     let body = loop_body.emit(p, &mut slicer)?;
     nodes.push(Node::ForLoop(ForLoop {
@@ -303,6 +306,10 @@ struct LoopBody<'a> {
     prefix_reuses_slots: bool,
     reduce_scatter: Option<ReduceScatterStep<'a>>,
     transport: Transport,
+    /// The previous iteration's pool stream, where the loop accumulates: a GEMM adding
+    /// onto a sum on the pool stream waits for it (the GEMM before it, which added onto
+    /// the same sum there).
+    previous: Option<StreamId>,
 }
 
 impl LoopBody<'_> {
@@ -320,6 +327,14 @@ impl LoopBody<'_> {
             if prefix > 0 && k == prefix {
                 body.push(Node::SetCurrentStream { stream: worker });
                 body.push(Node::Synchronize { stream: original });
+            }
+            let adds_on_pool = k >= prefix && slicer.accumulate.targets.contains_key(&e.output);
+            if let (true, Some(previous)) = (adds_on_pool, self.previous) {
+                body.push(Node::IfThenElse {
+                    cond: slicer.accumulate.first,
+                    then_body: Vec::new(),
+                    else_body: vec![Node::Synchronize { stream: previous }],
+                });
             }
             emit_body_expr(p, slicer, self.sched, e, *s, self.transport, &mut body)?;
         }
@@ -355,4 +370,15 @@ fn select_block(
         index: zero,
     });
     view
+}
+
+/// `Stream((i + numberOfStreams - 1) % numberOfStreams)`: the pool stream of iteration
+/// `i - 1` of a loop with index `i`.
+fn previous_pool_stream(p: &mut HostProgram, index: ScalarId) -> StreamId {
+    let n = p.ir.named(NamedScalar::NumberOfStreams);
+    let one = p.ir.constant(1);
+    let back = p.ir.binary(ScalarOp::Sub, n, one);
+    let shifted = p.ir.binary(ScalarOp::Add, index, back);
+    let pool = p.ir.binary(ScalarOp::Mod, shifted, n);
+    p.new_stream(StreamDef::Pool(pool))
 }

@@ -1,6 +1,6 @@
-//! Views and buffers of a stream loop's tensors: the per-iteration slices ([`Slicer`]), the
-//! row ranges of a sub-chunked loop ([`RowSlicing`]), and the derived tensors they are
-//! made of.
+//! Views and buffers of a stream loop's tensors: the per-iteration slices ([`Slicer`]),
+//! permuted ones included, where accumulated GEMM results go ([`Accumulations`]), the row
+//! ranges of a sub-chunked loop ([`RowSlicing`]), and the derived tensors they are made of.
 
 use std::collections::HashMap;
 
@@ -8,6 +8,10 @@ use crate::hir::{HostProgram, Node};
 use crate::ir::{
     Expr, Fusion, IterDomain, IterKind, MemoryType, Op, ScalarId, ScalarOp, TensorId, TensorView,
 };
+
+/// The Stream-parallel permutes a loop reads, by result: `view = permute(source, perm)`
+/// (see `permute_views`).
+pub(super) type PermuteViews = HashMap<TensorId, Expr>;
 
 /// Creates (once per tensor and axis) the stream slice of a tensor.
 pub(super) struct Slicer {
@@ -19,6 +23,10 @@ pub(super) struct Slicer {
     /// Row ranges of a sub-chunked reduce-scatter pipeline.
     pub(super) rows: Option<RowSlicing>,
     pub(super) cache: HashMap<(TensorId, usize), TensorId>,
+    /// Stream-parallel permutes the loop reads: their slices are views of slices.
+    pub(super) views: PermuteViews,
+    /// GEMM results the loop adds onto sums instead of storing.
+    pub(super) accumulate: Accumulations,
 }
 
 impl Slicer {
@@ -31,6 +39,9 @@ impl Slicer {
     ) -> TensorId {
         if let Some(&s) = self.cache.get(&(t, pos)) {
             return s;
+        }
+        if let Some(view) = self.views.get(&t).cloned() {
+            return self.slice_permuted(p, &view, pos, body);
         }
         let (source, index) = match self.small.get(&t) {
             Some(&b) => (b, self.pool_index),
@@ -59,6 +70,79 @@ impl Slicer {
         }
         self.cache.insert((t, pos), s);
         s
+    }
+}
+
+impl Slicer {
+    /// The slice of permute view `view` (`= permute(source, perm)`) along its axis `pos`:
+    /// the permute of the source's slice along the axis it comes from.
+    fn slice_permuted(
+        &mut self,
+        p: &mut HostProgram,
+        view: &Expr,
+        pos: usize,
+        body: &mut Vec<Node>,
+    ) -> TensorId {
+        let Op::Permute { perm } = &view.op else {
+            unreachable!("permute views are permutes")
+        };
+        let (t, src) = (view.output, view.inputs[0]);
+        let j = (p.ir.visible_axes(t).iter())
+            .position(|&q| q == pos)
+            .expect("a permute's axes are visible");
+        let from = perm[j];
+        let src_pos = p.ir.visible_axes(src)[from];
+        let src_slice = self.slice(p, src, src_pos, body);
+        // The permutation of the remaining axes, renumbered past the removed one.
+        let rest: Vec<usize> = (perm.iter().enumerate())
+            .filter(|&(k, _)| k != j)
+            .map(|(_, &a)| if a > from { a - 1 } else { a })
+            .collect();
+        let out = slice_tensor(&mut p.ir, t, pos);
+        body.push(Node::Compute(Expr {
+            op: Op::Permute { perm: rest },
+            inputs: vec![src_slice],
+            output: out,
+        }));
+        self.cache.insert((t, pos), out);
+        out
+    }
+}
+
+/// The GEMM results a loop adds onto sums over its Stream axis instead of storing them
+/// (see `accumulate`).
+pub(super) struct Accumulations {
+    /// GEMM result -> the sum its chunks are added onto.
+    pub(super) targets: HashMap<TensorId, TensorId>,
+    /// Non-zero at the loop's first iteration (`index == 0`), which writes the sums.
+    pub(super) first: ScalarId,
+}
+
+impl Accumulations {
+    /// The accumulations of the folded sums `sums` of a loop whose index is `index`.
+    pub(super) fn new(p: &mut HostProgram, sums: &[Expr], index: ScalarId) -> Self {
+        let zero = p.ir.constant(0);
+        Accumulations {
+            targets: sums.iter().map(|s| (s.inputs[0], s.output)).collect(),
+            first: p.ir.binary(ScalarOp::Eq, index, zero),
+        }
+    }
+
+    /// `IF first: target = a @ b ELSE: target = a @ b + target`.
+    pub(super) fn emit(&self, inputs: Vec<TensorId>, target: TensorId, body: &mut Vec<Node>) {
+        let gemm = |inputs: Vec<TensorId>| {
+            Node::Compute(Expr {
+                op: Op::Matmul,
+                inputs,
+                output: target,
+            })
+        };
+        let onto = inputs.iter().copied().chain([target]).collect();
+        body.push(Node::IfThenElse {
+            cond: self.first,
+            then_body: vec![gemm(inputs)],
+            else_body: vec![gemm(onto)],
+        });
     }
 }
 

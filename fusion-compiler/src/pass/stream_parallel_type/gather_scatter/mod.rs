@@ -54,7 +54,7 @@ use super::group::LoopGroup;
 use super::iteration::{fork_loop, join_loop};
 use super::ring;
 use super::subchunk::SubChunkPlan;
-use super::views::Slicer;
+use super::views::{Accumulations, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
 use crate::ir::TensorId;
@@ -148,6 +148,8 @@ pub(super) fn emit(
         .reduce_scatter_subchunks
         .unwrap_or(2)
         .max(1);
+    // Permuted views' rows are not the loop's rows: whole chunks then.
+    let requested = if g.whole_chunks() { 1 } else { requested };
     let plan = SubChunkPlan::new(&p.ir, &g.exprs, rs, requested);
     if plan.is_none() && requested > 1 {
         tracing::debug!(
@@ -196,6 +198,8 @@ pub(super) fn emit(
         small: HashMap::new(),
         rows: pipe.rows_of(u.sub),
         cache: HashMap::new(),
+        views: g.views.clone(),
+        accumulate: Accumulations::new(p, &g.accumulate, u.index),
     };
     pipe.emit_compute(p, &bufs, &mut slicer, streams.worker, &mut body)?;
     // Views bound in step 2's branch are not bound at step D: bind this step's anew.

@@ -71,8 +71,8 @@ impl GatherScatter<'_> {
     }
 
     /// Allocates (into `nodes`) the received rows' slots, the loop results (whole, or a
-    /// shared slot and, for the last expression's inputs, an own-chunk buffer), the
-    /// running sums and the output.
+    /// shared slot and, for the last expression's inputs, an own-chunk buffer; for an
+    /// accumulated GEMM result its sum), the running sums and the output.
     pub(super) fn allocate(
         &self,
         p: &mut HostProgram,
@@ -99,6 +99,11 @@ impl GatherScatter<'_> {
             .filter(|(e, _)| !gathered.contains(&e.output))
         {
             let t = e.output;
+            // An accumulated GEMM result is never stored: its sum is.
+            if let Some(sum) = self.g.accumulate.iter().find(|a| a.inputs[0] == t) {
+                nodes.push(Node::Allocate { tensor: sum.output });
+                continue;
+            }
             if !internal.contains(&t) {
                 nodes.push(Node::Allocate { tensor: t });
                 continue;
