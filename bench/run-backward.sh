@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One run on one GPU machine (4 GPUs, or 2; about 5 minutes): the derived backward of the
-# tensor-parallel layers against PyTorch's eager autograd, at D = 4 and D = 2 (the counts
-# the machine has), then the table.
+# One run on one GPU machine (4 GPUs, or 2): the derived backward of the tensor-parallel
+# layers against PyTorch's eager autograd, at D = 4 and D = 2 (the counts the machine has),
+# then the table. Tuning every backward's plan at its first call takes 10-50 s per row,
+# so one device count takes up to ~8 minutes: pick one per call (BACKWARD_D=4).
 #   1. backward_bench (bench/src/bin/backward_bench.rs): per layer (the MLP block, and
 #      AG+GEMM and GEMM+RS at the overlap benchmark's shapes) the backward called with
 #      default options (its plan tuned at its first call, into a fresh plan file
@@ -41,7 +42,7 @@ port=29571
 for d in "${counts[@]}"; do
     visible=$(seq -s, 0 $((d - 1)))
     rm -f "$OUT/plans-d$d.json"
-    FUSION_PLAN_CACHE="$OUT/plans-d$d.json" step "ours-d$d" 180 $BIN/backward_bench --devices "$d" \
+    FUSION_PLAN_CACHE="$OUT/plans-d$d.json" step "ours-d$d" 420 $BIN/backward_bench --devices "$d" \
         --json "$OUT/ours-backward-d$d.jsonl" ${BACKWARD_ARGS:-}
     step "torch-d$d" 100 python3 bench/torch_backward.py --port $port \
         --out "$OUT/torch-backward-d$d.jsonl" ${BACKWARD_ARGS:-}
