@@ -163,28 +163,41 @@ task_check() {
 # (every operand layout in bf16 and f16 against cuBLAS at odd and large shapes, fusions with
 # transposed operands and a linear layer, GEMMs it leaves to cuBLAS, replayed calls; fresh
 # inputs, outputs poisoned; on a GPU other than compute capability 9.0 only the fallback to
-# cuBLAS), then, where nvcc is on the PATH, bench/hopper_gemm/harness.cu built for sm_90a
-# and run (its checks against cuBLAS and an f64 reference, then its timings; HARNESS_REPS
-# timed runs per row, default 30). Success: every rc is 0 and the harness says ALL CORRECT.
+# cuBLAS), then, where nvcc is on the PATH, the kernel's standalone checks and benchmarks
+# (bench/hopper_gemm/build.sh, sm_90a): the GEMM against cuBLAS and an f64 reference
+# (HARNESS_REPS timed runs per row, default 30), and with two GPUs or more the
+# GEMM+ReduceScatter and AllGather+GEMM inside the kernel at D = 2 and every GPU of the
+# machine. Success: every rc is 0 and every harness says ALL CORRECT.
 task_hopper_gemm() {
     export FUSION_BACKEND=cuda RUST_BACKTRACE=1
     gpus_info >"$OUT/machine.txt" 2>&1
     fresh_seed "$OUT/machine.txt"
     step hopper_gemm 600 $BIN/test-hopper_gemm --ignored --test-threads=1 --nocapture
+    local harnesses=()
     if command -v nvcc >/dev/null; then
-        step harness-build 300 nvcc -std=c++17 -O3 -cudart shared -cudadevrt none \
-            -gencode=arch=compute_90a,code=sm_90a bench/hopper_gemm/harness.cu \
-            -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcublas -lcuda -o "$OUT/hopper_gemm_bench"
-        if [ -x "$OUT/hopper_gemm_bench" ]; then
+        CUDA_LIB="${CUDA_HOME:-/usr/local/cuda}/lib64" step harness-build 600 \
+            bash bench/hopper_gemm/build.sh "$OUT/hopper_gemm"
+        if [ -x "$OUT/hopper_gemm/hopper_gemm_bench" ]; then
             STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
-                step harness 600 "$OUT/hopper_gemm_bench" "${HARNESS_REPS:-30}"
+                step harness 600 "$OUT/hopper_gemm/hopper_gemm_bench" "${HARNESS_REPS:-30}"
+            harnesses+=(harness)
+            local gpus d
+            gpus=$(nvidia-smi -L | wc -l)
+            for d in $( [ "$gpus" -gt 2 ] && echo "$gpus") $( [ "$gpus" -ge 2 ] && echo 2); do
+                for kind in rs ag; do
+                    STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
+                        step "harness-$kind-d$d" 600 "$OUT/hopper_gemm/hopper_gemm_${kind}_bench" "$d" "${HARNESS_REPS:-30}"
+                    harnesses+=("harness-$kind-d$d")
+                done
+            done
         fi
     else
         summary+=("harness: skipped, no nvcc on the PATH")
     fi
     cat "$OUT/machine.txt"
     grep -E "rel|bit-identical|skipping|GPU 0" "$OUT/hopper_gemm.log" | tail -8
-    tail -14 "$OUT/harness.log" 2>/dev/null
+    local h
+    for h in "${harnesses[@]}"; do tail -7 "$OUT/$h.log"; done
     printf '%s\n' "${summary[@]}"
 }
 
