@@ -140,8 +140,14 @@ struct RsArgs {
 // best copied piece 0 of every block first, then piece 1, ..., so the block the GEMM
 // reaches next is never the one still arriving), and loads a piece's rows only after its
 // word says so; the consumers see nothing of this.
+//
+// After its last wait a block counts itself in `arrived`; the last of the grid zeroes every
+// ready word and the count, so a call replayed from a graph (its epoch baked in) starts from
+// zeroed words like a fresh one. The copies of the next call start after this kernel ended
+// (their streams wait for the call's start, which follows this call's end).
 struct AgArgs {
     TensorMap own;
+    u64 arrived;     // u32 counter, zero between calls
     int chunks;
     u64 ready;
     u64 error;       // u32 word set to 1 + the block when a wait outlasted `timeout_ns`
@@ -432,6 +438,14 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                             load_box(sb + i * 64 * BK * 2, b_map, p.col + 64 * i, kb * BK, &full[stage]);
                     }
                     if (++stage == NS) { stage = 0; phase ^= 1; }
+                }
+            }
+            if (WALK == WALK_AG) {
+                __threadfence();
+                if (atomicAdd((u32*)ag->arrived, 1u) == gridDim.x - 1) {
+                    for (int i = 0; i < ag->world * ag->chunks; ++i) ((volatile u32*)ag->ready)[i] = 0;
+                    *(volatile u32*)ag->arrived = 0;
+                    __threadfence_system();
                 }
             }
         } else if constexpr (WALK == WALK_RS) {
