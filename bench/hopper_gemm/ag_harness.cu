@@ -22,18 +22,6 @@
 #include "../../fusion-runtime/src/backend/cuda/gemm/hopper/gemm.cu"
 #include "common.cuh"
 
-// sum (x - r)^2, sum r^2, non-finite count, both 16-bit
-__global__ void compare16(const u16* x, const u16* r, size_t n, double* out) {
-    double se = 0, sr = 0, bad = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float a = to_f32(x[i], false), b = to_f32(r[i], false);
-        if (!isfinite(a)) { bad += 1; continue; }
-        se += (double)(a - b) * (a - b);
-        sr += (double)b * b;
-    }
-    atomicAdd(&out[0], se); atomicAdd(&out[1], sr); atomicAdd(&out[2], bad);
-}
-
 struct Rank {
     u16 *a[2], *b[2], *gathered, *c, *ref;
     u32 *ready, *arrived, *error;
@@ -43,11 +31,8 @@ struct Rank {
 };
 
 int main(int argc, char** argv) {
-    int world = 0;
-    CK(cudaGetDeviceCount(&world));
-    if (argc > 1) world = std::min(world, atoi(argv[1]));
+    int world = open_world(argc, argv);
     int reps = argc > 2 ? atoi(argv[2]) : 30;
-    if (world < 1 || world > MAXR) { fprintf(stderr, "need 1..%d GPUs\n", MAXR); return 2; }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     int sms = prop.multiProcessorCount;
@@ -55,11 +40,6 @@ int main(int argc, char** argv) {
     std::vector<Rank> R(world);
     for (int r = 0; r < world; ++r) {
         CK(cudaSetDevice(r));
-        for (int p = 0; p < world; ++p)
-            if (p != r) {
-                cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
-                if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) { fprintf(stderr, "peer access %d->%d: %s\n", r, p, cudaGetErrorString(e)); return 2; }
-            }
         CK(cudaFuncSetAttribute(hopper_gemm_ag_bf16_nn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
         CK(cudaFuncSetAttribute(hopper_gemm_bf16_nn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
         CK(cudaStreamCreateWithFlags(&R[r].s, cudaStreamNonBlocking));
@@ -209,7 +189,7 @@ int main(int argc, char** argv) {
                 CK(cudaSetDevice(r));
                 u32 e; CK(cudaMemcpy(&e, R[r].error, 4, cudaMemcpyDeviceToHost));
                 double* d; CK(cudaMalloc(&d, 24)); CK(cudaMemset(d, 0, 24));
-                compare16<<<264, 256>>>(R[r].c, R[r].ref, nc, d);
+                compare<<<264, 256>>>(R[r].c, R[r].ref, nc, false, d);
                 double h[3]; CK(cudaMemcpy(h, d, 24, cudaMemcpyDeviceToHost)); CK(cudaFree(d));
                 rel[mode] = std::max(rel[mode], sqrt(h[0] / h[1]));
                 if (check == 3 && !(e == 0 && h[2] == 0 && sqrt(h[0] / h[1]) < 1e-2)) printf("a call with a repeated epoch went wrong\n");

@@ -49,3 +49,36 @@ static double median(std::vector<float> v) { std::sort(v.begin(), v.end()); retu
 static u32 g_seed = 12345;
 static void fill(u16* p, size_t n, bool f16) { fill_random<<<1024, 256>>>(p, n, g_seed++ * 7919u, f16); CK(cudaGetLastError()); }
 
+
+// sum (x - r)^2, sum r^2, non-finite count
+__global__ void compare(const u16* x, const u16* r, size_t n, bool f16, double* out) {
+    double se = 0, sr = 0, bad = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float a = to_f32(x[i], f16), b = to_f32(r[i], f16);
+        if (!isfinite(a)) { bad += 1; continue; }
+        se += (double)(a - b) * (a - b);
+        sr += (double)b * b;
+    }
+    atomicAdd(&out[0], se); atomicAdd(&out[1], sr); atomicAdd(&out[2], bad);
+}
+
+// The first `world` GPUs (at most the command line's first argument, and MAXR) with peer
+// access between every pair; exits with a message where that fails.
+static int open_world(int argc, char** argv) {
+    int world = 0;
+    CK(cudaGetDeviceCount(&world));
+    if (argc > 1) world = std::min(world, atoi(argv[1]));
+    if (world < 1 || world > MAXR) { fprintf(stderr, "need 1..%d GPUs\n", MAXR); exit(2); }
+    for (int r = 0; r < world; ++r) {
+        CK(cudaSetDevice(r));
+        for (int p = 0; p < world; ++p)
+            if (p != r) {
+                cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
+                if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+                    fprintf(stderr, "peer access %d->%d: %s\n", r, p, cudaGetErrorString(e));
+                    exit(2);
+                }
+            }
+    }
+    return world;
+}

@@ -19,18 +19,6 @@
 
 #include "common.cuh"
 
-// sum (x - r)^2, sum r^2, non-finite count
-__global__ void compare(const u16* x, const u16* r, size_t n, bool f16, double* out) {
-    double se = 0, sr = 0, bad = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float a = to_f32(x[i], f16), b = to_f32(r[i], f16);
-        if (!isfinite(a)) { bad += 1; continue; }
-        se += (double)(a - b) * (a - b);
-        sr += (double)b * b;
-    }
-    atomicAdd(&out[0], se); atomicAdd(&out[1], sr); atomicAdd(&out[2], bad);
-}
-
 typedef void (*Kernel)(const __grid_constant__ TensorMap, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap, int, int, int);
 
 struct Variant { const char* name; Kernel k; bool f16, a_mn, b_k; };

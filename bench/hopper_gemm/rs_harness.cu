@@ -46,11 +46,8 @@ struct Rank {
 };
 
 int main(int argc, char** argv) {
-    int world = 0;
-    CK(cudaGetDeviceCount(&world));
-    if (argc > 1) world = std::min(world, atoi(argv[1]));
+    int world = open_world(argc, argv);
     int reps = argc > 2 ? atoi(argv[2]) : 30;
-    if (world < 1 || world > MAXR) { fprintf(stderr, "need 1..%d GPUs\n", MAXR); return 2; }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     int sms = prop.multiProcessorCount;
@@ -58,11 +55,6 @@ int main(int argc, char** argv) {
     std::vector<Rank> R(world);
     for (int r = 0; r < world; ++r) {
         CK(cudaSetDevice(r));
-        for (int p = 0; p < world; ++p)
-            if (p != r) {
-                cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
-                if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) { fprintf(stderr, "peer access %d->%d: %s\n", r, p, cudaGetErrorString(e)); return 2; }
-            }
         CK(cudaFuncSetAttribute(hopper_gemm_rs_bf16_nn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_FOR(3, 4)));
         CK(cudaFuncSetAttribute(hopper_gemm_bf16_nn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
         CK(cudaStreamCreateWithFlags(&R[r].s, cudaStreamNonBlocking));
