@@ -31,12 +31,9 @@ struct Rank {
 };
 
 int main(int argc, char** argv) {
-    int world = open_world(argc, argv);
+    int sms = 0;
+    int world = open_world(argc, argv, &sms);
     int reps = argc > 2 ? atoi(argv[2]) : 30;
-    cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
-    int sms = prop.multiProcessorCount;
-    printf("%d x %s\n", world, prop.name);
     std::vector<Rank> R(world);
     for (int r = 0; r < world; ++r) {
         CK(cudaSetDevice(r));

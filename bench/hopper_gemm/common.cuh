@@ -63,8 +63,9 @@ __global__ void compare(const u16* x, const u16* r, size_t n, bool f16, double* 
 }
 
 // The first `world` GPUs (at most the command line's first argument, and MAXR) with peer
-// access between every pair; exits with a message where that fails.
-static int open_world(int argc, char** argv) {
+// access between every pair, printed; `sms`: the first one's SM count. Exits with a
+// message where that fails.
+static int open_world(int argc, char** argv, int* sms) {
     int world = 0;
     CK(cudaGetDeviceCount(&world));
     if (argc > 1) world = std::min(world, atoi(argv[1]));
@@ -80,5 +81,9 @@ static int open_world(int argc, char** argv) {
                 }
             }
     }
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    *sms = prop.multiProcessorCount;
+    printf("%d x %s\n", world, prop.name);
     return world;
 }
