@@ -127,7 +127,7 @@ mod tests {
         assert_eq!(v.name(), "hopper_gemm_bf16_tn");
         let src = v.source();
         assert!(!src.contains("#include"), "NVRTC cannot open includes");
-        assert!(src.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"));
+        assert!(src.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.\" #TY"));
         // The pasted instructions come before the code that calls them.
         let defined = src.find("void wgmma_bf16(").expect("wgmma_bf16 defined");
         let used = src.find("wgmma_bf16(d, da").expect("wgmma_bf16 called");
