@@ -4,10 +4,9 @@
 //! against it; the two bias forms (the bias given as rows or as a vector, added with `+`)
 //! are checked against the first one's sequential result and compared with each other.
 //!
-//! `linear` cannot express this block: its weight is `[n, k]` (two axes), so a weight
-//! sharded in column or row blocks (`[d @ DIDx, f, h]`) is rejected at compile time
-//! (`linear: w1 has rank 3, expected 2`), and so is a per-rank bias block for
-//! `linear(x, w, b)` (`b` is `[n]`).
+//! The `linear` form takes its weights as `nn.Linear` and checkpoints store them, `[out,
+//! in]` per rank (`[d @ DIDx, f, h]` and `[d @ DIDx, h, f]`): contiguous copies of the
+//! project's weights with their last two axes swapped.
 
 use fusion::compiler::ir::Fusion;
 use fusion::prelude::*;
@@ -65,6 +64,18 @@ fusion! {
         sum(partial, 1)
     }
 
+    /// `linear` with the weights `[out, in]` per rank.
+    pub fn mlp_linear<T: Float, d, m, h, f>(
+        x: Tensor<T, [d @ DIDx, m, h]>,
+        w1: Tensor<T, [d @ DIDx, f, h]>,
+        w2: Tensor<T, [d @ DIDx, h, f]>,
+    ) -> Tensor<T, [d @ DIDx, m, h]> {
+        let act: Tensor<T, [d @ Stream, d @ DIDx, m, f]> =
+            gelu_tanh(linear(broadcast(x, [false, true, false, false]), w1));
+        let partial: Tensor<T, [d @ Stream, d @ DIDx, m, h]> = linear(act, w2);
+        sum(partial, 1)
+    }
+
     /// The same bias given per rank as a vector (`[d @ DIDx, f]`), broadcast over the rows
     /// explicitly.
     pub fn mlp_bias_vector<T: Float, d, m, h, f>(
@@ -93,6 +104,8 @@ enum Layout {
     BiasRows,
     /// `(x, w1, b1, w2)`, b1 `[1, f]`.
     BiasVector,
+    /// `(x, w1, w2)` with the weights' last two axes swapped, contiguous.
+    OutIn,
 }
 
 /// One way of writing the MLP block.
@@ -115,11 +128,17 @@ impl Form {
     /// `[1, 1, f]`.
     pub fn inputs(
         &self,
+        rank: &Rank,
         x: &Tensor,
         w1: &Tensor,
         w2: &Tensor,
         b1: Option<&Tensor>,
     ) -> Result<Vec<Tensor>> {
+        // A weight `[1, a, b]` stored `[1, b, a]` (through the host: once per shape).
+        let out_in = |w: &Tensor| -> Result<Tensor> {
+            let host = rank.to_host(w)?.permute(&[0, 2, 1])?.contiguous_copy()?;
+            rank.to_device(&host)
+        };
         let bias = || {
             b1.cloned()
                 .ok_or_else(|| fusion::Error::World(format!("form {} needs a bias", self.name)))
@@ -129,6 +148,7 @@ impl Form {
             Layout::X4 => vec![x.unsqueeze(1)?, w1.clone(), w2.clone()],
             Layout::BiasRows => vec![x.clone(), w1.clone(), bias()?, w2.clone()],
             Layout::BiasVector => vec![x.clone(), w1.clone(), bias()?.squeeze(1)?, w2.clone()],
+            Layout::OutIn => vec![x.clone(), out_in(w1)?, out_in(w2)?],
         })
     }
 }
@@ -151,6 +171,11 @@ pub fn all() -> Vec<Form> {
             name: "annotated_product",
             build: mlp_annotated_product::build,
             layout: Layout::Block,
+        },
+        Form {
+            name: "linear",
+            build: mlp_linear::build,
+            layout: Layout::OutIn,
         },
         Form {
             name: "bias_add",

@@ -484,7 +484,7 @@ fn form_variants(
     let mut bias_reference = None;
     for (form, exec) in &e.forms {
         let name = format!("form_{}", form.name);
-        let form_ins = form.inputs(&ins[0], &ins[1], &ins[2], bias.as_ref())?;
+        let form_ins = form.inputs(rank, &ins[0], &ins[1], &ins[2], bias.as_ref())?;
         let refs: Vec<&Tensor> = form_ins.iter().collect();
         if form.biased() && bias_reference.is_none() {
             let r = exec.run_with(rank, &refs, None, &sequential())?;

@@ -191,15 +191,27 @@ impl FusionBuilder {
         Ok(out)
     }
 
-    /// `x @ w^T + bias`: x `[.., K]`, w `[N, K]`, bias `[N]`.
+    /// `x @ w^T + bias`: x `[.., K]`, w `[N, K]`, bias `[N]`; or a weight with batch axes,
+    /// w `[.., N, K]` (a weight per rank: `[d @ DIDx, N, K]`), bias `[.., N]`, which is
+    /// `matmul(x, transpose(w))` (+ the bias, broadcast over the rows): the batch axes
+    /// broadcast against x's as matmul's do.
     pub fn linear(&mut self, x: TensorId, w: TensorId, bias: Option<TensorId>) -> Result<TensorId> {
         self.same_dtype("linear", x, w)?;
         let (vx, vw) = (self.f.visible_axes(x), self.f.visible_axes(w));
         if vx.is_empty() {
             return Err(self.rank_error("linear", x, "at least 1 (`[.., k]`)", 0, 0));
         }
+        if vw.len() > 2 {
+            return self.batched_linear(x, w, bias);
+        }
         if vw.len() != 2 {
-            return Err(self.rank_error("linear", w, "2 (`[n, k]`)", vw.len(), 1));
+            return Err(self.rank_error(
+                "linear",
+                w,
+                "2 (`[n, k]`) or more (`[.., n, k]`)",
+                vw.len(),
+                1,
+            ));
         }
         let x_k = *vx.last().expect("non-empty");
         self.check_extents(
@@ -236,6 +248,64 @@ impl FusionBuilder {
         self.propagate_didx(out);
         self.clear_stream(out);
         Ok(out)
+    }
+
+    /// [`Self::linear`] with a weight `[.., n, k]`: its checks named for `linear`, then
+    /// `matmul(x, transpose(w))` and the bias `[.., n]` added across the rows.
+    fn batched_linear(
+        &mut self,
+        x: TensorId,
+        w: TensorId,
+        bias: Option<TensorId>,
+    ) -> Result<TensorId> {
+        let (vx, vw) = (self.f.visible_axes(x), self.f.visible_axes(w));
+        let rw = vw.len();
+        self.check_extents(
+            "linear",
+            (x, *vx.last().expect("non-empty")),
+            (w, vw[rw - 1]),
+            "; the last axis of the input must equal the last axis of the weight (`[.., k]` \
+             and `[.., n, k]`)",
+        )?;
+        let x_batch = &vx[..vx.len().saturating_sub(2)];
+        let w_batch = &vw[..rw - 2];
+        let nb = x_batch.len().max(w_batch.len());
+        for j in 0..nb {
+            let px = (j + x_batch.len() >= nb).then(|| x_batch[j + x_batch.len() - nb]);
+            let pw = (j + w_batch.len() >= nb).then(|| w_batch[j + w_batch.len() - nb]);
+            self.broadcast_axis("linear", (x, px), (w, pw))?;
+        }
+        if let Some(bias) = bias {
+            self.same_dtype("linear", x, bias)?;
+            let vb = self.f.visible_axes(bias);
+            if vb.len() != rw - 1 {
+                let want = format!("{} (`[.., n]` for a weight `[.., n, k]`)", rw - 1);
+                return Err(self.rank_error("linear", bias, &want, vb.len(), 2));
+            }
+            self.check_extents(
+                "linear",
+                (bias, vb[rw - 2]),
+                (w, vw[rw - 2]),
+                "; the bias must end in the weight's `n` (`[.., n]` for `[.., n, k]`)",
+            )?;
+            for (j, &pw) in w_batch.iter().enumerate() {
+                self.broadcast_axis("linear", (bias, Some(vb[j])), (w, Some(pw)))?;
+            }
+        }
+        let wt = self.transpose(w, rw - 2, rw - 1)?;
+        let y = self.matmul(x, wt)?;
+        let Some(bias) = bias else {
+            return Ok(y);
+        };
+        if vx.len() == 1 {
+            // No rows: the product is `[.., n]` like the bias.
+            return self.add(y, bias);
+        }
+        let rb = rw - 1;
+        let mut flags = vec![false; rb];
+        flags.insert(rb - 1, true);
+        let rows = self.broadcast(bias, &flags)?;
+        self.add(y, rows)
     }
 
     /// Picks index `index` of visible axis `axis`, removing the axis.

@@ -263,3 +263,46 @@ fn a_streamed_matmul_streams_its_elementwise_operand() {
     let f = b.build().unwrap();
     assert_eq!(f.find_parallel_axis(up, ParallelType::Stream), None);
 }
+
+#[test]
+fn a_weight_per_rank_makes_linear_a_batched_matmul_and_its_checks_name_linear() {
+    let build = |w: &[(&str, ParallelType)], bias: Option<&[(&str, ParallelType)]>| {
+        let mut b = FusionBuilder::new();
+        let x = input(&mut b, "x", DType::F32, &[("d", Dx), ("3", S), ("4", S)]);
+        let w = input(&mut b, "w", DType::F32, w);
+        let bias = bias.map(|s| input(&mut b, "b", DType::F32, s));
+        b.linear(x, w, bias)
+            .map(|y| (b.fusion().visible_axes(y).len(), y))
+    };
+    let (rank, _) = build(&[("d", Dx), ("5", S), ("4", S)], None).unwrap();
+    assert_eq!(rank, 3, "[d, 3, 5]");
+    assert!(build(
+        &[("d", Dx), ("5", S), ("4", S)],
+        Some(&[("d", Dx), ("5", S)])
+    )
+    .is_ok());
+    for (w, bias, says) in [
+        (
+            &[("d", Dx), ("5", S), ("3", S)][..],
+            None,
+            "last axis of the input",
+        ),
+        (&[("e", Dx), ("5", S), ("4", S)][..], None, "`w`"),
+        (
+            &[("d", Dx), ("5", S), ("4", S)][..],
+            Some(&[("5", S)][..]),
+            "`[.., n]`",
+        ),
+        (
+            &[("d", Dx), ("5", S), ("4", S)][..],
+            Some(&[("d", Dx), ("6", S)][..]),
+            "weight's `n`",
+        ),
+    ] {
+        let err = build(w, bias)
+            .expect_err("a bad linear is refused")
+            .to_string();
+        assert!(err.starts_with("linear"), "{err}");
+        assert!(err.contains(says), "{err}");
+    }
+}
