@@ -17,7 +17,8 @@ pub(super) enum Phase {
     FirstCall,
     /// Comparing a candidate's first outputs with the reference candidate's.
     Comparison,
-    /// A candidate's second call, captured as a device graph and launched, up to its end.
+    /// A candidate's second call, captured as a device graph and launched (walked again
+    /// where its program is not captured, and on the CPU backend), up to its end.
     Capture,
     /// Timing one batch of a candidate to size its batches.
     Sizing,
@@ -57,9 +58,11 @@ pub struct TuningPhases {
     /// Each distinct candidate's first call: walked, its buffers allocated.
     pub first_calls_ms: f64,
     /// Comparing each candidate's first outputs with the reference candidate's (on the
-    /// device), and the ranks agreeing on which disagree.
+    /// device; the first comparison of a process compiles its kernel), and the ranks
+    /// agreeing on which disagree.
     pub comparison_ms: f64,
-    /// Each candidate's second call: captured as a device graph and launched.
+    /// Each candidate's second call: captured as a device graph and launched (walked
+    /// again where its program is not captured, and on the CPU backend).
     pub capture_ms: f64,
     /// One timed batch per candidate to size its batches (the ranks agree on the slowest).
     pub sizing_ms: f64,
