@@ -333,7 +333,7 @@ pub use fusion_runtime::ExecOptions;
 /// Which engine runs a call's GEMMs on CUDA devices (`ExecOptions::gemm`).
 pub use fusion_runtime::GemmEngine;
 /// How a call's plan is chosen, and what was chosen (`RunReport::plan`).
-pub use fusion_runtime::{CandidateReport, PlanMode, PlanReport, PlanSource};
+pub use fusion_runtime::{CandidateReport, PlanMode, PlanReport, PlanSource, TuningPhases};
 
 /// The names most programs use.
 pub mod prelude {

@@ -3,7 +3,8 @@
 //! tuning that gives every rank the same plan; the plan file read by a later executor
 //! (as a second process would) so that nothing is timed again; untrusted files ignored
 //! with a warning; the cost model's pick; options set by hand kept as the plan; the
-//! device markers tuning times calls with.
+//! device markers tuning times calls with and the device comparison it checks outputs
+//! with; where a decision's time went (its phases), and each candidate lowered once.
 
 mod common;
 
@@ -201,6 +202,7 @@ fn tuning_gives_every_rank_one_plan_and_keeps_it() {
             assert!(text.contains(&format!("plan: {}", first.plan)), "{text}");
             let clock = if traced { "host-timed" } else { "device-timed" };
             assert!(text.contains(clock), "{text}");
+            phases_add_up(&first);
             assert_eq!(exec.tunings(), d, "each rank decided once");
             // Later calls of the shape keep the decision.
             let (again, plans) = run_case(&exec, d, &case, &tuned(&file));
@@ -209,6 +211,63 @@ fn tuning_gives_every_rank_one_plan_and_keeps_it() {
             assert_eq!(plans[1].as_ref().unwrap().plan, first.plan);
         }
     }
+}
+
+/// The report says where the tuning's time went: every phase of a tuned decision took
+/// time, the timed phases make up the tuning time, and the text prints them; candidates
+/// were timed in the first rounds at least, and the chosen one in all.
+fn phases_add_up(report: &PlanReport) {
+    let p = &report.phases;
+    let timed = [
+        p.first_calls_ms,
+        p.comparison_ms,
+        p.capture_ms,
+        p.sizing_ms,
+        p.rounds_ms,
+    ];
+    assert!(
+        p.lowering_ms > 0.0 && timed.iter().all(|&ms| ms > 0.0),
+        "{report}"
+    );
+    let sum: f64 = timed.iter().sum::<f64>() + p.release_ms;
+    assert!(sum <= report.tuning_ms * 1.001 + 0.01, "{sum} of {report}");
+    let text = report.to_string();
+    for phase in [
+        "//   phases: ",
+        "lowering ",
+        "first calls ",
+        "comparison ",
+        "capture ",
+        "batch sizing ",
+        "rounds ",
+    ] {
+        assert!(text.contains(phase), "{phase}: {text}");
+    }
+    assert!(report.candidates.iter().all(|c| c.rounds >= 2), "{report}");
+    let chosen = (report.candidates.iter())
+        .find(|c| c.name == report.plan)
+        .expect("the chosen candidate");
+    assert_eq!(chosen.rounds, 7, "{report}");
+}
+
+/// Each candidate is lowered once per process (the ranks share the executor's programs),
+/// and the call path runs the chosen candidate's program from the cache: later calls
+/// lower nothing.
+#[test]
+fn each_candidate_is_lowered_once() {
+    let file = plan_file("lowered-once");
+    let d = 2;
+    let case = cases_for(d, 8).remove(2);
+    let exec = FusionExecutor::new(case.fusion.clone()).with_name(case.name);
+    run_case(&exec, d, &case, &tuned(&file));
+    let lowered = exec.lowering_count();
+    assert!(
+        (2..=plan::candidates(d).len()).contains(&lowered),
+        "{lowered} lowerings for {} candidates",
+        plan::candidates(d).len()
+    );
+    run_case(&exec, d, &case, &tuned(&file));
+    assert_eq!(exec.lowering_count(), lowered, "nothing lowered again");
 }
 
 #[test]
@@ -386,4 +445,53 @@ fn call_markers_time_what_runs_between_them() {
     let (ms, back) = times[0];
     assert!((4.0..1000.0).contains(&ms), "{ms} ms");
     assert!(back <= 0.0, "{back} ms");
+}
+
+/// The comparison tuning runs on the device (`Device::discrepancy`) gives what the host's
+/// `Tensor::rel_error` gives: for contiguous tensors of each dtype (on GPUs, the kernel),
+/// for a transposed view (copied first), against zeros, and infinite for a NaN or an
+/// infinity on either side.
+#[test]
+fn the_device_comparison_matches_the_host_one() {
+    if !runnable(1) {
+        return;
+    }
+    world(1)
+        .run(|rank| {
+            let device = rank.device();
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let want = Tensor::randn(&[257, 33], dtype, 11);
+                let noisy: Vec<f32> = (want.to_f32_vec()?.iter().enumerate())
+                    .map(|(i, x)| x * (1.0 + 0.02 * ((i % 5) as f32 - 2.0)))
+                    .collect();
+                let got = Tensor::from_f32(&[257, 33], &noisy, dtype)?;
+                let (g, w) = (rank.to_device(&got)?, rank.to_device(&want)?);
+                let (gt, wt) = (g.permute(&[1, 0])?, w.permute(&[1, 0])?);
+                let host = got.rel_error(&want)?;
+                for (a, b) in [(&g, &w), (&gt, &wt)] {
+                    let e = device.discrepancy(a, b)?.relative();
+                    assert!((e - host).abs() <= 1e-9 * host, "{dtype}: {e} vs {host}");
+                }
+                let zeros = rank.to_device(&Tensor::zeros(&[257, 33], dtype))?;
+                let e = device.discrepancy(&g, &zeros)?.relative();
+                let norm = got.rel_error(&Tensor::zeros(&[257, 33], dtype))?;
+                assert!((e - norm).abs() <= 1e-9 * norm, "{dtype}: {e} vs {norm}");
+                for bad in [f32::NAN, f32::INFINITY] {
+                    let mut v = noisy.clone();
+                    v[4000] = bad;
+                    let b = rank.to_device(&Tensor::from_f32(&[257, 33], &v, dtype)?)?;
+                    let one = device.discrepancy(&b, &w)?.relative();
+                    let other = device.discrepancy(&w, &b)?.relative();
+                    assert_eq!((one, other), (f64::INFINITY, f64::INFINITY), "{dtype}");
+                }
+            }
+            assert!(device
+                .discrepancy(
+                    &Tensor::zeros(&[2], DType::F32),
+                    &Tensor::zeros(&[3], DType::F32)
+                )
+                .is_err());
+            Ok(())
+        })
+        .unwrap();
 }

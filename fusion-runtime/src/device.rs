@@ -216,6 +216,68 @@ pub(crate) fn gemm_addend<'a>(
     })
 }
 
+/// How far one tensor is from another ([`Device::discrepancy`]): two sums over their
+/// elements, in f64, from which the relative Frobenius error follows. A device computes
+/// them where the tensors live, so only the two sums reach the host (plan tuning compares
+/// every candidate's outputs with the reference candidate's this way).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Discrepancy {
+    /// `sum((got - want)^2)`: NaN or infinite when an element of either is not finite.
+    pub squared_error: f64,
+    /// `sum(want^2)`.
+    pub squared_reference: f64,
+}
+
+impl Discrepancy {
+    /// `‖got − want‖ / ‖want‖` (`‖got − want‖` where `want` is all zeros), infinite where an
+    /// element is not finite: what [`Tensor::rel_error`] gives for the same tensors.
+    pub fn relative(&self) -> f64 {
+        let (err, reference) = (self.squared_error, self.squared_reference);
+        if !err.is_finite() || !reference.is_finite() {
+            f64::INFINITY
+        } else if reference == 0.0 {
+            err.sqrt()
+        } else {
+            (err / reference).sqrt()
+        }
+    }
+
+    /// The sums for host tensors `got` and `want` of one shape (any dtypes and strides),
+    /// element by element in row-major order: the CPU backend's, and a device's for
+    /// tensors that are not its own.
+    pub fn of_host(got: &Tensor, want: &Tensor) -> Result<Discrepancy> {
+        check_same_shape(got, want)?;
+        let (a, b) = (got.to_f32_vec()?, want.to_f32_vec()?);
+        let mut sums = Discrepancy::default();
+        for (&x, &y) in a.iter().zip(&b) {
+            let (x, y) = (f64::from(x), f64::from(y));
+            sums.squared_error += (x - y) * (x - y);
+            sums.squared_reference += y * y;
+        }
+        Ok(sums)
+    }
+
+    /// The sums of two parts of one comparison added (a device's per-block partial sums).
+    pub fn plus(self, other: Discrepancy) -> Discrepancy {
+        Discrepancy {
+            squared_error: self.squared_error + other.squared_error,
+            squared_reference: self.squared_reference + other.squared_reference,
+        }
+    }
+}
+
+/// An error unless `got` and `want` have one shape (what [`Device::discrepancy`] compares).
+pub(crate) fn check_same_shape(got: &Tensor, want: &Tensor) -> Result<()> {
+    if got.shape() == want.shape() {
+        return Ok(());
+    }
+    Err(crate::error::Error::Tensor(format!(
+        "discrepancy: shapes {:?} and {:?} differ",
+        got.shape(),
+        want.shape()
+    )))
+}
+
 /// Bytes of a capture arena for `count` buffers of `bytes` in all (alignment included).
 pub fn capture_arena_bytes(bytes: usize, count: usize) -> usize {
     bytes + count * CAPTURE_ARENA_ALIGN
@@ -304,6 +366,10 @@ pub trait Device: Send + Sync {
     fn marker_elapsed_ms(&self, start: usize, end: usize) -> Result<f64>;
     /// Forgets every marker (call after reading a trace).
     fn clear_markers(&self);
+    /// The [`Discrepancy`] of `got` from `want`, tensors of this device of one shape (any
+    /// dtypes and strides), summed where they live: only the two sums come back to the
+    /// host. Waits for the device (the tensors' producers on the main stream come first).
+    fn discrepancy(&self, got: &Tensor, want: &Tensor) -> Result<Discrepancy>;
     /// Fills every later allocation with NaN bytes (`on`), so outputs a program forgets to
     /// write show up in tests ([`crate::World::poison_allocations`]).
     fn set_poison(&self, on: bool);

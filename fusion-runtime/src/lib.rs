@@ -38,6 +38,7 @@ pub use error::NcclFailure;
 pub use error::{Error, Result};
 pub use executor::{
     CandidateReport, ExecOptions, FusionExecutor, PlanMode, PlanReport, PlanSource, RunReport,
+    TuningPhases,
 };
 pub use ranked::{Ranked, Tensor1, Tensor2, Tensor3, Tensor4, Tensor5, Tensor6};
 pub use tensor::{ShardTag, Tensor};

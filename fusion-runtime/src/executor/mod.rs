@@ -33,7 +33,7 @@ use fusion_compiler::DType;
 
 pub use crate::config::DumpOptions;
 pub use options::{ExecOptions, PlanMode};
-pub use plan_choice::{CandidateReport, PlanReport, PlanSource};
+pub use plan_choice::{CandidateReport, PlanReport, PlanSource, TuningPhases};
 
 use dumps::TraceFiles;
 use lowering::{ProgramCache, Source};

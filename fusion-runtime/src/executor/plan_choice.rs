@@ -3,8 +3,9 @@
 //! rank, the same on every rank.
 //!
 //! Only calls whose options leave the plan open (default `lower` and stream count) and that
-//! communicate get a choice. Every candidate is lowered and those that give the same
-//! program are merged. Then, in order: the plan file, else the cost model
+//! communicate get a choice. Every candidate is lowered (once per process: the program
+//! cache keeps each candidate's program, which the call path then finds there) and those
+//! that give the same program are merged. Then, in order: the plan file, else the cost model
 //! ([`PlanMode::Model`], or a call recorded into the caller's graph, where nothing can be
 //! timed), else tuning ([`PlanMode::Tune`], [`tuning`]): every rank times each distinct
 //! candidate with the call's own inputs (outputs discarded; back-to-back calls between
@@ -12,7 +13,8 @@
 //! rank is fastest runs; rank 0 writes it to the plan file. Rank 0's plan file entry and
 //! model order decide for every rank (one exchange), so every rank runs the same plan and
 //! times the same candidates in the same order. The decision is kept per rank in the
-//! executor.
+//! executor. Where the time of a decision went, per phase, is in the report
+//! ([`TuningPhases`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -34,93 +36,16 @@ use crate::eval::bound_leaves;
 use crate::tensor::Tensor;
 use crate::world::Rank;
 
+mod phases;
+mod report;
 mod tuning;
+
+use phases::Phase;
+pub use phases::TuningPhases;
+pub use report::{CandidateReport, PlanReport, PlanSource};
 
 /// Candidates timed at most, in the cost model's order.
 const MAX_TUNED: usize = 32;
-
-/// Why a plan runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PlanSource {
-    /// Every candidate lowered to the same program.
-    OnlyCandidate,
-    /// The cost model's estimate was the lowest.
-    Model,
-    /// It was timed fastest on the slowest rank, in this process.
-    Tuned,
-    /// A previous process tuned it (the plan file).
-    File,
-}
-
-/// One distinct candidate program of a decision.
-#[derive(Clone, Debug)]
-pub struct CandidateReport {
-    /// The candidate's name ([`fusion_compiler::plan::candidates`]).
-    pub name: String,
-    /// Other candidates that lowered to the same program.
-    pub same_as: Vec<String>,
-    /// The cost model's estimate, ms.
-    pub model_ms: f64,
-    /// Its tuned time (the slowest rank's median), ms, when it was timed.
-    pub tuned_ms: Option<f64>,
-}
-
-/// Which plan a call ran and why (`RunReport::plan`, and the host-program dump).
-#[derive(Clone, Debug)]
-pub struct PlanReport {
-    /// The candidate that runs.
-    pub plan: String,
-    /// How it was chosen.
-    pub source: PlanSource,
-    /// The distinct candidates, in the order they were considered.
-    pub candidates: Vec<CandidateReport>,
-    /// Host time spent timing candidates, ms (0 unless tuned in this process).
-    pub tuning_ms: f64,
-    /// Whether the tuned times were taken on the device: markers (CUDA events) around
-    /// batches of back-to-back calls. False where nothing was tuned in this process or
-    /// the calls were traced (`FUSION_TRACE`; then the host's clock around synchronized
-    /// batches).
-    pub device_timed: bool,
-    /// Where the machine rates of the model came from.
-    pub profile: String,
-    /// Problems met on the way (an ignored plan file, a file that could not be written).
-    pub warnings: Vec<String>,
-}
-
-impl std::fmt::Display for PlanReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let why = match self.source {
-            PlanSource::OnlyCandidate => "the only distinct program",
-            PlanSource::Model => "lowest cost-model estimate",
-            PlanSource::Tuned => "fastest when timed",
-            PlanSource::File => "tuned by an earlier process (plan file)",
-        };
-        write!(f, "plan: {} ({why}", self.plan)?;
-        if self.tuning_ms > 0.0 {
-            let clock = if self.device_timed {
-                "device-timed, back to back"
-            } else {
-                "host-timed"
-            };
-            write!(f, "; tuning took {:.1} ms, {clock}", self.tuning_ms)?;
-        }
-        writeln!(f, "; model: {})", self.profile)?;
-        for c in &self.candidates {
-            write!(f, "//   {:<20} model {:>9.3} ms", c.name, c.model_ms)?;
-            if let Some(t) = c.tuned_ms {
-                write!(f, "  timed {t:>9.3} ms")?;
-            }
-            if !c.same_as.is_empty() {
-                write!(f, "  (same program: {})", c.same_as.join(", "))?;
-            }
-            writeln!(f)?;
-        }
-        for w in &self.warnings {
-            writeln!(f, "//   warning: {w}")?;
-        }
-        Ok(())
-    }
-}
 
 /// A call's plan: its program and options.
 pub(super) struct Choice {
@@ -174,11 +99,13 @@ pub(super) struct PlanCall<'a> {
     pub(super) options: &'a ExecOptions,
 }
 
-/// A distinct candidate: its plan, program, report line and program text.
+/// A distinct candidate: its plan, program, report line, what it is told apart by, and
+/// its program text.
 struct Distinct {
     plan: Plan,
     lowered: Lowered,
     report: CandidateReport,
+    identity: (u64, usize),
     text: String,
 }
 
@@ -238,13 +165,16 @@ impl PlanChoices {
 
     /// Decides the plan of `call` (see the module's documentation for the order).
     fn decide(&self, call: &PlanCall<'_>, setting: PlanSetting) -> Result<(Plan, Arc<PlanReport>)> {
-        let profile = world_profile(call)?;
-        let mut distinct = lower_candidates(call, &profile)?;
+        let mut phases = TuningPhases::default();
+        let rank = call.rank.index();
+        let profile = phases.time(Phase::Probe, "all", rank, || world_profile(call))?;
+        let mut distinct = lower_candidates(call, &profile, &mut phases)?;
         let mut report = PlanReport {
             plan: distinct[0].plan.name.clone(),
             source: PlanSource::OnlyCandidate,
             candidates: Vec::new(),
             tuning_ms: 0.0,
+            phases,
             device_timed: false,
             profile: profile.source.clone(),
             warnings: Vec::new(),
@@ -274,35 +204,34 @@ impl PlanChoices {
         }
         order.truncate(MAX_TUNED);
         let started = Instant::now();
-        let tuning::Tuned {
-            slowest,
-            device_timed,
-            warnings,
-        } = tuning::tune(call, &distinct, &order)?;
-        report.device_timed = device_timed;
-        for w in warnings {
-            tracing::warn!(rank = call.rank.index(), "{w}");
-            report.warnings.push(w);
+        let tuned = tuning::tune(call, &distinct, &order, &mut report.phases)?;
+        report.device_timed = tuned.device_timed;
+        for w in &tuned.warnings {
+            tracing::warn!(rank, "{w}");
+            report.warnings.push(w.clone());
         }
         for (j, &i) in order.iter().enumerate() {
-            distinct[i].report.tuned_ms = Some(slowest[j] as f64 / 1e6);
+            if tuned.rounds[j] > 0 {
+                distinct[i].report.tuned_ms = Some(tuned.slowest[j] as f64 / 1e6);
+                distinct[i].report.rounds = tuned.rounds[j];
+            }
         }
-        let best = (0..order.len())
-            .min_by_key(|&j| (slowest[j], order[j]))
-            .unwrap_or(0);
+        let best = tuned.best(&order);
         let pick = order[best];
         report.source = PlanSource::Tuned;
-        report.tuning_ms = started.elapsed().as_secs_f64() * 1e3;
         self.tunings
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         // The losers' graphs and buffers are of no further use on this rank.
-        for (j, d) in distinct.iter().enumerate() {
-            if j != pick {
-                call.exec.graphs.forget(call.rank, &d.lowered.program);
+        report.phases.time(Phase::Release, "all", rank, || {
+            for (j, d) in distinct.iter().enumerate() {
+                if j != pick {
+                    call.exec.graphs.forget(call.rank, &d.lowered.program);
+                }
             }
-        }
-        if let (0, Some(path)) = (call.rank.index(), &path) {
-            let tuned = (pick, slowest[best], device_timed);
+        });
+        report.tuning_ms = started.elapsed().as_secs_f64() * 1e3;
+        if let (0, Some(path)) = (rank, &path) {
+            let tuned = (pick, tuned.slowest[best], tuned.device_timed);
             if let Err(w) = remember(call, path, &file_key, &distinct, tuned) {
                 tracing::warn!("{w}");
                 report.warnings.push(w);
@@ -341,40 +270,19 @@ fn agree(call: &PlanCall<'_>, file: i64, order: Vec<usize>) -> Result<(Option<us
 }
 
 /// Every candidate of the plan space lowered for `call`, one per distinct program, with
-/// the model's estimate. A candidate whose lowering refuses this fusion is not one
-/// (lowering errors come before any communication, on every rank alike).
-fn lower_candidates(call: &PlanCall<'_>, profile: &cost::MachineProfile) -> Result<Vec<Distinct>> {
-    let (exec, rank, prepared) = (call.exec, call.rank, &call.prepared);
+/// the model's estimate; each candidate's time goes to `phases`. A candidate whose
+/// lowering refuses this fusion is not one (lowering errors come before any
+/// communication, on every rank alike).
+fn lower_candidates(
+    call: &PlanCall<'_>,
+    profile: &cost::MachineProfile,
+    phases: &mut TuningPhases,
+) -> Result<Vec<Distinct>> {
     let mut distinct: Vec<Distinct> = Vec::new();
-    for c in plan::candidates(rank.world_size()) {
-        let o = with_plan(call.options, &c);
-        let Ok(lowered) = exec
-            .programs
-            .program_for_prepared(&exec.name, rank, prepared, &o)
-        else {
-            continue;
-        };
-        let p = &lowered.program;
-        let pooled = p.streams.iter().any(|s| matches!(s, StreamDef::Pool(_)));
-        let streams = if pooled { c.number_of_streams } else { 0 };
-        let text = format!("{p}\nstreams {streams}");
-        if let Some(d) = distinct.iter_mut().find(|d| d.text == text) {
-            d.report.same_as.push(c.name.clone());
-            continue;
-        }
-        let leaves = bound_leaves(p, &prepared.symbols, rank.index(), c.number_of_streams);
-        let est = cost::estimate(p, &|s| leaves.get(s.index()).copied().flatten(), profile);
-        let report = CandidateReport {
-            name: c.name.clone(),
-            same_as: Vec::new(),
-            model_ms: est.seconds * 1e3,
-            tuned_ms: None,
-        };
-        distinct.push(Distinct {
-            plan: c,
-            lowered,
-            report,
-            text,
+    for c in plan::candidates(call.rank.world_size()) {
+        let name = c.name.clone();
+        phases.time(Phase::Lowering, &name, call.rank.index(), || {
+            add_candidate(call, profile, c, &mut distinct)
         });
     }
     if distinct.is_empty() {
@@ -384,6 +292,57 @@ fn lower_candidates(call: &PlanCall<'_>, profile: &cost::MachineProfile) -> Resu
         ));
     }
     Ok(distinct)
+}
+
+/// Lowers candidate `c` for `call` (the program cache has it when another rank of this
+/// process lowered it) and adds it to `distinct`, or to the candidate of its program
+/// there; a candidate the lowering refuses is left out.
+fn add_candidate(
+    call: &PlanCall<'_>,
+    profile: &cost::MachineProfile,
+    c: Plan,
+    distinct: &mut Vec<Distinct>,
+) {
+    let (exec, rank, prepared) = (call.exec, call.rank, &call.prepared);
+    let o = with_plan(call.options, &c);
+    let Ok(lowered) = (exec.programs).program_for_prepared(&exec.name, rank, prepared, &o) else {
+        return;
+    };
+    let p = &lowered.program;
+    let pooled = p.streams.iter().any(|s| matches!(s, StreamDef::Pool(_)));
+    let streams = if pooled { c.number_of_streams } else { 0 };
+    // Programs are told apart by their fingerprint (a hash of their text, computed once
+    // when lowered), so that only distinct ones are printed here.
+    let identity = (lowered.fingerprint.unwrap_or_else(|| text_hash(p)), streams);
+    if let Some(d) = distinct.iter_mut().find(|d| d.identity == identity) {
+        d.report.same_as.push(c.name.clone());
+        return;
+    }
+    let leaves = bound_leaves(p, &prepared.symbols, rank.index(), c.number_of_streams);
+    let est = cost::estimate(p, &|s| leaves.get(s.index()).copied().flatten(), profile);
+    let report = CandidateReport {
+        name: c.name.clone(),
+        same_as: Vec::new(),
+        model_ms: est.seconds * 1e3,
+        tuned_ms: None,
+        rounds: 0,
+    };
+    let text = format!("{p}\nstreams {streams}");
+    distinct.push(Distinct {
+        plan: c,
+        lowered,
+        report,
+        identity,
+        text,
+    });
+}
+
+/// A hash of `program`'s text (its fingerprint, for a program that has none).
+fn text_hash(program: &fusion_compiler::hir::HostProgram) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    program.to_string().hash(&mut h);
+    h.finish()
 }
 
 /// This rank's plan file entry for `key`: the index of its candidate, or -1 (none, or

@@ -171,6 +171,12 @@ impl Device for CpuDevice {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+
+    fn discrepancy(&self, got: &Tensor, want: &Tensor) -> Result<crate::device::Discrepancy> {
+        require_host(got, "discrepancy: the tensor compared")?;
+        require_host(want, "discrepancy: the reference")?;
+        crate::device::Discrepancy::of_host(got, want)
+    }
 }
 
 #[cfg(test)]

@@ -673,6 +673,10 @@ impl Device for CudaDevice {
         self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
+    fn discrepancy(&self, got: &Tensor, want: &Tensor) -> Result<crate::device::Discrepancy> {
+        self.discrepancy_on_device(got, want)
+    }
+
     fn set_gemm_engine(&self, engine: GemmEngine) {
         *self
             .gemm_engine

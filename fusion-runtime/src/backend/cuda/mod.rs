@@ -19,6 +19,7 @@ mod caller_stream;
 pub(crate) mod comm;
 mod device;
 mod device_gemm;
+mod discrepancy;
 mod gemm;
 mod graph;
 pub(crate) mod health;
