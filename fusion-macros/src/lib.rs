@@ -25,6 +25,7 @@ mod backward;
 mod check;
 mod expand;
 mod parse;
+mod saving;
 mod span;
 #[cfg(test)]
 mod tests;
