@@ -11,7 +11,7 @@
 mod backward_support;
 mod common;
 
-use backward_support::layers::{assert_lean, cases, give, nodes_of, plans, random, shape, take};
+use backward_support::layers::{assert_lean, cases, give, nodes_of, plans, random_inputs, take};
 use backward_support::{distance, eval, finite_difference, Arr};
 use common::{device_counts, run, Give, Take};
 use fusion::compiler::autodiff::{backward, BackwardInput, GradSpec};
@@ -24,12 +24,7 @@ fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
     let spec = GradSpec::all(forward);
     let bw = backward(forward, &spec).unwrap_or_else(|e| panic!("{name}: {e}"));
     assert_lean(name, &bw.fusion);
-    let inputs: Vec<(Tensor, Arr)> = (forward.inputs().iter().enumerate())
-        .map(|(i, &t)| random(&shape(forward, t, d), seed + i as u64))
-        .collect();
-    let dys: Vec<(Tensor, Arr)> = (forward.outputs().iter().enumerate())
-        .map(|(o, &t)| random(&shape(forward, t, d), seed + 100 + o as u64))
-        .collect();
+    let (inputs, dys) = random_inputs(forward, d, seed);
     let whole: Vec<Arr> = inputs.iter().map(|x| x.1.clone()).collect();
     let dy_whole: Vec<Arr> = dys.iter().map(|x| x.1.clone()).collect();
     let pick = |which: &BackwardInput| match *which {

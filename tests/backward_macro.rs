@@ -32,6 +32,18 @@ fusion! {
     }
 }
 
+/// `tp_mlp`'s whole inputs and output gradient on `d` devices: x `[3, 4]`, W1 `[d, 4, 5]`,
+/// W2 `[d, 5, 4]`, dY `[3, 4]`.
+fn tp_mlp_inputs(d: usize) -> [Tensor; 4] {
+    let t = |shape: &[usize], seed: u64| Tensor::randn(shape, DType::F32, seed + d as u64);
+    [
+        t(&[3, 4], 1),
+        t(&[d, 4, 5], 2),
+        t(&[d, 5, 4], 3),
+        t(&[3, 4], 4),
+    ]
+}
+
 fn arr(t: &Tensor) -> Arr {
     let v = t.to_f32_vec().unwrap().into_iter().map(f64::from).collect();
     Arr::new(t.shape(), v)
@@ -48,12 +60,7 @@ fn macro_backward_matches_finite_differences() -> fusion::Result<()> {
     assert_eq!(qkv::backward::GRADIENTS, ["d_w"]);
     for d in 1..=4 {
         let t = |shape: &[usize], seed: u64| Tensor::randn(shape, DType::F32, seed + d as u64);
-        let (x, w1, w2, dy) = (
-            t(&[3, 4], 1),
-            t(&[d, 4, 5], 2),
-            t(&[d, 5, 4], 3),
-            t(&[3, 4], 4),
-        );
+        let [x, w1, w2, dy] = tp_mlp_inputs(d);
         let forward = tp_mlp::build()?;
         let whole = [arr(&x), arr(&w1), arr(&w2)];
         let (dx, dw1, dw2) = World::local(d)?
@@ -108,13 +115,7 @@ fn off(a: &Tensor, b: &Tensor) -> f64 {
 #[test]
 fn macro_saving_form_matches_the_recomputing_form() -> fusion::Result<()> {
     for d in 1..=4 {
-        let t = |shape: &[usize], seed: u64| Tensor::randn(shape, DType::F32, seed + d as u64);
-        let (x, w1, w2, dy) = (
-            t(&[3, 4], 1),
-            t(&[d, 4, 5], 2),
-            t(&[d, 5, 4], 3),
-            t(&[3, 4], 4),
-        );
+        let [x, w1, w2, dy] = tp_mlp_inputs(d);
         World::local(d)?.run(|rank| {
             let (w1r, w2r): (Tensor3, Tensor3) = (
                 rank.shard(&w1, 0)?.try_into()?,

@@ -15,7 +15,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use backward_support::layers::{
-    arr, assert_lean, cases, give, nodes_of, plans, random, shape, take,
+    arr, assert_lean, cases, give, nodes_of, plans, random_inputs, take,
 };
 use backward_support::{distance, eval, Arr};
 use common::{device_counts, run, Give};
@@ -37,12 +37,7 @@ fn check_case(name: &str, f: &Fusion, d: usize, seed: u64) -> usize {
     assert_lean(name, &s.backward.fusion);
     let n_out = f.outputs().len();
     assert_eq!(s.forward.outputs()[..n_out], f.outputs()[..], "{name}");
-    let inputs: Vec<(Tensor, Arr)> = (f.inputs().iter().enumerate())
-        .map(|(i, &t)| random(&shape(f, t, d), seed + i as u64))
-        .collect();
-    let dys: Vec<(Tensor, Arr)> = (f.outputs().iter().enumerate())
-        .map(|(o, &t)| random(&shape(f, t, d), seed + 100 + o as u64))
-        .collect();
+    let (inputs, dys) = random_inputs(f, d, seed);
     let whole: Vec<Arr> = inputs.iter().map(|x| x.1.clone()).collect();
     // In f64: the saving forward's outputs are the fusion's, and the saving backward fed
     // its saved values computes the recomputing backward's gradients.

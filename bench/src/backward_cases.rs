@@ -376,7 +376,7 @@ impl Op {
     }
 
     /// The input gradients computed from single-device GEMMs and the collectives alone
-    /// (each a step of `s`), shaped like [`Op::backward`]'s.
+    /// (each a step of `s`), shaped like [`Op::backward_saved`]'s.
     pub fn reference(
         self,
         k: &Kernels,

@@ -25,7 +25,6 @@ mod backward;
 mod check;
 mod expand;
 mod parse;
-mod saving;
 mod span;
 #[cfg(test)]
 mod tests;

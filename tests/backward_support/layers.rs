@@ -51,6 +51,20 @@ pub fn random(shape: &[usize], seed: u64) -> (Tensor, Arr) {
     (t.clone(), arr(&t))
 }
 
+/// Whole tensors, each as the runtime's tensor and the interpreter's array.
+pub type Both = Vec<(Tensor, Arr)>;
+
+/// Random whole inputs and output gradients of `f` on `d` devices (seeds from `seed`).
+pub fn random_inputs(f: &Fusion, d: usize, seed: u64) -> (Both, Both) {
+    let inputs = (f.inputs().iter().enumerate())
+        .map(|(i, &t)| random(&shape(f, t, d), seed + i as u64))
+        .collect();
+    let dys = (f.outputs().iter().enumerate())
+        .map(|(o, &t)| random(&shape(f, t, d), seed + 100 + o as u64))
+        .collect();
+    (inputs, dys)
+}
+
 /// A runtime tensor as the interpreter's array.
 pub fn arr(t: &Tensor) -> Arr {
     let v = t.to_f32_vec().unwrap().into_iter().map(f64::from).collect();

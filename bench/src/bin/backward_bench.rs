@@ -206,38 +206,52 @@ fn run_case(
         out: Vec::new(),
     };
     let reference = op.reference(k, &p, rank.world_size(), &mut steps)?;
-    let what = format!("{} {shape:?}", op.name());
+    let c = Case {
+        rank,
+        a,
+        err,
+        op,
+        p: &p,
+        reference: &reference,
+        what: format!("{} {shape:?}", op.name()),
+    };
     let mut out = match pass {
-        Pass::Saving => saving_rows(rank, a, err, op, &p, &reference, &what)?,
-        Pass::Recomputing => recomputing_rows(rank, a, err, op, &p, &reference, &what)?,
+        Pass::Saving => saving_rows(&c)?,
+        Pass::Recomputing => recomputing_rows(&c)?,
     };
     out.extend(steps.out);
     Ok(out)
 }
 
+/// One layer and shape on one rank: its inputs, the reference gradients, and how to
+/// measure and check.
+struct Case<'a> {
+    rank: &'a Rank,
+    a: &'a Args,
+    err: &'a FusionExecutor,
+    op: Op,
+    p: &'a Parts,
+    reference: &'a [Tensor],
+    /// The layer and shape, for the first calls' plan reports.
+    what: String,
+}
+
 /// The saving form's rows: `backward` (`backward_saved`), `forward_saving` and `step`.
 /// The first calls (on the executors the entry points call) choose the plans.
-fn saving_rows(
-    rank: &Rank,
-    a: &Args,
-    err: &FusionExecutor,
-    op: Op,
-    p: &Parts,
-    reference: &[Tensor],
-    what: &str,
-) -> Result<Vec<Sample>> {
-    let (o, iters, warmup) = (ExecOptions::default(), a.iters, a.warmup);
+fn saving_rows(c: &Case) -> Result<Vec<Sample>> {
+    let (rank, op, p) = (c.rank, c.op, c.p);
+    let (o, iters, warmup) = (ExecOptions::default(), c.a.iters, c.a.warmup);
     let primals: Vec<&Tensor> = p.primals.iter().collect();
     let (_, saved) = op.forward_saving(rank, p)?;
     let call = op.saving_call(p, &saved)?;
-    let (forward_plan, _) = first_call(rank, &format!("{what} forward_saving"), || {
+    let (forward_plan, _) = first_call(rank, &format!("{} forward_saving", c.what), || {
         call.forward.run_with(rank, &primals, None, &o)
     })?;
     let refs: Vec<&Tensor> = call.inputs.iter().collect();
-    let (plan, report) = first_call(rank, &format!("{what} backward_saved"), || {
+    let (plan, report) = first_call(rank, &format!("{} backward_saved", c.what), || {
         call.backward.run_with(rank, &refs, None, &o)
     })?;
-    let relerr = gradient_error(rank, err, &report.outputs, reference)?;
+    let relerr = gradient_error(rank, c.err, &report.outputs, c.reference)?;
     drop(report);
     let ms = device_ms(rank, iters, warmup, || {
         op.backward_saved(rank, p, &saved).map(|_| ())
@@ -258,22 +272,15 @@ fn saving_rows(
 
 /// The recomputing form's rows: `backward_recompute` (`backward`), `forward` (the layer's
 /// own call) and `step_recompute`.
-fn recomputing_rows(
-    rank: &Rank,
-    a: &Args,
-    err: &FusionExecutor,
-    op: Op,
-    p: &Parts,
-    reference: &[Tensor],
-    what: &str,
-) -> Result<Vec<Sample>> {
-    let (o, iters, warmup) = (ExecOptions::default(), a.iters, a.warmup);
+fn recomputing_rows(c: &Case) -> Result<Vec<Sample>> {
+    let (rank, op, p) = (c.rank, c.op, c.p);
+    let (o, iters, warmup) = (ExecOptions::default(), c.a.iters, c.a.warmup);
     let (exec, ins) = op.recomputing_call(p)?;
     let refs: Vec<&Tensor> = ins.iter().collect();
-    let (plan, report) = first_call(rank, &format!("{what} backward"), || {
+    let (plan, report) = first_call(rank, &format!("{} backward", c.what), || {
         exec.run_with(rank, &refs, None, &o)
     })?;
-    let relerr = gradient_error(rank, err, &report.outputs, reference)?;
+    let relerr = gradient_error(rank, c.err, &report.outputs, c.reference)?;
     drop(report);
     let ms = device_ms(rank, iters, warmup, || {
         op.backward_recomputing(rank, p).map(|_| ())
@@ -282,7 +289,7 @@ fn recomputing_rows(
     backward.relerr = Some(relerr);
     let primals: Vec<&Tensor> = p.primals.iter().collect();
     let forward_exec = op.forward_executor()?;
-    let (plan, _) = first_call(rank, &format!("{what} forward"), || {
+    let (plan, _) = first_call(rank, &format!("{} forward", c.what), || {
         forward_exec.run_with(rank, &primals, None, &o)
     })?;
     let ms = device_ms(rank, iters, warmup, || op.forward(rank, p).map(|_| ()))?;

@@ -16,7 +16,7 @@ use fusion_runtime::{ExecOptions, FusionExecutor, Rank};
 
 use crate::call::{run, Written};
 use crate::error::{Error, Result};
-use op::FusionOp;
+use op::{Backprop, FusionOp, Gradients};
 
 /// Which backward a [`Differentiable`] trains with: what it keeps from the forward to the
 /// backward, memory against time.
@@ -394,19 +394,23 @@ impl Differentiable {
             .collect::<Result<Vec<_>>>()?;
         Ok((output, saved))
     }
+}
 
-    /// The gradients of the forward inputs `args` for output gradient `grad`, by the
-    /// backward fusion of the op's form on `rank` (`None` for inputs the backward does not
-    /// differentiate). `saved` are the values the saving forward kept (`None` for the
-    /// output, `result`).
-    fn gradients_of(
-        &self,
-        rank: &Rank,
-        args: &[&candle_core::Tensor],
-        result: &candle_core::Tensor,
-        grad: &candle_core::Tensor,
-        saved: &[Option<candle_core::Tensor>],
-    ) -> Result<Vec<Option<candle_core::Tensor>>> {
+impl Gradients for Differentiable {
+    fn name(&self) -> &str {
+        Differentiable::name(self)
+    }
+
+    /// The gradients of the forward inputs, by the backward fusion of the op's form on the
+    /// application's rank (`None` for inputs the backward does not differentiate).
+    fn input_gradients(&self, b: Backprop<'_>) -> Result<Vec<Option<candle_core::Tensor>>> {
+        let Backprop {
+            rank,
+            args,
+            result,
+            grad,
+            saved,
+        } = b;
         // candle's gradients may be views (a broadcast, a narrow): the fusion reads whole
         // tensors, so such a gradient is copied once here.
         let layout = grad.layout();

@@ -9,13 +9,33 @@ use candle_core::{
 };
 use fusion_runtime::Rank;
 
-use super::Differentiable;
 use crate::call::Written;
+use crate::error::Result;
 
-/// One application of a [`Differentiable`]: its forward output, computed before candle
-/// asks for it, and what its backward needs.
-pub(super) struct FusionOp {
-    op: Differentiable,
+/// What candle's backward pass hands one application on `rank`: the forward inputs
+/// `args`, the forward's `result` and the output's gradient `grad`; and `saved`, the
+/// values the forward kept (`None`: the result).
+pub(super) struct Backprop<'a> {
+    pub rank: &'a Rank,
+    pub args: &'a [&'a candle_core::Tensor],
+    pub result: &'a candle_core::Tensor,
+    pub grad: &'a candle_core::Tensor,
+    pub saved: &'a [Option<candle_core::Tensor>],
+}
+
+/// What an application's backward asks of the op that made it (a `Differentiable`).
+pub(super) trait Gradients: Clone + Send + Sync + 'static {
+    /// The fusion's name, for candle's messages.
+    fn name(&self) -> &str;
+
+    /// The gradients of the forward inputs (`None` for those not differentiated).
+    fn input_gradients(&self, b: Backprop<'_>) -> Result<Vec<Option<candle_core::Tensor>>>;
+}
+
+/// One application of a `Differentiable` (`op`): its forward output, computed before
+/// candle asks for it, and what its backward needs.
+pub(super) struct FusionOp<G> {
+    op: G,
     rank: Rank,
     /// The forward's output, until candle's forward takes it.
     written: Mutex<Option<Written>>,
@@ -24,14 +44,14 @@ pub(super) struct FusionOp {
     saved: Vec<Option<candle_core::Tensor>>,
 }
 
-impl FusionOp {
+impl<G: Gradients> FusionOp<G> {
     /// The application of `op` on `rank` whose forward wrote `output` and `saved`.
     pub(super) fn new(
-        op: Differentiable,
+        op: G,
         rank: Rank,
         output: Written,
         saved: Vec<Option<candle_core::Tensor>>,
-    ) -> FusionOp {
+    ) -> FusionOp<G> {
         FusionOp {
             op,
             rank,
@@ -83,16 +103,21 @@ impl FusionOp {
         result: &candle_core::Tensor,
         grad: &candle_core::Tensor,
     ) -> candle_core::Result<Vec<Option<candle_core::Tensor>>> {
-        Ok(self
-            .op
-            .gradients_of(&self.rank, args, result, grad, &self.saved)?)
+        let b = Backprop {
+            rank: &self.rank,
+            args,
+            result,
+            grad,
+            saved: &self.saved,
+        };
+        Ok(self.op.input_gradients(b)?)
     }
 }
 
 /// The op's name in candle's messages.
 const NAME: &str = "fusion";
 
-impl CustomOp1 for FusionOp {
+impl<G: Gradients> CustomOp1 for FusionOp<G> {
     fn name(&self) -> &'static str {
         NAME
     }
@@ -117,7 +142,7 @@ impl CustomOp1 for FusionOp {
 /// `$l`, arguments `$a`, gradients `$g`.
 macro_rules! fusion_op {
     ($op:ident, [$($s:ident $l:ident $a:ident $g:ident),+]) => {
-        impl $op for FusionOp {
+        impl<G: Gradients> $op for FusionOp<G> {
             fn name(&self) -> &'static str {
                 NAME
             }

@@ -198,12 +198,17 @@ fn a_gather_is_differentiated_as_a_copy_back_to_the_shards() {
     assert_eq!(parallel(&bw.fusion, g), [Dx, S], "d_x has x's sharding");
 }
 
+/// `x w` for `x` `[m, k]` and `w` `[d @ DIDx, k, n]` (column blocks).
+fn column_blocks(b: &mut FusionBuilder) -> TensorId {
+    let x = input(b, "x", &[("m", S), ("k", S)]);
+    let w = input(b, "w", &[("d", Dx), ("k", S), ("n", S)]);
+    b.matmul(x, w).unwrap()
+}
+
 #[test]
 fn matmul_takes_transposed_operands() {
     let mut b = FusionBuilder::new();
-    let x = input(&mut b, "x", &[("m", S), ("k", S)]);
-    let w = input(&mut b, "w", &[("d", Dx), ("k", S), ("n", S)]);
-    let y = b.matmul(x, w).unwrap();
+    let y = column_blocks(&mut b);
     b.output(y).unwrap();
     let f = b.build().unwrap();
     let bw = derive(&f);
@@ -308,9 +313,7 @@ fn count(f: &Fusion, op: &Op) -> usize {
 fn the_saving_form_takes_a_gemm_result_instead_of_recomputing_it() {
     // y = relu(x w): relu's adjoint reads x w.
     let mut b = FusionBuilder::new();
-    let x = input(&mut b, "x", &[("m", S), ("k", S)]);
-    let w = input(&mut b, "w", &[("d", Dx), ("k", S), ("n", S)]);
-    let h = b.matmul(x, w).unwrap();
+    let h = column_blocks(&mut b);
     let y = b.unary(UnaryOp::Relu, h).unwrap();
     b.output(y).unwrap();
     let f = b.build().unwrap();

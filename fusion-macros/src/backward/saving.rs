@@ -12,7 +12,7 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use crate::backward::{body, Sig};
+use super::sig::{body, Sig};
 use crate::check::emit::{fc, fr, hygienic};
 use crate::parse::FusionDef;
 
@@ -116,19 +116,17 @@ fn runners(def: &FusionDef, sig: &Sig, stub: bool) -> TokenStream {
     let (rank, options) = (&sig.rank, &sig.options);
     let (params, param_tys) = (&sig.params, &sig.param_tys);
     let (grads_in, dy_tys, out_tys) = (&sig.grads_in, &sig.dy_tys, &sig.out_tys);
-    let (ret, result) = (&sig.ret, &sig.result);
+    let ret = &sig.ret;
     let (n_in, n_out) = (params.len(), grads_in.len());
-    let (saved, prepared, picked, report) = (
+    let (saved, prepared, picked) = (
         hygienic("saved"),
         hygienic("__prepared"),
         hygienic("__picked"),
-        hygienic("__report"),
     );
     let (forward_name, backward_name) = (
         format!("{}::forward_saving", def.name),
         format!("{}::backward_saved", def.name),
     );
-    let spec = sig.spec();
     let forward_args = quote!(#rank: &impl #fr::CallTarget, #(#params: &#param_tys,)*);
     let saved_args = quote!(#rank: &impl #fr::CallTarget, #saved: &super::Saved, #(#params: &#param_tys,)* #(#grads_in: &#dy_tys,)*);
     let inputs = quote!([#(#params.as_tensor()),*]);
@@ -146,35 +144,14 @@ fn runners(def: &FusionDef, sig: &Sig, stub: bool) -> TokenStream {
             }),
         }).collect::<#fr::Result<::std::vec::Vec<&#fr::Tensor>>>()?;
     };
-    let derive = body(
-        stub,
-        quote! {
-            let __f = super::build()?;
-            #fc::autodiff::saving(&__f, &#spec).map_err(#fc::Error::from)
-        },
-    );
+    let derive = sig.derive_body("saving", stub);
     let forward_program = body(
         stub,
         quote!(self::saving_prepared()?.0.program(#rank, &#inputs, #options)),
     );
-    let saved_program = body(
-        stub,
-        quote! {
-            #pick
-            #prepared.1.program(#rank, &#picked, #options)
-        },
-    );
     let forward_call = body(stub, forward_call(sig, &forward_name));
-    let take = sig.take_gradients(&report, &backward_name);
-    let saved_call = body(
-        stub,
-        quote! {
-            #pick
-            let #report = #prepared.1.run_with(#rank, &#picked, ::core::option::Option::None, #options)?;
-            #take
-            ::core::result::Result::Ok(#result)
-        },
-    );
+    let (saved_program, saved_call) =
+        sig.runner_bodies(stub, &pick, &quote!(#prepared.1), &backward_name);
     quote! {
         /// Derives the saving form from the forward `build()`: the forward that also
         /// returns the saved values (`saved` says which of its outputs they are) and the
