@@ -4,8 +4,9 @@
 //! loss down, with the backward's saving form (the default) and, on 2 devices, its
 //! recomputing form; one layer's gradients through candle's `backward()` are the derived
 //! backward fusion's (of the form the op trains with), and candle's own in f64 on the
-//! whole tensors; a builder fusion trains the same way; uses the op cannot serve are
-//! refused with errors that say why.
+//! whole tensors; an op made from the executors (`Differentiable::new`) derives the
+//! saving form itself, to the same gradients; a builder fusion trains the same way; uses
+//! the op cannot serve are refused with errors that say why.
 
 mod common;
 #[path = "../examples/candle_train/model.rs"]
@@ -233,6 +234,49 @@ fn layer_gradients_are_the_backward_fusions_and_candles() {
                 }
             }
         }
+    }
+}
+
+/// One block's gradients on `rank` through `Differentiable::new`'s op and through
+/// `differentiable!`'s.
+fn made_and_given(rank: &Rank, w: &Whole) -> fusion_candle::Result<[Grads; 2]> {
+    let part = Part {
+        index: rank.index(),
+        count: rank.world_size(),
+    };
+    let [x, w1, w2, dy] = blocks(w, part)?;
+    let made = Differentiable::new(
+        model::mlp::executor()?,
+        model::mlp::backward::executor()?,
+        model::mlp::backward::derive()?,
+    )?;
+    let given = fusion_candle::differentiable!(model::mlp)?;
+    let grads = |op: Differentiable| -> fusion_candle::Result<Grads> {
+        assert_eq!(op.backward_form(), BackwardForm::Saving);
+        let vars = [
+            Var::from_tensor(&x)?,
+            Var::from_tensor(&w1)?,
+            Var::from_tensor(&w2)?,
+        ];
+        let [xv, w1v, w2v] = vars.each_ref().map(Var::as_tensor);
+        let y = op.apply(rank, &[xv, w1v, w2v])?;
+        let g = (y * &dy)?.sum_all()?.backward()?;
+        Ok([xv, w1v, w2v].map(|v| flat(g.get(v).expect("a gradient"))))
+    };
+    Ok([grads(made)?, grads(given)?])
+}
+
+#[test]
+fn an_op_made_from_executors_derives_its_saving_form() {
+    // `Differentiable::new` gets the recomputing form and derives the saving one itself:
+    // the same gradients as `differentiable!`'s, which shares `fusion!`'s saving form.
+    let w = whole();
+    let per_rank = World::local(2)
+        .unwrap()
+        .run(|rank| Ok(made_and_given(rank, &w)?))
+        .unwrap();
+    for [made, given] in per_rank {
+        assert_eq!(made, given);
     }
 }
 
