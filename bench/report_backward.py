@@ -5,17 +5,23 @@
 Files of both sources and of any device counts may be given together; rows are matched
 by layer, shape and D.
 
-Table 1, the backward: ours (the derived backward called with default options, its plan
-tuned at its first call), our GEMMs alone (every GEMM our backward runs, at its whole
-shape: the gradient GEMMs, and for the MLP block the first GEMM it recomputes, since the
-backward saves nothing from the forward), ours / GEMMs, the gradient GEMMs alone, the
+Table 1, the backward: ours in its saving form (`backward`: the derived backward fed the
+GEMM results its forward saved, called with default options, its plan tuned at its first
+call), the gradient GEMMs alone (every GEMM it runs, at its whole shape), ours / those,
+ours in its recomputing form (`backward_recompute`, which for the MLP block computes the
+forward's first GEMM again), every GEMM it runs alone, recomputing / those, the
 collectives alone, PyTorch's eager autograd backward (NCCL; what autograd saved in the
-forward is not recomputed), ours / PyTorch, the gradients' relative errors, and the plan.
+forward is not recomputed), each of ours / PyTorch, the gradients' relative errors, and
+the saving backward's plan.
 
 Table 2, a training step without the optimizer (forward, then backward), ours against
-PyTorch's (PyTorch's forward records the graph and saves the tensors its backward reads;
-ours computes the output alone and the backward recomputes what it needs), with each
-forward alone.
+PyTorch's: ours saving (`forward_saving`, which also returns the saved values, then
+`backward_saved`) and recomputing (the plain `forward`, then the recomputing backward),
+PyTorch's (its forward records the graph and saves the tensors its backward reads), with
+each forward alone.
+
+Rows of a run from before the saving form (no `forward_saving` row) are read as what they
+were: their `backward` and `step` were the recomputing form's.
 """
 import collections
 import json
@@ -70,6 +76,11 @@ def split(rows):
         src = out.get(r.get("source"))
         if src is not None and "case" in r:
             src[key(r)][r["case"]] = r
+    for cases in out["ours"].values():
+        if "forward_saving" not in cases and "backward_recompute" not in cases:
+            for case in ("backward", "step"):
+                if case in cases:
+                    cases[case + "_recompute"] = cases.pop(case)
     return out["ours"], out["torch"]
 
 
@@ -83,37 +94,41 @@ def sum_ms(rows, keep):
     return sum(xs) if xs else None
 
 
-def errors(a, b):
-    x = [r.get("relerr") for r in (a, b) if r is not None and r.get("relerr") is not None]
+def errors(*rows):
+    x = [r.get("relerr") for r in rows if r is not None and r.get("relerr") is not None]
     return " / ".join(f"{v:.1e}" for v in x) if x else "-"
 
 
 def backward_table(ours, torch):
-    header("layer", "shape", "D", "ours", "GEMMs", "ours / GEMMs", "gradient GEMMs",
-           "collectives", "PyTorch", "ours / PyTorch", "rel. error (ours / PyTorch)", "plan",
-           "tuning ms")
+    header("layer", "shape", "D", "ours", "gradient GEMMs", "ours / GEMMs",
+           "ours, recomputing", "all GEMMs", "recomputing / GEMMs", "collectives", "PyTorch",
+           "ours / PyTorch", "recomputing / PyTorch",
+           "rel. error (ours / recomputing / PyTorch)", "plan", "tuning ms")
     for k in sorted(set(ours) | set(torch), key=sort_key):
         o, t = ours.get(k, {}), torch.get(k, {})
-        bw, tbw = o.get("backward"), t.get("backward")
+        bw, rbw, tbw = o.get("backward"), o.get("backward_recompute"), t.get("backward")
         gemms = sum_ms(o, lambda r: r.get("kind") == "gemm")
         grads = sum_ms(o, lambda r: r.get("kind") == "gemm" and not r.get("recompute"))
         comm = sum_ms(o, lambda r: r.get("kind") == "comm")
-        ours_ms, torch_ms = ms(o, "backward"), ms(t, "backward")
+        ours_ms, rec_ms, torch_ms = ms(o, "backward"), ms(o, "backward_recompute"), ms(t, "backward")
         plan = "-" if bw is None else f"{bw.get('plan', '-')} ({bw.get('plan_source', '-')})"
         tuning = None if bw is None else bw.get("tuning_ms")
-        print(f"| {k[0]} | {k[1]} | {k[2]} | {fmt(ours_ms)} | {fmt(gemms)} | {fmt(ratio(ours_ms, gemms), 2)} "
-              f"| {fmt(grads)} | {fmt(comm)} | {fmt(torch_ms)} | {fmt(ratio(ours_ms, torch_ms), 2)} "
-              f"| {errors(bw, tbw)} | {plan} | {fmt(tuning, 0)} |")
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {fmt(ours_ms)} | {fmt(grads)} | {fmt(ratio(ours_ms, grads), 2)} "
+              f"| {fmt(rec_ms)} | {fmt(gemms)} | {fmt(ratio(rec_ms, gemms), 2)} | {fmt(comm)} "
+              f"| {fmt(torch_ms)} | {fmt(ratio(ours_ms, torch_ms), 2)} | {fmt(ratio(rec_ms, torch_ms), 2)} "
+              f"| {errors(bw, rbw, tbw)} | {plan} | {fmt(tuning, 0)} |")
 
 
 def step_table(ours, torch):
-    header("layer", "shape", "D", "ours: forward", "ours: step", "PyTorch: forward",
-           "PyTorch: step", "step: ours / PyTorch")
+    header("layer", "shape", "D", "ours: forward_saving", "ours: step",
+           "ours: forward", "ours: step, recomputing", "PyTorch: forward", "PyTorch: step",
+           "step: ours / PyTorch", "step, recomputing: ours / PyTorch")
     for k in sorted(set(ours) | set(torch), key=sort_key):
         o, t = ours.get(k, {}), torch.get(k, {})
-        step, tstep = ms(o, "step"), ms(t, "step")
-        print(f"| {k[0]} | {k[1]} | {k[2]} | {fmt(ms(o, 'forward'))} | {fmt(step)} "
-              f"| {fmt(ms(t, 'forward'))} | {fmt(tstep)} | {fmt(ratio(step, tstep), 2)} |")
+        step, rstep, tstep = ms(o, "step"), ms(o, "step_recompute"), ms(t, "step")
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {fmt(ms(o, 'forward_saving'))} | {fmt(step)} "
+              f"| {fmt(ms(o, 'forward'))} | {fmt(rstep)} | {fmt(ms(t, 'forward'))} | {fmt(tstep)} "
+              f"| {fmt(ratio(step, tstep), 2)} | {fmt(ratio(rstep, tstep), 2)} |")
 
 
 def main(paths):

@@ -7,7 +7,9 @@
 #      AG+GEMM and GEMM+RS at the overlap benchmark's shapes) the backward called with
 #      default options (its plan tuned at its first call, into a fresh plan file
 #      $OUT/plans-d$D.json through FUSION_PLAN_CACHE), checked against a reference of GEMMs
-#      and collectives alone, its GEMMs alone, the forward and a training step;
+#      and collectives alone, its GEMMs alone, the forward and a training step: first in
+#      the saving form (the default training step) for every layer, then in the
+#      recomputing form; rows are written as they come, so a cut run keeps the first;
 #   2. bench/torch_backward.py: PyTorch eager autograd with NCCL, the same layers and shapes;
 #   3. bench/report_backward.py -> $OUT/table.md, printed last.
 # Binaries come from scripts/stage-gpu.sh (.gpu/bin). Logs and JSON lines go to $OUT.

@@ -11,134 +11,26 @@
 mod backward_support;
 mod common;
 
+use backward_support::layers::{assert_lean, cases, give, nodes_of, plans, random_inputs, take};
 use backward_support::{distance, eval, finite_difference, Arr};
 use common::{device_counts, run, Give, Take};
 use fusion::compiler::autodiff::{backward, BackwardInput, GradSpec};
-use fusion::compiler::builder::FusionBuilder;
-use fusion::compiler::hir::{HostProgram, Node, P2PDirection};
-use fusion::compiler::ir::{Fusion, Op, ParallelType, Scalar, ScalarId, TensorId, UnaryOp};
-use fusion::compiler::lower::{lower, LowerOptions, Pipelining};
-use fusion::compiler::plan::candidates;
-use fusion::{DType, ExecOptions, Tensor};
-
-use ParallelType::{DIDx as Dx, Serial as S};
-
-/// The extent of each dimension symbol the cases use (`d` is the device count).
-fn extent(f: &Fusion, id: ScalarId, d: usize) -> usize {
-    match f.scalar_node(id) {
-        Scalar::Const(v) => *v as usize,
-        Scalar::Symbol(s) => match s.as_str() {
-            "d" => d,
-            "s" => 2,
-            "m" => 3,
-            "k" | "h" => 4,
-            "n" | "q" => 5,
-            "f" => 3,
-            other => panic!("no extent for `{other}`"),
-        },
-        other => panic!("unexpected extent {other:?}"),
-    }
-}
-
-fn shape(f: &Fusion, t: TensorId, d: usize) -> Vec<usize> {
-    (f.visible_axes(t).into_iter())
-        .map(|p| extent(f, f.axis(t, p).extent, d))
-        .collect()
-}
-
-/// Visible position of a tensor's DIDx axis.
-fn didx(f: &Fusion, t: TensorId) -> Option<usize> {
-    let vis = f.visible_axes(t);
-    (vis.iter()).position(|&p| f.axis(t, p).parallel == Dx)
-}
-
-/// Random values an f32 holds exactly, as the runtime's input and the interpreter's.
-fn random(shape: &[usize], seed: u64) -> (Tensor, Arr) {
-    let t = Tensor::randn(shape, DType::F32, seed);
-    let v = t.to_f32_vec().unwrap().into_iter().map(f64::from).collect();
-    (t, Arr::new(shape, v))
-}
-
-/// The plain tensor-parallel MLP block (activations replicated, one all-reduce):
-/// `sum(matmul(act(matmul(x, w1)), w2), 0)`.
-fn plain_tp_mlp(act: UnaryOp) -> Fusion {
-    let mut b = FusionBuilder::new();
-    let tx = common::cases::axes(&mut b, &[("m", S), ("h", S)]);
-    let t1 = common::cases::axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
-    let t2 = common::cases::axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
-    let x = b.input("x", DType::F32, &tx).unwrap();
-    let w1 = b.input("w1", DType::F32, &t1).unwrap();
-    let w2 = b.input("w2", DType::F32, &t2).unwrap();
-    let h = b.matmul(x, w1).unwrap();
-    let a = b.unary(act, h).unwrap();
-    let p = b.matmul(a, w2).unwrap();
-    let y = b.sum(p, &[0]).unwrap();
-    b.output(y).unwrap();
-    b.build().unwrap()
-}
-
-fn cases() -> Vec<(&'static str, Fusion)> {
-    use common::cases::*;
-    vec![
-        ("column AG+GEMM (qkv)", tp_qkv(DType::F32)),
-        ("column AG+GEMM, a stream axis", ag_matmul()),
-        ("column AG+linear with bias", ag_linear_with_bias()),
-        ("row GEMM+RS (output projection)", tp_out_proj(DType::F32)),
-        (
-            "row GEMM+RS through a broadcast",
-            matmul_rs_through_broadcast(),
-        ),
-        ("plain TP all-reduce", matmul_ar()),
-        ("plain TP MLP, gelu", plain_tp_mlp(UnaryOp::Gelu)),
-        ("MLP, gelu_tanh", tp_mlp(DType::F32, UnaryOp::GeluTanh)),
-        ("MLP, silu", tp_mlp(DType::F32, UnaryOp::Silu)),
-        ("gated MLP", tp_gated_mlp(DType::F32)),
-    ]
-}
-
-/// How a whole tensor reaches the ranks, and comes back, by its DIDx axis.
-fn give(f: &Fusion, t: TensorId) -> Give {
-    didx(f, t).map_or(Give::Whole, Give::Shard)
-}
-
-fn take(f: &Fusion, t: TensorId) -> Take {
-    didx(f, t).map_or(Take::Replicated, Take::Sharded)
-}
-
-/// Every expression of a backward is needed and computed once: its result is read or
-/// returned, and no other expression applies the same op to the same inputs.
-fn assert_lean(name: &str, f: &Fusion) {
-    for (i, e) in f.exprs().iter().enumerate() {
-        let read = f.exprs().iter().any(|x| x.inputs.contains(&e.output));
-        assert!(
-            read || f.is_output(e.output),
-            "{name}: `{}` is computed and never read: {f}",
-            f.tensor_name(e.output)
-        );
-        let again = (f.exprs()[..i].iter()).find(|x| x.op == e.op && x.inputs == e.inputs);
-        assert!(
-            again.is_none(),
-            "{name}: `{}` is computed twice: {f}",
-            f.tensor_name(e.output)
-        );
-    }
-}
+use fusion::compiler::hir::{Node, P2PDirection};
+use fusion::compiler::ir::{Fusion, Op, TensorId, UnaryOp};
+use fusion::compiler::lower::{lower, LowerOptions};
+use fusion::{DType, Tensor};
 
 fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
     let spec = GradSpec::all(forward);
     let bw = backward(forward, &spec).unwrap_or_else(|e| panic!("{name}: {e}"));
     assert_lean(name, &bw.fusion);
-    let inputs: Vec<(Tensor, Arr)> = (forward.inputs().iter().enumerate())
-        .map(|(i, &t)| random(&shape(forward, t, d), seed + i as u64))
-        .collect();
-    let dys: Vec<(Tensor, Arr)> = (forward.outputs().iter().enumerate())
-        .map(|(o, &t)| random(&shape(forward, t, d), seed + 100 + o as u64))
-        .collect();
+    let (inputs, dys) = random_inputs(forward, d, seed);
     let whole: Vec<Arr> = inputs.iter().map(|x| x.1.clone()).collect();
     let dy_whole: Vec<Arr> = dys.iter().map(|x| x.1.clone()).collect();
     let pick = |which: &BackwardInput| match *which {
         BackwardInput::Primal(i) => &inputs[i],
         BackwardInput::OutputGrad(o) => &dys[o],
+        BackwardInput::Saved(_) => unreachable!("the recomputing form saves nothing"),
     };
     let bw_inputs: Vec<Arr> = bw.inputs.iter().map(|w| pick(w).1.clone()).collect();
     let exact = eval(&bw.fusion, &bw_inputs);
@@ -156,17 +48,7 @@ fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
         );
     }
     // Pipelining forced, and every plan a call's tuning may pick.
-    let mut forced = ExecOptions::default();
-    forced.lower.pipelines.pipelining = Pipelining::Always;
-    let plans = candidates(d).into_iter().map(|p| {
-        let options = ExecOptions {
-            lower: p.lower,
-            number_of_streams: p.number_of_streams,
-            ..Default::default()
-        };
-        (p.name, options)
-    });
-    for (plan, options) in std::iter::once(("pipelined, forced".to_string(), forced)).chain(plans) {
+    for (plan, options) in plans(d) {
         let got = run(bf, d, &given, &takes, &options);
         for (k, t) in got.outputs.iter().enumerate() {
             let v = t.to_f32_vec().unwrap().into_iter().map(f64::from).collect();
@@ -186,30 +68,6 @@ fn layer_gradients_match_finite_differences() {
             check_case(name, &f, d, 10 * i as u64 + d as u64);
         }
     }
-}
-
-/// The nodes of a program, each with whether a loop runs it (branches looked into).
-fn nodes_of(p: &HostProgram) -> Vec<(bool, &Node)> {
-    fn visit<'a>(nodes: &'a [Node], looped: bool, out: &mut Vec<(bool, &'a Node)>) {
-        for n in nodes {
-            out.push((looped, n));
-            match n {
-                Node::ForLoop(l) => visit(&l.body, true, out),
-                Node::IfThenElse {
-                    then_body,
-                    else_body,
-                    ..
-                } => {
-                    visit(then_body, looped, out);
-                    visit(else_body, looped, out);
-                }
-                _ => {}
-            }
-        }
-    }
-    let mut out = Vec::new();
-    visit(&p.body, false, &mut out);
-    out
 }
 
 #[test]

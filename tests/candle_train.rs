@@ -1,9 +1,12 @@
 //! Training through fusions with candle's autograd (`fusion_candle::Differentiable`,
 //! `examples/candle_train`) on simulated devices: the example's SGD runs on 1, 2 and 4
 //! devices, in both forms, follow candle alone on one device step by step and bring the
-//! loss down; one layer's gradients through candle's `backward()` are the derived backward
-//! fusion's, and candle's own in f64 on the whole tensors; a builder fusion trains the
-//! same way; uses the op cannot serve are refused with errors that say why.
+//! loss down, with the backward's saving form (the default) and, on 2 devices, its
+//! recomputing form; one layer's gradients through candle's `backward()` are the derived
+//! backward fusion's (of the form the op trains with), and candle's own in f64 on the
+//! whole tensors; an op made from the executors (`Differentiable::new`) derives the
+//! saving form itself, to the same gradients; a builder fusion trains the same way; uses
+//! the op cannot serve are refused with errors that say why.
 
 mod common;
 #[path = "../examples/candle_train/model.rs"]
@@ -17,7 +20,7 @@ use fusion::compiler::autodiff::GradSpec;
 use fusion::compiler::builder::FusionBuilder;
 use fusion::compiler::ir::ParallelType::{DIDx as Dx, Serial as S};
 use fusion::prelude::*;
-use fusion_candle::Differentiable;
+use fusion_candle::{BackwardForm, Differentiable};
 use model::{my_rows, randn, Form, Part};
 use train::{max_relative_difference, train_on, train_single, Args};
 
@@ -39,17 +42,30 @@ fn args(form: Form, steps: usize) -> Args {
     Args::parse_from(["candle_train", "--form", form, "--steps", &steps])
 }
 
+/// `args` with the recomputing backward.
+fn recomputing(mut args: Args) -> Args {
+    args.recompute = true;
+    args
+}
+
 #[test]
 fn training_through_fusions_follows_candle_alone() {
     for form in [Form::Layers, Form::Block] {
         let args = args(form, 40);
         let reference = train_single(&args).unwrap();
-        for d in [1, 2, 4] {
-            let losses = train_on(&World::local(d).unwrap(), &args).unwrap();
+        let runs = [
+            (1, &args),
+            (2, &args),
+            (4, &args),
+            (2, &recomputing(args.clone())),
+        ];
+        for (d, args) in runs {
+            let losses = train_on(&World::local(d).unwrap(), args).unwrap();
             let diff = max_relative_difference(&losses, &reference);
             assert!(
                 diff < CURVE_TOLERANCE,
-                "{form:?} on {d}: {diff:.2e} from candle alone\n{losses:?}\n{reference:?}"
+                "{form:?} on {d} ({:?}): {diff:.2e} from candle alone\n{losses:?}\n{reference:?}",
+                args.backward()
             );
             let (first, last) = (losses[0], losses[losses.len() - 1]);
             assert!(
@@ -106,11 +122,12 @@ fn blocks(w: &Whole, part: Part) -> candle_core::Result<[CTensor; 4]> {
     Ok([my_rows(&w.x, part)?, w1, w2, my_rows(&w.dy, part)?])
 }
 
-/// Candle's gradients of one block through the ops of `form` on `rank`, and, for the
-/// block op, the derived backward fusion's called directly.
+/// Candle's gradients of one block through the ops of `form` on `rank`, their backwards
+/// of form `backward`, and, for the block op, the derived backward fusion's (of that form)
+/// called directly.
 fn through_ops(
     rank: &Rank,
-    form: Form,
+    (form, backward): (Form, BackwardForm),
     w: &Whole,
 ) -> fusion_candle::Result<(Grads, Option<Grads>)> {
     let part = Part {
@@ -125,11 +142,15 @@ fn through_ops(
     ];
     let [xv, w1v, w2v] = vars.each_ref().map(Var::as_tensor);
     let y = match form {
-        Form::Block => fusion_candle::differentiable!(model::mlp)?.apply(rank, &[xv, w1v, w2v])?,
+        Form::Block => fusion_candle::differentiable!(model::mlp)?
+            .with_backward(backward)
+            .apply(rank, &[xv, w1v, w2v])?,
         Form::Layers => {
-            let a =
-                fusion_candle::differentiable!(model::column_linear)?.apply(rank, &[xv, w1v])?;
-            fusion_candle::differentiable!(model::row_linear)?.apply(rank, &[&a.gelu()?, w2v])?
+            let column = fusion_candle::differentiable!(model::column_linear)?;
+            let row = fusion_candle::differentiable!(model::row_linear)?;
+            let a = column.with_backward(backward).apply(rank, &[xv, w1v])?;
+            row.with_backward(backward)
+                .apply(rank, &[&a.gelu()?, w2v])?
         }
     };
     let grads = (y * &dy)?.sum_all()?.backward()?;
@@ -140,13 +161,19 @@ fn through_ops(
     let view = |name: &str, t: &CTensor| -> fusion_candle::Result<Tensor3> {
         Ok(fusion_candle::input(rank, name, t)?.try_into()?)
     };
-    let (gx, g1, g2) = model::mlp::backward(
-        rank,
-        &view("x", &x)?,
-        &view("w1", &w1)?,
-        &view("w2", &w2)?,
-        &view("dy", &dy)?,
-    )?;
+    let (x, w1, w2, dy) = (
+        view("x", &x)?,
+        view("w1", &w1)?,
+        view("w2", &w2)?,
+        view("dy", &dy)?,
+    );
+    let (gx, g1, g2) = match backward {
+        BackwardForm::Saving => {
+            let (_, saved) = model::mlp::forward_saving(rank, &x, &w1, &w2)?;
+            model::mlp::backward_saved(rank, &saved, &x, &w1, &w2, &dy)?
+        }
+        BackwardForm::Recomputing => model::mlp::backward(rank, &x, &w1, &w2, &dy)?,
+    };
     let direct = [gx, g1, g2].map(|g| g.into_inner().to_f32_vec().expect("host"));
     Ok((got, Some(direct)))
 }
@@ -183,8 +210,11 @@ fn relative(got: &[f32], want: &[f32]) -> f64 {
 #[test]
 fn layer_gradients_are_the_backward_fusions_and_candles() {
     let w = whole();
+    let forms = [Form::Block, Form::Layers]
+        .into_iter()
+        .flat_map(|f| [(f, BackwardForm::Saving), (f, BackwardForm::Recomputing)]);
     for d in [1, 2, 4] {
-        for form in [Form::Block, Form::Layers] {
+        for form in forms.clone() {
             let per_rank = World::local(d)
                 .unwrap()
                 .run(|rank| Ok(through_ops(rank, form, &w)?))
@@ -204,6 +234,49 @@ fn layer_gradients_are_the_backward_fusions_and_candles() {
                 }
             }
         }
+    }
+}
+
+/// One block's gradients on `rank` through `Differentiable::new`'s op and through
+/// `differentiable!`'s.
+fn made_and_given(rank: &Rank, w: &Whole) -> fusion_candle::Result<[Grads; 2]> {
+    let part = Part {
+        index: rank.index(),
+        count: rank.world_size(),
+    };
+    let [x, w1, w2, dy] = blocks(w, part)?;
+    let made = Differentiable::new(
+        model::mlp::executor()?,
+        model::mlp::backward::executor()?,
+        model::mlp::backward::derive()?,
+    )?;
+    let given = fusion_candle::differentiable!(model::mlp)?;
+    let grads = |op: Differentiable| -> fusion_candle::Result<Grads> {
+        assert_eq!(op.backward_form(), BackwardForm::Saving);
+        let vars = [
+            Var::from_tensor(&x)?,
+            Var::from_tensor(&w1)?,
+            Var::from_tensor(&w2)?,
+        ];
+        let [xv, w1v, w2v] = vars.each_ref().map(Var::as_tensor);
+        let y = op.apply(rank, &[xv, w1v, w2v])?;
+        let g = (y * &dy)?.sum_all()?.backward()?;
+        Ok([xv, w1v, w2v].map(|v| flat(g.get(v).expect("a gradient"))))
+    };
+    Ok([grads(made)?, grads(given)?])
+}
+
+#[test]
+fn an_op_made_from_executors_derives_its_saving_form() {
+    // `Differentiable::new` gets the recomputing form and derives the saving one itself:
+    // the same gradients as `differentiable!`'s, which shares `fusion!`'s saving form.
+    let w = whole();
+    let per_rank = World::local(2)
+        .unwrap()
+        .run(|rank| Ok(made_and_given(rank, &w)?))
+        .unwrap();
+    for [made, given] in per_rank {
+        assert_eq!(made, given);
     }
 }
 

@@ -12,8 +12,11 @@
 //! - GEMM+RS `Y = RS(A W)` (A column blocks, W row blocks): `dA = AG(dY) W^T`,
 //!   `dW = A^T AG(dY)`;
 //! - MLP `Y = RS(gelu(AG(X) W1) W2)`: `dW2 = act^T AG(dY)`, `dH = (AG(dY) W2^T) gelu'(H)`,
-//!   `dW1 = AG(X)^T dH`, `dX = RS(dH W1^T)`, with `H = AG(X) W1` recomputed (the derived
-//!   backward saves nothing from the forward).
+//!   `dW1 = AG(X)^T dH`, `dX = RS(dH W1^T)`, with `H = AG(X) W1` saved by the forward
+//!   (the saving form, what training uses) or recomputed (the recomputing form).
+//!
+//! Each layer's backward runs in both forms: `name::forward_saving` + `name::backward_saved`
+//! and `name::backward`.
 
 use fusion::compiler::autodiff::BackwardInput;
 use fusion::compiler::ir::Fusion;
@@ -104,7 +107,8 @@ pub enum Op {
 /// What a step of a reference computation is, for its row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
-    /// A GEMM; `recompute` for one that recomputes a forward value.
+    /// A GEMM; `recompute` for one that recomputes a forward value (only the recomputing
+    /// form's backward runs it: the saving form takes the forward's).
     Gemm { recompute: bool },
     /// An AllGather or ReduceScatter.
     Comm,
@@ -255,9 +259,9 @@ impl Op {
         })
     }
 
-    /// The backward as a user calls it (`name::backward`, default options): the input
-    /// gradients in input order.
-    pub fn backward(self, rank: &Rank, p: &Parts) -> Result<Vec<Tensor>> {
+    /// The recomputing backward as a user calls it (`name::backward`, default options):
+    /// the input gradients in input order.
+    pub fn backward_recomputing(self, rank: &Rank, p: &Parts) -> Result<Vec<Tensor>> {
         let t = &p.primals;
         Ok(match self {
             Op::Mlp => {
@@ -276,6 +280,55 @@ impl Op {
         })
     }
 
+    /// The saving forward as a user calls it (`name::forward_saving`, default options): the
+    /// output, and what the saving backward takes.
+    pub fn forward_saving(self, rank: &Rank, p: &Parts) -> Result<(Tensor, Saved)> {
+        let t = &p.primals;
+        Ok(match self {
+            Op::Mlp => {
+                let (y, s) = mlp::forward_saving(rank, &r3(&t[0])?, &r3(&t[1])?, &r3(&t[2])?)?;
+                (y.into_inner(), Saved::Mlp(s))
+            }
+            Op::AgGemm => {
+                let (y, s) = ag_gemm::forward_saving(rank, &r3(&t[0])?, &r3(&t[1])?)?;
+                (y.into_inner(), Saved::AgGemm(s))
+            }
+            Op::GemmRs => {
+                let (y, s) = gemm_rs::forward_saving(rank, &r4(&t[0])?, &r3(&t[1])?)?;
+                (y.into_inner(), Saved::GemmRs(s))
+            }
+        })
+    }
+
+    /// The saving backward as a user calls it (`name::backward_saved`, default options)
+    /// with what [`Op::forward_saving`] kept: the input gradients in input order.
+    pub fn backward_saved(self, rank: &Rank, p: &Parts, saved: &Saved) -> Result<Vec<Tensor>> {
+        let t = &p.primals;
+        Ok(match (self, saved) {
+            (Op::Mlp, Saved::Mlp(s)) => {
+                let (x, w1, w2, dy) = (r3(&t[0])?, r3(&t[1])?, r3(&t[2])?, r3(&p.dy)?);
+                let (dx, dw1, dw2) = mlp::backward_saved(rank, s, &x, &w1, &w2, &dy)?;
+                vec![dx.into(), dw1.into(), dw2.into()]
+            }
+            (Op::AgGemm, Saved::AgGemm(s)) => {
+                let (x, w, dy) = (r3(&t[0])?, r3(&t[1])?, r4(&p.dy)?);
+                let (dx, dw) = ag_gemm::backward_saved(rank, s, &x, &w, &dy)?;
+                vec![dx.into(), dw.into()]
+            }
+            (Op::GemmRs, Saved::GemmRs(s)) => {
+                let (a, w, dy) = (r4(&t[0])?, r3(&t[1])?, r3(&p.dy)?);
+                let (da, dw) = gemm_rs::backward_saved(rank, s, &a, &w, &dy)?;
+                vec![da.into(), dw.into()]
+            }
+            _ => {
+                return Err(fusion::Error::World(format!(
+                    "{}: a Saved of another layer",
+                    self.name()
+                )))
+            }
+        })
+    }
+
     /// The forward's shared executor (the one [`Op::forward`] calls).
     pub fn forward_executor(self) -> Result<&'static FusionExecutor> {
         match self {
@@ -285,25 +338,45 @@ impl Op {
         }
     }
 
-    /// The backward's shared executor (the one [`Op::backward`] calls) and its inputs
-    /// picked from `p`, to make the first call with its plan report.
-    pub fn backward_call(self, p: &Parts) -> Result<(&'static FusionExecutor, Vec<Tensor>)> {
+    /// The recomputing backward's shared executor (the one [`Op::backward_recomputing`]
+    /// calls) and its inputs picked from `p`, to make the first call with its plan report.
+    pub fn recomputing_call(self, p: &Parts) -> Result<(&'static FusionExecutor, Vec<Tensor>)> {
         let (exec, derived) = match self {
             Op::Mlp => (mlp::backward::executor()?, mlp::backward::derive()),
             Op::AgGemm => (ag_gemm::backward::executor()?, ag_gemm::backward::derive()),
             Op::GemmRs => (gemm_rs::backward::executor()?, gemm_rs::backward::derive()),
         };
-        let inputs = (derived?.inputs.iter())
-            .map(|w| match *w {
-                BackwardInput::Primal(i) => p.primals[i].clone(),
-                BackwardInput::OutputGrad(_) => p.dy.clone(),
-            })
-            .collect();
-        Ok((exec, inputs))
+        Ok((exec, pick(&derived?.inputs, p, &[])?))
+    }
+
+    /// The saving form's shared executors (those [`Op::forward_saving`] and
+    /// [`Op::backward_saved`] call) and the saving backward's inputs picked from `p` and
+    /// `saved`, to make the first calls with their plan reports.
+    pub fn saving_call(self, p: &Parts, saved: &Saved) -> Result<SavingCall> {
+        let ((forward, backward), derived) = match self {
+            Op::Mlp => (
+                mlp::backward::saving_executors()?,
+                mlp::backward::derive_saving(),
+            ),
+            Op::AgGemm => (
+                ag_gemm::backward::saving_executors()?,
+                ag_gemm::backward::derive_saving(),
+            ),
+            Op::GemmRs => (
+                gemm_rs::backward::saving_executors()?,
+                gemm_rs::backward::derive_saving(),
+            ),
+        };
+        let inputs = pick(&derived?.backward.inputs, p, saved.tensors())?;
+        Ok(SavingCall {
+            forward,
+            backward,
+            inputs,
+        })
     }
 
     /// The input gradients computed from single-device GEMMs and the collectives alone
-    /// (each a step of `s`), shaped like [`Op::backward`]'s.
+    /// (each a step of `s`), shaped like [`Op::backward_saved`]'s.
     pub fn reference(
         self,
         k: &Kernels,
@@ -350,6 +423,45 @@ impl Op {
             }
         }
     }
+}
+
+/// What a layer's saving forward kept for its backward (its `name::Saved`).
+pub enum Saved {
+    Mlp(mlp::Saved),
+    AgGemm(ag_gemm::Saved),
+    GemmRs(gemm_rs::Saved),
+}
+
+impl Saved {
+    /// This rank's saved tensors, in the order the saving backward takes them.
+    pub fn tensors(&self) -> &[Tensor] {
+        match self {
+            Saved::Mlp(s) => s.tensors(),
+            Saved::AgGemm(s) => s.tensors(),
+            Saved::GemmRs(s) => s.tensors(),
+        }
+    }
+}
+
+/// The saving form's executors, and its backward's inputs.
+pub struct SavingCall {
+    pub forward: &'static FusionExecutor,
+    pub backward: &'static FusionExecutor,
+    pub inputs: Vec<Tensor>,
+}
+
+/// A backward's inputs, as `reads` lists them, from `p` and the saved tensors `saved`.
+fn pick(reads: &[BackwardInput], p: &Parts, saved: &[Tensor]) -> Result<Vec<Tensor>> {
+    (reads.iter())
+        .map(|w| match *w {
+            BackwardInput::Primal(i) => Ok(p.primals[i].clone()),
+            BackwardInput::OutputGrad(_) => Ok(p.dy.clone()),
+            BackwardInput::Saved(k) => saved
+                .get(k)
+                .cloned()
+                .ok_or_else(|| fusion::Error::World(format!("no saved value {k}"))),
+        })
+        .collect()
 }
 
 /// The ReduceScatter by rows of a whole `[M, C]` partial sum: this rank's `[1, M/d, C]`.

@@ -8,7 +8,9 @@
 //! backward fusions, and candle's `GradStore` holds each rank's weight gradients.
 //! `--form layers` (the default) makes each block two ops, a column-parallel linear
 //! (all-gather + GEMM) and a row-parallel one (GEMM + reduce-scatter) with candle's gelu
-//! between; `--form block` one op for the whole block.
+//! between; `--form block` one op for the whole block. The ops keep their forward's GEMM
+//! results for the backward (the saving form); `--recompute` has the backwards recompute
+//! them instead (less memory, one more GEMM per layer).
 //!
 //! The same model trained by candle alone on one device, from the same weights and data,
 //! is the reference (`--single` trains only it): the example prints both loss curves and
@@ -56,9 +58,11 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     println!(
-        "{} steps, {:?} form: loss {:.6} -> {:.6}; max relative difference to candle alone {:.2e}",
+        "{} steps, {:?} form, {:?} backward: loss {:.6} -> {:.6}; max relative difference to \
+         candle alone {:.2e}",
         tp.len(),
         args.form,
+        args.backward(),
         tp.first().copied().unwrap_or(f32::NAN),
         tp.last().copied().unwrap_or(f32::NAN),
         max_relative_difference(&tp, &reference)

@@ -6,7 +6,7 @@
 use candle_core::{Device, Tensor as CTensor, Var};
 use clap::ValueEnum;
 use fusion::prelude::*;
-use fusion_candle::Differentiable;
+use fusion_candle::{BackwardForm, Differentiable};
 
 fusion! {
     /// Column-parallel linear of the gathered rows: x `[d @ DIDx, m, h]` (this rank's
@@ -146,11 +146,13 @@ pub struct TpModel {
 }
 
 impl TpModel {
-    /// This rank's part of the model with whole weights `whole`.
+    /// This rank's part of the model with whole weights `whole`, its ops training with
+    /// the `backward` form.
     pub fn new(
         form: Form,
         whole: &[(CTensor, CTensor)],
         part: Part,
+        backward: BackwardForm,
     ) -> fusion_candle::Result<Self> {
         let weights = (whole.iter())
             .map(|(w1, w2)| {
@@ -167,9 +169,9 @@ impl TpModel {
         Ok(TpModel {
             form,
             weights,
-            column: fusion_candle::differentiable!(column_linear)?,
-            row: fusion_candle::differentiable!(row_linear)?,
-            block: fusion_candle::differentiable!(mlp)?,
+            column: fusion_candle::differentiable!(column_linear)?.with_backward(backward),
+            row: fusion_candle::differentiable!(row_linear)?.with_backward(backward),
+            block: fusion_candle::differentiable!(mlp)?.with_backward(backward),
         })
     }
 

@@ -5,6 +5,7 @@
 use candle_core::Device;
 use clap::Parser;
 use fusion::prelude::*;
+use fusion_candle::BackwardForm;
 
 use crate::model::{batch, loss, my_rows, sgd, weights, Dims, Form, Part, RefModel, TpModel};
 
@@ -21,6 +22,10 @@ pub struct Args {
     /// How each block's tensor-parallel part is split into fusions
     #[arg(long, value_enum, default_value_t = Form::Layers)]
     pub form: Form,
+    /// Backwards that recompute the forward's GEMM results instead of keeping them from
+    /// the forward (less memory, one more GEMM per layer)
+    #[arg(long)]
+    pub recompute: bool,
     /// SGD steps
     #[arg(long, default_value_t = 300)]
     pub steps: usize,
@@ -48,6 +53,14 @@ pub struct Args {
 }
 
 impl Args {
+    /// The form of the fusions' backwards: saving unless `--recompute`.
+    pub fn backward(&self) -> BackwardForm {
+        match self.recompute {
+            true => BackwardForm::Recomputing,
+            false => BackwardForm::Saving,
+        }
+    }
+
     pub fn dims(&self) -> Dims {
         Dims {
             rows: self.rows,
@@ -89,7 +102,8 @@ fn train_rank(rank: &Rank, args: &Args) -> fusion_candle::Result<Vec<f32>> {
             dims.rows, dims.ffn, part.count
         )));
     }
-    let model = TpModel::new(args.form, &weights(&dims, args.seed, &device)?, part)?;
+    let whole = weights(&dims, args.seed, &device)?;
+    let model = TpModel::new(args.form, &whole, part, args.backward())?;
     let numel = dims.rows * dims.hidden;
     let mut losses = Vec::with_capacity(args.steps);
     for step in 0..args.steps {

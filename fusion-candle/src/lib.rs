@@ -51,7 +51,9 @@
 //!
 //! Training: a [`Differentiable`] (made by [`differentiable!`] from a `#[backward]`
 //! fusion) applies the fusion to candle tensors as a candle op whose gradient is the
-//! derived backward fusion, so `loss.backward()` trains through tensor-parallel layers;
+//! derived backward fusion, so `loss.backward()` trains through tensor-parallel layers
+//! (by default with the backward's saving form, which keeps the forward's GEMM results
+//! in the op until the backward; [`BackwardForm`] says what the recomputing form trades);
 //! [`call`] runs a fusion on candle tensors without a gradient.
 
 #![warn(clippy::too_many_lines)]
@@ -66,7 +68,7 @@ mod input;
 mod output;
 
 pub use call::call;
-pub use differentiable::Differentiable;
+pub use differentiable::{BackwardForm, Differentiable};
 pub use error::{Error, Result};
 pub use input::input;
 #[cfg(feature = "cuda")]

@@ -4,6 +4,8 @@
 //! axis here (its full extent); views other than permute are not needed and panic.
 #![allow(dead_code)]
 
+pub mod layers;
+
 use std::collections::HashMap;
 
 use fusion::compiler::ir::{Fusion, Op, ReduceOp, TensorId};

@@ -6,18 +6,22 @@
 //! cargo run --release -p fusion-bench --bin backward_bench -- --json backward.jsonl
 //! ```
 //!
-//! Per layer and shape: `backward`, the derived backward called as a user calls it
-//! (`name::backward(rank, ..)`, default options: its plan chosen at the first call, tuned
-//! on GPUs; that first call is timed apart on the host clock with its plan and tuning
-//! time), its gradients checked against a reference made of single-device GEMMs and the
-//! collectives alone; `forward` (the layer's own call, default options); `step`, a training
-//! step without the optimizer (forward, then backward); and each step of the reference
-//! alone (`gemm_<name>_alone`, the backward's GEMMs at their whole shapes, `recompute` for
-//! one that recomputes a forward value; `ag_*_alone`, `rs_*_alone`, `act*_alone`). Times
-//! are device-event medians of `--iters` calls after `--warmup`, all ranks released
-//! together, the slowest rank's median; inputs are fresh uniform random values each run
-//! (the seed is printed). A gradient off by more than a bf16 tolerance fails the run after
-//! the rows are written.
+//! Per layer and shape: `backward`, the derived backward in its saving form (what training
+//! uses: `name::backward_saved(rank, &saved, ..)` with the `Saved` of
+//! `name::forward_saving`), called as a user calls it (default options: its plan chosen at
+//! the first call, tuned on GPUs; that first call is timed apart on the host clock with its
+//! plan and tuning time), its gradients checked against a reference made of single-device
+//! GEMMs and the collectives alone; `backward_recompute`, the recomputing form
+//! (`name::backward(rank, ..)`, which computes the forward's first GEMM again), checked
+//! the same way; `forward` (the layer's own call) and `forward_saving` (the saving form's,
+//! which also returns the saved values); `step`, a training step without the optimizer
+//! (`forward_saving`, then `backward_saved`) and `step_recompute` (`forward`, then
+//! `backward`); and each step of the reference alone (`gemm_<name>_alone`, the backward's
+//! GEMMs at their whole shapes, `recompute` for the one only the recomputing form runs;
+//! `ag_*_alone`, `rs_*_alone`, `act*_alone`). Times are device-event medians of `--iters`
+//! calls after `--warmup`, all ranks released together, the slowest rank's median; inputs
+//! are fresh uniform random values each run (the seed is printed). A gradient off by more
+//! than a bf16 tolerance fails the run after the rows are written.
 
 use clap::Parser;
 use fusion::{ExecOptions, FusionExecutor, Rank, Result, Tensor, World};
@@ -94,11 +98,12 @@ impl Sample {
     }
 }
 
-/// The reference's steps, each run once (its output) and timed alone.
+/// The reference's steps, each run once (its output) and, when `time`, timed alone.
 struct Timed<'a> {
     rank: &'a Rank,
     a: &'a Args,
     options: ExecOptions,
+    time: bool,
     out: Vec<Sample>,
 }
 
@@ -112,6 +117,9 @@ impl Steps for Timed<'_> {
     ) -> Result<Tensor> {
         let (rank, o) = (self.rank, &self.options);
         let first = exec.run_with(rank, inputs, None, o)?.outputs[0].clone();
+        if !self.time {
+            return Ok(first);
+        }
         let ms = device_ms(rank, self.a.iters, self.a.warmup, || {
             exec.run_with(rank, inputs, None, o).map(|_| ())
         })?;
@@ -168,7 +176,17 @@ fn gradient_error(
     Ok(worst)
 }
 
-/// Every case of one layer and shape, on one rank.
+/// Which form's rows a pass over the layers measures: the saving form first (the default
+/// training step, with the reference's steps timed alone), then the recomputing one, so
+/// that a run cut short keeps the saving form's rows of every layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    Saving,
+    Recomputing,
+}
+
+/// One pass's cases of one layer and shape, on one rank.
+#[allow(clippy::too_many_arguments)]
 fn run_case(
     rank: &Rank,
     a: &Args,
@@ -177,44 +195,114 @@ fn run_case(
     op: Op,
     shape: Shape,
     seed: u64,
+    pass: Pass,
 ) -> Result<Vec<Sample>> {
     let p: Parts = op.inputs(rank, shape, seed)?;
     let mut steps = Timed {
         rank,
         a,
         options: fixed(),
+        time: pass == Pass::Saving,
         out: Vec::new(),
     };
     let reference = op.reference(k, &p, rank.world_size(), &mut steps)?;
-    let o = ExecOptions::default();
-    let what = format!("{} {shape:?}", op.name());
-    // The backward's first call, on the executor `name::backward` calls (its plan is
-    // chosen here), then as a user calls it.
-    let (exec, ins) = op.backward_call(&p)?;
+    let c = Case {
+        rank,
+        a,
+        err,
+        op,
+        p: &p,
+        reference: &reference,
+        what: format!("{} {shape:?}", op.name()),
+    };
+    let mut out = match pass {
+        Pass::Saving => saving_rows(&c)?,
+        Pass::Recomputing => recomputing_rows(&c)?,
+    };
+    out.extend(steps.out);
+    Ok(out)
+}
+
+/// One layer and shape on one rank: its inputs, the reference gradients, and how to
+/// measure and check.
+struct Case<'a> {
+    rank: &'a Rank,
+    a: &'a Args,
+    err: &'a FusionExecutor,
+    op: Op,
+    p: &'a Parts,
+    reference: &'a [Tensor],
+    /// The layer and shape, for the first calls' plan reports.
+    what: String,
+}
+
+/// The saving form's rows: `backward` (`backward_saved`), `forward_saving` and `step`.
+/// The first calls (on the executors the entry points call) choose the plans.
+fn saving_rows(c: &Case) -> Result<Vec<Sample>> {
+    let (rank, op, p) = (c.rank, c.op, c.p);
+    let (o, iters, warmup) = (ExecOptions::default(), c.a.iters, c.a.warmup);
+    let primals: Vec<&Tensor> = p.primals.iter().collect();
+    let (_, saved) = op.forward_saving(rank, p)?;
+    let call = op.saving_call(p, &saved)?;
+    let (forward_plan, _) = first_call(rank, &format!("{} forward_saving", c.what), || {
+        call.forward.run_with(rank, &primals, None, &o)
+    })?;
+    let refs: Vec<&Tensor> = call.inputs.iter().collect();
+    let (plan, report) = first_call(rank, &format!("{} backward_saved", c.what), || {
+        call.backward.run_with(rank, &refs, None, &o)
+    })?;
+    let relerr = gradient_error(rank, c.err, &report.outputs, c.reference)?;
+    drop(report);
+    let ms = device_ms(rank, iters, warmup, || {
+        op.backward_saved(rank, p, &saved).map(|_| ())
+    })?;
+    let mut backward = Sample::call("backward", ms, Some(plan));
+    backward.relerr = Some(relerr);
+    drop((call, saved));
+    let ms = device_ms(rank, iters, warmup, || {
+        op.forward_saving(rank, p).map(|_| ())
+    })?;
+    let forward = Sample::call("forward_saving", ms, Some(forward_plan));
+    let ms = device_ms(rank, iters, warmup, || {
+        let (_, saved) = op.forward_saving(rank, p)?;
+        op.backward_saved(rank, p, &saved).map(|_| ())
+    })?;
+    Ok(vec![backward, forward, Sample::call("step", ms, None)])
+}
+
+/// The recomputing form's rows: `backward_recompute` (`backward`), `forward` (the layer's
+/// own call) and `step_recompute`.
+fn recomputing_rows(c: &Case) -> Result<Vec<Sample>> {
+    let (rank, op, p) = (c.rank, c.op, c.p);
+    let (o, iters, warmup) = (ExecOptions::default(), c.a.iters, c.a.warmup);
+    let (exec, ins) = op.recomputing_call(p)?;
     let refs: Vec<&Tensor> = ins.iter().collect();
-    let (plan, report) = first_call(rank, &format!("{what} backward"), || {
+    let (plan, report) = first_call(rank, &format!("{} backward", c.what), || {
         exec.run_with(rank, &refs, None, &o)
     })?;
-    let relerr = gradient_error(rank, err, &report.outputs, &reference)?;
+    let relerr = gradient_error(rank, c.err, &report.outputs, c.reference)?;
     drop(report);
-    let (iters, warmup) = (a.iters, a.warmup);
-    let ms = device_ms(rank, iters, warmup, || op.backward(rank, &p).map(|_| ()))?;
-    let mut backward = Sample::call("backward", ms, Some(plan));
+    let ms = device_ms(rank, iters, warmup, || {
+        op.backward_recomputing(rank, p).map(|_| ())
+    })?;
+    let mut backward = Sample::call("backward_recompute", ms, Some(plan));
     backward.relerr = Some(relerr);
     let primals: Vec<&Tensor> = p.primals.iter().collect();
     let forward_exec = op.forward_executor()?;
-    let (plan, _) = first_call(rank, &format!("{what} forward"), || {
+    let (plan, _) = first_call(rank, &format!("{} forward", c.what), || {
         forward_exec.run_with(rank, &primals, None, &o)
     })?;
-    let ms = device_ms(rank, iters, warmup, || op.forward(rank, &p).map(|_| ()))?;
+    let ms = device_ms(rank, iters, warmup, || op.forward(rank, p).map(|_| ()))?;
     let forward = Sample::call("forward", ms, Some(plan));
     let ms = device_ms(rank, iters, warmup, || {
-        op.forward(rank, &p)?;
-        op.backward(rank, &p).map(|_| ())
+        op.forward(rank, p)?;
+        op.backward_recomputing(rank, p).map(|_| ())
     })?;
-    let mut out = vec![backward, forward, Sample::call("step", ms, None)];
-    out.extend(steps.out);
-    Ok(out)
+    Ok(vec![
+        backward,
+        forward,
+        Sample::call("step_recompute", ms, None),
+    ])
 }
 
 /// One case over the ranks: rank 0's sample with the slowest rank's times and the
@@ -326,21 +414,31 @@ fn run() -> Result<()> {
     let kernels = Kernels::new()?;
     let err = FusionExecutor::new(components::squared_error(DTYPE)?);
     let mut rows: Vec<Row> = Vec::new();
-    for (op, shape) in todo {
-        if let Some(why) = op.unsplittable(shape, d) {
-            println!("skipping {} {shape:?}: {why}", op.name());
-            continue;
-        }
-        let per_rank = world.run(|rank| run_case(rank, &a, &kernels, &err, op, shape, seed))?;
-        for i in 0..per_rank[0].len() {
-            let row = Row::new(op, shape, &per_rank, i);
-            print_row(&row);
-            rows.push(row);
-        }
-    }
+    // Rows go to the JSON file as they come, so a run cut short keeps what it measured.
     if let Some(path) = &a.json {
-        let text: String = rows.iter().map(|r| r.json() + "\n").collect();
-        write_file(path, text)?;
+        write_file(path, "")?;
+    }
+    for pass in [Pass::Saving, Pass::Recomputing] {
+        for &(op, shape) in &todo {
+            if let Some(why) = op.unsplittable(shape, d) {
+                if pass == Pass::Saving {
+                    println!("skipping {} {shape:?}: {why}", op.name());
+                }
+                continue;
+            }
+            let per_rank =
+                world.run(|rank| run_case(rank, &a, &kernels, &err, op, shape, seed, pass))?;
+            let mut text = String::new();
+            for i in 0..per_rank[0].len() {
+                let row = Row::new(op, shape, &per_rank, i);
+                print_row(&row);
+                text += &(row.json() + "\n");
+                rows.push(row);
+            }
+            if let Some(path) = &a.json {
+                append(path, &text)?;
+            }
+        }
     }
     print_table(&rows);
     let off: Vec<String> = (rows.iter())
@@ -354,6 +452,17 @@ fn run() -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Appends `text` to the file at `path`.
+fn append(path: &str, text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(path)
+        .map_err(|e| fusion::Error::World(format!("opening {path}: {e}")))?;
+    f.write_all(text.as_bytes())
+        .map_err(|e| fusion::Error::World(format!("writing {path}: {e}")))
 }
 
 /// One row on the console; a default call's plan after it.
@@ -377,13 +486,14 @@ fn print_row(row: &Row) {
     println!();
 }
 
-/// Per layer and shape: the backward against its GEMMs alone (all of them, and only those
-/// computing gradients), the collectives alone, the forward and the training step.
+/// Per layer and shape: each form's backward against the GEMMs it runs alone (the saving
+/// form's: the gradient GEMMs; the recomputing form's: those and the recomputed one), the
+/// collectives alone, the forwards and each form's training step.
 fn print_table(rows: &[Row]) {
     println!(
-        "\n| layer | shape | D | backward | GEMMs | backward / GEMMs | gradient GEMMs | collectives | forward | step | relerr | plan |"
+        "\n| layer | shape | D | backward | gradient GEMMs | backward / GEMMs | backward_recompute | all GEMMs | recompute / GEMMs | collectives | forward | forward_saving | step | step_recompute | relerr (saving / recompute) | plan |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("|{}", " --- |".repeat(16));
     let mut keys: Vec<(Op, Shape)> = Vec::new();
     for r in rows {
         if !keys.contains(&(r.op, r.shape)) {
@@ -397,22 +507,26 @@ fn print_table(rows: &[Row]) {
         };
         let get = |case: &str| of_key().find(|r| r.s.case == case);
         let ms = |case: &str| get(case).map_or(f64::NAN, |r| r.s.ms);
+        let relerr = |case: &str| get(case).and_then(|r| r.s.relerr).unwrap_or(f64::NAN);
         let gemms = sum(&|s| s.kind == "gemm");
         let grads = sum(&|s| s.kind == "gemm" && s.recompute == Some(false));
         let comm = sum(&|s| s.kind == "comm");
-        let bw = get("backward");
-        let relerr = bw.and_then(|r| r.s.relerr).unwrap_or(f64::NAN);
-        let plan = (bw.and_then(|r| r.s.plan.as_ref()))
+        let plan = (get("backward").and_then(|r| r.s.plan.as_ref()))
             .map_or("-".into(), |p| format!("{} ({})", p.plan, p.source));
         let (x, y, z) = shape;
         let d = rows.first().map_or(0, |r| r.devices);
+        let (saving, recompute) = (ms("backward"), ms("backward_recompute"));
         println!(
-            "| {} | {x}, {y}, {z} | {d} | {:.3} | {gemms:.3} | {:.2} | {grads:.3} | {comm:.3} | {:.3} | {:.3} | {relerr:.1e} | {plan} |",
+            "| {} | {x}, {y}, {z} | {d} | {saving:.3} | {grads:.3} | {:.2} | {recompute:.3} | {gemms:.3} | {:.2} | {comm:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1e} / {:.1e} | {plan} |",
             op.name(),
-            ms("backward"),
-            ms("backward") / gemms,
+            saving / grads,
+            recompute / gemms,
             ms("forward"),
+            ms("forward_saving"),
             ms("step"),
+            ms("step_recompute"),
+            relerr("backward"),
+            relerr("backward_recompute"),
         );
     }
 }

@@ -1,6 +1,6 @@
 //! The state of one derivation: the forward fusion, the builder writing the backward,
-//! and the tables between them (forward value -> its recomputation, forward value -> its
-//! gradient so far).
+//! and the tables between them (forward value -> its recomputation or saved input,
+//! forward value -> its gradient so far).
 
 use std::collections::HashMap;
 
@@ -27,6 +27,12 @@ pub(super) struct Ctx<'f> {
     pub transposed: HashMap<TensorId, TensorId>,
     /// Which forward inputs the backward read (the first pass finds them).
     pub used_inputs: Vec<bool>,
+    /// Whether the backward takes the forward's GEMM and reduction results as inputs
+    /// (the saving form) instead of recomputing them.
+    pub saving: bool,
+    /// The forward values the backward takes as saved inputs, in the order it asked for
+    /// them (the first pass of the saving form finds them).
+    pub saved: Vec<TensorId>,
 }
 
 impl<'f> Ctx<'f> {
@@ -40,6 +46,8 @@ impl<'f> Ctx<'f> {
             grads: HashMap::new(),
             transposed: HashMap::new(),
             used_inputs: vec![false; f.inputs().len()],
+            saving: false,
+            saved: Vec::new(),
         }
     }
 

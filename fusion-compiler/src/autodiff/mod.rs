@@ -10,13 +10,19 @@
 //! AllReduce), a sum's adjoint a broadcast (its batched GEMM gathers, as the forward's
 //! AllGather did), and a resharding `set` is differentiated as a `set` back.
 //!
-//! **Saved or recomputed**: the backward saves nothing. It takes the forward inputs it
-//! reads again ([`Backward::inputs`] lists which) and recomputes inside itself every
-//! forward value an adjoint reads (a GEMM output before its activation, the gathered rows
-//! a weight gradient needs), each once (memoized), then the output gradients. The
-//! lowering gathers each tensor once for all its readers. The forward stays the fusion it
-//! was (no extra outputs, nothing kept alive between the calls); the price is the
-//! recomputed GEMMs and gathers (docs/DECISIONS.md, "A backward recomputes").
+//! **Saved or recomputed**: a fusion's backward comes in two forms. The *recomputing*
+//! form ([`backward`]) saves nothing: it takes the forward inputs it reads again
+//! ([`Backward::inputs`] lists which) and recomputes inside itself every forward value an
+//! adjoint reads (a GEMM output before its activation, the gathered rows a weight
+//! gradient needs), each once (memoized); the forward stays the fusion it was (no extra
+//! outputs, nothing kept alive between the calls), the price is the recomputed GEMMs and
+//! gathers. The *saving* form ([`saving`], what training uses by default) pairs a forward
+//! that also returns the GEMM and reduction results the backward reads, in the layout the
+//! forward computed them (saving costs no communication), with a backward that takes them
+//! as inputs ([`BackwardInput::Saved`]): no GEMM is computed twice. Pointwise values are
+//! recomputed from the saved ones, and gathered operands are gathered again (saved, they
+//! would hold every device's rows on each device). docs/DECISIONS.md, "Training", says
+//! why.
 
 mod accumulate;
 mod context;
@@ -24,6 +30,7 @@ mod error;
 mod gemm;
 mod replay;
 mod rules;
+mod saving;
 #[cfg(test)]
 mod tests;
 
@@ -31,6 +38,7 @@ use crate::ir::{Fusion, TensorId};
 use context::Ctx;
 
 pub use error::{AutodiffError, Result};
+pub use saving::{saving, Saving};
 
 /// Which gradients to derive: the forward outputs that receive a gradient (inputs of the
 /// backward) and the forward inputs whose gradients the backward returns; indices in the
@@ -56,6 +64,9 @@ impl GradSpec {
 pub enum BackwardInput {
     /// Forward input `i`, passed again (the backward recomputes what it needs from it).
     Primal(usize),
+    /// Saved value `k` of the saving form: the output [`Saving::saved`]`[k]` of its
+    /// forward.
+    Saved(usize),
     /// The gradient of forward output `i` (its shape, dtype and sharding).
     OutputGrad(usize),
 }
@@ -65,33 +76,51 @@ pub enum BackwardInput {
 pub struct Backward {
     pub fusion: Fusion,
     /// The backward's inputs in call order: the forward inputs it reads (in forward
-    /// order), then the output gradients (in [`GradSpec::outputs`] order).
+    /// order), the saved values (the saving form's, in order), then the output gradients
+    /// (in [`GradSpec::outputs`] order).
     pub inputs: Vec<BackwardInput>,
     /// For each backward output, the forward input whose gradient it is
     /// ([`GradSpec::inputs`] order).
     pub outputs: Vec<usize>,
 }
 
-/// Derives the backward of `f` for `spec`. An op without an adjoint on the way from a
-/// wanted input to a differentiated output is an [`AutodiffError::NotDifferentiable`]
-/// naming it.
+/// Derives the recomputing backward of `f` for `spec`. An op without an adjoint on the
+/// way from a wanted input to a differentiated output is an
+/// [`AutodiffError::NotDifferentiable`] naming it.
 pub fn backward(f: &Fusion, spec: &GradSpec) -> Result<Backward> {
+    Ok(derive_twice(f, spec, false)?.0)
+}
+
+/// The backward of `f` for `spec`, recomputing or (`saving`) taking the forward's GEMM
+/// and reduction results as inputs, and the forward values it takes (in forward order).
+fn derive_twice(f: &Fusion, spec: &GradSpec, saving: bool) -> Result<(Backward, Vec<TensorId>)> {
     check_spec(f, spec)?;
-    // The first derivation finds the forward inputs the backward reads; the second takes
-    // only those.
+    // The first derivation finds the forward inputs the backward reads, and the values it
+    // takes saved; the second takes only those, in order.
     let every = vec![true; f.inputs().len()];
-    let used = derive(f, spec, &every)?.used_inputs;
-    let ctx = derive(f, spec, &used)?;
+    let first = derive(f, spec, &every, saving.then_some(&[]))?;
+    let (used, mut saved) = (first.used_inputs, first.saved);
+    saved.sort();
+    let ctx = derive(f, spec, &used, saving.then_some(&saved))?;
+    if ctx.saved != saved {
+        return Err(AutodiffError::Request(format!(
+            "the backward's saved values changed between its two derivations ({saved:?}, \
+             then {:?})",
+            ctx.saved
+        )));
+    }
     let inputs = (0..f.inputs().len())
         .filter(|&i| used[i])
         .map(BackwardInput::Primal)
+        .chain((0..saved.len()).map(BackwardInput::Saved))
         .chain(spec.outputs.iter().map(|&o| BackwardInput::OutputGrad(o)))
         .collect();
-    Ok(Backward {
+    let backward = Backward {
         fusion: ctx.b.build()?,
         inputs,
         outputs: spec.inputs.clone(),
-    })
+    };
+    Ok((backward, saved))
 }
 
 fn check_spec(f: &Fusion, spec: &GradSpec) -> Result<()> {
@@ -109,8 +138,15 @@ fn check_spec(f: &Fusion, spec: &GradSpec) -> Result<()> {
     Ok(())
 }
 
-/// One derivation, taking the forward inputs `keep` marks as its first inputs.
-fn derive<'f>(f: &'f Fusion, spec: &GradSpec, keep: &[bool]) -> Result<Ctx<'f>> {
+/// One derivation, taking the forward inputs `keep` marks as its first inputs, then with
+/// `saved` (the saving form) those forward values, then the output gradients. A saving
+/// derivation takes any further GEMM or reduction result it reads as an input too.
+fn derive<'f>(
+    f: &'f Fusion,
+    spec: &GradSpec,
+    keep: &[bool],
+    saved: Option<&[TensorId]>,
+) -> Result<Ctx<'f>> {
     let mut c = Ctx::new(f);
     for (_, &t) in f.inputs().iter().enumerate().filter(|(i, _)| keep[*i]) {
         let axes = c.layout(t);
@@ -118,16 +154,13 @@ fn derive<'f>(f: &'f Fusion, spec: &GradSpec, keep: &[bool]) -> Result<Ctx<'f>> 
         let p = (c.b).input_on(&f.tensor_name(t), tv.dtype, &axes, tv.mesh.clone())?;
         c.primal.insert(t, p);
     }
+    c.saving = saved.is_some();
+    for &t in saved.unwrap_or_default() {
+        c.saved_input(t)?;
+    }
     for &o in &spec.outputs {
         let t = f.outputs()[o];
-        let axes: Vec<_> = (c.layout(t).into_iter())
-            .map(|mut a| {
-                if a.parallel == crate::ir::ParallelType::Stream {
-                    a.parallel = crate::ir::ParallelType::Serial;
-                }
-                a
-            })
-            .collect();
+        let axes = c.input_layout(t);
         let tv = f.tensor(t);
         let g = (c.b).input_on(&c.grad_name(t), tv.dtype, &axes, tv.mesh.clone())?;
         c.add_grad(t, g)?;

@@ -1,7 +1,9 @@
 //! Recomputation: the backward re-creates each forward value an adjoint reads by
 //! replaying the forward expressions that compute it (memoized), from the forward inputs
 //! it takes again, with the forward's layout (DIDx, Stream and mesh) declared on every
-//! replayed value, so the recomputation lowers as the forward did.
+//! replayed value, so the recomputation lowers as the forward did. In the saving form a
+//! GEMM's or a reduction's result is not replayed: it is an input of the backward (the
+//! forward returns it), and only the pointwise values and views after it are replayed.
 
 use super::context::Ctx;
 use super::error::{AutodiffError, Result};
@@ -65,6 +67,9 @@ impl Ctx<'_> {
             )));
         };
         let e = self.f.expr(e).clone();
+        if self.saving && worth_saving(&e.op) {
+            return self.saved_input(t);
+        }
         let inputs = (e.inputs.iter())
             .map(|&i| self.primal(i))
             .collect::<Result<Vec<_>>>()?;
@@ -76,6 +81,31 @@ impl Ctx<'_> {
         self.b.name(out, &self.f.tensor_name(t));
         self.primal.insert(t, out);
         Ok(out)
+    }
+
+    /// The forward value `t` as an input of the backward (the forward returns it): its
+    /// layout, with a Stream axis serial (an input is whole when the call begins).
+    pub fn saved_input(&mut self, t: TensorId) -> Result<TensorId> {
+        let axes = self.input_layout(t);
+        let tv = self.f.tensor(t);
+        let (dtype, mesh) = (tv.dtype, tv.mesh.clone());
+        let name = format!("saved_{}", self.f.tensor_name(t));
+        let p = self.b.input_on(&name, dtype, &axes, mesh)?;
+        self.primal.insert(t, p);
+        self.saved.push(t);
+        Ok(p)
+    }
+
+    /// The forward tensor's layout for an input of the backward: a Stream axis is serial.
+    pub fn input_layout(&mut self, t: TensorId) -> Vec<Axis> {
+        (self.layout(t).into_iter())
+            .map(|mut a| {
+                if a.parallel == ParallelType::Stream {
+                    a.parallel = ParallelType::Serial;
+                }
+                a
+            })
+            .collect()
     }
 
     /// `op(inputs)` in the backward, computing the forward tensor `out`.
@@ -110,4 +140,13 @@ impl Ctx<'_> {
             }
         })
     }
+}
+
+/// Whether the saving form takes the result of `op` from the forward rather than
+/// recomputing it: a GEMM's (the compute a recomputation would repeat) and a reduction's
+/// (a sum over a sharded axis is a collective). Pointwise values, views and reshardings
+/// are recomputed from what is saved: a gathered operand saved would hold every device's
+/// rows on each device.
+fn worth_saving(op: &Op) -> bool {
+    matches!(op, Op::Matmul | Op::Linear | Op::Reduction { .. })
 }

@@ -1,8 +1,10 @@
 //! One test per adjoint rule: the ops the derived backward is made of, its inputs and
-//! outputs, and the refusals. (Numbers are checked against finite differences on
-//! simulated devices in the facade's `tests/backward_layers.rs`.)
+//! outputs, and the refusals; and what the saving form saves. (Numbers are checked
+//! against finite differences on simulated devices in the facade's
+//! `tests/backward_layers.rs`, the saving form against the recomputing one in
+//! `tests/backward_saving.rs`.)
 
-use super::{backward, AutodiffError, Backward, BackwardInput, GradSpec};
+use super::{backward, saving, AutodiffError, Backward, BackwardInput, GradSpec};
 use crate::builder::{Axis, FusionBuilder};
 use crate::ir::{BinaryOp, Fusion, Op, ParallelType, TensorId, UnaryOp};
 use crate::DType;
@@ -196,12 +198,17 @@ fn a_gather_is_differentiated_as_a_copy_back_to_the_shards() {
     assert_eq!(parallel(&bw.fusion, g), [Dx, S], "d_x has x's sharding");
 }
 
+/// `x w` for `x` `[m, k]` and `w` `[d @ DIDx, k, n]` (column blocks).
+fn column_blocks(b: &mut FusionBuilder) -> TensorId {
+    let x = input(b, "x", &[("m", S), ("k", S)]);
+    let w = input(b, "w", &[("d", Dx), ("k", S), ("n", S)]);
+    b.matmul(x, w).unwrap()
+}
+
 #[test]
 fn matmul_takes_transposed_operands() {
     let mut b = FusionBuilder::new();
-    let x = input(&mut b, "x", &[("m", S), ("k", S)]);
-    let w = input(&mut b, "w", &[("d", Dx), ("k", S), ("n", S)]);
-    let y = b.matmul(x, w).unwrap();
+    let y = column_blocks(&mut b);
     b.output(y).unwrap();
     let f = b.build().unwrap();
     let bw = derive(&f);
@@ -295,4 +302,72 @@ fn requests_that_do_not_fit_are_errors() {
 
 fn derive_with(f: &Fusion, spec: &GradSpec) -> Backward {
     backward(f, spec).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// How many expressions of `f` apply `op`.
+fn count(f: &Fusion, op: &Op) -> usize {
+    f.exprs().iter().filter(|e| e.op == *op).count()
+}
+
+#[test]
+fn the_saving_form_takes_a_gemm_result_instead_of_recomputing_it() {
+    // y = relu(x w): relu's adjoint reads x w.
+    let mut b = FusionBuilder::new();
+    let h = column_blocks(&mut b);
+    let y = b.unary(UnaryOp::Relu, h).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    let s = saving(&f, &GradSpec::all(&f)).unwrap();
+    assert_eq!(s.saved, [1], "x w is returned after y");
+    assert_eq!(s.forward.outputs(), [y, h]);
+    // It keeps its layout: the DIDx axis the forward computed it with.
+    let saved = s.backward.fusion.inputs()[2];
+    assert_eq!(parallel(&s.backward.fusion, saved), [Dx, S, S]);
+    use BackwardInput::*;
+    assert_eq!(
+        s.backward.inputs,
+        [Primal(0), Primal(1), Saved(0), OutputGrad(0)]
+    );
+    // dX and dW; the recomputing form computes x w a third time.
+    assert_eq!(count(&s.backward.fusion, &Op::Matmul), 2);
+    assert_eq!(count(&derive(&f).fusion, &Op::Matmul), 3);
+}
+
+#[test]
+fn a_saved_output_is_not_returned_twice() {
+    let mut b = FusionBuilder::new();
+    let x = input(&mut b, "x", &[("m", S), ("k", S)]);
+    let w = input(&mut b, "w", &[("k", S), ("n", S)]);
+    let h = b.matmul(x, w).unwrap();
+    let y = b.unary(UnaryOp::Exp, h).unwrap();
+    b.output(h).unwrap();
+    b.output(y).unwrap();
+    let f = b.build().unwrap();
+    let s = saving(&f, &GradSpec::all(&f)).unwrap();
+    assert_eq!(
+        (s.saved.as_slice(), s.forward.outputs().len()),
+        (&[0][..], 2)
+    );
+}
+
+#[test]
+fn a_reduction_is_saved_and_the_values_after_it_recomputed() {
+    // y = x * broadcast(sum(x, 1)): the mul's adjoint reads the broadcast sum, which is
+    // recomputed from the saved sum (no second reduction of x).
+    let f = unary_fusion(|b, x| {
+        let s = b.sum(x, &[1]).unwrap();
+        let s = b.broadcast(s, &[false, true]).unwrap();
+        b.mul(x, s).unwrap()
+    });
+    let s = saving(&f, &GradSpec::all(&f)).unwrap();
+    assert_eq!(s.saved, [1]);
+    let bf = &s.backward.fusion;
+    let sum_of_x = (bf.exprs().iter())
+        .any(|e| matches!(e.op, Op::Reduction { .. }) && e.inputs == [bf.inputs()[0]]);
+    assert!(!sum_of_x, "{bf}");
+    // Nothing to save: the recomputing and saving forms of `x + y` are the same.
+    let add = binary_fusion(|b, x, y| b.add(x, y).unwrap());
+    let s = saving(&add, &GradSpec::all(&add)).unwrap();
+    assert!(s.saved.is_empty());
+    assert_eq!(ops(&s.backward), ops(&derive(&add)));
 }

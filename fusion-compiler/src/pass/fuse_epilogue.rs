@@ -111,6 +111,19 @@ fn readers(body: &[Node]) -> Readers {
 }
 
 impl Readers {
+    /// True when `t` is a chunk or a view (at any step of the chain) of one of `whole`:
+    /// a GEMM writing a chunk of an output stores what the output must hold.
+    fn part_of(&self, t: TensorId, whole: &HashSet<TensorId>) -> bool {
+        let mut part = t;
+        while let Some(&w) = self.chunk_of.get(&part) {
+            if whole.contains(&w) {
+                return true;
+            }
+            part = w;
+        }
+        false
+    }
+
     /// The one expression that reads `t`, if nothing else does (for a chunk or a view of
     /// one: nothing else reads the tensor it comes from, e.g. a later loop selecting chunks
     /// of it again, at any step of the chain of selects and views).
@@ -169,7 +182,7 @@ fn fold_one(
             continue;
         };
         let t = g.output;
-        if pinned.contains(&t) {
+        if pinned.contains(&t) || readers.part_of(t, pinned) {
             continue;
         }
         let Some(reader) = readers.only_reader(t) else {

@@ -106,8 +106,9 @@ struct Checker {
 }
 
 impl Checker {
-    /// Derives the backward `#[backward]` asks for, as the generated code will; an op
-    /// without a derivative is an error on its source. Returns the wanted inputs.
+    /// Derives the backward `#[backward]` asks for in both forms, as the generated code
+    /// will; an op without a derivative is an error on its source. Returns the wanted
+    /// inputs.
     fn backward(
         &mut self,
         def: &FusionDef,
@@ -127,7 +128,12 @@ impl Checker {
             outputs: (0..def.outputs.len()).collect(),
             inputs: wanted.clone(),
         };
-        match fusion_compiler::autodiff::backward(self.b.fusion(), &spec) {
+        // The saving form is derived too (as its first call will): it fails where the
+        // recomputing one does, so it is asked only once that one passed.
+        let f = self.b.fusion();
+        let derived = fusion_compiler::autodiff::backward(f, &spec)
+            .and_then(|_| fusion_compiler::autodiff::saving(f, &spec));
+        match derived {
             Ok(_) => Some(wanted),
             Err(e) => {
                 let at = e.expr().map_or(attr.span, |id| self.site(Site::Expr(id)));
