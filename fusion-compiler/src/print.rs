@@ -319,6 +319,28 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
                     list(outputs)
                 );
             }
+            Node::GatheredGemmLaunch(g) => {
+                let _ = writeln!(
+                    out,
+                    "{indent}{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {} )",
+                    tensor_string(f, g.output),
+                    g.id.index(),
+                    tensor_string(f, g.gathered),
+                    tensor_string(f, g.own),
+                    tensor_string(f, g.b)
+                );
+            }
+            Node::RowsReady { id, block } => {
+                let _ = writeln!(
+                    out,
+                    "{indent}RowsReady GatheredGemm {}, block {}",
+                    id.index(),
+                    f.display_scalar(*block)
+                );
+            }
+            Node::GatheredGemmJoin { id } => {
+                let _ = writeln!(out, "{indent}Join GatheredGemm {}", id.index());
+            }
         }
     }
 }
