@@ -123,8 +123,10 @@ fn the_plan_candidate_lowers_to_the_fused_program_on_the_cpu_backend() {
             let refs: Vec<&Tensor> = inputs.iter().collect();
             let program = |name: &str| {
                 let c = plan::find(d, name).expect("a candidate");
-                let mut o = ExecOptions::default();
-                o.lower = c.lower;
+                let mut o = ExecOptions {
+                    lower: c.lower,
+                    ..ExecOptions::default()
+                };
                 o.lower.pipelines.pipelining = Pipelining::Always;
                 exec.program(rank, &refs, &o).map(|p| p.to_string())
             };
