@@ -2,7 +2,8 @@
 //! on 1, 2, 3, 4 and 8 simulated devices, under the race checker: the CPU backend computes
 //! the GEMM at its join, and every result equals the unpipelined program's, for the seed
 //! AllGather + GEMM (stream buffers on and off) and the MLP block's column-parallel side,
-//! in bf16 and f16; f32 keeps its pipeline. The plan candidate lowers to the fused program
+//! in bf16 and f16; f32 and the whole MLP block (a gather-scatter loop) keep their
+//! pipelines. The plan candidate lowers to the fused program
 //! here (the CPU backend runs it), and to the default where a device does not.
 
 mod common;
@@ -10,6 +11,7 @@ mod common;
 use common::cases;
 use common::*;
 use fusion::compiler::hir::NodeKind;
+use fusion::compiler::ir::UnaryOp;
 use fusion::compiler::lower::{LowerOptions, Pipelining};
 use fusion::compiler::plan;
 use fusion::{DType, ExecOptions, FusionExecutor, Tensor};
@@ -87,6 +89,36 @@ fn the_mlp_blocks_column_parallel_side_computes_the_unpipelined_result() {
             assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);
         }
     }
+}
+
+#[test]
+fn the_mlp_block_keeps_its_gather_scatter_pipeline() {
+    // Its loop gathers and reduce-scatters (and its first GEMM has an epilogue).
+    let dt = DType::BF16;
+    let f = cases::tp_mlp(dt, UnaryOp::Gelu);
+    let (m, k, h) = (4, 8, 8);
+    for d in device_counts() {
+        let seed = 4500 + d as u64;
+        let inputs = vec![
+            (Tensor::randn(&[d, m, k], dt, seed), Give::Shard(0)),
+            (Tensor::randn(&[d, k, h], dt, seed + 1), Give::Shard(0)),
+            (Tensor::randn(&[d, h, k], dt, seed + 2), Give::Shard(0)),
+        ];
+        let take = [Take::Sharded(0)];
+        let plain = run(&f, d, &inputs, &take, &options(false, true));
+        let r = run(&f, d, &inputs, &take, &options(true, true));
+        assert_eq!(
+            r.program.to_string(),
+            plain.program.to_string(),
+            "{d} devices"
+        );
+        assert_same_values(&r.outputs[0], &plain.outputs[0]);
+    }
+}
+
+/// `a` and `b` hold the same values.
+fn assert_same_values(a: &Tensor, b: &Tensor) {
+    assert_eq!(a.to_f32_vec().unwrap(), b.to_f32_vec().unwrap());
 }
 
 #[test]

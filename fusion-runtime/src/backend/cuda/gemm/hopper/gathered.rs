@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use cudarc::driver::sys;
 
 use super::eligibility::{self, MapView, Plan, Request, View};
-use super::kernel::{Entry, BM, SMEM_BYTES, THREADS};
+use super::kernel::{Entry, BM};
 use super::launch::{AgParams, AgWords};
 use crate::backend::cuda::comm::signals::SignalBoard;
 use crate::backend::cuda::gemm::GemmDevice;
@@ -183,16 +183,7 @@ pub(crate) fn launch(
     // SAFETY: the parameters are the AllGather entry's (maps of the gathered rows, B and
     // the output, the extents, then `AgArgs`); the maps describe `call`'s tensors, which
     // the program keeps until its join, and the words are this launch id's.
-    unsafe {
-        dev.kernels().launch_function(
-            dev.shared(),
-            (f, &name),
-            (grid, THREADS, SMEM_BYTES),
-            raw,
-            &mut params.pointers(),
-        )
-    }?;
-    crate::counters::persistent_gemm();
+    unsafe { super::launch_entry(dev, (f, &name), grid, raw, &mut params.pointers()) }?;
     Ok(true)
 }
 

@@ -125,18 +125,38 @@ pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs)
     let raw = dev.raw_stream(stream)?;
     // SAFETY: the parameters are the entry's (maps of A, B, C, then M, N, K), the maps
     // describe views of `g`'s tensors, which the caller keeps until the stream has run
-    // the kernel; the block size and shared memory are the kernel's own.
+    // the kernel.
+    unsafe { launch_entry(dev, (f, &name), grid, raw, &mut params.pointers()) }?;
+    Ok(true)
+}
+
+/// Launches entry `f` (named `name`) on `raw` in `grid` blocks of the kernel's size and
+/// shared memory, and counts it (`persistent_gemms`).
+///
+/// # Safety
+///
+/// `args` are the entry's parameters, in its order, and what they describe outlives the
+/// kernel.
+unsafe fn launch_entry(
+    dev: &dyn GemmDevice,
+    (f, name): (RawFunction, &str),
+    grid: u32,
+    raw: crate::backend::cuda::stream::RawStream,
+    args: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    // SAFETY: the caller vouches for the parameters; the block size and shared memory are
+    // the kernel's own.
     unsafe {
         dev.kernels().launch_function(
             dev.shared(),
-            (f, &name),
+            (f, name),
             (grid, THREADS, SMEM_BYTES),
             raw,
-            &mut params.pointers(),
+            args,
         )
     }?;
     crate::counters::persistent_gemm();
-    Ok(true)
+    Ok(())
 }
 
 /// `t` as the rules see it, where it lives on a device.
