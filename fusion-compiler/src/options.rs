@@ -167,6 +167,13 @@ pub struct PipelineOptions {
     /// rows cannot be split into contiguous ranges runs unsplit. A loop that gathers and
     /// reduce-scatters takes its row ranges from [`Self::reduce_scatter_subchunks`].
     pub allgather_subchunks: Option<usize>,
+    /// AllGather + GEMM loops whose transfers are all copy-engine ones as one persistent
+    /// GEMM launched before the loop, which reads each peer's block as soon as the loop
+    /// says it landed (`lower::gathered_gemm`; off by default, not yet measured in the
+    /// runtime). The runtime lowers with it only where the device runs such a GEMM (Hopper
+    /// GPUs with `GemmEngine::Persistent`, and the CPU backend, which computes it at the
+    /// join); a loop it does not apply to keeps its pipeline.
+    pub gathered_gemm: bool,
 }
 
 /// Choices that change the lowered program, in four groups; part of the executor's cache

@@ -319,7 +319,33 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
                     list(outputs)
                 );
             }
+            Node::GatheredGemmLaunch(_)
+            | Node::RowsReady { .. }
+            | Node::GatheredGemmJoin { .. } => {
+                let _ = writeln!(out, "{indent}{}", gathered_gemm_string(f, n, &indent));
+            }
         }
+    }
+}
+
+/// A gathered GEMM's node (its launch on two lines, the second indented by `indent`).
+fn gathered_gemm_string(f: &Fusion, n: &Node, indent: &str) -> String {
+    match n {
+        Node::GatheredGemmLaunch(g) => format!(
+            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {} )",
+            tensor_string(f, g.output),
+            g.id.index(),
+            tensor_string(f, g.gathered),
+            tensor_string(f, g.own),
+            tensor_string(f, g.b)
+        ),
+        Node::RowsReady { id, block } => format!(
+            "RowsReady GatheredGemm {}, block {}",
+            id.index(),
+            f.display_scalar(*block)
+        ),
+        Node::GatheredGemmJoin { id } => format!("Join GatheredGemm {}", id.index()),
+        _ => String::new(),
     }
 }
 

@@ -398,6 +398,53 @@ pub trait Device: Send + Sync {
     fn model(&self) -> String {
         self.kind().name().to_string()
     }
+    /// Whether programs for this device may hold fused AllGather+GEMMs
+    /// (`LowerOptions::pipelines.gathered_gemm`) when its calls run their GEMMs on
+    /// `engine`: where it runs them as one kernel, or computes them at their join (the CPU
+    /// backend, so that every test checks the fused programs). No by default.
+    fn runs_gathered_gemm(&self, engine: GemmEngine) -> bool {
+        let _ = engine;
+        false
+    }
+    /// Launches `call` on `stream` as one kernel where the device has one for it
+    /// (`Ok(true)`); `Ok(false)`: the evaluator runs the GEMM at its join (the default).
+    fn launch_gathered_gemm(
+        &self,
+        stream: StreamHandle,
+        call: &GatheredGemmCall<'_>,
+    ) -> Result<bool> {
+        let _ = (stream, call);
+        Ok(false)
+    }
+    /// On `stream`: block `block` of the gathered GEMM `id` this device launched has
+    /// landed (the kernel may read it from now on).
+    fn gathered_rows_ready(&self, stream: StreamHandle, id: usize, block: usize) -> Result<()> {
+        let _ = (stream, id, block);
+        Err(crate::error::Error::Internal(
+            "rows ready for a gathered GEMM the device did not launch".into(),
+        ))
+    }
+}
+
+/// A fused AllGather+GEMM (`Node::GatheredGemmLaunch`) as a device launches it:
+/// `output = gathered @ b`, axis 0 of `gathered` and `output` one block per rank, this
+/// rank's block of rows read from `own` (its block of `gathered` is never written).
+#[derive(Clone, Copy, Debug)]
+pub struct GatheredGemmCall<'a> {
+    /// Its id in the program (the device keeps its ready words per id).
+    pub id: usize,
+    /// `[world, .., rows, K]`: the peers' blocks land here while the GEMM runs.
+    pub gathered: &'a Tensor,
+    /// `[.., rows, K]`: this rank's rows.
+    pub own: &'a Tensor,
+    /// `[.., K, N]`, the same for every block.
+    pub b: &'a Tensor,
+    /// `[world, .., rows, N]`.
+    pub output: &'a Tensor,
+    /// This rank (its block is `own`).
+    pub rank: usize,
+    /// The ranks, one block each.
+    pub world: usize,
 }
 
 /// The call life cycle of a device with streams (CUDA): the thread that drives it, memory

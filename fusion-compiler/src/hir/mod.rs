@@ -198,6 +198,36 @@ pub struct Segment {
     pub outputs: Vec<TensorId>,
 }
 
+/// Identifies a fused AllGather+GEMM ([`GatheredGemm`]) of a program, so that its ready
+/// blocks and its join can name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GatheredGemmId(pub(crate) u32);
+
+impl GatheredGemmId {
+    /// The number printed in dumps.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// `output = gathered @ b` as one persistent GEMM that runs while the stream loop after it
+/// receives `gathered`'s blocks (`lower::gathered_gemm`): launched before the loop, told by
+/// [`Node::RowsReady`] when each peer's block has landed, joined after the loop. Axis 0 of
+/// `gathered` and of `output` holds one block per rank (rank order); this rank's block of
+/// `gathered` is never written: the GEMM reads `own` in place instead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GatheredGemm {
+    pub id: GatheredGemmId,
+    /// The gathered rows, one block per rank along axis 0.
+    pub gathered: TensorId,
+    /// This rank's block of rows, where it lives (the local shard).
+    pub own: TensorId,
+    /// The right operand, the same for every block.
+    pub b: TensorId,
+    /// The product, one block per rank along axis 0.
+    pub output: TensorId,
+}
+
 /// One instruction of a host program.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Node {
@@ -257,6 +287,19 @@ pub enum Node {
         inputs: Vec<TensorId>,
         outputs: Vec<TensorId>,
     },
+    /// Starts a fused AllGather+GEMM on the current stream; nothing after it may make a
+    /// stream it waits on (through its ready blocks) wait for this one.
+    GatheredGemmLaunch(GatheredGemm),
+    /// On the current stream: the block of rank `block` of gathered GEMM `id` has landed
+    /// (the GEMM may read it from now on).
+    RowsReady {
+        id: GatheredGemmId,
+        block: ScalarId,
+    },
+    /// The current stream waits for gathered GEMM `id` (its output is whole after it).
+    GatheredGemmJoin {
+        id: GatheredGemmId,
+    },
 }
 
 /// The kind of a node, for structure checks (compute ops are told apart by their op).
@@ -288,11 +331,14 @@ pub enum NodeKind {
     Split,
     Launch,
     Permute,
+    GatheredGemmLaunch,
+    RowsReady,
+    GatheredGemmJoin,
 }
 
 impl NodeKind {
     /// Every kind, in declaration order (`kind as usize` indexes it).
-    pub const ALL: [NodeKind; 26] = [
+    pub const ALL: [NodeKind; 29] = [
         NodeKind::Allocate,
         NodeKind::Deallocate,
         NodeKind::ForLoop,
@@ -319,6 +365,9 @@ impl NodeKind {
         NodeKind::Split,
         NodeKind::Launch,
         NodeKind::Permute,
+        NodeKind::GatheredGemmLaunch,
+        NodeKind::RowsReady,
+        NodeKind::GatheredGemmJoin,
     ];
 }
 
@@ -341,6 +390,9 @@ impl Node {
             Node::EndCoalescing { .. } => NodeKind::EndCoalescing,
             Node::Wait { .. } => NodeKind::Wait,
             Node::Launch { .. } => NodeKind::Launch,
+            Node::GatheredGemmLaunch(_) => NodeKind::GatheredGemmLaunch,
+            Node::RowsReady { .. } => NodeKind::RowsReady,
+            Node::GatheredGemmJoin { .. } => NodeKind::GatheredGemmJoin,
             Node::Compute(e) => match e.op {
                 Op::Set => NodeKind::Set,
                 Op::Unary(_) => NodeKind::Unary,
@@ -382,6 +434,7 @@ impl Node {
             Node::Launch {
                 inputs, outputs, ..
             } => inputs.iter().chain(outputs).copied().collect(),
+            Node::GatheredGemmLaunch(g) => vec![g.gathered, g.own, g.b, g.output],
             _ => vec![],
         }
     }

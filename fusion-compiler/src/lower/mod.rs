@@ -10,10 +10,12 @@
 //! 4. Run the pass pipeline: `StreamParallelType`, `ConvertOpToCommunication`,
 //!    `FuseEpilogue`, `FuseElementwise`, `InsertDeallocations` (each can be disabled by
 //!    name).
-//! 5. Put small collectives of the whole world on peer memory (`peer_memory`), and keep
-//!    the copy-stream choice in a program with copy-engine transfers.
+//! 5. Put small collectives of the whole world on peer memory (`peer_memory`), make
+//!    copy-engine AllGather + GEMM loops one persistent GEMM where asked (`gathered_gemm`),
+//!    and keep the copy-stream choice in a program with copy-engine transfers.
 //! 6. Verify that nothing left in the program still needs a communication.
 
+mod gathered_gemm;
 mod insert_reshardings;
 mod peer_memory;
 mod permutes;
@@ -31,6 +33,7 @@ pub use crate::options::{
     Pipelining, ReduceScatterPipeline, StreamOptions, TransportOptions, AUTO_MIN_CHUNK_ROWS,
 };
 pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
+pub use gathered_gemm::choose_gathered_gemm;
 use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};
 pub use peer_memory::{
@@ -89,6 +92,7 @@ pub fn lower_for_shapes(
     let pctx = PassContext::new(world_size, options);
     let dumps = manager.run(&mut program, &pctx)?;
     choose_peer_memory(&mut program, pctx.options.transports.peer_memory, extent);
+    choose_gathered_gemm(&mut program, pctx.options.pipelines.gathered_gemm);
     choose_copy_streams(&mut program, pctx.options.transports.copy_streams);
     verify(&program)?;
     Ok(Lowered { program, dumps })

@@ -8,7 +8,9 @@
 //! row ranges, compute-first streams, the ring's compute streams, the pool size, which
 //! collectives run over peer memory, one copy stream or one per peer for copy-engine
 //! transfers, and whether pointwise ops fold into GEMM epilogues; and, not measured yet,
-//! the AllGather + GEMM pipeline in row ranges. Most candidates change
+//! the AllGather + GEMM pipeline in row ranges and as one persistent GEMM fed by the
+//! loop's copies (`gathered_gemm`, which the runtime lowers only where the device runs
+//! such a GEMM). Most candidates change
 //! nothing for a given fusion (a fusion without a reduce-scatter has no reduce-scatter
 //! pipeline); the runtime lowers them all and keeps one candidate per distinct program.
 //! Which one a call runs is decided per shape by the runtime, from the cost model or by
@@ -27,7 +29,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
 /// older build are not trusted.
-pub const PLAN_SPACE_REVISION: u32 = 2;
+pub const PLAN_SPACE_REVISION: u32 = 3;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -156,6 +158,14 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
             DEFAULT_STREAMS,
         ));
     }
+    // AllGather + GEMM as one persistent GEMM beside the loop's copies. The runtime lowers
+    // it only where the device runs such a GEMM (elsewhere, and for a fusion without such
+    // a loop, it lowers to the default program).
+    out.push(Plan::new(
+        "gathered_gemm",
+        with(&|o| o.pipelines.gathered_gemm = true),
+        DEFAULT_STREAMS,
+    ));
     out
 }
 

@@ -276,6 +276,30 @@ impl Evaluator<'_> {
         };
         let a0 = self.get(e.inputs[0])?;
         let b0 = self.get(e.inputs[1])?;
+        let extras = GemmExtras {
+            bias: bias.as_ref(),
+            accumulate,
+            addend,
+            epilogue,
+        };
+        self.product(e, (a0, b0), dst0, extras)
+    }
+
+    /// `dst0 = a0 @ b0` (with `extras`) by torch.matmul's rules on vectors and batch axes,
+    /// as one batched GEMM on the current stream; `e` names it in errors.
+    pub(super) fn product(
+        &self,
+        e: &Expr,
+        (a0, b0): (&Tensor, &Tensor),
+        dst0: Tensor,
+        extras: GemmExtras<'_>,
+    ) -> Result<()> {
+        let GemmExtras {
+            bias,
+            accumulate,
+            addend,
+            epilogue,
+        } = extras;
         let (ra, rb) = (a0.rank(), b0.rank());
         let mut a = Cow::Borrowed(a0);
         let mut b = Cow::Borrowed(b0);
@@ -312,7 +336,7 @@ impl Evaluator<'_> {
             Kernel::Gemm {
                 a: &a,
                 b: &b,
-                bias: bias.as_ref(),
+                bias,
                 accumulate,
                 addend: addend.as_deref(),
                 epilogue,
@@ -376,6 +400,15 @@ impl Evaluator<'_> {
             },
         )
     }
+}
+
+/// What a GEMM adds to the product (see [`Kernel::Gemm`]).
+#[derive(Default)]
+pub(super) struct GemmExtras<'t> {
+    pub(super) bias: Option<&'t Tensor>,
+    pub(super) accumulate: bool,
+    pub(super) addend: Option<Cow<'t, Tensor>>,
+    pub(super) epilogue: &'t [UnaryOp],
 }
 
 /// `t` broadcast to `[batch.., rows, cols]`, as it is when it already has that shape.

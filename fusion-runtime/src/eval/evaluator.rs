@@ -4,11 +4,12 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use fusion_compiler::hir::{CommId, HostProgram, Node, StreamDef, COMPUTE_STREAMS};
+use fusion_compiler::hir::{CommId, GatheredGemmId, HostProgram, Node, StreamDef, COMPUTE_STREAMS};
 use fusion_compiler::ir::{ScalarId, TensorId};
 
 use super::bind::{mesh_devices, SymbolBindings};
 use super::call::{CallContext, ExecStats, HostSpan};
+use super::gathered_gemm::Launched;
 use super::race::RaceChecker;
 use super::shapes::{bound_leaves, local_shape_of};
 use crate::error::{Error, Result};
@@ -55,6 +56,8 @@ pub(crate) struct Evaluator<'a> {
     pub(crate) race: Option<RaceChecker<'a>>,
     /// Whether every node gets a `tracing` span (and an NVTX range): something listens.
     pub(super) node_scopes: bool,
+    /// Gathered GEMMs launched and not yet joined.
+    pub(super) gathered: HashMap<GatheredGemmId, Launched>,
 }
 
 impl<'a> Evaluator<'a> {
@@ -98,6 +101,7 @@ impl<'a> Evaluator<'a> {
             host_spans: Vec::new(),
             race: None,
             node_scopes: crate::observe::node_scopes_wanted(),
+            gathered: HashMap::new(),
         }
     }
 

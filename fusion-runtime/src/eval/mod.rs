@@ -5,7 +5,8 @@
 //! views, communications, and compute lowered to backend [`Kernel`](crate::device::Kernel)s.
 //!
 //! [`execute`] runs one call: the `Evaluator` (`evaluator`) holds the call's state, `walk`
-//! walks the nodes and `compute` runs compute nodes; `bind` checks and binds the inputs,
+//! walks the nodes and `compute` runs compute nodes (`gathered_gemm` the nodes of a fused
+//! AllGather+GEMM); `bind` checks and binds the inputs,
 //! `shapes` evaluates the shapes a rank stores, and [`race`] checks the stream order.
 //! What the runtime works out about a program once (peer-copy receives, node ids) is
 //! `program_facts`'s, re-exported here.
@@ -14,6 +15,7 @@ mod bind;
 mod call;
 mod compute;
 mod evaluator;
+mod gathered_gemm;
 pub mod race;
 mod shapes;
 mod walk;

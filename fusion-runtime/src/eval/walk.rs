@@ -179,6 +179,9 @@ impl<'a> Evaluator<'a> {
                 self.launch(*segment, outputs)?;
                 self.traced(start, "fused kernel", false)?;
             }
+            Node::GatheredGemmLaunch(g) => self.gathered_gemm_launch(g)?,
+            Node::RowsReady { id, block } => self.rows_ready(*id, *block)?,
+            Node::GatheredGemmJoin { id } => self.gathered_gemm_join(*id)?,
         }
         Ok(())
     }

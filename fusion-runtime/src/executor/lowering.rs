@@ -2,6 +2,7 @@
 //! lowering the fusion at the first call of each key (dtypes, symbols, world, backend,
 //! options), cached per key, with the program's fingerprint for the world's call ledger.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -294,6 +295,7 @@ impl ProgramCache {
         print: bool,
     ) -> Result<Lowered> {
         let lower = rank.communicator().capabilities().lowering(&options.lower);
+        let lower = gathered_gemm_where_run(lower, rank.device().runs_gathered_gemm(options.gemm));
         let key = CacheKey {
             dtypes,
             symbols: symbols.entries(),
@@ -339,6 +341,20 @@ impl ProgramCache {
     }
 }
 
+/// `lower` without fused AllGather+GEMMs where the rank's device does not run them with the
+/// call's GEMM engine (`runs`: [`Device::runs_gathered_gemm`]), so that the program says what
+/// runs; a plan candidate that asks for them then lowers to the program without them.
+///
+/// [`Device::runs_gathered_gemm`]: crate::device::Device::runs_gathered_gemm
+fn gathered_gemm_where_run(lower: Cow<'_, LowerOptions>, runs: bool) -> Cow<'_, LowerOptions> {
+    if !lower.pipelines.gathered_gemm || runs {
+        return lower;
+    }
+    let mut o = lower.into_owned();
+    o.pipelines.gathered_gemm = false;
+    Cow::Owned(o)
+}
+
 /// The name of a fusion in errors: the executor's (`fusion!` names it after the fusion),
 /// else the fusion's first output's name.
 fn readable_name(executor: &str, fusion: &Fusion) -> String {
@@ -346,5 +362,27 @@ fn readable_name(executor: &str, fusion: &Fusion) -> String {
     match output {
         Some(output) if executor == super::UNNAMED => output,
         _ => executor.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gathered_gemms_are_lowered_only_where_the_device_runs_them() {
+        let mut asked = LowerOptions::default();
+        asked.pipelines.gathered_gemm = true;
+        assert!(matches!(
+            gathered_gemm_where_run(Cow::Borrowed(&asked), true),
+            Cow::Borrowed(o) if o.pipelines.gathered_gemm
+        ));
+        let dropped = gathered_gemm_where_run(Cow::Borrowed(&asked), false);
+        assert_eq!(*dropped, LowerOptions::default());
+        let plain = LowerOptions::default();
+        assert!(matches!(
+            gathered_gemm_where_run(Cow::Borrowed(&plain), false),
+            Cow::Borrowed(_)
+        ));
     }
 }

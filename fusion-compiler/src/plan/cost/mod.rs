@@ -13,6 +13,9 @@
 //! A stream loop is estimated iteration by iteration (its index bound, so that the
 //! iteration that keeps its own chunk receives nothing) and its iterations flow through
 //! two stages, compute and communication, in the order its body uses them (`pipeline`).
+//! A gathered GEMM (launched before its loop, joined after it) runs beside the loop's
+//! transfers: its join adds what is left of the GEMM after them, at least one block's
+//! share (the last block's rows arrive last).
 
 mod pipeline;
 mod transfers;
@@ -139,8 +142,25 @@ impl Model<'_> {
     fn nodes(&self, nodes: &[Node]) -> Estimate {
         let mut total = Estimate::default();
         let mut group: Option<Vec<(f64, Transport)>> = None;
+        // Gathered GEMMs launched and not yet joined: (id, seconds, time at the launch).
+        let mut launched = Vec::new();
         for node in nodes {
             match node {
+                Node::GatheredGemmLaunch(g) => {
+                    let s = self.gemm(&[g.gathered, g.b], g.output);
+                    launched.push((g.id, s, self.blocks(g.output), total.seconds));
+                }
+                Node::GatheredGemmJoin { id } => {
+                    if let Some(i) = launched.iter().position(|l| l.0 == *id) {
+                        let (_, s, blocks, at) = launched.remove(i);
+                        let left = (s - (total.seconds - at)).max(s / blocks);
+                        total += Estimate {
+                            seconds: left,
+                            gemm_seconds: s,
+                            ..Estimate::default()
+                        };
+                    }
+                }
                 Node::StartCoalescing => group = Some(Vec::new()),
                 Node::EndCoalescing { .. } => {
                     if let Some(g) = group.take() {
@@ -188,6 +208,12 @@ impl Model<'_> {
             }
         }
         (stored, reduced)
+    }
+
+    /// The extent of `t`'s axis 0 (a gathered GEMM's blocks), at least 1.
+    fn blocks(&self, t: TensorId) -> f64 {
+        let f = &self.program.ir;
+        self.value(f.axis(t, 0).extent).unwrap_or(1).max(1) as f64
     }
 
     fn bytes(&self, t: TensorId) -> f64 {

@@ -76,6 +76,12 @@ impl Device for CpuDevice {
     /// Every allocation is poisoned already (`POISON`).
     fn set_poison(&self, _on: bool) {}
 
+    /// The evaluator computes a fused AllGather+GEMM at its join, so the CPU backend takes
+    /// them with any engine: every test of the fused programs runs here.
+    fn runs_gathered_gemm(&self, _engine: crate::device::GemmEngine) -> bool {
+        true
+    }
+
     /// The CPU's memory is the process's: nothing of its own to report.
     fn memory(&self) -> Result<Option<crate::device::DeviceMemory>> {
         Ok(None)

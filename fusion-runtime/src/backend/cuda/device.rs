@@ -21,8 +21,8 @@ use super::memory::shared_arena::SharedArena;
 use super::stream::RawStream;
 use super::{graph, health::WorldHealth};
 use crate::device::{
-    BackendKind, CallerStream, Device, DeviceLifecycle, DeviceMemory, GemmEngine, Kernel,
-    StreamHandle,
+    BackendKind, CallerStream, Device, DeviceLifecycle, DeviceMemory, GatheredGemmCall, GemmEngine,
+    Kernel, StreamHandle,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -48,7 +48,7 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 pub struct CudaDevice {
     shared: Arc<DeviceShared>,
     /// The rank this device serves (several ranks may share one GPU).
-    rank: usize,
+    pub(crate) rank: usize,
     streams: Mutex<Vec<StreamSlot>>,
     /// Timing events for traces: recorded ones, and spares to reuse.
     markers: Mutex<(Vec<RawEvent>, Vec<RawEvent>)>,
@@ -60,10 +60,10 @@ pub struct CudaDevice {
     /// The persistent Hopper GEMM's state on this device.
     pub(crate) hopper: HopperGemms,
     /// The engine of the GEMMs enqueued from now on (`Device::set_gemm_engine`).
-    gemm_engine: Mutex<GemmEngine>,
+    pub(crate) gemm_engine: Mutex<GemmEngine>,
     /// Whether new allocations are filled with NaN bytes (`Device::set_poison`).
     pub(super) poison: std::sync::atomic::AtomicBool,
-    health: Arc<WorldHealth>,
+    pub(crate) health: Arc<WorldHealth>,
     /// Memory peers in other processes map (launched worlds with such peers).
     arena: std::sync::OnceLock<Arc<SharedArena>>,
     /// While a call is captured: the memory its buffers come from (see `capture_arena`).
@@ -112,7 +112,7 @@ impl CudaDevice {
             handed_out: HandedOutMeter::default(),
         };
         dev.shared.bind()?;
-        configure_pool(ordinal)?;
+        super::memory::configure_pool(ordinal)?;
         dev.ensure_streams(0)?;
         *dev.shared
             .main_stream
@@ -316,24 +316,6 @@ impl CudaDevice {
             unsafe { sys::cuStreamQuery(stream.0) }
         })
     }
-}
-
-/// Keeps freed memory in the device's default pool instead of returning it to the driver.
-fn configure_pool(ordinal: usize) -> Result<()> {
-    let dev = result::device::get(ordinal as i32).map_err(|e| driver_err("cuDeviceGet", e))?;
-    // SAFETY: the default pool of a valid device; the attribute takes a u64.
-    unsafe {
-        let pool = result::device::get_default_mem_pool(dev)
-            .map_err(|e| driver_err("default memory pool", e))?;
-        let mut threshold: u64 = u64::MAX;
-        result::mem_pool::set_attribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            &mut threshold as *mut u64 as *mut std::ffi::c_void,
-        )
-        .map_err(|e| driver_err("memory pool release threshold", e))?;
-    }
-    Ok(())
 }
 
 impl Drop for CudaDevice {
@@ -675,6 +657,18 @@ impl Device for CudaDevice {
 
     fn discrepancy(&self, got: &Tensor, want: &Tensor) -> Result<crate::device::Discrepancy> {
         self.discrepancy_on_device(got, want)
+    }
+
+    fn runs_gathered_gemm(&self, engine: GemmEngine) -> bool {
+        gemm::runs_gathered(self, engine)
+    }
+
+    fn launch_gathered_gemm(&self, s: StreamHandle, call: &GatheredGemmCall<'_>) -> Result<bool> {
+        gemm::launch_gathered(self, s, call)
+    }
+
+    fn gathered_rows_ready(&self, s: StreamHandle, id: usize, block: usize) -> Result<()> {
+        gemm::gathered_rows_ready(self, s, id, block)
     }
 
     fn set_gemm_engine(&self, engine: GemmEngine) {

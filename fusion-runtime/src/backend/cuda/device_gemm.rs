@@ -4,10 +4,11 @@
 use super::device::CudaDevice;
 use super::gemm::lt::LtPlans;
 use super::gemm::{BlasHandle, GemmDevice, HopperGemms};
+use super::health::WorldHealth;
 use super::kernels::KernelCache;
 use super::memory::device_shared::DeviceShared;
 use super::stream::RawStream;
-use crate::device::StreamHandle;
+use crate::device::{GemmEngine, StreamHandle};
 use crate::error::Result;
 
 impl GemmDevice for CudaDevice {
@@ -33,5 +34,20 @@ impl GemmDevice for CudaDevice {
 
     fn hopper(&self) -> &HopperGemms {
         &self.hopper
+    }
+
+    fn gemm_engine(&self) -> GemmEngine {
+        *self
+            .gemm_engine
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn health(&self) -> &WorldHealth {
+        &self.health
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
     }
 }

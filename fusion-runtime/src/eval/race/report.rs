@@ -73,6 +73,20 @@ fn node_label(p: &HostProgram, node: &Node) -> String {
         Node::EndCoalescing { id } => format!("EndCoalescing {}", id.index()),
         Node::Wait { comm } => format!("Wait Communication {}", comm.index()),
         Node::Synchronize { stream } => format!("Synchronize Stream {}", stream.index()),
+        Node::GatheredGemmLaunch(g) => format!(
+            "{} = GatheredGemm {} launch({}, own {}, {})",
+            name(g.output),
+            g.id.index(),
+            name(g.gathered),
+            name(g.own),
+            name(g.b)
+        ),
+        Node::RowsReady { id, block } => format!(
+            "RowsReady GatheredGemm {}, block {}",
+            id.index(),
+            p.ir.display_scalar(*block)
+        ),
+        Node::GatheredGemmJoin { id } => format!("Join GatheredGemm {}", id.index()),
         other => format!("{:?}", other.kind()),
     }
 }

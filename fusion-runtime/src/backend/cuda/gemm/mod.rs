@@ -15,7 +15,7 @@ pub(crate) mod launch_graphs;
 pub(crate) mod lt;
 mod word_hash;
 
-pub(crate) use hopper::HopperGemms;
+pub(crate) use hopper::{gathered_rows_ready, launch_gathered, runs_gathered, HopperGemms};
 
 use std::ffi::c_void;
 
@@ -24,6 +24,7 @@ use fusion_compiler::DType;
 
 use fusion_compiler::ir::{BinaryOp, UnaryOp};
 
+use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::kernels::KernelCache;
 use crate::backend::cuda::libs::driver_err;
 use crate::backend::cuda::memory::device_shared::DeviceShared;
@@ -55,6 +56,12 @@ pub(crate) trait GemmDevice: Device {
     fn kernels(&self) -> &KernelCache;
     /// The device's state of the persistent Hopper GEMM.
     fn hopper(&self) -> &HopperGemms;
+    /// The engine of the GEMMs enqueued now (`Device::set_gemm_engine`).
+    fn gemm_engine(&self) -> GemmEngine;
+    /// The health of the device's world (its timeout, the waits it watches).
+    fn health(&self) -> &WorldHealth;
+    /// The rank the device serves.
+    fn rank(&self) -> usize;
 }
 
 /// How a row-major `rows x cols` matrix appears to cuBLAS.

@@ -49,26 +49,53 @@ pub(crate) struct Variant {
     pub b_k: bool,
 }
 
+/// Which entry of `gemm.cu` a variant instantiates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Entry {
+    /// `HOPPER_GEMM`: one GEMM.
+    Plain,
+    /// `HOPPER_GEMM_AG`: a GEMM whose A is gathered while it runs (`AgArgs`).
+    AllGather,
+}
+
+impl Entry {
+    /// The macro that instantiates it, and the prefix of its names.
+    fn spelled(self) -> (&'static str, &'static str) {
+        match self {
+            Entry::Plain => ("HOPPER_GEMM", "hopper_gemm"),
+            Entry::AllGather => ("HOPPER_GEMM_AG", "hopper_gemm_ag"),
+        }
+    }
+}
+
 impl Variant {
     /// The kernel's entry name: `hopper_gemm_<dtype>_<a><b>`, `n` for a row-major operand
     /// and `t` for a transposed one (the harness's names).
     pub(crate) fn name(self) -> String {
+        self.entry_name(Entry::Plain)
+    }
+
+    /// The name of `entry` for this variant (`hopper_gemm_ag_bf16_nn` for the AllGather
+    /// entry).
+    pub(crate) fn entry_name(self, entry: Entry) -> String {
         let t = |transposed: bool| if transposed { 't' } else { 'n' };
         format!(
-            "hopper_gemm_{}_{}{}",
+            "{}_{}_{}{}",
+            entry.spelled().1,
             if self.f16 { "f16" } else { "bf16" },
             t(self.a_mn),
             t(self.b_k)
         )
     }
 
-    /// The source NVRTC compiles for this variant: `gemm.cu` with `wgmma.inc.cu` in place
-    /// of its include, then the variant's entry.
-    pub(crate) fn source(self) -> String {
+    /// The source NVRTC compiles for `entry` of this variant: `gemm.cu` with
+    /// `wgmma.inc.cu` in place of its include, then the entry's instantiating line.
+    pub(crate) fn entry_source(self, entry: Entry) -> String {
         let body = GEMM_CU.replacen(INCLUDE_LINE, WGMMA_INC, 1);
         format!(
-            "{body}\nHOPPER_GEMM({}, {}, {}, {})\n",
-            self.name(),
+            "{body}\n{}({}, {}, {}, {})\n",
+            entry.spelled().0,
+            self.entry_name(entry),
             self.f16,
             self.a_mn,
             self.b_k
@@ -125,7 +152,7 @@ mod tests {
             b_k: false,
         };
         assert_eq!(v.name(), "hopper_gemm_bf16_tn");
-        let src = v.source();
+        let src = v.entry_source(Entry::Plain);
         assert!(!src.contains("#include"), "NVRTC cannot open includes");
         assert!(src.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.\" #TY"));
         // The pasted instructions come before the code that calls them.
@@ -155,15 +182,14 @@ mod tests {
                 arch: Some(ARCH),
                 ..Default::default()
             };
-            let ptx = cudarc::nvrtc::compile_ptx_with_opts(v.source(), opts)
-                .unwrap_or_else(|e| panic!("{}: {e:?}", v.name()));
-            let text = ptx.to_src();
-            assert!(
-                text.contains(&format!(".entry {}(", v.name())),
-                "{}",
-                v.name()
-            );
-            assert!(text.contains(".target sm_90a"));
+            for entry in [Entry::Plain, Entry::AllGather] {
+                let name = v.entry_name(entry);
+                let ptx = cudarc::nvrtc::compile_ptx_with_opts(v.entry_source(entry), opts.clone())
+                    .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+                let text = ptx.to_src();
+                assert!(text.contains(&format!(".entry {name}(")), "{name}");
+                assert!(text.contains(".target sm_90a"));
+            }
         }
     }
 
@@ -179,5 +205,15 @@ mod tests {
             assert!(names.insert(v.name()));
         }
         assert!(names.contains("hopper_gemm_f16_nt"));
+        let v = Variant {
+            f16: false,
+            a_mn: false,
+            b_k: true,
+        };
+        assert_eq!(v.entry_name(Entry::AllGather), "hopper_gemm_ag_bf16_nt");
+        assert!(v
+            .entry_source(Entry::AllGather)
+            .trim_end()
+            .ends_with("HOPPER_GEMM_AG(hopper_gemm_ag_bf16_nt, false, false, true)"));
     }
 }

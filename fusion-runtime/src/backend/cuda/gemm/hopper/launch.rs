@@ -1,7 +1,9 @@
 //! The persistent Hopper GEMM's launch arguments: the three tensor maps the copy engine
 //! loads and stores through (`cuTensorMapEncodeTiled`: 2-D, 128-byte swizzle, as
 //! `bench/hopper_gemm/harness.cu` makes them) and the kernel's parameters in the order of
-//! its entry (`HOPPER_GEMM` in `gemm.cu`), in one struct that grows with that entry.
+//! its entry (`HOPPER_GEMM` in `gemm.cu`), in one struct that grows with that entry; the
+//! AllGather entry's (`HOPPER_GEMM_AG`) add its `AgArgs`, as the harness
+//! `bench/hopper_gemm/ag_harness.cu` fills them.
 
 use std::ffi::c_void;
 
@@ -105,6 +107,80 @@ impl Params {
     }
 }
 
+/// What the AllGather entry (`HOPPER_GEMM_AG`) takes besides the plain entry's parameters,
+/// laid out as `gemm.cu`'s `AgArgs` (a unit test checks the offsets).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct AgArgs {
+    /// This rank's rows, read in place.
+    own: TensorMap,
+    /// The u32 count of blocks past their last wait (zero between calls).
+    arrived: u64,
+    /// Pieces per row block (each with its ready word).
+    chunks: i32,
+    /// The u32 ready words, `block * chunks + piece`.
+    ready: u64,
+    /// The u32 word a wait that outlasted `timeout_ns` sets to 1 + the block.
+    error: u64,
+    timeout_ns: u64,
+    rank: i32,
+    world: i32,
+    rows_per: i32,
+    /// The value a ready word holds once its piece landed.
+    epoch: u32,
+}
+
+/// Where an AllGather GEMM's words are and how it waits for them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AgWords {
+    pub arrived: u64,
+    pub ready: u64,
+    pub error: u64,
+    pub timeout_ns: u64,
+}
+
+/// The AllGather entry's parameters: the plain entry's (with `m` one block's rows), then
+/// its [`AgArgs`].
+pub(crate) struct AgParams {
+    plain: Params,
+    ag: AgArgs,
+}
+
+impl AgParams {
+    /// The parameters of `plan` (the whole gathered GEMM: A the gathered rows, C the whole
+    /// output) for rank `rank` of `world`, this rank's rows read through `own`, one piece
+    /// per block, every ready word raised to 1.
+    pub(crate) fn new(
+        plan: &Plan,
+        own: &MapView,
+        (rank, world): (usize, usize),
+        words: AgWords,
+    ) -> Result<AgParams> {
+        let mut plain = Params::new(plan)?;
+        let rows_per = plain.m / world as i32;
+        plain.m = rows_per;
+        let ag = AgArgs {
+            own: encode(own, plan.variant.f16)?,
+            arrived: words.arrived,
+            chunks: 1,
+            ready: words.ready,
+            error: words.error,
+            timeout_ns: words.timeout_ns,
+            rank: rank as i32,
+            world: world as i32,
+            rows_per,
+            epoch: 1,
+        };
+        Ok(AgParams { plain, ag })
+    }
+
+    /// A pointer to each parameter, in the entry's order (valid while `self` is borrowed).
+    pub(crate) fn pointers(&mut self) -> [*mut c_void; 7] {
+        let [a, b, c, m, n, k] = self.plain.pointers();
+        [a, b, c, m, n, k, (&mut self.ag as *mut AgArgs).cast()]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,5 +193,26 @@ mod tests {
             std::mem::size_of::<sys::CUtensorMap>(),
             std::mem::size_of::<TensorMap>()
         );
+    }
+
+    #[test]
+    fn ag_args_are_laid_out_like_the_kernels() {
+        use std::mem::offset_of;
+        // gemm.cu's AgArgs: the map (128 bytes), then u64, int, u64 x 3, int x 3, u32.
+        let offsets = [
+            offset_of!(AgArgs, own),
+            offset_of!(AgArgs, arrived),
+            offset_of!(AgArgs, chunks),
+            offset_of!(AgArgs, ready),
+            offset_of!(AgArgs, error),
+            offset_of!(AgArgs, timeout_ns),
+            offset_of!(AgArgs, rank),
+            offset_of!(AgArgs, world),
+            offset_of!(AgArgs, rows_per),
+            offset_of!(AgArgs, epoch),
+        ];
+        assert_eq!(offsets, [0, 128, 136, 144, 152, 160, 168, 172, 176, 180]);
+        assert_eq!(std::mem::size_of::<AgArgs>(), 192);
+        assert_eq!(std::mem::align_of::<AgArgs>(), 64);
     }
 }

@@ -8,8 +8,11 @@
 //! The kernel is compiled by NVRTC for `compute_90a` once per variant and process (`kernel`
 //! assembles its source) and loaded once per device, with its shared-memory limit raised;
 //! each launch encodes three tensor maps (`launch`) and runs `min(tiles, SMs)` blocks.
+//! `gathered` runs the AllGather entry as the backend's gathered GEMM (a program's
+//! `GatheredGemmLaunch`, its ready blocks and its status word).
 
 mod eligibility;
+mod gathered;
 mod kernel;
 mod launch;
 
@@ -26,15 +29,20 @@ use crate::device::StreamHandle;
 use crate::error::Result;
 use crate::tensor::Tensor;
 use eligibility::{Request, View};
-use kernel::{Variant, ARCH, SMEM_BYTES, THREADS};
+pub(crate) use gathered::{
+    launch as launch_gathered, rows_ready as gathered_rows_ready, runs as runs_gathered,
+};
+use kernel::{Entry, Variant, ARCH, SMEM_BYTES, THREADS};
 
 /// A device's state of the kernel: whether it runs there, and its loaded variants.
 #[derive(Default)]
 pub(crate) struct HopperGemms {
     /// The device's SM count where the kernel runs on it, else `None` (asked once).
     sms: OnceLock<Option<u32>>,
-    /// The variants loaded on the device.
-    functions: Mutex<HashMap<Variant, RawFunction>>,
+    /// The variants loaded on the device, per entry.
+    functions: Mutex<HashMap<(Variant, Entry), RawFunction>>,
+    /// The gathered GEMMs' words and status on the device.
+    gathered: gathered::GatheredState,
 }
 
 impl HopperGemms {
@@ -60,21 +68,28 @@ impl HopperGemms {
         Ok(*self.sms.get_or_init(|| runs.then_some(sms as u32)))
     }
 
-    /// `variant` loaded on the device (compiled on its first use in the process).
-    fn function(&self, dev: &dyn GemmDevice, variant: Variant, name: &str) -> Result<RawFunction> {
+    /// `entry` of `variant` loaded on the device (compiled on its first use in the process).
+    fn function(
+        &self,
+        dev: &dyn GemmDevice,
+        variant: Variant,
+        entry: Entry,
+    ) -> Result<RawFunction> {
         let mut loaded = self
             .functions
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(&f) = loaded.get(&variant) {
+        if let Some(&f) = loaded.get(&(variant, entry)) {
             return Ok(f);
         }
+        let name = variant.entry_name(entry);
         let needs = KernelNeeds {
             arch: Some(ARCH),
             shared_bytes: SMEM_BYTES,
         };
-        let f = (dev.kernels()).function_with(dev.shared(), &variant.source(), name, needs)?;
-        loaded.insert(variant, f);
+        let source = variant.entry_source(entry);
+        let f = (dev.kernels()).function_with(dev.shared(), &source, &name, needs)?;
+        loaded.insert((variant, entry), f);
         Ok(f)
     }
 }
@@ -104,24 +119,44 @@ pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs)
         }
     };
     let name = plan.variant.name();
-    let f = dev.hopper().function(dev, plan.variant, &name)?;
+    let f = dev.hopper().function(dev, plan.variant, Entry::Plain)?;
     let grid = plan.tiles().min(u64::from(sms)) as u32;
     let mut params = launch::Params::new(&plan)?;
     let raw = dev.raw_stream(stream)?;
     // SAFETY: the parameters are the entry's (maps of A, B, C, then M, N, K), the maps
     // describe views of `g`'s tensors, which the caller keeps until the stream has run
-    // the kernel; the block size and shared memory are the kernel's own.
+    // the kernel.
+    unsafe { launch_entry(dev, (f, &name), grid, raw, &mut params.pointers()) }?;
+    Ok(true)
+}
+
+/// Launches entry `f` (named `name`) on `raw` in `grid` blocks of the kernel's size and
+/// shared memory, and counts it (`persistent_gemms`).
+///
+/// # Safety
+///
+/// `args` are the entry's parameters, in its order, and what they describe outlives the
+/// kernel.
+unsafe fn launch_entry(
+    dev: &dyn GemmDevice,
+    (f, name): (RawFunction, &str),
+    grid: u32,
+    raw: crate::backend::cuda::stream::RawStream,
+    args: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    // SAFETY: the caller vouches for the parameters; the block size and shared memory are
+    // the kernel's own.
     unsafe {
         dev.kernels().launch_function(
             dev.shared(),
-            (f, &name),
+            (f, name),
             (grid, THREADS, SMEM_BYTES),
             raw,
-            &mut params.pointers(),
+            args,
         )
     }?;
     crate::counters::persistent_gemm();
-    Ok(true)
+    Ok(())
 }
 
 /// `t` as the rules see it, where it lives on a device.

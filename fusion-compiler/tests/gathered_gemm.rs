@@ -1,0 +1,232 @@
+//! The AllGather + GEMM loop as one persistent GEMM (`LowerOptions::pipelines.gathered_gemm`,
+//! `lower::gathered_gemm`): the fused program's shape (an insta snapshot at 4 devices),
+//! where the rewrite applies (bf16 and f16, stream buffers on and off, either chunk order,
+//! the column-parallel form with a DIDx weight) and where it leaves the program as it was
+//! (f32, NCCL transfers, row ranges, an epilogue, gathered rows read elsewhere, the option
+//! off), and the plan candidate that asks for it. (The MLP block, whose loop also
+//! reduce-scatters, is checked in the workspace's `tests/gathered_gemm.rs`.)
+
+use fusion_compiler::builder::{Axis, FusionBuilder};
+use fusion_compiler::hir::{for_each_node, HostProgram, Node, NodeKind, Transport};
+use fusion_compiler::ir::{Fusion, UnaryOp};
+use fusion_compiler::lower::{lower, LowerOptions, P2pSchedule, Pipelining};
+use fusion_compiler::plan::{candidates, find, PLAN_SPACE_REVISION};
+use fusion_compiler::DType;
+
+/// `[d @ Stream, m, n] = act(matmul(x [d @ DIDx, m, k], w [k, n]))`, or without `act`
+/// the plain AllGather + GEMM; with `keep_rows` the gathered rows are an output too.
+fn ag_matmul(dt: DType, act: Option<UnaryOp>, keep_rows: bool) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let (d, m, k, n) = (b.symbol("d"), b.symbol("m"), b.symbol("k"), b.symbol("n"));
+    let x = b
+        .input("x", dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(k)])
+        .unwrap();
+    let w = b
+        .input("w", dt, &[Axis::serial(k), Axis::serial(n)])
+        .unwrap();
+    let a = if keep_rows {
+        let rows = b.set(x).unwrap();
+        let rows = b
+            .declare(
+                rows,
+                dt,
+                &[Axis::stream(d), Axis::serial(m), Axis::serial(k)],
+            )
+            .unwrap();
+        b.output(rows).unwrap();
+        rows
+    } else {
+        x
+    };
+    let mut c = b.matmul(a, w).unwrap();
+    if let Some(act) = act {
+        c = b.unary(act, c).unwrap();
+    }
+    let out = [Axis::stream(d), Axis::serial(m), Axis::serial(n)];
+    let c = b.declare(c, dt, &out).unwrap();
+    b.output(c).unwrap();
+    b.build().unwrap()
+}
+
+/// The column-parallel projection of the MLP block's first half: `AG(x) W1`, W1 split by
+/// columns, every row of this device's column block `[d@Stream, d@DIDx, m, f]`.
+fn column_parallel(dt: DType) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let (d, m, h, f) = (b.symbol("d"), b.symbol("m"), b.symbol("h"), b.symbol("f"));
+    let x = b
+        .input("x", dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(h)])
+        .unwrap();
+    let w = b
+        .input("w1", dt, &[Axis::didx(d), Axis::serial(h), Axis::serial(f)])
+        .unwrap();
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    let y = b.matmul(rows, w).unwrap();
+    let out = [
+        Axis::stream(d),
+        Axis::didx(d),
+        Axis::serial(m),
+        Axis::serial(f),
+    ];
+    let y = b.declare(y, dt, &out).unwrap();
+    b.output(y).unwrap();
+    b.build().unwrap()
+}
+
+/// Pipelined options with the gathered GEMM asked for (`fused`).
+fn options(fused: bool) -> LowerOptions {
+    let mut o = LowerOptions::default().with_pipelining(Pipelining::Always);
+    o.pipelines.gathered_gemm = fused;
+    o
+}
+
+fn program(f: &Fusion, world: usize, o: &LowerOptions) -> HostProgram {
+    lower(f, world, o).unwrap().program
+}
+
+/// How many nodes of each fused kind, and whether any GEMM is left.
+fn fused_shape(p: &HostProgram) -> ([usize; 3], bool) {
+    let mut counts = [0; 3];
+    let mut gemms = false;
+    for_each_node(&p.body, &mut |n| match n.kind() {
+        NodeKind::GatheredGemmLaunch => counts[0] += 1,
+        NodeKind::RowsReady => counts[1] += 1,
+        NodeKind::GatheredGemmJoin => counts[2] += 1,
+        NodeKind::Matmul | NodeKind::Linear => gemms = true,
+        _ => {}
+    });
+    (counts, gemms)
+}
+
+/// Asserts that `fused` lowers `f` exactly as without the option.
+fn unchanged(f: &Fusion, world: usize, fused: &LowerOptions, what: &str) {
+    let mut off = fused.clone();
+    off.pipelines.gathered_gemm = false;
+    let (a, b) = (program(f, world, fused), program(f, world, &off));
+    assert_eq!(a.to_string(), b.to_string(), "{what}");
+}
+
+#[test]
+fn the_fused_program_at_four_devices() {
+    let p = program(&ag_matmul(DType::BF16, None, false), 4, &options(true));
+    insta::assert_snapshot!(p.to_string());
+}
+
+#[test]
+fn the_loop_keeps_its_copies_and_loses_its_gemms() {
+    for dt in [DType::BF16, DType::F16] {
+        for buffers in [true, false] {
+            for schedule in [P2pSchedule::Ring, P2pSchedule::MeshOrder] {
+                for world in [2, 3, 4, 8] {
+                    let mut o = options(true);
+                    o.streams.buffers = buffers;
+                    o.pipelines.p2p_schedule = schedule;
+                    let p = program(&ag_matmul(dt, None, false), world, &o);
+                    let what = format!("{dt} buffers {buffers} {schedule:?} on {world}");
+                    assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{what}:\n{p}");
+                    let text = p.to_string();
+                    // No copy of the own block: the GEMM reads it in place.
+                    assert!(!text.contains("= Set("), "{what}:\n{text}");
+                    assert_eq!(text.matches("backend=CopyEngine").count(), 2, "{what}");
+                    assert!(p.notes.iter().any(|n| n.starts_with("GatheredGemm 0 of")));
+                    // The launch comes after the fork loop, the join right after the loop.
+                    let kinds = p.top_level_kinds();
+                    let launch = kinds
+                        .iter()
+                        .position(|k| *k == NodeKind::GatheredGemmLaunch)
+                        .unwrap();
+                    assert_eq!(kinds[launch - 1], NodeKind::SetCurrentStream, "{what}");
+                    assert_eq!(kinds[launch - 3], NodeKind::ForLoop, "{what}");
+                    assert_eq!(kinds[launch + 1], NodeKind::ForLoop, "{what}");
+                    assert_eq!(kinds[launch + 2], NodeKind::GatheredGemmJoin, "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_column_parallel_projection_is_fused() {
+    for dt in [DType::BF16, DType::F16] {
+        let p = program(&column_parallel(dt), 4, &options(true));
+        assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{p}");
+    }
+}
+
+#[test]
+fn loops_it_does_not_fit_keep_their_pipeline() {
+    let bf16 = ag_matmul(DType::BF16, None, false);
+    unchanged(
+        &ag_matmul(DType::F32, None, false),
+        4,
+        &options(true),
+        "f32",
+    );
+    let nccl = options(true).with_transport(Transport::Nccl);
+    unchanged(&bf16, 4, &nccl, "NCCL transfers");
+    let mut ranges = options(true);
+    ranges.pipelines.allgather_subchunks = Some(2);
+    unchanged(&bf16, 4, &ranges, "row ranges");
+    let gelu = ag_matmul(DType::BF16, Some(UnaryOp::Gelu), false);
+    unchanged(&gelu, 4, &options(true), "a GEMM epilogue");
+    let kept = ag_matmul(DType::BF16, None, true);
+    unchanged(&kept, 4, &options(true), "gathered rows read elsewhere");
+    // Without the option nothing changes, and nothing is noted.
+    let off = program(&bf16, 4, &options(false));
+    assert_eq!(fused_shape(&off).0, [0, 0, 0]);
+    assert!(off.notes.iter().all(|n| !n.contains("GatheredGemm")));
+}
+
+#[test]
+fn two_loops_get_two_gemms() {
+    // Two AllGather + GEMM outputs from separate inputs: two loops, two fused GEMMs.
+    let dt = DType::F16;
+    let mut b = FusionBuilder::new();
+    let (d, m, k, n) = (b.symbol("d"), b.symbol("m"), b.symbol("k"), b.symbol("n"));
+    let mut outs = Vec::new();
+    for name in ["x", "y"] {
+        let x = b
+            .input(name, dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(k)])
+            .unwrap();
+        let w = b
+            .input(
+                &format!("w_{name}"),
+                dt,
+                &[Axis::serial(k), Axis::serial(n)],
+            )
+            .unwrap();
+        let c = b.matmul(x, w).unwrap();
+        let out = [Axis::stream(d), Axis::serial(m), Axis::serial(n)];
+        outs.push(b.declare(c, dt, &out).unwrap());
+    }
+    for c in outs {
+        b.output(c).unwrap();
+    }
+    let p = program(&b.build().unwrap(), 2, &options(true));
+    let ids: Vec<usize> = p
+        .body
+        .iter()
+        .filter_map(|n| match n {
+            Node::GatheredGemmLaunch(g) => Some(g.id.index()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ids, vec![0, 1], "{p}");
+    assert_eq!(fused_shape(&p), ([2, 2, 2], false));
+}
+
+#[test]
+fn the_plan_space_has_the_candidate() {
+    assert_eq!(PLAN_SPACE_REVISION, 3);
+    for d in [2, 3, 4, 8] {
+        let p = find(d, "gathered_gemm").unwrap();
+        assert!(p.lower.pipelines.gathered_gemm);
+        let mut back = p.lower.clone();
+        back.pipelines.gathered_gemm = false;
+        assert_eq!(back, LowerOptions::default());
+        let others = candidates(d)
+            .into_iter()
+            .filter(|c| c.name != "gathered_gemm");
+        assert!(others.into_iter().all(|c| !c.lower.pipelines.gathered_gemm));
+    }
+    assert!(find(1, "gathered_gemm").is_none());
+}

@@ -1,0 +1,133 @@
+//! The gathered GEMM on the persistent kernel's AllGather entry
+//! (`LowerOptions::pipelines.gathered_gemm` with `GemmEngine::Persistent`) on 2 and 4 GPUs
+//! of one process: the fused program against the unpipelined one, in bf16 and f16, on
+//! shapes whose rows per rank fill whole tiles (the kernel runs: `persistent_gemms`
+//! counts it) and one that does not (each block's GEMM runs at the join), each call walked, then
+//! captured, then replayed, every output poisoned first.
+//!
+//! GPU-only (`#[ignore]`d): run with `--ignored`. Without enough GPUs each test skips,
+//! saying so; on GPUs other than compute capability 9.0 the program keeps its pipeline
+//! (the device does not run the fused GEMM), which is checked too.
+
+mod common;
+
+use common::cases;
+use fusion::compiler::lower::{LowerOptions, Pipelining};
+use fusion::runtime::backend::cuda::cuda_world;
+use fusion::runtime::backend::Kernel;
+use fusion::runtime::counters::counters;
+use fusion::runtime::replay::{EagerReason, ReplayStatus};
+use fusion::{DType, ExecOptions, FusionExecutor, GemmEngine, Tensor, World};
+
+/// A CUDA world of `n` GPUs with poisoned allocations, or `None` (skipping, saying so).
+fn gpu_world(n: usize) -> Option<World> {
+    if fusion::runtime::backend::cuda::device_count() < n {
+        eprintln!("skipping: fewer than {n} GPUs visible");
+        return None;
+    }
+    let world = cuda_world(Some(n)).expect("a CUDA world");
+    world.poison_allocations(true);
+    Some(world)
+}
+
+/// The fused plan on the persistent engine.
+fn fused() -> ExecOptions {
+    let mut lower = LowerOptions::default().with_pipelining(Pipelining::Always);
+    lower.pipelines.gathered_gemm = true;
+    ExecOptions {
+        lower,
+        gemm: GemmEngine::Persistent,
+        ..ExecOptions::default()
+    }
+}
+
+fn unpipelined() -> ExecOptions {
+    ExecOptions {
+        lower: LowerOptions::default().with_pipelining(Pipelining::Never),
+        graphs: false,
+        ..ExecOptions::default()
+    }
+}
+
+/// `matmul(AG(x), w)` with x `[d, m, k]` sharded over the ranks: calls 0..4 of the fused
+/// plan (fresh inputs copied into the same buffers each call) against the unpipelined
+/// plan's eager call; the first walks, the second is captured, the others replay.
+fn fused_matches_unpipelined(world: &World, dt: DType, (m, k, n): (usize, usize, usize)) {
+    let d = world.size();
+    let f = cases::ag_matmul_p2p(dt);
+    let (with, without) = (FusionExecutor::new(f.clone()), FusionExecutor::new(f));
+    let kernel_runs = m % 128 == 0;
+    let statuses = world
+        .run(|rank| {
+            let hopper = rank.cuda_context()?.compute_capability()? == (9, 0);
+            let place = |seed: u64| -> fusion::Result<Vec<Tensor>> {
+                let x = Tensor::randn(&[d, m, k], dt, seed);
+                let w = Tensor::randn(&[k, n], dt, seed + 1);
+                Ok(vec![rank.shard(&x, 0)?, rank.to_device(&w)?])
+            };
+            let buffers = place(1)?;
+            let refs: Vec<&Tensor> = buffers.iter().collect();
+            let mut statuses = Vec::new();
+            for call in 0..5u64 {
+                for (dst, src) in buffers.iter().zip(place(10 + call)?) {
+                    rank.device().execute(0, Kernel::Copy { src: &src, dst })?;
+                }
+                let before = counters().persistent_gemms;
+                let g = with.run_with(rank, &refs, None, &fused())?;
+                let ran = counters().persistent_gemms - before;
+                let e = without.run_with(rank, &refs, None, &unpipelined())?;
+                let (a, b) = (rank.to_host(&g.outputs[0])?, rank.to_host(&e.outputs[0])?);
+                let what = format!("{dt} {m}x{k}x{n} on {d} GPUs, call {call} ({:?})", g.replay);
+                let err = a.rel_error(&b)?;
+                assert!(
+                    err < common::tolerance_for(dt),
+                    "{what}: relative error {err:.3e}"
+                );
+                let program = with.program(rank, &refs, &fused())?.to_string();
+                assert_eq!(program.contains("GatheredGemm 0 launch"), hopper, "{what}");
+                // The kernel runs when walked or captured (a replay counts nothing); where
+                // the rows end inside a tile, each block's GEMM at the join does (its own
+                // shape fits the plain kernel).
+                let walked = !matches!(g.replay, ReplayStatus::Replayed);
+                let expected = match (hopper && walked, kernel_runs) {
+                    (false, _) => 0,
+                    (true, true) => 1,
+                    (true, false) => d as u64,
+                };
+                assert_eq!(ran, expected, "{what}: persistent kernel runs");
+                statuses.push(g.replay);
+            }
+            Ok(statuses)
+        })
+        .unwrap();
+    for s in &statuses {
+        assert_eq!(s[0], ReplayStatus::Eager(EagerReason::FirstCall), "{s:?}");
+        assert!(matches!(s[1], ReplayStatus::Captured(_)), "{s:?}");
+        assert!(s[2..].iter().all(|x| *x == ReplayStatus::Replayed), "{s:?}");
+    }
+}
+
+/// (M rows per rank, K, N): whole tiles per rank, a large one, and rows that end inside a
+/// tile (the GEMM then runs at the join).
+const SHAPES: [(usize, usize, usize); 3] = [(256, 512, 384), (1024, 2048, 2048), (200, 136, 296)];
+
+fn on_gpus(n: usize) {
+    let Some(world) = gpu_world(n) else { return };
+    for dt in [DType::BF16, DType::F16] {
+        for shape in SHAPES {
+            fused_matches_unpipelined(&world, dt, shape);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn the_gathered_gemm_matches_the_unpipelined_plan_on_two_gpus() {
+    on_gpus(2);
+}
+
+#[test]
+#[ignore = "needs four CUDA GPUs; run with --ignored on a GPU machine"]
+fn the_gathered_gemm_matches_the_unpipelined_plan_on_four_gpus() {
+    on_gpus(4);
+}
