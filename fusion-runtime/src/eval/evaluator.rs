@@ -9,7 +9,7 @@ use fusion_compiler::ir::{ScalarId, TensorId};
 
 use super::bind::{mesh_devices, SymbolBindings};
 use super::call::{CallContext, ExecStats, HostSpan};
-use super::gathered_gemm::Launched;
+use super::launched_gemm::Launched;
 use super::race::RaceChecker;
 use super::shapes::{bound_leaves, local_shape_of};
 use crate::error::{Error, Result};

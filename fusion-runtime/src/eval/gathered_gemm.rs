@@ -16,25 +16,10 @@ use fusion_compiler::ir::{Expr, Op, ScalarId, TensorId};
 
 use super::compute::GemmExtras;
 use super::evaluator::Evaluator;
+use super::launched_gemm::Launched;
 use crate::device::GatheredGemmCall;
 use crate::error::{Error, Result};
-use crate::streams::StreamHandle;
 use crate::tensor::Tensor;
-
-/// A gathered GEMM between its launch and its join.
-pub(crate) struct Launched {
-    node: GatheredGemm,
-    /// The stream it was launched on.
-    stream: StreamHandle,
-    /// Whether the device runs it as one kernel (else it runs at the join).
-    on_device: bool,
-    gathered: Tensor,
-    own: Tensor,
-    b: Tensor,
-    output: Tensor,
-    /// Per block: said ready (this rank's own block counts as ready).
-    ready: Vec<bool>,
-}
 
 impl Evaluator<'_> {
     /// `GatheredGemmLaunch`: binds the operands and launches the GEMM where the device runs

@@ -1,0 +1,22 @@
+//! The state of a fused AllGather+GEMM between its launch and its join, which the
+//! evaluator keeps per GEMM (`gathered_gemm` runs the nodes).
+
+use fusion_compiler::hir::GatheredGemm;
+
+use crate::streams::StreamHandle;
+use crate::tensor::Tensor;
+
+/// A gathered GEMM between its launch and its join.
+pub(crate) struct Launched {
+    pub(super) node: GatheredGemm,
+    /// The stream it was launched on.
+    pub(super) stream: StreamHandle,
+    /// Whether the device runs it as one kernel (else it runs at the join).
+    pub(super) on_device: bool,
+    pub(super) gathered: Tensor,
+    pub(super) own: Tensor,
+    pub(super) b: Tensor,
+    pub(super) output: Tensor,
+    /// Per block: said ready (this rank's own block counts as ready).
+    pub(super) ready: Vec<bool>,
+}
