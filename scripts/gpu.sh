@@ -163,7 +163,9 @@ task_check() {
 # (every operand layout in bf16 and f16 against cuBLAS at odd and large shapes, fusions with
 # transposed operands and a linear layer, GEMMs it leaves to cuBLAS, replayed calls; fresh
 # inputs, outputs poisoned; on a GPU other than compute capability 9.0 only the fallback to
-# cuBLAS), then, where nvcc is on the PATH, the kernel's standalone checks and benchmarks
+# cuBLAS), with two GPUs or more tests/hopper_gathered_gemm.rs (the fused AllGather+GEMM
+# plan against the unpipelined one, eager, captured, replayed), then, where nvcc is on the
+# PATH, the kernel's standalone checks and benchmarks
 # (bench/hopper_gemm/build.sh, sm_90a): the GEMM against cuBLAS and an f64 reference
 # (HARNESS_REPS timed runs per row, default 30), and with two GPUs or more the
 # GEMM+ReduceScatter and AllGather+GEMM inside the kernel at D = 2 and every GPU of the
@@ -173,6 +175,9 @@ task_hopper_gemm() {
     gpus_info >"$OUT/machine.txt" 2>&1
     fresh_seed "$OUT/machine.txt"
     step hopper_gemm 600 $BIN/test-hopper_gemm --ignored --test-threads=1 --nocapture
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+        step hopper_gathered_gemm 600 $BIN/test-hopper_gathered_gemm --ignored --test-threads=1 --nocapture
+    fi
     local harnesses=()
     if command -v nvcc >/dev/null; then
         CUDA_LIB="${CUDA_HOME:-/usr/local/cuda}/lib64" step harness-build 600 \
