@@ -68,11 +68,16 @@ impl CudaDevice {
         let blocks = blocks_for(n);
         // Two doubles per block, as f32 words.
         let partials = self.alloc_tensor(0, DType::F32, &[blocks * 4])?;
-        let address = |t: &Tensor| t.device_ptr().expect("a tensor of this device");
-        let mut a = address(&got);
-        let mut b = address(&want);
+        let address = |t: &Tensor| {
+            t.device_ptr().ok_or_else(|| crate::error::Error::Backend {
+                backend: "cuda",
+                reason: "comparing outputs: a tensor is not in device memory".into(),
+            })
+        };
+        let mut a = address(&got)?;
+        let mut b = address(&want)?;
         let mut count = n as u64;
-        let mut sums = address(&partials);
+        let mut sums = address(&partials)?;
         let mut args: [*mut c_void; 4] = [
             (&mut a as *mut u64).cast(),
             (&mut b as *mut u64).cast(),
