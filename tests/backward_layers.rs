@@ -72,10 +72,11 @@ fn layer_gradients_match_finite_differences() {
 
 #[test]
 fn mlp_block_backward_program_snapshot() {
-    // Three loops: the gather of x's rows recomputing the hidden activation; the gather of
-    // dY with dW2's GEMM (the activation's chunk read transposed) adding onto dW2 and the
-    // activation's gradient; then dH, dW1's GEMM (the gathered rows' chunk read
-    // transposed, no second gather) adding onto dW1, and dX's GEMM reduce-scattered.
+    // Two loops: the gather of x's rows recomputing the hidden activation, with, in the
+    // same loop (its chunks are the same), the gather of dY with dW2's GEMM (the
+    // activation's chunk read transposed) adding onto dW2 and the activation's gradient;
+    // then dH, dW1's GEMM (the gathered rows' chunk read transposed, no second gather)
+    // adding onto dW1, and dX's GEMM reduce-scattered.
     let f = common::cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
     let bw = backward(&f, &GradSpec::all(&f)).unwrap();
     let p = lower(&bw.fusion, 4, &LowerOptions::default())

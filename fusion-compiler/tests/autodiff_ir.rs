@@ -131,13 +131,14 @@ fn shape_of(p: &HostProgram) -> Shape {
 #[test]
 fn column_parallel_weight_gradient_accumulates_in_the_gather_loop() {
     let piped = lowered_backward(Pipelining::Always);
-    // One pipeline gathers x's row blocks (a receive in its loop), and each block's GEMM,
-    // reading it transposed, adds onto dW; dX's reduce-scatter is a second pipeline with
-    // its local sum after it, the only reduction left.
+    // One loop, the gather-scatter pipeline (x's row blocks and dX's partials work on the
+    // same chunks): it gathers x's row blocks (a receive), and each block's GEMM, reading
+    // it transposed, adds onto dW; dX's GEMM adds onto the running sum of its
+    // reduce-scatter that arrived (the other receive), so no reduction is left.
     let want = Shape {
         receives: 2,
-        accumulating_in_loops: 1,
-        reductions: 1,
+        accumulating_in_loops: 2,
+        reductions: 0,
         ..Shape::default()
     };
     assert_eq!(shape_of(&piped), want, "{piped}");

@@ -1,15 +1,24 @@
 //! The expressions one stream loop hosts ([`LoopGroup`]), its gathers, the reduce-scatter
-//! folded into it, and the error every step of the pass reports a Stream axis it cannot lower with.
+//! folded into it, when a later loop may join it, and the error every step of the pass
+//! reports a Stream axis it cannot lower with.
 
 use std::collections::{HashMap, HashSet};
 
+use super::permute_views;
 use super::views::{with_axis_extent, PermuteViews, RowSlicing};
 use crate::error::{Error, Result};
 use crate::hir::{HostProgram, Node};
 use crate::ir::{axis_map, Expr, Fusion, IterDomainId, IterKind, NamedScalar, ScalarId, TensorId};
 use crate::resharding::{classify, MeshContext, Resharding};
 
+/// One item of the pass's program: a node outside the loops, or a loop.
+pub(super) enum Item {
+    Node(Node),
+    Loop(LoopGroup),
+}
+
 /// A reduce-scatter folded into the loop that produces its input.
+#[derive(Clone)]
 pub(super) struct ReduceScatterFold {
     pub(super) expr: Expr,
     /// Position of the reduced DIDx axis in the input.
@@ -28,6 +37,7 @@ pub(super) struct Gather {
 }
 
 /// Expressions that will share one stream loop.
+#[derive(Clone)]
 pub(super) struct LoopGroup {
     pub(super) axis: IterDomainId,
     pub(super) extent: ScalarId,
@@ -93,6 +103,42 @@ impl LoopGroup {
             linked = true;
         }
         Ok(linked && f.axis(e.output, s).extent == self.extent)
+    }
+
+    /// True when loop `next`, which follows this one, may run in it after this loop's
+    /// expressions: both iterate a Stream axis of the same extent, this loop
+    /// reduce-scatters nothing (its sum would come after `next`'s expressions), and `next`
+    /// reads this loop's results only chunk by chunk: no sum this loop accumulates, no
+    /// result along another axis than its Stream axis, no permute view of a result.
+    pub(super) fn may_absorb(&self, f: &Fusion, next: &LoopGroup) -> bool {
+        if self.extent != next.extent || self.reduce_scatter.is_some() {
+            return false;
+        }
+        let sums: HashSet<TensorId> = self.accumulate.iter().map(|a| a.output).collect();
+        next.exprs.iter().all(|(e, s)| {
+            let map = axis_map(f, e);
+            e.inputs.iter().enumerate().all(|(i, t)| {
+                let whole_view = next.views.contains_key(t)
+                    && !self.produced.contains_key(t)
+                    && self
+                        .produced
+                        .contains_key(&permute_views::source(&next.views, *t));
+                let chunked = match self.produced.get(t) {
+                    Some(&ps) => map.producer_axis(i, *s) == Some(ps),
+                    None => true,
+                };
+                chunked && !whole_view && !sums.contains(t)
+            })
+        })
+    }
+
+    /// Appends loop `next` (which [`LoopGroup::may_absorb`]) to this one.
+    pub(super) fn absorb(&mut self, next: LoopGroup) {
+        self.produced.extend(next.produced);
+        self.exprs.extend(next.exprs);
+        self.reduce_scatter = next.reduce_scatter;
+        self.accumulate.extend(next.accumulate);
+        self.views.extend(next.views);
     }
 
     /// True when the loop's chunks must stay whole (no row ranges): its GEMMs accumulate

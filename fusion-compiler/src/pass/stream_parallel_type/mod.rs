@@ -68,11 +68,14 @@
 //! `accumulate` (which permutes are views, which sums fold).
 
 mod accumulate;
+mod choice;
 mod direct;
 mod exchange;
 mod gather_scatter;
 mod group;
+mod internal;
 mod iteration;
+mod merge;
 mod permute_views;
 mod ring;
 mod schedule;
@@ -80,25 +83,21 @@ mod stream_loop;
 mod subchunk;
 mod views;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
-use group::{stream_error, LoopGroup, ReduceScatterFold};
+use choice::Pipeline;
+use group::{stream_error, Item, LoopGroup, ReduceScatterFold};
+use internal::loop_internal_tensors;
 use views::PermuteViews;
 
 use super::context::{Pass, PassContext};
 use crate::error::Result;
-use crate::hir::{for_each_node, HostProgram, Node};
+use crate::hir::{HostProgram, Node};
 use crate::ir::{axis_map, Expr, Op, ParallelType, TensorId};
 use crate::options::ReduceScatterPipeline;
-use crate::resharding::{classify, MeshContext, Resharding};
 
 /// The stream-lowering pass.
 pub struct StreamParallelType;
-
-enum Item {
-    Node(Node),
-    Loop(LoopGroup),
-}
 
 impl Pass for StreamParallelType {
     fn name(&self) -> &'static str {
@@ -111,8 +110,9 @@ impl Pass for StreamParallelType {
         let body = std::mem::take(&mut p.body);
         let mut items = group_loops(p, body, &views, &readers)?;
         fold_reduce_scatters(p, &mut items)?;
+        merge::merge_independent_loops(p, ctx, &mut items, &views)?;
         let internal = if ctx.options.streams.buffers {
-            loop_internal_tensors(p, &items, &views)
+            loop_internal_tensors(p, &items, &views, None)
         } else {
             HashSet::new()
         };
@@ -271,78 +271,18 @@ fn reduce_scatter_pattern(
     }))
 }
 
-/// Tensors a loop produces and only that loop uses (not outputs or aliases; a read of a
-/// permute view is a read of what it views).
-fn loop_internal_tensors(
-    p: &HostProgram,
-    items: &[Item],
-    views: &PermuteViews,
-) -> HashSet<TensorId> {
-    let mut used_by: HashMap<TensorId, HashSet<usize>> = HashMap::new();
-    for (k, item) in items.iter().enumerate() {
-        let mut touch = |t: TensorId| {
-            used_by.entry(t).or_default().insert(k);
-            used_by
-                .entry(permute_views::source(views, t))
-                .or_default()
-                .insert(k);
-        };
-        match item {
-            Item::Node(n) => for_each_node(std::slice::from_ref(n), &mut |m| {
-                m.tensors().into_iter().for_each(&mut touch)
-            }),
-            Item::Loop(g) => {
-                for (e, _) in &g.exprs {
-                    e.inputs.iter().copied().for_each(&mut touch);
-                }
-                if let Some(rs) = &g.reduce_scatter {
-                    touch(rs.expr.inputs[0]);
-                }
-            }
-        }
-    }
-    let pinned: HashSet<TensorId> = p
-        .outputs
-        .iter()
-        .copied()
-        .chain(p.aliases.iter().flat_map(|&(o, i)| [o, i]))
-        .collect();
-    let mut internal = HashSet::new();
-    for (k, item) in items.iter().enumerate() {
-        if let Item::Loop(g) = item {
-            for (e, _) in &g.exprs {
-                let t = e.output;
-                let users = used_by.get(&t);
-                if !pinned.contains(&t) && users.is_none_or(|u| u.iter().all(|&x| x == k)) {
-                    internal.insert(t);
-                }
-            }
-        }
-    }
-    internal
-}
-
 /// Emits one loop group: the gather-scatter pipeline when it gathers and reduce-scatters,
 /// the ring when it reduce-scatters with [`ReduceScatterPipeline::Ring`] and the ring
-/// applies, the standard loop otherwise.
+/// applies, the standard loop otherwise (`choice`).
 fn emit_loop(
     g: LoopGroup,
     p: &mut HostProgram,
     ctx: &PassContext,
     internal: &HashSet<TensorId>,
 ) -> Result<Vec<Node>> {
-    let mesh_ctx = MeshContext {
-        world_size: Some(p.world_size),
-    };
-    let mut has_allgather = false;
-    for (e, _) in &g.exprs {
-        has_allgather |= matches!(
-            classify(&p.ir, e, mesh_ctx)?,
-            Resharding::DidxToStream { .. }
-        );
-    }
-    if has_allgather && g.reduce_scatter.is_some() {
-        if let Some(reason) = gather_scatter::unsupported(p, &g, ctx, internal)? {
+    let choice = match choice::choose(p, &g, ctx, internal)? {
+        Ok(c) => c,
+        Err(reason) => {
             return Err(stream_error(
                 &p.ir,
                 g.exprs[0].0.output,
@@ -350,38 +290,43 @@ fn emit_loop(
                 &format!(
                     "this stream loop gathers (P2P allgather) and reduce-scatters, but {reason}"
                 ),
-            ));
+            ))
         }
-        if ctx.options.pipelines.reduce_scatter == ReduceScatterPipeline::Direct {
-            tracing::debug!(
-                "a loop that also gathers reduce-scatters in a ring: the direct pipeline's \
-                 sum after the loop would leave work after the last GEMM"
-            );
-        }
-        return gather_scatter::emit(g, p, ctx, internal);
-    }
+    };
     let (pipeline, mut subchunks) = ctx.options.reduce_scatter_plan(p.world_size);
-    if g.whole_chunks() {
-        subchunks = 1;
-    }
-    if let (Some(rs), ReduceScatterPipeline::Ring) = (&g.reduce_scatter, pipeline) {
-        if ctx.options.streams.compute_first
-            && g.compute_prefix_len(p, mesh_ctx)? == g.exprs.len()
-            && ring::applies(p, &g, rs)
-        {
+    match choice.pipeline {
+        Pipeline::GatherScatter => {
+            if pipeline == ReduceScatterPipeline::Direct {
+                tracing::debug!(
+                    "a loop that also gathers reduce-scatters in a ring: the direct \
+                     pipeline's sum after the loop would leave work after the last GEMM"
+                );
+            }
+            return gather_scatter::emit(g, p, ctx, internal);
+        }
+        Pipeline::Ring => {
+            if g.whole_chunks() {
+                subchunks = 1;
+            }
             return ring::emit(g, p, ctx, internal, subchunks);
         }
-        tracing::debug!(
-            "reduce-scatter pipeline of `{}` runs direct: the ring needs compute-first \
-             streams and a matmul as the loop's last expression",
-            p.ir.tensor_name(rs.expr.output)
-        );
+        Pipeline::Direct if pipeline == ReduceScatterPipeline::Ring => {
+            if let Some(rs) = &g.reduce_scatter {
+                tracing::debug!(
+                    "reduce-scatter pipeline of `{}` runs direct: the ring needs \
+                     compute-first streams and a matmul as the loop's last expression",
+                    p.ir.tensor_name(rs.expr.output)
+                );
+            }
+        }
+        Pipeline::Direct | Pipeline::Standard => {}
     }
     // Without a reduce-scatter, the row ranges are the allgather's (the AllGather + GEMM
     // pipeline); a loop that gathers and reduce-scatters took the gather-scatter path above.
     let subchunks = match (g.reduce_scatter.is_some(), g.whole_chunks()) {
-        (true, _) | (false, true) => subchunks,
+        (_, true) => 1,
+        (true, false) => subchunks,
         (false, false) => ctx.options.allgather_row_ranges(),
     };
-    stream_loop::emit(g, p, ctx, internal, has_allgather, subchunks)
+    stream_loop::emit(g, p, ctx, internal, choice.has_allgather, subchunks)
 }

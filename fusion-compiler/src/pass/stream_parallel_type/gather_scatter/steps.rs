@@ -220,6 +220,7 @@ impl GatherScatter<'_> {
                 .filter(|(e, _)| !bufs.gathered.contains(&e.output))
                 .cloned()
                 .collect(),
+            &self.g.views,
         );
         for (e, s) in &computed {
             let t = e.output;
