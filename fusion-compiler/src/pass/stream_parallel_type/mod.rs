@@ -1,7 +1,11 @@
 //! `StreamParallelType`: turns expressions with a Stream axis into host for-loops.
 //!
 //! Consecutive top-level expressions whose Stream axes map onto each other share one loop;
-//! any other expression in between closes it. For each loop (seeds 000-002):
+//! any other expression in between closes it. Then two adjacent loops that iterate the
+//! same extent merge when the second reads the first's results only chunk by chunk and
+//! the merged loop lowers no worse under the options (`merge`: e.g. the MLP backward's
+//! `dW1` on the gathered input and its reduce-scattered `dX`). For each loop (seeds
+//! 000-002):
 //!
 //! ```text
 //! Allocate every output of the loop's expressions
@@ -64,8 +68,10 @@
 //! `exchange` (the coalesced send/receive and the allgather step), `iteration` (one
 //! expression per iteration, fork and join loops), `direct` and `ring` (the two
 //! reduce-scatter pipelines), `stream_loop` (the standard loop), `gather_scatter` (a loop
-//! that gathers and reduce-scatters), and for the grouping `permute_views` and
-//! `accumulate` (which permutes are views, which sums fold).
+//! that gathers and reduce-scatters), `choice` (which of these a loop lowers to), and for
+//! the grouping `permute_views` and `accumulate` (which permutes are views, which sums
+//! fold), `internal` (the results only their loop reads) and `merge` (adjacent
+//! independent loops into one).
 
 mod accumulate;
 mod choice;
