@@ -82,11 +82,7 @@ fn the_mlp_block_ignores_the_allgather_row_ranges() {
     let (m, k, h) = (4, 6, 3);
     for d in device_counts() {
         let seed = 2000 + d as u64;
-        let inputs = vec![
-            (Tensor::randn(&[d, m, k], dt, seed), Give::Shard(0)),
-            (Tensor::randn(&[d, k, h], dt, seed + 1), Give::Shard(0)),
-            (Tensor::randn(&[d, h, k], dt, seed + 2), Give::Shard(0)),
-        ];
+        let inputs = mlp_block_inputs(d, (m, k, h), dt, seed);
         let take = [Take::Sharded(0)];
         let whole = run(&f, d, &inputs, &take, &unpipelined());
         let plain = run(&f, d, &inputs, &take, &in_rows(1, true));

@@ -99,11 +99,7 @@ fn the_mlp_block_keeps_its_gather_scatter_pipeline() {
     let (m, k, h) = (4, 8, 8);
     for d in device_counts() {
         let seed = 4500 + d as u64;
-        let inputs = vec![
-            (Tensor::randn(&[d, m, k], dt, seed), Give::Shard(0)),
-            (Tensor::randn(&[d, k, h], dt, seed + 1), Give::Shard(0)),
-            (Tensor::randn(&[d, h, k], dt, seed + 2), Give::Shard(0)),
-        ];
+        let inputs = mlp_block_inputs(d, (m, k, h), dt, seed);
         let take = [Take::Sharded(0)];
         let plain = run(&f, d, &inputs, &take, &options(false, true));
         let r = run(&f, d, &inputs, &take, &options(true, true));

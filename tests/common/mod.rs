@@ -443,3 +443,18 @@ pub fn snapshots_here() -> insta::Settings {
     }));
     settings
 }
+
+/// Random inputs of the sequence-parallel MLP block (`cases::tp_mlp`) on `d` devices, each
+/// sharded on its device axis: x `[d, m, k]`, w1 `[d, k, h]`, w2 `[d, h, k]`.
+pub fn mlp_block_inputs(
+    d: usize,
+    (m, k, h): (usize, usize, usize),
+    dt: DType,
+    seed: u64,
+) -> Vec<(Tensor, Give)> {
+    vec![
+        (Tensor::randn(&[d, m, k], dt, seed), Give::Shard(0)),
+        (Tensor::randn(&[d, k, h], dt, seed + 1), Give::Shard(0)),
+        (Tensor::randn(&[d, h, k], dt, seed + 2), Give::Shard(0)),
+    ]
+}
