@@ -186,6 +186,9 @@ task_hopper_gemm() {
             STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
                 step harness 600 "$OUT/hopper_gemm/hopper_gemm_bench" "${HARNESS_REPS:-30}"
             harnesses+=(harness)
+            STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
+                step harness-self 600 "$OUT/hopper_gemm/hopper_gemm_self_bench" "${HARNESS_REPS:-30}"
+            harnesses+=(harness-self)
             local gpus d
             gpus=$(nvidia-smi -L | wc -l)
             for d in $( [ "$gpus" -gt 2 ] && echo "$gpus") $( [ "$gpus" -ge 2 ] && echo 2); do

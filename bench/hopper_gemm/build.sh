@@ -3,6 +3,7 @@
 #   hopper_gemm_bench     one GPU, the GEMM against cuBLAS (harness.cu)
 #   hopper_gemm_rs_bench  D GPUs of one process, GEMM+ReduceScatter in the epilogue
 #   hopper_gemm_ag_bench  D GPUs of one process, AllGather+GEMM on ready words
+#   hopper_gemm_self_bench one GPU, the communicating entries aimed at the GPU itself
 # Usage: build.sh [output directory]
 set -eu
 cd "$(dirname "$0")"
@@ -13,3 +14,4 @@ LIBS="-lcublas -lcuda"
 nvcc $FLAGS harness.cu $LIBS -o "$OUTDIR/hopper_gemm_bench"
 nvcc $FLAGS rs_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_rs_bench"
 nvcc $FLAGS ag_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_ag_bench"
+nvcc $FLAGS self_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_self_bench"
