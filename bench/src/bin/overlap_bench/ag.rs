@@ -1,9 +1,9 @@
 //! The AllGather + GEMM variants on one rank: the collective alone, the GEMM alone, the
 //! sequential program, the collective pipelines and the P2P pipelines, over NCCL or the
-//! copy engines.
+//! copy engines, and the fused AllGather + GEMM on the persistent Hopper kernel.
 
 use fusion::compiler::hir::Transport;
-use fusion::{Rank, Result, Tensor};
+use fusion::{GemmEngine, Rank, Result, Tensor};
 use fusion_bench::cli::list;
 
 use crate::sample::{default_against_best, default_call, opts, variant, Execs, Samples};
@@ -106,5 +106,13 @@ pub fn run_ag(
             break;
         }
     }
+    // The fused AllGather + GEMM: one persistent Hopper GEMM whose loader waits for each
+    // piece's ready word behind the copy engines (where the device runs that kernel;
+    // elsewhere this is the copy-engine pipeline).
+    let mut o = opts(d, Transport::CopyEngine, true, true);
+    o.lower.pipelines.gathered_gemm = true;
+    o.gemm = GemmEngine::Persistent;
+    let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
+    out.push(("gathered_gemm_persistent".into(), s));
     Ok(out)
 }
