@@ -74,7 +74,7 @@ impl Ctx<'_> {
         }
         self.matrix_axes_exact(id, g, out, rx.min(2))?;
         if wants(w) {
-            let xp = self.primal(x)?;
+            let xp = self.operand_primal(x)?;
             let gt = self.b.transpose(g, rx - 2, rx - 1)?;
             let r = self.b.matmul(gt, xp)?;
             let mut src = batch_sources(rx - 2);
@@ -106,7 +106,7 @@ impl Ctx<'_> {
             return Ok(v);
         }
         let r = self.rank(t);
-        let p = self.primal(t)?;
+        let p = self.operand_primal(t)?;
         let v = self.b.transpose(p, r - 2, r - 1)?;
         self.transposed.insert(t, v);
         Ok(v)

@@ -83,6 +83,29 @@ impl Ctx<'_> {
         Ok(out)
     }
 
+    /// The forward value `t` as the operand a weight gradient's GEMM reads. In the saving
+    /// form an activation of a saved GEMM or reduction result (`gelu(x W1)`) is taken
+    /// saved too, as autograd keeps a GEMM's input, rather than computed again (a GEMM
+    /// epilogue can store both); everything else as [`Self::primal`] gives it. (Values of
+    /// several such results, a gated MLP's `silu(g) * u`, are recomputed: the forward
+    /// computes them in one fused kernel, which returning them would split.)
+    pub fn operand_primal(&mut self, t: TensorId) -> Result<TensorId> {
+        if self.saving && !self.primal.contains_key(&t) && self.activation_of_saved(t) {
+            return self.saved_input(t);
+        }
+        self.primal(t)
+    }
+
+    /// Whether `t` is a unary op's result on a value the saving form saves.
+    fn activation_of_saved(&self, t: TensorId) -> bool {
+        let Some(e) = self.f.definition(t) else {
+            return false;
+        };
+        let e = self.f.expr(e);
+        matches!(e.op, Op::Unary(_))
+            && (self.f.definition(e.inputs[0])).is_some_and(|d| worth_saving(&self.f.expr(d).op))
+    }
+
     /// The forward value `t` as an input of the backward (the forward returns it): its
     /// layout, with a Stream axis serial (an input is whole when the call begins).
     pub fn saved_input(&mut self, t: TensorId) -> Result<TensorId> {
@@ -145,8 +168,9 @@ impl Ctx<'_> {
 /// Whether the saving form takes the result of `op` from the forward rather than
 /// recomputing it: a GEMM's (the compute a recomputation would repeat) and a reduction's
 /// (a sum over a sharded axis is a collective). Pointwise values, views and reshardings
-/// are recomputed from what is saved: a gathered operand saved would hold every device's
-/// rows on each device.
+/// are recomputed from what is saved (a gathered operand saved would hold every device's
+/// rows on each device), except an activation a weight gradient's GEMM reads
+/// (`Ctx::operand_primal`).
 fn worth_saving(op: &Op) -> bool {
     matches!(op, Op::Matmul | Op::Linear | Op::Reduction { .. })
 }
