@@ -169,12 +169,17 @@ __device__ __forceinline__ void red_release_add(u64 p, u32 v) {
 }
 
 // Waits until `ready(word)` holds, at most the timeout; false (and the error word set to
-// 1 + `peer`) when it gave up.
+// 1 + `peer`) when it gave up. The error word may be host memory (the runtime's status
+// word, which the host also sets to let every wait through): it is read once every 1024
+// polls, as is the clock, so the spinning blocks do not keep the PCIe link busy with reads
+// that the copy engines' hand-offs (flags in host memory too) then wait behind.
 template <typename Ready>
 __device__ __forceinline__ bool wait_word(u64 error, u64 timeout_ns, u64 word, int peer, Ready ready) {
     if (ready(ld_acquire(word))) return true;
     u64 start = now_ns();
+    u32 polls = 0;
     while (!ready(ld_acquire(word))) {
+        if ((++polls & 1023) != 0) continue;
         if (ld_acquire(error) != 0 || now_ns() - start > timeout_ns) {
             atomicCAS((u32*)error, 0u, (u32)(peer + 1));
             return false;
