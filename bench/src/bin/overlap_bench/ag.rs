@@ -3,7 +3,7 @@
 //! copy engines, and the fused AllGather + GEMM on the persistent Hopper kernel.
 
 use fusion::compiler::hir::Transport;
-use fusion::{GemmEngine, Rank, Result, Tensor};
+use fusion::{ExecOptions, GemmEngine, Rank, Result, Tensor};
 use fusion_bench::cli::list;
 
 use crate::sample::{default_against_best, default_call, opts, variant, Execs, Samples};
@@ -68,6 +68,13 @@ pub fn run_ag(
     let full = gathered.reshape(&[1, m, gathered.shape()[2]])?;
     let (s, _) = variant(rank, a, &e.gemm, &[&full, &b], &nccl_seq, None)?;
     out.push(("gemm_alone".into(), s));
+    // The same GEMM on the persistent Hopper kernel (cuBLAS where it does not run).
+    let persistent = ExecOptions {
+        gemm: GemmEngine::Persistent,
+        ..nccl_seq.clone()
+    };
+    let (s, _) = variant(rank, a, &e.gemm, &[&full, &b], &persistent, None)?;
+    out.push(("gemm_alone_persistent".into(), s));
     let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &nccl_seq, check)?;
     out.push(("sequential".into(), s));
     let (s, _) = default_call(rank, a, &e.ag_p2p, &[&a_local, &b], check)?;
@@ -106,12 +113,11 @@ pub fn run_ag(
             break;
         }
     }
-    // The fused AllGather + GEMM: one persistent Hopper GEMM whose loader waits for each
-    // piece's ready word behind the copy engines (where the device runs that kernel;
-    // elsewhere this is the copy-engine pipeline).
+    // The fused AllGather + GEMM (the plan candidate `gathered_gemm`): one persistent
+    // Hopper GEMM whose loader waits for each block's ready word behind the copy engines
+    // (where the device runs that kernel; elsewhere this is the copy-engine pipeline).
     let mut o = opts(d, Transport::CopyEngine, true, true);
     o.lower.pipelines.gathered_gemm = true;
-    o.gemm = GemmEngine::Persistent;
     let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
     out.push(("gathered_gemm_persistent".into(), s));
     Ok(out)

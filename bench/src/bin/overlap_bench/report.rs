@@ -72,7 +72,7 @@ pub fn print_table(rows: &[Row]) {
             .iter()
             .filter(|r| {
                 !matches!(r.variant.as_str(), "comm_alone" | "gemm_alone")
-                    && !r.variant.starts_with("gemm_alone_rows")
+                    && !r.variant.starts_with("gemm_alone_")
                     && !r.variant.ends_with("_fullbuf")
                     && !r.variant.starts_with("ab_")
             })
@@ -110,7 +110,10 @@ pub fn print_table(rows: &[Row]) {
 /// Whether `variant` runs the benchmark's P2P fusion with options (or by default), as
 /// opposed to a component alone or the collective pipelines' other input layout.
 pub fn is_option_of_the_fusion(variant: &str) -> bool {
-    variant == "sequential" || variant == "default_call" || variant.starts_with("p2p_")
+    variant == "sequential"
+        || variant == "default_call"
+        || variant.starts_with("p2p_")
+        || variant == "gathered_gemm_persistent"
 }
 
 /// Rank 0's timeline of a traced call: each communication and kernel with its stream,

@@ -56,8 +56,6 @@ pub(crate) trait GemmDevice: Device {
     fn kernels(&self) -> &KernelCache;
     /// The device's state of the persistent Hopper GEMM.
     fn hopper(&self) -> &HopperGemms;
-    /// The engine of the GEMMs enqueued now (`Device::set_gemm_engine`).
-    fn gemm_engine(&self) -> GemmEngine;
     /// The health of the device's world (its timeout, the waits it watches).
     fn health(&self) -> &WorldHealth;
     /// The rank the device serves.

@@ -15,8 +15,10 @@
 //! health check turns it into a `Timeout` naming the rank and the block it waited for, and
 //! a failed world lets every wait through by setting it.
 //!
-//! Where the kernel does not apply (another GPU, the cuBLAS engine, shapes its tiles do
-//! not fit) the launch answers `false` and the evaluator runs the GEMM at the join.
+//! It runs whichever engine the call's other GEMMs use (`ExecOptions::gemm`): the fused node
+//! exists only where a plan asked for it. Where the kernel does not apply (another GPU,
+//! shapes its tiles do not fit) the launch answers `false` and the evaluator runs the GEMM
+//! at the join.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -142,10 +144,11 @@ impl Drop for AgStatus {
     }
 }
 
-/// Whether `dev` runs gathered GEMMs as one kernel with `engine`: the persistent engine on
-/// a GPU of compute capability 9.0.
-pub(crate) fn runs(dev: &dyn GemmDevice, engine: GemmEngine) -> bool {
-    engine == GemmEngine::Persistent && matches!(dev.hopper().sms(dev.shared()), Ok(Some(_)))
+/// Whether `dev` runs gathered GEMMs as one kernel: a GPU of compute capability 9.0,
+/// whatever engine runs the call's other GEMMs (`_engine`: the fused node is this kernel
+/// or nothing; a plan candidate asks for it, and tuning keeps it where it measures faster).
+pub(crate) fn runs(dev: &dyn GemmDevice, _engine: GemmEngine) -> bool {
+    matches!(dev.hopper().sms(dev.shared()), Ok(Some(_)))
 }
 
 /// Launches `call` on `stream` where the kernel applies (`Ok(false)` where it does not:
@@ -155,11 +158,7 @@ pub(crate) fn launch(
     stream: StreamHandle,
     call: &GatheredGemmCall<'_>,
 ) -> Result<bool> {
-    let Some(sms) = (dev.gemm_engine() == GemmEngine::Persistent)
-        .then(|| dev.hopper().sms(dev.shared()))
-        .transpose()?
-        .flatten()
-    else {
+    let Some(sms) = dev.hopper().sms(dev.shared())? else {
         return Ok(false);
     };
     let Some((plan, own)) = plan_of(call) else {
