@@ -184,8 +184,9 @@ fn mlp_block_saving_backward_program_snapshot() {
     // GEMMs (dW2, dAct, dW1, dX), where the recomputing form has five. They work chunk by
     // chunk of the same Stream axis, so they share one loop, the gather-scatter pipeline:
     // each step gathers the rows of dY and of x, recomputes the activation from H, runs
-    // dW2's GEMM adding onto dW2, dAct's GEMM, dH = dAct gelu'(H) and dW1's GEMM adding
-    // onto dW1, and dX's GEMM adds onto the running sum of its reduce-scatter.
+    // dW2's GEMM adding onto dW2, dAct's GEMM with dH = dAct gelu'(H) in its epilogue (H
+    // its auxiliary matrix) and dW1's GEMM adding onto dW1, and dX's GEMM adds onto the
+    // running sum of its reduce-scatter.
     let f = common::cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
     let spec = GradSpec::all(&f);
     let s = saving(&f, &spec).unwrap();

@@ -100,10 +100,10 @@ pub(crate) struct LtAux {
 }
 
 impl LtAux {
-    /// True when cuBLASLt takes it: `ld` a multiple of 8 and at least D's `rows`, the
-    /// pointer 16-byte aligned.
-    pub(crate) fn fits(&self, rows: u64) -> bool {
-        self.ld % 8 == 0 && self.ld >= rows as i64 && self.ptr % 16 == 0
+    /// True when cuBLASLt takes it beside a D of `rows` rows in `d_dtype`: `ld` a multiple
+    /// of 8 and at least `rows`, the pointer 16-byte aligned, D's dtype.
+    pub(crate) fn fits(&self, rows: u64, d_dtype: DType) -> bool {
+        self.ld % 8 == 0 && self.ld >= rows as i64 && self.ptr % 16 == 0 && self.dtype == d_dtype
     }
 }
 
@@ -297,7 +297,9 @@ impl LtPlans {
             return Ok(false);
         }
         if problem.bias_ptr.is_some_and(|p| p % 16 != 0)
-            || problem.aux.is_some_and(|x| !x.fits(problem.d.rows))
+            || problem
+                .aux
+                .is_some_and(|x| !x.fits(problem.d.rows, problem.out_dtype))
             || problem.aux.is_some() != problem.epilogue.has_aux()
         {
             return Ok(false);
@@ -481,13 +483,11 @@ fn build_plan(
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(key.a.transposed))?;
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(key.b.transposed))?;
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-        if let (Some((ld, dtype, _)), Some(p)) = (key.aux, aux_ptr) {
+        // The auxiliary matrix's type stays cuBLASLt's default, D's: the only one it takes
+        // outside FP8 GEMMs (the caller asks only when the matrix has D's dtype, which the
+        // key holds).
+        if let (Some((ld, _, _)), Some(p)) = (key.aux, aux_ptr) {
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
-            set_desc(
-                desc,
-                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
-                &(data_type(dtype) as i32),
-            )?;
             set_desc(
                 desc,
                 A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
@@ -612,9 +612,12 @@ mod tests {
             ld,
             dtype: DType::BF16,
         };
-        assert!(aux(0x1000, 64).fits(64));
-        assert!(!aux(0x1000, 60).fits(60), "ld a multiple of 8");
-        assert!(!aux(0x1000, 64).fits(72), "ld at least D's rows");
-        assert!(!aux(0x1008, 64).fits(64), "16-byte aligned");
+        let bf16 = DType::BF16;
+        assert!(aux(0x1000, 64).fits(64, bf16));
+        assert!(aux(0x1000, 72).fits(64, bf16), "a padded ld");
+        assert!(!aux(0x1000, 60).fits(60, bf16), "ld a multiple of 8");
+        assert!(!aux(0x1000, 64).fits(72, bf16), "ld at least D's rows");
+        assert!(!aux(0x1008, 64).fits(64, bf16), "16-byte aligned");
+        assert!(!aux(0x1000, 64).fits(64, DType::F32), "D's dtype");
     }
 }
