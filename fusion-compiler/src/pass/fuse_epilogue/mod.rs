@@ -144,7 +144,9 @@ fn fold_one(
             Op::Unary(UnaryOp::GeluTanh)
                 if kept && epilogue.activations.is_empty() && epilogue.aux.is_none() =>
             {
-                if feeds_binary(readers, reader.output) {
+                // The GEMM writes the product where the activation read it.
+                let t_stays = (i + 1..j).all(|n| binds_only(&list[n], &[t]));
+                if feeds_binary(readers, reader.output) || !t_stays {
                     continue;
                 }
                 epilogue.activations.push(UnaryOp::GeluTanh);
@@ -237,7 +239,10 @@ fn slope_of(
             && f.tensor(mul.output).dtype == f.tensor(t).dtype
     };
     let only = readers.only_reader(s).is_some_and(|e| e == mul);
-    (d.op == Op::Unary(UnaryOp::GeluTanhGrad) && same_axes && only).then_some((k, (s, h)))
+    // The GEMM reads `h` where the `mul` was: nothing may bind it again in between.
+    let h_stays = (k + 1..j).all(|n| binds_only(&list[n], &[h]));
+    (d.op == Op::Unary(UnaryOp::GeluTanhGrad) && same_axes && only && h_stays)
+        .then_some((k, (s, h)))
 }
 
 /// True for a binding node (a view, an allocation, a branch of them) that binds none of
