@@ -12,7 +12,7 @@ use common::cases::{self, axes};
 use common::*;
 use fusion::compiler::builder::FusionBuilder;
 use fusion::compiler::hir::{for_each_node, HostProgram, Node};
-use fusion::compiler::ir::{BinaryOp, Fusion, Op, ParallelType, TensorId, UnaryOp};
+use fusion::compiler::ir::{BinaryOp, EpilogueAux, Fusion, Op, ParallelType, TensorId, UnaryOp};
 use fusion::compiler::lower::{lower, LowerOptions};
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Tensor};
 
@@ -505,6 +505,72 @@ fn the_auxiliary_matrix_epilogues_match_the_unfused_program_on_a_gpu() {
                             "{what} {shape:?} {dt}, output {o}: relative error {e:.3e}"
                         );
                     }
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// One `Kernel::GemmAux` on the CPU backend and on the rank's GPU, with the auxiliary
+/// matrix a `[m, n]` view of a `[m, ld]` buffer: its leading dimension `ld` decides
+/// whether cuBLASLt takes it (a multiple of 8) or the generated kernel does.
+fn gemm_aux_on_both(
+    rank: &Rank,
+    (m, k, n, ld): (usize, usize, usize, usize),
+    dt: DType,
+    mode: EpilogueAux,
+) -> fusion::Result<f64> {
+    use fusion::runtime::backend::cpu::CpuDevice;
+    use fusion::runtime::backend::Device;
+    let a = Tensor::randn(&[m, k], dt, 21);
+    let w = Tensor::randn(&[k, n], dt, 22);
+    let held = Tensor::randn(&[m, ld], dt, 23);
+    let epilogue: &[UnaryOp] = match mode {
+        EpilogueAux::PreActivation => &[UnaryOp::GeluTanh],
+        EpilogueAux::Derivative(_) => &[],
+    };
+    type Upload<'u> = &'u dyn Fn(&Tensor) -> fusion::Result<Tensor>;
+    let on = |dev: &dyn Device, up: Upload<'_>| -> fusion::Result<Vec<Tensor>> {
+        let (a, w) = (up(&a)?, up(&w)?);
+        let aux = up(&held)?.narrow(1, 0, n)?;
+        let dst = dev.allocate(0, dt, &[m, n])?;
+        let kernel = fusion::runtime::backend::Kernel::GemmAux {
+            a: &a,
+            b: &w,
+            bias: None,
+            epilogue,
+            aux: &aux,
+            mode,
+            dst: &dst,
+        };
+        dev.execute(0, kernel)?;
+        Ok(vec![dst, aux])
+    };
+    let cpu = on(&CpuDevice::new(0), &|t| Ok(t.clone()))?;
+    let gpu = on(rank.device(), &|t| rank.to_device(t))?;
+    let mut worst: f64 = 0.0;
+    for (c, g) in cpu.iter().zip(&gpu) {
+        worst = worst.max(rank.to_host(g)?.rel_error(c)?);
+    }
+    Ok(worst)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn the_auxiliary_matrix_kernels_match_the_cpu_backend_at_any_leading_dimension() {
+    on_gpu(|rank| {
+        let modes = [
+            EpilogueAux::PreActivation,
+            EpilogueAux::Derivative(UnaryOp::GeluTanhGrad),
+        ];
+        // ld 136: cuBLASLt with a padded auxiliary matrix; 130: the generated kernel.
+        for shape in [(64, 96, 128, 136), (64, 96, 128, 130), (33, 17, 29, 29)] {
+            for dt in [DType::BF16, DType::F32] {
+                let tol = if dt == DType::F32 { 1e-4 } else { 2e-2 };
+                for mode in modes {
+                    let e = gemm_aux_on_both(rank, shape, dt, mode)?;
+                    assert!(e < tol, "{mode:?} {shape:?} {dt}: relative error {e:.3e}");
                 }
             }
         }

@@ -510,6 +510,24 @@ mod tests {
         }
     }
     #[test]
+    fn epilogues_name_their_auxiliary_matrix() {
+        let save = Epilogue {
+            bias: true,
+            activations: vec![UnaryOp::GeluTanh],
+            aux: Some(EpilogueAux::PreActivation),
+        };
+        assert_eq!(save.describe(), "bias, gelu_tanh, saves pre-activation");
+        assert!(save.writes_aux());
+        let slope = Epilogue {
+            aux: Some(EpilogueAux::Derivative(UnaryOp::GeluTanhGrad)),
+            ..Epilogue::default()
+        };
+        assert_eq!(slope.describe(), "times gelu_tanh'(aux)");
+        assert!(!slope.writes_aux());
+        assert_eq!(Epilogue::default().describe(), "none");
+    }
+
+    #[test]
     fn derivatives_match_central_differences() {
         // Central differences of each op in f64, at negative, zero, small and large
         // points (positive only where the op is defined there, away from the kinks of
