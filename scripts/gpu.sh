@@ -117,6 +117,7 @@ task_check() {
     # Transformer layers (MLP, gated MLP, attention projections) and GEMM epilogues.
     step layers 240 $BIN/test-layers --test-threads=1
     step epilogues 120 $BIN/test-epilogues --test-threads=1
+    step epilogues_gpu 120 $BIN/test-epilogues --ignored --test-threads=1
     step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1
     step cuda_buffers 120 $BIN/test-cuda_buffers --ignored --test-threads=1
     step cuda_graphs 180 $BIN/test-cuda_graphs --ignored --test-threads=1 --nocapture

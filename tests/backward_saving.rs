@@ -188,9 +188,9 @@ fn mlp_block_saving_backward_program_snapshot() {
     // activation gelu_tanh(H) (the second GEMM's operand) saved: four GEMMs (dW2, dAct,
     // dW1, dX), where the recomputing form has five. They work chunk by chunk of the same
     // Stream axis, so they share one loop, the gather-scatter pipeline: each step gathers
-    // the rows of dY and of x, runs dW2's GEMM adding onto dW2, dAct's GEMM, dH = dAct
-    // gelu'(H) and dW1's GEMM adding onto dW1, and dX's GEMM adds onto the running sum of
-    // its reduce-scatter.
+    // the rows of dY and of x, runs dW2's GEMM adding onto dW2, dAct's GEMM with dH = dAct
+    // gelu'(H) in its epilogue (H its auxiliary matrix) and dW1's GEMM adding onto dW1,
+    // and dX's GEMM adds onto the running sum of its reduce-scatter.
     let f = common::cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
     let spec = GradSpec::all(&f);
     let s = saving(&f, &spec).unwrap();
@@ -200,6 +200,9 @@ fn mlp_block_saving_backward_program_snapshot() {
         "H, the first GEMM's result, and the activation are saved"
     );
     let lowered = |bw: &Fusion| lower(bw, 4, &LowerOptions::default()).unwrap().program;
+    // The saving forward stores H beside the activation in the first GEMM's epilogue.
+    let forward = lowered(&s.forward).to_string();
+    assert!(forward.contains("saves pre-activation"), "{forward}");
     let gemms = |p: &HostProgram| {
         let mut outs: Vec<TensorId> = (nodes_of(p).into_iter())
             .filter_map(|(_, n)| match n {

@@ -1,7 +1,10 @@
 //! `FuseEpilogue`: elementwise ops that consume a GEMM's result are folded into the GEMM
-//! (bias, activations, a final cast), at the top level and inside stream loops; what it
-//! must leave alone stays unfused; and the numbers match the unfused program and an f64
-//! reference, in f32 and bf16.
+//! (bias, activations, a final cast; the tanh GELU storing its pre-activation, and the
+//! product times the tanh GELU's derivative at an auxiliary matrix), at the top level and
+//! inside stream loops; what it must leave alone stays unfused; and the numbers match the
+//! unfused program and an f64 reference, in f32 and bf16. The GPU cases (`#[ignore]`d,
+//! run with `--ignored` on a GPU machine) compare the fused programs with the unfused ones
+//! on one GPU, where cuBLASLt takes the auxiliary matrix and where it does not.
 
 mod common;
 
@@ -9,9 +12,9 @@ use common::cases::{self, axes};
 use common::*;
 use fusion::compiler::builder::FusionBuilder;
 use fusion::compiler::hir::{for_each_node, HostProgram, Node};
-use fusion::compiler::ir::{BinaryOp, Fusion, Op, ParallelType, UnaryOp};
+use fusion::compiler::ir::{BinaryOp, EpilogueAux, Fusion, Op, ParallelType, TensorId, UnaryOp};
 use fusion::compiler::lower::{lower, LowerOptions};
-use fusion::{DType, ExecOptions, Tensor};
+use fusion::{DType, ExecOptions, FusionExecutor, Rank, Tensor};
 
 use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
 
@@ -41,10 +44,15 @@ fn unary_nodes(p: &HostProgram) -> usize {
         .count()
 }
 
-/// Runs `f` with and without the pass; both must match `expected`.
 /// Runs `f` with and without the epilogue pass on every device count the machine runs
 /// (replicated inputs and output) and compares with `expected`.
 fn check(f: &Fusion, inputs: &[(Tensor, Give)], expected: &RefArray, tol: f64, what: &str) {
+    check_all(f, inputs, &[expected], tol, what);
+}
+
+/// [`check`] for a fusion with several (replicated) outputs, `expected` in order.
+fn check_all(f: &Fusion, inputs: &[(Tensor, Give)], expected: &[&RefArray], tol: f64, what: &str) {
+    let takes = vec![Take::Replicated; expected.len()];
     for d in device_counts().into_iter().filter(|&d| d <= 2) {
         for lower_opts in [
             LowerOptions::default(),
@@ -54,8 +62,10 @@ fn check(f: &Fusion, inputs: &[(Tensor, Give)], expected: &RefArray, tol: f64, w
                 lower: lower_opts,
                 ..ExecOptions::default()
             };
-            let r = run(f, d, inputs, &[Take::Replicated], &o);
-            assert_close(expected, &r.outputs[0], tol, what);
+            let r = run(f, d, inputs, &takes, &o);
+            for (o, want) in expected.iter().enumerate() {
+                assert_close(want, &r.outputs[o], tol, &format!("{what}, output {o}"));
+            }
         }
     }
 }
@@ -290,4 +300,280 @@ fn the_mlp_block_folds_its_activation_into_the_first_gemm() {
             assert_eq!(unary_nodes(&p), 0, "{p}");
         }
     }
+}
+
+/// `a [m, k]`, `w [k, n]` and `h [m, n]` (replicated) of `dt`, and `build`'s outputs.
+fn aux_fusion(
+    dt: DType,
+    build: impl Fn(&mut FusionBuilder, [TensorId; 3]) -> Vec<TensorId>,
+) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let ta = axes(&mut b, &[("m", S), ("k", S)]);
+    let tw = axes(&mut b, &[("k", S), ("n", S)]);
+    let th = axes(&mut b, &[("m", S), ("n", S)]);
+    let a = b.input("a", dt, &ta).unwrap();
+    let w = b.input("w", dt, &tw).unwrap();
+    let h = b.input("h", dt, &th).unwrap();
+    for out in build(&mut b, [a, w, h]) {
+        b.output(out).unwrap();
+    }
+    b.build().unwrap()
+}
+
+/// The saving forward's first GEMM: `(gelu_tanh(a @ w), a @ w)`, the product an output.
+fn pre_activation_saved(dt: DType) -> Fusion {
+    aux_fusion(dt, |b, [a, w, _]| {
+        let h = b.matmul(a, w).unwrap();
+        vec![b.unary(UnaryOp::GeluTanh, h).unwrap(), h]
+    })
+}
+
+/// The saving backward's `dh = (dy @ w) * gelu_tanh'(h)`.
+fn derivative_applied(dt: DType) -> Fusion {
+    aux_fusion(dt, |b, [a, w, h]| {
+        let d_act = b.matmul(a, w).unwrap();
+        let slope = b.unary(UnaryOp::GeluTanhGrad, h).unwrap();
+        vec![b.mul(d_act, slope).unwrap()]
+    })
+}
+
+/// Random `a [m, k]`, `w [k, n]`, `h [m, n]`.
+fn aux_inputs(dt: DType, (m, k, n): (usize, usize, usize), seed: u64) -> [Tensor; 3] {
+    [
+        Tensor::randn(&[m, k], dt, seed),
+        Tensor::randn(&[k, n], dt, seed + 1),
+        Tensor::randn(&[m, n], dt, seed + 2),
+    ]
+}
+
+#[test]
+fn gelu_tanh_saves_its_pre_activation_and_applies_its_derivative_in_the_gemm() {
+    for dt in [DType::F32, DType::BF16] {
+        let save = pre_activation_saved(dt);
+        let slope = derivative_applied(dt);
+        let p = lower(&save, 1, &LowerOptions::default()).unwrap().program;
+        let want = [(false, "gelu_tanh, saves pre-activation".to_string())];
+        assert_eq!(fused(&p), want, "{p}");
+        assert!(p.to_string().contains("aux = T"), "{p}");
+        let p = lower(&slope, 1, &LowerOptions::default()).unwrap().program;
+        assert_eq!(fused(&p), [(false, "times gelu_tanh'(aux)".into())], "{p}");
+        assert_eq!(unary_nodes(&p), 0, "{p}");
+        let [a, w, h] = aux_inputs(dt, (6, 9, 5), 40);
+        let product = RefArray::from_tensor(&a).matmul(&RefArray::from_tensor(&w));
+        let slope_want = product.zip(&RefArray::from_tensor(&h), |p, x| {
+            p * UnaryOp::GeluTanhGrad.apply_f64(x)
+        });
+        let given = [(a, Give::Whole), (w, Give::Whole), (h, Give::Whole)];
+        check(&slope, &given, &slope_want, tolerance_for(dt), "derivative");
+        // Both outputs of the saving form, with and without the pass.
+        let act = product.map(|v| UnaryOp::GeluTanh.apply_f64(v));
+        check_all(
+            &save,
+            &given,
+            &[&act, &product],
+            tolerance_for(dt),
+            "saving",
+        );
+    }
+}
+
+/// The epilogues of the fused GEMMs of `p` that have an auxiliary matrix.
+fn aux_epilogues(p: &HostProgram) -> Vec<String> {
+    let mut out: Vec<String> = (fused(p).into_iter())
+        .map(|(_, e)| e)
+        .filter(|e| e.contains("aux") || e.contains("pre-activation"))
+        .collect();
+    out.dedup();
+    out
+}
+
+#[test]
+fn the_saving_mlp_block_folds_its_gelu_into_its_gemms() {
+    // The saving forward stores H beside gelu_tanh(H) from its first GEMM; the saving
+    // backward's dAct GEMM multiplies by gelu_tanh'(H), where the GEMM and the multiply
+    // share a loop (the default plan's gather-scatter pipeline; a plan that runs them in
+    // separate loops keeps the multiply in its kernel). Every plan that lowers computes
+    // the same with or without the folds (tests/backward_saving.rs runs them all).
+    use fusion::compiler::autodiff::{saving, GradSpec};
+    let f = cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
+    let s = saving(&f, &GradSpec::all(&f)).unwrap();
+    let mut folded = Vec::new();
+    for d in [1, 2, 3, 4, 8] {
+        for plan in fusion::compiler::plan::candidates(d) {
+            let what = format!("{d} devices, plan {}", plan.name);
+            for (fusion, form, op) in [
+                (
+                    &s.forward,
+                    "gelu_tanh, saves pre-activation",
+                    UnaryOp::GeluTanh,
+                ),
+                (
+                    &s.backward.fusion,
+                    "times gelu_tanh'(aux)",
+                    UnaryOp::GeluTanhGrad,
+                ),
+            ] {
+                let Ok(l) = lower(fusion, d, &plan.lower) else {
+                    continue;
+                };
+                let p = l.program;
+                let forms = aux_epilogues(&p);
+                assert!(
+                    forms.is_empty() || forms == [form],
+                    "{what}: {forms:?}\n{p}"
+                );
+                if forms.is_empty() {
+                    continue;
+                }
+                // Folded: no separate activation or derivative is left (the backward's
+                // recomputed activation for dW2 stays).
+                let mut left = 0;
+                for_each_node(&p.body, &mut |n| {
+                    left += usize::from(matches!(n, Node::Compute(e) if e.op == Op::Unary(op)));
+                });
+                let in_kernels = p.segments.iter().flat_map(|s| &s.exprs);
+                left += in_kernels.filter(|e| e.op == Op::Unary(op)).count();
+                assert_eq!(left, 0, "{what}:\n{p}");
+                folded.push((d, plan.name.clone(), form));
+            }
+        }
+    }
+    for d in [1, 2, 3, 4, 8] {
+        for form in ["gelu_tanh, saves pre-activation", "times gelu_tanh'(aux)"] {
+            let default = (d, "default".to_string(), form);
+            assert!(folded.contains(&default), "{d} devices: {form}: {folded:?}");
+        }
+    }
+}
+
+/// Runs `f` on a one-GPU world with poisoned allocations; skips, saying so, without a GPU.
+fn on_gpu(f: impl Fn(&Rank) -> fusion::Result<()> + Sync) {
+    if fusion::runtime::backend::visible_gpus() == 0 {
+        eprintln!("skipping: no CUDA GPU");
+        return;
+    }
+    let world = fusion::runtime::backend::cuda::cuda_world(Some(1)).expect("a CUDA world");
+    world.poison_allocations(true);
+    world.run(f).unwrap();
+}
+
+/// `f`'s outputs on the rank's GPU, lowered with `lower`, on the host.
+fn gpu_outputs(
+    rank: &Rank,
+    f: &Fusion,
+    inputs: &[Tensor],
+    lower: LowerOptions,
+) -> fusion::Result<Vec<Tensor>> {
+    let exec = FusionExecutor::new(f.clone());
+    let on_device = (inputs.iter())
+        .map(|t| rank.to_device(t))
+        .collect::<fusion::Result<Vec<_>>>()?;
+    let refs: Vec<&Tensor> = on_device.iter().collect();
+    let options = ExecOptions {
+        lower,
+        ..ExecOptions::default()
+    };
+    let report = exec.run_with(rank, &refs, None, &options)?;
+    report.outputs.iter().map(|o| rank.to_host(o)).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn the_auxiliary_matrix_epilogues_match_the_unfused_program_on_a_gpu() {
+    on_gpu(|rank| {
+        // 64 x 96 @ 96 x 128: cuBLASLt's GELU_AUX and DGELU (the auxiliary matrix's
+        // leading dimension, 128, a multiple of 8). 33 x 17 @ 17 x 29: 29 is not, so the
+        // product runs alone and a generated kernel stores or reads the auxiliary matrix.
+        for shape in [(64, 96, 128), (33, 17, 29)] {
+            for dt in [DType::BF16, DType::F32] {
+                // The fused form rounds the pre-activation only where it stores it.
+                let tol = if dt == DType::F32 { 1e-4 } else { 2e-2 };
+                for (what, f) in [
+                    ("pre-activation saved", pre_activation_saved(dt)),
+                    ("derivative applied", derivative_applied(dt)),
+                ] {
+                    let p = lower(&f, 1, &LowerOptions::default())?.program;
+                    assert_eq!(aux_epilogues(&p).len(), 1, "{what}: {p}");
+                    let inputs = aux_inputs(dt, shape, 7);
+                    let fused = gpu_outputs(rank, &f, &inputs, LowerOptions::default())?;
+                    let unfused = LowerOptions::default().without_pass("FuseEpilogue");
+                    let unfused = gpu_outputs(rank, &f, &inputs, unfused)?;
+                    for (o, (x, y)) in fused.iter().zip(&unfused).enumerate() {
+                        let e = x.rel_error(y)?;
+                        assert!(
+                            e < tol,
+                            "{what} {shape:?} {dt}, output {o}: relative error {e:.3e}"
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
+/// One `Kernel::GemmAux` on the CPU backend and on the rank's GPU, with the auxiliary
+/// matrix a `[m, n]` view of a `[m, ld]` buffer: its leading dimension `ld` decides
+/// whether cuBLASLt takes it (a multiple of 8) or the generated kernel does.
+fn gemm_aux_on_both(
+    rank: &Rank,
+    (m, k, n, ld): (usize, usize, usize, usize),
+    dt: DType,
+    mode: EpilogueAux,
+) -> fusion::Result<f64> {
+    use fusion::runtime::backend::cpu::CpuDevice;
+    use fusion::runtime::backend::Device;
+    let a = Tensor::randn(&[m, k], dt, 21);
+    let w = Tensor::randn(&[k, n], dt, 22);
+    let held = Tensor::randn(&[m, ld], dt, 23);
+    let epilogue: &[UnaryOp] = match mode {
+        EpilogueAux::PreActivation => &[UnaryOp::GeluTanh],
+        EpilogueAux::Derivative(_) => &[],
+    };
+    type Upload<'u> = &'u dyn Fn(&Tensor) -> fusion::Result<Tensor>;
+    let on = |dev: &dyn Device, up: Upload<'_>| -> fusion::Result<Vec<Tensor>> {
+        let (a, w) = (up(&a)?, up(&w)?);
+        let aux = up(&held)?.narrow(1, 0, n)?;
+        let dst = dev.allocate(0, dt, &[m, n])?;
+        let kernel = fusion::runtime::backend::Kernel::GemmAux {
+            a: &a,
+            b: &w,
+            bias: None,
+            epilogue,
+            aux: &aux,
+            mode,
+            dst: &dst,
+        };
+        dev.execute(0, kernel)?;
+        Ok(vec![dst, aux])
+    };
+    let cpu = on(&CpuDevice::new(0), &|t| Ok(t.clone()))?;
+    let gpu = on(rank.device(), &|t| rank.to_device(t))?;
+    let mut worst: f64 = 0.0;
+    for (c, g) in cpu.iter().zip(&gpu) {
+        worst = worst.max(rank.to_host(g)?.rel_error(c)?);
+    }
+    Ok(worst)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn the_auxiliary_matrix_kernels_match_the_cpu_backend_at_any_leading_dimension() {
+    on_gpu(|rank| {
+        let modes = [
+            EpilogueAux::PreActivation,
+            EpilogueAux::Derivative(UnaryOp::GeluTanhGrad),
+        ];
+        // ld 136: cuBLASLt with a padded auxiliary matrix; 130: the generated kernel.
+        for shape in [(64, 96, 128, 136), (64, 96, 128, 130), (33, 17, 29, 29)] {
+            for dt in [DType::BF16, DType::F32] {
+                let tol = if dt == DType::F32 { 1e-4 } else { 2e-2 };
+                for mode in modes {
+                    let e = gemm_aux_on_both(rank, shape, dt, mode)?;
+                    assert!(e < tol, "{mode:?} {shape:?} {dt}: relative error {e:.3e}");
+                }
+            }
+        }
+        Ok(())
+    });
 }

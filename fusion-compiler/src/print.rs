@@ -117,8 +117,11 @@ fn expr_string(f: &Fusion, e: &Expr, indent: &str) -> String {
                 t(e.inputs[0]),
                 t(e.inputs[1])
             );
-            if let Some(&b) = e.inputs.get(2) {
-                let _ = write!(s, ",\n{indent}            bias = {}", t(b));
+            if epilogue.bias {
+                let _ = write!(s, ",\n{indent}            bias = {}", t(e.inputs[2]));
+            }
+            if let (Some(_), Some(&x)) = (epilogue.aux, e.inputs.last()) {
+                let _ = write!(s, ",\n{indent}            aux = {}", t(x));
             }
             let _ = write!(
                 s,

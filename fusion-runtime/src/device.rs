@@ -7,7 +7,7 @@
 //! hold their devices; the evaluator, the worlds and the communicators know devices only
 //! through this trait.
 
-use fusion_compiler::ir::{BinaryOp, ReduceOp, UnaryOp};
+use fusion_compiler::ir::{BinaryOp, EpilogueAux, ReduceOp, UnaryOp};
 use fusion_compiler::DType;
 
 use crate::error::Result;
@@ -184,6 +184,87 @@ pub enum Kernel<'a> {
         /// The result, `[B.., M, N]`.
         dst: &'a Tensor,
     },
+    /// [`Kernel::Gemm`] without accumulation, with an auxiliary matrix `aux` of `dst`'s
+    /// shape (any strides and dtype): with [`EpilogueAux::PreActivation`] the f32 result
+    /// after the bias is also stored into `aux` (rounded once, to its dtype) before the
+    /// `epilogue` functions apply; with [`EpilogueAux::Derivative`] the result after them
+    /// is multiplied by that op at `aux`'s values (cuBLASLt's `GELU_AUX` and `DGELU`).
+    GemmAux {
+        /// The left operand, `[B.., M, K]`.
+        a: &'a Tensor,
+        /// The right operand, `[B.., K, N]`.
+        b: &'a Tensor,
+        /// Added to every row, `[N]`.
+        bias: Option<&'a Tensor>,
+        /// Elementwise ops applied to the product before it is stored.
+        epilogue: &'a [UnaryOp],
+        /// The auxiliary matrix, `[B.., M, N]`.
+        aux: &'a Tensor,
+        /// Whether `aux` is written (the pre-activation) or read (a derivative's input).
+        mode: EpilogueAux,
+        /// The result, `[B.., M, N]`.
+        dst: &'a Tensor,
+    },
+}
+
+/// The operands of a [`Kernel::Gemm`] or [`Kernel::GemmAux`], as one struct for the
+/// backends (the fields as there; `aux` with its mode).
+#[derive(Clone, Copy)]
+pub(crate) struct GemmOperands<'a> {
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub bias: Option<&'a Tensor>,
+    pub accumulate: bool,
+    /// With `accumulate`: what is added when it is not `dst`.
+    pub addend: Option<&'a Tensor>,
+    pub epilogue: &'a [UnaryOp],
+    pub aux: Option<(&'a Tensor, EpilogueAux)>,
+    pub dst: &'a Tensor,
+}
+
+impl<'a> Kernel<'a> {
+    /// The GEMM's operands; `None` for a kernel that is not a GEMM.
+    pub(crate) fn gemm_operands(self) -> Option<GemmOperands<'a>> {
+        match self {
+            Kernel::Gemm {
+                a,
+                b,
+                bias,
+                accumulate,
+                addend,
+                epilogue,
+                dst,
+            } => Some(GemmOperands {
+                a,
+                b,
+                bias,
+                accumulate,
+                addend,
+                epilogue,
+                aux: None,
+                dst,
+            }),
+            Kernel::GemmAux {
+                a,
+                b,
+                bias,
+                epilogue,
+                aux,
+                mode,
+                dst,
+            } => Some(GemmOperands {
+                a,
+                b,
+                bias,
+                accumulate: false,
+                addend: None,
+                epilogue,
+                aux: Some((aux, mode)),
+                dst,
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// What an accumulating [`Kernel::Gemm`] adds: `addend`, else `dst` itself; `None` when it

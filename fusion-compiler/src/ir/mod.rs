@@ -13,6 +13,6 @@ pub use axis_map::{axis_map, AxisMap};
 pub use domain::{IterDomain, IterDomainId, IterKind, ParallelType};
 pub use fusion::Fusion;
 pub use mesh::DeviceMesh;
-pub use op::{BinaryOp, Epilogue, Expr, ExprId, Op, ReduceOp, UnaryOp};
+pub use op::{BinaryOp, Epilogue, EpilogueAux, Expr, ExprId, Op, ReduceOp, UnaryOp};
 pub use scalar::{NamedScalar, Scalar, ScalarDisplay, ScalarId, ScalarOp};
 pub use tensor::{MemoryType, TensorId, TensorView};

@@ -116,9 +116,10 @@ impl UnaryOp {
         }
     }
 
-    /// True for the derivative ops (`gelu_grad`, ..). `FuseEpilogue` leaves them out of
-    /// GEMM epilogues: a backward pass multiplies them into an incoming gradient, in a
-    /// fused elementwise kernel.
+    /// True for the derivative ops (`gelu_grad`, ..). `FuseEpilogue` never folds them as
+    /// activations: a backward pass multiplies them into an incoming gradient (in a fused
+    /// elementwise kernel, or, for `gelu_tanh_grad`, as a GEMM's
+    /// [`EpilogueAux::Derivative`]).
     pub fn is_derivative(self) -> bool {
         matches!(
             self,
@@ -332,7 +333,9 @@ pub enum Op {
     /// A matmul (or, with `linear`, a linear) whose elementwise consumers were folded into
     /// it: `output = epilogue(a @ b)`. Host IR only, made by the `FuseEpilogue` pass, so
     /// the product is never stored and read back. Inputs: the GEMM's operands, then the
-    /// bias when the epilogue has one.
+    /// bias when the epilogue has one, then the auxiliary matrix when it has one (written
+    /// by [`EpilogueAux::PreActivation`], like an accumulating matmul's output that is
+    /// also its input; read by [`EpilogueAux::Derivative`]).
     Gemm {
         linear: bool,
         epilogue: Epilogue,
@@ -404,28 +407,62 @@ impl Op {
 /// Elementwise work a GEMM applies to its f32 result before storing it, as one kernel:
 /// the bias, then the activations in order, without rounding in between; the result is
 /// rounded once, to the output's dtype (which may differ from the operands': a folded
-/// cast).
+/// cast). An auxiliary matrix of the output's shape ([`EpilogueAux`]) may take the
+/// pre-activation or give a derivative's input.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Epilogue {
-    /// A vector `[N]` (the expression's last input) is added to every row.
+    /// A vector `[N]` (the expression's input after the operands) is added to every row.
     pub bias: bool,
     /// Applied after the bias.
     pub activations: Vec<UnaryOp>,
+    /// The auxiliary matrix (the expression's last input) and what the GEMM does with it.
+    pub aux: Option<EpilogueAux>,
+}
+
+/// What a GEMM does with its auxiliary matrix (cuBLASLt's `GELU_AUX` and `DGELU`
+/// epilogues): a training step's forward keeps the pre-activation its backward reads, and
+/// the backward multiplies the incoming gradient by the activation's slope there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EpilogueAux {
+    /// Written: the f32 result after the bias, before the activations, is also stored
+    /// into it (rounded once, to its dtype).
+    PreActivation,
+    /// Read: the result (after the bias and the activations) is multiplied by this
+    /// derivative op (`gelu_tanh_grad`) at the auxiliary matrix's values.
+    Derivative(UnaryOp),
 }
 
 impl Epilogue {
-    /// The epilogue in dumps: `bias, gelu_tanh` (`none` when empty).
+    /// The epilogue in dumps: `bias, gelu_tanh` (`none` when empty), with
+    /// `saves pre-activation` or `times gelu_tanh'(aux)` for the auxiliary matrix.
     pub fn describe(&self) -> String {
-        let mut parts: Vec<&str> = Vec::new();
+        let mut parts: Vec<String> = Vec::new();
         if self.bias {
-            parts.push("bias");
+            parts.push("bias".into());
         }
-        parts.extend(self.activations.iter().map(|a| a.name()));
+        parts.extend(self.activations.iter().map(|a| a.name().to_string()));
+        match self.aux {
+            Some(EpilogueAux::PreActivation) => parts.push("saves pre-activation".into()),
+            Some(EpilogueAux::Derivative(d)) => {
+                let primal = UnaryOp::ALL.iter().find(|u| u.derivative() == Some(d));
+                parts.push(match primal {
+                    Some(p) => format!("times {}'(aux)", p.name()),
+                    None => format!("times {}(aux)", d.name()),
+                });
+            }
+            None => {}
+        }
         if parts.is_empty() {
             "none".into()
         } else {
             parts.join(", ")
         }
+    }
+
+    /// True when the GEMM writes its auxiliary matrix (the last input) as well as its
+    /// output.
+    pub fn writes_aux(&self) -> bool {
+        self.aux == Some(EpilogueAux::PreActivation)
     }
 }
 
@@ -472,6 +509,24 @@ mod tests {
             );
         }
     }
+    #[test]
+    fn epilogues_name_their_auxiliary_matrix() {
+        let save = Epilogue {
+            bias: true,
+            activations: vec![UnaryOp::GeluTanh],
+            aux: Some(EpilogueAux::PreActivation),
+        };
+        assert_eq!(save.describe(), "bias, gelu_tanh, saves pre-activation");
+        assert!(save.writes_aux());
+        let slope = Epilogue {
+            aux: Some(EpilogueAux::Derivative(UnaryOp::GeluTanhGrad)),
+            ..Epilogue::default()
+        };
+        assert_eq!(slope.describe(), "times gelu_tanh'(aux)");
+        assert!(!slope.writes_aux());
+        assert_eq!(Epilogue::default().describe(), "none");
+    }
+
     #[test]
     fn derivatives_match_central_differences() {
         // Central differences of each op in f64, at negative, zero, small and large

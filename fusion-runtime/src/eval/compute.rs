@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use fusion_compiler::hir::SegmentId;
-use fusion_compiler::ir::{Expr, Op, TensorId, UnaryOp};
+use fusion_compiler::ir::{Epilogue, EpilogueAux, Expr, Op, TensorId, UnaryOp};
 use fusion_compiler::DType;
 
 use super::evaluator::Evaluator;
@@ -99,17 +99,36 @@ impl Evaluator<'_> {
                     },
                 )
             }
-            Op::Matmul => self.matmul(e, false, &[]),
-            Op::Linear => self.linear(e, &[]),
+            Op::Matmul => self.matmul(e, false, &[], None),
+            Op::Linear => self.linear(e, &[], None),
             Op::Gemm {
                 linear: false,
                 epilogue,
-            } => self.matmul(e, epilogue.bias, &epilogue.activations),
+            } => {
+                let aux = self.gemm_aux(e, epilogue)?;
+                self.matmul(e, epilogue.bias, &epilogue.activations, aux)
+            }
             Op::Gemm {
                 linear: true,
                 epilogue,
-            } => self.linear(e, &epilogue.activations),
+            } => {
+                let aux = self.gemm_aux(e, epilogue)?;
+                self.linear(e, &epilogue.activations, aux)
+            }
         }
+    }
+
+    /// A fused GEMM's auxiliary matrix (its last input) and what it does with it; one it
+    /// writes is bound to a buffer first.
+    fn gemm_aux(&mut self, e: &Expr, epilogue: &Epilogue) -> Result<Option<(Tensor, EpilogueAux)>> {
+        let (Some(mode), Some(&x)) = (epilogue.aux, e.inputs.last()) else {
+            return Ok(None);
+        };
+        let t = match mode {
+            EpilogueAux::PreActivation => self.get_or_allocate(x)?,
+            EpilogueAux::Derivative(_) => self.get(x)?.clone(),
+        };
+        Ok(Some((t, mode)))
     }
 
     /// Binds view `v` of `e`'s input to `e`'s output.
@@ -246,8 +265,14 @@ impl Evaluator<'_> {
     /// (from lowering): the output itself (`out += a @ b`) or a tensor of the output's
     /// shape (`out = addend + a @ b`, a running sum finished into another buffer).
     /// `epilogue` applies after it.
-    fn matmul(&mut self, e: &Expr, bias: bool, epilogue: &[UnaryOp]) -> Result<()> {
-        let third = e.inputs.get(2).copied();
+    fn matmul(
+        &mut self,
+        e: &Expr,
+        bias: bool,
+        epilogue: &[UnaryOp],
+        aux: Option<(Tensor, EpilogueAux)>,
+    ) -> Result<()> {
+        let third = e.inputs.get(2).copied().filter(|_| aux.is_none() || bias);
         let accumulate = third.is_some() && !bias;
         let bias = match third {
             Some(t) if bias => Some(self.row_vector(e, t)?),
@@ -281,6 +306,7 @@ impl Evaluator<'_> {
             accumulate,
             addend,
             epilogue,
+            aux,
         };
         self.product(e, (a0, b0), dst0, extras)
     }
@@ -299,6 +325,7 @@ impl Evaluator<'_> {
             accumulate,
             addend,
             epilogue,
+            mut aux,
         } = extras;
         let (ra, rb) = (a0.rank(), b0.rank());
         let mut a = Cow::Borrowed(a0);
@@ -321,6 +348,9 @@ impl Evaluator<'_> {
             if let Some(c) = &addend {
                 addend = Some(Cow::Owned(c.unsqueeze(pos)?));
             }
+            if let Some((x, _)) = &mut aux {
+                *x = x.unsqueeze(pos)?;
+            }
         }
         let r = dst.rank();
         let (m, n, k) = (
@@ -331,9 +361,17 @@ impl Evaluator<'_> {
         let batch = &dst.shape()[..r - 2];
         let a = fit(a, batch, m, k).map_err(|err| self.op_error(e, err.to_string()))?;
         let b = fit(b, batch, k, n).map_err(|err| self.op_error(e, err.to_string()))?;
-        self.ctx.device.execute(
-            self.current,
-            Kernel::Gemm {
+        let kernel = match &aux {
+            Some((x, mode)) => Kernel::GemmAux {
+                a: &a,
+                b: &b,
+                bias,
+                epilogue,
+                aux: x,
+                mode: *mode,
+                dst: &dst,
+            },
+            None => Kernel::Gemm {
                 a: &a,
                 b: &b,
                 bias,
@@ -342,7 +380,8 @@ impl Evaluator<'_> {
                 epilogue,
                 dst: &dst,
             },
-        )
+        };
+        self.ctx.device.execute(self.current, kernel)
     }
 
     /// A bias operand as the vector `[N]` a GEMM takes: its leading axes must be of extent 1
@@ -365,16 +404,25 @@ impl Evaluator<'_> {
     }
 
     /// `epilogue(x @ w^T + bias)`, normalized to one batched GEMM.
-    fn linear(&mut self, e: &Expr, epilogue: &[UnaryOp]) -> Result<()> {
+    fn linear(
+        &mut self,
+        e: &Expr,
+        epilogue: &[UnaryOp],
+        mut aux: Option<(Tensor, EpilogueAux)>,
+    ) -> Result<()> {
         let x = self.get(e.inputs[0])?.clone();
         let w = self.get(e.inputs[1])?.clone();
-        let bias = match e.inputs.get(2) {
+        let operands = e.inputs.len() - usize::from(aux.is_some());
+        let bias = match e.inputs.get(2).filter(|_| operands == 3) {
             Some(&t) => Some(self.get(t)?.clone()),
             None => None,
         };
         let mut dst = self.get_or_allocate(e.output)?;
         let a = if x.rank() == 1 {
             dst = dst.unsqueeze(0)?;
+            if let Some((t, _)) = &mut aux {
+                *t = t.unsqueeze(0)?;
+            }
             x.unsqueeze(0)?
         } else {
             x
@@ -387,18 +435,13 @@ impl Evaluator<'_> {
             .permute(&[1, 0])?
             .expand(&bs)
             .map_err(|err| self.op_error(e, err.to_string()))?;
-        self.ctx.device.execute(
-            self.current,
-            Kernel::Gemm {
-                a: &a,
-                b: &b,
-                bias: bias.as_ref(),
-                accumulate: false,
-                addend: None,
-                epilogue,
-                dst: &dst,
-            },
-        )
+        let extras = GemmExtras {
+            bias: bias.as_ref(),
+            epilogue,
+            aux,
+            ..GemmExtras::default()
+        };
+        self.product(e, (&a, &b), dst, extras)
     }
 }
 
@@ -409,6 +452,8 @@ pub(super) struct GemmExtras<'t> {
     pub(super) accumulate: bool,
     pub(super) addend: Option<Cow<'t, Tensor>>,
     pub(super) epilogue: &'t [UnaryOp],
+    /// The auxiliary matrix of [`Kernel::GemmAux`] (the product's shape) and its mode.
+    pub(super) aux: Option<(Tensor, EpilogueAux)>,
 }
 
 /// `t` broadcast to `[batch.., rows, cols]`, as it is when it already has that shape.

@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use fusion_compiler::hir::{Communication, Node, P2PDirection, P2P};
+use fusion_compiler::ir::Op;
 
 use super::call::HostSpan;
 use super::evaluator::Evaluator;
@@ -164,7 +165,15 @@ impl<'a> Evaluator<'a> {
                 let start = if e.op.is_view() { None } else { self.mark()? };
                 self.compute(e)?;
                 if !e.op.is_view() && self.in_mesh[e.output.index()] {
-                    self.record_access(&e.inputs, &[e.output])?;
+                    match (&e.op, e.inputs.split_last()) {
+                        // A GEMM storing its pre-activation writes its last input.
+                        (Op::Gemm { epilogue, .. }, Some((&aux, reads)))
+                            if epilogue.writes_aux() =>
+                        {
+                            self.record_access(reads, &[e.output, aux])?;
+                        }
+                        _ => self.record_access(&e.inputs, &[e.output])?,
+                    }
                 }
                 if start.is_some() {
                     self.traced(start, &e.op.name(), false)?;

@@ -9,12 +9,13 @@
 use std::collections::HashMap;
 
 use ::gemm::Parallelism;
-use fusion_compiler::ir::UnaryOp;
+use fusion_compiler::ir::{EpilogueAux, UnaryOp};
 
 use crate::error::Result;
 use crate::tensor::Tensor;
 
 use super::check::{cpu_err, require_host};
+use super::gemm_aux;
 
 /// The problem's sizes after validation: `batches` products of `[m, k] @ [k, n]`.
 #[derive(Debug, Clone, Copy)]
@@ -161,21 +162,25 @@ fn multiply(d: Dims, a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
 
 /// Batched `dst = epilogue(a @ b (+ bias))`, or `dst = addend + a @ b`: a `[B.., M, K]`, b
 /// `[B.., K, N]`, dst and addend `[B.., M, N]`; the epilogue runs in f32 and `dst` is
-/// rounded once (see `Kernel::Gemm`).
+/// rounded once (see `Kernel::Gemm`). With `aux`, the auxiliary matrix of
+/// `Kernel::GemmAux` (`[B.., M, N]`) is written or read as its mode says.
 pub(super) fn gemm(
     a: &Tensor,
     b: &Tensor,
     bias: Option<&Tensor>,
     addend: Option<&Tensor>,
-    epilogue: &[UnaryOp],
+    (epilogue, aux): (&[UnaryOp], Option<(&Tensor, EpilogueAux)>),
     dst: &Tensor,
 ) -> Result<()> {
-    if addend.is_some() && (bias.is_some() || !epilogue.is_empty()) {
+    if addend.is_some() && (bias.is_some() || !epilogue.is_empty() || aux.is_some()) {
         return Err(cpu_err(
             "gemm: a bias or an epilogue cannot be combined with accumulate",
         ));
     }
     let d = validate(a, b, bias, dst)?;
+    if let Some((x, _)) = aux {
+        gemm_aux::validate(x, dst)?;
+    }
     if d.batches == 0 || d.m == 0 || d.n == 0 {
         return Ok(()); // dst has no elements
     }
@@ -194,9 +199,20 @@ pub(super) fn gemm(
             row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
         }
     }
+    // A derivative's input is read before anything is written (it may alias `dst`).
+    let slope = match aux {
+        Some((x, EpilogueAux::Derivative(op))) => Some(gemm_aux::slope(x, op)?),
+        _ => None,
+    };
+    if let Some((x, EpilogueAux::PreActivation)) = aux {
+        x.write_f32(&out)?;
+    }
     for &op in epilogue {
         out.iter_mut()
             .for_each(|o| *o = op.apply_f64(f64::from(*o)) as f32);
+    }
+    if let Some(slope) = slope {
+        out.iter_mut().zip(slope).for_each(|(o, s)| *o *= s);
     }
     dst.write_f32(&out)
 }

@@ -6,6 +6,7 @@
 
 mod check;
 mod elementwise;
+mod gemm_aux;
 mod matmul;
 mod reduce;
 #[cfg(test)]
@@ -145,22 +146,13 @@ impl Device for CpuDevice {
             Kernel::Copy { src, dst } => elementwise::copy(src, dst),
             Kernel::Pointwise(prog) => elementwise::pointwise(prog),
             Kernel::Reduce { op, src, dst, axes } => reduce::reduce(op, src, dst, axes),
-            Kernel::Gemm {
-                a,
-                b,
-                bias,
-                accumulate,
-                addend,
-                epilogue,
-                dst,
-            } => matmul::gemm(
-                a,
-                b,
-                bias,
-                crate::device::gemm_addend(accumulate, addend, dst)?,
-                epilogue,
-                dst,
-            ),
+            gemm => {
+                let Some(o) = gemm.gemm_operands() else {
+                    return Err(cpu_err("execute: an unknown kernel"));
+                };
+                let addend = crate::device::gemm_addend(o.accumulate, o.addend, o.dst)?;
+                matmul::gemm(o.a, o.b, o.bias, addend, (o.epilogue, o.aux), o.dst)
+            }
         }
     }
 

@@ -569,31 +569,9 @@ impl Device for CudaDevice {
             Kernel::Reduce { op, src, dst, axes } => {
                 self.kernels.reduce(&self.shared, raw, op, src, dst, axes)
             }
-            Kernel::Gemm {
-                a,
-                b,
-                bias,
-                accumulate,
-                addend,
-                epilogue,
-                dst,
-            } => gemm::gemm(
-                self,
-                stream,
-                gemm::GemmArgs {
-                    a,
-                    b,
-                    bias,
-                    accumulate,
-                    addend,
-                    epilogue,
-                    dst,
-                    engine: *self
-                        .gemm_engine
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner),
-                },
-            ),
+            gemm @ (Kernel::Gemm { .. } | Kernel::GemmAux { .. }) => {
+                gemm::gemm_kernel(self, stream, gemm)
+            }
         }
     }
 

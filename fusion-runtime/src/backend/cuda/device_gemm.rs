@@ -8,7 +8,7 @@ use super::health::WorldHealth;
 use super::kernels::KernelCache;
 use super::memory::device_shared::DeviceShared;
 use super::stream::RawStream;
-use crate::device::StreamHandle;
+use crate::device::{GemmEngine, StreamHandle};
 use crate::error::Result;
 
 impl GemmDevice for CudaDevice {
@@ -34,6 +34,13 @@ impl GemmDevice for CudaDevice {
 
     fn hopper(&self) -> &HopperGemms {
         &self.hopper
+    }
+
+    fn gemm_engine(&self) -> GemmEngine {
+        *self
+            .gemm_engine
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn health(&self) -> &WorldHealth {

@@ -2,7 +2,9 @@
 //! heuristic's algorithm per problem (shape, leading dimensions, transposes, dtypes,
 //! epilogue, accumulation, pointer alignments), built at the first GEMM of that problem
 //! and reused after, so an eager launch is a few attribute writes and one
-//! `cublasLtMatmul`. The epilogue (bias, relu, tanh-GELU) runs inside the GEMM.
+//! `cublasLtMatmul`. The epilogue (bias, relu, tanh-GELU; tanh-GELU storing its input to an
+//! auxiliary matrix, `GELU_AUX`; the product times tanh-GELU's derivative at an auxiliary
+//! matrix, `DGELU`) runs inside the GEMM.
 //!
 //! Problems cuBLASLt is not asked for (batched GEMMs, layouts that would need copies,
 //! other epilogues) and problems its heuristic rejects go back to the caller
@@ -14,7 +16,7 @@ use std::sync::{Mutex, PoisonError};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::result as driver;
-use fusion_compiler::ir::UnaryOp;
+use fusion_compiler::ir::{EpilogueAux, UnaryOp};
 use fusion_compiler::DType;
 
 use super::launch_graphs::LaunchGraphs;
@@ -37,6 +39,10 @@ pub(crate) enum LtEpilogue {
     None,
     Relu,
     GeluTanh,
+    /// tanh-GELU, its input also stored to the auxiliary matrix (`GELU_AUX`).
+    GeluTanhAux,
+    /// The product times tanh-GELU's derivative at the auxiliary matrix (`DGELU`).
+    DGeluTanh,
 }
 
 impl LtEpilogue {
@@ -50,16 +56,54 @@ impl LtEpilogue {
         }
     }
 
-    fn code(self, bias: bool) -> sys::cublasLtEpilogue_t {
+    /// The cuBLASLt epilogue for these activations with an auxiliary matrix used as `mode`
+    /// says, if it has one.
+    pub(crate) fn with_aux(activations: &[UnaryOp], mode: EpilogueAux) -> Option<LtEpilogue> {
+        match (activations, mode) {
+            ([UnaryOp::GeluTanh], EpilogueAux::PreActivation) => Some(LtEpilogue::GeluTanhAux),
+            ([], EpilogueAux::Derivative(UnaryOp::GeluTanhGrad)) => Some(LtEpilogue::DGeluTanh),
+            _ => None,
+        }
+    }
+
+    /// True when the epilogue reads or writes an auxiliary matrix.
+    pub(crate) fn has_aux(self) -> bool {
+        matches!(self, LtEpilogue::GeluTanhAux | LtEpilogue::DGeluTanh)
+    }
+
+    /// cuBLASLt's code, after a bias when `bias`; `None` for `DGELU` with a bias (cuBLASLt's
+    /// `DGELU_BGRAD` computes a bias gradient instead).
+    fn code(self, bias: bool) -> Option<sys::cublasLtEpilogue_t> {
         use sys::cublasLtEpilogue_t::*;
-        match (self, bias) {
+        Some(match (self, bias) {
             (LtEpilogue::None, false) => CUBLASLT_EPILOGUE_DEFAULT,
             (LtEpilogue::None, true) => CUBLASLT_EPILOGUE_BIAS,
             (LtEpilogue::Relu, false) => CUBLASLT_EPILOGUE_RELU,
             (LtEpilogue::Relu, true) => CUBLASLT_EPILOGUE_RELU_BIAS,
             (LtEpilogue::GeluTanh, false) => CUBLASLT_EPILOGUE_GELU,
             (LtEpilogue::GeluTanh, true) => CUBLASLT_EPILOGUE_GELU_BIAS,
-        }
+            (LtEpilogue::GeluTanhAux, false) => CUBLASLT_EPILOGUE_GELU_AUX,
+            (LtEpilogue::GeluTanhAux, true) => CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            (LtEpilogue::DGeluTanh, false) => CUBLASLT_EPILOGUE_DGELU,
+            (LtEpilogue::DGeluTanh, true) => return None,
+        })
+    }
+}
+
+/// The auxiliary matrix of a `GELU_AUX` or `DGELU` epilogue: D's layout (column-major,
+/// `ld` elements between columns) at `ptr`, in `dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct LtAux {
+    pub ptr: u64,
+    pub ld: i64,
+    pub dtype: DType,
+}
+
+impl LtAux {
+    /// True when cuBLASLt takes it beside a D of `rows` rows in `d_dtype`: `ld` a multiple
+    /// of 8 and at least `rows`, the pointer 16-byte aligned, D's dtype.
+    pub(crate) fn fits(&self, rows: u64, d_dtype: DType) -> bool {
+        self.ld % 8 == 0 && self.ld >= rows as i64 && self.ptr % 16 == 0 && self.dtype == d_dtype
     }
 }
 
@@ -91,6 +135,8 @@ pub(crate) struct LtProblem {
     /// C when it is not D (with `accumulate`).
     pub c_ptr: Option<u64>,
     pub bias_ptr: Option<u64>,
+    /// The auxiliary matrix of a `GELU_AUX` or `DGELU` epilogue.
+    pub aux: Option<LtAux>,
     /// `D = C + op(A) op(B)`.
     pub accumulate: bool,
 }
@@ -106,6 +152,8 @@ struct Key {
     epilogue: LtEpilogue,
     bias: bool,
     accumulate: bool,
+    /// The auxiliary matrix's leading dimension, dtype and alignment (bytes, at most 256).
+    aux: Option<(i64, DType, u32)>,
     /// Alignments (bytes, at most 256) of A, B and C/D (the smaller of the two): the
     /// algorithm must work with them.
     align: [u32; 3],
@@ -145,8 +193,9 @@ struct State {
     launches: LaunchGraphs<LaunchKey>,
 }
 
-/// One GEMM launch: the problem, its A, B, D, bias and C pointers, and the stream.
-type LaunchKey = (Key, [u64; 5], StreamHandle);
+/// One GEMM launch: the problem, its A, B, D, bias, C and auxiliary pointers, and the
+/// stream.
+type LaunchKey = (Key, [u64; 6], StreamHandle);
 
 /// A device's cuBLASLt handle, plans and workspaces.
 pub(crate) struct LtPlans {
@@ -247,7 +296,12 @@ impl LtPlans {
         if !self.present {
             return Ok(false);
         }
-        if problem.bias_ptr.is_some_and(|p| p % 16 != 0) {
+        if problem.bias_ptr.is_some_and(|p| p % 16 != 0)
+            || problem
+                .aux
+                .is_some_and(|x| !x.fits(problem.d.rows, problem.out_dtype))
+            || problem.aux.is_some() != problem.epilogue.has_aux()
+        {
             return Ok(false);
         }
         let key = Key {
@@ -259,6 +313,7 @@ impl LtPlans {
             epilogue: problem.epilogue,
             bias: problem.bias_ptr.is_some(),
             accumulate: problem.accumulate,
+            aux: (problem.aux).map(|x| (x.ld, x.dtype, alignment(x.ptr))),
             align: [
                 alignment(problem.a_ptr),
                 alignment(problem.b_ptr),
@@ -283,7 +338,8 @@ impl LtPlans {
         // One lookup: a plan that cannot be built (no algorithm, or a descriptor call
         // failing) is remembered as absent, and this problem then always goes to cuBLAS.
         let plan = plans.entry(key).or_insert_with(|| {
-            let plan = build_plan(handle, &key).unwrap_or_else(|e| {
+            let aux_ptr = problem.aux.map(|x| x.ptr);
+            let plan = build_plan(handle, &key, aux_ptr).unwrap_or_else(|e| {
                 tracing::debug!("cuBLASLt plan for {key:?}: {e}");
                 None
             });
@@ -305,15 +361,19 @@ impl LtPlans {
                 w
             }
         };
-        if let Some(bias) = problem.bias_ptr {
-            let ptr = bias as *const c_void;
-            // SAFETY: a live descriptor; the attribute is a device pointer.
-            unsafe {
-                set_desc(
-                    plan.desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    &ptr,
-                )?;
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        let launch_attrs = [
+            (A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, problem.bias_ptr),
+            (
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                aux_ptr(problem),
+            ),
+        ];
+        for (attr, p) in launch_attrs {
+            if let Some(p) = p {
+                let ptr = p as *const c_void;
+                // SAFETY: a live descriptor; the attribute is a device pointer.
+                unsafe { set_desc(plan.desc, attr, &ptr)? };
             }
         }
         let alpha = 1.0f32;
@@ -351,6 +411,7 @@ impl LtPlans {
             problem.d_ptr,
             problem.bias_ptr.unwrap_or(0),
             c_ptr,
+            aux_ptr(problem).unwrap_or(0),
         ];
         launches.launch(&(key, pointers, stream), raw, enqueue)?;
         Ok(true)
@@ -377,9 +438,22 @@ impl LtPlans {
     }
 }
 
+/// The auxiliary matrix's pointer, if the problem has one.
+fn aux_ptr(problem: &LtProblem) -> Option<u64> {
+    problem.aux.map(|x| x.ptr)
+}
+
 /// Builds the descriptors of `key` and asks the heuristic for an algorithm; `None` when it
-/// has none.
-fn build_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Option<Plan>> {
+/// has none. `aux_ptr` (of the first launch) shows the heuristic the auxiliary matrix's
+/// alignment.
+fn build_plan(
+    handle: sys::cublasLtHandle_t,
+    key: &Key,
+    aux_ptr: Option<u64>,
+) -> Result<Option<Plan>> {
+    let Some(epilogue) = key.epilogue.code(key.bias) else {
+        return Ok(None);
+    };
     let desc = lt::create_matmul_desc(
         sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         sys::cudaDataType::CUDA_R_32F,
@@ -408,11 +482,18 @@ fn build_plan(handle: sys::cublasLtHandle_t, key: &Key) -> Result<Option<Plan>> 
     unsafe {
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(key.a.transposed))?;
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(key.b.transposed))?;
-        set_desc(
-            desc,
-            A::CUBLASLT_MATMUL_DESC_EPILOGUE,
-            &key.epilogue.code(key.bias),
-        )?;
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        // The auxiliary matrix's type stays cuBLASLt's default, D's: the only one it takes
+        // outside FP8 GEMMs (the caller asks only when the matrix has D's dtype, which the
+        // key holds).
+        if let (Some((ld, _, _)), Some(p)) = (key.aux, aux_ptr) {
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
+            set_desc(
+                desc,
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                &(p as *const c_void),
+            )?;
+        }
     }
     let pref = lt::create_matmul_pref().map_err(|e| lt_err("cublasLtMatmulPreferenceCreate", e))?;
     use sys::cublasLtMatmulPreferenceAttributes_t as P;
@@ -483,10 +564,60 @@ mod tests {
         assert_eq!(LtEpilogue::of(&[UnaryOp::Relu, UnaryOp::Relu]), None);
         assert_eq!(
             LtEpilogue::GeluTanh.code(true),
-            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS
+            Some(sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS)
         );
         assert_eq!(alignment(0x1000), 256);
         assert_eq!(alignment(0x1002), 2);
         assert_eq!(alignment(0x1010), 16);
+    }
+
+    #[test]
+    fn auxiliary_matrix_epilogues() {
+        use sys::cublasLtEpilogue_t::*;
+        let save = EpilogueAux::PreActivation;
+        let slope = EpilogueAux::Derivative(UnaryOp::GeluTanhGrad);
+        assert_eq!(
+            LtEpilogue::with_aux(&[UnaryOp::GeluTanh], save),
+            Some(LtEpilogue::GeluTanhAux)
+        );
+        assert_eq!(
+            LtEpilogue::with_aux(&[], slope),
+            Some(LtEpilogue::DGeluTanh)
+        );
+        assert_eq!(LtEpilogue::with_aux(&[UnaryOp::Relu], save), None);
+        assert_eq!(LtEpilogue::with_aux(&[UnaryOp::Gelu], save), None);
+        assert_eq!(LtEpilogue::with_aux(&[], save), None);
+        assert_eq!(
+            LtEpilogue::with_aux(&[], EpilogueAux::Derivative(UnaryOp::GeluGrad)),
+            None,
+            "cuBLASLt's DGELU is the tanh form's derivative"
+        );
+        assert_eq!(LtEpilogue::with_aux(&[UnaryOp::GeluTanh], slope), None);
+        assert_eq!(
+            LtEpilogue::GeluTanhAux.code(false),
+            Some(CUBLASLT_EPILOGUE_GELU_AUX)
+        );
+        assert_eq!(
+            LtEpilogue::GeluTanhAux.code(true),
+            Some(CUBLASLT_EPILOGUE_GELU_AUX_BIAS)
+        );
+        assert_eq!(
+            LtEpilogue::DGeluTanh.code(false),
+            Some(CUBLASLT_EPILOGUE_DGELU)
+        );
+        assert_eq!(LtEpilogue::DGeluTanh.code(true), None);
+        assert!(LtEpilogue::DGeluTanh.has_aux() && !LtEpilogue::GeluTanh.has_aux());
+        let aux = |ptr, ld| LtAux {
+            ptr,
+            ld,
+            dtype: DType::BF16,
+        };
+        let bf16 = DType::BF16;
+        assert!(aux(0x1000, 64).fits(64, bf16));
+        assert!(aux(0x1000, 72).fits(64, bf16), "a padded ld");
+        assert!(!aux(0x1000, 60).fits(60, bf16), "ld a multiple of 8");
+        assert!(!aux(0x1000, 64).fits(72, bf16), "ld at least D's rows");
+        assert!(!aux(0x1008, 64).fits(64, bf16), "16-byte aligned");
+        assert!(!aux(0x1000, 64).fits(64, DType::F32), "D's dtype");
     }
 }

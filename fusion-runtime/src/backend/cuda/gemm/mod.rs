@@ -10,11 +10,14 @@
 //! with neither stride 1 are first copied to contiguous buffers. The last batch axis goes
 //! to cuBLAS as the strided batch; outer batch axes are looped on the host.
 
+mod args;
+mod epilogue;
 mod hopper;
 pub(crate) mod launch_graphs;
 pub(crate) mod lt;
 mod word_hash;
 
+pub(crate) use args::{gemm_kernel, GemmArgs};
 pub(crate) use hopper::{gathered_rows_ready, launch_gathered, runs_gathered, HopperGemms};
 
 use std::ffi::c_void;
@@ -22,17 +25,15 @@ use std::ffi::c_void;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use fusion_compiler::DType;
 
-use fusion_compiler::ir::{BinaryOp, UnaryOp};
-
 use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::kernels::KernelCache;
 use crate::backend::cuda::libs::driver_err;
 use crate::backend::cuda::memory::device_shared::DeviceShared;
 use crate::backend::cuda::stream::RawStream;
-use crate::device::{Device, GemmEngine, Kernel, PointwiseInstr, PointwiseProgram, StreamHandle};
+use crate::device::{Device, GemmEngine, Kernel, StreamHandle};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use lt::{LtEpilogue, LtMatrix, LtProblem};
+use lt::{LtAux, LtEpilogue, LtMatrix, LtProblem};
 
 /// A cuBLAS handle, bound to one stream of its device.
 #[derive(Clone, Copy)]
@@ -56,6 +57,8 @@ pub(crate) trait GemmDevice: Device {
     fn kernels(&self) -> &KernelCache;
     /// The device's state of the persistent Hopper GEMM.
     fn hopper(&self) -> &HopperGemms;
+    /// The engine of the GEMMs enqueued now (`Device::set_gemm_engine`).
+    fn gemm_engine(&self) -> GemmEngine;
     /// The health of the device's world (its timeout, the waits it watches).
     fn health(&self) -> &WorldHealth;
     /// The rank the device serves.
@@ -117,95 +120,26 @@ fn matrix(dev: &dyn GemmDevice, stream: StreamHandle, t: &Tensor) -> Result<(Ten
     Ok((c, l))
 }
 
-/// The operands of one [`Kernel::Gemm`].
-#[derive(Clone, Copy)]
-pub(crate) struct GemmArgs<'a> {
-    pub a: &'a Tensor,
-    pub b: &'a Tensor,
-    pub bias: Option<&'a Tensor>,
-    pub accumulate: bool,
-    /// With `accumulate`: what is added when it is not `dst` (see [`Kernel::Gemm`]).
-    pub addend: Option<&'a Tensor>,
-    pub epilogue: &'a [UnaryOp],
-    pub dst: &'a Tensor,
-    /// Which engine runs it where it can ([`GemmEngine`]).
-    pub engine: GemmEngine,
-}
-
-/// Checks ranks, shapes and dtypes of a GEMM.
-fn validate(g: &GemmArgs) -> Result<()> {
-    let (a, b, dst) = (g.a, g.b, g.dst);
-    if g.accumulate && (g.bias.is_some() || !g.epilogue.is_empty()) {
-        return Err(err(
-            "gemm: a bias or an epilogue cannot be combined with accumulate".into(),
-        ));
-    }
-    let r = dst.rank();
-    if r < 2 || a.rank() != r || b.rank() != r {
-        return Err(err(format!(
-            "gemm: a {:?}, b {:?} and dst {:?} must share one rank >= 2",
-            a.shape(),
-            b.shape(),
-            dst.shape()
-        )));
-    }
-    let (m, n, k) = (dst.shape()[r - 2], dst.shape()[r - 1], a.shape()[r - 1]);
-    if a.shape()[r - 2] != m
-        || b.shape()[r - 2] != k
-        || b.shape()[r - 1] != n
-        || a.shape()[..r - 2] != dst.shape()[..r - 2]
-        || b.shape()[..r - 2] != dst.shape()[..r - 2]
-    {
-        return Err(err(format!(
-            "gemm: a {:?} @ b {:?} does not give dst {:?}",
-            a.shape(),
-            b.shape(),
-            dst.shape()
-        )));
-    }
-    if a.dtype() != b.dtype() {
-        return Err(err(format!(
-            "gemm: operand dtypes {} and {} must agree",
-            a.dtype(),
-            b.dtype()
-        )));
-    }
-    if let Some(bias) = g.bias {
-        if bias.shape() != [n] {
-            return Err(err(format!(
-                "gemm: bias {:?} must be [N] = [{n}]",
-                bias.shape()
-            )));
-        }
-    }
-    crate::device::gemm_addend(g.accumulate, g.addend, dst)?;
-    if g.accumulate && dst.dtype() != a.dtype() {
-        return Err(err(format!(
-            "gemm: accumulating into {} from {} operands",
-            dst.dtype(),
-            a.dtype()
-        )));
-    }
-    Ok(())
-}
-
 /// True when cuBLAS stores a product of `input` operands in `output` directly.
 fn direct_output(input: DType, output: DType) -> bool {
     input == output || output == DType::F32
 }
 
 /// `dst = epilogue(a @ b (+ bias))`, or `dst += a @ b` with `accumulate`; see
-/// [`Kernel::Gemm`]. The persistent Hopper kernel first where `g.engine` asks for it and it
-/// applies; cuBLASLt from a cached plan with the epilogue in the GEMM where it can; else
-/// cuBLAS, and for an epilogue (or output dtype) cuBLAS cannot store, the product
-/// in f32 and one generated kernel for the rest (the same f32 semantics as cuBLASLt's
-/// epilogue and the CPU backend).
+/// [`Kernel::Gemm`] (and [`Kernel::GemmAux`] for `g.aux`). The persistent Hopper kernel
+/// first where the device's engine asks for it and it applies (never with an auxiliary
+/// matrix);
+/// cuBLASLt from a cached plan with the epilogue in the GEMM where it can; else cuBLAS,
+/// and for an epilogue (or output dtype) cuBLAS cannot store, the product in f32 and one
+/// generated kernel for the rest (the same f32 semantics as cuBLASLt's epilogue and the
+/// CPU backend).
 pub(crate) fn gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: GemmArgs) -> Result<()> {
-    validate(&g)?;
+    args::validate(&g)?;
     if g.dst.numel() == 0 {
         return Ok(());
     }
-    if g.engine == GemmEngine::Persistent && hopper::try_gemm(dev, stream, &g)? {
+    let persistent = dev.gemm_engine() == GemmEngine::Persistent && g.aux.is_none();
+    if persistent && hopper::try_gemm(dev, stream, &g)? {
         return Ok(());
     }
     if let Some(c) = g.addend.filter(|c| !same_view(c, g.dst)) {
@@ -217,7 +151,13 @@ pub(crate) fn gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: GemmArgs) -> R
         dev.execute(stream, Kernel::Copy { src: c, dst: g.dst })?;
         return cublas_gemm(dev, stream, g.a, g.b, None, true, g.dst);
     }
-    if let Some(ep) = LtEpilogue::of(g.epilogue) {
+    let lt_epilogue = match g.aux {
+        // cuBLASLt's auxiliary matrix is taken in D's dtype, that of the operands.
+        Some((x, mode)) => LtEpilogue::with_aux(g.epilogue, mode)
+            .filter(|_| x.dtype() == g.dst.dtype() && g.a.dtype() == g.dst.dtype()),
+        None => LtEpilogue::of(g.epilogue),
+    };
+    if let Some(ep) = lt_epilogue {
         if direct_output(g.a.dtype(), g.dst.dtype())
             && g.bias.is_none_or(|b| b.dtype() == g.dst.dtype())
             && lt_gemm(dev, stream, &g, ep)?
@@ -225,47 +165,10 @@ pub(crate) fn gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: GemmArgs) -> R
             return Ok(());
         }
     }
-    if g.epilogue.is_empty() && direct_output(g.a.dtype(), g.dst.dtype()) {
+    if g.epilogue.is_empty() && g.aux.is_none() && direct_output(g.a.dtype(), g.dst.dtype()) {
         return cublas_gemm(dev, stream, g.a, g.b, g.bias, g.accumulate, g.dst);
     }
-    // The product in f32 (cuBLASLt or cuBLAS), then bias and activations in one kernel.
-    let product = dev.allocate(stream, DType::F32, g.dst.shape())?;
-    let plain = GemmArgs {
-        bias: None,
-        addend: None,
-        epilogue: &[],
-        dst: &product,
-        ..g
-    };
-    if !lt_gemm(dev, stream, &plain, LtEpilogue::None)? {
-        cublas_gemm(dev, stream, g.a, g.b, None, false, &product)?;
-    }
-    let shape = g.dst.shape().to_vec();
-    let mut inputs = vec![product];
-    let mut instrs = Vec::new();
-    let mut reg = 0;
-    if let Some(bias) = g.bias {
-        inputs.push(
-            bias.expand(&shape)
-                .map_err(|e| err(format!("gemm bias: {e}")))?,
-        );
-        instrs.push(PointwiseInstr::Binary(BinaryOp::Add, 0, 1));
-    }
-    let n_in = inputs.len();
-    if !instrs.is_empty() {
-        reg = n_in;
-    }
-    for &op in g.epilogue {
-        instrs.push(PointwiseInstr::Unary(op, reg));
-        reg = n_in + instrs.len() - 1;
-    }
-    let program = PointwiseProgram {
-        shape,
-        inputs,
-        instrs,
-        outputs: vec![(g.dst.clone(), reg)],
-    };
-    dev.execute(stream, Kernel::Pointwise(&program))
+    epilogue::product_then_kernel(dev, stream, &g)
 }
 
 /// `g` through cuBLASLt when it is one 2-D GEMM (batch axes of extent 1) whose operands
@@ -296,6 +199,24 @@ fn lt_gemm(
     if k == 0 {
         return Ok(false);
     }
+    // The auxiliary matrix has D's layout to cuBLASLt: unit column stride too (its own
+    // leading dimension).
+    let aux = match g.aux.filter(|_| ep.has_aux()) {
+        Some((x, _)) => {
+            let (_, _, xrs, xcs) = last2(x);
+            let (Some(Layout::RowMajor { ld }), Some(ptr)) =
+                (layout(m, n, xrs, xcs), x.device_ptr())
+            else {
+                return Ok(false);
+            };
+            Some(LtAux {
+                ptr,
+                ld,
+                dtype: x.dtype(),
+            })
+        }
+        None => None,
+    };
     // C, when it is not D: cuBLASLt reads it with D's layout, so its strides must match.
     let c = g.addend.filter(|c| !same_view(c, g.dst));
     if let Some(c) = c {
@@ -352,6 +273,7 @@ fn lt_gemm(
             Some(_) => return Ok(false),
             None => None,
         },
+        aux,
         accumulate: g.accumulate,
     };
     let raw = dev.raw_stream(stream)?;

@@ -12,18 +12,35 @@
 //! `silu(g) * u`) stays out: `FuseElementwise` fuses it with that op into one kernel,
 //! where folding it would leave two passes on backends without that epilogue (cuBLASLt has
 //! bias, relu and the tanh GELU; other activations run in a kernel right after the GEMM).
-//! The derivative ops of backward passes (`gelu_grad`, ..) are never folded.
+//! The derivative ops of backward passes (`gelu_grad`, ..) are never folded as activations.
+//!
+//! Two forms of training's MLP block fold with an auxiliary matrix
+//! ([`crate::ir::EpilogueAux`]), both the tanh GELU's (cuBLASLt's `GELU_AUX` and `DGELU`):
+//! - the pre-activation saved: a GEMM result that is also an output (or a chunk of one:
+//!   the saving forward's `h`) and that one `gelu_tanh` reads becomes one GEMM writing
+//!   `gelu_tanh(h)` and `h` (`h` its last input, written; the persistent AllGather+GEMM
+//!   of `pipelines.gathered_gemm` then leaves it alone: it takes a plain product only);
+//! - the derivative applied: the backward's `mul(d_act, gelu_tanh_grad(h))` (either operand
+//!   order), with `d_act` a GEMM's result and the derivative computed between the GEMM and
+//!   the `mul`, each read by the `mul` only, becomes one GEMM reading `h` and multiplying
+//!   its product by `gelu_tanh'(h)`. Only a plain product takes it (no bias or activation
+//!   before; cuBLASLt's `DGELU` has none), and nothing folds after it.
 //!
 //! Between the GEMM and its reader there may be only view bindings (the stream loop's
 //! slot views); the GEMM moves to its reader's place. The views, slot buffers and
 //! allocations that only served the folded product are removed.
 
-use std::collections::{HashMap, HashSet};
+mod readers;
+
+use std::collections::HashSet;
 
 use super::context::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{for_each_node, for_each_node_mut, HostProgram, Node};
-use crate::ir::{BinaryOp, Epilogue, Expr, Fusion, IterKind, Op, ParallelType, TensorId};
+use crate::ir::{
+    BinaryOp, Epilogue, EpilogueAux, Expr, Fusion, IterKind, Op, ParallelType, TensorId, UnaryOp,
+};
+use readers::{readers, Readers};
 
 /// The epilogue-folding pass.
 pub struct FuseEpilogue;
@@ -42,8 +59,8 @@ impl Pass for FuseEpilogue {
             let mut body = std::mem::take(&mut p.body);
             let mut changed = false;
             for_each_node_mut(&mut body, &mut |list| {
-                while let Some(t) = fold_one(&p.ir, list, &readers, &pinned) {
-                    folded.push(t);
+                while let Some(dead) = fold_one(&p.ir, list, &readers, &pinned) {
+                    folded.extend(dead);
                     changed = true;
                 }
                 Ok(())
@@ -58,108 +75,22 @@ impl Pass for FuseEpilogue {
     }
 }
 
-/// For every tensor, the compute nodes (by expression) that read its value, and whether
-/// anything else (a communication, a view, a launch) reads it. A stream chunk (an
-/// `AliasSelect` output), or a view of one (a row range of it), is read wherever its whole
-/// tensor is selected again.
-struct Readers {
-    exprs: HashMap<TensorId, Vec<Expr>>,
-    other: HashSet<TensorId>,
-    /// Chunk or view -> the tensor it selects from or views.
-    chunk_of: HashMap<TensorId, TensorId>,
-    /// How many nodes select chunks of a tensor.
-    selects: HashMap<TensorId, usize>,
-}
-
-fn readers(body: &[Node]) -> Readers {
-    let mut r = Readers {
-        exprs: HashMap::new(),
-        other: HashSet::new(),
-        chunk_of: HashMap::new(),
-        selects: HashMap::new(),
-    };
-    for_each_node(body, &mut |n| match n {
-        Node::Compute(e) => {
-            for &t in &e.inputs {
-                if e.op.is_view() {
-                    r.other.insert(t);
-                } else {
-                    r.exprs.entry(t).or_default().push(e.clone());
-                }
-            }
-            if e.op.is_view() {
-                if let Some(&whole) = e.inputs.first() {
-                    r.chunk_of.insert(e.output, whole);
-                }
-            }
-        }
-        Node::AliasSelect { input, output, .. } => {
-            r.other.insert(*input);
-            r.chunk_of.insert(*output, *input);
-            *r.selects.entry(*input).or_default() += 1;
-        }
-        Node::Communication(c) => {
-            r.other.insert(c.input);
-        }
-        Node::P2P(x) => {
-            r.other.insert(x.buffer);
-        }
-        Node::Launch { inputs, .. } => r.other.extend(inputs.iter().copied()),
-        _ => {}
-    });
-    r
-}
-
-impl Readers {
-    /// True when `t` is a chunk or a view (at any step of the chain) of one of `whole`:
-    /// a GEMM writing a chunk of an output stores what the output must hold.
-    fn part_of(&self, t: TensorId, whole: &HashSet<TensorId>) -> bool {
-        let mut part = t;
-        while let Some(&w) = self.chunk_of.get(&part) {
-            if whole.contains(&w) {
-                return true;
-            }
-            part = w;
-        }
-        false
-    }
-
-    /// The one expression that reads `t`, if nothing else does (for a chunk or a view of
-    /// one: nothing else reads the tensor it comes from, e.g. a later loop selecting chunks
-    /// of it again, at any step of the chain of selects and views).
-    fn only_reader(&self, t: TensorId) -> Option<&Expr> {
-        if self.other.contains(&t) {
-            return None;
-        }
-        let mut part = t;
-        while let Some(&whole) = self.chunk_of.get(&part) {
-            if self.selects.get(&whole).copied().unwrap_or(0) > 1 || self.exprs.contains_key(&whole)
-            {
-                return None;
-            }
-            part = whole;
-        }
-        match self.exprs.get(&t).map(Vec::as_slice) {
-            Some([e]) => Some(e),
-            _ => None,
-        }
-    }
-}
-
 /// A GEMM node's parts: `(linear, epilogue, inputs)`, for the ops that can take more
-/// epilogue (not accumulating, not already storing in another dtype).
+/// epilogue (not accumulating, not already storing in another dtype, not already
+/// multiplying by a derivative).
 fn gemm_parts(f: &Fusion, e: &Expr) -> Option<(bool, Epilogue, Vec<TensorId>)> {
     match &e.op {
         Op::Matmul if e.inputs.len() == 2 => Some((false, Epilogue::default(), e.inputs.clone())),
         Op::Linear => {
             let ep = Epilogue {
                 bias: e.inputs.len() == 3,
-                activations: Vec::new(),
+                ..Epilogue::default()
             };
             Some((true, ep, e.inputs.clone()))
         }
         Op::Gemm { linear, epilogue }
-            if f.tensor(e.output).dtype == f.tensor(e.inputs[0]).dtype =>
+            if f.tensor(e.output).dtype == f.tensor(e.inputs[0]).dtype
+                && !matches!(epilogue.aux, Some(EpilogueAux::Derivative(_))) =>
         {
             Some((*linear, epilogue.clone(), e.inputs.clone()))
         }
@@ -167,13 +98,14 @@ fn gemm_parts(f: &Fusion, e: &Expr) -> Option<(bool, Epilogue, Vec<TensorId>)> {
     }
 }
 
-/// Folds one GEMM of `list` into its reader; returns the product no longer computed.
+/// Folds one GEMM of `list` into its reader; returns the products no longer computed.
+/// `pinned`: the program's inputs, outputs and aliases.
 fn fold_one(
     f: &Fusion,
     list: &mut Vec<Node>,
     readers: &Readers,
     pinned: &HashSet<TensorId>,
-) -> Option<TensorId> {
+) -> Option<Vec<TensorId>> {
     for i in 0..list.len() {
         let Node::Compute(g) = &list[i] else {
             continue;
@@ -182,22 +114,47 @@ fn fold_one(
             continue;
         };
         let t = g.output;
-        if pinned.contains(&t) || readers.part_of(t, pinned) {
-            continue;
-        }
+        // A product that is also an output (or a part of one) keeps its store; it may
+        // still hand its pre-activation to an epilogue that stores both.
+        let kept = pinned.contains(&t) || readers.part_of(t, pinned);
         let Some(reader) = readers.only_reader(t) else {
             continue;
         };
-        // The reader, after nothing but view bindings that leave the GEMM's inputs alone.
+        // The reader, after nothing but view bindings that leave the GEMM's inputs alone
+        // (and the derivative a folded product is multiplied by).
         let Some(j) =
             (i + 1..list.len()).find(|&j| matches!(&list[j], Node::Compute(e) if e == reader))
         else {
             continue;
         };
-        if !list[i + 1..j].iter().all(|n| binds_only(n, &inputs)) {
+        let slope = match &reader.op {
+            Op::Binary(BinaryOp::Mul) if !kept => slope_of(f, list, (i, j), reader, readers)
+                .filter(|&(_, (s, _))| !pinned.contains(&s) && !readers.part_of(s, pinned)),
+            _ => None,
+        };
+        let between = |n: usize| slope.is_none_or(|(k, _)| n != k);
+        if !(i + 1..j)
+            .filter(|&n| between(n))
+            .all(|n| binds_only(&list[n], &inputs))
+        {
             continue;
         }
+        let mut dead = vec![t];
         match &reader.op {
+            Op::Unary(UnaryOp::GeluTanh)
+                if kept && epilogue.activations.is_empty() && epilogue.aux.is_none() =>
+            {
+                // The GEMM writes the product where the activation read it.
+                let t_stays = (i + 1..j).all(|n| binds_only(&list[n], &[t]));
+                if feeds_binary(readers, reader.output) || !t_stays {
+                    continue;
+                }
+                epilogue.activations.push(UnaryOp::GeluTanh);
+                epilogue.aux = Some(EpilogueAux::PreActivation);
+                inputs.push(t);
+                dead.clear();
+            }
+            _ if kept => continue,
             Op::Unary(u) => {
                 if u.is_derivative() || feeds_binary(readers, reader.output) {
                     continue;
@@ -205,7 +162,9 @@ fn fold_one(
                 epilogue.activations.push(*u);
             }
             Op::Cast => {}
-            Op::Binary(BinaryOp::Add) if !epilogue.bias && epilogue.activations.is_empty() => {
+            Op::Binary(BinaryOp::Add)
+                if !epilogue.bias && epilogue.activations.is_empty() && epilogue.aux.is_none() =>
+            {
                 let other = if reader.inputs[0] == t {
                     reader.inputs[1]
                 } else {
@@ -217,18 +176,73 @@ fn fold_one(
                 epilogue.bias = true;
                 inputs.push(other);
             }
+            Op::Binary(BinaryOp::Mul) if epilogue == Epilogue::default() => {
+                let Some((k, (s, h))) = slope else {
+                    continue;
+                };
+                epilogue.aux = Some(EpilogueAux::Derivative(UnaryOp::GeluTanhGrad));
+                inputs.push(h);
+                dead.push(s);
+                list[j] = gemm_node(linear, epilogue, inputs, reader.output);
+                list.remove(k);
+                list.remove(i);
+                return Some(dead);
+            }
             _ => continue,
         }
-        let fused = Node::Compute(Expr {
-            op: Op::Gemm { linear, epilogue },
-            inputs,
-            output: reader.output,
-        });
-        list[j] = fused;
+        list[j] = gemm_node(linear, epilogue, inputs, reader.output);
         list.remove(i);
-        return Some(t);
+        return Some(dead);
     }
     None
+}
+
+/// The fused GEMM node.
+fn gemm_node(linear: bool, epilogue: Epilogue, inputs: Vec<TensorId>, output: TensorId) -> Node {
+    Node::Compute(Expr {
+        op: Op::Gemm { linear, epilogue },
+        inputs,
+        output,
+    })
+}
+
+/// For `mul` (at `j`) of the product of the GEMM at `i` and `gelu_tanh_grad(h)` computed
+/// between them: the derivative's position and `(its result, h)`, when the product only
+/// multiplies, `h` has the product's axes (no broadcast) and nothing else reads the
+/// derivative. The autodiff's adjoint of `gelu_tanh` is `mul(gradient, gelu_tanh_grad(x))`;
+/// either operand order folds.
+fn slope_of(
+    f: &Fusion,
+    list: &[Node],
+    (i, j): (usize, usize),
+    mul: &Expr,
+    readers: &Readers,
+) -> Option<(usize, (TensorId, TensorId))> {
+    let Node::Compute(g) = &list[i] else {
+        return None;
+    };
+    let t = g.output;
+    let s = match mul.inputs[..] {
+        [a, b] if a == t && b != t => b,
+        [a, b] if b == t && a != t => a,
+        _ => return None,
+    };
+    let k = (i + 1..j).find(|&k| matches!(&list[k], Node::Compute(e) if e.output == s))?;
+    let Node::Compute(d) = &list[k] else {
+        return None;
+    };
+    let h = *d.inputs.first()?;
+    let same_axes = {
+        let (vh, vt) = (f.visible_axes(h), f.visible_axes(t));
+        vh.len() == vt.len()
+            && vh.iter().all(|&q| f.axis(h, q).kind != IterKind::Broadcast)
+            && f.tensor(mul.output).dtype == f.tensor(t).dtype
+    };
+    let only = readers.only_reader(s).is_some_and(|e| e == mul);
+    // The GEMM reads `h` where the `mul` was: nothing may bind it again in between.
+    let h_stays = (k + 1..j).all(|n| binds_only(&list[n], &[h]));
+    (d.op == Op::Unary(UnaryOp::GeluTanhGrad) && same_axes && only && h_stays)
+        .then_some((k, (s, h)))
 }
 
 /// True for a binding node (a view, an allocation, a branch of them) that binds none of
