@@ -3,7 +3,9 @@
 //! and bf16, in both forms for prefill and decode, with the decode step recorded once and
 //! replayed (`--graph`: on the CPU its body runs again on the same fixed buffers), and
 //! candle's own modes; every output (prefill and decode, with tokens that do and do not
-//! divide by the rank count) within the dtype's tolerance of candle alone in f32.
+//! divide by the rank count) within the dtype's tolerance of candle alone in f32; and the
+//! step's own ops on the CPU (the KV-cache write at positions in any order, the fused
+//! rotary embedding and RMSNorm, grouped attention) against candle's plain ones.
 
 #[path = "../examples/candle_llama/app.rs"]
 mod app;
@@ -18,6 +20,8 @@ mod config;
 mod fusions;
 #[path = "../examples/candle_llama/graph.rs"]
 mod graph;
+#[path = "../examples/candle_llama/kernels.rs"]
+mod kernels;
 #[path = "../examples/candle_llama/layer.rs"]
 mod layer;
 #[path = "../examples/candle_llama/ops.rs"]
@@ -34,6 +38,7 @@ mod tp;
 use std::time::Duration;
 
 use app::Args;
+use candle_core::{Device, Tensor as CTensor};
 use clap::Parser;
 use common::launch::{expect_success, launch};
 use fusion::runtime::world::LaunchSpec;
@@ -162,6 +167,83 @@ fn candle_modes_have_the_tensor_parallel_form_only() {
     assert!(err.to_string().contains("--decode-form sp"), "{err}");
     let err = app::run(args(Some(2), &["--candle-tp"])).expect_err("no NCCL on the CPU");
     assert!(err.to_string().contains("candle-cuda"), "{err}");
+}
+
+/// The largest absolute difference between two tensors of one shape.
+fn max_diff(a: &CTensor, b: &CTensor) -> f32 {
+    (a - b)
+        .and_then(|d| d.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+        .unwrap()
+}
+
+fn randn(shape: &[usize]) -> CTensor {
+    CTensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn the_cache_write_puts_each_row_at_its_position() {
+    let (kv, cap, hd) = (3, 9, 4);
+    for positions in [vec![4u32], vec![6, 1, 3], vec![8, 0, 5, 2]] {
+        let t = positions.len();
+        let cache = CTensor::zeros((kv, cap, hd), candle_core::DType::F32, &Device::Cpu).unwrap();
+        // The rows as a strided view (every other head of a wider tensor).
+        let wide = randn(&[t, 2 * kv, hd]);
+        let rows = wide.narrow(1, 0, kv).unwrap();
+        let pos = CTensor::new(positions.as_slice(), &Device::Cpu).unwrap();
+        kernels::write_rows(&cache, &rows, &pos).unwrap();
+        let cache: Vec<Vec<Vec<f32>>> = cache.to_vec3().unwrap();
+        let rows: Vec<Vec<Vec<f32>>> = rows.to_vec3().unwrap();
+        for (g, head) in cache.iter().enumerate() {
+            for (p, row) in head.iter().enumerate() {
+                let want = match positions.iter().position(|&q| q as usize == p) {
+                    Some(i) => rows[i][g].clone(),
+                    None => vec![0.0; hd],
+                };
+                assert_eq!(row, &want, "head {g}, position {p}, {positions:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn grouped_attention_matches_the_repeated_one() {
+    let (t, heads, kv, hd, keys) = (3, 8, 2, 16, 7);
+    let q = randn(&[t, heads, hd]);
+    // [kv, keys, hd] as the cache holds them (a narrowed view of a longer cache).
+    let cache = || randn(&[kv, keys + 2, hd]).narrow(1, 0, keys).unwrap();
+    let (k, v) = (cache(), cache());
+    let mask = ops::causal_mask(t, keys, keys - t, &Device::Cpu).unwrap();
+    let positions = cache::positions(keys - t, t, &Device::Cpu).unwrap();
+    let grouped = ops::grouped_attention(&q, &k, &v, &positions).unwrap();
+    let by_key = |x: &CTensor| x.transpose(0, 1).unwrap().contiguous().unwrap();
+    let repeated = ops::attention(&q, &by_key(&k), &by_key(&v), &mask).unwrap();
+    let diff = max_diff(&grouped, &repeated);
+    assert!(diff < 1e-6, "grouped attention off by {diff}");
+}
+
+#[test]
+fn the_fused_rope_and_rms_norm_match_candle_ops() {
+    let (t, heads, hd, cap) = (3, 4, 8, 10);
+    let positions = [7u32, 2, 9];
+    let x = randn(&[t, 2 * heads, hd]).narrow(1, 1, heads).unwrap();
+    let angles = ops::rope_angles(0..cap, hd, 10_000.0);
+    let angles = CTensor::from_vec(angles, (cap, hd / 2), &Device::Cpu).unwrap();
+    let table = CTensor::cat(&[angles.cos().unwrap(), angles.sin().unwrap()], 1).unwrap();
+    let pos = CTensor::new(&positions[..], &Device::Cpu).unwrap();
+    let fused = kernels::rope(&x, &pos, &table).unwrap();
+    let pick = |c: usize| {
+        let rows = table.narrow(1, c, hd / 2).unwrap().contiguous().unwrap();
+        rows.index_select(&pos, 0)
+            .unwrap()
+            .reshape((t, 1, hd / 2))
+            .unwrap()
+    };
+    let plain = ops::rotate(&x, &pick(0), &pick(hd / 2)).unwrap();
+    assert!(max_diff(&fused, &plain) < 1e-6);
+    let (h, w) = (randn(&[5, 32]), randn(&[32]));
+    let fused = kernels::rms_norm(&h, &w, 1e-5).unwrap();
+    let plain = ops::rms_norm(&h, &w, 1e-5).unwrap();
+    assert!(max_diff(&fused, &plain) < 1e-5);
 }
 
 #[test]

@@ -1,36 +1,34 @@
 //! One rank's KV cache, allocated once for every position a run reaches, and what a step
-//! needs to use it without the host: the rotary tables of every position and the key
-//! indices for the causal mask.
+//! needs to use it without the host: the rotary table of every position.
 //!
 //! A step gets its tokens' positions as a device tensor (`u32`, one per token): the
-//! rotary cosines and sines are rows of the tables picked by those positions, the new keys
-//! and values are scattered into the cache at those rows, and the mask compares each
-//! cached key's index with each query's position. Nothing in a step depends on the host's
-//! idea of the position, so the same recorded step (a CUDA graph) serves every decode
-//! position once its positions tensor is rewritten; only the number of cached keys a step
-//! reads is fixed by its shapes (the filled part when run eagerly, the whole cache when
-//! recorded). Keys past a query's position are masked to -inf, so whatever the cache holds
-//! there (zeros at first, a previous request's values later) weighs nothing.
+//! rotary cosines and sines are the table's rows at those positions, the new keys and
+//! values are written into the cache at those rows (one kernel on CUDA), and attention's
+//! softmax lets each query see the keys up to its position. Nothing in a step depends on
+//! the host's idea of the position, so the same recorded step (a CUDA graph) serves every
+//! decode position once its positions tensor is rewritten; only the number of cached keys
+//! a step reads is fixed by its shapes (the filled part when run eagerly, the whole cache
+//! when recorded). Keys past a query's position weigh nothing, whatever the cache holds
+//! there (zeros at first, a previous request's values later).
+//!
+//! The cache is `[kv_heads, capacity, head_dim]`: each head's keys (values) are one
+//! matrix, which grouped attention (`ops::grouped_attention`) reads in place.
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 
-use crate::ops::{attention, rope_angles, rotate};
+use crate::kernels::{rope, write_rows};
+use crate::ops::{grouped_attention, rope_angles};
 
 /// A rank's KV cache of `capacity` positions and its position tables.
 pub struct KvCache {
-    /// `[capacity, kv_heads * head_dim]` in the layer's dtype.
+    /// `[kv_heads, capacity, head_dim]` in the layer's dtype: each head's keys (values)
+    /// are one matrix, which attention reads in place.
     k: CTensor,
     v: CTensor,
-    kv_heads: usize,
-    head_dim: usize,
-    /// `[capacity, head_dim / 2]`, f32.
-    cos: CTensor,
-    sin: CTensor,
-    /// `0..capacity`, `u32`: each cached key's position.
-    keys: CTensor,
-    /// f32 scalars of the mask.
-    zero: CTensor,
-    neg_inf: CTensor,
+    /// `[capacity, head_dim]` f32: each position's `head_dim / 2` rotary cosines, then
+    /// its sines.
+    table: CTensor,
+    capacity: usize,
 }
 
 impl KvCache {
@@ -44,46 +42,33 @@ impl KvCache {
         dtype: CDType,
         device: &Device,
     ) -> candle_core::Result<Self> {
-        let width = kv_heads * head_dim;
         let angles = rope_angles(0..capacity, head_dim, theta);
         let angles = CTensor::from_vec(angles, (capacity, head_dim / 2), device)?;
+        let shape = (kv_heads, capacity, head_dim);
         Ok(KvCache {
-            k: CTensor::zeros((capacity, width), dtype, device)?,
-            v: CTensor::zeros((capacity, width), dtype, device)?,
-            kv_heads,
-            head_dim,
-            cos: angles.cos()?,
-            sin: angles.sin()?,
-            keys: CTensor::arange(0u32, capacity as u32, device)?,
-            zero: CTensor::new(0f32, device)?,
-            neg_inf: CTensor::new(f32::NEG_INFINITY, device)?,
+            k: CTensor::zeros(shape, dtype, device)?,
+            v: CTensor::zeros(shape, dtype, device)?,
+            table: CTensor::cat(&[angles.cos()?, angles.sin()?], 1)?,
+            capacity,
         })
     }
 
     /// How many positions the cache holds.
     pub fn capacity(&self) -> usize {
-        self.keys.dims1().unwrap_or(0)
+        self.capacity
     }
 
-    /// `x` `[tokens, heads, head_dim]` rotated for the tokens at `positions` (`[tokens]`).
+    /// `x` `[tokens, heads, head_dim]` (any strides, the last 1) rotated for the tokens at
+    /// `positions` (`[tokens]`), contiguous.
     pub fn rope(&self, x: &CTensor, positions: &CTensor) -> candle_core::Result<CTensor> {
-        let t = positions.dim(0)?;
-        let half = self.head_dim / 2;
-        let pick = |table: &CTensor| table.index_select(positions, 0)?.reshape((t, 1, half));
-        rotate(x, &pick(&self.cos)?, &pick(&self.sin)?)
+        rope(x, positions, &self.table)
     }
 
-    /// Writes keys and values `[tokens, kv_heads, head_dim]` into the rows `positions`.
+    /// Writes keys and values `[tokens, kv_heads, head_dim]` (any strides, the last 1)
+    /// into the rows `positions` of every head.
     pub fn write(&self, k: &CTensor, v: &CTensor, positions: &CTensor) -> candle_core::Result<()> {
-        let t = positions.dim(0)?;
-        let width = self.kv_heads * self.head_dim;
-        let rows = positions
-            .reshape((t, 1))?
-            .broadcast_as((t, width))?
-            .contiguous()?;
-        let flat = |x: &CTensor| x.reshape((t, width))?.contiguous();
-        self.k.scatter_set(&rows, &flat(k)?, 0)?;
-        self.v.scatter_set(&rows, &flat(v)?, 0)
+        write_rows(&self.k, k, positions)?;
+        write_rows(&self.v, v, positions)
     }
 
     /// Causal attention of `q` `[tokens, heads, head_dim]` at `positions` over the first
@@ -95,22 +80,8 @@ impl KvCache {
         positions: &CTensor,
         keys: usize,
     ) -> candle_core::Result<CTensor> {
-        let t = positions.dim(0)?;
-        let cached = |c: &CTensor| {
-            c.narrow(0, 0, keys)?
-                .reshape((keys, self.kv_heads, self.head_dim))
-        };
-        let seen = self
-            .keys
-            .narrow(0, 0, keys)?
-            .reshape((1, keys))?
-            .broadcast_as((t, keys))?
-            .le(&positions.reshape((t, 1))?.broadcast_as((t, keys))?)?;
-        let mask = seen.where_cond(
-            &self.zero.broadcast_as((t, keys))?,
-            &self.neg_inf.broadcast_as((t, keys))?,
-        )?;
-        attention(q, &cached(&self.k)?, &cached(&self.v)?, &mask)
+        let (k, v) = (self.k.narrow(1, 0, keys)?, self.v.narrow(1, 0, keys)?);
+        grouped_attention(q, &k, &v, positions)
     }
 }
 

@@ -18,7 +18,7 @@ use crate::cache::KvCache;
 use crate::calls::FusionCalls;
 use crate::config::Config;
 use crate::fusions::{gated_mlp, out_proj, qkv, row_chunks, row_parallel};
-use crate::ops::rms_norm;
+use crate::kernels::rms_norm;
 use crate::tp::AllReduce;
 
 /// How a step's activations are laid out over the ranks.
@@ -250,13 +250,18 @@ impl RankLayer {
     /// `[tokens, q + 2 kv]`: their keys and values go into the cache first. Returns
     /// `[tokens, q]`.
     fn attend(&self, qkv: &CTensor, s: &StepIn) -> candle_core::Result<CTensor> {
-        let c = self.cfg;
-        let (d, hd, t) = (self.part.count, c.head_dim(), s.positions.dim(0)?);
-        let (qn, kvn, _) = widths(&c, d);
-        let heads = |from: usize, n: usize| qkv.narrow(1, from, n)?.reshape((t, n / hd, hd));
-        let q = self.cache.rope(&heads(0, qn)?, s.positions)?;
-        let k = self.cache.rope(&heads(qn, kvn)?, s.positions)?;
-        self.cache.write(&k, &heads(qn + kvn, kvn)?, s.positions)?;
+        let (hd, t) = (self.cfg.head_dim(), s.positions.dim(0)?);
+        let (qn, kvn, _) = widths(&self.cfg, self.part.count);
+        let (heads, kv_heads) = (qn / hd, kvn / hd);
+        // [tokens, heads + 2 kv_heads, hd]: Q's heads, K's, V's (a view).
+        let all = qkv.reshape((t, heads + 2 * kv_heads, hd))?;
+        // Q and K rotated together, then viewed apart.
+        let qk = self
+            .cache
+            .rope(&all.narrow(1, 0, heads + kv_heads)?, s.positions)?;
+        let (q, k) = (qk.narrow(1, 0, heads)?, qk.narrow(1, heads, kv_heads)?);
+        let v = all.narrow(1, heads + kv_heads, kv_heads)?;
+        self.cache.write(&k, &v, s.positions)?;
         self.cache.attend(&q, s.positions, s.keys)
     }
 

@@ -11,8 +11,13 @@
 //!   tokens, and the QKV projection (with the all-gather of the tokens), the
 //!   attention-output projection (with the reduce-scatter) and the gated MLP are fusions.
 //!
-//! Everything else (RMSNorm, rotary attention with grouped KV heads over a KV cache) is
-//! candle. Weights come from a safetensors file through candle's loader (`--weights PATH`;
+//! Everything else is candle, the same code in every mode: RMSNorm (candle's own fused
+//! kernel on CUDA), the rotary embedding of Q and K together (one op), the KV-cache write
+//! (one op: a thread per element on CUDA), and attention grouped by KV head (the query
+//! heads of a KV head are extra rows of one batched GEMM over the cache, read in place,
+//! never repeated; the GEMMs in the layer's dtype, a causal softmax in f32 as one op);
+//! the fused ops are `kernels.rs`, their CUDA kernels compiled at run time through NVRTC
+//! and launched on candle's stream. Weights come from a safetensors file through candle's loader (`--weights PATH`;
 //! a random-weight file is written there first if it does not exist). A run warms up, then
 //! times `--prefill-reps` prefills of `--prefill` tokens, each from an empty cache, and
 //! `--decode-steps` decode steps of `--decode-tokens` tokens, on every rank. Each fusion
@@ -34,6 +39,7 @@ mod calls;
 mod config;
 mod fusions;
 mod graph;
+mod kernels;
 mod layer;
 mod ops;
 mod reference;

@@ -1,8 +1,11 @@
-//! The layer's candle math, shared by the reference and the ranks' layers: RMSNorm, the
-//! rotary embedding (given its cosines and sines) and causal attention with an additive
-//! mask, each computed in f32 whatever the layer's dtype.
+//! The layer's candle math: the reference's plain forms (RMSNorm, the rotary embedding
+//! given its cosines and sines, causal attention with an additive mask and repeated KV
+//! heads, each computed in f32 whatever the dtype) and the ranks' grouped attention over
+//! the KV cache.
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor, D};
+
+use crate::kernels::causal_softmax;
 
 /// `x / rms(x) * w` over the last axis, computed in f32.
 pub fn rms_norm(x: &CTensor, w: &CTensor, eps: f64) -> candle_core::Result<CTensor> {
@@ -73,8 +76,9 @@ pub fn causal_mask(
 }
 
 /// Attention of `q` `[tokens, heads, hd]` over `k`, `v` `[keys, kv_heads, hd]` with the
-/// additive `mask` `[tokens, keys]` (f32); softmax in f32. Returns `[tokens, heads * hd]`
-/// in `q`'s dtype.
+/// additive `mask` `[tokens, keys]` (f32), the plainest way (the reference's): everything
+/// in f32, each KV head's keys and values repeated for its `heads / kv_heads` query heads.
+/// Returns `[tokens, heads * hd]` in `q`'s dtype.
 pub fn attention(
     q: &CTensor,
     k: &CTensor,
@@ -107,4 +111,35 @@ pub fn attention(
         .contiguous()?
         .reshape((t, heads * hd))?
         .to_dtype(dt)
+}
+
+/// Attention of `q` `[tokens, heads, hd]` (any strides) at `positions` (`[tokens]` `u32`)
+/// over `k`, `v` `[kv_heads, keys, hd]` (each head's rows contiguous, as the KV cache holds
+/// them), causal (query `i` sees keys `0..=positions[i]`), grouped by KV head: query head
+/// `h` reads KV head `h / rep` (`rep = heads / kv_heads`), so the `rep` query heads of a
+/// KV head are extra rows of one batched GEMM (`[kv_heads, rep * tokens, hd] x [kv_heads,
+/// hd, keys]`) and the keys and values are read in place, never repeated. The GEMMs run in
+/// the layer's dtype (accumulating in f32), the softmax in f32 (one op). Returns
+/// `[tokens, heads * hd]` in `q`'s dtype.
+pub fn grouped_attention(
+    q: &CTensor,
+    k: &CTensor,
+    v: &CTensor,
+    positions: &CTensor,
+) -> candle_core::Result<CTensor> {
+    let (t, heads, hd) = q.dims3()?;
+    let kv_heads = k.dim(0)?;
+    let rep = heads / kv_heads;
+    // [heads, t, hd] = [kv_heads, rep * t, hd]: head h = g * rep + r is rows r * t.. of g.
+    let q = q
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((kv_heads, rep * t, hd))?;
+    let scores = q.matmul(&k.t()?)?;
+    let p = causal_softmax(&scores, positions, 1.0 / (hd as f64).sqrt())?;
+    p.matmul(v)?
+        .reshape((heads, t, hd))?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((t, heads * hd))
 }
