@@ -9,7 +9,7 @@ use cudarc::driver::{result, sys, CudaContext};
 use fusion_compiler::DType;
 
 use super::gemm::lt::LtPlans;
-use super::gemm::{self, BlasHandle, HopperGemms};
+use super::gemm::{self, BlasHandle, HopperGemms, StreamBlas};
 use super::kernels::KernelCache;
 use super::libs::driver_err;
 use super::memory::buffer::CudaBuffer;
@@ -30,7 +30,7 @@ use crate::tensor::Tensor;
 struct StreamSlot {
     stream: RawStream,
     event: RawEvent,
-    blas: BlasHandle,
+    blas: StreamBlas,
 }
 
 #[derive(Clone, Copy)]
@@ -201,7 +201,7 @@ impl CudaDevice {
         let streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
         streams
             .get(s)
-            .map(|x| x.blas)
+            .map(|x| x.blas.handle)
             .ok_or_else(|| Error::Backend {
                 backend: "cuda",
                 reason: format!("stream {s} does not exist"),
@@ -379,7 +379,7 @@ impl Drop for CudaDevice {
             // SAFETY: handles created by this device, destroyed once.
             unsafe {
                 let _ = sys::cuStreamSynchronize(s.stream.0);
-                let _ = cudarc::cublas::result::destroy_handle(s.blas.0);
+                s.blas.destroy();
                 let _ = result::event::destroy(s.event.0);
                 let _ = result::stream::destroy(s.stream.0);
             }
@@ -515,21 +515,13 @@ impl Device for CudaDevice {
                 .map_err(|e| driver_err("creating a stream", e))?;
             let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                 .map_err(|e| driver_err("creating an event", e))?;
-            let blas = cudarc::cublas::result::create_handle().map_err(|e| Error::Cublas {
-                what: "creating a cuBLAS handle".into(),
-                source: e,
-            })?;
-            // SAFETY: a fresh handle bound to a stream of the current context.
-            unsafe { cudarc::cublas::result::set_stream(blas, stream as _) }.map_err(|e| {
-                Error::Cublas {
-                    what: "cublasSetStream".into(),
-                    source: e,
-                }
-            })?;
+            let major = (self.shared.ctx)
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                .map_err(|e| driver_err("reading the compute capability", e))?;
             streams.push(StreamSlot {
                 stream: RawStream(stream),
                 event: RawEvent(event),
-                blas: BlasHandle(blas),
+                blas: StreamBlas::create(stream, major)?,
             });
         }
         Ok(())

@@ -15,10 +15,12 @@ mod epilogue;
 mod hopper;
 pub(crate) mod launch_graphs;
 pub(crate) mod lt;
+mod stream_blas;
 mod word_hash;
 
 pub(crate) use args::{gemm_kernel, GemmArgs};
 pub(crate) use hopper::{gathered_rows_ready, launch_gathered, runs_gathered, HopperGemms};
+pub(crate) use stream_blas::StreamBlas;
 
 use std::ffi::c_void;
 
