@@ -294,8 +294,15 @@ impl ProgramCache {
         options: &ExecOptions,
         print: bool,
     ) -> Result<Lowered> {
-        let lower = rank.communicator().capabilities().lowering(&options.lower);
-        let lower = gathered_gemm_where_run(lower, rank.device().runs_gathered_gemm(options.gemm));
+        let communicator = rank.communicator();
+        let caps = communicator.capabilities();
+        let lower = caps.lowering(&options.lower);
+        // The fused AllGather + GEMM where the device runs its kernel; in a world of
+        // several processes (peers map its receive buffers) only where the call asks for
+        // the persistent engine itself: measured in one process only so far.
+        let runs = rank.device().runs_gathered_gemm(options.gemm)
+            && (options.gemm == GemmEngine::Persistent || !caps.shared_receives);
+        let lower = gathered_gemm_where_run(lower, runs);
         let key = CacheKey {
             dtypes,
             symbols: symbols.entries(),
