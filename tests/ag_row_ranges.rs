@@ -8,27 +8,14 @@
 mod common;
 
 use common::cases;
+use common::unpipelined;
 use common::*;
 use fusion::compiler::ir::UnaryOp;
-use fusion::compiler::lower::{LowerOptions, Pipelining};
 use fusion::{DType, ExecOptions, Tensor};
 
 /// Options pipelining at any size with `c` row ranges per gathered chunk.
 fn in_rows(c: usize, buffers: bool) -> ExecOptions {
-    let mut lower = LowerOptions::default().with_pipelining(Pipelining::Always);
-    lower.pipelines.allgather_subchunks = Some(c);
-    lower.streams.buffers = buffers;
-    ExecOptions {
-        lower,
-        ..ExecOptions::default()
-    }
-}
-
-fn unpipelined() -> ExecOptions {
-    ExecOptions {
-        lower: LowerOptions::default().with_pipelining(Pipelining::Never),
-        ..ExecOptions::default()
-    }
+    common::pipelined(buffers, |l| l.pipelines.allgather_subchunks = Some(c))
 }
 
 /// Checks `got` against the unpipelined program's output `whole`.

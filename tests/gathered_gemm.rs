@@ -9,29 +9,17 @@
 mod common;
 
 use common::cases;
+use common::unpipelined;
 use common::*;
 use fusion::compiler::hir::NodeKind;
 use fusion::compiler::ir::UnaryOp;
-use fusion::compiler::lower::{LowerOptions, Pipelining};
+use fusion::compiler::lower::Pipelining;
 use fusion::compiler::plan;
 use fusion::{DType, ExecOptions, FusionExecutor, Tensor};
 
 /// Pipelined options with the gathered GEMM (`fused`) and stream buffers (`buffers`).
 fn options(fused: bool, buffers: bool) -> ExecOptions {
-    let mut lower = LowerOptions::default().with_pipelining(Pipelining::Always);
-    lower.pipelines.gathered_gemm = fused;
-    lower.streams.buffers = buffers;
-    ExecOptions {
-        lower,
-        ..ExecOptions::default()
-    }
-}
-
-fn unpipelined() -> ExecOptions {
-    ExecOptions {
-        lower: LowerOptions::default().with_pipelining(Pipelining::Never),
-        ..ExecOptions::default()
-    }
+    common::pipelined(buffers, |l| l.pipelines.gathered_gemm = fused)
 }
 
 /// How many gathered GEMMs `r`'s program launches.

@@ -17,19 +17,15 @@ use fusion::compiler::ir::UnaryOp;
 use fusion::prelude::*;
 use fusion::{DType, ExecOptions, Tensor};
 
-fusion! {
-    /// The MLP block with `linear`: weights `[out, in]` per rank, x's row blocks gathered.
-    fn mlp_linear<T: Float, d, m, h, f>(
-        x: Tensor<T, [d @ DIDx, m, h]>,
-        w1: Tensor<T, [d @ DIDx, f, h]>,
-        w2: Tensor<T, [d @ DIDx, h, f]>,
-    ) -> Tensor<T, [d @ DIDx, m, h]> {
-        let act: Tensor<T, [d @ Stream, d @ DIDx, m, f]> =
-            gelu_tanh(linear(broadcast(x, [false, true, false, false]), w1));
-        let partial: Tensor<T, [d @ Stream, d @ DIDx, m, h]> = linear(act, w2);
-        sum(partial, 1)
-    }
+/// The MLP block written other ways, as the layer benchmark times them; `mlp_linear` takes
+/// `linear`'s weights `[out, in]` per rank, x's row blocks gathered.
+#[allow(dead_code)]
+#[path = "../bench/src/layer_forms.rs"]
+mod layer_forms;
 
+use layer_forms::mlp_linear;
+
+fusion! {
     /// The same with a bias per rank on the first projection (`[d @ DIDx, f]`).
     fn mlp_linear_bias<T: Float, d, m, h, f>(
         x: Tensor<T, [d @ DIDx, m, h]>,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use fusion::compiler::hir::{HostProgram, Node, NodeKind};
 use fusion::compiler::ir::Fusion;
-use fusion::compiler::lower::Pipelining;
+use fusion::compiler::lower::{LowerOptions, Pipelining};
 use fusion::runtime::eval::ExecStats;
 use fusion::{concat, DType, ExecOptions, FusionExecutor, Rank, Tensor, World};
 
@@ -457,4 +457,24 @@ pub fn mlp_block_inputs(
         (Tensor::randn(&[d, k, h], dt, seed + 1), Give::Shard(0)),
         (Tensor::randn(&[d, h, k], dt, seed + 2), Give::Shard(0)),
     ]
+}
+
+/// Options that pipeline at any size, with stream buffers on or off, after `set` adjusts
+/// the lowering (e.g. a pipeline option under test).
+pub fn pipelined(buffers: bool, set: impl FnOnce(&mut LowerOptions)) -> ExecOptions {
+    let mut lower = LowerOptions::default().with_pipelining(Pipelining::Always);
+    lower.streams.buffers = buffers;
+    set(&mut lower);
+    ExecOptions {
+        lower,
+        ..ExecOptions::default()
+    }
+}
+
+/// Options that never pipeline: the reference program of a pipelined one.
+pub fn unpipelined() -> ExecOptions {
+    ExecOptions {
+        lower: LowerOptions::default().with_pipelining(Pipelining::Never),
+        ..ExecOptions::default()
+    }
 }
