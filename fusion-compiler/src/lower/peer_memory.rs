@@ -37,17 +37,16 @@ pub const PEER_MEMORY_MAX_RANKS: usize = 8;
 
 /// Whether [`PeerMemoryCollectives::Auto`] puts a `kind` collective of `bytes` on
 /// `world_size` devices on peer memory: where the peer kernels measured faster than NCCL
-/// (docs/DECISIONS.md, "Small collectives over peer memory"; CUDA graphs). On 2 H200s an
-/// Allreduce up to 64 KB (its data travels with its flags: 4.5-5.9 us against NCCL's
-/// 6.0-7.0) and above 1 MB (the two-shot kernel: 16.7 against 26.7 us at 2 MB), NCCL
-/// between. On 4 H100s an Allreduce up to 128 KB (5.8-9.4 us against 9.0-10.8), NCCL
-/// above (11.1 against 12.9 us at 256 KB, level from 1 to 16 MB, 323 against 342 at
-/// 64 MB). An Allgather from 1 MB and a ReduceScatter above 1 MB (NCCL's kernels are
-/// faster below, on 2 and on 4 GPUs).
+/// (docs/DECISIONS.md, "Small collectives over peer memory"; CUDA graphs). On 2 GPUs an
+/// Allreduce of any size (2x H100: 3.7-5.8 us up to 256 KB, 9.5 at 1 MB, 20.2 at 4 MB,
+/// 213 at 64 MB, where NCCL took 11.8-15.7, 21.1, 40.3 and 257). On 4 H100s an Allreduce
+/// up to 128 KB (5.8-9.4 us against 9.0-10.8), NCCL above (11.1 against 12.9 us at
+/// 256 KB, level from 1 to 16 MB, 323 against 342 at 64 MB). An Allgather from 1 MB and a
+/// ReduceScatter above 1 MB (NCCL's kernels are faster below, on 2 and on 4 GPUs).
 pub fn peer_memory_wins(kind: CommunicationKind, bytes: usize, world_size: usize) -> bool {
     const MB: usize = 1 << 20;
     match kind {
-        CommunicationKind::Allreduce if world_size == 2 => bytes <= 64 << 10 || bytes > MB,
+        CommunicationKind::Allreduce if world_size == 2 => true,
         CommunicationKind::Allreduce => bytes <= 128 << 10,
         CommunicationKind::Allgather => bytes >= MB,
         CommunicationKind::ReduceScatter => bytes > MB,
@@ -222,17 +221,13 @@ mod tests {
     fn allreduces_go_where_they_measured_faster() {
         let (f, [m, k, n]) = matmul_ar(DType::BF16);
         let o = LowerOptions::default();
-        // 2 devices: 128 KiB on peer memory, 1 MiB on NCCL, 128 MiB on peer memory again.
+        // 2 devices: peer memory at every size (64 KiB, 128 KiB, 1 MiB, 128 MiB).
         let decode = [(m, 8), (k, 1024), (n, 8192)];
         let mid = [(m, 64), (k, 1024), (n, 8192)];
         let prefill = [(m, 8192), (k, 1024), (n, 8192)];
-        assert_eq!(
-            transports(&f, [(m, 4), (k, 1024), (n, 8192)], &o, 2),
-            vec![Transport::PeerMemory]
-        );
-        assert_eq!(transports(&f, decode, &o, 2), vec![Transport::Nccl]);
-        assert_eq!(transports(&f, mid, &o, 2), vec![Transport::Nccl]);
-        assert_eq!(transports(&f, prefill, &o, 2), vec![Transport::PeerMemory]);
+        for shape in [[(m, 4), (k, 1024), (n, 8192)], decode, mid, prefill] {
+            assert_eq!(transports(&f, shape, &o, 2), vec![Transport::PeerMemory]);
+        }
         // 4 devices: up to 128 KiB.
         assert_eq!(transports(&f, decode, &o, 4), vec![Transport::PeerMemory]);
         assert_eq!(transports(&f, mid, &o, 4), vec![Transport::Nccl]);

@@ -148,7 +148,13 @@ impl PeerWorld {
                 vas.push(m.va);
             }
             device.bind_thread()?;
-            handles.push(Arc::new(PeerMemory::new(*rank, &vas, spec.health.clone())?));
+            let direct = spec.local.len() == spec.size;
+            handles.push(Arc::new(PeerMemory::new(
+                *rank,
+                &vas,
+                direct,
+                spec.health.clone(),
+            )?));
         }
         Ok(Some(handles))
     }

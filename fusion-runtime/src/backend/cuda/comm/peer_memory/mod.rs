@@ -5,7 +5,10 @@
 //! A call is one launch on the program's stream, with no host work: a rank writes its part
 //! straight into every peer's workspace, raises one flag per peer and block, waits for
 //! the peers' flags, and finishes from its own workspace (`source.cu` says how calls
-//! never overwrite what a peer still reads). So it can be captured in a CUDA graph, and a
+//! never overwrite what a peer still reads). In a world of one process, where every rank
+//! reaches all of every other's memory, a large Allreduce skips the workspaces: each rank
+//! reads its part from the ranks' own inputs and stores the sum into their own outputs
+//! (`peer_allreduce_direct`). So a call can be captured in a CUDA graph, and a
 //! replayed decode step pays a few microseconds per collective where NCCL pays ~20.
 //! Sums accumulate in f32 in rank order, so every rank gets the same bits.
 //!
@@ -56,29 +59,67 @@ fn grid_for(bytes: usize) -> u32 {
 const BLOCK: u32 = 512;
 
 /// Largest Allreduce (bytes) whose data travels with its flags (`peer_allreduce_ll`: no
-/// flag round trip, twice the bytes on the links): 4.5-5.9 us up to 64 KB on 2 H200s, 8.1
-/// at 128 KB where the one-shot and NCCL are faster.
+/// flag round trip, twice the bytes on the links) on more than 2 ranks: 4.5-5.9 us up to
+/// 64 KB on 2 H200s, 8.1 at 128 KB where the one-shot and NCCL were faster.
 const FLAGGED_LIMIT: usize = 64 << 10;
 
 /// Largest Allreduce (bytes) that runs one-shot (every rank reads `world_size` copies)
-/// rather than two-shot (one more flag round trip): docs/DECISIONS.md, "Small
-/// collectives over peer memory".
+/// rather than two-shot (one more flag round trip) on more than 2 ranks:
+/// docs/DECISIONS.md, "Small collectives over peer memory".
 const ONE_SHOT_LIMIT: usize = 256 << 10;
+
+/// On 2 ranks (measured there, 2x H100): the flagged kernel up to 256 KB, the one-shot
+/// kernel up to 4 MB, each with 4 times [`grid_for`]'s blocks from 64 KB (4.4 against
+/// 4.8 us at 64 KB, 5.8 against 9.2 at 256 KB, 9.5 against 11.2 at 1 MB); larger messages
+/// two-shot, straight between the ranks' buffers where they reach each other's memory
+/// (213 against 253 us at 64 MB).
+const TWO_RANKS_FLAGGED_LIMIT: usize = 256 << 10;
+const TWO_RANKS_ONE_SHOT_LIMIT: usize = 4 << 20;
 
 /// Bytes of a half that the flag-meeting kernels use (the rest is the flagged kernel's).
 const USABLE_BYTES: usize = PEER_MEMORY_REGION_BYTES - PEER_MEMORY_FLAGGED_BYTES;
 
-/// Which kernel runs an Allreduce of `bytes` on `world_size` ranks.
-pub(crate) fn allreduce_kernel(bytes: usize, world_size: usize) -> &'static str {
+/// How an Allreduce runs: its kernel and blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AllreducePlan {
+    pub kernel: &'static str,
+    pub grid: u32,
+}
+
+/// The kernel and blocks of an Allreduce of `bytes` on `world_size` ranks; `direct`: the
+/// ranks reach each other's buffers (one process), so a two-shot Allreduce needs no
+/// workspace (`peer_allreduce_direct`).
+pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> AllreducePlan {
     let flagged = world_size * bytes.div_ceil(8) * 16 <= PEER_MEMORY_FLAGGED_BYTES;
     let one_shot = world_size * bytes.div_ceil(16) * 16 <= USABLE_BYTES;
-    if bytes <= FLAGGED_LIMIT && flagged {
+    let plan = |kernel, grid| AllreducePlan { kernel, grid };
+    let wide = (grid_for(bytes) * 4).min(MAX_GRID as u32);
+    if world_size == 2 {
+        return if bytes <= TWO_RANKS_FLAGGED_LIMIT && flagged {
+            plan(
+                "peer_allreduce_ll",
+                if bytes < 64 << 10 {
+                    grid_for(bytes)
+                } else {
+                    wide
+                },
+            )
+        } else if bytes <= TWO_RANKS_ONE_SHOT_LIMIT && one_shot {
+            plan("peer_allreduce_one_shot", wide)
+        } else if direct {
+            plan("peer_allreduce_direct", grid_for(bytes))
+        } else {
+            plan("peer_allreduce_two_shot", grid_for(bytes))
+        };
+    }
+    let kernel = if bytes <= FLAGGED_LIMIT && flagged {
         "peer_allreduce_ll"
     } else if bytes <= ONE_SHOT_LIMIT && one_shot {
         "peer_allreduce_one_shot"
     } else {
         "peer_allreduce_two_shot"
-    }
+    };
+    plan(kernel, grid_for(bytes))
 }
 
 /// The kernels' source for `dtype`.
@@ -116,6 +157,9 @@ struct Ctl {
 pub(crate) struct PeerMemory {
     rank: usize,
     world_size: usize,
+    /// Every rank is of this process, so kernels may read and write the ranks' own
+    /// buffers (peer access covers all of their memory).
+    direct: bool,
     peers: Peers,
     status: Arc<WaitStatus>,
     health: Arc<WorldHealth>,
@@ -134,8 +178,14 @@ pub(crate) struct PeerCall {
 
 impl PeerMemory {
     /// Rank `rank`'s handle, given every rank's workspace address here (`workspaces`, by
-    /// rank); its wait status is watched by `health`.
-    pub(crate) fn new(rank: usize, workspaces: &[u64], health: Arc<WorldHealth>) -> Result<Self> {
+    /// rank); its wait status is watched by `health`. `direct`: every rank is of this
+    /// process, with peer access to each other's memory.
+    pub(crate) fn new(
+        rank: usize,
+        workspaces: &[u64],
+        direct: bool,
+        health: Arc<WorldHealth>,
+    ) -> Result<Self> {
         let world_size = workspaces.len();
         if !(2..=PEER_MEMORY_MAX_RANKS).contains(&world_size) || rank >= world_size {
             return Err(Error::World(format!(
@@ -149,6 +199,7 @@ impl PeerMemory {
         Ok(PeerMemory {
             rank,
             world_size,
+            direct,
             peers: Peers(peers),
             status,
             health,
@@ -162,12 +213,17 @@ impl PeerMemory {
         stream: RawStream,
         call: PeerCall,
     ) -> Result<()> {
-        let name = match call.kind {
+        let bytes = match call.kind {
+            CommunicationKind::Allgather => call.elements * self.world_size,
+            _ => call.elements,
+        } * call.dtype.size_bytes();
+        let (name, grid) = match call.kind {
             CommunicationKind::Allreduce => {
-                allreduce_kernel(call.elements * call.dtype.size_bytes(), self.world_size)
+                let p = allreduce_plan(bytes, self.world_size, self.direct);
+                (p.kernel, p.grid)
             }
-            CommunicationKind::Allgather => "peer_allgather",
-            CommunicationKind::ReduceScatter => "peer_reduce_scatter",
+            CommunicationKind::Allgather => ("peer_allgather", grid_for(bytes)),
+            CommunicationKind::ReduceScatter => ("peer_reduce_scatter", grid_for(bytes)),
             other => {
                 return Err(Error::Communication {
                     rank: self.rank,
@@ -175,11 +231,6 @@ impl PeerMemory {
                 })
             }
         };
-        let bytes = match call.kind {
-            CommunicationKind::Allgather => call.elements * self.world_size,
-            _ => call.elements,
-        } * call.dtype.size_bytes();
-        let grid = grid_for(bytes);
         let mut input = call.input;
         let mut output = call.output;
         let mut n = call.elements as u64;
@@ -225,11 +276,26 @@ mod tests {
 
     #[test]
     fn small_allreduces_run_one_shot_and_larger_ones_two_shot() {
-        assert_eq!(allreduce_kernel(32 << 10, 4), "peer_allreduce_ll");
-        assert_eq!(allreduce_kernel(64 << 10, 8), "peer_allreduce_ll");
-        assert_eq!(allreduce_kernel(128 << 10, 4), "peer_allreduce_one_shot");
-        assert_eq!(allreduce_kernel(4 << 20, 4), "peer_allreduce_two_shot");
-        assert_eq!(allreduce_kernel(1 << 20, 2), "peer_allreduce_two_shot");
+        let kernel = |bytes, world, direct| allreduce_plan(bytes, world, direct).kernel;
+        assert_eq!(kernel(32 << 10, 4, true), "peer_allreduce_ll");
+        assert_eq!(kernel(64 << 10, 8, false), "peer_allreduce_ll");
+        assert_eq!(kernel(128 << 10, 4, true), "peer_allreduce_one_shot");
+        assert_eq!(kernel(4 << 20, 4, true), "peer_allreduce_two_shot");
+        // Two ranks: flagged to 256 KB, one-shot to 4 MB, then two shots, straight
+        // between the buffers where the ranks reach them.
+        assert_eq!(kernel(256 << 10, 2, false), "peer_allreduce_ll");
+        assert_eq!(kernel(512 << 10, 2, false), "peer_allreduce_one_shot");
+        assert_eq!(kernel(4 << 20, 2, true), "peer_allreduce_one_shot");
+        assert_eq!(kernel(16 << 20, 2, true), "peer_allreduce_direct");
+        assert_eq!(kernel(16 << 20, 2, false), "peer_allreduce_two_shot");
+    }
+
+    #[test]
+    fn two_ranks_take_four_times_the_blocks_from_64_kb() {
+        assert_eq!(allreduce_plan(32 << 10, 2, true).grid, 8);
+        assert_eq!(allreduce_plan(64 << 10, 2, true).grid, 32);
+        assert_eq!(allreduce_plan(1 << 20, 2, true).grid, 128);
+        assert_eq!(allreduce_plan(64 << 10, 4, true).grid, 8);
     }
 
     #[test]

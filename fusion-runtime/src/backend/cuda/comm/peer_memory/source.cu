@@ -21,6 +21,9 @@ typedef unsigned short u16;
 #define GMAX 128
 #define SEQ_AT (GMAX * MAXR)
 #define CALLS_AT (GMAX * MAXR + GMAX)
+// Where a block publishes its call's buffers (the direct Allreduce): u64 offset of
+// `(in, out)` of block b, inside the flags (before `Ctl::data_offset`).
+#define BUFFERS_AT 1024 /* byte 8192: past the u32 flags and counters */
 
 #if defined(DT_F32)
 #define EPV 4
@@ -287,6 +290,89 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll(const E* in,
         for (int k = 0; k < PE; ++k) if (e0 + k < n) out[e0 + k] = st1(acc[k]);
     }
     END();
+}
+
+// Allreduce straight between the ranks' own buffers, for worlds whose ranks reach each
+// other's memory (one process): nothing goes through the workspaces. Block b publishes its
+// call's `(in, out)` beside its flags and meets; then it sums its share of part `rank` of
+// every rank's input (in rank order: every rank gets the same bits) and stores the sum
+// into every rank's output; and meets again, so no rank returns (and overwrites its input)
+// while a peer still reads it, or before its output is whole. Each thread moves `U`
+// vectors at a time (their loads all in flight before the first sum). An output that
+// overlaps its input is safe: only the owner of a part reads or writes it.
+template <int U>
+__device__ void allreduce_direct(const E* in, E* out, u64 n, const Peers& P, int rank, int world, const Ctl& c) {
+    BEGIN(6);
+    (void)half;
+    __shared__ u64 s_in[MAXR], s_out[MAXR];
+    __shared__ int s_aligned;
+    if (threadIdx.x == 0) {
+        volatile u64* mine = (volatile u64*)P.ws[rank] + BUFFERS_AT + 2 * blockIdx.x;
+        mine[0] = (u64)in; mine[1] = (u64)out;
+        __threadfence_system();
+    }
+    MEET();
+    if (threadIdx.x < world) {
+        volatile const u64* theirs = (volatile const u64*)P.ws[threadIdx.x] + BUFFERS_AT + 2 * blockIdx.x;
+        s_in[threadIdx.x] = theirs[0]; s_out[threadIdx.x] = theirs[1];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int aligned = 1;
+        for (int q = 0; q < world; ++q) if (((s_in[q] | s_out[q]) & 15) != 0) aligned = 0;
+        s_aligned = aligned;
+    }
+    __syncthreads();
+    const bool vec = s_aligned != 0;
+    const u64 part = ((n + world - 1) / world + EPV - 1) / EPV * EPV;
+    const u64 first = (u64)rank * part;
+    u64 lo, hi; share(part / EPV, &lo, &hi);
+    for (u64 i0 = lo + threadIdx.x; i0 < hi; i0 += (u64)U * blockDim.x) {
+        float acc[U][EPV];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int k = 0; k < EPV; ++k) acc[u][k] = 0.f;
+        for (int q = 0; q < world; ++q) {
+            V4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                u64 i = i0 + (u64)u * blockDim.x, e = first + i * EPV;
+                if (i < hi && e + EPV <= n && vec) v[u] = ld_cg((const E*)s_in[q] + e);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                u64 i = i0 + (u64)u * blockDim.x, e = first + i * EPV;
+                if (i >= hi || e >= n) continue;
+                float f[EPV];
+                if (e + EPV <= n && vec) {
+                    unpack(v[u], f);
+                } else {
+                    const E* src = (const E*)s_in[q] + e;
+                    for (u64 k = 0; k < EPV; ++k) f[k] = e + k < n ? ld1(ld_cg1(src + k)) : 0.f;
+                }
+#pragma unroll
+                for (int k = 0; k < EPV; ++k) acc[u][k] += f[k];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            u64 i = i0 + (u64)u * blockDim.x, e = first + i * EPV;
+            if (i >= hi || e >= n) continue;
+            u64 cnt = min((u64)EPV, n - e);
+            for (int w = 0; w < world; ++w) {
+                E* dst = (E*)s_out[(rank + w) % world] + e;
+                if (vec && cnt == EPV) *(V4*)dst = pack(acc[u]);
+                else for (u64 k = 0; k < cnt; ++k) dst[k] = st1(acc[u][k]);
+            }
+        }
+    }
+    MEET();
+    END();
+}
+
+extern "C" __global__ void __launch_bounds__(512) peer_allreduce_direct(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
+    allreduce_direct<2>(in, out, n, P, rank, world, c);
 }
 
 // Allgather: `m` elements per rank into slot `rank` of every peer; then the slots, in rank order, out.

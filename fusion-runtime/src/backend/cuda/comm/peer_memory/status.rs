@@ -23,6 +23,7 @@ fn op_name(op: u32) -> &'static str {
         3 => "Allgather",
         4 => "ReduceScatter",
         5 => "small Allreduce",
+        6 => "direct two-shot Allreduce",
         _ => "collective",
     }
 }
