@@ -130,17 +130,20 @@ fn allgather_and_reduce_scatter_run_over_peer_memory_where_asked() {
 }
 
 #[test]
-fn mid_sized_allreduces_on_two_devices_stay_on_nccl() {
-    let world = World::local(2).unwrap();
-    let n = (256 << 10) / 4; // 256 KiB of f32: NCCL measured faster on 2 devices
-    let full = Tensor::from_f32(&[2, n], &vec![1.0; 2 * n], DType::F32).unwrap();
-    let programs = world
-        .run(|rank| {
-            let x: Ranked<2> = rank.shard(&full, 0)?.try_into()?;
-            Ok(allreduce::program(rank, &x, &ExecOptions::default())?.to_string())
-        })
-        .unwrap();
-    for p in programs {
-        assert!(comm_lines(&p)[0].contains("backend=NCCL"), "{p}");
+fn mid_sized_allreduces_go_to_peer_memory_on_two_devices_and_to_nccl_on_four() {
+    // 256 KiB of f32: peer memory measured faster on 2 devices, NCCL on 4.
+    let n = (256 << 10) / 4;
+    for (d, backend) in [(2, "backend=PeerMemory"), (4, "backend=NCCL")] {
+        let world = World::local(d).unwrap();
+        let full = Tensor::from_f32(&[d, n], &vec![1.0; d * n], DType::F32).unwrap();
+        let programs = world
+            .run(|rank| {
+                let x: Ranked<2> = rank.shard(&full, 0)?.try_into()?;
+                Ok(allreduce::program(rank, &x, &ExecOptions::default())?.to_string())
+            })
+            .unwrap();
+        for p in programs {
+            assert!(comm_lines(&p)[0].contains(backend), "{d} devices: {p}");
+        }
     }
 }

@@ -15,12 +15,13 @@
 //! transport's staging, on any stream) comes from an arena sized by what the device handed
 //! out in the program's earlier eager calls (`ProgramFacts::recording_arena_bytes`), and
 //! outputs the caller did not give are allocated (or reused) by the executor. Those
-//! stream-ordered allocations are ordered before the caller's graph by an event recorded
-//! once on the main stream, which the caller's graph waits for (an event wait node before
-//! the child, which every launch passes at once).
+//! stream-ordered allocations are complete before the caller's graph can run: the
+//! recording waits (once, on the host, while the caller captures) for the main stream
+//! they were made on, so the caller's graph needs no event wait node before each call
+//! (one cost a replayed call ~1 us).
 //!
 //! The caller's graph owns what it uses: the recording (its graph, arena, the outputs the
-//! executor allocated, the event) is a CUDA user object retained by the caller's graph,
+//! executor allocated) is a CUDA user object retained by the caller's graph,
 //! which the driver releases once the caller's graph and every graph instantiated from it
 //! are destroyed and their launches have finished. Its destructor, on a thread of the
 //! driver, only hands the recording to the device (`caller_stream::release_later`), whose
@@ -32,15 +33,14 @@
 use std::ffi::{c_uint, c_void};
 use std::sync::{Arc, PoisonError};
 
-use cudarc::driver::{result, sys};
+use cudarc::driver::sys;
 
 use super::caller_stream::release_later;
 use super::device::CudaDevice;
 use super::graph::{self, CapturedGraph};
-use super::libs::{cu_check as check, driver_err};
+use super::libs::cu_check as check;
 use super::memory::buffer::CudaBuffer;
 use super::memory::capture_arena::CaptureArena;
-use super::memory::device_shared::DeviceShared;
 use super::stream::{stream_is_capturing, RawStream};
 use crate::device::{CallerCapture, CallerStream, Device, HandedOut};
 use crate::error::{Error, Result};
@@ -57,45 +57,6 @@ struct Recording {
     _arena: Option<Arc<CaptureArena>>,
     /// The outputs the executor allocated for the call, which every launch writes.
     _outputs: Vec<Tensor>,
-    /// Recorded on the main stream after the memory above was allocated there.
-    ready: ReadyEvent,
-}
-
-/// An event recorded once on the main stream, destroyed when dropped.
-struct ReadyEvent {
-    device: Arc<DeviceShared>,
-    event: sys::CUevent,
-}
-
-// SAFETY: an event handle is a driver handle, usable from any thread with the context
-// current; it is only waited for after it is recorded.
-unsafe impl Send for ReadyEvent {}
-
-impl ReadyEvent {
-    /// A new event, recorded on `stream` of `device`.
-    fn record(device: &Arc<DeviceShared>, stream: RawStream) -> Result<Self> {
-        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| driver_err("creating an event for a recorded call", e))?;
-        let ready = ReadyEvent {
-            device: device.clone(),
-            event,
-        };
-        // SAFETY: an event and a stream of this device's context (current).
-        unsafe { result::event::record(event, stream.0) }
-            .map_err(|e| driver_err("recording an event for a recorded call", e))?;
-        Ok(ready)
-    }
-}
-
-impl Drop for ReadyEvent {
-    fn drop(&mut self) {
-        if !super::health::a_device_is_stuck() && self.device.bind().is_ok() {
-            // SAFETY: the event made in `record`, destroyed once.
-            unsafe {
-                let _ = result::event::destroy(self.event);
-            }
-        }
-    }
 }
 
 /// Calls on a stream the caller is capturing are recorded into that capture.
@@ -170,12 +131,14 @@ impl CallerCapture for CudaDevice {
         if nodes == 0 {
             return Ok(0);
         }
+        // The memory above is allocated on the main stream: complete before any launch
+        // of the caller's graph (this thread's capture mode is relaxed while it records).
+        self.wait_stream(main, "the memory of a call recorded into your capture")?;
         let recording = Recording {
             key: shared.chain.key(),
             graph: captured,
             _arena: arena,
             _outputs: outputs.to_vec(),
-            ready: ReadyEvent::record(shared, main)?,
         };
         add_to_capture(RawStream(on.raw as sys::CUstream), recording)?;
         shared.chain.recorded(on);
@@ -210,27 +173,21 @@ fn beyond_arena(nodes: usize, arena: Option<&CaptureArena>) -> Error {
     }
 }
 
-/// Adds `recording` to the capture on `stream`: after the work captured there so far, a
-/// wait for its ready event and then its graph as a child graph node, which the stream's
-/// next work follows. The capture's graph owns the recording before any node is added,
-/// and the stream's capture moves on only at the end, when every step succeeded.
+/// Adds `recording` to the capture on `stream`: after the work captured there so far, its
+/// graph as a child graph node, which the stream's next work follows. The capture's graph
+/// owns the recording before the node is added, and the stream's capture moves on only at
+/// the end, when every step succeeded.
 fn add_to_capture(stream: RawStream, recording: Recording) -> Result<()> {
     let (graph, after) = capture_point(stream)?;
-    let (child, ready) = (recording.graph.raw(), recording.ready.event);
+    let child = recording.graph.raw();
     give(graph, recording)?;
-    let mut wait: sys::CUgraphNode = std::ptr::null_mut();
+    let mut node: sys::CUgraphNode = std::ptr::null_mut();
     // SAFETY: the capture's graph (nodes may be added while it captures), its current
-    // dependencies, and an event of this context recorded once, outside the capture.
+    // dependencies, and a graph of the same context, cloned into the node.
     check(
         unsafe {
-            sys::cuGraphAddEventWaitNode(&mut wait, graph, after.as_ptr(), after.len(), ready)
+            sys::cuGraphAddChildGraphNode(&mut node, graph, after.as_ptr(), after.len(), child)
         },
-        "ordering a recorded call after its memory in your capture (cuGraphAddEventWaitNode)",
-    )?;
-    let mut node: sys::CUgraphNode = std::ptr::null_mut();
-    // SAFETY: as above; a graph of the same context, cloned into the node.
-    check(
-        unsafe { sys::cuGraphAddChildGraphNode(&mut node, graph, &wait, 1, child) },
         "adding a recorded call to your capture (cuGraphAddChildGraphNode)",
     )?;
     // SAFETY: the capturing stream, and a node of its capture's graph; default edges.
