@@ -196,59 +196,6 @@ impl KernelCache {
         unsafe { self.launch_function(dev, (f, name), (grid, block, 0), stream, args) }
     }
 
-    /// [`Self::launch_source`] as a programmatic dependent of the kernel before it on
-    /// `stream` (compute capability 9.0 and up; elsewhere an ordinary launch): its blocks
-    /// may be scheduled while that kernel finishes, so the kernel must wait for it
-    /// (`griddepcontrol.wait`) before it reads anything. In a captured graph the
-    /// dependency is a programmatic edge.
-    ///
-    /// # Safety
-    /// As [`Self::launch_source`]; and the kernel waits for the previous one first.
-    pub(crate) unsafe fn launch_source_dependent(
-        &self,
-        dev: &DeviceShared,
-        (source, name): (&str, &str),
-        (grid, block): (u32, u32),
-        stream: RawStream,
-        args: &mut [*mut c_void],
-    ) -> Result<()> {
-        let (major, _) = dev
-            .ctx
-            .compute_capability()
-            .map_err(|e| driver_err("compute capability", e))?;
-        if major < 9 {
-            // SAFETY: the caller vouches for the arguments.
-            return unsafe { self.launch_source(dev, (source, name), (grid, block), stream, args) };
-        }
-        let f = self.function(dev, source, name)?;
-        dev.bind()?;
-        // SAFETY: a plain-data C union; the one field set is the attribute's.
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.programmaticStreamSerializationAllowed = 1;
-        let mut attribute = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value,
-        };
-        let config = sys::CUlaunchConfig {
-            gridDimX: grid,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: 0,
-            hStream: stream.0,
-            attrs: &mut attribute,
-            numAttrs: 1,
-        };
-        // SAFETY: a loaded function of this context, a live stream, the caller's
-        // arguments; `config` and its attribute outlive the call.
-        let r =
-            unsafe { sys::cuLaunchKernelEx(&config, f.0, args.as_mut_ptr(), std::ptr::null_mut()) };
-        crate::backend::cuda::libs::cu_check(r, &format!("launching {name}"))
-    }
-
     /// Launches the loaded function `f` (named `name` in errors) on `grid` blocks of
     /// `block` threads with `shared_bytes` of dynamic shared memory (at most what it was
     /// loaded for, [`KernelNeeds::shared_bytes`]); `args` point at its parameters, in order.

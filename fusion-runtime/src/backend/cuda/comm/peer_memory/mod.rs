@@ -2,9 +2,7 @@
 //! two-shot), Allgather and ReduceScatter as one kernel per rank over workspaces that
 //! every rank of the world maps into its address space once, when the world is made.
 //!
-//! A call is one launch on the program's stream, with no host work (on sm_90 and up a
-//! programmatic dependent of the kernel before it, so its blocks are scheduled while that
-//! kernel finishes and wait for its results on the device): a rank writes its part
+//! A call is one launch on the program's stream, with no host work: a rank writes its part
 //! straight into every peer's workspace, raises one flag per peer and block, waits for
 //! the peers' flags, and finishes from its own workspace (`source.cu` says how calls
 //! never overwrite what a peer still reads). In a world of one process, where every rank
@@ -259,10 +257,9 @@ impl PeerMemory {
         let shared = device.shared();
         // SAFETY: the arguments match the kernels' (in, out, n, Peers, rank, world, Ctl);
         // the buffers belong to the call, which keeps them until its stream passes them;
-        // the workspaces and status words live as long as the world; every kernel waits
-        // for the one before it first (`after_previous_kernel`), so it may start early.
+        // the workspaces and status words live as long as the world.
         unsafe {
-            device.kernels.launch_source_dependent(
+            device.kernels.launch_source(
                 shared,
                 (source_for(call.dtype), name),
                 (grid, BLOCK),

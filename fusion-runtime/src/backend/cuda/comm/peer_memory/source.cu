@@ -158,18 +158,7 @@ __device__ void meet(const Peers& P, int rank, int world, u32 epoch, const Ctl& 
     __syncthreads();
 }
 
-// Launched as a programmatic dependent of the kernel before it on the stream (sm_90 and
-// up): the blocks may start while that kernel finishes, and wait here until its results
-// are complete and visible, before reading anything (a preceding peer kernel's counters
-// included).
-__device__ __forceinline__ void after_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 #define BEGIN(op) \
-    after_previous_kernel(); \
     __shared__ u32 s_seq, s_par; __shared__ int s_failed; \
     u32* counters = (u32*)P.ws[rank]; \
     if (threadIdx.x == 0) { s_seq = counters[SEQ_AT + blockIdx.x]; s_par = counters[CALLS_AT + blockIdx.x]; s_failed = 0; } \
