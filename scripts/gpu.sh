@@ -34,7 +34,8 @@ one GPU or more:
                           TP; part decode (1, 8, 64 tokens, eager and --graph), prefill
                           (512 and 2048 tokens, median of 20) or all
   decode [gpus]           decode_bench (Allreduce 4 KB-64 MB, GEMM + Allreduce at Llama-70B
-                          decode shapes) and PyTorch's Allreduce (NCCL, symm_mem) alike
+                          decode shapes) and PyTorch's Allreduce (NCCL, symm_mem) alike, then
+                          the peer-memory Allreduce kernels one by one where nvcc is found
   hopper-gemm             the persistent Hopper GEMM against cuBLAS (tests/hopper_gemm.rs),
                           then its standalone check and benchmark where nvcc is found
 two GPUs or more:
@@ -371,7 +372,9 @@ task_candle_tp() {
 # Decode-size communication on [gpus] GPUs (default: every GPU): decode_bench's Allreduce
 # latency (4 KB to 64 MB) and GEMM + Allreduce at Llama-70B's decode shapes, calls replayed
 # one by one and recorded into one CUDA graph of the caller's (--graph); then PyTorch's
-# Allreduce (NCCL, symm_mem one-shot and two-shot) under torchrun on the same GPUs.
+# Allreduce (NCCL, symm_mem one-shot and two-shot) under torchrun on the same GPUs; then,
+# where nvcc is found, every peer-memory Allreduce kernel alone at every size and grid
+# (bench/peer_memory/harness.cu), which the size rules of peer_memory/mod.rs come from.
 task_decode() {
     local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
     export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
@@ -379,9 +382,18 @@ task_decode() {
     step "decode-bench-d$gpus" 240 "$BIN/decode_bench" --json "$OUT/decode-d$gpus.jsonl"
     step "decode-bench-graph-d$gpus" 240 "$BIN/decode_bench" --graph --json "$OUT/decode-graph-d$gpus.jsonl"
     step "torch-allreduce-d$gpus" 240 torchrun --nproc-per-node "$gpus" bench/torch_allreduce.py
+    # The Allreduce kernels one by one (bench/peer_memory/harness.cu), where nvcc is found.
+    local harness=${TMPDIR:-/tmp}/fusion-peer-allreduce-bench
+    if command -v nvcc >/dev/null; then
+        step peer-kernels-build 300 nvcc -O3 -std=c++17 -arch=sm_90 bench/peer_memory/harness.cu -o "$harness"
+        STEP_PATTERN='check:|rror' step "peer-kernels-d$gpus" 240 "$harness" "$gpus"
+    else
+        summary+=("peer-kernels: skipped, no nvcc on the PATH")
+    fi
     cat "$OUT/machine.txt"
     grep -h '^| ' "$OUT/decode-bench-graph-d$gpus.log" "$OUT/decode-bench-d$gpus.log"
     grep -h '^torch' "$OUT/torch-allreduce-d$gpus.log"
+    [ -f "$OUT/peer-kernels-d$gpus.log" ] && tail -15 "$OUT/peer-kernels-d$gpus.log"
     printf '%s\n' "${summary[@]}"
 }
 
