@@ -74,6 +74,7 @@ const ONE_SHOT_LIMIT: usize = 256 << 10;
 /// two-shot, straight between the ranks' buffers where they reach each other's memory
 /// (213 against 253 us at 64 MB).
 const TWO_RANKS_FLAGGED_LIMIT: usize = 256 << 10;
+/// Largest two-rank Allreduce (bytes) that runs one-shot (see above).
 const TWO_RANKS_ONE_SHOT_LIMIT: usize = 4 << 20;
 
 /// Bytes of a half that the flag-meeting kernels use (the rest is the flagged kernel's).
