@@ -60,6 +60,9 @@ two GPUs or more:
   x2 a|b|c|d|e            the two-GPU groups (a: launch buffers timeline soak; b: check
                           layers host; c: replay-x2 overlap-x2; d: ring-x2; e:
                           candle-tp overlap-x2 layers faults), one after another
+  every-gpu a|b|c         every table on all visible GPUs, the eight-GPU run in three calls
+                          (a: overlap; b: layers at D = all, decode; c: candle-tp, launch
+                          with one process per GPU)
 several tasks:
   session <task>..        each task in its own folder, all packed into $OUT/results.tgz
 EOF
@@ -846,6 +849,26 @@ task_x2() {
     esac
 }
 
+# Every table of the eight-GPU run, on all visible GPUs (D = 8 on an eight-GPU machine; run
+# it on 4 to check it first), in three calls of one command each:
+#   a: the overlap benchmark at D = all, 4 and 2 against PyTorch (overlap);
+#   b: the MLP and gated MLP blocks at D = all against PyTorch (layers with LAYER_D = all),
+#      then decode-size communication on all GPUs (decode: Allreduce latency, GEMM +
+#      Allreduce, the kernels alone, PyTorch's Allreduce);
+#   c: the candle layer over all GPUs against candle's TP (candle-tp: decode 1, 8, 64
+#      tokens eager and captured, prefill 512 and 2048), then launched worlds of one process
+#      per GPU (launch with NPROC = all: conformance, examples, failures).
+task_every_gpu() {
+    local n
+    n=$(nvidia-smi -L | wc -l)
+    case "${1:-}" in
+        a) task_session overlap ;;
+        b) LAYER_D=$n task_session layers decode ;;
+        c) NPROC=$n task_session candle-tp launch ;;
+        *) echo "usage: scripts/gpu.sh every-gpu a|b|c" >&2; return 2 ;;
+    esac
+}
+
 # A world that survives a bad input, on 4 GPUs: two threads per handle, a bad input on one
 # rank and the recovery in one process, then the same as 4 processes under torchrun (CUDA
 # IPC, peer memory and NCCL made again), processes calling two fusions in different orders
@@ -872,7 +895,7 @@ task=${1:-help}
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
     check | all | buffers | caller-stream | candle | candle-tp | decode | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
-        ring-x2 | shared-ranks | soak | timeline | token | session | x2) ;;
+        ring-x2 | shared-ranks | soak | timeline | token | session | x2 | every-gpu) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
     backward) exec bash bench/run-backward.sh ;;
@@ -886,7 +909,7 @@ esac
 mkdir -p "$OUT"
 # The session tasks only start others, which set up their own environment.
 case "$task" in
-    all | session | x2) ;;
+    all | session | x2 | every-gpu) ;;
     *) source scripts/gpu-env.sh ;;
 esac
 "task_${task//-/_}" "$@"
