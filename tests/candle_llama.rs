@@ -32,6 +32,8 @@ mod reference;
 mod report;
 #[path = "../examples/candle_llama/schedule.rs"]
 mod schedule;
+#[path = "../examples/candle_llama/sections.rs"]
+mod sections;
 #[path = "../examples/candle_llama/tp.rs"]
 mod tp;
 
@@ -153,6 +155,32 @@ fn a_recorded_decode_step_replays_at_every_position() {
     run(2, &["--graph", "--dtype", "bf16"]);
     run(2, &["--graph", "--candle-only"]);
     run(1, &["--graph", "--candle-tp"]);
+}
+
+#[test]
+fn sections_time_every_part_of_each_step_in_order() {
+    if in_child() {
+        return;
+    }
+    let mut s = sections::Sections::new(&Device::Cpu);
+    for _ in 0..3 {
+        s.mark("first").unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        s.mark("second").unwrap();
+        s.finish_step().unwrap();
+    }
+    let medians = s.medians();
+    let names: Vec<_> = medians.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, ["first", "second"]);
+    assert!(medians[0].1 >= 2.0 && medians[1].1 >= 0.0, "{medians:?}");
+    let line = sections::describe("decode", &medians);
+    assert!(
+        line.contains("decode sections") && line.contains("| second "),
+        "{line}"
+    );
+    // The example with --sections, both forms and a recorded decode step (no sections).
+    run(2, &["--sections", "--decode-form", "sp"]);
+    run(2, &["--sections", "--graph"]);
 }
 
 #[test]

@@ -66,6 +66,12 @@ pub struct Args {
     /// Run the whole layer in candle alone on every rank (no communication)
     #[arg(long)]
     pub candle_only: bool,
+    /// Print where each eager step's time goes, part by part (norm and column-parallel
+    /// GEMMs, attention, each row-parallel projection and its sum, ...), each rank's
+    /// medians: on a GPU the time of candle's stream between marks (kernels, and waits
+    /// for the host to launch them)
+    #[arg(long)]
+    pub sections: bool,
 }
 
 /// What sums the row-parallel projections.
@@ -101,6 +107,7 @@ pub struct Plan {
     pub prefill_reps: usize,
     pub decode_steps: usize,
     pub decode_tokens: usize,
+    pub sections: bool,
 }
 
 impl Plan {
@@ -158,6 +165,7 @@ impl Args {
             prefill_reps: self.prefill_reps,
             decode_steps: self.decode_steps,
             decode_tokens: self.decode_tokens,
+            sections: self.sections,
         })
     }
 }

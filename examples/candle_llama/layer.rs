@@ -19,6 +19,7 @@ use crate::calls::FusionCalls;
 use crate::config::Config;
 use crate::fusions::{gated_mlp, out_proj, qkv, row_chunks, row_parallel};
 use crate::kernels::rms_norm;
+use crate::sections::Sections;
 use crate::tp::AllReduce;
 
 /// How a step's activations are laid out over the ranks.
@@ -109,6 +110,8 @@ pub struct RankLayer {
     reduce: Reduce,
     /// The fusion calls and how they ran.
     pub calls: FusionCalls,
+    /// Where the steps' time goes, while set (`--sections`).
+    pub sections: Option<Sections>,
 }
 
 impl RankLayer {
@@ -173,6 +176,7 @@ impl RankLayer {
             cache,
             reduce,
             calls: FusionCalls::new(dtype, device),
+            sections: None,
         })
     }
 
@@ -199,12 +203,20 @@ impl RankLayer {
     /// Replicated activations: local column-parallel GEMMs, row-parallel GEMM + sum.
     fn forward_tp(&mut self, call: &dyn CallTarget, s: &StepIn) -> fusion_candle::Result<CTensor> {
         let c = self.cfg;
+        mark(&mut self.sections, "norm+qkv")?;
         let xn = rms_norm(s.x, &self.w.norm_in, c.eps)?;
-        let a = self.attend(&xn.matmul(&self.w.qkv)?, s)?;
-        let h = (s.x + self.row(call, Row::O, &a)?)?;
+        let qkv = xn.matmul(&self.w.qkv)?;
+        mark(&mut self.sections, "attention")?;
+        let a = self.attend(&qkv, s)?;
+        mark(&mut self.sections, "o_proj+sum")?;
+        let o = self.row(call, Row::O, &a)?;
+        mark(&mut self.sections, "norm+gate/up")?;
+        let h = (s.x + o)?;
         let hn = rms_norm(&h, &self.w.norm_post, c.eps)?;
         let act = (hn.matmul(&self.w.gate)?.silu()? * hn.matmul(&self.w.up)?)?;
+        mark(&mut self.sections, "down+sum")?;
         let down = self.row(call, Row::Down, &act)?;
+        mark(&mut self.sections, "residual")?;
         Ok((h + down)?)
     }
 
@@ -220,6 +232,7 @@ impl RankLayer {
         let (c, d, m) = (self.cfg, self.part.count, s.x.dim(0)?);
         let tokens = s.positions.dim(0)?;
         let (qn, kvn, _) = widths(&c, d);
+        mark(&mut self.sections, "norm+qkv(AG)")?;
         let xn = rms_norm(s.x, &self.w.norm_in, c.eps)?.unsqueeze(0)?;
         // Every token's Q, K, V for this rank's heads, rows gathered from every rank.
         let shape = [d, 1, m, qn + 2 * kvn];
@@ -229,20 +242,24 @@ impl RankLayer {
             .call(call, exec, "x_norm", &xn, &[&fw.qkv], &shape)?;
         let all = all.reshape((d * m, qn + 2 * kvn))?.narrow(0, 0, tokens)?;
         // Padded tokens' attention rows are zeros; [d, 1, m, q] for the projection.
+        mark(&mut self.sections, "attention")?;
         let a = self
             .attend(&all, s)?
             .pad_with_zeros(0, 0, d * m - tokens)?
             .reshape((d, 1, m, qn))?;
         let out = [1, m, c.hidden];
+        mark(&mut self.sections, "o_proj(RS)")?;
         let exec = out_proj::executor()?;
         let o = self
             .calls
             .call(call, exec, "attention", &a, &[&fw.o], &out)?;
+        mark(&mut self.sections, "norm+mlp(AG,RS)")?;
         let h = (s.x + o.reshape((m, c.hidden))?)?;
         let hn = rms_norm(&h, &self.w.norm_post, c.eps)?.unsqueeze(0)?;
         let w = [&fw.gate, &fw.up, &fw.down];
         let exec = gated_mlp::executor()?;
         let mlp = self.calls.call(call, exec, "h_norm", &hn, &w, &out)?;
+        mark(&mut self.sections, "residual")?;
         Ok((h + mlp.reshape((m, c.hidden))?)?)
     }
 
@@ -298,6 +315,11 @@ impl RankLayer {
             }
         }
     }
+}
+
+/// Part `name` of the step starts here, where `sections` are kept.
+fn mark(sections: &mut Option<Sections>, name: &'static str) -> candle_core::Result<()> {
+    sections.as_mut().map_or(Ok(()), |s| s.mark(name))
 }
 
 /// Columns of one part's Q, KV and FFN blocks.

@@ -26,7 +26,8 @@
 //! stream and replayed. `--candle-tp` runs candle's own tensor parallelism (a blocking NCCL
 //! all-reduce per block) and `--candle-only` candle alone, for comparison. Every output is
 //! checked against the same layer run by candle alone on one device in f32; the report
-//! ends with a table of median times and replayed calls.
+//! ends with a table of median times and replayed calls. `--sections` also prints, per
+//! rank, where an eager step's time goes part by part (`sections.rs`).
 //!
 //! ```sh
 //! cargo run --release --features candle --example candle_llama -- --devices 2
@@ -45,6 +46,7 @@ mod ops;
 mod reference;
 mod report;
 mod schedule;
+mod sections;
 mod tp;
 
 use clap::Parser;

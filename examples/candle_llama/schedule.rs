@@ -16,6 +16,7 @@ use crate::config::{self, Config};
 use crate::graph::StepGraph;
 use crate::layer::{Form, Part, RankLayer, StepIn};
 use crate::reference::Reference;
+use crate::sections::{describe, Sections};
 use crate::tp::{self, AllReduce};
 
 /// What every rank runs.
@@ -164,10 +165,22 @@ pub fn run_rank(rank: &Rank, s: &Setup) -> fusion_candle::Result<RankRun> {
     let copies = || fusion::runtime::counters::counters().device_to_host_copies;
     let before = copies();
     let mut prefilled = Prefilled::default();
+    let sections = |on: bool| on.then(|| Sections::new(&device));
+    layer.sections = sections(plan.sections && prefill.is_some());
     if let Some(p) = &prefill {
         prefilled = time_prefill(&mut layer, call, &clock, p, plan.prefill_reps())?;
     }
+    let prefill_sections = layer.sections.take();
+    layer.sections = sections(plan.sections && graph.is_none() && !decode.is_empty());
     let decoded = time_decode(&mut layer, call, &clock, &decode, graph.as_ref())?;
+    for (kind, s) in [
+        ("prefill", prefill_sections),
+        ("decode", layer.sections.take()),
+    ] {
+        if let Some(s) = s {
+            println!("rank {}: {}", rank.index(), describe(kind, &s.medians()));
+        }
+    }
     let host_copies = copies() - before;
     let first = prefilled.first.take().into_iter().zip(&prefill);
     let outputs = first.chain(decoded.outputs.into_iter().zip(&decode));
@@ -299,6 +312,9 @@ fn time_prefill(
     let mut out = Prefilled::default();
     for _ in 0..reps {
         let (y, ms) = clock.time(|| layer.forward(call, p.form, &p.step_in()))?;
+        if let Some(s) = layer.sections.as_mut() {
+            s.finish_step()?;
+        }
         out.ms.push(ms);
         out.calls.add(&layer.calls.take());
         match &out.first {
@@ -338,6 +354,9 @@ fn time_decode(
                 Ok((Some(y), layer.calls.take()))
             }
         })?;
+        if let Some(s) = layer.sections.as_mut() {
+            s.finish_step()?;
+        }
         out.ms.push(ms);
         out.calls.add(&calls);
         let y = match (y, graph) {

@@ -1,0 +1,111 @@
+//! Where a step's time goes (`--sections`): the layer marks the start of each of its parts
+//! (norm and column-parallel GEMMs, attention, each row-parallel projection and its sum,
+//! ...) and, after the step, each part's time is the time from its mark to the next. On a
+//! GPU the marks are events on candle's stream, so a part's time is the stream's: its
+//! kernels and any wait for the host to launch them (a host-bound part shows as a long
+//! one). On the CPU they are the host's clock (candle's CPU ops run as they are called).
+//! Eager steps only: a recorded step (`--graph`) runs as one graph with no marks.
+
+use std::time::Instant;
+
+use candle_core::Device;
+
+/// One mark.
+enum Mark {
+    Host(Instant),
+    #[cfg(feature = "candle-cuda")]
+    Event(fusion::runtime::cudarc::driver::CudaEvent),
+}
+
+/// The marks of the step under way and every finished step's part times.
+pub struct Sections {
+    #[cfg(feature = "candle-cuda")]
+    stream: Option<std::sync::Arc<fusion::runtime::cudarc::driver::CudaStream>>,
+    marks: Vec<(&'static str, Mark)>,
+    /// Per part, in the order parts first appeared: milliseconds per step.
+    times: Vec<(&'static str, Vec<f64>)>,
+}
+
+impl Sections {
+    /// Marks on `device`'s stream (a CUDA device's) or the host's clock.
+    pub fn new(device: &Device) -> Self {
+        #[cfg(not(feature = "candle-cuda"))]
+        let _ = device;
+        Sections {
+            #[cfg(feature = "candle-cuda")]
+            stream: fusion_candle::stream_of(device),
+            marks: Vec::new(),
+            times: Vec::new(),
+        }
+    }
+
+    /// Part `name` starts here (and the one before ends).
+    pub fn mark(&mut self, name: &'static str) -> candle_core::Result<()> {
+        #[cfg(feature = "candle-cuda")]
+        if let Some(stream) = &self.stream {
+            let flags = fusion::runtime::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+            let event = stream
+                .record_event(Some(flags))
+                .map_err(|e| candle_core::Error::msg(format!("recording a mark: {e:?}")))?;
+            self.marks.push((name, Mark::Event(event)));
+            return Ok(());
+        }
+        self.marks.push((name, Mark::Host(Instant::now())));
+        Ok(())
+    }
+
+    /// Closes the step (its work done: the caller synchronized): each part's time, from
+    /// its mark to the next mark or `end`.
+    pub fn finish_step(&mut self) -> candle_core::Result<()> {
+        self.mark("end")?;
+        let marks = std::mem::take(&mut self.marks);
+        for pair in marks.windows(2) {
+            let ms = between(&pair[0].1, &pair[1].1)?;
+            let name = pair[0].0;
+            match self.times.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, v)) => v.push(ms),
+                None => self.times.push((name, vec![ms])),
+            }
+        }
+        Ok(())
+    }
+
+    /// Each part's median milliseconds per step, in the order of the step.
+    pub fn medians(&self) -> Vec<(&'static str, f64)> {
+        self.times
+            .iter()
+            .map(|(name, v)| {
+                let mut v = v.clone();
+                v.sort_by(f64::total_cmp);
+                (*name, v.get(v.len() / 2).copied().unwrap_or(0.0))
+            })
+            .collect()
+    }
+}
+
+/// Milliseconds from mark `a` to mark `b`.
+fn between(a: &Mark, b: &Mark) -> candle_core::Result<f64> {
+    match (a, b) {
+        (Mark::Host(a), Mark::Host(b)) => Ok(b.duration_since(*a).as_secs_f64() * 1e3),
+        #[cfg(feature = "candle-cuda")]
+        (Mark::Event(a), Mark::Event(b)) => a
+            .elapsed_ms(b)
+            .map(f64::from)
+            .map_err(|e| candle_core::Error::msg(format!("timing a mark: {e:?}"))),
+        #[cfg(feature = "candle-cuda")]
+        _ => Err(candle_core::Error::msg("marks of a step on two clocks")),
+    }
+}
+
+/// One line per kind of step: its parts' medians, `name ms`, for the report.
+pub fn describe(kind: &str, medians: &[(&'static str, f64)]) -> String {
+    let parts: Vec<String> = medians
+        .iter()
+        .map(|(n, ms)| format!("{n} {ms:.3}"))
+        .collect();
+    let total: f64 = medians.iter().map(|(_, ms)| ms).sum();
+    format!(
+        "  {kind} sections, median ms per step (sum {total:.3}): {}",
+        parts.join(" | ")
+    )
+}
