@@ -335,6 +335,7 @@ task_candle() {
 # at 1 token, candle's TP eager and recorded), `prefill` (512 and 2048 tokens from an empty
 # cache, the median of 20 on every rank: both forms and candle's TP) or `all`. Every step
 # is checked against candle alone in f32. Each run's table rows go to the summary.
+# CANDLE_ARGS adds flags to every run (e.g. `--sections`: where each eager step's time goes).
 task_candle_tp() {
     local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)} part=${2:-all}
     candle_libraries
@@ -362,12 +363,13 @@ task_candle_tp() {
         name="tp$gpus-${run%%:*}"
         # shellcheck disable=SC2086
         step "$name" 240 torchrun --nproc-per-node "$gpus" --no-python "$BIN/candle_llama" \
-            --llama3-8b --weights "$w" --dtype bf16 ${run#*:}
+            --llama3-8b --weights "$w" --dtype bf16 ${run#*:} ${CANDLE_ARGS:-}
     done
     rm -f "$w"
     cat "$OUT/machine.txt"
     for f in "$OUT"/tp*.log; do
         echo "$(basename "$f" .log): $(grep -E '^\| [a-z]|check:|error' "$f" | grep -v '^| mode' | tr -s ' ' | tr '\n' '|' | cut -c1-300)"
+        grep -h "sections, median" "$f" | head -4
     done
     printf '%s\n' "${summary[@]}"
 }
