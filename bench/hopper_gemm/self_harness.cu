@@ -5,9 +5,9 @@
 //           every tile's rows are a "peer's" block: the loader waits for each of its 4 pieces'
 //           ready words (written by a stream write just before the launch, as a copy engine
 //           does after a piece lands) and reads through the gathered map;
-//   rs      the ReduceScatter entry (`hopper_gemm_rs_*`) in a world of 1: the output zeroed,
-//           then every tile staged and added with red.add into the owner's output (itself),
-//           with the owner's ready word and done counter;
+//   rs      the ReduceScatter entry (`hopper_gemm_rs_*`) in a world of 1: every tile is the
+//           rank's own, stored as the plain GEMM stores it and counted at the owner
+//           (itself), with the owner's done counter;
 //   cuBLAS  for scale.
 // Each is checked against `plain` (bit-identical: one partial, the same accumulation order)
 // and timed by events, fresh random inputs alternating between two sets, medians.
@@ -67,8 +67,9 @@ int main(int argc, char** argv) {
     bool all_ok = true;
     u32 epoch = 0; // AllGather calls so far
     for (auto p : probs) {
-        u32 rs_epoch = 0; // ReduceScatter calls of this shape: its done counters start at zero
+        u32 rs_epoch = 0; // ReduceScatter calls of this shape: its counters start at zero
         CK(cudaMemset(done, 0, MAXR * 4));
+        CK(cudaMemset(ready + 16, 0, MAXR * 4));
         size_t na = (size_t)p.m * p.k, nb = (size_t)p.k * p.n, nc = (size_t)p.m * p.n;
         u16 *a[2], *b[2], *c[4];
         for (int i = 0; i < 2; ++i) {
@@ -102,11 +103,10 @@ int main(int argc, char** argv) {
             } else if (way == 2) {
                 RsArgs r;
                 memset(&r, 0, sizeof r);
-                r.outs[0] = (u64)c[2]; r.ready[0] = (u64)ready + 64; r.done[0] = (u64)done;
+                r.outs[0] = (u64)c[2]; r.ready[0] = (u64)(ready + 16); r.done[0] = (u64)done;
                 r.error = (u64)error;
                 r.timeout_ns = 10ull * 1000 * 1000 * 1000;
                 r.rank = 0; r.world = 1; r.rows_per = p.m; r.epoch = rs_epoch;
-                CK(cudaMemsetAsync(c[2], 0, nc * 2, s));
                 hopper_gemm_rs_bf16_nn<<<std::min(tiles, sms), THREADS, SMEM_FOR(3, 4), s>>>(am, bm, cm, p.m, p.n, p.k, r);
             } else {
                 float one_f = 1.f, zero = 0.f;

@@ -109,21 +109,24 @@ __device__ __forceinline__ void tile_at(int t, int tiles_m, int tiles_n, int* tm
 
 // What a GEMM+ReduceScatter call needs besides its operands. Every rank computes a
 // partial product of all M rows; rows [j * rows_per, (j + 1) * rows_per) belong to rank j.
-// Each tile is added, in the operands' type, straight into its owner's output
-// (`outs[owner]`, zeroed by the owner before the call): the consumers stage the tile in
-// shared memory and three storer warps (the loader's idle warps) read it back and add it
-// with 16-byte reductions over NVLink or locally, so the tensor cores never wait for the
-// links and the copy engine stays free for the operand loads. The tile walk interleaves
-// the owners tile by tile, starting at the next rank, so every link is busy all the call.
-// The owner raises `ready` at every rank (`ready[rank]`, index owner) once the call began
-// (its output zeroed before, in stream order); a source waits for it before its first add
-// there. At the end each block's storers count themselves done at every owner
+// The walk takes this rank's own row block first, then the blocks of ranks rank + 1,
+// rank + 2, ... (so at any moment the ranks add into different peers). An own tile is
+// stored as a plain GEMM stores it (the copy engine, from shared memory): the output needs
+// no zeroing and the own partial no read-modify-write. Once a block's consumers have
+// stored all their own tiles, each raises the count of its rank at every rank
+// (`ready[peer]`, index rank; `epoch * grid * CONSUMERS` once every block of the call has).
+// A peer's tile is added, in the operands' type, into its owner's output (`outs[owner]`)
+// after that count: the consumers stage it in shared memory and three storer warps (the
+// loader's idle warps) read it back and add it with 16-byte reductions over NVLink, so
+// the tensor cores never wait for the links and the copy engine stays free for the
+// operand loads. At the end each block's storers count themselves done at every owner
 // (`done[owner]`, index source) and wait until every source's blocks are done here
-// (every rank runs the same grid), so the output is whole when the kernel ends.
+// (every rank runs the same grid), so the output is whole when the kernel ends. The
+// counters only grow; they start at zero with the first call.
 #define MAXR 8
 struct RsArgs {
     u64 outs[MAXR];  // every rank's output block (elements, row stride n), mapped here
-    u64 ready[MAXR]; // u32 words
+    u64 ready[MAXR]; // u32 counters
     u64 done[MAXR];  // u32 counters
     u64 error;       // u32 word set to 1 + the peer when a wait outlasted `timeout_ns`
     u64 timeout_ns;
@@ -157,9 +160,6 @@ struct AgArgs {
 };
 
 __device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
-__device__ __forceinline__ void st_release(u64 p, u32 v) {
-    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
 __device__ __forceinline__ u32 ld_acquire(u64 p) {
     u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
@@ -188,9 +188,8 @@ __device__ __forceinline__ bool wait_word(u64 error, u64 timeout_ns, u64 word, i
     return true;
 }
 
-// How the tiles are walked. PLAIN: grouped tile rows. RS: every owner's row block in
-// turn, tile by tile, from the next rank's on (see RsArgs). AG: row block after row block,
-// this rank's first (see AgArgs). With RS and AG, `tiles_m` counts one block's tile rows.
+// How the tiles are walked. PLAIN: grouped tile rows. RS and AG: row block after row
+// block, this rank's first (see RsArgs, AgArgs); `tiles_m` counts one block's tile rows.
 #define WALK_PLAIN 0
 #define WALK_RS 1
 #define WALK_AG 2
@@ -209,8 +208,10 @@ __device__ __forceinline__ TilePlace place_tile(int t, int tiles_m, int tiles_n,
         tile_at(t, tiles_m, tiles_n, &tm, &tn);
         p.a_row = tm * BM; p.out_row = tm * BM; p.owner = -1; p.local = t;
     } else if (w.kind == WALK_RS) {
-        p.local = t / w.world;
-        p.owner = (w.rank + 1 + t % w.world) % w.world;
+        int per_block = tiles_m * tiles_n;
+        int pos = t / per_block;
+        p.local = t - pos * per_block;
+        p.owner = (w.rank + pos) % w.world;
         tile_at(p.local, tiles_m, tiles_n, &tm, &tn);
         p.a_row = p.owner * w.rows_per + tm * BM;
         p.out_row = tm * BM;
@@ -306,10 +307,24 @@ __device__ __forceinline__ void red_add_v4(u64 p, uint4 v, bool f16) {
                      :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// The storers' side of a GEMM+ReduceScatter (see RsArgs): for every tile of the walk and
-// every consumer's piece, wait until it is staged, add it into the owner's output, free it.
-// `staged` / `freed`: per consumer and piece, barriers the consumers and the storers arrive
-// on once per tile.
+// A GEMM+ReduceScatter consumer's own tiles are stored (its copy-engine stores complete,
+// then ordered before everything after at system scope): it counts itself at every rank,
+// so peers may add into those tiles. Its pieces are free for staging again after this.
+__device__ __forceinline__ void count_own_stored(const RsArgs* rs, int consumer) {
+    if (threadIdx.x % 128 == 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        for (int peer = 0; peer < rs->world; ++peer)
+            red_release_add(rs->ready[peer] + 4 * (u64)rs->rank, 1);
+    }
+    consumer_sync(consumer);
+}
+
+// The storers' side of a GEMM+ReduceScatter (see RsArgs): for every peer's tile of the
+// walk and every consumer's piece, wait until it is staged, add it into the owner's
+// output, free it. `staged` / `freed`: per consumer and piece, barriers the consumers and
+// the storers arrive on once per peer's tile.
 template <bool F16, int NP>
 __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Walk& walk, unsigned char* out,
                                                       u64* staged, u64* freed, int tiles, int tiles_m,
@@ -318,13 +333,14 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
     int s = threadIdx.x - 32; // 0..95
     u32 ready_mask = 0;
     u32 phase = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
+        if (p.owner == rs->rank) continue; // stored by the consumers
         if (!(ready_mask & (1u << p.owner))) {
             if (s == 0) {
-                u32 epoch = rs->epoch;
+                u32 target = rs->epoch * gridDim.x * CONSUMERS;
                 wait_word(rs->error, rs->timeout_ns, rs->ready[rs->rank] + 4 * (u64)p.owner, p.owner,
-                          [epoch](u32 f) { return f == epoch; });
+                          [target](u32 v) { return (int)(v - target) >= 0; });
             }
             storer_sync();
             ready_mask |= 1u << p.owner;
@@ -347,6 +363,7 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
                 if (s == 0) bar_arrive(&freed[c * NP + q]);
             }
         }
+        phase ^= 1;
     }
     // Done here: every add of this block is ordered before the count at every owner.
     asm volatile("fence.acq_rel.sys;" ::: "memory");
@@ -395,10 +412,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 bar_init(&freed[i], 1);
             }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        // This rank's output was zeroed before the call: the peers may add into it.
-        if (WALK == WALK_RS && blockIdx.x == 0)
-            for (int peer = 0; peer < rs->world; ++peer)
-                st_release(rs->ready[peer] + 4 * (u64)rs->rank, rs->epoch);
     }
     __syncthreads();
 
@@ -462,9 +475,19 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         int consumer = wg - 1;
         float d[128];
         int stage = 0;
-        u32 phase = 0, tile_phase = 0;
-        for (int t = blockIdx.x; t < tiles; t += gridDim.x, tile_phase ^= 1) {
+        u32 phase = 0, tile_phase = 0; // tile_phase: RS, peers' tiles staged so far, mod 2
+        (void)tile_phase;
+        bool own_stored = false; // RS: this consumer's own tiles stored and counted
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
             TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
+            bool own = true; // a tile of this rank's output
+            if constexpr (WALK == WALK_RS) {
+                own = p.owner == rs->rank;
+                if (!own && !own_stored) {
+                    count_own_stored(rs, consumer);
+                    own_stored = true;
+                }
+            }
             int prev = -1;
             for (int kb = 0; kb < k_blocks; ++kb) {
                 bar_wait(&full[stage], phase);
@@ -501,10 +524,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 for (int i = 0; i < 128; ++i) d[i] = 0.f;
             }
             unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
-            if constexpr (WALK != WALK_RS) {
+            if (WALK != WALK_RS || own) {
                 store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col);
-            } else {
-                // Stage the tile for the storers, one piece at a time.
+            } else if constexpr (WALK == WALK_RS) {
+                // A peer's tile: staged for the storers, one piece at a time.
 #pragma unroll
                 for (int q = 0; q < NP; ++q) {
                     bar_wait(&freed[consumer * NP + q], tile_phase ^ 1);
@@ -512,7 +535,11 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                     consumer_sync(consumer);
                     if (threadIdx.x % 128 == 0) bar_arrive(&staged[consumer * NP + q]);
                 }
+                tile_phase ^= 1;
             }
+        }
+        if constexpr (WALK == WALK_RS) {
+            if (!own_stored) count_own_stored(rs, consumer);
         }
         if (threadIdx.x % 128 == 0) stores_read_wait<0>();
     }
