@@ -1,7 +1,8 @@
 //! The AllGather + GEMM loop as one gathered GEMM (`LowerOptions::pipelines.gathered_gemm`)
 //! on 1, 2, 3, 4 and 8 simulated devices, under the race checker: the CPU backend computes
 //! the GEMM at its join, and every result equals the unpipelined program's, for the seed
-//! AllGather + GEMM (stream buffers on and off) and the MLP block's column-parallel side,
+//! AllGather + GEMM (stream buffers on and off, whole blocks and 2 or 4 row ranges per
+//! block said ready one by one) and the MLP block's column-parallel side,
 //! in bf16 and f16; f32 and the whole MLP block (a gather-scatter loop) keep their
 //! pipelines. The plan candidate lowers to the fused program
 //! here (the CPU backend runs it), and to the default where a device does not.
@@ -45,9 +46,15 @@ fn the_seed_ag_matmul_computes_the_unpipelined_result() {
                 ];
                 let take = [Take::Replicated];
                 let whole = run(&f, d, &inputs, &take, &unpipelined());
-                for buffers in [true, false] {
-                    let what = format!("{dt} on {d} devices, m = {m}, buffers {buffers}");
-                    let r = run(&f, d, &inputs, &take, &options(true, buffers));
+                for (buffers, ranges) in [true, false]
+                    .into_iter()
+                    .flat_map(|b| [None, Some(2), Some(4)].map(|r| (b, r)))
+                {
+                    let what =
+                        format!("{dt} on {d} devices, m = {m}, buffers {buffers}, {ranges:?}");
+                    let mut o = options(true, buffers);
+                    o.lower.pipelines.allgather_subchunks = ranges;
+                    let r = run(&f, d, &inputs, &take, &o);
                     assert_eq!(launches(&r), usize::from(d > 1), "{what}:\n{}", r.program);
                     let want = RefArray::from_tensor(&whole.outputs[0]);
                     assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);

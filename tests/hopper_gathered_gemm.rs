@@ -1,6 +1,7 @@
 //! The gathered GEMM on the persistent kernel's AllGather entry
 //! (`LowerOptions::pipelines.gathered_gemm` with `GemmEngine::Persistent`) on 2 and 4 GPUs
-//! of one process: the fused program against the unpipelined one, in bf16 and f16, on
+//! of one process: the fused program (whole blocks, and 2 or 4 row ranges per block said
+//! ready one by one) against the unpipelined one, in bf16 and f16, on
 //! shapes whose rows per rank fill whole tiles (the kernel runs: `persistent_gemms`
 //! counts it) and one that does not (each block's GEMM runs at the join), each call walked, then
 //! captured, then replayed, every output poisoned first.
@@ -30,10 +31,11 @@ fn gpu_world(n: usize) -> Option<World> {
     Some(world)
 }
 
-/// The fused plan on the persistent engine.
-fn fused() -> ExecOptions {
+/// The fused plan on the persistent engine, with `ranges` row ranges per block.
+fn fused(ranges: Option<usize>) -> ExecOptions {
     let mut lower = LowerOptions::default().with_pipelining(Pipelining::Always);
     lower.pipelines.gathered_gemm = true;
+    lower.pipelines.allgather_subchunks = ranges;
     ExecOptions {
         lower,
         gemm: GemmEngine::Persistent,
@@ -52,11 +54,17 @@ fn unpipelined() -> ExecOptions {
 /// `matmul(AG(x), w)` with x `[d, m, k]` sharded over the ranks: calls 0..4 of the fused
 /// plan (fresh inputs copied into the same buffers each call) against the unpipelined
 /// plan's eager call; the first walks, the second is captured, the others replay.
-fn fused_matches_unpipelined(world: &World, dt: DType, (m, k, n): (usize, usize, usize)) {
+fn fused_matches_unpipelined(
+    world: &World,
+    dt: DType,
+    (m, k, n): (usize, usize, usize),
+    ranges: Option<usize>,
+) {
     let d = world.size();
     let f = cases::ag_matmul_p2p(dt);
     let (with, without) = (FusionExecutor::new(f.clone()), FusionExecutor::new(f));
-    let kernel_runs = m % 128 == 0;
+    // Every row range must fill whole tiles for the kernel to run.
+    let kernel_runs = m % (128 * ranges.unwrap_or(1)) == 0;
     // The counter is the process's, and the ranks run at once: counted over the world.
     let before_all = counters().persistent_gemms;
     let runs = world
@@ -75,16 +83,19 @@ fn fused_matches_unpipelined(world: &World, dt: DType, (m, k, n): (usize, usize,
                 for (dst, src) in buffers.iter().zip(place(10 + call)?) {
                     rank.device().execute(0, Kernel::Copy { src: &src, dst })?;
                 }
-                let g = with.run_with(rank, &refs, None, &fused())?;
+                let g = with.run_with(rank, &refs, None, &fused(ranges))?;
                 let e = without.run_with(rank, &refs, None, &unpipelined())?;
                 let (a, b) = (rank.to_host(&g.outputs[0])?, rank.to_host(&e.outputs[0])?);
-                let what = format!("{dt} {m}x{k}x{n} on {d} GPUs, call {call} ({:?})", g.replay);
+                let what = format!(
+                    "{dt} {m}x{k}x{n} on {d} GPUs, ranges {ranges:?}, call {call} ({:?})",
+                    g.replay
+                );
                 let err = a.rel_error(&b)?;
                 assert!(
                     err < common::tolerance_for(dt),
                     "{what}: relative error {err:.3e}"
                 );
-                let program = with.program(rank, &refs, &fused())?.to_string();
+                let program = with.program(rank, &refs, &fused(ranges))?.to_string();
                 assert_eq!(program.contains("GatheredGemm 0 launch"), hopper, "{what}");
                 // The kernel runs when walked or captured (a replay counts nothing); where
                 // the rows end inside a tile, each block's GEMM at the join does (its own
@@ -122,7 +133,9 @@ fn on_gpus(n: usize) {
     let Some(world) = gpu_world(n) else { return };
     for dt in [DType::BF16, DType::F16] {
         for shape in SHAPES {
-            fused_matches_unpipelined(&world, dt, shape);
+            for ranges in [None, Some(2), Some(4)] {
+                fused_matches_unpipelined(&world, dt, shape, ranges);
+            }
         }
     }
 }

@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
         for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaDeviceSynchronize()); }
         // Modes: 0 AllGather+GEMM, each rank pulling whole blocks, a copy stream per peer;
         // 1 the same in 4 pieces per block (piece 0 of every block first); 2 4 pieces pushed
-        // by their owners (a copy stream per destination, the next rank first); 3 and 4 the
+        // by their owners (a copy stream per destination, the walk's order: block r - 1 first); 3 and 4 the
         // copies of 1 and 2 alone; 5 our GEMM on the gathered A alone; 6 cuBLAS's.
         const int MODES = 7;
         int timeouts[MODES] = {};
@@ -102,12 +102,12 @@ int main(int argc, char** argv) {
                     for (int c = 0; c < chunks; ++c)
                         for (int pos = 1; pos < world; ++pos) {
                             cudaStream_t cs = q.copy[pos];
-                            if (push) { // r's block to rank r - pos
-                                int p = (r - pos + world) % world;
+                            if (push) { // r's block to rank r + pos (which walks it at pos)
+                                int p = (r + pos) % world;
                                 CK(cudaMemcpyPeerAsync(R[p].gathered + (size_t)r * na + c * piece, p, q.a[set] + c * piece, r, piece * 2, cs));
                                 CD(cuStreamWriteValue32((CUstream)cs, (CUdeviceptr)(R[p].ready + r * chunks + c), epoch, 0));
-                            } else { // rank r + pos's block to r
-                                int j = (r + pos) % world;
+                            } else { // rank r - pos's block to r (the walk's order)
+                                int j = (r - pos + world) % world;
                                 CK(cudaMemcpyPeerAsync(q.gathered + (size_t)j * na + c * piece, r, R[j].a[set] + c * piece, j, piece * 2, cs));
                                 CD(cuStreamWriteValue32((CUstream)cs, (CUdeviceptr)(q.ready + j * chunks + c), epoch, 0));
                             }

@@ -335,17 +335,25 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
 fn gathered_gemm_string(f: &Fusion, n: &Node, indent: &str) -> String {
     match n {
         Node::GatheredGemmLaunch(g) => format!(
-            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {} )",
+            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{} )",
             tensor_string(f, g.output),
             g.id.index(),
             tensor_string(f, g.gathered),
             tensor_string(f, g.own),
-            tensor_string(f, g.b)
+            tensor_string(f, g.b),
+            match g.pieces {
+                1 => String::new(),
+                n => format!(", pieces = {n}"),
+            }
         ),
-        Node::RowsReady { id, block } => format!(
-            "RowsReady GatheredGemm {}, block {}",
+        Node::RowsReady { id, block, piece } => format!(
+            "RowsReady GatheredGemm {}, block {}{}",
             id.index(),
-            f.display_scalar(*block)
+            f.display_scalar(*block),
+            piece.map_or(String::new(), |q| format!(
+                ", piece {}",
+                f.display_scalar(q)
+            ))
         ),
         Node::GatheredGemmJoin { id } => format!("Join GatheredGemm {}", id.index()),
         _ => String::new(),

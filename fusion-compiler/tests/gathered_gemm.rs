@@ -1,9 +1,9 @@
 //! The AllGather + GEMM loop as one persistent GEMM (`LowerOptions::pipelines.gathered_gemm`,
 //! `lower::gathered_gemm`): the fused program's shape (an insta snapshot at 4 devices),
 //! where the rewrite applies (bf16 and f16, stream buffers on and off, either chunk order,
-//! the column-parallel form with a DIDx weight) and where it leaves the program as it was
-//! (f32, NCCL transfers, row ranges, an epilogue, gathered rows read elsewhere, the option
-//! off), and the plan candidate that asks for it. (The MLP block, whose loop also
+//! the column-parallel form with a DIDx weight, row ranges said ready one by one) and where
+//! it leaves the program as it was (f32, NCCL transfers, an epilogue, gathered rows read
+//! elsewhere, the option off), and the plan candidates that ask for it. (The MLP block, whose loop also
 //! reduce-scatters, is checked in the workspace's `tests/gathered_gemm.rs`.)
 
 use fusion_compiler::builder::{Axis, FusionBuilder};
@@ -163,9 +163,6 @@ fn loops_it_does_not_fit_keep_their_pipeline() {
     );
     let nccl = options(true).with_transport(Transport::Nccl);
     unchanged(&bf16, 4, &nccl, "NCCL transfers");
-    let mut ranges = options(true);
-    ranges.pipelines.allgather_subchunks = Some(2);
-    unchanged(&bf16, 4, &ranges, "row ranges");
     let gelu = ag_matmul(DType::BF16, Some(UnaryOp::Gelu), false);
     unchanged(&gelu, 4, &options(true), "a GEMM epilogue");
     let kept = ag_matmul(DType::BF16, None, true);
@@ -215,18 +212,61 @@ fn two_loops_get_two_gemms() {
 }
 
 #[test]
-fn the_plan_space_has_the_candidate() {
-    assert_eq!(PLAN_SPACE_REVISION, 4);
+fn the_plan_space_has_the_candidates() {
+    assert_eq!(PLAN_SPACE_REVISION, 5);
+    let names = ["gathered_gemm", "gathered_gemm_rows2"];
     for d in [2, 3, 4, 8] {
-        let p = find(d, "gathered_gemm").unwrap();
-        assert!(p.lower.pipelines.gathered_gemm);
-        let mut back = p.lower.clone();
-        back.pipelines.gathered_gemm = false;
-        assert_eq!(back, LowerOptions::default());
+        for (name, rows) in names.into_iter().zip([None, Some(2)]) {
+            let p = find(d, name).unwrap();
+            assert!(p.lower.pipelines.gathered_gemm);
+            assert_eq!(p.lower.pipelines.allgather_subchunks, rows, "{name}");
+            let mut back = p.lower.clone();
+            back.pipelines.gathered_gemm = false;
+            back.pipelines.allgather_subchunks = None;
+            assert_eq!(back, LowerOptions::default());
+        }
         let others = candidates(d)
             .into_iter()
-            .filter(|c| c.name != "gathered_gemm");
+            .filter(|c| !names.contains(&c.name.as_str()));
         assert!(others.into_iter().all(|c| !c.lower.pipelines.gathered_gemm));
     }
     assert!(find(1, "gathered_gemm").is_none());
+    assert!(find(4, "gathered_gemm_rows4").is_none());
+}
+
+#[test]
+fn row_ranges_are_said_ready_one_by_one() {
+    for dt in [DType::BF16, DType::F16] {
+        for buffers in [true, false] {
+            for world in [2, 3, 4, 8] {
+                for c in [2, 4] {
+                    let mut o = options(true);
+                    o.streams.buffers = buffers;
+                    o.pipelines.allgather_subchunks = Some(c);
+                    let p = program(&ag_matmul(dt, None, false), world, &o);
+                    let what = format!("{dt} buffers {buffers} on {world}, {c} ranges");
+                    assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{what}:\n{p}");
+                    let text = p.to_string();
+                    assert!(!text.contains("= Set("), "{what}:\n{text}");
+                    assert!(text.contains(&format!("pieces = {c}")), "{what}:\n{text}");
+                    let piece = format!("piece ( StreamIdx % {c} )");
+                    assert!(text.contains(&piece), "{what}:\n{text}");
+                    // Every range lands in the gathered block of every rank's rows (no slots).
+                    assert!(!text.contains("numberOfStreams *"), "{what}:\n{text}");
+                    assert!(p
+                        .notes
+                        .iter()
+                        .any(|n| n.contains(&format!("in {c} row ranges"))));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_fused_program_in_row_ranges_at_four_devices() {
+    let mut o = options(true);
+    o.pipelines.allgather_subchunks = Some(2);
+    let p = program(&ag_matmul(DType::BF16, None, false), 4, &o);
+    insta::assert_snapshot!(p.to_string());
 }

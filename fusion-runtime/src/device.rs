@@ -497,10 +497,11 @@ pub trait Device: Send + Sync {
         let _ = (stream, call);
         Ok(false)
     }
-    /// On `stream`: block `block` of the gathered GEMM `id` this device launched has
-    /// landed (the kernel may read it from now on).
-    fn gathered_rows_ready(&self, stream: StreamHandle, id: usize, block: usize) -> Result<()> {
-        let _ = (stream, id, block);
+    /// On `stream`: ready word `word` (`block * pieces + piece`, see
+    /// [`GatheredGemmCall::pieces`]) of the gathered GEMM `id` this device launched: those
+    /// rows have landed (the kernel may read them from now on).
+    fn gathered_rows_ready(&self, stream: StreamHandle, id: usize, word: usize) -> Result<()> {
+        let _ = (stream, id, word);
         Err(crate::error::Error::Internal(
             "rows ready for a gathered GEMM the device did not launch".into(),
         ))
@@ -526,6 +527,8 @@ pub struct GatheredGemmCall<'a> {
     pub rank: usize,
     /// The ranks, one block each.
     pub world: usize,
+    /// Row ranges per block, each with its own ready word (1: whole blocks).
+    pub pieces: usize,
 }
 
 /// The call life cycle of a device with streams (CUDA): the thread that drives it, memory

@@ -226,6 +226,10 @@ pub struct GatheredGemm {
     pub b: TensorId,
     /// The product, one block per rank along axis 0.
     pub output: TensorId,
+    /// Row ranges per block, each said ready on its own ([`Node::RowsReady`]'s `piece`), so
+    /// the GEMM starts on a block's first rows while its last are still arriving; 1: whole
+    /// blocks.
+    pub pieces: usize,
 }
 
 /// One instruction of a host program.
@@ -290,11 +294,13 @@ pub enum Node {
     /// Starts a fused AllGather+GEMM on the current stream; nothing after it may make a
     /// stream it waits on (through its ready blocks) wait for this one.
     GatheredGemmLaunch(GatheredGemm),
-    /// On the current stream: the block of rank `block` of gathered GEMM `id` has landed
-    /// (the GEMM may read it from now on).
+    /// On the current stream: the block of rank `block` of gathered GEMM `id` has landed,
+    /// or with `piece`, that row range of it (of the GEMM's `pieces`); the GEMM may read
+    /// those rows from now on.
     RowsReady {
         id: GatheredGemmId,
         block: ScalarId,
+        piece: Option<ScalarId>,
     },
     /// The current stream waits for gathered GEMM `id` (its output is whole after it).
     GatheredGemmJoin {

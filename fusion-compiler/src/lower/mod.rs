@@ -92,7 +92,11 @@ pub fn lower_for_shapes(
     let pctx = PassContext::new(world_size, options);
     let dumps = manager.run(&mut program, &pctx)?;
     choose_peer_memory(&mut program, pctx.options.transports.peer_memory, extent);
-    choose_gathered_gemm(&mut program, pctx.options.pipelines.gathered_gemm);
+    choose_gathered_gemm(
+        &mut program,
+        pctx.options.pipelines.gathered_gemm,
+        pctx.options.pipelines.allgather_subchunks,
+    );
     choose_copy_streams(&mut program, pctx.options.transports.copy_streams);
     verify(&program)?;
     Ok(Lowered { program, dumps })

@@ -29,7 +29,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
 /// older build are not trusted.
-pub const PLAN_SPACE_REVISION: u32 = 4;
+pub const PLAN_SPACE_REVISION: u32 = 5;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -164,6 +164,16 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
     out.push(Plan::new(
         "gathered_gemm",
         with(&|o| o.pipelines.gathered_gemm = true),
+        DEFAULT_STREAMS,
+    ));
+    // The same GEMM told of each block's rows in two ranges, so that it starts on a block
+    // before all of it landed (four ranges lost everywhere they were measured: DECISIONS).
+    out.push(Plan::new(
+        "gathered_gemm_rows2",
+        with(&|o| {
+            o.pipelines.gathered_gemm = true;
+            o.pipelines.allgather_subchunks = Some(2);
+        }),
         DEFAULT_STREAMS,
     ));
     out

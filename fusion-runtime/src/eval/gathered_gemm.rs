@@ -40,6 +40,7 @@ impl Evaluator<'_> {
                 ));
             }
         }
+        let pieces = g.pieces.max(1);
         let call = GatheredGemmCall {
             id: g.id.index(),
             gathered: &gathered,
@@ -48,13 +49,14 @@ impl Evaluator<'_> {
             output: &output,
             rank,
             world,
+            pieces,
         };
         let start = self.mark()?;
         let on_device = self.ctx.device.launch_gathered_gemm(self.current, &call)?;
         self.traced(start, "gathered GEMM launch", false)?;
         self.record_access(&[g.own, g.b], &[g.output])?;
-        let mut ready = vec![false; world];
-        ready[rank] = true;
+        let mut ready = vec![false; world * pieces];
+        ready[rank * pieces..(rank + 1) * pieces].fill(true);
         self.gathered.insert(
             g.id,
             Launched {
@@ -71,30 +73,48 @@ impl Evaluator<'_> {
         Ok(())
     }
 
-    /// `RowsReady`: block `block` of gathered GEMM `id` has landed.
-    pub(super) fn rows_ready(&mut self, id: GatheredGemmId, block: ScalarId) -> Result<()> {
+    /// `RowsReady`: block `block` of gathered GEMM `id` has landed, or row range `piece`
+    /// of it.
+    pub(super) fn rows_ready(
+        &mut self,
+        id: GatheredGemmId,
+        block: ScalarId,
+        piece: Option<ScalarId>,
+    ) -> Result<()> {
         let j = self.eval(block)?;
+        let q = piece.map(|q| self.eval(q)).transpose()?.unwrap_or(0);
         let Some(l) = self.gathered.get_mut(&id) else {
             return Ok(()); // not on this rank's mesh
         };
-        let fresh = usize::try_from(j)
+        let pieces = l.node.pieces.max(1);
+        let word = usize::try_from(j)
             .ok()
-            .and_then(|j| l.ready.get_mut(j))
+            .zip(usize::try_from(q).ok())
+            .filter(|&(_, q)| q < pieces && (piece.is_some() || pieces == 1))
+            .map(|(j, q)| j * pieces + q);
+        let fresh = word
+            .and_then(|w| l.ready.get_mut(w))
             .is_some_and(|r| !std::mem::replace(r, true));
         let rows = match fresh {
-            true => Some(l.gathered.select(0, j as usize)?),
+            true => Some(piece_rows(
+                &l.gathered.select(0, j as usize)?,
+                q as usize,
+                pieces,
+            )?),
             false => None,
         };
         let (on_device, gathered) = (l.on_device, l.node.gathered);
         let Some(rows) = rows else {
-            let why = format!("block {j} was said ready twice, or is not a peer's block");
+            let why = format!(
+                "block {j}, piece {q} (of {pieces}) was said ready twice, or is not a \
+                 peer's row range"
+            );
             return Err(self.gathered_error(id, why));
         };
-        let j = j as usize;
-        if on_device {
+        if let (true, Some(word)) = (on_device, word) {
             self.ctx
                 .device
-                .gathered_rows_ready(self.current, id.index(), j)?;
+                .gathered_rows_ready(self.current, id.index(), word)?;
         }
         if let Some(rc) = self.race.as_mut() {
             rc.access(self.current, &[(gathered, &rows)], &[]);
@@ -107,12 +127,18 @@ impl Evaluator<'_> {
         let Some(l) = self.gathered.remove(&id) else {
             return Ok(());
         };
-        if let Some(j) = l.ready.iter().position(|r| !r) {
-            let why = format!("joined before block {j} was said ready");
+        if let Some(w) = l.ready.iter().position(|r| !r) {
+            let pieces = l.node.pieces.max(1);
+            let why = format!(
+                "joined before block {}, piece {} was said ready",
+                w / pieces,
+                w % pieces
+            );
             return Err(self.gathered_error(id, why));
         }
         let g = &l.node;
-        let blocks: Vec<Tensor> = (0..l.ready.len())
+        let world = l.ready.len() / l.node.pieces.max(1);
+        let blocks: Vec<Tensor> = (0..world)
             .map(|j| match j == self.ctx.rank {
                 true => Ok(l.own.clone()),
                 false => l.gathered.select(0, j),
@@ -159,4 +185,16 @@ impl Evaluator<'_> {
             self.ctx.rank
         ))
     }
+}
+
+/// Row range `piece` of `pieces` of a block `[.., rows, K]` (ranges as the lowering's row
+/// ranges split them: `piece * rows / pieces..(piece + 1) * rows / pieces`).
+fn piece_rows(block: &Tensor, piece: usize, pieces: usize) -> Result<Tensor> {
+    if pieces == 1 {
+        return Ok(block.clone());
+    }
+    let axis = block.rank().saturating_sub(2);
+    let rows = block.shape()[axis];
+    let (start, stop) = (piece * rows / pieces, (piece + 1) * rows / pieces);
+    block.narrow(axis, start, stop - start)
 }

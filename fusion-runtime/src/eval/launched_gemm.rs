@@ -17,6 +17,7 @@ pub(crate) struct Launched {
     pub(super) own: Tensor,
     pub(super) b: Tensor,
     pub(super) output: Tensor,
-    /// Per block: said ready (this rank's own block counts as ready).
+    /// Per block and row range (`block * pieces + piece`): said ready (this rank's own
+    /// block counts as ready).
     pub(super) ready: Vec<bool>,
 }

@@ -189,7 +189,7 @@ impl<'a> Evaluator<'a> {
                 self.traced(start, "fused kernel", false)?;
             }
             Node::GatheredGemmLaunch(g) => self.gathered_gemm_launch(g)?,
-            Node::RowsReady { id, block } => self.rows_ready(*id, *block)?,
+            Node::RowsReady { id, block, piece } => self.rows_ready(*id, *block, *piece)?,
             Node::GatheredGemmJoin { id } => self.gathered_gemm_join(*id)?,
         }
         Ok(())

@@ -116,9 +116,14 @@ pub fn run_ag(
     // The fused AllGather + GEMM (the plan candidate `gathered_gemm`): one persistent
     // Hopper GEMM whose loader waits for each block's ready word behind the copy engines
     // (where the device runs that kernel; elsewhere this is the copy-engine pipeline).
-    let mut o = opts(d, Transport::CopyEngine, true, true);
-    o.lower.pipelines.gathered_gemm = true;
-    let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
-    out.push(("gathered_gemm_persistent".into(), s));
+    // With `rows` row ranges per block, each said ready on its own (the plan candidates).
+    for rows in [None, Some(2)] {
+        let mut o = opts(d, Transport::CopyEngine, true, true);
+        o.lower.pipelines.gathered_gemm = true;
+        o.lower.pipelines.allgather_subchunks = rows;
+        let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
+        let tag = rows.map_or(String::new(), |r| format!("_rows{r}"));
+        out.push((format!("gathered_gemm_persistent{tag}"), s));
+    }
     Ok(out)
 }

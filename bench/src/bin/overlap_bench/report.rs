@@ -113,7 +113,7 @@ pub fn is_option_of_the_fusion(variant: &str) -> bool {
     variant == "sequential"
         || variant == "default_call"
         || variant.starts_with("p2p_")
-        || variant == "gathered_gemm_persistent"
+        || variant.starts_with("gathered_gemm_persistent")
 }
 
 /// Rank 0's timeline of a traced call: each communication and kernel with its stream,

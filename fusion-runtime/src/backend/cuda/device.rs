@@ -637,8 +637,8 @@ impl Device for CudaDevice {
         gemm::launch_gathered(self, s, call)
     }
 
-    fn gathered_rows_ready(&self, s: StreamHandle, id: usize, block: usize) -> Result<()> {
-        gemm::gathered_rows_ready(self, s, id, block)
+    fn gathered_rows_ready(&self, s: StreamHandle, id: usize, word: usize) -> Result<()> {
+        gemm::gathered_rows_ready(self, s, id, word)
     }
 
     fn set_gemm_engine(&self, engine: GemmEngine) {

@@ -81,10 +81,14 @@ fn node_label(p: &HostProgram, node: &Node) -> String {
             name(g.own),
             name(g.b)
         ),
-        Node::RowsReady { id, block } => format!(
-            "RowsReady GatheredGemm {}, block {}",
+        Node::RowsReady { id, block, piece } => format!(
+            "RowsReady GatheredGemm {}, block {}{}",
             id.index(),
-            p.ir.display_scalar(*block)
+            p.ir.display_scalar(*block),
+            piece.map_or(String::new(), |q| format!(
+                ", piece {}",
+                p.ir.display_scalar(q)
+            ))
         ),
         Node::GatheredGemmJoin { id } => format!("Join GatheredGemm {}", id.index()),
         other => format!("{:?}", other.kind()),

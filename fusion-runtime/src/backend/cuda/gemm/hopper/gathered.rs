@@ -177,7 +177,7 @@ pub(crate) fn launch(
         error: status.device,
         timeout_ns: dev.health().timeout().as_nanos().min(u64::MAX as u128) as u64,
     };
-    let mut params = AgParams::new(&plan, &own, (call.rank, call.world), ag)?;
+    let mut params = AgParams::new(&plan, &own, (call.rank, call.world, call.pieces), ag)?;
     let grid = plan.tiles().min(u64::from(sms.saturating_sub(2)).max(1)) as u32;
     // SAFETY: the parameters are the AllGather entry's (maps of the gathered rows, B and
     // the output, the extents, then `AgArgs`); the maps describe `call`'s tensors, which
@@ -186,7 +186,8 @@ pub(crate) fn launch(
     Ok(true)
 }
 
-/// On `stream`: block `block` of launch `id` landed (its ready word set to the epoch, 1).
+/// On `stream`: ready word `block` (`block * pieces + piece`) of launch `id` landed (set
+/// to the epoch, 1).
 pub(crate) fn rows_ready(
     dev: &dyn GemmDevice,
     stream: StreamHandle,
@@ -206,8 +207,9 @@ pub(crate) fn rows_ready(
 }
 
 /// The kernel's plan of `call` and the map of this rank's rows, where it applies: bf16 or
-/// f16, one block of rows per rank whose rows fill whole tiles (a block's last tile must
-/// not reach into the next block), the gathered rows row-major, B one matrix.
+/// f16, one block of rows per rank whose row ranges (`pieces` per block) fill whole tiles
+/// (a range's last tile must not reach into the next), the gathered rows row-major, B one
+/// matrix.
 fn plan_of(call: &GatheredGemmCall<'_>) -> Option<(Plan, MapView)> {
     let (g, out) = (call.gathered, call.output);
     if [call.own, call.b, out]
@@ -217,7 +219,8 @@ fn plan_of(call: &GatheredGemmCall<'_>) -> Option<(Plan, MapView)> {
         return None;
     }
     let r = out.rank();
-    if g.rank() != r || call.own.rank() + 1 != r || r < 3 || call.world > READY_WORDS {
+    let words = call.world * call.pieces.max(1);
+    if g.rank() != r || call.own.rank() + 1 != r || r < 3 || words > READY_WORDS {
         return None;
     }
     let (k, n) = (g.shape()[r - 1], out.shape()[r - 1]);
@@ -264,7 +267,8 @@ fn plan_of(call: &GatheredGemmCall<'_>) -> Option<(Plan, MapView)> {
         .ok()?
     };
     let rows_per = whole.m as usize / call.world;
-    let fits = rows_per * call.world == whole.m as usize && rows_per % BM as usize == 0;
+    let range = BM as usize * call.pieces.max(1);
+    let fits = rows_per * call.world == whole.m as usize && rows_per % range == 0;
     let layouts = !whole.variant.a_mn && own.variant == whole.variant && own.m as usize == rows_per;
     (fits && rows_per > 0 && layouts).then_some((whole, own.a))
 }

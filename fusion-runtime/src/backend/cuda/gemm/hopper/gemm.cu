@@ -139,10 +139,11 @@ struct RsArgs {
 // the GEMM runs, in `chunks` pieces of rows_per / chunks rows each; `ready` (u32 words,
 // index j * chunks + c) carries the call's epoch once piece c of block j is whole. This
 // rank's own rows are read where they are (`own`, [rows_per, K]), never copied. The
-// loader walks the own block first, then blocks rank + 1, rank + 2, ... (the pieces are
-// best copied piece 0 of every block first, then piece 1, ..., so the block the GEMM
-// reaches next is never the one still arriving), and loads a piece's rows only after its
-// word says so; the consumers see nothing of this.
+// loader walks the own block first, then blocks rank - 1, rank - 2, ... (the order in
+// which the runtime's ring loop receives them: iteration i gathers block rank - i; the
+// pieces are best copied in the walk's order, so the block the GEMM reaches next is never
+// the one still arriving), and loads a piece's rows only after its word says so; the
+// consumers see nothing of this.
 //
 // After its last wait a block counts itself in `arrived`; the last of the grid zeroes every
 // ready word and the count, so a call replayed from a graph (its epoch baked in) starts from
@@ -219,7 +220,7 @@ __device__ __forceinline__ TilePlace place_tile(int t, int tiles_m, int tiles_n,
         int per_block = tiles_m * tiles_n;
         int pos = t / per_block;
         p.local = t - pos * per_block;
-        p.owner = (w.rank + pos) % w.world;
+        p.owner = (w.rank + w.world - pos) % w.world;
         tile_at(p.local, tiles_m, tiles_n, &tm, &tn);
         p.chunk = tm / (tiles_m / w.chunks);
         p.a_row = p.owner * w.rows_per + tm * BM;

@@ -148,12 +148,12 @@ pub(crate) struct AgParams {
 
 impl AgParams {
     /// The parameters of `plan` (the whole gathered GEMM: A the gathered rows, C the whole
-    /// output) for rank `rank` of `world`, this rank's rows read through `own`, one piece
-    /// per block, every ready word raised to 1.
+    /// output) for rank `rank` of `world`, this rank's rows read through `own`, `pieces`
+    /// row ranges per block, every ready word raised to 1.
     pub(crate) fn new(
         plan: &Plan,
         own: &MapView,
-        (rank, world): (usize, usize),
+        (rank, world, pieces): (usize, usize, usize),
         words: AgWords,
     ) -> Result<AgParams> {
         let mut plain = Params::new(plan)?;
@@ -162,7 +162,7 @@ impl AgParams {
         let ag = AgArgs {
             own: encode(own, plan.variant.f16)?,
             arrived: words.arrived,
-            chunks: 1,
+            chunks: pieces.max(1) as i32,
             ready: words.ready,
             error: words.error,
             timeout_ns: words.timeout_ns,

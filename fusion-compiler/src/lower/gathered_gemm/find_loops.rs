@@ -1,0 +1,433 @@
+//! Finding the AllGather + GEMM loops the fused form applies to (see the module above):
+//! whole blocks per iteration ([`find`]) or row ranges of them ([`find_rows`]).
+
+use super::{Found, Landing};
+use crate::dtype::DType;
+use crate::hir::{
+    for_each_node, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport,
+};
+use crate::ir::{Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId};
+
+/// The loop at top-level position `at`, when the fused form applies to it.
+pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
+    let (_, middle, caller) = loop_on_pool(p, at)?;
+    // [gathered view], the own-or-receive branch, the output's view, the GEMM.
+    let (whole_view, rest) = match middle {
+        [Node::AliasSelect {
+            input,
+            output,
+            axis: 0,
+            index,
+        }, rest @ ..] => (Some((*input, *output, *index)), rest),
+        _ => (None, middle),
+    };
+    let (
+        Branch {
+            cond,
+            then_body,
+            else_body,
+            output,
+            out_block: out_view,
+            block,
+        },
+        [Node::Compute(gemm)],
+    ) = branch_then_output(rest)?
+    else {
+        return None;
+    };
+    if !plain_gemm(gemm) || gemm.output != *out_view {
+        return None;
+    }
+    let (rows, b) = (gemm.inputs[0], gemm.inputs[1]);
+    if *cond != rank_test(p, *block)? {
+        return None;
+    }
+    let received = exchange(else_body, *block)?;
+    let (landing, shard, own_view) = match whole_view {
+        Some((whole, view, index)) => {
+            let shard = own_copy(then_body, view)?;
+            let ok = index == *block && view == rows && received.recv == rows;
+            (ok && else_body.len() == 5).then_some((Landing::Whole(whole), shard.0, shard.1))?
+        }
+        None => {
+            let [Node::AliasSelect {
+                input: slots,
+                output: slot,
+                axis: 0,
+                ..
+            }, ..] = else_body
+            else {
+                return None;
+            };
+            let [Node::AliasSelect {
+                input: x,
+                output: own,
+                axis,
+                index,
+            }] = then_body
+            else {
+                return None;
+            };
+            let ok = *slot == rows && *own == rows && received.recv == rows;
+            (ok && else_body.len() == 6).then_some((
+                Landing::Slots(*slots),
+                (*x, *axis, *index),
+                *own,
+            ))?
+        }
+    };
+    if received.send != shard.0 || !operands_fit(p, at, (rows, b, *output, *out_view), landing) {
+        return None;
+    }
+    Some(Found {
+        pieces: 1,
+        range: None,
+        at,
+        landing,
+        shard,
+        own_view,
+        b,
+        output: *output,
+        block: *block,
+        out_rows: *out_view,
+        caller,
+    })
+}
+
+/// The loop at top-level position `at` in its row-range form (`pieces` ranges per block,
+/// iteration `i` the range `i % pieces` of block `(rank - i / pieces) % d`), when the fused
+/// form applies to it. Without slots the loop binds the range of the gathered block
+/// (`[select, slice]` before its branch, the own branch copying the shard's range there);
+/// with slots the receiving branch binds a slot's first rows and the own branch the
+/// shard's range in place.
+pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Found> {
+    let (l, middle, caller) = loop_on_pool(p, at)?;
+    let ranges = match p.ir.scalar_node(l.stop) {
+        Scalar::Binary(ScalarOp::Mul, _, c) => {
+            *p.ir.scalar_node(*c) == Scalar::Const(pieces as i64)
+        }
+        _ => false,
+    };
+    if !ranges {
+        return None;
+    }
+    let (head, rest) = match middle {
+        [a @ Node::AliasSelect { .. }, b @ Node::Compute(_), rest @ ..] => (Some((a, b)), rest),
+        _ => (None, middle),
+    };
+    let (
+        Branch {
+            cond,
+            then_body,
+            else_body,
+            output,
+            out_block,
+            block,
+        },
+        [Node::Compute(out_slice), Node::Compute(gemm)],
+    ) = branch_then_output(rest)?
+    else {
+        return None;
+    };
+    let Op::Slice {
+        axis: 0,
+        start,
+        stop,
+    } = out_slice.op
+    else {
+        return None;
+    };
+    if out_slice.inputs != [*out_block] || gemm.output != out_slice.output {
+        return None;
+    }
+    if !plain_gemm(gemm) || *cond != rank_test(p, *block)? {
+        return None;
+    }
+    let (rows, b) = (gemm.inputs[0], gemm.inputs[1]);
+    let received = exchange(else_body, *block)?;
+    let before = &else_body[..else_body.len() - 5];
+    // The receiving branch's send: the same range of the local shard.
+    let (send_head, send_nodes) = before.split_at(before.len().checked_sub(2)?);
+    let [Node::AliasSelect {
+        input: x,
+        output: sent_block,
+        axis,
+        index,
+    }, Node::Compute(sent)] = send_nodes
+    else {
+        return None;
+    };
+    let slices =
+        |e: &Expr, of: TensorId| matches!(e.op, Op::Slice { axis: 0, .. }) && e.inputs == [of];
+    if !slices(sent, *sent_block) || received.send != sent.output || received.recv != rows {
+        return None;
+    }
+    let shard = (*x, *axis, *index);
+    let (landing, own_view) = rows_landing(head, send_head, then_body, (*x, rows, *block))?;
+    if !operands_fit(p, at, (rows, b, *output, *out_block), landing) {
+        return None;
+    }
+    Some(Found {
+        pieces,
+        range: Some((start, stop)),
+        at,
+        landing,
+        shard,
+        own_view,
+        b,
+        output: *output,
+        block: *block,
+        out_rows: gemm.output,
+        caller,
+    })
+}
+
+/// Where a row-range loop lands its rows (see [`find_rows`]): the head before its branch
+/// (`[select, slice]` of the gathered block, without slots), the receiving branch's nodes
+/// before its send (a slot and its first rows, with slots), and the own branch; with the
+/// shard `x`, the received rows and the block index. The landing and the own block's view.
+fn rows_landing(
+    head: Option<(&Node, &Node)>,
+    send_head: &[Node],
+    then_body: &[Node],
+    (x, rows, block): (TensorId, TensorId, ScalarId),
+) -> Option<(Landing, TensorId)> {
+    let slices =
+        |e: &Expr, of: TensorId| matches!(e.op, Op::Slice { axis: 0, .. }) && e.inputs == [of];
+    match (head, send_head) {
+        // No slots: the gathered block's range bound before the branch; the own branch
+        // copies the shard's range into it.
+        (
+            Some((
+                Node::AliasSelect {
+                    input: whole,
+                    output: view,
+                    axis: 0,
+                    index,
+                },
+                Node::Compute(range),
+            )),
+            [],
+        ) => {
+            let [Node::AliasSelect {
+                input: own_x,
+                output: own_block,
+                ..
+            }, Node::Compute(own_range), Node::Compute(copy)] = then_body
+            else {
+                return None;
+            };
+            let ok = *index == block
+                && slices(range, *view)
+                && range.output == rows
+                && *own_x == x
+                && slices(own_range, *own_block)
+                && copy.op == Op::Set
+                && copy.inputs == [own_range.output]
+                && copy.output == rows;
+            ok.then_some((Landing::Whole(*whole), *own_block))
+        }
+        // Slots: the receiving branch binds a slot's first rows; the own branch the
+        // shard's range in place.
+        (
+            None,
+            [Node::AliasSelect {
+                input: slots,
+                output: slot,
+                axis: 0,
+                ..
+            }, Node::Compute(slot_rows)],
+        ) => {
+            let [Node::AliasSelect {
+                input: own_x,
+                output: own_block,
+                ..
+            }, Node::Compute(own_range)] = then_body
+            else {
+                return None;
+            };
+            let ok = slices(slot_rows, *slot)
+                && slot_rows.output == rows
+                && *own_x == x
+                && slices(own_range, *own_block)
+                && own_range.output == rows;
+            ok.then_some((Landing::Slots(*slots), *own_block))
+        }
+        _ => None,
+    }
+}
+
+/// A loop body's own-or-receive branch and the output block's view after it.
+struct Branch<'a> {
+    cond: &'a ScalarId,
+    then_body: &'a [Node],
+    else_body: &'a [Node],
+    output: &'a TensorId,
+    out_block: &'a TensorId,
+    block: &'a ScalarId,
+}
+
+/// `[IF .. ELSE .., out_block = select(output, 0, block), rest..]`: the branch and the
+/// output's view, and the nodes after them.
+fn branch_then_output(nodes: &[Node]) -> Option<(Branch<'_>, &[Node])> {
+    let [Node::IfThenElse {
+        cond,
+        then_body,
+        else_body,
+    }, Node::AliasSelect {
+        input: output,
+        output: out_block,
+        axis: 0,
+        index: block,
+    }, rest @ ..] = nodes
+    else {
+        return None;
+    };
+    let branch = Branch {
+        cond,
+        then_body,
+        else_body,
+        output,
+        out_block,
+        block,
+    };
+    Some((branch, rest))
+}
+
+/// The loop at top-level position `at` when it runs on a pool stream that waited for the
+/// caller's stream (see [`fork_before`]) and joins it at its end: the loop, its body between
+/// the stream switches, and the caller's stream.
+fn loop_on_pool(p: &HostProgram, at: usize) -> Option<(&ForLoop, &[Node], StreamId)> {
+    let Node::ForLoop(l) = &p.body[at] else {
+        return None;
+    };
+    let (caller, worker) = fork_before(p, at)?;
+    let [Node::SetCurrentStream { stream: first }, middle @ .., Node::SetCurrentStream { stream: back }, Node::Synchronize { stream: joined }] =
+        l.body.as_slice()
+    else {
+        return None;
+    };
+    ((*first, *back, *joined) == (worker, caller, worker)).then_some((l, middle, caller))
+}
+
+/// Whether `e` is a plain product of two operands (no epilogue, bias or accumulation).
+fn plain_gemm(e: &Expr) -> bool {
+    let plain = match &e.op {
+        Op::Matmul => true,
+        Op::Gemm {
+            linear: false,
+            epilogue,
+        } => !epilogue.bias && epilogue.activations.is_empty(),
+        _ => false,
+    };
+    plain && e.inputs.len() == 2
+}
+
+/// Whether the kernel takes the loop's GEMM `rows @ b -> output` (written through
+/// `out_view`): B neither operand's view, bf16 or f16 throughout, and the landing buffer
+/// touched by nothing outside the loop at `at`.
+fn operands_fit(
+    p: &HostProgram,
+    at: usize,
+    (rows, b, output, out_view): (TensorId, TensorId, TensorId, TensorId),
+    landing: Landing,
+) -> bool {
+    let dtype = p.ir.tensor(rows).dtype;
+    let same = [b, output].iter().all(|&t| p.ir.tensor(t).dtype == dtype);
+    let landed = match landing {
+        Landing::Whole(t) | Landing::Slots(t) => t,
+    };
+    b != rows
+        && b != out_view
+        && same
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && only_allocated_outside(p, at, landed)
+}
+
+/// The caller's stream and the loop's pool stream, where the node before `at` is the loop
+/// that makes every pool stream wait for the caller's stream, and the caller's stream was
+/// captured before it.
+fn fork_before(p: &HostProgram, at: usize) -> Option<(StreamId, StreamId)> {
+    let Node::ForLoop(fork) = p.body.get(at.checked_sub(1)?)? else {
+        return None;
+    };
+    let [Node::SetCurrentStream { stream: worker }, Node::Synchronize { stream: caller }] =
+        fork.body.as_slice()
+    else {
+        return None;
+    };
+    let pool = matches!(p.streams[worker.index()], StreamDef::Pool(_));
+    let captured = p.streams[caller.index()] == StreamDef::Captured;
+    (pool && captured).then_some((*caller, *worker))
+}
+
+/// `block == rank`: the own branch's condition.
+fn rank_test(p: &HostProgram, block: ScalarId) -> Option<ScalarId> {
+    let scalars = (0..p.ir.scalar_count()).map(ScalarId::from_index);
+    let rank = scalars
+        .clone()
+        .find(|&s| *p.ir.scalar_node(s) == Scalar::Named(NamedScalar::Rank))?;
+    scalars
+        .into_iter()
+        .find(|&s| *p.ir.scalar_node(s) == Scalar::Binary(ScalarOp::Eq, block, rank))
+}
+
+/// The receive and the send of a receiving branch.
+struct Exchange {
+    recv: TensorId,
+    send: TensorId,
+}
+
+/// The coalesced copy-engine receive of `block` and send that end `branch`.
+fn exchange(branch: &[Node], block: ScalarId) -> Option<Exchange> {
+    let tail = branch.get(branch.len().checked_sub(5)?..)?;
+    let [Node::StartCoalescing, Node::P2P(x), Node::P2P(y), Node::EndCoalescing { id }, Node::Wait { comm }] =
+        tail
+    else {
+        return None;
+    };
+    let (recv, send) = match (x.direction, y.direction) {
+        (P2PDirection::Recv, P2PDirection::Send) => (x, y),
+        (P2PDirection::Send, P2PDirection::Recv) => (y, x),
+        _ => return None,
+    };
+    let copies = recv.transport == Transport::CopyEngine && send.transport == Transport::CopyEngine;
+    (copies && id == comm && recv.peer == block).then_some(Exchange {
+        recv: recv.buffer,
+        send: send.buffer,
+    })
+}
+
+/// The own branch of a loop with a buffer of every block: the shard's block selected, then
+/// copied into `view`. The shard, its axis and index, and the selected view.
+fn own_copy(branch: &[Node], view: TensorId) -> Option<((TensorId, usize, ScalarId), TensorId)> {
+    let [Node::AliasSelect {
+        input,
+        output,
+        axis,
+        index,
+    }, Node::Compute(copy)] = branch
+    else {
+        return None;
+    };
+    let copies = copy.op == Op::Set && copy.inputs == [*output] && copy.output == view;
+    copies.then_some(((*input, *axis, *index), *output))
+}
+
+/// Whether nothing outside the loop at `at` touches `t` but its allocation and release,
+/// and it is no input or output of the program.
+fn only_allocated_outside(p: &HostProgram, at: usize, t: TensorId) -> bool {
+    let pinned = p.inputs.contains(&t)
+        || p.outputs.contains(&t)
+        || p.aliases.iter().any(|&(o, i)| o == t || i == t);
+    let mut used = false;
+    for (i, n) in p.body.iter().enumerate() {
+        if i == at || matches!(n, Node::Allocate { .. } | Node::Deallocate { .. }) {
+            continue;
+        }
+        for_each_node(std::slice::from_ref(n), &mut |m| {
+            used |= m.tensors().contains(&t);
+        });
+    }
+    !pinned && !used
+}
