@@ -60,9 +60,9 @@ two GPUs or more:
   x2 a|b|c|d|e            the two-GPU groups (a: launch buffers timeline soak; b: check
                           layers host; c: replay-x2 overlap-x2; d: ring-x2; e:
                           candle-tp overlap-x2 layers faults), one after another
-  every-gpu a|b|c         every table on all visible GPUs, the eight-GPU run in three calls
-                          (a: overlap; b: layers at D = all, decode; c: candle-tp, launch
-                          with one process per GPU)
+  every-gpu a|b|c|d       every table on all visible GPUs, the eight-GPU run in four calls
+                          (a: overlap; b: layers at D = all, decode; c: candle-tp; d:
+                          launch with one process per GPU)
 several tasks:
   session <task>..        each task in its own folder, all packed into $OUT/results.tgz
 EOF
@@ -852,22 +852,25 @@ task_x2() {
 }
 
 # Every table of the eight-GPU run, on all visible GPUs (D = 8 on an eight-GPU machine; run
-# it on 4 to check it first), in three calls of one command each:
+# it on 4 to check it first), in four calls of one command each (on 4x H100 the parts took
+# about 1, 3.5 and 4.5 minutes, and launch apart; together more than one call's 10 minutes):
 #   a: the overlap benchmark at D = all, 4 and 2 against PyTorch (overlap);
 #   b: the MLP and gated MLP blocks at D = all against PyTorch (layers with LAYER_D = all),
 #      then decode-size communication on all GPUs (decode: Allreduce latency, GEMM +
 #      Allreduce, the kernels alone, PyTorch's Allreduce);
 #   c: the candle layer over all GPUs against candle's TP (candle-tp: decode 1, 8, 64
-#      tokens eager and captured, prefill 512 and 2048), then launched worlds of one process
-#      per GPU (launch with NPROC = all: conformance, examples, failures).
+#      tokens eager and captured, prefill 512 and 2048);
+#   d: launched worlds of one process per GPU (launch with NPROC = all: conformance,
+#      examples, failures).
 task_every_gpu() {
     local n
     n=$(nvidia-smi -L | wc -l)
     case "${1:-}" in
         a) task_session overlap ;;
         b) LAYER_D=$n task_session layers decode ;;
-        c) NPROC=$n task_session candle-tp launch ;;
-        *) echo "usage: scripts/gpu.sh every-gpu a|b|c" >&2; return 2 ;;
+        c) NPROC=$n task_session candle-tp ;;
+        d) NPROC=$n task_session launch ;;
+        *) echo "usage: scripts/gpu.sh every-gpu a|b|c|d" >&2; return 2 ;;
     esac
 }
 
