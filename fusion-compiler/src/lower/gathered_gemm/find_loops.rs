@@ -10,7 +10,7 @@ use crate::ir::{Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId};
 
 /// The loop at top-level position `at`, when the fused form applies to it.
 pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
-    let (_, middle, caller) = loop_on_pool(p, at)?;
+    let (l, middle, caller) = loop_on_pool(p, at)?;
     // [gathered view], the own-or-receive branch, the output's view, the GEMM.
     let (whole_view, rest) = match middle {
         [Node::AliasSelect {
@@ -83,6 +83,7 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
         pieces: 1,
         range: None,
         at,
+        index: l.index,
         landing,
         shard,
         own_view,
@@ -171,6 +172,7 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
         pieces,
         range: Some((start, stop)),
         at,
+        index: l.index,
         landing,
         shard,
         own_view,

@@ -53,8 +53,9 @@ struct Found {
     /// of a loop with slots lands its range in the block: the range's start and stop.
     pieces: usize,
     range: Option<(ScalarId, ScalarId)>,
-    /// Position of the loop in the program's top level.
+    /// Position of the loop in the program's top level, and its index scalar.
     at: usize,
+    index: ScalarId,
     landing: Landing,
     /// The local shard, its DIDx axis, and the index (0) its own block is selected at.
     shard: (TensorId, usize, ScalarId),

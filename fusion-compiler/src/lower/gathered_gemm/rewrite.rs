@@ -64,15 +64,11 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
     // With row ranges, iteration i receives range i % pieces; with slots, the receiving
     // branch binds that range of the gathered block instead of a slot's first rows.
     let piece = (found.pieces > 1).then(|| {
-        let Node::ForLoop(l) = &p.body[found.at] else {
-            unreachable!("found at a loop")
-        };
-        let index = l.index;
         let pieces = p.ir.constant(found.pieces as i64);
-        p.ir.binary(ScalarOp::Mod, index, pieces)
+        p.ir.binary(ScalarOp::Mod, found.index, pieces)
     });
     let block_view = match (found.landing, found.range) {
-        (Landing::Slots(_), Some(_)) => Some(like(p, found.own_view, &[], None)),
+        (Landing::Slots(_), Some(range)) => Some((like(p, found.own_view, &[], None), range)),
         _ => None,
     };
     if let Node::ForLoop(l) = &mut p.body[found.at] {
@@ -115,13 +111,16 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
     at + 1
 }
 
+/// A view of a gathered block and the row range (start, stop) a receive lands in it.
+type RangeView = (TensorId, (ScalarId, ScalarId));
+
 /// The loop's body without its GEMMs: the own branch binds nothing, the receiving branch
 /// lands the rows in `gathered`'s block (with slots and row ranges, through `block_view`,
-/// a view of that block) and says so after its wait.
+/// a view of that block, and its range's start and stop) and says so after its wait.
 fn rewrite_body(
     l: &mut ForLoop,
     found: &Found,
-    (gathered, block_view): (TensorId, Option<TensorId>),
+    (gathered, block_view): (TensorId, Option<RangeView>),
     (id, piece): (GatheredGemmId, Option<ScalarId>),
 ) {
     let mut body = Vec::with_capacity(l.body.len());
@@ -146,23 +145,25 @@ fn rewrite_body(
                         Node::AliasSelect { output, .. } if Some(output) == slot => {
                             Node::AliasSelect {
                                 input: gathered,
-                                output: block_view.unwrap_or(output),
+                                output: block_view.map_or(output, |(view, _)| view),
                                 axis: 0,
                                 index: found.block,
                             }
                         }
                         // The slot's first rows become the range's rows of the block.
-                        Node::Compute(e) if block_view.is_some() && Some(e.inputs[0]) == slot => {
-                            let (start, stop) = found.range.expect("row ranges");
-                            Node::Compute(Expr {
-                                op: Op::Slice {
-                                    axis: 0,
-                                    start,
-                                    stop,
-                                },
-                                inputs: block_view.into_iter().collect(),
-                                output: e.output,
-                            })
+                        Node::Compute(e) if slot.is_some() && e.inputs.first() == slot.as_ref() => {
+                            match block_view {
+                                Some((view, (start, stop))) => Node::Compute(Expr {
+                                    op: Op::Slice {
+                                        axis: 0,
+                                        start,
+                                        stop,
+                                    },
+                                    inputs: vec![view],
+                                    output: e.output,
+                                }),
+                                None => Node::Compute(e),
+                            }
                         }
                         m => m,
                     })
