@@ -602,6 +602,10 @@ task_launch() {
     summary+=("exit-early (GPU): $(grep -h -o 'EARLY-EXIT-SEEN.\{0,110\}' "$OUT"/exit-early-r*.log | head -1)")
     # Sub-worlds on GPUs: each process a group of its own, then the whole world.
     step torchrun-subworlds 120 $tr $BIN/test-launched --exact child_subworlds --ignored --nocapture
+    # The fused AllGather + GEMM (compute capability 9.0) reading blocks its peers push over
+    # CUDA IPC, against the unpipelined plan.
+    step torchrun-gathered-gemm 240 $tr $BIN/test-hopper_gathered_gemm --ignored --test-threads=1 \
+        --exact the_gathered_gemm_matches_the_unpipelined_plan_in_a_launched_world
     # Overlap: the same variants in one process driving both GPUs, then one process per GPU.
     local args="--devices $n --transports push/peer --chunks 4 --streams 4 --rs-subchunks 4 ${BENCH_ARGS:-}"
     step overlap-single 300 $BIN/overlap_bench $args --json "$OUT/overlap-single.jsonl"

@@ -6,6 +6,9 @@
 //! counts it) and one that does not (each block's GEMM runs at the join), each call walked, then
 //! captured, then replayed, every output poisoned first.
 //!
+//! The same in a launched world (one process per GPU, under torchrun: `gpu.sh launch`),
+//! where the peers push the blocks into receive buffers they reach through CUDA IPC.
+//!
 //! GPU-only (`#[ignore]`d): run with `--ignored`. Without enough GPUs each test skips,
 //! saying so; on GPUs other than compute capability 9.0 the program keeps its pipeline
 //! (the device does not run the fused GEMM), which is checked too.
@@ -53,12 +56,15 @@ fn unpipelined() -> ExecOptions {
 
 /// `matmul(AG(x), w)` with x `[d, m, k]` sharded over the ranks: calls 0..4 of the fused
 /// plan (fresh inputs copied into the same buffers each call) against the unpipelined
-/// plan's eager call; the first walks, the second is captured, the others replay.
+/// plan's eager call; in one process the first walks, the second is captured, the others
+/// replay; in a launched world (`launched`) every call walks (transfers over CUDA IPC hand
+/// off through the host).
 fn fused_matches_unpipelined(
     world: &World,
     dt: DType,
     (m, k, n): (usize, usize, usize),
     ranges: Option<usize>,
+    launched: bool,
 ) {
     let d = world.size();
     let f = cases::ag_matmul_p2p(dt);
@@ -119,6 +125,12 @@ fn fused_matches_unpipelined(
         "{dt} {m}x{k}x{n} on {d} GPUs: persistent kernel runs"
     );
     for (s, _) in &runs {
+        if launched {
+            let walked =
+                |x: &ReplayStatus| matches!(x, ReplayStatus::Eager(EagerReason::PeerCopies(_)));
+            assert!(s.iter().all(walked), "{s:?}");
+            continue;
+        }
         assert_eq!(s[0], ReplayStatus::Eager(EagerReason::FirstCall), "{s:?}");
         assert!(matches!(s[1], ReplayStatus::Captured(_)), "{s:?}");
         assert!(s[2..].iter().all(|x| *x == ReplayStatus::Replayed), "{s:?}");
@@ -134,7 +146,7 @@ fn on_gpus(n: usize) {
     for dt in [DType::BF16, DType::F16] {
         for shape in SHAPES {
             for ranges in [None, Some(2), Some(4)] {
-                fused_matches_unpipelined(&world, dt, shape, ranges);
+                fused_matches_unpipelined(&world, dt, shape, ranges, false);
             }
         }
     }
@@ -150,4 +162,28 @@ fn the_gathered_gemm_matches_the_unpipelined_plan_on_two_gpus() {
 #[ignore = "needs four CUDA GPUs; run with --ignored on a GPU machine"]
 fn the_gathered_gemm_matches_the_unpipelined_plan_on_four_gpus() {
     on_gpus(4);
+}
+
+/// One process per GPU (started by torchrun or another launcher, `FUSION_BACKEND=cuda`):
+/// the peers reach a rank's receive buffers through CUDA IPC, and the kernel reads the
+/// blocks they push there as each is said ready.
+#[test]
+#[ignore = "a rank of a launched world of CUDA GPUs: run under torchrun with --ignored"]
+fn the_gathered_gemm_matches_the_unpipelined_plan_in_a_launched_world() {
+    if fusion::runtime::world::LaunchSpec::from_env()
+        .expect("launcher variables")
+        .is_none()
+    {
+        eprintln!("skipping: not a rank of a launched world");
+        return;
+    }
+    let world = World::from_env().expect("the launched world");
+    world.poison_allocations(true);
+    for dt in [DType::BF16, DType::F16] {
+        for shape in SHAPES {
+            for ranges in [None, Some(2)] {
+                fused_matches_unpipelined(&world, dt, shape, ranges, true);
+            }
+        }
+    }
 }

@@ -130,10 +130,18 @@ fn allgather_and_reduce_scatter_run_over_peer_memory_where_asked() {
 }
 
 #[test]
-fn mid_sized_allreduces_go_to_peer_memory_on_two_devices_and_to_nccl_on_four() {
-    // 256 KiB of f32: peer memory measured faster on 2 devices, NCCL on 4.
-    let n = (256 << 10) / 4;
-    for (d, backend) in [(2, "backend=PeerMemory"), (4, "backend=NCCL")] {
+fn allreduces_go_where_they_measured_faster_on_two_and_four_devices() {
+    // f32: 256 KiB and 16 MiB measured faster over peer memory on 2 and 4 devices; 1 MiB
+    // and 64 MiB on 2 only (NCCL on 4).
+    for (bytes, d, backend) in [
+        (256 << 10, 2, "backend=PeerMemory"),
+        (256 << 10, 4, "backend=PeerMemory"),
+        (1 << 20, 4, "backend=NCCL"),
+        (16 << 20, 4, "backend=PeerMemory"),
+        (64 << 20, 2, "backend=PeerMemory"),
+        (64 << 20, 4, "backend=NCCL"),
+    ] {
+        let n = bytes / 4;
         let world = World::local(d).unwrap();
         let full = Tensor::from_f32(&[d, n], &vec![1.0; d * n], DType::F32).unwrap();
         let programs = world
@@ -143,7 +151,10 @@ fn mid_sized_allreduces_go_to_peer_memory_on_two_devices_and_to_nccl_on_four() {
             })
             .unwrap();
         for p in programs {
-            assert!(comm_lines(&p)[0].contains(backend), "{d} devices: {p}");
+            assert!(
+                comm_lines(&p)[0].contains(backend),
+                "{bytes} B on {d} devices: {p}"
+            );
         }
     }
 }

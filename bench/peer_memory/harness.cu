@@ -4,7 +4,9 @@
 // CUDA graph per GPU, the graphs of all GPUs launched together, slowest GPU's time per call,
 // median of 20 samples). Workspaces and flags laid out as the runtime lays them out.
 //
-//   flagged     `peer_allreduce_ll`: data travels with its flags (no flag round trip);
+//   flagged     `peer_allreduce_ll`: data travels with its flags (no flag round trip),
+//               each thread waiting for the ranks' packets one rank after another;
+//   at_once     `peer_allreduce_ll_at_once`: the same, every rank's packet loaded at once;
 //   one_shot    `peer_allreduce_one_shot`: the input pushed to every peer's workspace;
 //   two_shot    `peer_allreduce_two_shot`: parts pushed to their owners, sums pushed back;
 //   direct      `peer_allreduce_direct` (`allreduce_direct<U>`): the owner of each part
@@ -59,13 +61,14 @@ static unsigned grid_for(size_t bytes) {
     return (unsigned)std::min<size_t>(std::max<size_t>(g, 8), 128);
 }
 
-// kind: 0 flagged, 1 one shot, 2 two shots, 3 direct U=1, 4 direct U=2, 5 direct U=4;
+// kind: 0 flagged, 1 one shot, 2 two shots, 3 direct U=1, 4 direct U=2, 5 direct U=4,
+// 6 flagged, every rank's packet at once;
 // grid: the runtime's blocks times this (at most 128).
 struct Variant { const char* name; int kind; int grid; };
 
 static bool fits(int kind, size_t bytes, int world) {
     switch (kind) {
-    case 0: return world * ((bytes + 7) / 8) * 16 <= FLAGGED;
+    case 0: case 6: return world * ((bytes + 7) / 8) * 16 <= FLAGGED;
     case 1: return world * ((bytes + 15) / 16 * 16) <= USABLE;
     default: return true;
     }
@@ -80,6 +83,7 @@ static void launch(Rank& r, const Variant& v, size_t n, Peers P, int rank, int w
     case 3: direct_u<1><<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     case 4: peer_allreduce_direct<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     case 5: direct_u<4><<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
+    case 6: peer_allreduce_ll_at_once<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     }
 }
 
@@ -127,7 +131,8 @@ int main(int argc, char** argv) {
         c.data_offset = DATA_OFF; c.half_bytes = REGION; c.usable_bytes = USABLE;
         return c;
     };
-    const Variant variants[] = {{"flagged", 0, 1}, {"flag_x4", 0, 4}, {"one_shot", 1, 1}, {"one_x4", 1, 4},
+    const Variant variants[] = {{"flagged", 0, 1}, {"flag_x4", 0, 4}, {"at_once", 6, 1}, {"at_once_x4", 6, 4},
+                                {"one_shot", 1, 1}, {"one_x4", 1, 4},
                                 {"two_shot", 2, 1}, {"direct_u1", 3, 1}, {"direct_u2", 4, 1}, {"direct_u4", 5, 1}};
     auto grid = [](const Variant& v, size_t bytes) { return std::min(128u, grid_for(bytes) * v.grid); };
     const size_t sizes[] = {4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10,

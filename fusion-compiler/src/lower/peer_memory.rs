@@ -39,15 +39,18 @@ pub const PEER_MEMORY_MAX_RANKS: usize = 8;
 /// `world_size` devices on peer memory: where the peer kernels measured faster than NCCL
 /// (docs/DECISIONS.md, "Small collectives over peer memory"; CUDA graphs). On 2 GPUs an
 /// Allreduce of any size (2x H100: 3.7-5.8 us up to 256 KB, 9.5 at 1 MB, 20.2 at 4 MB,
-/// 213 at 64 MB, where NCCL took 11.8-15.7, 21.1, 40.3 and 257). On 4 H100s an Allreduce
-/// up to 128 KB (5.8-9.4 us against 9.0-10.8), NCCL above (11.1 against 12.9 us at
-/// 256 KB, level from 1 to 16 MB, 323 against 342 at 64 MB). An Allgather from 1 MB and a
-/// ReduceScatter above 1 MB (NCCL's kernels are faster below, on 2 and on 4 GPUs).
+/// 213 at 64 MB, where NCCL took 11.8-15.7, 21.1, 40.3 and 257). On more ranks (4 H100s,
+/// through fusion calls recorded into a graph) an Allreduce up to 512 KB (5.0-5.8 us up to
+/// 32 KB, 9.3 at 256 KB, against NCCL's 8.2-9.5 and 10.2) and above 1 MB up to 16 MB (36.5
+/// against 39.7 us at 4 MB, 97.4 against 98.0 at 16 MB); NCCL at 1 MB (16.5 against 17.2
+/// us) and above 16 MB (level at 64 MB, where the kernel alone took 343 against 320). An
+/// Allgather from 1 MB and a ReduceScatter above 1 MB (NCCL's kernels are faster below,
+/// on 2 and on 4 GPUs).
 pub fn peer_memory_wins(kind: CommunicationKind, bytes: usize, world_size: usize) -> bool {
     const MB: usize = 1 << 20;
     match kind {
         CommunicationKind::Allreduce if world_size == 2 => true,
-        CommunicationKind::Allreduce => bytes <= 128 << 10,
+        CommunicationKind::Allreduce => bytes <= MB / 2 || (bytes > MB && bytes <= 16 * MB),
         CommunicationKind::Allgather => bytes >= MB,
         CommunicationKind::ReduceScatter => bytes > MB,
         _ => false,
@@ -228,9 +231,11 @@ mod tests {
         for shape in [[(m, 4), (k, 1024), (n, 8192)], decode, mid, prefill] {
             assert_eq!(transports(&f, shape, &o, 2), vec![Transport::PeerMemory]);
         }
-        // 4 devices: up to 128 KiB.
+        // 4 devices: up to 512 KiB and above 1 MiB up to 16 MiB.
         assert_eq!(transports(&f, decode, &o, 4), vec![Transport::PeerMemory]);
         assert_eq!(transports(&f, mid, &o, 4), vec![Transport::Nccl]);
+        let four_mib = [(m, 256), (k, 1024), (n, 8192)];
+        assert_eq!(transports(&f, four_mib, &o, 4), vec![Transport::PeerMemory]);
         assert_eq!(transports(&f, prefill, &o, 4), vec![Transport::Nccl]);
         let never = LowerOptions {
             transports: crate::options::TransportOptions {
@@ -246,6 +251,21 @@ mod tests {
             transports(&f, mid, &LowerOptions::plain(), 4),
             vec![Transport::Nccl]
         );
+    }
+
+    #[test]
+    fn allreduces_on_more_than_two_ranks_leave_a_megabyte_and_above_16_mib_to_nccl() {
+        use CommunicationKind::Allreduce;
+        for (bytes, peer) in [
+            (4 << 10, true),
+            (512 << 10, true),
+            (1 << 20, false),
+            (4 << 20, true),
+            (16 << 20, true),
+            (64 << 20, false),
+        ] {
+            assert_eq!(peer_memory_wins(Allreduce, bytes, 4), peer, "{bytes} B");
+        }
     }
 
     #[test]

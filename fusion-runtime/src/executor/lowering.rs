@@ -297,11 +297,10 @@ impl ProgramCache {
         let communicator = rank.communicator();
         let caps = communicator.capabilities();
         let lower = caps.lowering(&options.lower);
-        // The fused AllGather + GEMM where the device runs its kernel; in a world of
-        // several processes (peers map its receive buffers) only where the call asks for
-        // the persistent engine itself: measured in one process only so far.
-        let runs = rank.device().runs_gathered_gemm(options.gemm)
-            && (options.gemm == GemmEngine::Persistent || !caps.shared_receives);
+        // The fused AllGather + GEMM where the device runs its kernel (in one process, and
+        // in a world of several, where the peers push the blocks into receive buffers
+        // they reach through CUDA IPC).
+        let runs = rank.device().runs_gathered_gemm(options.gemm);
         let lower = gathered_gemm_where_run(lower, runs);
         let key = CacheKey {
             dtypes,

@@ -58,15 +58,17 @@ fn grid_for(bytes: usize) -> u32 {
 /// Threads per block.
 const BLOCK: u32 = 512;
 
-/// Largest Allreduce (bytes) whose data travels with its flags (`peer_allreduce_ll`: no
-/// flag round trip, twice the bytes on the links) on more than 2 ranks: 4.5-5.9 us up to
-/// 64 KB on 2 H200s, 8.1 at 128 KB where the one-shot and NCCL were faster.
+/// Largest Allreduce (bytes) whose data travels with its flags (`peer_allreduce_ll_at_once`:
+/// no flag round trip, twice the bytes on the links) on more than 2 ranks: on 4 H100s
+/// 4.7-5.5 us up to 32 KB and 6.5 at 64 KB, where the one-shot kernel took 6.6-7.0
+/// (docs/DECISIONS.md, "Small collectives over peer memory").
 const FLAGGED_LIMIT: usize = 64 << 10;
 
 /// Largest Allreduce (bytes) that runs one-shot (every rank reads `world_size` copies)
-/// rather than two-shot (one more flag round trip) on more than 2 ranks:
-/// docs/DECISIONS.md, "Small collectives over peer memory".
-const ONE_SHOT_LIMIT: usize = 256 << 10;
+/// rather than two-shot (one more flag round trip) on more than 2 ranks, with 4 times
+/// [`grid_for`]'s blocks: on 4 H100s 7.1 / 9.2 / 13.2 us at 128 / 256 / 512 KB, where the
+/// two-shot kernel took 12.6 / 13.4 / 14.0 (and 17.3 against 21.2 at 1 MB).
+const ONE_SHOT_LIMIT: usize = 512 << 10;
 
 /// On 2 ranks (measured there, 2x H100): the flagged kernel up to 256 KB, the one-shot
 /// kernel up to 4 MB, each with 4 times [`grid_for`]'s blocks from 64 KB (4.4 against
@@ -113,14 +115,25 @@ pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> A
             plan("peer_allreduce_two_shot", grid_for(bytes))
         };
     }
-    let kernel = if bytes <= FLAGGED_LIMIT && flagged {
-        "peer_allreduce_ll"
+    if bytes <= FLAGGED_LIMIT && flagged {
+        // 4.7 / 5.0 / 5.2 us at 4 / 8 / 16 KB with one block per 32 KB (at least 8), where
+        // 4 times the blocks took 4.9 / 5.1 / 5.3; from 32 KB the wider grid (5.5 against
+        // 5.7 us at 32 KB, 6.5 against 7.0 at 64 KB).
+        plan(
+            "peer_allreduce_ll_at_once",
+            if bytes < 32 << 10 {
+                grid_for(bytes)
+            } else {
+                wide
+            },
+        )
     } else if bytes <= ONE_SHOT_LIMIT && one_shot {
-        "peer_allreduce_one_shot"
+        plan("peer_allreduce_one_shot", wide)
     } else {
-        "peer_allreduce_two_shot"
-    };
-    plan(kernel, grid_for(bytes))
+        // On 4 H100s the two-shot kernel through the workspaces beat the direct one at
+        // every size up to 16 MB (17.3 against 19.2 us at 1 MB, 98.7 against 104.7 at 16 MB).
+        plan("peer_allreduce_two_shot", grid_for(bytes))
+    }
 }
 
 /// The kernels' source for `dtype`.
@@ -278,9 +291,11 @@ mod tests {
     #[test]
     fn small_allreduces_run_one_shot_and_larger_ones_two_shot() {
         let kernel = |bytes, world, direct| allreduce_plan(bytes, world, direct).kernel;
-        assert_eq!(kernel(32 << 10, 4, true), "peer_allreduce_ll");
-        assert_eq!(kernel(64 << 10, 8, false), "peer_allreduce_ll");
+        assert_eq!(kernel(32 << 10, 4, true), "peer_allreduce_ll_at_once");
+        assert_eq!(kernel(64 << 10, 8, false), "peer_allreduce_ll_at_once");
         assert_eq!(kernel(128 << 10, 4, true), "peer_allreduce_one_shot");
+        assert_eq!(kernel(512 << 10, 4, true), "peer_allreduce_one_shot");
+        assert_eq!(kernel(1 << 20, 4, true), "peer_allreduce_two_shot");
         assert_eq!(kernel(4 << 20, 4, true), "peer_allreduce_two_shot");
         // Two ranks: flagged to 256 KB, one-shot to 4 MB, then two shots, straight
         // between the buffers where the ranks reach them.
@@ -296,7 +311,10 @@ mod tests {
         assert_eq!(allreduce_plan(32 << 10, 2, true).grid, 8);
         assert_eq!(allreduce_plan(64 << 10, 2, true).grid, 32);
         assert_eq!(allreduce_plan(1 << 20, 2, true).grid, 128);
-        assert_eq!(allreduce_plan(64 << 10, 4, true).grid, 8);
+        assert_eq!(allreduce_plan(64 << 10, 4, true).grid, 32);
+        assert_eq!(allreduce_plan(4 << 10, 4, true).grid, 8);
+        assert_eq!(allreduce_plan(32 << 10, 4, true).grid, 32);
+        assert_eq!(allreduce_plan(4 << 20, 4, true).grid, 128);
     }
 
     #[test]

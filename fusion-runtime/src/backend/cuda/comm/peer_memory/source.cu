@@ -247,6 +247,8 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_two_shot(const 
 // so a rank reads a peer's slot as soon as the flags there say this call, with no fence and
 // no separate flag. The call counter (the same on every rank) is the flag; calls alternate
 // halves, so a slot is written again only after its reader finished the call before.
+// `peer_allreduce_ll` waits for the ranks' packets one rank after another (2 ranks);
+// `peer_allreduce_ll_at_once` (below) loads them all at once (more ranks).
 __device__ __forceinline__ void st_ll(void* p, u32 d0, u32 d1, u32 flag) {
     asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag) : "memory");
 }
@@ -285,6 +287,70 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll(const E* in,
 #pragma unroll
             for (int k = 0; k < PE; ++k) acc[k] += ld1(pk.e[k]);
         }
+        u64 e0 = i * PE;
+#pragma unroll
+        for (int k = 0; k < PE; ++k) if (e0 + k < n) out[e0 + k] = st1(acc[k]);
+    }
+    END();
+}
+
+// Element k (< PE) of the packet whose data words are (w0, w1), as a float.
+__device__ __forceinline__ float packet_elem(u32 w0, u32 w1, int k) {
+#if defined(DT_F32)
+    return __uint_as_float(k == 0 ? w0 : w1);
+#else
+    u32 w = k < 2 ? w0 : w1;
+    return ld1((E)((k & 1) ? (w >> 16) : (w & 0xffff)));
+#endif
+}
+// Element k of packet i of `in` (n elements), as the low bits of a word; 0 past the end.
+__device__ __forceinline__ u32 packet_word(const E* in, u64 n, u64 i, int word) {
+#if defined(DT_F32)
+    u64 e = i * PE + word;
+    return e < n ? __float_as_uint(in[e]) : 0u;
+#else
+    u64 e = i * PE + 2 * word;
+    u32 lo = e < n ? (u32)in[e] : 0u, hi = e + 1 < n ? (u32)in[e + 1] : 0u;
+    return lo | (hi << 16);
+#endif
+}
+
+// The same on more than 2 ranks: each thread loads every rank's packet at once (one round
+// trip to memory, not one per rank), then loads again only those not yet of this call
+// (on 4 H100s 0.3-0.6 us a call faster than rank after rank; on 2 ranks 0.1-0.5 us slower).
+extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll_at_once(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
+    BEGIN(5);
+    const u32 flag = s_par + 1u;
+    const u64 packets = (n + PE - 1) / PE;
+    u64 lo, hi; share(packets, &lo, &hi);
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const u32 w0 = packet_word(in, n, i, 0), w1 = packet_word(in, n, i, 1);
+        for (int q = 0; q < world; ++q) st_ll((char*)AT(q) + c.usable_bytes + (rank * packets + i) * 16, w0, w1, flag);
+    }
+    const char* mine = (const char*)AT(rank) + c.usable_bytes;
+    for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        u32 d0[MAXR], d1[MAXR], f0[MAXR], f1[MAXR];
+#pragma unroll
+        for (int r = 0; r < MAXR; ++r) {
+            d0[r] = d1[r] = f0[r] = f1[r] = 0u;
+            if (r < world) ld_ll(mine + (r * packets + i) * 16, &d0[r], &d1[r], &f0[r], &f1[r]);
+        }
+        float acc[PE];
+#pragma unroll
+        for (int k = 0; k < PE; ++k) acc[k] = 0.f;
+#pragma unroll
+        for (int r = 0; r < MAXR; ++r) {
+            if (r < world) {
+                Patience p = {0, 0};
+                while (!(f0[r] == flag && f1[r] == flag) && !*(volatile int*)&s_failed) {
+                    if (p.tick(c, (u32)r, OP)) { s_failed = 1; break; }
+                    ld_ll(mine + (r * packets + i) * 16, &d0[r], &d1[r], &f0[r], &f1[r]);
+                }
+#pragma unroll
+                for (int k = 0; k < PE; ++k) acc[k] += packet_elem(d0[r], d1[r], k);
+            }
+        }
+        if (*(volatile int*)&s_failed) break;
         u64 e0 = i * PE;
 #pragma unroll
         for (int k = 0; k < PE; ++k) if (e0 + k < n) out[e0 + k] = st1(acc[k]);
