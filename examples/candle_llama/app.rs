@@ -69,7 +69,7 @@ pub struct Args {
     /// Print where each eager step's time goes, part by part (norm and column-parallel
     /// GEMMs, attention, each row-parallel projection and its sum, ...), each rank's
     /// medians: on a GPU the time of candle's stream between marks (kernels, and waits
-    /// for the host to launch them)
+    /// for the host to launch them), and beside it the host's time to issue each part
     #[arg(long)]
     pub sections: bool,
 }

@@ -3,7 +3,10 @@
 //! ...) and, after the step, each part's time is the time from its mark to the next. On a
 //! GPU the marks are events on candle's stream, so a part's time is the stream's: its
 //! kernels and any wait for the host to launch them (a host-bound part shows as a long
-//! one). On the CPU they are the host's clock (candle's CPU ops run as they are called).
+//! one); beside it, the host's time from the part's mark to the next (how long the host
+//! took to issue the part: when it is as long as the stream's, the host is what the part
+//! waits for). On the CPU both are the host's clock (candle's CPU ops run as they are
+//! called).
 //! Eager steps only: a recorded step (`--graph`) runs as one graph with no marks.
 
 use std::time::Instant;
@@ -21,9 +24,18 @@ enum Mark {
 pub struct Sections {
     #[cfg(feature = "candle-cuda")]
     stream: Option<std::sync::Arc<fusion::runtime::cudarc::driver::CudaStream>>,
-    marks: Vec<(&'static str, Mark)>,
-    /// Per part, in the order parts first appeared: milliseconds per step.
-    times: Vec<(&'static str, Vec<f64>)>,
+    marks: Vec<(&'static str, Mark, Instant)>,
+    /// Per part, in the order parts first appeared: milliseconds per step on the mark's
+    /// clock, and on the host's.
+    times: Vec<(&'static str, Vec<f64>, Vec<f64>)>,
+}
+
+/// One part's median milliseconds per step: on the marks' clock (the stream's on a GPU)
+/// and on the host's.
+pub struct PartTime {
+    pub name: &'static str,
+    pub ms: f64,
+    pub host_ms: f64,
 }
 
 impl Sections {
@@ -47,10 +59,11 @@ impl Sections {
             let event = stream
                 .record_event(Some(flags))
                 .map_err(|e| candle_core::Error::msg(format!("recording a mark: {e:?}")))?;
-            self.marks.push((name, Mark::Event(event)));
+            self.marks.push((name, Mark::Event(event), Instant::now()));
             return Ok(());
         }
-        self.marks.push((name, Mark::Host(Instant::now())));
+        let now = Instant::now();
+        self.marks.push((name, Mark::Host(now), now));
         Ok(())
     }
 
@@ -61,26 +74,37 @@ impl Sections {
         let marks = std::mem::take(&mut self.marks);
         for pair in marks.windows(2) {
             let ms = between(&pair[0].1, &pair[1].1)?;
+            let host_ms = pair[1].2.duration_since(pair[0].2).as_secs_f64() * 1e3;
             let name = pair[0].0;
-            match self.times.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, v)) => v.push(ms),
-                None => self.times.push((name, vec![ms])),
+            match self.times.iter_mut().find(|(n, _, _)| *n == name) {
+                Some((_, v, h)) => {
+                    v.push(ms);
+                    h.push(host_ms);
+                }
+                None => self.times.push((name, vec![ms], vec![host_ms])),
             }
         }
         Ok(())
     }
 
     /// Each part's median milliseconds per step, in the order of the step.
-    pub fn medians(&self) -> Vec<(&'static str, f64)> {
+    pub fn medians(&self) -> Vec<PartTime> {
         self.times
             .iter()
-            .map(|(name, v)| {
-                let mut v = v.clone();
-                v.sort_by(f64::total_cmp);
-                (*name, v.get(v.len() / 2).copied().unwrap_or(0.0))
+            .map(|(name, v, h)| PartTime {
+                name,
+                ms: median(v),
+                host_ms: median(h),
             })
             .collect()
     }
+}
+
+/// The median of `v` (0 when empty).
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Milliseconds from mark `a` to mark `b`.
@@ -97,13 +121,14 @@ fn between(a: &Mark, b: &Mark) -> candle_core::Result<f64> {
     }
 }
 
-/// One line per kind of step: its parts' medians, `name ms`, for the report.
-pub fn describe(kind: &str, medians: &[(&'static str, f64)]) -> String {
+/// One line per kind of step: its parts' medians, `name ms (host ms)`, for the report (the
+/// last part's host time includes the wait for the step's end).
+pub fn describe(kind: &str, medians: &[PartTime]) -> String {
     let parts: Vec<String> = medians
         .iter()
-        .map(|(n, ms)| format!("{n} {ms:.3}"))
+        .map(|p| format!("{} {:.3} (host {:.3})", p.name, p.ms, p.host_ms))
         .collect();
-    let total: f64 = medians.iter().map(|(_, ms)| ms).sum();
+    let total: f64 = medians.iter().map(|p| p.ms).sum();
     format!(
         "  {kind} sections, median ms per step (sum {total:.3}): {}",
         parts.join(" | ")
