@@ -40,9 +40,9 @@ pub const PEER_MEMORY_MAX_RANKS: usize = 8;
 /// (docs/DECISIONS.md, "Small collectives over peer memory"; CUDA graphs). On 2 GPUs an
 /// Allreduce of any size (2x H100: 3.7-5.8 us up to 256 KB, 9.5 at 1 MB, 20.2 at 4 MB,
 /// 213 at 64 MB, where NCCL took 11.8-15.7, 21.1, 40.3 and 257). On more ranks (4 H100s,
-/// through fusion calls recorded into a graph) an Allreduce up to 512 KB (5.0-5.8 us up to
-/// 32 KB, 9.3 at 256 KB, against NCCL's 8.2-9.5 and 10.2) and above 1 MB up to 16 MB (36.5
-/// against 39.7 us at 4 MB, 97.4 against 98.0 at 16 MB); NCCL at 1 MB (16.5 against 17.2
+/// through fusion calls recorded into a graph) an Allreduce up to 512 KB (4.6-5.4 us up to
+/// 32 KB, 9.2 at 256 KB, against NCCL's 8.2-9.5 and 10.0) and above 1 MB up to 16 MB (36.3
+/// against 39.0 us at 4 MB, 96.7 against 97.8 at 16 MB); NCCL at 1 MB (16.7 against 17.2
 /// us) and above 16 MB (level at 64 MB, where the kernel alone took 343 against 320). An
 /// Allgather from 1 MB and a ReduceScatter above 1 MB (NCCL's kernels are faster below,
 /// on 2 and on 4 GPUs).
