@@ -7,10 +7,7 @@
 //   flagged     `peer_allreduce_ll`: data travels with its flags (no flag round trip),
 //               each thread waiting for the ranks' packets one rank after another;
 //   at_once     `peer_allreduce_ll_at_once`: the same, every rank's packet loaded at once;
-//   ll_two      a two-shot Allreduce whose data travels with its flags in both shots (not in
-//               the runtime: a candidate for 256 KB-2 MB on more than 2 ranks, where the
-//               one-shot kernel reads too much and the two-shot one pays two flag meetings),
-//               on a workspace of its own;
+//   ll_two      `peer_allreduce_ll_two_shot`: two shots, the data beside its flags in both;
 //   one_shot    `peer_allreduce_one_shot`: the input pushed to every peer's workspace;
 //   two_shot    `peer_allreduce_two_shot`: parts pushed to their owners, sums pushed back;
 //   direct      `peer_allreduce_direct` (`allreduce_direct<U>`): the owner of each part
@@ -34,7 +31,7 @@
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
     fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
-static const size_t REGION = 64ull << 20, FLAGGED = 2ull << 20, DATA_OFF = 64ull << 10;
+static const size_t REGION = 64ull << 20, FLAGGED = 8ull << 20, DATA_OFF = 64ull << 10;
 static const size_t USABLE = REGION - FLAGGED;
 
 static float bf(u16 h) { u32 w = ((u32)h) << 16; float f; memcpy(&f, &w, 4); return f; }
@@ -48,7 +45,6 @@ struct Rank {
     int dev;
     cudaStream_t stream;
     char* ws;
-    char* ws_two;  // the two-shot flagged kernel's own workspace
     u16 *in, *out;
     u32* status;   // host-mapped
     u32* release;  // host-mapped
@@ -61,84 +57,24 @@ __global__ void __launch_bounds__(512) direct_u(const E* in, E* out, u64 n, Peer
     allreduce_direct<U>(in, out, n, P, rank, world, c);
 }
 
-// The two words of a packet of PE sums.
-__device__ __forceinline__ void pack_sums(const float* acc, u32* w0, u32* w1) {
-#if defined(DT_F32)
-    *w0 = __float_as_uint(acc[0]); *w1 = __float_as_uint(acc[1]);
-#else
-    *w0 = (u32)st1(acc[0]) | ((u32)st1(acc[1]) << 16);
-    *w1 = (u32)st1(acc[2]) | ((u32)st1(acc[3]) << 16);
-#endif
-}
-
-// Two shots, data with its flags in both: packet j of part q goes to rank q (slot `rank` of
-// its first area); the owner of a part loads every rank's packet j at once, sums them in
-// rank order and sends the sum to every rank (part q of its second area); every rank
-// copies the sums out as they land. No flag meeting: the call counter is the flag of every
-// packet, and calls alternate halves as in the other flagged kernel.
-__global__ void __launch_bounds__(512) ll_two_shot(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
-    BEGIN(7);
-    const u32 flag = s_par + 1u;
-    const u64 packets = (n + PE - 1) / PE;
-    const u64 part = (packets + world - 1) / world;
-    const u64 second = (u64)world * part * 16;
-    u64 lo, hi; share(packets, &lo, &hi);
-    for (u64 g = lo + threadIdx.x; g < hi; g += blockDim.x) {
-        const u64 q = g / part, j = g % part;
-        st_ll((char*)AT(q) + c.usable_bytes + (rank * part + j) * 16,
-              packet_word(in, n, g, 0), packet_word(in, n, g, 1), flag);
-    }
-    const char* mine = (const char*)AT(rank) + c.usable_bytes;
-    u64 plo, phi; share(part, &plo, &phi);
-    for (u64 j = plo + threadIdx.x; j < phi && rank * part + j < packets; j += blockDim.x) {
-        float acc[PE];
-        if (!sum_flagged_slots(mine, part, j, world, flag, c, OP, &s_failed, acc)) break;
-        u32 s0, s1;
-        pack_sums(acc, &s0, &s1);
-        for (int q = 0; q < world; ++q)
-            st_ll((char*)AT(q) + c.usable_bytes + second + (rank * part + j) * 16, s0, s1, flag);
-    }
-    for (u64 g = lo + threadIdx.x; g < hi && !*(volatile int*)&s_failed; g += blockDim.x) {
-        const u64 q = g / part, j = g % part;
-        u32 w0, w1, g0, g1;
-        ld_ll(mine + second + (q * part + j) * 16, &w0, &w1, &g0, &g1);
-        Patience p = {0, 0};
-        while (!(g0 == flag && g1 == flag)) {
-            if (p.tick(c, (u32)q, OP)) { s_failed = 1; break; }
-            ld_ll(mine + second + (q * part + j) * 16, &w0, &w1, &g0, &g1);
-        }
-        if (s_failed) break;
-        const u64 e0 = g * PE;
-#pragma unroll
-        for (int k = 0; k < PE; ++k) if (e0 + k < n) out[e0 + k] = st1(packet_elem(w0, w1, k));
-    }
-    END();
-}
-
-// Bytes of each half of the two-shot flagged kernel's own workspace.
-static const size_t LL_TWO_HALF = 16ull << 20;
-
 static unsigned grid_for(size_t bytes) {
     size_t g = (bytes + (32 << 10) - 1) / (32 << 10);
     return (unsigned)std::min<size_t>(std::max<size_t>(g, 8), 128);
 }
 
 // kind: 0 flagged, 1 one shot, 2 two shots, 3 direct U=1, 4 direct U=2, 5 direct U=4,
-// 6 flagged, every rank's packet at once; 7 flagged two shots (its own workspace);
+// 6 flagged, every rank's packet at once; 7 flagged two shots;
 // grid: the runtime's blocks times this (at most 128).
 struct Variant { const char* name; int kind; int grid; };
 
 static bool fits(int kind, size_t bytes, int world) {
     switch (kind) {
     case 0: case 6: return world * ((bytes + 7) / 8) * 16 <= FLAGGED;
-    case 7: { size_t packets = (bytes + 7) / 8; return 2 * world * ((packets + world - 1) / world) * 16 <= LL_TWO_HALF; }
+    case 7: { size_t packets = (bytes + 7) / 8; return 2 * world * ((packets + world - 1) / world) * 16 <= FLAGGED; }
     case 1: return world * ((bytes + 15) / 16 * 16) <= USABLE;
     default: return true;
     }
 }
-
-// Every rank's workspace of the two-shot flagged kernel.
-static Peers g_peers_two{};
 
 static void launch(Rank& r, const Variant& v, size_t n, Peers P, int rank, int world, Ctl c, unsigned grid) {
     dim3 g(grid), b(512);
@@ -150,12 +86,7 @@ static void launch(Rank& r, const Variant& v, size_t n, Peers P, int rank, int w
     case 4: peer_allreduce_direct<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     case 5: direct_u<4><<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     case 6: peer_allreduce_ll_at_once<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
-    case 7: {
-        Ctl two = c;
-        two.half_bytes = LL_TWO_HALF;
-        two.usable_bytes = 0;
-        ll_two_shot<<<g, b, 0, r.stream>>>(r.in, r.out, n, g_peers_two, rank, world, two);
-        break; }
+    case 7: peer_allreduce_ll_two_shot<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     }
 }
 
@@ -175,8 +106,6 @@ int main(int argc, char** argv) {
         CK(cudaStreamCreateWithFlags(&r.stream, cudaStreamNonBlocking));
         CK(cudaMalloc(&r.ws, DATA_OFF + 2 * REGION));
         CK(cudaMemset(r.ws, 0, DATA_OFF + 2 * REGION));
-        CK(cudaMalloc(&r.ws_two, DATA_OFF + 2 * LL_TWO_HALF));
-        CK(cudaMemset(r.ws_two, 0, DATA_OFF + 2 * LL_TWO_HALF));
         CK(cudaMalloc(&r.in, maxb));
         CK(cudaMalloc(&r.out, maxb));
         CK(cudaHostAlloc(&r.status, 16, cudaHostAllocMapped | cudaHostAllocPortable));
@@ -184,7 +113,6 @@ int main(int argc, char** argv) {
         memset(r.status, 0, 16); *r.release = 0;
         CK(cudaEventCreate(&r.ev0)); CK(cudaEventCreate(&r.ev1));
         P.ws[d] = (u64)r.ws;
-        g_peers_two.ws[d] = (u64)r.ws_two;
     }
     // Fresh random inputs on every rank (the same for the whole run; every call sums them).
     std::vector<std::vector<u16>> host(world, std::vector<u16>(maxn));

@@ -28,9 +28,10 @@ use crate::options::PeerMemoryCollectives;
 /// runtime allocates two of them per rank, plus the flags.
 pub const PEER_MEMORY_REGION_BYTES: usize = 64 << 20;
 
-/// Bytes at the end of each half that only the small-message Allreduce uses (its data
-/// travels with flags beside it, so nothing else may write there): up to 64 KB on 8 ranks.
-pub const PEER_MEMORY_FLAGGED_BYTES: usize = 2 << 20;
+/// Bytes at the end of each half that only the flagged Allreduces use (their data travels
+/// with flags beside it, so nothing else may write there): one shot up to 64 KB on 8
+/// ranks (1 MB there), two shots up to 1 MB on any number of ranks (4.2 MB on 3).
+pub const PEER_MEMORY_FLAGGED_BYTES: usize = 8 << 20;
 
 /// The most ranks a peer-memory collective spans (one flag per peer and block).
 pub const PEER_MEMORY_MAX_RANKS: usize = 8;
@@ -39,18 +40,17 @@ pub const PEER_MEMORY_MAX_RANKS: usize = 8;
 /// `world_size` devices on peer memory: where the peer kernels measured faster than NCCL
 /// (docs/DECISIONS.md, "Small collectives over peer memory"; CUDA graphs). On 2 GPUs an
 /// Allreduce of any size (2x H100: 3.7-5.8 us up to 256 KB, 9.5 at 1 MB, 20.2 at 4 MB,
-/// 213 at 64 MB, where NCCL took 11.8-15.7, 21.1, 40.3 and 257). On more ranks (4 H100s,
-/// through fusion calls recorded into a graph) an Allreduce up to 512 KB (4.6-5.4 us up to
-/// 32 KB, 9.2 at 256 KB, against NCCL's 8.2-9.5 and 10.0) and above 1 MB up to 16 MB (36.3
-/// against 39.0 us at 4 MB, 96.7 against 97.8 at 16 MB); NCCL at 1 MB (16.7 against 17.2
-/// us) and above 16 MB (level at 64 MB, where the kernel alone took 343 against 320). An
-/// Allgather from 1 MB and a ReduceScatter above 1 MB (NCCL's kernels are faster below,
-/// on 2 and on 4 GPUs).
+/// 213 at 64 MB, where NCCL took 11.8-15.7, 21.1, 40.3 and 257). On more ranks (4 H100s)
+/// an Allreduce up to 16 MB (4.6-5.5 us up to 32 KB, 8.7 at 256 KB and 15.6 at 1 MB in
+/// two shots with the data beside its flags, 36.3 at 4 MB, 96.7 at 16 MB, against NCCL's
+/// 8.2-9.5, 9.9, 16.6, 39.0 and 97.8); NCCL above (level at 64 MB, where the kernel alone
+/// took 343 against 320). An Allgather from 1 MB and a ReduceScatter above 1 MB (NCCL's
+/// kernels are faster below, on 2 and on 4 GPUs).
 pub fn peer_memory_wins(kind: CommunicationKind, bytes: usize, world_size: usize) -> bool {
     const MB: usize = 1 << 20;
     match kind {
         CommunicationKind::Allreduce if world_size == 2 => true,
-        CommunicationKind::Allreduce => bytes <= MB / 2 || (bytes > MB && bytes <= 16 * MB),
+        CommunicationKind::Allreduce => bytes <= 16 * MB,
         CommunicationKind::Allgather => bytes >= MB,
         CommunicationKind::ReduceScatter => bytes > MB,
         _ => false,
@@ -231,9 +231,9 @@ mod tests {
         for shape in [[(m, 4), (k, 1024), (n, 8192)], decode, mid, prefill] {
             assert_eq!(transports(&f, shape, &o, 2), vec![Transport::PeerMemory]);
         }
-        // 4 devices: up to 512 KiB and above 1 MiB up to 16 MiB.
+        // 4 devices: up to 16 MiB.
         assert_eq!(transports(&f, decode, &o, 4), vec![Transport::PeerMemory]);
-        assert_eq!(transports(&f, mid, &o, 4), vec![Transport::Nccl]);
+        assert_eq!(transports(&f, mid, &o, 4), vec![Transport::PeerMemory]);
         let four_mib = [(m, 256), (k, 1024), (n, 8192)];
         assert_eq!(transports(&f, four_mib, &o, 4), vec![Transport::PeerMemory]);
         assert_eq!(transports(&f, prefill, &o, 4), vec![Transport::Nccl]);
@@ -254,12 +254,12 @@ mod tests {
     }
 
     #[test]
-    fn allreduces_on_more_than_two_ranks_leave_a_megabyte_and_above_16_mib_to_nccl() {
+    fn allreduces_on_more_than_two_ranks_leave_more_than_16_mib_to_nccl() {
         use CommunicationKind::Allreduce;
         for (bytes, peer) in [
             (4 << 10, true),
             (512 << 10, true),
-            (1 << 20, false),
+            (1 << 20, true),
             (4 << 20, true),
             (16 << 20, true),
             (64 << 20, false),
@@ -332,10 +332,10 @@ mod tests {
         assert!(fits_peer_memory(CommunicationKind::Allreduce, 1 << 30, d));
         assert!(!fits_peer_memory(
             CommunicationKind::Allgather,
-            (62 << 20) + 4096,
+            (56 << 20) + 4096,
             d
         ));
-        assert!(fits_peer_memory(CommunicationKind::Allgather, 62 << 20, d));
+        assert!(fits_peer_memory(CommunicationKind::Allgather, 56 << 20, d));
         assert!(!fits_peer_memory(CommunicationKind::Broadcast, 16, d));
         assert_eq!(human_bytes(100), "100 B");
     }

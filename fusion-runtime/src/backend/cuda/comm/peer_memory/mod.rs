@@ -64,11 +64,18 @@ const BLOCK: u32 = 512;
 /// (docs/DECISIONS.md, "Small collectives over peer memory").
 const FLAGGED_LIMIT: usize = 64 << 10;
 
-/// Largest Allreduce (bytes) that runs one-shot (every rank reads `world_size` copies)
-/// rather than two-shot (one more flag round trip) on more than 2 ranks, with 4 times
-/// [`grid_for`]'s blocks: on 4 H100s 7.1 / 9.2 / 13.2 us at 128 / 256 / 512 KB, where the
-/// two-shot kernel took 12.6 / 13.4 / 14.0 (and 17.3 against 21.2 at 1 MB).
-const ONE_SHOT_LIMIT: usize = 512 << 10;
+/// Largest Allreduce (bytes) that runs one-shot (every rank reads `world_size` copies) on
+/// more than 2 ranks, with 4 times [`grid_for`]'s blocks: on 4 H100s 7.3 us at 128 KB,
+/// level with the two-shot flagged kernel (7.4).
+const ONE_SHOT_LIMIT: usize = 128 << 10;
+
+/// Largest Allreduce (bytes) that runs in two shots with the data beside its flags
+/// (`peer_allreduce_ll_two_shot`, 4 times [`grid_for`]'s blocks) on more than 2 ranks: on
+/// 4 H100s 8.7 / 10.6 / 15.6 us at 256 KB / 512 KB / 1 MB, where the one-shot kernel took
+/// 9.5 / 13.3 / 20.9 and the two-shot one through the flag meetings 13.2 / 14.2 / 17.6; at
+/// 2 MB level with the latter (24.7 against 24.8), which is faster from 4 MB (36.4
+/// against 43.7).
+const LL_TWO_SHOT_LIMIT: usize = 1 << 20;
 
 /// On 2 ranks (measured there, 2x H100): the flagged kernel up to 256 KB, the one-shot
 /// kernel up to 4 MB, each with 4 times [`grid_for`]'s blocks from 64 KB (4.4 against
@@ -94,6 +101,9 @@ pub(crate) struct AllreducePlan {
 /// workspace (`peer_allreduce_direct`).
 pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> AllreducePlan {
     let flagged = world_size * bytes.div_ceil(8) * 16 <= PEER_MEMORY_FLAGGED_BYTES;
+    // Two areas of `world_size` parts of the message's 8-byte packets, 16 bytes each.
+    let flagged_two_shot =
+        2 * world_size * bytes.div_ceil(8).div_ceil(world_size) * 16 <= PEER_MEMORY_FLAGGED_BYTES;
     let one_shot = world_size * bytes.div_ceil(16) * 16 <= USABLE_BYTES;
     let plan = |kernel, grid| AllreducePlan { kernel, grid };
     let wide = (grid_for(bytes) * 4).min(MAX_GRID as u32);
@@ -129,6 +139,8 @@ pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> A
         )
     } else if bytes <= ONE_SHOT_LIMIT && one_shot {
         plan("peer_allreduce_one_shot", wide)
+    } else if bytes <= LL_TWO_SHOT_LIMIT && flagged_two_shot {
+        plan("peer_allreduce_ll_two_shot", wide)
     } else {
         // On 4 H100s the two-shot kernel through the workspaces beat the direct one at
         // every size up to 16 MB (17.3 against 19.2 us at 1 MB, 98.7 against 104.7 at 16 MB).
@@ -294,8 +306,10 @@ mod tests {
         assert_eq!(kernel(32 << 10, 4, true), "peer_allreduce_ll_at_once");
         assert_eq!(kernel(64 << 10, 8, false), "peer_allreduce_ll_at_once");
         assert_eq!(kernel(128 << 10, 4, true), "peer_allreduce_one_shot");
-        assert_eq!(kernel(512 << 10, 4, true), "peer_allreduce_one_shot");
-        assert_eq!(kernel(1 << 20, 4, true), "peer_allreduce_two_shot");
+        assert_eq!(kernel(256 << 10, 4, true), "peer_allreduce_ll_two_shot");
+        assert_eq!(kernel(1 << 20, 3, true), "peer_allreduce_ll_two_shot");
+        assert_eq!(kernel(1 << 20, 8, false), "peer_allreduce_ll_two_shot");
+        assert_eq!(kernel((1 << 20) + 8, 4, true), "peer_allreduce_two_shot");
         assert_eq!(kernel(4 << 20, 4, true), "peer_allreduce_two_shot");
         // Two ranks: flagged to 256 KB, one-shot to 4 MB, then two shots, straight
         // between the buffers where the ranks reach them.
@@ -322,6 +336,17 @@ mod tests {
         assert_eq!(grid_for(4 << 10), 8);
         assert_eq!(grid_for(1 << 20), 32);
         assert_eq!(grid_for(64 << 20), 128);
+    }
+
+    #[test]
+    fn a_two_shot_flagged_allreduce_fits_the_flagged_area_on_any_world() {
+        for world in 3..=PEER_MEMORY_MAX_RANKS {
+            let packets = (LL_TWO_SHOT_LIMIT / 8).div_ceil(world);
+            assert!(
+                2 * world * packets * 16 <= PEER_MEMORY_FLAGGED_BYTES,
+                "{world} ranks"
+            );
+        }
     }
 
     #[test]

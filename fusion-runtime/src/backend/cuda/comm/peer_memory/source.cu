@@ -367,6 +367,62 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll_at_once(cons
     END();
 }
 
+// The two words of a packet of PE sums.
+__device__ __forceinline__ void pack_sums(const float* acc, u32* w0, u32* w1) {
+#if defined(DT_F32)
+    *w0 = __float_as_uint(acc[0]); *w1 = __float_as_uint(acc[1]);
+#else
+    *w0 = (u32)st1(acc[0]) | ((u32)st1(acc[1]) << 16);
+    *w1 = (u32)st1(acc[2]) | ((u32)st1(acc[3]) << 16);
+#endif
+}
+
+// Allreduce in two shots with the data beside its flags in both (mid-size messages on
+// more than 2 ranks, where the one-shot kernel reads every rank's whole message and the
+// two-shot one pays two flag meetings): packet j of part q goes to rank q (slot `rank` of
+// the flagged area's first half); the owner of a part loads every rank's packet j at
+// once, sums them in rank order and sends the sum to every rank (part q of the second
+// half); every rank copies the sums out as they land. The call counter is every packet's
+// flag, and calls alternate halves, as in the one-shot flagged kernels.
+extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll_two_shot(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
+    BEGIN(7);
+    const u32 flag = s_par + 1u;
+    const u64 packets = (n + PE - 1) / PE;
+    const u64 part = (packets + world - 1) / world;
+    const u64 second = (u64)world * part * 16;
+    u64 lo, hi; share(packets, &lo, &hi);
+    for (u64 g = lo + threadIdx.x; g < hi; g += blockDim.x) {
+        const u64 q = g / part, j = g % part;
+        st_ll((char*)AT(q) + c.usable_bytes + (rank * part + j) * 16,
+              packet_word(in, n, g, 0), packet_word(in, n, g, 1), flag);
+    }
+    const char* mine = (const char*)AT(rank) + c.usable_bytes;
+    u64 plo, phi; share(part, &plo, &phi);
+    for (u64 j = plo + threadIdx.x; j < phi && rank * part + j < packets; j += blockDim.x) {
+        float acc[PE];
+        if (!sum_flagged_slots(mine, part, j, world, flag, c, OP, &s_failed, acc)) break;
+        u32 s0, s1;
+        pack_sums(acc, &s0, &s1);
+        for (int q = 0; q < world; ++q)
+            st_ll((char*)AT(q) + c.usable_bytes + second + (rank * part + j) * 16, s0, s1, flag);
+    }
+    for (u64 g = lo + threadIdx.x; g < hi && !*(volatile int*)&s_failed; g += blockDim.x) {
+        const u64 q = g / part, j = g % part;
+        u32 w0, w1, g0, g1;
+        ld_ll(mine + second + (q * part + j) * 16, &w0, &w1, &g0, &g1);
+        Patience p = {0, 0};
+        while (!(g0 == flag && g1 == flag)) {
+            if (p.tick(c, (u32)q, OP)) { s_failed = 1; break; }
+            ld_ll(mine + second + (q * part + j) * 16, &w0, &w1, &g0, &g1);
+        }
+        if (s_failed) break;
+        const u64 e0 = g * PE;
+#pragma unroll
+        for (int k = 0; k < PE; ++k) if (e0 + k < n) out[e0 + k] = st1(packet_elem(w0, w1, k));
+    }
+    END();
+}
+
 // Allreduce straight between the ranks' own buffers, for worlds whose ranks reach each
 // other's memory (one process): nothing goes through the workspaces. Block b publishes its
 // call's `(in, out)` beside its flags and meets; then it sums its share of part `rank` of
