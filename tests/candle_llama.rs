@@ -245,7 +245,7 @@ fn grouped_attention_matches_the_repeated_one() {
     let (k, v) = (cache(), cache());
     let mask = ops::causal_mask(t, keys, keys - t, &Device::Cpu).unwrap();
     let positions = cache::positions(keys - t, t, &Device::Cpu).unwrap();
-    let grouped = ops::grouped_attention(&q, &k, &v, &positions).unwrap();
+    let grouped = ops::grouped_attention(&q, &k, &v, &positions, &mut |_| Ok(())).unwrap();
     let by_key = |x: &CTensor| x.transpose(0, 1).unwrap().contiguous().unwrap();
     let repeated = ops::attention(&q, &by_key(&k), &by_key(&v), &mask).unwrap();
     let diff = max_diff(&grouped, &repeated);

@@ -207,7 +207,10 @@ impl RankLayer {
         let xn = rms_norm(s.x, &self.w.norm_in, c.eps)?;
         let qkv = xn.matmul(&self.w.qkv)?;
         mark(&mut self.sections, "attention")?;
-        let a = self.attend(&qkv, s)?;
+        let mut sections = self.sections.take();
+        let a = self.attend(&qkv, s, &mut sections);
+        self.sections = sections;
+        let a = a?;
         mark(&mut self.sections, "o_proj+sum")?;
         let o = self.row(call, Row::O, &a)?;
         mark(&mut self.sections, "norm+gate/up")?;
@@ -243,8 +246,10 @@ impl RankLayer {
         let all = all.reshape((d * m, qn + 2 * kvn))?.narrow(0, 0, tokens)?;
         // Padded tokens' attention rows are zeros; [d, 1, m, q] for the projection.
         mark(&mut self.sections, "attention")?;
-        let a = self
-            .attend(&all, s)?
+        let mut sections = self.sections.take();
+        let a = self.attend(&all, s, &mut sections);
+        self.sections = sections;
+        let a = a?
             .pad_with_zeros(0, 0, d * m - tokens)?
             .reshape((d, 1, m, qn))?;
         let out = [1, m, c.hidden];
@@ -265,8 +270,13 @@ impl RankLayer {
 
     /// Attention of the tokens whose Q, K and V (this rank's heads) are `qkv`
     /// `[tokens, q + 2 kv]`: their keys and values go into the cache first. Returns
-    /// `[tokens, q]`.
-    fn attend(&self, qkv: &CTensor, s: &StepIn) -> candle_core::Result<CTensor> {
+    /// `[tokens, q]`. Its parts are marked in `sections` (the layer's, taken out for the call).
+    fn attend(
+        &self,
+        qkv: &CTensor,
+        s: &StepIn,
+        sections: &mut Option<Sections>,
+    ) -> candle_core::Result<CTensor> {
         let (hd, t) = (self.cfg.head_dim(), s.positions.dim(0)?);
         let (qn, kvn, _) = widths(&self.cfg, self.part.count);
         let (heads, kv_heads) = (qn / hd, kvn / hd);
@@ -279,7 +289,8 @@ impl RankLayer {
         let (q, k) = (qk.narrow(1, 0, heads)?, qk.narrow(1, heads, kv_heads)?);
         let v = all.narrow(1, heads + kv_heads, kv_heads)?;
         self.cache.write(&k, &v, s.positions)?;
-        self.cache.attend(&q, s.positions, s.keys)
+        self.cache
+            .attend(&q, s.positions, s.keys, &mut |part| mark(sections, part))
     }
 
     /// The row-parallel projection `which` of `a` `[tokens, k]` (this part's block of the

@@ -126,17 +126,21 @@ pub fn grouped_attention(
     k: &CTensor,
     v: &CTensor,
     positions: &CTensor,
+    mark: &mut dyn FnMut(&'static str) -> candle_core::Result<()>,
 ) -> candle_core::Result<CTensor> {
     let (t, heads, hd) = q.dims3()?;
     let kv_heads = k.dim(0)?;
     let rep = heads / kv_heads;
     // [heads, t, hd] = [kv_heads, rep * t, hd]: head h = g * rep + r is rows r * t.. of g.
+    mark("attn q.k")?;
     let q = q
         .transpose(0, 1)?
         .contiguous()?
         .reshape((kv_heads, rep * t, hd))?;
     let scores = q.matmul(&k.t()?)?;
+    mark("attn softmax")?;
     let p = causal_softmax(&scores, positions, 1.0 / (hd as f64).sqrt())?;
+    mark("attn p.v")?;
     p.matmul(v)?
         .reshape((heads, t, hd))?
         .transpose(0, 1)?
