@@ -35,7 +35,8 @@ one GPU or more:
                           (512 and 2048 tokens, median of 20) or all
   decode [gpus]           decode_bench (Allreduce 4 KB-64 MB, GEMM + Allreduce at Llama-70B
                           decode shapes) and PyTorch's Allreduce (NCCL, symm_mem) alike, then
-                          the peer-memory Allreduce kernels one by one where nvcc is found
+                          the peer-memory Allreduce kernels one by one and a GEMM with the
+                          Allreduce in its epilogue where nvcc is found
   hopper-gemm             the persistent Hopper GEMM against cuBLAS (tests/hopper_gemm.rs),
                           then its standalone check and benchmark where nvcc is found
 two GPUs or more:
@@ -379,7 +380,8 @@ task_candle_tp() {
 # one by one and recorded into one CUDA graph of the caller's (--graph); then PyTorch's
 # Allreduce (NCCL, symm_mem one-shot and two-shot) under torchrun on the same GPUs; then,
 # where nvcc is found, every peer-memory Allreduce kernel alone at every size and grid
-# (bench/peer_memory/harness.cu), which the size rules of peer_memory/mod.rs come from.
+# (bench/peer_memory/harness.cu), which the size rules of peer_memory/mod.rs come from, and
+# a decode GEMM with the Allreduce in its epilogue (bench/decode_gemm/allreduce_harness.cu).
 task_decode() {
     local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
     export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
@@ -392,6 +394,11 @@ task_decode() {
     if command -v nvcc >/dev/null; then
         step peer-kernels-build 300 nvcc -O3 -std=c++17 -arch=sm_90 bench/peer_memory/harness.cu -o "$harness"
         STEP_PATTERN='check:|rror' step "peer-kernels-d$gpus" 240 "$harness" "$gpus"
+        # A decode GEMM whose epilogue does the Allreduce, against cuBLAS's GEMM alone
+        # (bench/decode_gemm/allreduce_harness.cu).
+        local fused=${TMPDIR:-/tmp}/fusion-gemm-allreduce-bench
+        step gemm-allreduce-build 300 nvcc -O3 -std=c++17 -arch=sm_90 bench/decode_gemm/allreduce_harness.cu -lcublas -o "$fused"
+        STEP_PATTERN='check:|rror' step "gemm-allreduce-d$gpus" 240 "$fused" "$gpus"
     else
         summary+=("peer-kernels: skipped, no nvcc on the PATH")
     fi
@@ -399,6 +406,7 @@ task_decode() {
     grep -h '^| ' "$OUT/decode-bench-graph-d$gpus.log" "$OUT/decode-bench-d$gpus.log"
     grep -h '^torch' "$OUT/torch-allreduce-d$gpus.log"
     [ -f "$OUT/peer-kernels-d$gpus.log" ] && tail -15 "$OUT/peer-kernels-d$gpus.log"
+    [ -f "$OUT/gemm-allreduce-d$gpus.log" ] && grep '^|' "$OUT/gemm-allreduce-d$gpus.log"
     printf '%s\n' "${summary[@]}"
 }
 
