@@ -83,6 +83,11 @@ pub struct TransportOptions {
     /// shapes; a plan candidate, so tuning picks it per shape. Programs without
     /// copy-engine transfers ignore it.
     pub copy_streams: CopyStreams,
+    /// Whether a peer-memory Allreduce of a decode-size GEMM's product runs inside the GEMM
+    /// (`lower::gemm_allreduce`: one kernel per rank whose epilogue exchanges the product's
+    /// tiles). On by default; the runtime lowers with it only where the device runs the
+    /// kernel.
+    pub gemm_allreduce: bool,
 }
 
 impl Default for TransportOptions {
@@ -92,6 +97,7 @@ impl Default for TransportOptions {
             collectives: Transport::Nccl,
             peer_memory: PeerMemoryCollectives::Auto,
             copy_streams: CopyStreams::PerPeer,
+            gemm_allreduce: true,
         }
     }
 }
@@ -265,6 +271,7 @@ impl LowerOptions {
                 collectives: t,
                 peer_memory: PeerMemoryCollectives::Never,
                 copy_streams: self.transports.copy_streams,
+                gemm_allreduce: self.transports.gemm_allreduce,
             },
         };
         self

@@ -324,16 +324,25 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
             }
             Node::GatheredGemmLaunch(_)
             | Node::RowsReady { .. }
-            | Node::GatheredGemmJoin { .. } => {
-                let _ = writeln!(out, "{indent}{}", gathered_gemm_string(f, n, &indent));
+            | Node::GatheredGemmJoin { .. }
+            | Node::GemmAllreduce(_) => {
+                let _ = writeln!(out, "{indent}{}", fused_gemm_string(p, n, &indent));
             }
         }
     }
 }
 
-/// A gathered GEMM's node (its launch on two lines, the second indented by `indent`).
-fn gathered_gemm_string(f: &Fusion, n: &Node, indent: &str) -> String {
+/// A gathered GEMM's node (its launch on two lines, the second indented by `indent`), or a
+/// GEMM with the Allreduce of its product in its epilogue (the GEMM, then the Allreduce, on
+/// lines of their own).
+fn fused_gemm_string(p: &HostProgram, n: &Node, indent: &str) -> String {
+    let f = &p.ir;
     match n {
+        Node::GemmAllreduce(g) => format!(
+            "GemmAllreduce: the Allreduce in the epilogue of\n{indent}  {}\n{indent}  {}",
+            expr_string(f, &g.gemm, &format!("{indent}  ")),
+            comm_string(p, &g.comm)
+        ),
         Node::GatheredGemmLaunch(g) => format!(
             "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{} )",
             tensor_string(f, g.output),

@@ -232,6 +232,18 @@ pub struct GatheredGemm {
     pub pieces: usize,
 }
 
+/// `comm.output = Allreduce(gemm)` as one kernel per rank: a GEMM whose epilogue sends
+/// each finished tile of its product to every rank and sums the ranks' tiles
+/// (`lower::gemm_allreduce`). The product (`gemm.output`, the Allreduce's input) is never
+/// stored whole; a device without the kernel runs the GEMM, then the Allreduce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GemmAllreduce {
+    /// A plain product `[m, k] @ [k, n]` (no epilogue, bias or accumulation).
+    pub gemm: Expr,
+    /// The Allreduce of the product over the whole world, on `Transport::PeerMemory`.
+    pub comm: Communication,
+}
+
 /// One instruction of a host program.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Node {
@@ -306,6 +318,8 @@ pub enum Node {
     GatheredGemmJoin {
         id: GatheredGemmId,
     },
+    /// A GEMM and the Allreduce of its product as one kernel, on the current stream.
+    GemmAllreduce(GemmAllreduce),
 }
 
 /// The kind of a node, for structure checks (compute ops are told apart by their op).
@@ -340,11 +354,12 @@ pub enum NodeKind {
     GatheredGemmLaunch,
     RowsReady,
     GatheredGemmJoin,
+    GemmAllreduce,
 }
 
 impl NodeKind {
     /// Every kind, in declaration order (`kind as usize` indexes it).
-    pub const ALL: [NodeKind; 29] = [
+    pub const ALL: [NodeKind; 30] = [
         NodeKind::Allocate,
         NodeKind::Deallocate,
         NodeKind::ForLoop,
@@ -374,6 +389,7 @@ impl NodeKind {
         NodeKind::GatheredGemmLaunch,
         NodeKind::RowsReady,
         NodeKind::GatheredGemmJoin,
+        NodeKind::GemmAllreduce,
     ];
 }
 
@@ -399,6 +415,7 @@ impl Node {
             Node::GatheredGemmLaunch(_) => NodeKind::GatheredGemmLaunch,
             Node::RowsReady { .. } => NodeKind::RowsReady,
             Node::GatheredGemmJoin { .. } => NodeKind::GatheredGemmJoin,
+            Node::GemmAllreduce(_) => NodeKind::GemmAllreduce,
             Node::Compute(e) => match e.op {
                 Op::Set => NodeKind::Set,
                 Op::Unary(_) => NodeKind::Unary,
@@ -441,6 +458,13 @@ impl Node {
                 inputs, outputs, ..
             } => inputs.iter().chain(outputs).copied().collect(),
             Node::GatheredGemmLaunch(g) => vec![g.gathered, g.own, g.b, g.output],
+            Node::GemmAllreduce(g) => g
+                .gemm
+                .inputs
+                .iter()
+                .copied()
+                .chain([g.comm.output])
+                .collect(),
             _ => vec![],
         }
     }

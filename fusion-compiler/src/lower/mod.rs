@@ -16,6 +16,7 @@
 //! 6. Verify that nothing left in the program still needs a communication.
 
 mod gathered_gemm;
+mod gemm_allreduce;
 mod insert_reshardings;
 mod peer_memory;
 mod permutes;
@@ -34,6 +35,7 @@ pub use crate::options::{
 };
 pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
 pub use gathered_gemm::choose_gathered_gemm;
+pub use gemm_allreduce::{choose_gemm_allreduce, gemm_allreduce_fits, GEMM_ALLREDUCE_TILE_COLUMNS};
 use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};
 pub use peer_memory::{
@@ -92,6 +94,7 @@ pub fn lower_for_shapes(
     let pctx = PassContext::new(world_size, options);
     let dumps = manager.run(&mut program, &pctx)?;
     choose_peer_memory(&mut program, pctx.options.transports.peer_memory, extent);
+    choose_gemm_allreduce(&mut program, pctx.options.transports.gemm_allreduce, extent);
     choose_gathered_gemm(
         &mut program,
         pctx.options.pipelines.gathered_gemm,

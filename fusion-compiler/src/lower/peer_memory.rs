@@ -212,10 +212,10 @@ mod tests {
         .unwrap()
         .program;
         let mut out = Vec::new();
-        crate::hir::for_each_node(&p.body, &mut |n| {
-            if let Node::Communication(c) = n {
-                out.push(c.transport);
-            }
+        crate::hir::for_each_node(&p.body, &mut |n| match n {
+            Node::Communication(c) => out.push(c.transport),
+            Node::GemmAllreduce(g) => out.push(g.comm.transport),
+            _ => {}
         });
         out
     }

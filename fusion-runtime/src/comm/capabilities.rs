@@ -62,6 +62,10 @@ pub struct Capabilities {
     /// (`Transport::PeerMemory`): every rank's workspace is mapped into every other's.
     /// Simulated on the CPU backend.
     pub peer_memory: bool,
+    /// Whether a peer-memory Allreduce of a GEMM's product can run as one kernel with the
+    /// GEMM (`Communicator::gemm_allreduce`, `Node::GemmAllreduce`). The CPU backend runs
+    /// the node as the GEMM, then the Allreduce.
+    pub gemm_allreduce: bool,
     /// Whether a call with peer copies can be recorded as a device graph (`Err`: why not,
     /// e.g. the hand-off goes through the host).
     pub capture: std::result::Result<(), String>,
@@ -80,6 +84,7 @@ impl std::fmt::Debug for Capabilities {
         f.debug_struct("Capabilities")
             .field("peer_copies", &self.peer_copies)
             .field("peer_memory", &self.peer_memory)
+            .field("gemm_allreduce", &self.gemm_allreduce)
             .field("capture", &self.capture)
             .field("shared_receives", &self.shared_receives)
             .field("kept_receives", &self.kept_receives.is_some())
@@ -95,6 +100,7 @@ impl Capabilities {
         Capabilities {
             peer_copies: PeerCopies::Simulated,
             peer_memory: true,
+            gemm_allreduce: true,
             capture: Err("this communicator has no copy engines".into()),
             shared_receives: false,
             kept_receives: None,
@@ -113,7 +119,8 @@ impl Capabilities {
         let drop_copies = self.peer_copies == PeerCopies::NotEveryPair && wants_copies;
         let drop_peer_memory =
             !self.peer_memory && asked.peer_memory != PeerMemoryCollectives::Never;
-        if !drop_copies && !drop_peer_memory {
+        let drop_gemm_allreduce = !self.gemm_allreduce && asked.gemm_allreduce;
+        if !drop_copies && !drop_peer_memory && !drop_gemm_allreduce {
             return Cow::Borrowed(requested);
         }
         let mut lower = requested.clone();
@@ -126,6 +133,9 @@ impl Capabilities {
         }
         if drop_peer_memory {
             lower.transports.peer_memory = PeerMemoryCollectives::Never;
+        }
+        if drop_gemm_allreduce {
+            lower.transports.gemm_allreduce = false;
         }
         Cow::Owned(lower)
     }
@@ -184,5 +194,18 @@ mod tests {
             without.lowering(&LowerOptions::plain()),
             Cow::Borrowed(_)
         ));
+    }
+
+    #[test]
+    fn lowering_keeps_gemm_and_allreduce_apart_where_no_kernel_runs_them_together() {
+        let asked = LowerOptions::default();
+        assert!(asked.transports.gemm_allreduce);
+        let without = Capabilities {
+            gemm_allreduce: false,
+            ..Capabilities::simulated()
+        };
+        let lowered = without.lowering(&asked).into_owned();
+        assert!(!lowered.transports.gemm_allreduce);
+        assert_eq!(lowered.transports.peer_memory, asked.transports.peer_memory);
     }
 }

@@ -80,6 +80,19 @@ pub trait Communicator: Send + Sync {
         input: Option<&Tensor>,
         output: Option<&Tensor>,
     ) -> Result<()>;
+    /// Runs `comm`, an Allreduce of the product `operands[0] @ operands[1]`, as one kernel
+    /// whose GEMM's epilogue exchanges the product's tiles (`Node::GemmAllreduce`), writing
+    /// `output`. False when this communicator has no such kernel or the operands do not fit
+    /// it (then the caller runs the GEMM, then [`Communicator::collective`]).
+    fn gemm_allreduce(
+        &self,
+        _stream: StreamHandle,
+        _comm: &Communication,
+        _operands: [&Tensor; 2],
+        _output: &Tensor,
+    ) -> Result<bool> {
+        Ok(false)
+    }
     /// Sends `buf` to `peer` over `transport`, the one the program names (lowered onto
     /// what the world has, [`Capabilities::lowering`]; a communicator carries it out and
     /// does not pick another). In a group, the transfer may only be issued at `group_end`.

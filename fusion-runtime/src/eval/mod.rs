@@ -16,6 +16,7 @@ mod call;
 mod compute;
 mod evaluator;
 mod gathered_gemm;
+mod gemm_allreduce;
 mod launched_gemm;
 pub mod race;
 mod shapes;

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use fusion_compiler::hir::{Communication, Node, P2PDirection, P2P};
-use fusion_compiler::ir::Op;
+use fusion_compiler::ir::{Op, TensorId};
 
 use super::call::HostSpan;
 use super::evaluator::Evaluator;
@@ -81,13 +81,7 @@ impl<'a> Evaluator<'a> {
                     self.get_or_allocate(*tensor)?;
                 }
             }
-            Node::Deallocate { tensor } => {
-                if let Some(rc) = self.race.as_mut() {
-                    rc.deallocated(*tensor);
-                }
-                self.tensors[tensor.index()] = None;
-                self.live_bytes -= std::mem::take(&mut self.owned_bytes[tensor.index()]);
-            }
+            Node::Deallocate { tensor } => self.deallocate(*tensor),
             Node::ForLoop(l) => {
                 let (start, stop) = (self.eval(l.start)?, self.eval(l.stop)?);
                 for i in start..stop {
@@ -191,11 +185,21 @@ impl<'a> Evaluator<'a> {
             Node::GatheredGemmLaunch(g) => self.gathered_gemm_launch(g)?,
             Node::RowsReady { id, block, piece } => self.rows_ready(*id, *block, *piece)?,
             Node::GatheredGemmJoin { id } => self.gathered_gemm_join(*id)?,
+            Node::GemmAllreduce(g) => self.gemm_allreduce(g)?,
         }
         Ok(())
     }
 
-    fn communication(&mut self, c: &Communication) -> Result<()> {
+    /// Releases `tensor`'s buffer.
+    pub(super) fn deallocate(&mut self, tensor: TensorId) {
+        if let Some(rc) = self.race.as_mut() {
+            rc.deallocated(tensor);
+        }
+        self.tensors[tensor.index()] = None;
+        self.live_bytes -= std::mem::take(&mut self.owned_bytes[tensor.index()]);
+    }
+
+    pub(super) fn communication(&mut self, c: &Communication) -> Result<()> {
         let rank = self.ctx.rank;
         if !c.team.contains(&rank) {
             return Ok(());

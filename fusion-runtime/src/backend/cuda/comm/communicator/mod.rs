@@ -135,6 +135,8 @@ impl CudaCommunicator {
         let capabilities = Capabilities {
             peer_copies,
             peer_memory: peer_memory.is_some(),
+            // The GEMM with the Allreduce in its epilogue runs over peer memory.
+            gemm_allreduce: peer_memory.is_some(),
             capture: copy_engine.capture_support(),
             shared_receives: copy_engine.has_ipc_peers(),
             kept_receives: kept.map(|k| k as Arc<dyn KeptReceives>),

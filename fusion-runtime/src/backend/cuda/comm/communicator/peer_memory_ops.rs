@@ -1,13 +1,28 @@
 //! Allreduce, Allgather and ReduceScatter over peer memory: the same buffer layout as on
 //! NCCL (contiguous, block by block; views staged and copied back on the same stream),
-//! then one kernel ([`crate::backend::cuda::comm::peer_memory`]).
+//! then one kernel ([`crate::backend::cuda::comm::peer_memory`]); and an Allreduce of a
+//! GEMM's product in the GEMM's epilogue, where its operands fit the kernel.
 
-use fusion_compiler::hir::CommunicationKind;
+use fusion_compiler::hir::{Communication, CommunicationKind, Transport};
 
 use super::buffers::axis_first;
 use super::{Collective, CudaCommunicator};
-use crate::backend::cuda::comm::peer_memory::PeerCall;
+use crate::backend::cuda::comm::peer_memory::{GemmCall, PeerCall, PeerMemory};
+use crate::device::StreamHandle;
 use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Rows and columns of `t` where it is one row-major matrix (every leading extent 1,
+/// contiguous, 16-byte aligned) on a device.
+fn matrix(t: &Tensor) -> Option<(usize, usize, u64)> {
+    let shape = t.shape();
+    let [lead @ .., rows, cols] = shape else {
+        return None;
+    };
+    let ptr = t.device_ptr()?;
+    (lead.iter().all(|&e| e == 1) && t.is_contiguous() && ptr % 16 == 0)
+        .then_some((*rows, *cols, ptr))
+}
 
 impl CudaCommunicator {
     /// Collective `call` over peer memory.
@@ -87,5 +102,51 @@ impl CudaCommunicator {
             self.copy_back(s, &buf, &dst)?;
         }
         Ok(())
+    }
+
+    /// `comm`, the Allreduce of `operands[0] @ operands[1]`, as one kernel writing
+    /// `output`; false (nothing enqueued) where the world has no peer memory, the device
+    /// predates compute capability 8.0 or the operands do not fit the kernel.
+    pub(super) fn peer_memory_gemm(
+        &self,
+        s: StreamHandle,
+        comm: &Communication,
+        [a, b]: [&Tensor; 2],
+        output: &Tensor,
+    ) -> Result<bool> {
+        let Some(pm) = self.peer_memory.as_ref() else {
+            return Ok(false);
+        };
+        if comm.kind != CommunicationKind::Allreduce || comm.transport != Transport::PeerMemory {
+            return Ok(false);
+        }
+        let ampere = self
+            .device
+            .shared()
+            .ctx
+            .compute_capability()
+            .is_ok_and(|(major, _)| major >= 8);
+        let (Some((m, k, x)), Some((k2, n, w)), Some((m2, n2, y))) =
+            (matrix(a), matrix(b), matrix(output))
+        else {
+            return Ok(false);
+        };
+        let dtype = a.dtype();
+        let same = b.dtype() == dtype && output.dtype() == dtype;
+        let call = GemmCall {
+            dtype,
+            x,
+            w,
+            y,
+            m,
+            k,
+            n,
+        };
+        if !ampere || !same || (k2, m2, n2) != (k, m, n) || !PeerMemory::takes_gemm(&call) {
+            return Ok(false);
+        }
+        let raw = self.device.raw_stream(s)?;
+        pm.launch_gemm(&self.device, raw, call)?;
+        Ok(true)
     }
 }

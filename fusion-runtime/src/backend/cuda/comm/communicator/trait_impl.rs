@@ -37,6 +37,16 @@ impl Communicator for CudaCommunicator {
         })
     }
 
+    fn gemm_allreduce(
+        &self,
+        stream: StreamHandle,
+        comm: &Communication,
+        operands: [&Tensor; 2],
+        output: &Tensor,
+    ) -> Result<bool> {
+        self.peer_memory_gemm(stream, comm, operands, output)
+    }
+
     fn send(
         &self,
         stream: StreamHandle,

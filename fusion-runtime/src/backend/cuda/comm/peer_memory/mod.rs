@@ -18,8 +18,14 @@
 //! `Timeout` naming the rank, the peer and the collective. A world that fails sets a
 //! release word the waits poll, so no kernel outlives the failure.
 //!
+//! The same workspaces carry a decode-size GEMM whose epilogue does the Allreduce of its
+//! product (`Node::GemmAllreduce`): each block's finished tile goes to every rank, which
+//! sums the ranks' tiles ([`PeerMemory::launch_gemm`]).
+//!
 //! One job per file:
-//! - `source.cu`: the kernels;
+//! - `source.cu`: the collectives' kernels;
+//! - `gemm_allreduce.cu`: the GEMM with the Allreduce in its epilogue (appended to
+//!   `source.cu`, bf16 and f16);
 //! - `workspace`: a rank's workspace, and a peer's mapped here;
 //! - `status`: the wait status and release words;
 //! - here: [`PeerMemory`], one rank's handle on the world's workspaces, and the launch.
@@ -45,6 +51,15 @@ pub(crate) use workspace::{MappedWorkspace, Workspace, DATA_OFFSET};
 
 /// The kernels, for every element type.
 const SOURCE: &str = include_str!("source.cu");
+
+/// The GEMM with the Allreduce in its epilogue (bf16 and f16), appended to [`SOURCE`].
+const GEMM_SOURCE: &str = include_str!("gemm_allreduce.cu");
+
+/// Bytes of one shared-memory stage of the fused GEMM's ring (64 x 64 of W, 64 of K of
+/// 16 rows of X per 16-row tile) and stages in the ring (`gemm_allreduce.cu`).
+const GEMM_STAGE_BYTES: u32 = 64 * 64 * 2;
+const GEMM_X_STAGE_BYTES_PER_TILE: u32 = 16 * 64 * 2;
+const GEMM_STAGES: u32 = 8;
 
 /// The most blocks of a peer-memory kernel (`GMAX` of `source.cu`).
 const MAX_GRID: usize = 128;
@@ -160,6 +175,43 @@ fn source_for(dtype: DType) -> &'static str {
     }
 }
 
+/// The fused GEMM's source for `dtype` (`None`: it takes bf16 and f16 only).
+fn gemm_source_for(dtype: DType) -> Option<&'static str> {
+    static SOURCES: OnceLock<[String; 2]> = OnceLock::new();
+    let all = SOURCES.get_or_init(|| {
+        ["DT_BF16", "DT_F16"].map(|d| format!("#define {d}\n{SOURCE}\n{GEMM_SOURCE}"))
+    });
+    match dtype {
+        DType::BF16 => Some(&all[0]),
+        DType::F16 => Some(&all[1]),
+        DType::F32 => None,
+    }
+}
+
+/// The fused GEMM's kernel for `m` rows and its 16-row tiles: data beside its flags below
+/// 8 rows, the flag meeting from 8 (`bench/results/2026-11-27-0100-decode-fused-gemm-ar-h100x4/`:
+/// 17.2 against 18.8 us at one row, 19.5 against 20.0 at 8 rows of o_proj on 4 H100s).
+fn gemm_kernel_for(m: usize) -> (&'static str, u32) {
+    match m {
+        0..=7 => ("peer_gemm_allreduce_ll_m16", 1),
+        8..=16 => ("peer_gemm_allreduce_flag_m16", 1),
+        _ => ("peer_gemm_allreduce_flag_m32", 2),
+    }
+}
+
+/// One GEMM + Allreduce: `y [m, n] = sum over ranks of x [m, k] @ w [k, n]`, row-major and
+/// contiguous, on this rank's device.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GemmCall {
+    pub dtype: DType,
+    pub x: u64,
+    pub w: u64,
+    pub y: u64,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
 /// The kernels' `Peers`: each rank's workspace, as mapped here.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -232,6 +284,18 @@ impl PeerMemory {
         })
     }
 
+    /// The kernels' control words: the wait status, the world's timeout, the layout.
+    fn ctl(&self) -> Ctl {
+        Ctl {
+            status: self.status.status_ptr(),
+            release: self.status.release_ptr(),
+            timeout_ns: self.health.timeout().as_nanos().min(u128::from(u64::MAX)) as u64,
+            data_offset: DATA_OFFSET as u64,
+            half_bytes: PEER_MEMORY_REGION_BYTES as u64,
+            usable_bytes: USABLE_BYTES as u64,
+        }
+    }
+
     /// Enqueues `call` on `stream` of `device`.
     pub(crate) fn launch(
         &self,
@@ -263,14 +327,7 @@ impl PeerMemory {
         let mut peers = self.peers;
         let mut rank = self.rank as i32;
         let mut world = self.world_size as i32;
-        let mut ctl = Ctl {
-            status: self.status.status_ptr(),
-            release: self.status.release_ptr(),
-            timeout_ns: self.health.timeout().as_nanos().min(u128::from(u64::MAX)) as u64,
-            data_offset: DATA_OFFSET as u64,
-            half_bytes: PEER_MEMORY_REGION_BYTES as u64,
-            usable_bytes: USABLE_BYTES as u64,
-        };
+        let mut ctl = self.ctl();
         let mut args: [*mut c_void; 7] = [
             (&mut input as *mut u64).cast(),
             (&mut output as *mut u64).cast(),
@@ -296,9 +353,90 @@ impl PeerMemory {
     }
 }
 
+impl PeerMemory {
+    /// Whether the fused GEMM takes `call` (see `lower::gemm_allreduce_fits`; the caller
+    /// checks the layouts).
+    pub(crate) fn takes_gemm(call: &GemmCall) -> bool {
+        let [m, k, n] = [call.m, call.k, call.n].map(|v| v as i64);
+        fusion_compiler::lower::gemm_allreduce_fits(m, k, n, call.dtype) && call.n / 64 <= MAX_GRID
+    }
+
+    /// Enqueues the GEMM + Allreduce `call` on `stream` of `device`: one kernel, one block
+    /// per 64 output columns.
+    pub(crate) fn launch_gemm(
+        &self,
+        device: &CudaDevice,
+        stream: RawStream,
+        call: GemmCall,
+    ) -> Result<()> {
+        let Some(source) = gemm_source_for(call.dtype) else {
+            return Err(Error::Communication {
+                rank: self.rank,
+                reason: format!(
+                    "the GEMM + Allreduce kernel takes bf16 or f16, not {}",
+                    call.dtype
+                ),
+            });
+        };
+        let (name, tiles) = gemm_kernel_for(call.m);
+        let shared_bytes = GEMM_STAGES * (GEMM_STAGE_BYTES + tiles * GEMM_X_STAGE_BYTES_PER_TILE);
+        let shared = device.shared();
+        let f = device.kernels.function_with(
+            shared,
+            source,
+            name,
+            crate::backend::cuda::kernels::KernelNeeds {
+                arch: None,
+                shared_bytes,
+            },
+        )?;
+        let (mut x, mut w, mut y) = (call.x, call.w, call.y);
+        let (mut m, mut k, mut n) = (call.m as u64, call.k as u64, call.n as u64);
+        let mut peers = self.peers;
+        let mut rank = self.rank as i32;
+        let mut world = self.world_size as i32;
+        let mut ctl = self.ctl();
+        let mut args: [*mut c_void; 10] = [
+            (&mut x as *mut u64).cast(),
+            (&mut w as *mut u64).cast(),
+            (&mut y as *mut u64).cast(),
+            (&mut m as *mut u64).cast(),
+            (&mut k as *mut u64).cast(),
+            (&mut n as *mut u64).cast(),
+            (&mut peers as *mut Peers).cast(),
+            (&mut rank as *mut i32).cast(),
+            (&mut world as *mut i32).cast(),
+            (&mut ctl as *mut Ctl).cast(),
+        ];
+        let grid = (call.n / 64) as u32;
+        // SAFETY: the arguments match the kernel's (X, W, Y, M, K, N, Peers, rank, world,
+        // Ctl); the buffers belong to the call, which keeps them until its stream passes
+        // them; the workspaces and status words live as long as the world.
+        unsafe {
+            device.kernels.launch_function(
+                shared,
+                (f, name),
+                (grid, 128, shared_bytes),
+                stream,
+                &mut args,
+            )
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fused_gemm_takes_flags_beside_the_data_below_8_rows() {
+        assert_eq!(gemm_kernel_for(1).0, "peer_gemm_allreduce_ll_m16");
+        assert_eq!(gemm_kernel_for(8), ("peer_gemm_allreduce_flag_m16", 1));
+        assert_eq!(gemm_kernel_for(32), ("peer_gemm_allreduce_flag_m32", 2));
+        assert!(gemm_source_for(DType::F32).is_none());
+        assert!(gemm_source_for(DType::BF16)
+            .is_some_and(|s| s.contains("peer_gemm_allreduce_flag_m32")));
+    }
 
     #[test]
     fn small_allreduces_run_one_shot_and_larger_ones_two_shot() {

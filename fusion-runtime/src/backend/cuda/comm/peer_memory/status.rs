@@ -24,6 +24,8 @@ fn op_name(op: u32) -> &'static str {
         4 => "ReduceScatter",
         5 => "small Allreduce",
         6 => "direct two-shot Allreduce",
+        7 => "two-shot small Allreduce",
+        8 => "GEMM + Allreduce",
         _ => "collective",
     }
 }

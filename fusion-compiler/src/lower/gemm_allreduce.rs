@@ -1,0 +1,198 @@
+//! The Allreduce of a GEMM's product inside the GEMM (`LowerOptions::transports.gemm_allreduce`):
+//! a row-parallel projection of a decode step, `sum(matmul(x, w), 0)`, as one kernel per
+//! rank ([`Node::GemmAllreduce`]) whose epilogue sends each finished tile of the product to
+//! every rank and sums the ranks' tiles in rank order, instead of a GEMM followed by a
+//! peer-memory Allreduce. The product is never stored whole, and the exchange of the first
+//! tiles overlaps the GEMM of the last (on 4 H100s it added 3.7 / 5.6 / 9.4 us to the GEMM
+//! alone at 1 / 8 / 32 rows where the GEMM + Allreduce added 5.0 / 7.2 / 11.1:
+//! docs/DECISIONS.md, "The Allreduce inside a decode GEMM").
+//!
+//! It applies at the top level of a program to a plain product `[m, k] @ [k, n]` (no
+//! epilogue, bias or accumulation; bf16 or f16) whose product nothing but a whole-world
+//! summing Allreduce on `Transport::PeerMemory` reads, at the sizes [`gemm_allreduce_fits`]
+//! names. The runtime lowers with it only where the device runs the kernel; a device
+//! that meets operands it cannot take (not contiguous) runs the GEMM, then the
+//! Allreduce. Each choice is noted under the program.
+
+use crate::dtype::DType;
+use crate::hir::{CommunicationKind, GemmAllreduce, HostProgram, Node, Transport};
+use crate::ir::{Expr, IterKind, Op, ParallelType, ReduceOp, ScalarId, TensorId};
+
+/// Output columns of one tile of the kernel.
+pub const GEMM_ALLREDUCE_TILE_COLUMNS: i64 = 64;
+
+/// Whether the kernel takes a product of `m` rows, `k` contracted and `n` output columns
+/// in `dtype`: bf16 or f16; at most 32 rows (measured faster than the GEMM + Allreduce at
+/// 1, 8 and 32 rows on 2 and 4 H100s; at 128 rows its GEMM is 2x slower than cuBLAS's);
+/// `k` a whole number of 64-element stages; `n` 120 to 128 tiles of 64 columns (one tile
+/// per SM in one wave; measured at 128 tiles, `n` = 8192: with half the SMs busy the GEMM
+/// alone was 1.4x slower).
+pub fn gemm_allreduce_fits(m: i64, k: i64, n: i64, dtype: DType) -> bool {
+    let tile = GEMM_ALLREDUCE_TILE_COLUMNS;
+    matches!(dtype, DType::BF16 | DType::F16)
+        && (1..=32).contains(&m)
+        && k > 0
+        && k % 64 == 0
+        && n % tile == 0
+        && (120..=128).contains(&(n / tile))
+}
+
+/// Replaces every GEMM + Allreduce of `program` it applies to (see the module
+/// documentation) with one [`Node::GemmAllreduce`] when `enabled`, noting each.
+pub fn choose_gemm_allreduce(
+    program: &mut HostProgram,
+    enabled: bool,
+    extent: &dyn Fn(ScalarId) -> Option<i64>,
+) {
+    if !enabled {
+        return;
+    }
+    let mut at = 0;
+    while at < program.body.len() {
+        match find(program, at, extent) {
+            Some(found) => rewrite(program, at, found),
+            None => at += 1,
+        }
+    }
+}
+
+/// A GEMM at the top level and the Allreduce of its product after it.
+struct Found {
+    /// Position of the Allreduce.
+    comm_at: usize,
+    /// Rows, contracted, columns.
+    shape: [i64; 3],
+}
+
+/// The GEMM + Allreduce whose GEMM is at `at`, if the kernel takes it.
+fn find(p: &HostProgram, at: usize, extent: &dyn Fn(ScalarId) -> Option<i64>) -> Option<Found> {
+    let Node::Compute(gemm) = &p.body[at] else {
+        return None;
+    };
+    if !plain_gemm(gemm) {
+        return None;
+    }
+    let product = gemm.output;
+    let world: Vec<usize> = (0..p.world_size).collect();
+    let comm_at = (at + 1..p.body.len()).find(|&i| p.body[i].tensors().contains(&product))?;
+    let Node::Communication(c) = &p.body[comm_at] else {
+        return None;
+    };
+    let summed = c.kind == CommunicationKind::Allreduce
+        && c.reduce_op == Some(ReduceOp::Sum)
+        && c.transport == Transport::PeerMemory
+        && c.input == product
+        && c.team == world
+        && c.mesh == world
+        && c.root.is_none();
+    if !summed || !read_only_there(p, product, at, comm_at) {
+        return None;
+    }
+    let (a, b) = (gemm.inputs[0], gemm.inputs[1]);
+    let [m, k] = local_extents(p, a, extent)?[..] else {
+        return None;
+    };
+    let [k2, n] = local_extents(p, b, extent)?[..] else {
+        return None;
+    };
+    let dtype = p.ir.tensor(a).dtype;
+    let same = [b, product, c.output]
+        .iter()
+        .all(|&t| p.ir.tensor(t).dtype == dtype);
+    (k == k2 && same && gemm_allreduce_fits(m, k, n, dtype)).then_some(Found {
+        comm_at,
+        shape: [m, k, n],
+    })
+}
+
+/// Whether `e` is a plain product of two operands (no epilogue, bias or accumulation).
+fn plain_gemm(e: &Expr) -> bool {
+    let plain = match &e.op {
+        Op::Matmul => true,
+        Op::Gemm {
+            linear: false,
+            epilogue,
+        } => !epilogue.bias && epilogue.activations.is_empty(),
+        _ => false,
+    };
+    plain && e.inputs.len() == 2
+}
+
+/// Whether nothing but the GEMM at `gemm_at`, the Allreduce at `comm_at` and allocations
+/// mention `product`, and the program neither takes nor returns it.
+fn read_only_there(p: &HostProgram, product: TensorId, gemm_at: usize, comm_at: usize) -> bool {
+    let pinned = p.inputs.contains(&product)
+        || p.outputs.contains(&product)
+        || p.aliases.iter().any(|&(o, i)| o == product || i == product);
+    let mut elsewhere = false;
+    for (i, n) in p.body.iter().enumerate() {
+        if i == gemm_at
+            || i == comm_at
+            || matches!(n, Node::Allocate { .. } | Node::Deallocate { .. })
+        {
+            continue;
+        }
+        crate::hir::for_each_node(std::slice::from_ref(n), &mut |m| {
+            elsewhere |= m.tensors().contains(&product);
+        });
+    }
+    !pinned && !elsewhere
+}
+
+/// The extents of the axes a rank holds of `t` (not reduction or DIDx axes) at the call's
+/// extents; `None` when one is unknown.
+fn local_extents(
+    p: &HostProgram,
+    t: TensorId,
+    extent: &dyn Fn(ScalarId) -> Option<i64>,
+) -> Option<Vec<i64>> {
+    p.ir.tensor(t)
+        .axes
+        .iter()
+        .map(|&a| p.ir.iter_domain(a))
+        .filter(|d| d.kind != IterKind::Reduction && d.parallel != ParallelType::DIDx)
+        .map(|d| p.ir.evaluate(d.extent, extent))
+        .collect()
+}
+
+/// Puts one [`Node::GemmAllreduce`] where the Allreduce was, removes the GEMM and every
+/// allocation of the product, and notes it.
+fn rewrite(p: &mut HostProgram, gemm_at: usize, found: Found) {
+    let Node::Communication(comm) = p.body[found.comm_at].clone() else {
+        return;
+    };
+    let Node::Compute(gemm) = p.body.remove(gemm_at) else {
+        return;
+    };
+    let product = gemm.output;
+    let comm_at = found.comm_at - 1;
+    let output = comm.output;
+    p.body[comm_at] = Node::GemmAllreduce(GemmAllreduce { gemm, comm });
+    p.body.retain(|n| {
+        !matches!(n, Node::Allocate { tensor } | Node::Deallocate { tensor } if *tensor == product)
+    });
+    let [m, k, n] = found.shape;
+    p.notes.push(format!(
+        "Allreduce of `{}` in its GEMM's epilogue ({m} x {k} x {n}): one kernel per rank \
+         (LowerOptions::transports.gemm_allreduce)",
+        p.ir.tensor_name(output),
+    ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_takes_decode_rows_of_wide_bf16_and_f16_products() {
+        assert!(gemm_allreduce_fits(1, 2048, 8192, DType::BF16));
+        assert!(gemm_allreduce_fits(32, 7168, 8192, DType::F16));
+        assert!(gemm_allreduce_fits(8, 64, 7680, DType::BF16));
+        // Too many rows, a partial stage, too few or too many tiles, f32.
+        assert!(!gemm_allreduce_fits(33, 2048, 8192, DType::BF16));
+        assert!(!gemm_allreduce_fits(8, 2050, 8192, DType::BF16));
+        assert!(!gemm_allreduce_fits(8, 2048, 4096, DType::BF16));
+        assert!(!gemm_allreduce_fits(8, 2048, 8256, DType::BF16));
+        assert!(!gemm_allreduce_fits(8, 2048, 8192, DType::F32));
+    }
+}

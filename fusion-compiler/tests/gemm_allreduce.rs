@@ -1,0 +1,120 @@
+//! The Allreduce of a decode GEMM's product inside the GEMM
+//! (`LowerOptions::transports.gemm_allreduce`, `lower::gemm_allreduce`): the fused
+//! program's shape (an insta snapshot at 4 devices), where it applies (bf16 and f16, 1 to
+//! 32 rows, 2 to 8 devices) and where the program keeps its GEMM and Allreduce (more rows,
+//! narrow products, f32, NCCL, the product also an output, the option off).
+
+use fusion_compiler::builder::{Axis, FusionBuilder};
+use fusion_compiler::hir::{for_each_node, HostProgram, NodeKind};
+use fusion_compiler::ir::{Fusion, ScalarId};
+use fusion_compiler::lower::{lower_for_shapes, LowerOptions, PeerMemoryCollectives};
+use fusion_compiler::DType;
+
+/// `y [m, n] = sum over d of matmul(x [d @ DIDx, m, k], w [d @ DIDx, k, n])`; with
+/// `keep_partial` the rank's partial product is an output too.
+fn row_parallel(dt: DType, keep_partial: bool) -> (Fusion, [ScalarId; 3]) {
+    let mut b = FusionBuilder::new();
+    let (d, m, k, n) = (b.symbol("d"), b.symbol("m"), b.symbol("k"), b.symbol("n"));
+    let x = b
+        .input("x", dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(k)])
+        .unwrap();
+    let w = b
+        .input("w", dt, &[Axis::didx(d), Axis::serial(k), Axis::serial(n)])
+        .unwrap();
+    let p = b.matmul(x, w).unwrap();
+    let y = b.sum(p, &[0]).unwrap();
+    b.output(y).unwrap();
+    if keep_partial {
+        b.output(p).unwrap();
+    }
+    (b.build().unwrap(), [m, k, n])
+}
+
+fn program(f: &Fusion, [m, k, n]: [(ScalarId, i64); 3], d: usize, o: &LowerOptions) -> HostProgram {
+    let shape = [m, k, n];
+    lower_for_shapes(f, d, o, &|s| {
+        shape.iter().find(|(id, _)| *id == s).map(|(_, v)| *v)
+    })
+    .unwrap()
+    .program
+}
+
+fn kinds(p: &HostProgram) -> Vec<NodeKind> {
+    let mut out = Vec::new();
+    for_each_node(&p.body, &mut |n| out.push(n.kind()));
+    out
+}
+
+fn fused(p: &HostProgram) -> bool {
+    let k = kinds(p);
+    k.contains(&NodeKind::GemmAllreduce)
+        && !k.contains(&NodeKind::Matmul)
+        && !k.contains(&NodeKind::Communication)
+}
+
+#[test]
+fn a_decode_projection_is_one_kernel_per_rank() {
+    let (f, [m, k, n]) = row_parallel(DType::BF16, false);
+    let p = program(
+        &f,
+        [(m, 8), (k, 2048), (n, 8192)],
+        4,
+        &LowerOptions::default(),
+    );
+    assert!(fused(&p), "{p}");
+    insta::assert_snapshot!(p.to_string());
+}
+
+#[test]
+fn it_applies_to_bf16_and_f16_up_to_32_rows_on_any_world() {
+    for dt in [DType::BF16, DType::F16] {
+        let (f, [m, k, n]) = row_parallel(dt, false);
+        for d in [2, 3, 4, 8] {
+            for rows in [1, 8, 32] {
+                let p = program(
+                    &f,
+                    [(m, rows), (k, 1024), (n, 8192)],
+                    d,
+                    &LowerOptions::default(),
+                );
+                assert!(fused(&p), "{dt:?}, {d} devices, {rows} rows: {p}");
+            }
+        }
+    }
+}
+
+#[test]
+fn other_products_keep_their_gemm_and_allreduce() {
+    let (f, [m, k, n]) = row_parallel(DType::BF16, false);
+    let o = LowerOptions::default();
+    let unfused = |p: &HostProgram| {
+        let k = kinds(p);
+        k.contains(&NodeKind::Matmul) && k.contains(&NodeKind::Communication)
+    };
+    // More rows than the kernel takes, a narrow product, a partial stage.
+    for shape in [
+        [(m, 64), (k, 2048), (n, 8192)],
+        [(m, 8), (k, 2048), (n, 4096)],
+        [(m, 8), (k, 2040), (n, 8192)],
+    ] {
+        let p = program(&f, shape, 4, &o);
+        assert!(unfused(&p), "{p}");
+    }
+    let decode = [(m, 8), (k, 2048), (n, 8192)];
+    // f32.
+    let (f32_, [m2, k2, n2]) = row_parallel(DType::F32, false);
+    let p = program(&f32_, [(m2, 8), (k2, 2048), (n2, 8192)], 4, &o);
+    assert!(unfused(&p), "{p}");
+    // The Allreduce on NCCL.
+    let mut nccl = o.clone();
+    nccl.transports.peer_memory = PeerMemoryCollectives::Never;
+    assert!(unfused(&program(&f, decode, 4, &nccl)));
+    // The option off.
+    let mut off = o.clone();
+    off.transports.gemm_allreduce = false;
+    assert!(unfused(&program(&f, decode, 4, &off)));
+    // The partial product is an output too.
+    let (kept, [m3, k3, n3]) = row_parallel(DType::BF16, true);
+    let p = program(&kept, [(m3, 8), (k3, 2048), (n3, 8192)], 4, &o);
+    assert!(!kinds(&p).contains(&NodeKind::GemmAllreduce), "{p}");
+}

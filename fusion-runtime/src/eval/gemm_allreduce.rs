@@ -1,0 +1,54 @@
+//! A GEMM with the Allreduce of its product in its epilogue (`Node::GemmAllreduce`,
+//! `lower::gemm_allreduce`).
+//!
+//! Where the communicator runs the pair as one kernel ([`Communicator::gemm_allreduce`]) it
+//! gets the GEMM's operands and the Allreduce's output, and the race checker sees the call
+//! read the operands and write the output. Anywhere else (the CPU backend, operands the
+//! kernel cannot take) the walk runs what the node replaced: the GEMM into a buffer of its
+//! own, the Allreduce of it, and the buffer's release.
+//!
+//! [`Communicator::gemm_allreduce`]: crate::comm::Communicator::gemm_allreduce
+
+use fusion_compiler::hir::GemmAllreduce;
+
+use super::evaluator::Evaluator;
+use crate::error::Result;
+
+impl Evaluator<'_> {
+    /// `GemmAllreduce`: one kernel where the communicator runs it, else the GEMM, then the
+    /// Allreduce.
+    pub(super) fn gemm_allreduce(&mut self, g: &GemmAllreduce) -> Result<()> {
+        let c = &g.comm;
+        if !c.team.contains(&self.ctx.rank) {
+            return Ok(());
+        }
+        let [a, b] = g.gemm.inputs[..] else {
+            return self.unfused(g);
+        };
+        let (a_t, b_t) = (self.get(a)?.clone(), self.get(b)?.clone());
+        let output = self.get_or_allocate(c.output)?;
+        let start = self.mark()?;
+        if !self
+            .ctx
+            .comm
+            .gemm_allreduce(self.current, c, [&a_t, &b_t], &output)?
+        {
+            return self.unfused(g);
+        }
+        self.traced(start, "GEMM + Allreduce", true)?;
+        self.record_access(&[a, b], &[c.output])?;
+        self.comm_streams.insert(c.id, self.current);
+        Ok(())
+    }
+
+    /// The GEMM into a buffer of its own, the Allreduce of it, the buffer's release.
+    fn unfused(&mut self, g: &GemmAllreduce) -> Result<()> {
+        let start = self.mark()?;
+        self.compute(&g.gemm)?;
+        self.record_access(&g.gemm.inputs, &[g.gemm.output])?;
+        self.traced(start, &g.gemm.op.name(), false)?;
+        self.communication(&g.comm)?;
+        self.deallocate(g.gemm.output);
+        Ok(())
+    }
+}
