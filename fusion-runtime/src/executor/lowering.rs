@@ -66,7 +66,10 @@ impl Lowered {
         use std::hash::{Hash, Hasher};
         let mut communicates = false;
         for_each_node(&program.body, &mut |n| {
-            communicates |= matches!(n, Node::Communication(_) | Node::P2P(_));
+            communicates |= matches!(
+                n,
+                Node::Communication(_) | Node::P2P(_) | Node::GemmAllreduce(_)
+            );
         });
         let fingerprint = communicates.then(|| {
             let mut h = std::collections::hash_map::DefaultHasher::new();
