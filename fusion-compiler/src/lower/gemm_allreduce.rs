@@ -14,9 +14,10 @@
 //! that meets operands it cannot take (not contiguous) runs the GEMM, then the
 //! Allreduce. Each choice is noted under the program.
 
+use super::plain_gemm;
 use crate::dtype::DType;
 use crate::hir::{CommunicationKind, GemmAllreduce, HostProgram, Node, Transport};
-use crate::ir::{Expr, IterKind, Op, ParallelType, ReduceOp, ScalarId, TensorId};
+use crate::ir::{IterKind, ParallelType, ReduceOp, ScalarId, TensorId};
 
 /// Output columns of one tile of the kernel.
 pub const GEMM_ALLREDUCE_TILE_COLUMNS: i64 = 64;
@@ -103,19 +104,6 @@ fn find(p: &HostProgram, at: usize, extent: &dyn Fn(ScalarId) -> Option<i64>) ->
         comm_at,
         shape: [m, k, n],
     })
-}
-
-/// Whether `e` is a plain product of two operands (no epilogue, bias or accumulation).
-fn plain_gemm(e: &Expr) -> bool {
-    let plain = match &e.op {
-        Op::Matmul => true,
-        Op::Gemm {
-            linear: false,
-            epilogue,
-        } => !epilogue.bias && epilogue.activations.is_empty(),
-        _ => false,
-    };
-    plain && e.inputs.len() == 2
 }
 
 /// Whether nothing but the GEMM at `gemm_at`, the Allreduce at `comm_at` and allocations

@@ -45,6 +45,20 @@ pub use peer_memory::{
 pub use pipelining::PipelineDecision;
 
 /// A lowered program and the dumps recorded while lowering it.
+/// Whether `e` is a plain product of two operands (no epilogue, bias or accumulation): what
+/// the fused GEMMs of `gathered_gemm` and `gemm_allreduce` compute.
+fn plain_gemm(e: &crate::ir::Expr) -> bool {
+    let plain = match &e.op {
+        Op::Matmul => true,
+        Op::Gemm {
+            linear: false,
+            epilogue,
+        } => !epilogue.bias && epilogue.activations.is_empty(),
+        _ => false,
+    };
+    plain && e.inputs.len() == 2
+}
+
 #[derive(Clone, Debug)]
 pub struct Lowered {
     pub program: HostProgram,

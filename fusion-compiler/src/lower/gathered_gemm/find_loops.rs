@@ -7,6 +7,7 @@ use crate::hir::{
     for_each_node, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport,
 };
 use crate::ir::{Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId};
+use crate::lower::plain_gemm;
 
 /// The loop at top-level position `at`, when the fused form applies to it.
 pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
@@ -310,19 +311,6 @@ fn loop_on_pool(p: &HostProgram, at: usize) -> Option<(&ForLoop, &[Node], Stream
         return None;
     };
     ((*first, *back, *joined) == (worker, caller, worker)).then_some((l, middle, caller))
-}
-
-/// Whether `e` is a plain product of two operands (no epilogue, bias or accumulation).
-fn plain_gemm(e: &Expr) -> bool {
-    let plain = match &e.op {
-        Op::Matmul => true,
-        Op::Gemm {
-            linear: false,
-            epilogue,
-        } => !epilogue.bias && epilogue.activations.is_empty(),
-        _ => false,
-    };
-    plain && e.inputs.len() == 2
 }
 
 /// Whether the kernel takes the loop's GEMM `rows @ b -> output` (written through
