@@ -3,7 +3,7 @@
 //! program has the node; every rank gets the same bits, within bf16's and f16's rounding of
 //! the f64 sum, at 1, 8 and 32 rows (the kernel's three variants on a GPU); on the CPU
 //! backend they equal, bit for bit, those of the program that keeps the GEMM and the
-//! Allreduce apart. On GPUs (`FUSION_BACKEND=cuda`) the same test runs the kernel.
+//! Allreduce apart. On 2 and 4 GPUs (`--ignored`) the same checks run the kernel.
 
 use fusion::prelude::*;
 use fusion::runtime::backend::BackendKind;
@@ -52,46 +52,65 @@ fn error(got: &[f32], want: &[f64]) -> f64 {
         .fold(0f64, |m, (g, w)| m.max((*g as f64 - w).abs() / scale))
 }
 
+/// Every rank's result of the fused program in `world` of `d` ranks, at 1, 8 and 32 rows
+/// (the kernel's three variants on a GPU), against the program that keeps the GEMM and
+/// the Allreduce apart and the f64 sum.
+fn sums_like_the_gemm_and_allreduce_apart(world: &World, d: usize) {
+    for (rows, dt) in [(1, DType::BF16), (8, DType::F16), (32, DType::BF16)] {
+        let x_full = Tensor::randn(&[d, rows, K], dt, 7);
+        let w_full = Tensor::randn(&[d, K, N], dt, 8);
+        let (xs, ws) = (x_full.to_f32_vec().unwrap(), w_full.to_f32_vec().unwrap());
+        let out = world
+            .run(|rank| {
+                let x: Ranked<3> = rank.shard(&x_full, 0)?.try_into()?;
+                let w: Ranked<3> = rank.shard(&w_full, 0)?.try_into()?;
+                let fused = row_parallel::program(rank, &x, &w, &ExecOptions::default())?;
+                let kept = row_parallel::program(rank, &x, &w, &apart())?;
+                let y = row_parallel::call(rank, &x, &w, &ExecOptions::default())?.into_inner();
+                let y_apart = row_parallel::call(rank, &x, &w, &apart())?.into_inner();
+                Ok((
+                    fused.to_string(),
+                    kept.to_string(),
+                    rank.to_host(&y)?.to_f32_vec()?,
+                    rank.to_host(&y_apart)?.to_f32_vec()?,
+                ))
+            })
+            .unwrap();
+        let want = reference(&xs, &ws, d, rows);
+        let what = format!("{d} devices, {rows} rows, {dt:?}");
+        for (fused, kept, y, y_apart) in &out {
+            assert!(fused.contains("GemmAllreduce"), "{what}: {fused}");
+            assert!(!kept.contains("GemmAllreduce"), "{what}: {kept}");
+            // The CPU backend runs the node as the GEMM, then the Allreduce.
+            if world.backend() == BackendKind::Cpu {
+                assert_eq!(y, y_apart, "{what}: the fused program's sums");
+            }
+            assert_eq!(y, &out[0].2, "{what}: every rank gets the same bits");
+            for (got, label) in [(y, "fused"), (y_apart, "apart")] {
+                let err = error(got, &want);
+                assert!(err < 2e-2, "{what}, {label}: max error {err:.3e}");
+            }
+        }
+    }
+}
+
 #[test]
 fn the_fused_program_sums_like_the_gemm_and_allreduce_apart() {
     for d in DEVICES {
-        let world = World::local(d).unwrap();
-        // 1, 8 and 32 rows: the kernel's three variants on a GPU.
-        for (rows, dt) in [(1, DType::BF16), (8, DType::F16), (32, DType::BF16)] {
-            let x_full = Tensor::randn(&[d, rows, K], dt, 7);
-            let w_full = Tensor::randn(&[d, K, N], dt, 8);
-            let (xs, ws) = (x_full.to_f32_vec().unwrap(), w_full.to_f32_vec().unwrap());
-            let out = world
-                .run(|rank| {
-                    let x: Ranked<3> = rank.shard(&x_full, 0)?.try_into()?;
-                    let w: Ranked<3> = rank.shard(&w_full, 0)?.try_into()?;
-                    let fused = row_parallel::program(rank, &x, &w, &ExecOptions::default())?;
-                    let kept = row_parallel::program(rank, &x, &w, &apart())?;
-                    let y = row_parallel::call(rank, &x, &w, &ExecOptions::default())?.into_inner();
-                    let y_apart = row_parallel::call(rank, &x, &w, &apart())?.into_inner();
-                    Ok((
-                        fused.to_string(),
-                        kept.to_string(),
-                        rank.to_host(&y)?.to_f32_vec()?,
-                        rank.to_host(&y_apart)?.to_f32_vec()?,
-                    ))
-                })
-                .unwrap();
-            let want = reference(&xs, &ws, d, rows);
-            let what = format!("{d} devices, {rows} rows, {dt:?}");
-            for (fused, kept, y, y_apart) in &out {
-                assert!(fused.contains("GemmAllreduce"), "{what}: {fused}");
-                assert!(!kept.contains("GemmAllreduce"), "{what}: {kept}");
-                // The CPU backend runs the node as the GEMM, then the Allreduce.
-                if world.backend() == BackendKind::Cpu {
-                    assert_eq!(y, y_apart, "{what}: the fused program's sums");
-                }
-                assert_eq!(y, &out[0].2, "{what}: every rank gets the same bits");
-                for (got, label) in [(y, "fused"), (y_apart, "apart")] {
-                    let err = error(got, &want);
-                    assert!(err < 2e-2, "{what}, {label}: max error {err:.3e}");
-                }
-            }
+        sums_like_the_gemm_and_allreduce_apart(&World::local(d).unwrap(), d);
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn the_kernel_sums_like_the_gemm_and_allreduce_apart_on_gpus() {
+    for d in [2, 4] {
+        if fusion::runtime::backend::visible_gpus() < d {
+            eprintln!("skipping {d} ranks: fewer CUDA GPUs");
+            continue;
         }
+        let world = fusion::runtime::backend::cuda::cuda_world(Some(d)).expect("a CUDA world");
+        sums_like_the_gemm_and_allreduce_apart(&world, d);
+        eprintln!("{d} GPUs: the GEMM with the Allreduce in its epilogue sums right");
     }
 }
