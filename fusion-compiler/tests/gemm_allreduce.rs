@@ -118,3 +118,18 @@ fn other_products_keep_their_gemm_and_allreduce() {
     let p = program(&kept, [(m3, 8), (k3, 2048), (n3, 8192)], 4, &o);
     assert!(!kinds(&p).contains(&NodeKind::GemmAllreduce), "{p}");
 }
+
+#[test]
+fn the_plan_space_keeps_them_apart_in_one_candidate() {
+    use fusion_compiler::plan::find;
+    let (f, [m, k, n]) = row_parallel(DType::BF16, false);
+    for d in [2, 4, 8] {
+        let apart = find(d, "gemm_allreduce_apart").unwrap();
+        assert!(!apart.lower.transports.gemm_allreduce);
+        let p = program(&f, [(m, 8), (k, 1024), (n, 8192)], d, &apart.lower);
+        assert!(!kinds(&p).contains(&NodeKind::GemmAllreduce), "{p}");
+        let mut back = apart.lower.clone();
+        back.transports.gemm_allreduce = true;
+        assert_eq!(back, LowerOptions::default(), "only the fused GEMM differs");
+    }
+}

@@ -7,7 +7,8 @@
 //! pipelined or whole collectives, the P2P transport, the reduce-scatter pipeline and its
 //! row ranges, compute-first streams, the ring's compute streams, the pool size, which
 //! collectives run over peer memory, one copy stream or one per peer for copy-engine
-//! transfers, and whether pointwise ops fold into GEMM epilogues; and, not measured yet,
+//! transfers, whether pointwise ops fold into GEMM epilogues, and whether a decode GEMM's
+//! Allreduce runs in its epilogue; and, not measured yet,
 //! the AllGather + GEMM pipeline in row ranges and as one persistent GEMM fed by the
 //! loop's copies (`gathered_gemm`, which the runtime lowers only where the device runs
 //! such a GEMM). Most candidates change
@@ -29,7 +30,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
 /// older build are not trusted.
-pub const PLAN_SPACE_REVISION: u32 = 5;
+pub const PLAN_SPACE_REVISION: u32 = 6;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -103,6 +104,13 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
     out.push(Plan::new(
         "peer_memory_all",
         with(&|o| o.transports.peer_memory = PeerMemoryCollectives::UpTo(usize::MAX)),
+        DEFAULT_STREAMS,
+    ));
+    // A decode GEMM and its Allreduce kept apart (the default runs them as one kernel where
+    // the device has it: `lower::gemm_allreduce`).
+    out.push(Plan::new(
+        "gemm_allreduce_apart",
+        with(&|o| o.transports.gemm_allreduce = false),
         DEFAULT_STREAMS,
     ));
     for streams in [2, d, 2 * d] {
