@@ -5,8 +5,9 @@
 //! outside the capture, at other addresses, run between the replays; the graph is
 //! destroyed and the device frees what it held. On two GPUs, a tensor-parallel MLP (an
 //! all-gather and a reduce-scatter, over the default transports and over NCCL) is recorded
-//! on every rank and replayed. A call that cannot be recorded says why. GPU-only (`#[ignore]`d): run
-//! with `--ignored` on a machine with a GPU.
+//! on every rank and replayed; so is an Allreduce recorded between two of the caller's
+//! kernels (the first writes its input). A call that cannot be recorded says why. GPU-only
+//! (`#[ignore]`d): run with `--ignored` on a machine with a GPU.
 
 mod common;
 
@@ -40,6 +41,16 @@ fusion! {
         g: Tensor<f32, [m, p]>,
     ) -> Tensor<f32, [m, p]> {
         matmul(y, u) * sigmoid(g)
+    }
+}
+
+fusion! {
+    /// The Allreduce of a row-parallel layer's partial sums: one peer-memory kernel per
+    /// rank at small sizes, recorded as its own kernel node (its edge from the kernel
+    /// before it programmatic).
+    #[allow(dead_code)] // called through `run_with`
+    fn allreduce<d, n>(x: Tensor<f32, [d @ DIDx, n]>) -> Tensor<f32, [n]> {
+        sum(x, 0)
     }
 }
 
@@ -389,6 +400,74 @@ fn a_tensor_parallel_step_is_recorded_on_every_rank() -> Result<()> {
         let mlp = FusionExecutor::new(common::cases::tp_mlp(DType::F32, UnaryOp::Relu));
         world.run(|rank| tensor_parallel_step(rank, &mlp, &options))?;
         eprintln!("caller's capture, tensor-parallel MLP over {name}: {REPLAYS} replays correct");
+    }
+    Ok(())
+}
+
+/// One rank's step: the caller's kernel writes the Allreduce's input, the recorded call
+/// sums it over the ranks, the caller's kernel copies the sum out; replayed with fresh
+/// inputs and checked every time.
+fn allreduce_between_kernels(rank: &Rank, n: usize) -> Result<()> {
+    let (d, r) = (rank.world_size(), rank.index());
+    let x: Ranked<2> = rank
+        .shard(&Tensor::zeros(&[d, n], DType::F32), 0)?
+        .try_into()?;
+    let x_ptr = x.device_ptr().expect("x");
+    let ctx = rank.cuda_context()?;
+    let caller = Caller::new(&ctx)?;
+    let stream = cudarc(ctx.new_stream())?;
+    let mut staging = cudarc(stream.alloc_zeros::<f32>(n))?;
+    let result = cudarc(stream.alloc_zeros::<f32>(n))?;
+    let on = rank.on(&stream);
+    let options = ExecOptions::default();
+    let program = allreduce::program(rank, &x, &options)?.to_string();
+    assert!(program.contains("on PeerMemory"), "{program}");
+    for _ in 0..2 {
+        allreduce::run_with(&on, &x, None, &options)?;
+    }
+    cudarc(stream.synchronize())?;
+    cudarc(stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))?;
+    let step = || -> Result<ReplayStatus> {
+        caller.take(&stream, address(&staging, &stream), x_ptr, n)?;
+        let report = allreduce::run_with(&on, &x, None, &options)?;
+        let out = report.outputs[0].device_ptr().expect("an output");
+        caller.take(&stream, out, address(&result, &stream), n)?;
+        Ok(report.replay)
+    };
+    let recorded = step();
+    let graph = cudarc(stream.end_capture(CUgraphInstantiate_flags(0)))?;
+    assert!(matches!(recorded?, ReplayStatus::Captured(1)));
+    let graph = graph.expect("a captured graph");
+    for replay in 0..REPLAYS {
+        let input = values(n, 100 * r as u32 + replay);
+        cudarc(stream.memcpy_htod(&input, &mut staging))?;
+        cudarc(graph.launch())?;
+        cudarc(stream.synchronize())?;
+        let want: Vec<f64> = (0..n)
+            .map(|i| {
+                (0..d)
+                    .map(|j| values(n, 100 * j as u32 + replay)[i] as f64)
+                    .sum()
+            })
+            .collect();
+        let got = cudarc(stream.clone_dtoh(&result))?;
+        check(&got, &want, &format!("rank {r}, replay {replay}"));
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn an_allreduce_recorded_after_a_kernel_of_yours_sums_what_it_wrote() -> Result<()> {
+    for d in [2, 4] {
+        let Some(world) = gpu_world(d) else {
+            return Ok(());
+        };
+        // 16 KB and 256 KB: the flagged one-shot and (above 2 ranks) two-shot kernels.
+        for n in [4096, 65536] {
+            world.run(|rank| allreduce_between_kernels(rank, n))?;
+            eprintln!("{d} ranks, {n} floats: an Allreduce between your kernels, {REPLAYS} replays correct");
+        }
     }
     Ok(())
 }

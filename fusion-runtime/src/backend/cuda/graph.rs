@@ -41,9 +41,8 @@ impl CapturedGraph {
         self.nodes
     }
 
-    /// How many of its nodes allocate or free memory (a graph added to another as a child
-    /// may hold none).
-    pub(crate) fn memory_nodes(&self) -> Result<usize> {
+    /// Its nodes and their kinds.
+    fn node_kinds(&self) -> Result<Vec<(sys::CUgraphNode, sys::CUgraphNodeType)>> {
         let mut count = self.nodes;
         let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
         // SAFETY: room for `count` nodes of a valid graph; the driver writes how many.
@@ -52,24 +51,55 @@ impl CapturedGraph {
             "cuGraphGetNodes",
         )?;
         nodes.truncate(count);
-        let mut memory = 0;
-        for node in nodes {
-            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL;
-            // SAFETY: a node of this graph.
-            check(
-                unsafe { sys::cuGraphNodeGetType(node, &mut kind) },
-                "cuGraphNodeGetType",
-            )?;
-            if matches!(
-                kind,
-                sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC
-                    | sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE
-            ) {
-                memory += 1;
-            }
-        }
-        Ok(memory)
+        nodes
+            .into_iter()
+            .map(|node| Ok((node, node_kind(node)?)))
+            .collect()
     }
+
+    /// How many of its nodes allocate or free memory (a graph added to another as a child
+    /// may hold none).
+    pub(crate) fn memory_nodes(&self) -> Result<usize> {
+        Ok(self
+            .node_kinds()?
+            .into_iter()
+            .filter(|(_, kind)| {
+                matches!(
+                    kind,
+                    sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC
+                        | sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE
+                )
+            })
+            .count())
+    }
+
+    /// The launch of its kernel, where the graph is one kernel and nothing else. Its
+    /// argument pointers point into this graph: valid while it lives.
+    pub(crate) fn single_kernel(&self) -> Result<Option<sys::CUDA_KERNEL_NODE_PARAMS>> {
+        let kinds = self.node_kinds()?;
+        let [(node, sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL)] = kinds[..] else {
+            return Ok(None);
+        };
+        // SAFETY: zero is a valid start for this plain C struct, which the driver fills.
+        let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+        // SAFETY: a kernel node of this graph; `params` is a valid place.
+        check(
+            unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) },
+            "cuGraphKernelNodeGetParams",
+        )?;
+        Ok(Some(params))
+    }
+}
+
+/// The kind of graph node `node`.
+pub(crate) fn node_kind(node: sys::CUgraphNode) -> Result<sys::CUgraphNodeType> {
+    let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL;
+    // SAFETY: a node of a live graph; `kind` is a valid place.
+    check(
+        unsafe { sys::cuGraphNodeGetType(node, &mut kind) },
+        "cuGraphNodeGetType",
+    )?;
+    Ok(kind)
 }
 
 impl Drop for CapturedGraph {

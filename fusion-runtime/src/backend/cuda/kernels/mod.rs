@@ -3,7 +3,7 @@
 mod codegen;
 mod layout;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
@@ -66,10 +66,17 @@ fn arch_option(cc: (i32, i32)) -> Option<&'static str> {
     })
 }
 
+/// What a kernel source writes before it reads anything, where a kernel of it may be
+/// launched before the kernel it follows has finished (compute capability 9.0 and up).
+const GRID_DEPENDENCY_WAIT: &str = "griddepcontrol.wait";
+
 /// Compiled kernels of one device, by source.
 pub(crate) struct KernelCache {
     ordinal: usize,
     functions: Mutex<HashMap<String, RawFunction>>,
+    /// The loaded functions (addresses) that wait for the kernels they depend on before
+    /// they read anything ([`GRID_DEPENDENCY_WAIT`]), on a device that has the wait.
+    waiting: Mutex<HashSet<usize>>,
 }
 
 impl KernelCache {
@@ -77,7 +84,18 @@ impl KernelCache {
         KernelCache {
             ordinal,
             functions: Mutex::new(HashMap::new()),
+            waiting: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Whether the loaded function `f` waits for the kernels it depends on before it reads
+    /// anything, so that it may be a programmatic dependent of the kernel before it (a
+    /// caller's graph, `caller_capture`).
+    pub(crate) fn waits_for_grid_dependencies(&self, f: sys::CUfunction) -> bool {
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&(f as usize))
     }
 
     /// The kernel `name` of `source`, compiled for the device's architecture and loaded on
@@ -168,6 +186,17 @@ impl KernelCache {
             }
             f
         };
+        let waits = source.contains(GRID_DEPENDENCY_WAIT)
+            && dev
+                .ctx
+                .compute_capability()
+                .is_ok_and(|(major, _)| major >= 9);
+        if waits {
+            self.waiting
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(f as usize);
+        }
         let f = RawFunction(f);
         self.functions
             .lock()

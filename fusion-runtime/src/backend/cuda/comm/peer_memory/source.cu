@@ -158,7 +158,18 @@ __device__ void meet(const Peers& P, int rank, int world, u32 epoch, const Ctl& 
     __syncthreads();
 }
 
+// A kernel recorded into a caller's graph right after another kernel may be launched
+// before that kernel has finished (a programmatic edge, `caller_capture.rs`): it reads
+// nothing before this wait, which returns once every kernel it depends on has finished
+// and its writes are visible (at once for an ordinary launch).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define WAIT_FOR_GRID_DEPENDENCIES() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define WAIT_FOR_GRID_DEPENDENCIES() do {} while (0)
+#endif
+
 #define BEGIN(op) \
+    WAIT_FOR_GRID_DEPENDENCIES(); \
     __shared__ u32 s_seq, s_par; __shared__ int s_failed; \
     u32* counters = (u32*)P.ws[rank]; \
     if (threadIdx.x == 0) { s_seq = counters[SEQ_AT + blockIdx.x]; s_par = counters[CALLS_AT + blockIdx.x]; s_failed = 0; } \
