@@ -96,8 +96,14 @@ impl ChainState {
     }
 }
 
-/// `waiter` waits for the work enqueued on `waitee` so far, through `event`.
-fn order(event: ChainEvent, waiter: sys::CUstream, waitee: sys::CUstream) -> Result<()> {
+/// `waiter` waits for the work enqueued on `waitee` so far, through `event`; `step` names
+/// the step of the call for an error.
+fn order(
+    event: ChainEvent,
+    waiter: sys::CUstream,
+    waitee: sys::CUstream,
+    step: &str,
+) -> Result<()> {
     // SAFETY: an event and two live streams of the device's context (current).
     unsafe {
         result::event::record(event.0, waitee)
@@ -108,7 +114,21 @@ fn order(event: ChainEvent, waiter: sys::CUstream, waitee: sys::CUstream) -> Res
                     sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
                 )
             })
-            .map_err(|e| driver_err("ordering a caller's stream and the device's streams", e))
+            .map_err(|e| {
+                // The likeliest cause of a bad handle here: another context current.
+                let mut stream_ctx: sys::CUcontext = std::ptr::null_mut();
+                let _ = sys::cuStreamGetCtx(waitee, &mut stream_ctx);
+                let current = result::ctx::get_current().ok().flatten();
+                let note = if current == Some(stream_ctx) {
+                    ""
+                } else {
+                    "; the calling thread's current context is not the stream's"
+                };
+                driver_err(
+                    &format!("ordering a caller's stream and the device's streams ({step}{note})"),
+                    e,
+                )
+            })
     }
 }
 
@@ -182,7 +202,7 @@ impl CallerChain {
         }
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let late = ChainState::event(&mut st.late)?;
-        order(late, stream, raw(caller))
+        order(late, stream, raw(caller), "join_caller")
     }
 
     /// Destroys the chain's events (the device's streams are idle) and frees what callers'
@@ -245,7 +265,7 @@ impl CallerChain {
             Self::not_capturing(s, ordinal)?;
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let join = ChainState::event(&mut st.join)?;
-            order(join, main.0, raw(s))?;
+            order(join, main.0, raw(s), "begin_walk")?;
         }
         Ok(())
     }
@@ -261,7 +281,7 @@ impl CallerChain {
             let main = main()?;
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let join = ChainState::event(&mut st.join)?;
-            order(join, raw(s), main.0)?;
+            order(join, raw(s), main.0, "end_walk")?;
             st.synced = Some((s.clone(), self.epoch.load(Ordering::Acquire)));
             // The caller's work after the call may read its outputs: frees join it first.
             st.last = Some(s.clone());
@@ -302,7 +322,7 @@ impl CallerChain {
         self.after_callers(main.0, true)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let join = ChainState::event(&mut st.join)?;
-        order(join, raw(s), main.0)?;
+        order(join, raw(s), main.0, "begin_replay")?;
         st.synced = Some((s.clone(), epoch));
         Ok(())
     }

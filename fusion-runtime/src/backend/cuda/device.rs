@@ -700,8 +700,11 @@ impl DeviceLifecycle for CudaDevice {
         }
     }
 
+    // The chain's events belong to this device's context: made current first, whatever
+    // the caller's code (or a free of another device's memory) left current on the thread.
     fn begin_walk(&self, on: Option<&CallerStream>) -> Result<()> {
         let shared = &self.shared;
+        shared.bind()?;
         shared
             .chain
             .begin_walk(|| shared.main_raw(), shared.ordinal, on)
@@ -709,11 +712,13 @@ impl DeviceLifecycle for CudaDevice {
 
     fn end_walk(&self, on: Option<&CallerStream>) -> Result<()> {
         let shared = &self.shared;
+        shared.bind()?;
         shared.chain.end_walk(|| shared.main_raw(), on)
     }
 
     fn begin_replay(&self, on: Option<&CallerStream>) -> Result<()> {
         let shared = &self.shared;
+        shared.bind()?;
         shared
             .chain
             .begin_replay(|| shared.main_raw(), shared.ordinal, on)

@@ -106,7 +106,10 @@ impl Drop for CapturedGraph {
     fn drop(&mut self) {
         // A graph on a device that closed stuck may still be running: left to the
         // process's end (see `DEVICE_STUCK`).
-        if !super::health::a_device_is_stuck() && self.device.bind().is_ok() {
+        if super::health::a_device_is_stuck() {
+            return;
+        }
+        if let Ok(_scope) = self.device.bind_scoped() {
             // SAFETY: the handle made by `finish_capture`, destroyed once.
             unsafe {
                 let _ = sys::cuGraphDestroy(self.graph);
@@ -170,7 +173,10 @@ impl Drop for CudaGraph {
     fn drop(&mut self) {
         // A graph on a device that closed stuck may still be running: left to the
         // process's end (see `DEVICE_STUCK`).
-        if !super::health::a_device_is_stuck() && self.captured.device.bind().is_ok() {
+        if super::health::a_device_is_stuck() {
+            return;
+        }
+        if let Ok(_scope) = self.captured.device.bind_scoped() {
             // SAFETY: the handle made by `end_capture`, destroyed once (its graph goes
             // after it, with `captured`).
             unsafe {

@@ -81,6 +81,11 @@ impl CudaBuffer {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        // The last handle may be dropped on any thread (another rank's): this device's
+        // context for the events and the free, the thread's own back afterwards.
+        let Ok(_scope) = self.shared.bind_scoped() else {
+            return;
+        };
         // A replay on a caller's stream may have used the buffer: its free (or its reuse
         // from the free list) comes after that replay.
         let caller = self
@@ -101,9 +106,6 @@ impl Drop for CudaBuffer {
                 .free_list
                 .keep(self.stream, self.ptr, self.bytes.max(1))
         {
-            return;
-        }
-        if self.shared.bind().is_err() {
             return;
         }
         if self.shared.is_closed() {

@@ -127,7 +127,10 @@ impl Drop for CaptureArena {
         if self.backing.is_some() {
             return;
         }
-        if !crate::backend::cuda::health::a_device_is_stuck() && self.shared.bind().is_ok() {
+        if crate::backend::cuda::health::a_device_is_stuck() {
+            return;
+        }
+        if let Ok(_scope) = self.shared.bind_scoped() {
             // SAFETY: the allocation made in `new`, freed once, when neither the graph nor
             // any buffer of it is left.
             unsafe {

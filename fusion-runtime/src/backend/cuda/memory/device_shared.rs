@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{result, sys, CudaContext};
 
 use super::free_list::FreeList;
 use crate::backend::cuda::caller_stream::CallerChain;
@@ -37,6 +37,19 @@ impl DeviceShared {
             .map_err(|e| driver_err(&format!("binding device {}", self.ordinal), e))
     }
 
+    /// Makes this device's context current until the returned scope ends, then gives the
+    /// calling thread back the context it had: for frees and destructions, which run on
+    /// whatever thread drops the last handle (a rank's thread dropping another device's
+    /// buffer must not be left with that device's context current).
+    pub(crate) fn bind_scoped(&self) -> Result<ContextScope> {
+        let previous = result::ctx::get_current()
+            .map_err(|e| driver_err("reading the calling thread's current context", e))?;
+        self.bind()?;
+        Ok(ContextScope {
+            previous: previous.filter(|&p| p != self.ctx.cu_ctx()),
+        })
+    }
+
     /// Whether the device closed idle (see [`DeviceShared::closed`]).
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(std::sync::atomic::Ordering::Acquire)
@@ -66,5 +79,23 @@ impl DeviceShared {
                 backend: "cuda",
                 reason: format!("device {} is closed", self.ordinal),
             })
+    }
+}
+
+/// The context a thread had before [`DeviceShared::bind_scoped`], made current again when
+/// the scope ends.
+#[must_use = "the previous context comes back when the scope is dropped"]
+pub(crate) struct ContextScope {
+    previous: Option<sys::CUcontext>,
+}
+
+impl Drop for ContextScope {
+    fn drop(&mut self) {
+        if let Some(p) = self.previous {
+            // SAFETY: the context that was current on this thread when the scope began.
+            unsafe {
+                let _ = result::ctx::set_current(p);
+            }
+        }
     }
 }

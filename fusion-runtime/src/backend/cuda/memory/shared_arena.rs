@@ -268,9 +268,9 @@ impl SharedArena {
 
     /// Takes `chunk` back after the work queued on `stream`.
     fn release(&self, chunk: u32, stream: RawStream) {
-        if self.device.bind().is_err() {
+        let Ok(_scope) = self.device.bind_scoped() else {
             return;
-        }
+        };
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         if self.device.is_closed() {
             // The device closed idle (its streams are gone): the chunk is free now.
@@ -318,7 +318,7 @@ impl SharedArena {
 
 impl Drop for SharedArena {
     fn drop(&mut self) {
-        let _ = self.device.bind();
+        let _scope = self.device.bind_scoped();
         let inner = std::mem::take(&mut *self.inner.lock().unwrap_or_else(PoisonError::into_inner));
         for (_, ev) in inner.free {
             if let Some(e) = ev {
