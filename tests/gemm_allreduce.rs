@@ -19,8 +19,17 @@ fusion! {
 }
 
 const DEVICES: [usize; 4] = [2, 3, 4, 8];
-const K: usize = 64;
-const N: usize = 8192;
+
+/// Rows, element type, K and N of each case: the kernel's three variants over 128 tiles
+/// (N = 8192: 1 row with flags beside the data, 8 and 32 rows with the flag meeting), and
+/// its two parts of K over 64 tiles (N = 4096, Llama-8B's width).
+const CASES: [(usize, DType, usize, usize); 5] = [
+    (1, DType::BF16, 64, 8192),
+    (8, DType::F16, 64, 8192),
+    (32, DType::BF16, 64, 8192),
+    (1, DType::BF16, 128, 4096),
+    (12, DType::F16, 256, 4096),
+];
 
 fn apart() -> ExecOptions {
     let mut o = ExecOptions::default();
@@ -28,15 +37,15 @@ fn apart() -> ExecOptions {
     o
 }
 
-/// `sum over ranks j of x_j @ w_j`, in f64, row-major `[rows, N]`.
-fn reference(xs: &[f32], ws: &[f32], d: usize, rows: usize) -> Vec<f64> {
-    (0..rows * N)
+/// `sum over ranks j of x_j @ w_j` (`[rows, k] @ [k, n]`), in f64, row-major `[rows, n]`.
+fn reference(xs: &[f32], ws: &[f32], d: usize, [rows, k, n]: [usize; 3]) -> Vec<f64> {
+    (0..rows * n)
         .map(|i| {
-            let (r, c) = (i / N, i % N);
+            let (r, c) = (i / n, i % n);
             (0..d)
                 .map(|j| {
-                    (0..K)
-                        .map(|q| xs[(j * rows + r) * K + q] as f64 * ws[(j * K + q) * N + c] as f64)
+                    (0..k)
+                        .map(|q| xs[(j * rows + r) * k + q] as f64 * ws[(j * k + q) * n + c] as f64)
                         .sum::<f64>()
                 })
                 .sum()
@@ -52,13 +61,13 @@ fn error(got: &[f32], want: &[f64]) -> f64 {
         .fold(0f64, |m, (g, w)| m.max((*g as f64 - w).abs() / scale))
 }
 
-/// Every rank's result of the fused program in `world` of `d` ranks, at 1, 8 and 32 rows
-/// (the kernel's three variants on a GPU), against the program that keeps the GEMM and
-/// the Allreduce apart and the f64 sum.
+/// Every rank's result of the fused program in `world` of `d` ranks in every case of
+/// [`CASES`] (each of the kernel's variants on a GPU), against the program that keeps the
+/// GEMM and the Allreduce apart and the f64 sum.
 fn sums_like_the_gemm_and_allreduce_apart(world: &World, d: usize) {
-    for (rows, dt) in [(1, DType::BF16), (8, DType::F16), (32, DType::BF16)] {
-        let x_full = Tensor::randn(&[d, rows, K], dt, 7);
-        let w_full = Tensor::randn(&[d, K, N], dt, 8);
+    for (rows, dt, k, n) in CASES {
+        let x_full = Tensor::randn(&[d, rows, k], dt, 7);
+        let w_full = Tensor::randn(&[d, k, n], dt, 8);
         let (xs, ws) = (x_full.to_f32_vec().unwrap(), w_full.to_f32_vec().unwrap());
         let out = world
             .run(|rank| {
@@ -76,8 +85,8 @@ fn sums_like_the_gemm_and_allreduce_apart(world: &World, d: usize) {
                 ))
             })
             .unwrap();
-        let want = reference(&xs, &ws, d, rows);
-        let what = format!("{d} devices, {rows} rows, {dt:?}");
+        let want = reference(&xs, &ws, d, [rows, k, n]);
+        let what = format!("{d} devices, {rows} x {k} x {n}, {dt:?}");
         for (fused, kept, y, y_apart) in &out {
             assert!(fused.contains("GemmAllreduce"), "{what}: {fused}");
             assert!(!kept.contains("GemmAllreduce"), "{what}: {kept}");

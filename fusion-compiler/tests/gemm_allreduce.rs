@@ -66,7 +66,7 @@ fn a_decode_projection_is_one_kernel_per_rank() {
 }
 
 #[test]
-fn it_applies_to_bf16_and_f16_up_to_32_rows_on_any_world() {
+fn it_applies_to_bf16_and_f16_decode_rows_on_any_world() {
     for dt in [DType::BF16, DType::F16] {
         let (f, [m, k, n]) = row_parallel(dt, false);
         for d in [2, 3, 4, 8] {
@@ -78,6 +78,16 @@ fn it_applies_to_bf16_and_f16_up_to_32_rows_on_any_world() {
                     &LowerOptions::default(),
                 );
                 assert!(fused(&p), "{dt:?}, {d} devices, {rows} rows: {p}");
+            }
+            // Llama-8B's width: two parts of K a tile, up to 16 rows.
+            for rows in [1, 8, 16] {
+                let p = program(
+                    &f,
+                    [(m, rows), (k, 1024), (n, 4096)],
+                    d,
+                    &LowerOptions::default(),
+                );
+                assert!(fused(&p), "{dt:?}, {d} devices, {rows} rows of 4096: {p}");
             }
         }
     }
@@ -91,10 +101,12 @@ fn other_products_keep_their_gemm_and_allreduce() {
         let k = kinds(p);
         k.contains(&NodeKind::Matmul) && k.contains(&NodeKind::Communication)
     };
-    // More rows than the kernel takes, a narrow product, a partial stage.
+    // More rows than the kernel takes, at 4096 columns more than its two parts of K take,
+    // a narrow product, a partial stage.
     for shape in [
         [(m, 64), (k, 2048), (n, 8192)],
-        [(m, 8), (k, 2048), (n, 4096)],
+        [(m, 24), (k, 2048), (n, 4096)],
+        [(m, 8), (k, 2048), (n, 2048)],
         [(m, 8), (k, 2040), (n, 8192)],
     ] {
         let p = program(&f, shape, 4, &o);

@@ -23,19 +23,30 @@ use crate::ir::{IterKind, ParallelType, ReduceOp, ScalarId, TensorId};
 pub const GEMM_ALLREDUCE_TILE_COLUMNS: i64 = 64;
 
 /// Whether the kernel takes a product of `m` rows, `k` contracted and `n` output columns
-/// in `dtype`: bf16 or f16; at most 32 rows (measured faster than the GEMM + Allreduce at
-/// 1, 8 and 32 rows on 2 and 4 H100s; at 128 rows its GEMM is 2x slower than cuBLAS's);
-/// `k` a whole number of 64-element stages; `n` 120 to 128 tiles of 64 columns (one tile
-/// per SM in one wave; measured at 128 tiles, `n` = 8192: with half the SMs busy the GEMM
-/// alone was 1.4x slower).
+/// in `dtype` ([`gemm_allreduce_parts`] says how).
 pub fn gemm_allreduce_fits(m: i64, k: i64, n: i64, dtype: DType) -> bool {
+    gemm_allreduce_parts(m, k, n, dtype).is_some()
+}
+
+/// The parts of `k` the kernel splits a product of `m` rows, `k` contracted and `n` output
+/// columns in `dtype` into (blocks per tile of 64 columns), or `None` where it does not
+/// take it: bf16 or f16; at most 32 rows (measured faster than the GEMM + Allreduce at 1, 8
+/// and 32 rows on 2 and 4 H100s; at 128 rows its GEMM is 2x slower than cuBLAS's); `k` a
+/// whole number of 64-element stages in each part. One part for 120 to 128 tiles (one tile
+/// per SM in one wave; measured at 128 tiles, `n` = 8192: with half the SMs busy the GEMM
+/// alone was 1.4x slower); two for 60 to 64 tiles (`n` = 4096, a Llama-8B projection: a
+/// block per SM again) at most 16 rows, whose parts meet through flags beside the data.
+pub fn gemm_allreduce_parts(m: i64, k: i64, n: i64, dtype: DType) -> Option<i64> {
     let tile = GEMM_ALLREDUCE_TILE_COLUMNS;
-    matches!(dtype, DType::BF16 | DType::F16)
-        && (1..=32).contains(&m)
-        && k > 0
-        && k % 64 == 0
-        && n % tile == 0
-        && (120..=128).contains(&(n / tile))
+    if !matches!(dtype, DType::BF16 | DType::F16) || !(1..=32).contains(&m) || n % tile != 0 {
+        return None;
+    }
+    let parts = match n / tile {
+        120..=128 => 1,
+        60..=64 if m <= 16 => 2,
+        _ => return None,
+    };
+    (k > 0 && k % (64 * parts) == 0).then_some(parts)
 }
 
 /// Replaces every GEMM + Allreduce of `program` it applies to (see the module
@@ -179,7 +190,12 @@ mod tests {
         // Too many rows, a partial stage, too few or too many tiles, f32.
         assert!(!gemm_allreduce_fits(33, 2048, 8192, DType::BF16));
         assert!(!gemm_allreduce_fits(8, 2050, 8192, DType::BF16));
-        assert!(!gemm_allreduce_fits(8, 2048, 4096, DType::BF16));
+        assert_eq!(gemm_allreduce_parts(8, 2048, 8192, DType::BF16), Some(1));
+        assert_eq!(gemm_allreduce_parts(1, 1024, 4096, DType::BF16), Some(2));
+        assert_eq!(gemm_allreduce_parts(16, 3584, 4096, DType::F16), Some(2));
+        assert!(!gemm_allreduce_fits(17, 1024, 4096, DType::BF16));
+        assert!(!gemm_allreduce_fits(8, 1088, 4096, DType::BF16));
+        assert!(!gemm_allreduce_fits(8, 2048, 2048, DType::BF16));
         assert!(!gemm_allreduce_fits(8, 2048, 8256, DType::BF16));
         assert!(!gemm_allreduce_fits(8, 2048, 8192, DType::F32));
     }

@@ -3,14 +3,16 @@
 // Appended to `source.cu` (its workspace layout, flags, counters and helpers) and compiled
 // for compute capability 8.0 and up; measured in `bench/decode_gemm/allreduce_harness.cu`.
 //
-// Block b computes the 64 output columns of tile b over the whole K (one wave: the grid is
-// N / 64 <= GMAX blocks), streaming W and X through a ring of shared-memory stages
-// (cp.async, swizzled 128-byte rows) into mma.sync. Its partial tile, rounded to the
-// element type as a GEMM's output would be, goes into slot `rank` of the tile's area in
-// every rank's workspace; then the block sums the ranks' slots in rank order (the same bits
-// on every rank) into Y. Two ways to say a slot is there: data beside the call's flag in
-// every 16-byte store (`_ll`: no fence, twice the bytes; faster below 8 rows), or plain
-// stores and the block's flag meeting (`_flag`).
+// Block b computes the 64 output columns of tile b / KS over part b % KS of K (one wave:
+// the grid is N / 64 * KS <= GMAX blocks; KS = 2 gives N = 4096 a block per SM too),
+// streaming W and X through a ring of shared-memory stages (cp.async, swizzled 128-byte
+// rows) into mma.sync. Its partial tile, rounded to the element type as a GEMM's output
+// would be, goes into slot `rank * KS + part` of the tile's area in every rank's workspace;
+// then the tile's blocks sum its slots (part by part, each in rank order: the same bits on
+// every rank) into Y, each block a share of the tile. Two ways to say a slot is there: data
+// beside the call's flag in every 16-byte store (`_ll`: no fence, twice the bytes; faster
+// below 8 rows), or plain stores and the block's flag meeting (`_flag`, KS = 1 only: the
+// meeting is between the blocks of one index).
 #if !defined(DT_F32)
 #define GA_BN 64
 #define GA_BK 64
@@ -41,8 +43,9 @@ __device__ __forceinline__ void ga_mma(float* d, const u32* a, u32 b0, u32 b1) {
 // Chunk c (16 bytes) of row r of a 128-byte-row stage, at chunk c ^ (r & 7).
 __device__ __forceinline__ u32 ga_swz(u32 base, int r, int c) { return base + r * 128 + ((c ^ (r & 7)) << 4); }
 
-// MT: 16-row tiles of X (M <= 16 MT); LL: data beside its flags, else the flag meeting.
-template <int MT, bool LL>
+// MT: 16-row tiles of X (M <= 16 MT); LL: data beside its flags, else the flag meeting;
+// KS: the parts of K (blocks per tile).
+template <int MT, bool LL, int KS>
 __device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W, E* __restrict__ Y,
                                u64 M_, u64 K_, u64 N_, const Peers& P, int rank, int world, const Ctl& c) {
     BEGIN(8);
@@ -52,11 +55,13 @@ __device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W,
     const u32 sbase = (u32)__cvta_generic_to_shared(ga_smem);
     const int M = (int)M_, K = (int)K_, N = (int)N_;
     const int tid = threadIdx.x, lane = tid & 31, wk = tid >> 5;  // 4 warps split each stage's K
-    const int tile = blockIdx.x, n0 = tile * GA_BN, KT = K / GA_BK;
+    static_assert(KS == 1 || LL, "parts of K need flags beside the data");
+    const int tile = blockIdx.x / KS, part = blockIdx.x % KS, n0 = tile * GA_BN;
+    const int KT = K / GA_BK / KS, kbase = part * KT * GA_BK;
 
     auto load = [&](int kt, int s) {
         const u32 wb = sbase + s * STAGE, xb = wb + W_STAGE;
-        const int k0 = kt * GA_BK;
+        const int k0 = kbase + kt * GA_BK;
 #pragma unroll
         for (int i = 0; i < (GA_BK * 8) / GA_THREADS; ++i) {
             int q = tid + i * GA_THREADS, r = q >> 3, cc = q & 7;
@@ -120,7 +125,7 @@ __device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W,
             }
     __syncthreads();
     const u32 flag = s_par + 1u;
-    // One rank's slot of this tile: M x 64 elements (twice the bytes with flags beside).
+    // One part's slot of this tile: M x 64 elements (twice the bytes with flags beside).
     const u64 slot = (u64)M * GA_BN * sizeof(E) * (LL ? 2 : 1);
     const u64 area = LL ? c.usable_bytes : 0;  // the flagged area, or the half's start
     // Chunk (row, cc): 8 columns of the tile, one vector (LL: two packets).
@@ -135,7 +140,7 @@ __device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W,
             f[e] = s;
         }
         V4 v = pack(f);  // rounded as the GEMM's output would be
-        const u64 at = area + ((u64)tile * world + rank) * slot;
+        const u64 at = area + ((u64)tile * world * KS + rank * KS + part) * slot;
         for (int d = 0; d < world; ++d) {
             char* dst = (char*)AT((rank + d) % world) + at;
             if (LL) {
@@ -148,12 +153,24 @@ __device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W,
         }
     }
     if (!LL) MEET();
-    const char* mine = (const char*)AT(rank) + area + (u64)tile * world * slot;
+    const char* mine = (const char*)AT(rank) + area + (u64)tile * world * KS * slot;
     if (LL) {
-        // Packet p: elements 4p.. of the tile (row p / 16, columns 4 (p % 16)..).
-        for (int p = tid; p < M * GA_BN / 4; p += GA_THREADS) {
-            float s[PE];
-            if (!sum_flagged_slots(mine, (u64)M * GA_BN / 4, (u64)p, world, flag, c, OP, &s_failed, s)) break;
+        // Packet p: elements 4p.. of the tile (row p / 16, columns 4 (p % 16)..); the
+        // tile's blocks take every KS-th group of GA_THREADS packets.
+        const u64 packets = (u64)M * GA_BN / 4;
+        for (int p = part * GA_THREADS + tid; p < (int)packets; p += KS * GA_THREADS) {
+            float s[PE], t[PE];
+#pragma unroll
+            for (int k = 0; k < PE; ++k) s[k] = 0.f;
+            bool ok = true;
+#pragma unroll
+            for (int q = 0; q < KS && ok; ++q) {
+                // Part q's slots: rank r's at slot r * KS + q.
+                ok = sum_flagged_slots(mine + q * packets * 16, KS * packets, (u64)p, world, flag, c, OP, &s_failed, t);
+#pragma unroll
+                for (int k = 0; k < PE; ++k) s[k] += t[k];
+            }
+            if (!ok) break;
             int row = p / (GA_BN / 4), col = (p % (GA_BN / 4)) * 4;
 #pragma unroll
             for (int k = 0; k < PE; ++k) Y[(u64)row * N + n0 + col + k] = st1(s[k]);
@@ -170,12 +187,15 @@ __device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W,
 }
 
 extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_ll_m16(const E* X, const E* W, E* Y, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
-    gemm_allreduce<1, true>(X, W, Y, M, K, N, P, rank, world, c);
+    gemm_allreduce<1, true, 1>(X, W, Y, M, K, N, P, rank, world, c);
+}
+extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_ll_m16_k2(const E* X, const E* W, E* Y, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
+    gemm_allreduce<1, true, 2>(X, W, Y, M, K, N, P, rank, world, c);
 }
 extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_flag_m16(const E* X, const E* W, E* Y, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
-    gemm_allreduce<1, false>(X, W, Y, M, K, N, P, rank, world, c);
+    gemm_allreduce<1, false, 1>(X, W, Y, M, K, N, P, rank, world, c);
 }
 extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_flag_m32(const E* X, const E* W, E* Y, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
-    gemm_allreduce<2, false>(X, W, Y, M, K, N, P, rank, world, c);
+    gemm_allreduce<2, false, 1>(X, W, Y, M, K, N, P, rank, world, c);
 }
 #endif
