@@ -28,7 +28,7 @@ const CASES: [(usize, DType, usize, usize); 5] = [
     (8, DType::F16, 64, 8192),
     (32, DType::BF16, 64, 8192),
     (1, DType::BF16, 128, 4096),
-    (12, DType::F16, 256, 4096),
+    (8, DType::F16, 256, 4096),
 ];
 
 fn apart() -> ExecOptions {

@@ -23,27 +23,42 @@ use crate::ir::{IterKind, ParallelType, ReduceOp, ScalarId, TensorId};
 pub const GEMM_ALLREDUCE_TILE_COLUMNS: i64 = 64;
 
 /// Whether the kernel takes a product of `m` rows, `k` contracted and `n` output columns
-/// in `dtype` ([`gemm_allreduce_parts`] says how).
-pub fn gemm_allreduce_fits(m: i64, k: i64, n: i64, dtype: DType) -> bool {
-    gemm_allreduce_parts(m, k, n, dtype).is_some()
+/// in `dtype` on a world of `world` ranks ([`gemm_allreduce_parts`] says how).
+pub fn gemm_allreduce_fits(m: i64, k: i64, n: i64, dtype: DType, world: usize) -> bool {
+    gemm_allreduce_parts(m, k, n, dtype, world).is_some()
+}
+
+/// The most rows for which the kernel's partial tiles travel beside their flags (twice the
+/// bytes, no flag meeting) on `world` ranks; above them, plain stores and the meeting. On 4
+/// H100s (2026-11-27, `bench/results/2026-11-27-0321-gemm-ar-epilogues-h100x4/`), added to
+/// the GEMM at 8 / 12 / 16 rows of o_proj: beside 6.5-6.9 / 7.9-8.0 / 15.5-15.8 us, meeting
+/// 6.9-7.0 / 6.7 / 7.9-8.2; on 2 ranks beside 2.8-2.9 / 3.7-3.9 / 4.2, meeting 5.0-5.1 / 4.8-5.0
+/// / 5.0 (down_proj alike).
+pub fn gemm_allreduce_flag_beside_rows(world: usize) -> i64 {
+    if world <= 2 {
+        16
+    } else {
+        8
+    }
 }
 
 /// The parts of `k` the kernel splits a product of `m` rows, `k` contracted and `n` output
-/// columns in `dtype` into (blocks per tile of 64 columns), or `None` where it does not
-/// take it: bf16 or f16; at most 32 rows (measured faster than the GEMM + Allreduce at 1, 8
-/// and 32 rows on 2 and 4 H100s; at 128 rows its GEMM is 2x slower than cuBLAS's); `k` a
-/// whole number of 64-element stages in each part. One part for 120 to 128 tiles (one tile
-/// per SM in one wave; measured at 128 tiles, `n` = 8192: with half the SMs busy the GEMM
-/// alone was 1.4x slower); two for 60 to 64 tiles (`n` = 4096, a Llama-8B projection: a
-/// block per SM again) at most 16 rows, whose parts meet through flags beside the data.
-pub fn gemm_allreduce_parts(m: i64, k: i64, n: i64, dtype: DType) -> Option<i64> {
+/// columns in `dtype` into on `world` ranks (blocks per tile of 64 columns), or `None` where
+/// it does not take it: bf16 or f16; at most 32 rows (measured faster than the GEMM +
+/// Allreduce at 1, 8 and 32 rows on 2 and 4 H100s; at 128 rows its GEMM is 2x slower than
+/// cuBLAS's); `k` a whole number of 64-element stages in each part. One part for 120 to 128
+/// tiles (one tile per SM in one wave; measured at 128 tiles, `n` = 8192: with half the SMs
+/// busy the GEMM alone was 1.4x slower); two for 60 to 64 tiles (`n` = 4096, a Llama-8B
+/// projection: a block per SM again), whose parts meet only through flags beside the data,
+/// so up to [`gemm_allreduce_flag_beside_rows`].
+pub fn gemm_allreduce_parts(m: i64, k: i64, n: i64, dtype: DType, world: usize) -> Option<i64> {
     let tile = GEMM_ALLREDUCE_TILE_COLUMNS;
     if !matches!(dtype, DType::BF16 | DType::F16) || !(1..=32).contains(&m) || n % tile != 0 {
         return None;
     }
     let parts = match n / tile {
         120..=128 => 1,
-        60..=64 if m <= 16 => 2,
+        60..=64 if m <= gemm_allreduce_flag_beside_rows(world) => 2,
         _ => return None,
     };
     (k > 0 && k % (64 * parts) == 0).then_some(parts)
@@ -111,7 +126,7 @@ fn find(p: &HostProgram, at: usize, extent: &dyn Fn(ScalarId) -> Option<i64>) ->
     let same = [b, product, c.output]
         .iter()
         .all(|&t| p.ir.tensor(t).dtype == dtype);
-    (k == k2 && same && gemm_allreduce_fits(m, k, n, dtype)).then_some(Found {
+    (k == k2 && same && gemm_allreduce_fits(m, k, n, dtype, p.world_size)).then_some(Found {
         comm_at,
         shape: [m, k, n],
     })
@@ -184,19 +199,33 @@ mod tests {
 
     #[test]
     fn the_kernel_takes_decode_rows_of_wide_bf16_and_f16_products() {
-        assert!(gemm_allreduce_fits(1, 2048, 8192, DType::BF16));
-        assert!(gemm_allreduce_fits(32, 7168, 8192, DType::F16));
-        assert!(gemm_allreduce_fits(8, 64, 7680, DType::BF16));
+        let fits = |m, k, n, dt| gemm_allreduce_fits(m, k, n, dt, 4);
+        assert!(fits(1, 2048, 8192, DType::BF16));
+        assert!(fits(32, 7168, 8192, DType::F16));
+        assert!(fits(8, 64, 7680, DType::BF16));
         // Too many rows, a partial stage, too few or too many tiles, f32.
-        assert!(!gemm_allreduce_fits(33, 2048, 8192, DType::BF16));
-        assert!(!gemm_allreduce_fits(8, 2050, 8192, DType::BF16));
-        assert_eq!(gemm_allreduce_parts(8, 2048, 8192, DType::BF16), Some(1));
-        assert_eq!(gemm_allreduce_parts(1, 1024, 4096, DType::BF16), Some(2));
-        assert_eq!(gemm_allreduce_parts(16, 3584, 4096, DType::F16), Some(2));
-        assert!(!gemm_allreduce_fits(17, 1024, 4096, DType::BF16));
-        assert!(!gemm_allreduce_fits(8, 1088, 4096, DType::BF16));
-        assert!(!gemm_allreduce_fits(8, 2048, 2048, DType::BF16));
-        assert!(!gemm_allreduce_fits(8, 2048, 8256, DType::BF16));
-        assert!(!gemm_allreduce_fits(8, 2048, 8192, DType::F32));
+        assert!(!fits(33, 2048, 8192, DType::BF16));
+        assert!(!fits(8, 2050, 8192, DType::BF16));
+        assert!(!fits(8, 2048, 2048, DType::BF16));
+        assert!(!fits(8, 2048, 8256, DType::BF16));
+        assert!(!fits(8, 2048, 8192, DType::F32));
+    }
+
+    #[test]
+    fn two_parts_of_k_take_4096_columns_at_the_rows_flags_beside_the_data_take() {
+        let parts = |m, k, world| gemm_allreduce_parts(m, k, 4096, DType::BF16, world);
+        assert_eq!(
+            gemm_allreduce_parts(16, 2048, 8192, DType::BF16, 4),
+            Some(1)
+        );
+        assert_eq!(parts(1, 1024, 4), Some(2));
+        assert_eq!(parts(8, 3584, 8), Some(2));
+        assert_eq!(parts(9, 3584, 4), None);
+        assert_eq!(parts(16, 3584, 2), Some(2));
+        assert_eq!(parts(17, 3584, 2), None);
+        // Each part a whole number of stages.
+        assert_eq!(parts(8, 1088, 2), None);
+        assert_eq!(gemm_allreduce_flag_beside_rows(2), 16);
+        assert_eq!(gemm_allreduce_flag_beside_rows(3), 8);
     }
 }

@@ -36,7 +36,8 @@ pub use crate::options::{
 pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
 pub use gathered_gemm::choose_gathered_gemm;
 pub use gemm_allreduce::{
-    choose_gemm_allreduce, gemm_allreduce_fits, gemm_allreduce_parts, GEMM_ALLREDUCE_TILE_COLUMNS,
+    choose_gemm_allreduce, gemm_allreduce_fits, gemm_allreduce_flag_beside_rows,
+    gemm_allreduce_parts, GEMM_ALLREDUCE_TILE_COLUMNS,
 };
 use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};

@@ -7,7 +7,7 @@ use fusion_compiler::hir::{Communication, CommunicationKind, Transport};
 
 use super::buffers::axis_first;
 use super::{Collective, CudaCommunicator};
-use crate::backend::cuda::comm::peer_memory::{GemmCall, PeerCall, PeerMemory};
+use crate::backend::cuda::comm::peer_memory::{GemmCall, PeerCall};
 use crate::device::StreamHandle;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -142,7 +142,7 @@ impl CudaCommunicator {
             k,
             n,
         };
-        if !ampere || !same || (k2, m2, n2) != (k, m, n) || !PeerMemory::takes_gemm(&call) {
+        if !ampere || !same || (k2, m2, n2) != (k, m, n) || !pm.takes_gemm(&call) {
             return Ok(false);
         }
         let raw = self.device.raw_stream(s)?;

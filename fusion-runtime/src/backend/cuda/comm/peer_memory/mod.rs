@@ -175,10 +175,11 @@ fn source_for(dtype: DType) -> &'static str {
     }
 }
 
-/// The parts of K the fused GEMM splits `call` into (`None`: it does not take it).
-fn gemm_parts(call: &GemmCall) -> Option<i64> {
+/// The parts of K the fused GEMM splits `call` into on `world` ranks (`None`: it does not
+/// take it).
+fn gemm_parts(call: &GemmCall, world: usize) -> Option<i64> {
     let [m, k, n] = [call.m, call.k, call.n].map(|v| v as i64);
-    fusion_compiler::lower::gemm_allreduce_parts(m, k, n, call.dtype)
+    fusion_compiler::lower::gemm_allreduce_parts(m, k, n, call.dtype, world)
 }
 
 /// The fused GEMM's source for `dtype` (`None`: it takes bf16 and f16 only).
@@ -194,16 +195,16 @@ fn gemm_source_for(dtype: DType) -> Option<&'static str> {
     }
 }
 
-/// The fused GEMM's kernel for `m` rows in `parts` parts of K
-/// (`lower::gemm_allreduce_parts`) and its 16-row tiles: data beside its flags below 8 rows
-/// or in two parts (which only flags beside the data join), the flag meeting from 8
-/// (`bench/results/2026-11-27-0100-decode-fused-gemm-ar-h100x4/`: 17.2 against 18.8 us at
-/// one row, 19.5 against 20.0 at 8 rows of o_proj on 4 H100s).
-fn gemm_kernel_for(m: usize, parts: i64) -> (&'static str, u32) {
+/// The fused GEMM's kernel for `m` rows in `parts` parts of K on `world` ranks
+/// (`lower::gemm_allreduce_parts`) and its 16-row tiles: data beside its flags up to
+/// `lower::gemm_allreduce_flag_beside_rows` (and always in two parts, which only flags
+/// beside the data join), the flag meeting above.
+fn gemm_kernel_for(m: usize, parts: i64, world: usize) -> (&'static str, u32) {
+    let beside = m as i64 <= fusion_compiler::lower::gemm_allreduce_flag_beside_rows(world);
     match (m, parts) {
         (_, 2) => ("peer_gemm_allreduce_ll_m16_k2", 1),
-        (0..=7, _) => ("peer_gemm_allreduce_ll_m16", 1),
-        (8..=16, _) => ("peer_gemm_allreduce_flag_m16", 1),
+        (0..=16, _) if beside => ("peer_gemm_allreduce_ll_m16", 1),
+        (0..=16, _) => ("peer_gemm_allreduce_flag_m16", 1),
         _ => ("peer_gemm_allreduce_flag_m32", 2),
     }
 }
@@ -365,8 +366,9 @@ impl PeerMemory {
 impl PeerMemory {
     /// Whether the fused GEMM takes `call` (see `lower::gemm_allreduce_fits`; the caller
     /// checks the layouts).
-    pub(crate) fn takes_gemm(call: &GemmCall) -> bool {
-        gemm_parts(call).is_some_and(|parts| call.n / 64 * parts as usize <= MAX_GRID)
+    pub(crate) fn takes_gemm(&self, call: &GemmCall) -> bool {
+        gemm_parts(call, self.world_size)
+            .is_some_and(|parts| call.n / 64 * parts as usize <= MAX_GRID)
     }
 
     /// Enqueues the GEMM + Allreduce `call` on `stream` of `device`: one kernel, one block
@@ -386,14 +388,14 @@ impl PeerMemory {
                 ),
             });
         };
-        let parts = gemm_parts(&call).ok_or_else(|| Error::Communication {
+        let parts = gemm_parts(&call, self.world_size).ok_or_else(|| Error::Communication {
             rank: self.rank,
             reason: format!(
                 "the GEMM + Allreduce kernel does not take {} x {} x {} (lower::gemm_allreduce_parts)",
                 call.m, call.k, call.n
             ),
         })?;
-        let (name, tiles) = gemm_kernel_for(call.m, parts);
+        let (name, tiles) = gemm_kernel_for(call.m, parts, self.world_size);
         let shared_bytes = GEMM_STAGES * (GEMM_STAGE_BYTES + tiles * GEMM_X_STAGE_BYTES_PER_TILE);
         let shared = device.shared();
         let f = device.kernels.function_with(
@@ -444,11 +446,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_fused_gemm_takes_flags_beside_the_data_below_8_rows() {
-        assert_eq!(gemm_kernel_for(1, 1).0, "peer_gemm_allreduce_ll_m16");
-        assert_eq!(gemm_kernel_for(8, 1), ("peer_gemm_allreduce_flag_m16", 1));
-        assert_eq!(gemm_kernel_for(32, 1), ("peer_gemm_allreduce_flag_m32", 2));
-        assert_eq!(gemm_kernel_for(8, 2), ("peer_gemm_allreduce_ll_m16_k2", 1));
+    fn the_fused_gemm_takes_flags_beside_the_data_up_to_the_measured_rows() {
+        assert_eq!(gemm_kernel_for(1, 1, 4).0, "peer_gemm_allreduce_ll_m16");
+        assert_eq!(gemm_kernel_for(8, 1, 4).0, "peer_gemm_allreduce_ll_m16");
+        assert_eq!(
+            gemm_kernel_for(9, 1, 4),
+            ("peer_gemm_allreduce_flag_m16", 1)
+        );
+        assert_eq!(gemm_kernel_for(16, 1, 2).0, "peer_gemm_allreduce_ll_m16");
+        assert_eq!(
+            gemm_kernel_for(32, 1, 2),
+            ("peer_gemm_allreduce_flag_m32", 2)
+        );
+        assert_eq!(
+            gemm_kernel_for(8, 2, 4),
+            ("peer_gemm_allreduce_ll_m16_k2", 1)
+        );
         assert!(gemm_source_for(DType::F32).is_none());
         assert!(gemm_source_for(DType::BF16)
             .is_some_and(|s| s.contains("peer_gemm_allreduce_flag_m32")));
