@@ -33,8 +33,9 @@ one GPU or more:
                           (default: every GPU) under torchrun: fusions against candle's own
                           TP; part decode (1, 8, 64 tokens, eager and --graph), prefill
                           (512 and 2048 tokens, median of 20) or all
-  decode [gpus]           decode_bench (Allreduce 4 KB-64 MB, GEMM + Allreduce at Llama-70B
-                          decode shapes) and PyTorch's Allreduce (NCCL, symm_mem) alike, then
+  decode [gpus]           decode_bench (Allreduce 4 KB-64 MB, GEMM + Allreduce at Llama-70B's
+                          and Llama-8B's decode shapes) and PyTorch's Allreduce (NCCL,
+                          symm_mem) alike, then
                           the peer-memory Allreduce kernels one by one and a GEMM with the
                           Allreduce in its epilogue where nvcc is found
   hopper-gemm             the persistent Hopper GEMM against cuBLAS (tests/hopper_gemm.rs),
@@ -389,6 +390,10 @@ task_decode() {
     gpus_info >"$OUT/machine.txt" 2>&1
     step "decode-bench-d$gpus" 240 "$BIN/decode_bench" --json "$OUT/decode-d$gpus.jsonl"
     step "decode-bench-graph-d$gpus" 240 "$BIN/decode_bench" --graph --json "$OUT/decode-graph-d$gpus.jsonl"
+    # Llama-8B's row-parallel projections (4096 columns: the fused kernel's two parts of K),
+    # the candle layer's shapes.
+    step "decode-bench-8b-graph-d$gpus" 120 "$BIN/decode_bench" --graph --sizes "" --gather-sizes "" \
+        --gemms "o_proj_8b:4096:4096;down_proj_8b:14336:4096" --rows 1,8,16 --json "$OUT/decode-8b-graph-d$gpus.jsonl"
     step "torch-allreduce-d$gpus" 240 torchrun --nproc-per-node "$gpus" bench/torch_allreduce.py
     # The Allreduce kernels one by one (bench/peer_memory/harness.cu), where nvcc is found.
     local harness=${TMPDIR:-/tmp}/fusion-peer-allreduce-bench
@@ -404,7 +409,7 @@ task_decode() {
         summary+=("peer-kernels: skipped, no nvcc on the PATH")
     fi
     cat "$OUT/machine.txt"
-    grep -h '^| ' "$OUT/decode-bench-graph-d$gpus.log" "$OUT/decode-bench-d$gpus.log"
+    grep -h '^| ' "$OUT/decode-bench-graph-d$gpus.log" "$OUT/decode-bench-8b-graph-d$gpus.log" "$OUT/decode-bench-d$gpus.log"
     grep -h '^torch' "$OUT/torch-allreduce-d$gpus.log"
     [ -f "$OUT/peer-kernels-d$gpus.log" ] && tail -15 "$OUT/peer-kernels-d$gpus.log"
     [ -f "$OUT/gemm-allreduce-d$gpus.log" ] && grep '^|' "$OUT/gemm-allreduce-d$gpus.log"
