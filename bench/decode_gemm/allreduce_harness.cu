@@ -1,7 +1,12 @@
 // A decode-size GEMM whose epilogue does the Allreduce (the row-parallel projections of a
 // tensor-parallel decode step: Y = sum over ranks of X_r W_r), against cuBLAS's GEMM alone,
-// on every GPU of one process (peer access between them). Not in the runtime yet: it
-// measures whether the Allreduce can hide inside the GEMM at decode sizes.
+// on every GPU of one process (peer access between them). It measured whether the
+// Allreduce can hide inside the GEMM at decode sizes; the runtime's kernel
+// (`fusion-runtime/src/backend/cuda/comm/peer_memory/gemm_allreduce.cu`, one tile a block,
+// both epilogues, two parts of K at 4096 columns) grew from it. This copy stays as the
+// bench for variants the runtime does not run (the GEMM alone against cuBLAS with cold
+// weights, several tiles a block): a variant that wins here moves there, measured again
+// through `decode_bench`.
 //
 // The kernel: 64 output columns per tile, one tile per block (N / 64 blocks, one wave) or
 // several one after another (/2: half the blocks), M <= 128 rows padded to 16s, the whole K
