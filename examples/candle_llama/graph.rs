@@ -98,11 +98,12 @@ impl StepGraph {
         Ok(step)
     }
 
-    /// Nodes of the recorded graph (none on the CPU) and the fusion calls in it.
-    pub fn size(&self) -> Option<(usize, usize)> {
+    /// Nodes of the recorded graph (none on the CPU), the fusion calls in it and its nodes
+    /// by kind (those of child graphs counted in).
+    pub fn size(&self) -> Option<(usize, usize, String)> {
         #[cfg(feature = "candle-cuda")]
         if let Some(g) = &self.graph {
-            return Some((g.nodes, self.calls));
+            return Some((g.nodes, self.calls, g.kinds.clone()));
         }
         None
     }
@@ -154,10 +155,11 @@ mod cuda {
 
     use fusion::runtime::cudarc::driver::{sys, CudaGraph, CudaStream, DriverError};
 
-    /// A recorded step and its node count.
+    /// A recorded step, its node count and its nodes by kind.
     pub struct Recorded {
         graph: CudaGraph,
         pub nodes: usize,
+        pub kinds: String,
     }
 
     impl Recorded {
@@ -198,11 +200,63 @@ mod cuda {
         graph
             .upload()
             .map_err(|e| driver("uploading the step's graph", e))?;
-        let mut nodes = 0usize;
-        // SAFETY: counting the nodes of the valid graph `graph` owns.
-        unsafe {
-            let _ = sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut nodes);
+        let mut counts = std::collections::BTreeMap::new();
+        let nodes = count_nodes(graph.cu_graph(), &mut counts);
+        let kinds = counts
+            .iter()
+            .map(|(kind, n)| format!("{n} {kind}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Ok(Recorded {
+            graph,
+            nodes,
+            kinds,
+        })
+    }
+
+    /// The nodes of `graph` (returned) and, into `counts`, those of it and of its child
+    /// graphs by kind (`kernel`, `memcpy`, `graph`...): what a replay launches.
+    fn count_nodes(
+        graph: sys::CUgraph,
+        counts: &mut std::collections::BTreeMap<String, usize>,
+    ) -> usize {
+        let mut n = 0usize;
+        // SAFETY: listing the nodes of a valid graph into an array of the size it gave.
+        let nodes = unsafe {
+            if sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n)
+                != sys::CUresult::CUDA_SUCCESS
+            {
+                return 0;
+            }
+            let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+            if sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n)
+                != sys::CUresult::CUDA_SUCCESS
+            {
+                return 0;
+            }
+            nodes.truncate(n);
+            nodes
+        };
+        for node in nodes {
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: a node of `graph`, queried.
+            if unsafe { sys::cuGraphNodeGetType(node, &mut kind) } != sys::CUresult::CUDA_SUCCESS {
+                continue;
+            }
+            let name = format!("{kind:?}")
+                .trim_start_matches("CU_GRAPH_NODE_TYPE_")
+                .to_lowercase();
+            *counts.entry(name).or_default() += 1;
+            if kind == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_GRAPH {
+                let mut child: sys::CUgraph = std::ptr::null_mut();
+                // SAFETY: the child graph of a child graph node, owned by the node.
+                if unsafe { sys::cuGraphChildGraphNodeGetGraph(node, &mut child) }
+                    == sys::CUresult::CUDA_SUCCESS
+                {
+                    count_nodes(child, counts);
+                }
+            }
         }
-        Ok(Recorded { graph, nodes })
+        n
     }
 }

@@ -78,9 +78,10 @@ pub fn print(world: &World, args: &Args, plan: &Plan, cfg: Config, runs: &[RankR
     if plan.decode_steps() > 0 {
         step_lines("decode", ranks, decode_ms, &calls.1);
     }
-    if let Some((nodes, calls)) = first.graph {
+    if let Some((nodes, calls, kinds)) = &first.graph {
         println!(
-            "  the recorded decode step: one CUDA graph of {nodes} nodes, {calls} fusion calls"
+            "  the recorded decode step: one CUDA graph of {nodes} nodes, {calls} fusion calls \
+             (by kind, child graphs' nodes counted in: {kinds})"
         );
     }
     println!(

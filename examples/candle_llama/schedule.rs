@@ -46,8 +46,9 @@ pub struct RankRun {
     /// How this rank's fusion calls ran in the timed prefill and decode steps.
     pub prefill_calls: Replays,
     pub decode_calls: Replays,
-    /// Nodes of the recorded decode step and the fusion calls in it (`--graph` on a GPU).
-    pub graph: Option<(usize, usize)>,
+    /// Nodes of the recorded decode step, the fusion calls in it and its nodes by kind,
+    /// child graphs' counted in (`--graph` on a GPU).
+    pub graph: Option<(usize, usize, String)>,
     /// Every rank's times, in rank order.
     pub ranks: Vec<RankTimes>,
     /// Relative error of every checked output (rank 0 only): the first prefill, then
