@@ -202,7 +202,12 @@ impl CallerChain {
         }
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let late = ChainState::event(&mut st.late)?;
-        order(late, stream, raw(caller), "join_caller")
+        order(
+            late,
+            stream,
+            raw(caller),
+            "freeing memory a call on it used",
+        )
     }
 
     /// Destroys the chain's events (the device's streams are idle) and frees what callers'
@@ -265,7 +270,7 @@ impl CallerChain {
             Self::not_capturing(s, ordinal)?;
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let join = ChainState::event(&mut st.join)?;
-            order(join, main.0, raw(s), "begin_walk")?;
+            order(join, main.0, raw(s), "before a call run step by step")?;
         }
         Ok(())
     }
@@ -281,7 +286,7 @@ impl CallerChain {
             let main = main()?;
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let join = ChainState::event(&mut st.join)?;
-            order(join, raw(s), main.0, "end_walk")?;
+            order(join, raw(s), main.0, "after a call run step by step")?;
             st.synced = Some((s.clone(), self.epoch.load(Ordering::Acquire)));
             // The caller's work after the call may read its outputs: frees join it first.
             st.last = Some(s.clone());
@@ -322,7 +327,7 @@ impl CallerChain {
         self.after_callers(main.0, true)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let join = ChainState::event(&mut st.join)?;
-        order(join, raw(s), main.0, "begin_replay")?;
+        order(join, raw(s), main.0, "before a replayed call")?;
         st.synced = Some((s.clone(), epoch));
         Ok(())
     }
