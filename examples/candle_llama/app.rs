@@ -66,10 +66,11 @@ pub struct Args {
     /// Run the whole layer in candle alone on every rank (no communication)
     #[arg(long)]
     pub candle_only: bool,
-    /// Print where each eager step's time goes, part by part (norm and column-parallel
-    /// GEMMs, attention, each row-parallel projection and its sum, ...), each rank's
-    /// medians: on a GPU the time of candle's stream between marks (kernels, and waits
-    /// for the host to launch them), and beside it the host's time to issue each part
+    /// Print where each step's time goes, part by part (norm and column-parallel GEMMs,
+    /// attention, each row-parallel projection and its sum, ...), each rank's medians: on
+    /// a GPU the time of candle's stream between marks (kernels, and waits for the host to
+    /// launch them), and beside it the host's time to issue each part; with `--graph`, the
+    /// replayed graph's time between event nodes recorded at the marks
     #[arg(long)]
     pub sections: bool,
 }

@@ -33,6 +33,7 @@ use fusion::prelude::*;
 
 use crate::calls::Replays;
 use crate::layer::{Form, RankLayer, StepIn};
+use crate::sections::Sections;
 
 /// Warm-up runs of the step before it is recorded: the first compiles kernels, makes the
 /// GEMM plans and lowers the fusions; the second captures the fusions' own graphs.
@@ -55,7 +56,10 @@ pub struct StepGraph {
 impl StepGraph {
     /// Records `layer`'s step in `form` on `call` (the rank on candle's stream) for inputs
     /// shaped like `x` and `positions`, after warm-up runs with those values (which write
-    /// the keys and values of those positions into the cache, as the real step will).
+    /// the keys and values of those positions into the cache, as the real step will). With
+    /// `sections`, the recorded step keeps its parts' marks (`layer.sections`, read after
+    /// each replay with [`Sections::finish_replay`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn record(
         layer: &mut RankLayer,
         call: &dyn CallTarget,
@@ -63,6 +67,7 @@ impl StepGraph {
         x: &CTensor,
         positions: &CTensor,
         device: &Device,
+        sections: bool,
     ) -> fusion_candle::Result<Self> {
         #[allow(unused_mut)]
         let mut step = StepGraph {
@@ -87,13 +92,29 @@ impl StepGraph {
             step.run(layer, call)?;
         }
         layer.calls.take();
+        if sections {
+            let mut s = Sections::new(device);
+            s.begin_recording();
+            layer.sections = Some(s);
+        }
+        // The recorded body, its marks (`--sections`) closed inside it.
+        let body = |step: &StepGraph, layer: &mut RankLayer| -> fusion_candle::Result<()> {
+            step.run(layer, call)?;
+            if let Some(s) = layer.sections.as_mut() {
+                s.end_recording()?;
+            }
+            Ok(())
+        };
         #[cfg(feature = "candle-cuda")]
         if let Some(stream) = fusion_candle::stream_of(device) {
             // candle's allocations inside the capture come from the default pool: a
             // launched world's exportable pool cannot hand out graph memory.
             let _pool = call.target().rank().graph_allocations()?;
-            step.graph = Some(cuda::record(&stream, || step.run(layer, call))?);
+            step.graph = Some(cuda::record(&stream, || body(&step, layer))?);
+            step.calls = layer.calls.take().calls;
+            return Ok(step);
         }
+        body(&step, layer)?;
         step.calls = layer.calls.take().calls;
         Ok(step)
     }

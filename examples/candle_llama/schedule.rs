@@ -157,6 +157,8 @@ pub fn run_rank(rank: &Rank, s: &Setup) -> fusion_candle::Result<RankRun> {
         .map(|i| StepData::new(s, rank, &device, plan.decode_form, p + i * t, t))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let graph = warm_up(&mut layer, call, &plan, prefill.as_ref(), &decode, &device)?;
+    // The recorded step's marks (`--graph --sections`), kept for its replays.
+    let recorded_sections = layer.sections.take();
     device.synchronize()?;
     rank.synchronize()?;
     let clock = Clock {
@@ -172,7 +174,10 @@ pub fn run_rank(rank: &Rank, s: &Setup) -> fusion_candle::Result<RankRun> {
         prefilled = time_prefill(&mut layer, call, &clock, p, plan.prefill_reps())?;
     }
     let prefill_sections = layer.sections.take();
-    layer.sections = sections(plan.sections && graph.is_none() && !decode.is_empty());
+    layer.sections = match graph {
+        Some(_) => recorded_sections,
+        None => sections(plan.sections && !decode.is_empty()),
+    };
     let decoded = time_decode(&mut layer, call, &clock, &decode, graph.as_ref())?;
     for (kind, s) in [
         ("prefill", prefill_sections),
@@ -279,6 +284,7 @@ fn warm_up(
             &d.x,
             &d.positions,
             device,
+            plan.sections,
         )?),
         _ => {
             for d in decode.iter().take(2) {
@@ -356,7 +362,10 @@ fn time_decode(
             }
         })?;
         if let Some(s) = layer.sections.as_mut() {
-            s.finish_step()?;
+            match graph {
+                Some(_) => s.finish_replay()?,
+                None => s.finish_step()?,
+            }
         }
         out.ms.push(ms);
         out.calls.add(&calls);
