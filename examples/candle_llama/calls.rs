@@ -86,6 +86,10 @@ pub struct FusionCalls {
     device: Device,
     slots: HashMap<(&'static str, Vec<usize>), Slot>,
     pub options: ExecOptions,
+    /// Calls pass the activation itself, not a copy in their slot: while a step is being
+    /// recorded into a graph of the caller's, whose addresses the capture fixes anyway
+    /// (`graph.rs`), the copy would be one more node a step for each call.
+    pub direct: bool,
     /// How the calls ran since the last [`FusionCalls::take`].
     replays: Replays,
 }
@@ -98,6 +102,7 @@ impl FusionCalls {
             device: device.clone(),
             slots: HashMap::new(),
             options: ExecOptions::default(),
+            direct: false,
             replays: Replays::default(),
         }
     }
@@ -140,8 +145,14 @@ impl FusionCalls {
             self.slots.insert(key.clone(), Slot { input, view, out });
         }
         let slot = &self.slots[&key];
-        slot.input.slice_set(&act.contiguous()?, 0, 0)?;
-        let mut inputs = vec![&slot.view];
+        let direct;
+        let mut inputs = if self.direct {
+            direct = fusion_candle::input(&rank, name, &act.contiguous()?)?;
+            vec![&direct]
+        } else {
+            slot.input.slice_set(&act.contiguous()?, 0, 0)?;
+            vec![&slot.view]
+        };
         inputs.extend(weights);
         let report = exec.run_with(call, &inputs, Some(&[&slot.out.tensor()]), &self.options)?;
         self.replays.count(&report.replay);

@@ -11,9 +11,8 @@
 //! - positions reach the step only as that device tensor: the rotary rows, the KV cache
 //!   rows written and the causal mask all come from it (`cache.rs`), and attention reads
 //!   the whole cache (masked past each query), so one graph serves every position;
-//! - the fusion calls' activations and outputs sit in their slots (`calls.rs`), so the
-//!   programs the runtime records into this capture read and write where their own
-//!   graphs, captured during the warm-up runs, did;
+//! - the fusion calls' outputs sit in their slots (`calls.rs`); their activations are
+//!   passed as they are (no copy into the slot: the capture fixes their addresses);
 //! - everything else candle allocates while the step runs is allocated and freed inside
 //!   the capture (every temporary is dropped before the capture ends): cudarc allocates
 //!   with `cuMemAllocAsync` on candle's stream, which a capture records as graph memory
@@ -110,7 +109,10 @@ impl StepGraph {
             // candle's allocations inside the capture come from the default pool: a
             // launched world's exportable pool cannot hand out graph memory.
             let _pool = call.target().rank().graph_allocations()?;
-            step.graph = Some(cuda::record(&stream, || body(&step, layer))?);
+            layer.calls.direct = true;
+            let recorded = cuda::record(&stream, || body(&step, layer));
+            layer.calls.direct = false;
+            step.graph = Some(recorded?);
             step.calls = layer.calls.take().calls;
             return Ok(step);
         }
