@@ -4,7 +4,7 @@
 //!
 //! The runtime replays a call's graph only while the call's inputs and outputs sit where
 //! they sat when it was captured. A candle activation is a fresh allocation every step, so
-//! each call copies its activation into its slot's input (a few kilobytes when decoding)
+//! each call copies its activations into its slot's inputs (a few kilobytes when decoding)
 //! and writes its output into the slot's `OutputBuffer`, which candle then reads in place.
 
 use std::collections::BTreeMap;
@@ -72,11 +72,11 @@ impl Replays {
     }
 }
 
-/// A call's activation input and output, kept at one address across the steps of one
+/// A call's activation inputs and output, kept at one address across the steps of one
 /// shape.
 struct Slot {
-    input: CTensor,
-    view: fusion::Tensor,
+    /// Each activation's buffer and the fusion input viewing it.
+    inputs: Vec<(CTensor, fusion::Tensor)>,
     out: OutputBuffer,
 }
 
@@ -112,47 +112,65 @@ impl FusionCalls {
         std::mem::take(&mut self.replays)
     }
 
-    /// One fusion call: `act` (this step's activation, named `name` in errors) and
-    /// `weights` in, an output of `out_shape` back as a candle tensor, without copies
-    /// between the libraries. On a GPU the activation and output live in the slot of this
-    /// call and shape, and the returned tensor shares the slot's output: read it before
-    /// the next call of the same slot (candle's stream orders that).
+    /// One fusion call: `acts` (this step's activations, each with its name in errors)
+    /// and `weights` in, in the fusion's order (activations first), an output of
+    /// `out_shape` back as a candle tensor, without copies between the libraries. On a GPU
+    /// the activations and output live in the slot of this call and shape (the first
+    /// activation's name and every activation's shape), and the returned tensor shares the
+    /// slot's output: read it before the next call of the same slot (candle's stream
+    /// orders that).
     pub fn call(
         &mut self,
         call: &dyn CallTarget,
         exec: &FusionExecutor,
-        name: &'static str,
-        act: &CTensor,
+        acts: &[(&'static str, &CTensor)],
         weights: &[&fusion::Tensor],
         out_shape: &[usize],
     ) -> fusion_candle::Result<CTensor> {
         let rank = call.target().rank().clone();
+        let name = acts.first().map_or("activation", |a| a.0);
         if self.device.is_cpu() {
-            let input = fusion_candle::input(&rank, name, act)?;
+            let given = acts
+                .iter()
+                .map(|(n, a)| fusion_candle::input(&rank, n, a))
+                .collect::<fusion_candle::Result<Vec<_>>>()?;
             let out = OutputBuffer::new(&rank, name, self.dtype, out_shape, &self.device)?;
-            let mut inputs = vec![&input];
+            let mut inputs: Vec<&fusion::Tensor> = given.iter().collect();
             inputs.extend(weights);
             let report = exec.run_with(call, &inputs, Some(&[&out.tensor()]), &self.options)?;
             self.replays.count(&report.replay);
             drop(report);
             return out.into_candle();
         }
-        let key = (name, act.dims().to_vec());
+        let dims: Vec<usize> = acts.iter().flat_map(|(_, a)| a.dims().to_vec()).collect();
+        let key = (name, dims);
         if !self.slots.contains_key(&key) {
-            let input = CTensor::zeros(act.dims(), self.dtype, &self.device)?;
-            let view = fusion_candle::input(&rank, name, &input)?;
+            let mut inputs = Vec::new();
+            for (n, a) in acts {
+                let buffer = CTensor::zeros(a.dims(), self.dtype, &self.device)?;
+                let view = fusion_candle::input(&rank, n, &buffer)?;
+                inputs.push((buffer, view));
+            }
             let out = OutputBuffer::new(&rank, name, self.dtype, out_shape, &self.device)?;
-            self.slots.insert(key.clone(), Slot { input, view, out });
+            self.slots.insert(key.clone(), Slot { inputs, out });
         }
         let slot = &self.slots[&key];
-        let direct;
-        let mut inputs = if self.direct {
-            direct = fusion_candle::input(&rank, name, &act.contiguous()?)?;
-            vec![&direct]
-        } else {
-            slot.input.slice_set(&act.contiguous()?, 0, 0)?;
-            vec![&slot.view]
+        let direct = match self.direct {
+            true => acts
+                .iter()
+                .map(|(n, a)| fusion_candle::input(&rank, n, &a.contiguous()?))
+                .collect::<fusion_candle::Result<Vec<_>>>()?,
+            false => Vec::new(),
         };
+        let mut inputs: Vec<&fusion::Tensor> = Vec::new();
+        if self.direct {
+            inputs.extend(direct.iter());
+        } else {
+            for ((buffer, view), (_, a)) in slot.inputs.iter().zip(acts) {
+                buffer.slice_set(&a.contiguous()?, 0, 0)?;
+                inputs.push(view);
+            }
+        }
         inputs.extend(weights);
         let report = exec.run_with(call, &inputs, Some(&[&slot.out.tensor()]), &self.options)?;
         self.replays.count(&report.replay);

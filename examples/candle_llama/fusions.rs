@@ -1,10 +1,12 @@
 //! The tensor-parallel parts of a Llama decoder layer as fusions, in the layer's two forms.
 //!
-//! - Tensor-parallel (`row_parallel`): every rank holds every token (activations
-//!   replicated); the column-parallel projections (Q, K, V, gate, up) are local GEMMs in
-//!   candle, and each row-parallel projection (attention output, down) is one fusion: the
-//!   GEMM of this rank's block of the contracted dimension followed by the AllReduce of the
-//!   partial sums, like the `matmul_ar` example.
+//! - Tensor-parallel: every rank holds every token (activations replicated). A decode step
+//!   (`row_residual`, `mlp_residual`) makes two calls: the attention output's projection +
+//!   AllReduce + residual, and the whole gated MLP (its gate and up GEMMs of this rank's FFN
+//!   columns, SiLU and product, the down GEMM + AllReduce, the residual); Q, K and V are a
+//!   local GEMM in candle. Steps of many tokens (`row_parallel`) keep the column-parallel
+//!   GEMMs in candle and chunk each row-parallel projection (attention output, down) so
+//!   that the AllReduce of one chunk overlaps the next chunk's GEMM.
 //! - Sequence-parallel (`qkv`, `out_proj`, `gated_mlp`): each rank holds `m` rows (tokens)
 //!   of the layer's input; the fusions gather the rows, project them for this rank's heads
 //!   and columns, and reduce-scatter the row-parallel sums back to each rank's rows.
@@ -32,6 +34,42 @@ fusion! {
     ) -> Tensor<T, [s @ Stream, m, n]> {
         let partial: Tensor<T, [s @ Stream, d @ DIDx, m, n]> = matmul(a, w);
         sum(partial, 1)
+    }
+
+    /// Row-parallel projection + AllReduce + the residual, one step's tokens unchunked (a
+    /// decode step): a `[d @ DIDx, m, k]` (this rank's block of the contracted dimension),
+    /// res `[m, n]` (the residual stream, the same on every rank), w `[d @ DIDx, k, n]` ->
+    /// `res` plus the sum over ranks of `a w`, on every rank. One call does what the layer
+    /// did with a fusion and candle's add.
+    #[allow(dead_code)] // called through `row_residual::executor()`, with output buffers
+    pub fn row_residual<T: Float, d, m, k, n>(
+        a: Tensor<T, [d @ DIDx, m, k]>,
+        res: Tensor<T, [m, n]>,
+        w: Tensor<T, [d @ DIDx, k, n]>,
+    ) -> Tensor<T, [m, n]> {
+        let partial: Tensor<T, [d @ DIDx, m, n]> = matmul(a, w);
+        res + sum(partial, 0)
+    }
+
+    /// The SiLU-gated MLP of the tensor-parallel form with its residual, one step's tokens
+    /// unchunked: hn `[d @ DIDx, m, h]` (the normed activation, the same on every rank),
+    /// res `[m, h]`, wg and wu `[d @ DIDx, h, f]` (this rank's FFN columns), wd
+    /// `[d @ DIDx, f, h]` (their rows of Wd^T) -> `res + sum_ranks((silu(hn wg) * (hn wu))
+    /// wd)`. One call does what the layer did with candle's two GEMMs, SiLU, product and
+    /// add and a fusion.
+    #[allow(dead_code)] // called through `mlp_residual::executor()`, with output buffers
+    pub fn mlp_residual<T: Float, d, m, h, f>(
+        hn: Tensor<T, [d @ DIDx, m, h]>,
+        res: Tensor<T, [m, h]>,
+        wg: Tensor<T, [d @ DIDx, h, f]>,
+        wu: Tensor<T, [d @ DIDx, h, f]>,
+        wd: Tensor<T, [d @ DIDx, f, h]>,
+    ) -> Tensor<T, [m, h]> {
+        // Both GEMMs first, so that SiLU and the product run as one elementwise kernel.
+        let gate: Tensor<T, [d @ DIDx, m, f]> = matmul(hn, wg);
+        let up: Tensor<T, [d @ DIDx, m, f]> = matmul(hn, wu);
+        let partial: Tensor<T, [d @ DIDx, m, h]> = matmul(silu(gate) * up, wd);
+        res + sum(partial, 0)
     }
 
     /// Column-parallel QKV projection of the gathered rows: x `[d @ DIDx, m, h]` (this

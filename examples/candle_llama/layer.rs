@@ -17,7 +17,7 @@ use fusion::prelude::*;
 use crate::cache::KvCache;
 use crate::calls::FusionCalls;
 use crate::config::Config;
-use crate::fusions::{gated_mlp, out_proj, qkv, row_chunks, row_parallel};
+use crate::fusions::{gated_mlp, mlp_residual, out_proj, qkv, row_chunks, row_parallel, row_residual};
 use crate::kernels::rms_norm;
 use crate::sections::Sections;
 use crate::tp::AllReduce;
@@ -211,6 +211,9 @@ impl RankLayer {
         let a = self.attend(&qkv, s, &mut sections);
         self.sections = sections;
         let a = a?;
+        if let (Reduce::Fusions(_), 1) = (&self.reduce, row_chunks(a.dim(0)?)) {
+            return self.decode_tail(call, s.x, &a);
+        }
         mark(&mut self.sections, "o_proj+sum")?;
         let o = self.row(call, Row::O, &a)?;
         mark(&mut self.sections, "norm+gate/up")?;
@@ -221,6 +224,36 @@ impl RankLayer {
         let down = self.row(call, Row::Down, &act)?;
         mark(&mut self.sections, "residual")?;
         Ok((h + down)?)
+    }
+
+    /// The rest of a tensor-parallel step after attention when its row-parallel GEMMs are
+    /// not chunked (a decode step, `row_chunks` 1), with fusions: the attention output's
+    /// projection + sum + residual (`row_residual`), candle's RMSNorm, then the whole MLP
+    /// block + sum + residual (`mlp_residual`). `a` is `[tokens, q]`, this rank's heads.
+    fn decode_tail(
+        &mut self,
+        call: &dyn CallTarget,
+        x: &CTensor,
+        a: &CTensor,
+    ) -> fusion_candle::Result<CTensor> {
+        let Reduce::Fusions(fw) = &self.reduce else {
+            return Err(fusion_candle::Error::Internal(
+                "the decode tail is made of fusions: it runs without --candle-tp".into(),
+            ));
+        };
+        let (t, hidden) = (a.dim(0)?, self.cfg.hidden);
+        mark(&mut self.sections, "o_proj+sum+res")?;
+        let a = a.unsqueeze(0)?;
+        let exec = row_residual::executor()?;
+        let acts = [("attention", &a), ("x", x)];
+        let h = self.calls.call(call, exec, &acts, &[&fw.o], &[t, hidden])?;
+        mark(&mut self.sections, "norm")?;
+        let hn = rms_norm(&h, &self.w.norm_post, self.cfg.eps)?.unsqueeze(0)?;
+        mark(&mut self.sections, "mlp+sum+res")?;
+        let exec = mlp_residual::executor()?;
+        let acts = [("h_norm", &hn), ("h", &h)];
+        let w = [&fw.gate, &fw.up, &fw.down];
+        self.calls.call(call, exec, &acts, &w, &[t, hidden])
     }
 
     /// Each rank's rows: the three sequence-parallel fusions.
@@ -242,7 +275,7 @@ impl RankLayer {
         let exec = qkv::executor()?;
         let all = self
             .calls
-            .call(call, exec, "x_norm", &xn, &[&fw.qkv], &shape)?;
+            .call(call, exec, &[("x_norm", &xn)], &[&fw.qkv], &shape)?;
         let all = all.reshape((d * m, qn + 2 * kvn))?.narrow(0, 0, tokens)?;
         // Padded tokens' attention rows are zeros; [d, 1, m, q] for the projection.
         mark(&mut self.sections, "attention")?;
@@ -257,13 +290,13 @@ impl RankLayer {
         let exec = out_proj::executor()?;
         let o = self
             .calls
-            .call(call, exec, "attention", &a, &[&fw.o], &out)?;
+            .call(call, exec, &[("attention", &a)], &[&fw.o], &out)?;
         mark(&mut self.sections, "norm+mlp(AG,RS)")?;
         let h = (s.x + o.reshape((m, c.hidden))?)?;
         let hn = rms_norm(&h, &self.w.norm_post, c.eps)?.unsqueeze(0)?;
         let w = [&fw.gate, &fw.up, &fw.down];
         let exec = gated_mlp::executor()?;
-        let mlp = self.calls.call(call, exec, "h_norm", &hn, &w, &out)?;
+        let mlp = self.calls.call(call, exec, &[("h_norm", &hn)], &w, &out)?;
         mark(&mut self.sections, "residual")?;
         Ok((h + mlp.reshape((m, c.hidden))?)?)
     }
@@ -314,7 +347,7 @@ impl RankLayer {
                 let exec = row_parallel::executor()?;
                 let y = self
                     .calls
-                    .call(call, exec, name, &a, &[w], &[s, t / s, hidden])?;
+                    .call(call, exec, &[(name, &a)], &[w], &[s, t / s, hidden])?;
                 Ok(y.reshape((t, hidden))?)
             }
             Reduce::Candle(all_reduce) => {

@@ -325,7 +325,7 @@ fn time_prefill(
         out.ms.push(ms);
         out.calls.add(&layer.calls.take());
         match &out.first {
-            None => out.first = Some(y),
+            None => out.first = Some(y.copy()?),
             Some(first) => out.spread = out.spread.max(relative_error(&y, first)?),
         }
     }
@@ -370,7 +370,9 @@ fn time_decode(
         out.ms.push(ms);
         out.calls.add(&calls);
         let y = match (y, graph) {
-            (Some(y), _) => y,
+            // A copy: a step's output may be a fusion call's slot, which the next step
+            // rewrites (made after the timing, like a replay's).
+            (Some(y), _) => y.copy()?,
             (None, g) => g
                 .ok_or_else(|| fusion_candle::Error::Internal("a replay without a graph".into()))?
                 .output()?,

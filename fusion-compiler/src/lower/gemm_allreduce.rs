@@ -170,7 +170,9 @@ fn local_extents(
 }
 
 /// Puts one [`Node::GemmAllreduce`] where the Allreduce was, removes the GEMM and every
-/// allocation of the product, and notes it.
+/// allocation of the product, moves the deallocations of the GEMM's operands that stood
+/// between the two (an operand the program computed, freed once the GEMM had read it) after
+/// the new node, which now reads them, and notes it.
 fn rewrite(p: &mut HostProgram, gemm_at: usize, found: Found) {
     let Node::Communication(comm) = p.body[found.comm_at].clone() else {
         return;
@@ -179,9 +181,24 @@ fn rewrite(p: &mut HostProgram, gemm_at: usize, found: Found) {
         return;
     };
     let product = gemm.output;
-    let comm_at = found.comm_at - 1;
+    let mut comm_at = found.comm_at - 1;
+    let operands = gemm.inputs.clone();
+    let mut freed = Vec::new();
+    let mut i = gemm_at;
+    while i < comm_at {
+        match &p.body[i] {
+            Node::Deallocate { tensor } if operands.contains(tensor) => {
+                freed.push(p.body.remove(i));
+                comm_at -= 1;
+            }
+            _ => i += 1,
+        }
+    }
     let output = comm.output;
     p.body[comm_at] = Node::GemmAllreduce(GemmAllreduce { gemm, comm });
+    for (j, node) in freed.into_iter().enumerate() {
+        p.body.insert(comm_at + 1 + j, node);
+    }
     p.body.retain(|n| {
         !matches!(n, Node::Allocate { tensor } | Node::Deallocate { tensor } if *tensor == product)
     });

@@ -26,7 +26,7 @@ use std::collections::HashSet;
 
 use crate::error::{Error, Result};
 use crate::hir::{for_each_node, HostProgram, Node, Transport};
-use crate::ir::{DeviceMesh, Fusion, Op, ScalarId};
+use crate::ir::{DeviceMesh, Fusion, Op, ScalarId, TensorId};
 use crate::pass::{PassContext, PassDump, PassManager};
 
 pub use crate::options::{
@@ -173,8 +173,11 @@ fn check_meshes(f: &Fusion, world_size: usize) -> Result<()> {
     Ok(())
 }
 
-/// Every remaining compute node must be local; otherwise a needed pass was disabled.
+/// Every remaining compute node must be local (otherwise a needed pass was disabled), and
+/// no top-level node may mention a tensor that an earlier top-level node deallocated (the
+/// choices after the passes move nodes: a bug of theirs, caught here, not on a device).
 fn verify(p: &HostProgram) -> Result<()> {
+    verify_deallocations(p)?;
     let ctx = MeshContext {
         world_size: Some(p.world_size),
     };
@@ -198,6 +201,38 @@ fn verify(p: &HostProgram) -> Result<()> {
         }
     });
     err.map_or(Ok(()), Err)
+}
+
+/// No top-level node after a tensor's `Deallocate` mentions it, until an `Allocate` of it.
+fn verify_deallocations(p: &HostProgram) -> Result<()> {
+    let mut freed: HashSet<TensorId> = HashSet::new();
+    for node in &p.body {
+        match node {
+            Node::Deallocate { tensor } => {
+                freed.insert(*tensor);
+            }
+            Node::Allocate { tensor } => {
+                freed.remove(tensor);
+            }
+            _ => {
+                let mut read = None;
+                for_each_node(std::slice::from_ref(node), &mut |n| {
+                    read = read.or(n.tensors().into_iter().find(|t| freed.contains(t)));
+                });
+                if let Some(t) = read {
+                    return Err(Error::Pass {
+                        pass: "lowering",
+                        reason: format!(
+                            "`{}` is used after its deallocation (a bug of fusion: please \
+                             report it with the program's dump, FUSION_DUMP=host_ir)",
+                            p.ir.tensor_name(t)
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
