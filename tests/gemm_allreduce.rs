@@ -156,7 +156,10 @@ fn an_mlp_block_sums_like_the_gemm_and_allreduce_apart(world: &World, d: usize) 
             } else {
                 let want: Vec<f64> = y_apart.iter().map(|&v| f64::from(v)).collect();
                 let err = error(y, &want);
-                assert!(err < 2e-2, "{what}: max difference {err:.3e} from the unfused");
+                assert!(
+                    err < 2e-2,
+                    "{what}: max difference {err:.3e} from the unfused"
+                );
             }
         }
     }

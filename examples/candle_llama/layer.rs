@@ -17,7 +17,9 @@ use fusion::prelude::*;
 use crate::cache::KvCache;
 use crate::calls::FusionCalls;
 use crate::config::Config;
-use crate::fusions::{gated_mlp, mlp_residual, out_proj, qkv, row_chunks, row_parallel, row_residual};
+use crate::fusions::{
+    gated_mlp, mlp_residual, out_proj, qkv, row_chunks, row_parallel, row_residual,
+};
 use crate::kernels::rms_norm;
 use crate::sections::Sections;
 use crate::tp::AllReduce;
