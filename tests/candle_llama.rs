@@ -181,9 +181,34 @@ fn sections_time_every_part_of_each_step_in_order() {
         line.contains("decode sections") && line.contains("| second ") && line.contains("(host "),
         "{line}"
     );
-    // The example with --sections, both forms and a recorded decode step (no sections).
+    // The example with --sections, both forms and a recorded decode step.
     run(2, &["--sections", "--decode-form", "sp"]);
     run(2, &["--sections", "--graph"]);
+}
+
+#[test]
+fn a_recorded_step_keeps_its_marks_for_every_replay() {
+    if in_child() {
+        return;
+    }
+    let mut s = sections::Sections::new(&Device::Cpu);
+    s.begin_recording();
+    s.mark("first").unwrap();
+    s.mark("second").unwrap();
+    s.end_recording().unwrap();
+    // On the CPU a replay runs the recorded body again, marking as it goes.
+    for _ in 0..3 {
+        s.mark("first").unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        s.mark("second").unwrap();
+        s.finish_replay().unwrap();
+    }
+    let medians = s.medians();
+    let names: Vec<_> = medians.iter().map(|p| p.name).collect();
+    assert_eq!(names, ["first", "second"]);
+    assert!(medians[0].ms >= 2.0, "{:?}", medians[0].ms);
+    // The recording's own marks are not a step: every part has the three replays' times.
+    assert!(medians.iter().all(|p| p.ms == p.host_ms));
 }
 
 #[test]
