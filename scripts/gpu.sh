@@ -33,6 +33,10 @@ one GPU or more:
                           (default: every GPU) under torchrun: fusions against candle's own
                           TP; part decode (1, 8, 64 tokens, eager and --graph), prefill
                           (512 and 2048 tokens, median of 20) or all
+  candle-ab [gpus] [reps] the candle layer's decode (1, 8, 64 tokens, eager and --graph) of
+                          this build against another's (CANDLE_BASE, default
+                          .gpu/bin/candle_llama_base) and candle's TP, [reps] alternating
+                          rounds (default 2; TOKENS picks the step sizes), medians
   decode [gpus]           decode_bench (Allreduce 4 KB-64 MB, GEMM + Allreduce at Llama-70B's
                           and Llama-8B's decode shapes) and PyTorch's Allreduce (NCCL,
                           symm_mem) alike, then
@@ -375,6 +379,58 @@ task_candle_tp() {
         grep -h "sections, median" "$f" | head -4
     done
     printf '%s\n' "${summary[@]}"
+}
+
+# The candle layer's decode steps (Llama-3-8B sizes, bf16, 30 steps after a 64-token prefill)
+# over [gpus] processes under torchrun, this build ($BIN/candle_llama) against another's
+# ($CANDLE_BASE, default $BIN/candle_llama_base) and candle's own TP, at 1, 8 and 64 tokens
+# ($TOKENS), eager and captured: [reps] rounds (default 2; each configuration's run takes
+# ~15 s on 4 H100s), each running every configuration once in turn, so
+# that the host-bound eager steps, which move by up to 30% from run to run, are compared
+# across rounds. Prints each configuration's runs and their median (slowest rank's ms).
+task_candle_ab() {
+    local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)} reps=${2:-2} tokens=${TOKENS:-1 8 64}
+    candle_libraries
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=120
+    gpus_info >"$OUT/machine.txt" 2>&1
+    local base=${CANDLE_BASE:-$BIN/candle_llama_base}
+    [ -x "$base" ] || { echo "no $base: point CANDLE_BASE at another build's candle_llama" >&2; return 2; }
+    local w="$OUT/llama3-8b-layer.safetensors" rep t g who bin extra name
+    for rep in $(seq "$reps"); do
+        for t in $tokens; do
+            for g in eager graph; do
+                for who in this base candle-tp; do
+                    bin=$BIN/candle_llama extra=""
+                    [ "$who" = base ] && bin=$base
+                    [ "$who" = candle-tp ] && extra="--candle-tp"
+                    [ "$g" = graph ] && extra="$extra --graph"
+                    name="ab-$who-$g-$t-$rep"
+                    # shellcheck disable=SC2086
+                    step "$name" 120 torchrun --nproc-per-node "$gpus" --no-python "$bin" \
+                        --llama3-8b --weights "$w" --dtype bf16 --prefill 64 --decode-steps 30 \
+                        --decode-tokens "$t" $extra
+                done
+            done
+        done
+    done
+    rm -f "$w"
+    cat "$OUT/machine.txt"
+    echo "| build | step | tokens | ms per round (slowest rank's median) | median |"
+    echo "| --- | --- | --- | --- | --- |"
+    for t in $tokens; do
+        for g in eager graph; do
+            for who in this base candle-tp; do
+                local runs=() f v
+                for f in "$OUT"/ab-"$who"-"$g"-"$t"-*.log; do
+                    v=$(grep -E '^\| (fusions|candle-tp) \| decode' "$f" | awk -F'|' '{gsub(/ /, "", $7); print $7}')
+                    runs+=("${v:-fail}")
+                done
+                printf '| %s | %s | %s | %s | %s |\n' "$who" "$g" "$t" "${runs[*]}" \
+                    "$(printf '%s\n' "${runs[@]}" | grep -v fail | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "-"}')"
+            done
+        done
+    done
+    printf '%s\n' "${summary[@]}" | grep -v "rc=0 " || true
 }
 
 # Decode-size communication on [gpus] GPUs (default: every GPU): decode_bench's Allreduce
@@ -917,7 +973,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | decode | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | decode | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2 | every-gpu) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
