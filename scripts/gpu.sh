@@ -42,6 +42,9 @@ one GPU or more:
                           symm_mem) alike, then
                           the peer-memory Allreduce kernels one by one and a GEMM with the
                           Allreduce in its epilogue where nvcc is found
+  gated-gemm              one GPU: the gated MLP's silu(X Wg) * (X Wu) at decode sizes as one
+                          kernel against cuBLAS's GEMMs + an elementwise kernel
+                          (bench/decode_gemm/gated_harness.cu; needs nvcc)
   hopper-gemm             the persistent Hopper GEMM against cuBLAS (tests/hopper_gemm.rs),
                           then its standalone check and benchmark where nvcc is found
 two GPUs or more:
@@ -431,6 +434,20 @@ task_candle_ab() {
         done
     done
     printf '%s\n' "${summary[@]}" | grep -v "rc=0 " || true
+}
+
+# The gated MLP's first half at decode sizes on one GPU, as one kernel (both weights in each
+# stage, the SiLU product in the epilogue) against cuBLAS's two GEMMs or one on the weights side
+# by side, each followed by an elementwise kernel (bench/decode_gemm/gated_harness.cu).
+task_gated_gemm() {
+    gpus_info >"$OUT/machine.txt" 2>&1
+    command -v nvcc >/dev/null || { echo "gated-gemm: no nvcc on the PATH" >&2; return 2; }
+    local bench=${TMPDIR:-/tmp}/fusion-gated-gemm-bench
+    step gated-gemm-build 300 nvcc -O3 -std=c++17 -arch=sm_90 bench/decode_gemm/gated_harness.cu -lcublas -o "$bench"
+    STEP_PATTERN='check:|rror' CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} step gated-gemm 240 "$bench"
+    cat "$OUT/machine.txt"
+    grep -h '^|\|wrong' "$OUT/gated-gemm.log"
+    printf '%s\n' "${summary[@]}"
 }
 
 # Decode-size communication on [gpus] GPUs (default: every GPU): decode_bench's Allreduce
@@ -973,7 +990,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | decode | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2 | every-gpu) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;

@@ -1,0 +1,369 @@
+// The gated MLP's first half at decode sizes, Y = silu(X Wg) * (X Wu) (X [M, K], Wg and Wu
+// [K, F], row-major bf16, f32 accumulation), as one kernel against what a decode step runs
+// today: cuBLAS's two GEMMs and an elementwise SiLU-product kernel (the candle layer's
+// fusion `mlp_residual`: cuBLASLt's GEMMs, one elementwise kernel), and cuBLAS's one GEMM on
+// the two weights side by side ([K, 2F], a merged gate/up projection) with the same
+// elementwise kernel. It measures whether the project's decode GEMM (the main loop of
+// `peer_memory/gemm_allreduce.cu`) with both weights in each stage and the product in its
+// epilogue is worth a node of the runtime: the candle layer's captured step at TP 4 spends
+// ~50 us in its MLP fusion, whose 87 MB of weights take ~29 us at 3 TB/s
+// (`bench/results/2026-11-27-0425-candle-decode-blocks-h100x4/`).
+//
+// The kernel: 32 output columns per tile; each stage row holds 32 columns of Wg then the
+// same 32 of Wu (one 128-byte swizzled row, so the main loop is the GEMM's, 64 columns
+// wide), so F / 32 tiles (112 at Llama-8B's TP 4 width, F = 3584: one wave on 132 SMs where
+// two GEMMs of 64-column tiles would have 56 blocks each), M <= 32 rows padded to 16s, the
+// whole K streamed through a ring of cp.async stages into mma.sync, four warps splitting
+// each stage's K, their partial sums joined through shared memory; the epilogue writes
+// silu(g) * u rounded once to bf16 (cuBLAS's path rounds g, u, silu(g) and the product).
+//
+// Rows: Llama-3-8B's MLP at TP 4 and 2 (K = 4096, F = 3584, 7168) and Llama-70B's at TP 8
+// and 4 (K = 8192, F = 3584, 7168), M = 1, 8, 16, 32. Weights rotate over copies (none in
+// L2 when read), fresh random inputs; every variant checked against an f64 host product of
+// cuBLAS's f32 GEMMs (max |y - ref| / max |ref| <= 1e-2). Timed as 20 calls captured in one
+// CUDA graph, events around them, median of 15 samples, microseconds per call; `GB/s` is
+// the weights read (2 K F x 2 bytes) per microsecond of the fused kernel.
+//
+// Build: nvcc -O3 -std=c++17 -arch=sm_90 gated_harness.cu -lcublas -o gated_gemm_bench
+// Run:   gated_gemm_bench
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
+#define CB(x) do { int s_ = (int)(x); if (s_ != 0) { fprintf(stderr, "%s:%d cublas status %d\n", __FILE__, __LINE__, s_); exit(1); } } while (0)
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+
+#define BK 64
+#define STAGES 8
+#define THREADS 128
+#define TN 32  // output columns a tile (TN of Wg and TN of Wu a stage row)
+
+struct alignas(16) V4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ u32 bf2(float a, float b) {
+    u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a)); return r;
+}
+__device__ __forceinline__ float bf_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// A swizzled 128-byte row: chunk c (16 bytes) of row r at chunk c ^ (r & 7).
+__device__ __forceinline__ u32 swz(u32 base, int r, int c) { return base + r * 128 + ((c ^ (r & 7)) << 4); }
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+// Y[M, F] = silu(X Wg) * (X Wu). MT: 16-row tiles of X. A block computes tiles blockIdx.x,
+// + gridDim.x, ... (F / TN tiles).
+template <int MT>
+__global__ void __launch_bounds__(THREADS) gated(const u16* __restrict__ X, const u16* __restrict__ Wg, const u16* __restrict__ Wu,
+                                                 u16* __restrict__ Y, int M, int K, int F) {
+    constexpr int NT = 2 * TN / 8, MP = MT * 16, WK = THREADS / 32;
+    constexpr int W_STAGE = BK * 2 * TN * 2, X_STAGE = MP * BK * 2, STAGE = W_STAGE + X_STAGE;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 sbase = (u32)__cvta_generic_to_shared(smem);
+    const int tid = threadIdx.x, lane = tid & 31, wk = tid >> 5;
+    const int KT = K / BK, tiles = F / TN;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int n0 = tile * TN;
+        auto load = [&](int kt, int s) {
+            const u32 wb = sbase + s * STAGE, xb = wb + W_STAGE;
+            const int k0 = kt * BK;
+#pragma unroll
+            for (int i = 0; i < (BK * 8) / THREADS; ++i) {
+                int q = tid + i * THREADS, r = q >> 3, c = q & 7;
+                const u16* src = c < 4 ? Wg + (u64)(k0 + r) * F + n0 + c * 8 : Wu + (u64)(k0 + r) * F + n0 + (c - 4) * 8;
+                cp_async16(swz(wb, r, c), src, true);
+            }
+#pragma unroll
+            for (int i = 0; i < (MP * 8 + THREADS - 1) / THREADS; ++i) {
+                int q = tid + i * THREADS;
+                if (q < MP * 8) {
+                    int r = q >> 3, c = q & 7;
+                    bool ok = r < M;
+                    cp_async16(swz(xb, r, c), X + (u64)(ok ? r : 0) * K + k0 + c * 8, ok);
+                }
+            }
+        };
+        float acc[MT][NT][4];
+#pragma unroll
+        for (int a = 0; a < MT; ++a)
+#pragma unroll
+            for (int b = 0; b < NT; ++b)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.f;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) { if (s < KT) load(s, s); cp_commit(); }
+        for (int kt = 0; kt < KT; ++kt) {
+            cp_wait<STAGES - 2>();
+            __syncthreads();
+            if (kt + STAGES - 1 < KT) load(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+            cp_commit();
+            const u32 wb = sbase + (kt % STAGES) * STAGE, xb = wb + W_STAGE;
+#pragma unroll
+            for (int sl = wk; sl < BK / 16; sl += WK) {
+                u32 b[NT][2];
+#pragma unroll
+                for (int j = 0; j < NT / 2; ++j) {
+                    u32 r[4];
+                    int krow = sl * 16 + (lane & 15), chunk = 2 * j + (lane >> 4);
+                    ldsm_x4_t(swz(wb, krow, chunk), r);
+                    b[2 * j][0] = r[0]; b[2 * j][1] = r[1]; b[2 * j + 1][0] = r[2]; b[2 * j + 1][1] = r[3];
+                }
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    u32 a[4];
+                    int row = mt * 16 + (lane & 15), chunk = sl * 2 + (lane >> 4);
+                    ldsm_x4(swz(xb, row, chunk), a);
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) mma(acc[mt][j], a, b[j][0], b[j][1]);
+                }
+            }
+        }
+        cp_wait<0>();
+        __syncthreads();
+        // The warps' partial sums over their K slices: red[wk][row][col], col < TN gate, else up.
+        float* red = (float*)smem;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    int row = mt * 16 + (lane >> 2) + (i >= 2 ? 8 : 0);
+                    int col = j * 8 + 2 * (lane & 3) + (i & 1);
+                    red[(wk * MP + row) * 2 * TN + col] = acc[mt][j][i];
+                }
+        __syncthreads();
+        // Chunk (row, c): 8 output columns, one 16-byte store.
+        for (int q = tid; q < M * (TN / 8); q += THREADS) {
+            int row = q / (TN / 8), c = q % (TN / 8);
+            float f[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float g = 0.f, u = 0.f;
+#pragma unroll
+                for (int w = 0; w < WK; ++w) {
+                    g += red[(w * MP + row) * 2 * TN + c * 8 + e];
+                    u += red[(w * MP + row) * 2 * TN + TN + c * 8 + e];
+                }
+                f[e] = silu(g) * u;
+            }
+            V4 v{bf2(f[0], f[1]), bf2(f[2], f[3]), bf2(f[4], f[5]), bf2(f[6], f[7])};
+            *(V4*)(Y + (u64)row * F + n0 + c * 8) = v;
+        }
+        __syncthreads();
+    }
+}
+
+// y[r, j] = silu(g[r, j]) * u[r, j] with g and u rows `ld` apart, bf16 in and out (computed
+// in f32, as candle's and the runtime's elementwise kernels do); 8 columns a thread.
+__global__ void silu_mul(const u16* g, const u16* u, int ld, u16* y, int M, int F) {
+    int q = blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= M * (F / 8)) return;
+    int r = q / (F / 8), c = (q % (F / 8)) * 8;
+    V4 gv = *(const V4*)(g + (u64)r * ld + c), uv = *(const V4*)(u + (u64)r * ld + c);
+    u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w}, o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        float a = silu(bf_lo(gw[e])) * bf_lo(uw[e]), b = silu(bf_hi(gw[e])) * bf_hi(uw[e]);
+        o[e] = bf2(a, b);
+    }
+    *(V4*)(y + (u64)r * F + c) = V4{o[0], o[1], o[2], o[3]};
+}
+
+__global__ void fill(u16* p, size_t n, unsigned seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+        float f = ((h & 0xffff) / 32768.0f - 1.0f) * scale;
+        __nv_bfloat16 b = __float2bfloat16(f);
+        p[i] = *(u16*)&b;
+    }
+}
+
+static float host_bf(u16 h) { u32 w = ((u32)h) << 16; float f; memcpy(&f, &w, 4); return f; }
+
+struct Shape { const char* what; int m, k, f; };
+// One copy of the weights: Wg and Wu apart, and side by side ([K, 2F]).
+struct Weights { u16 *g, *u, *cat; };
+
+struct Bench {
+    cudaStream_t st;
+    cublasHandle_t blas;
+    u16 *x, *y, *gout, *uout, *catout;
+    float *gref, *uref;
+    std::vector<Weights> w;
+    cudaEvent_t e0, e1;
+};
+
+enum Which { CUBLAS_TWO = 0, CUBLAS_CAT = 1, FUSED = 2 };
+static const char* NAMES[] = {"cuBLAS x2 + silu*", "cuBLAS [Wg|Wu] + silu*", "fused"};
+
+static void gemm(Bench& B, const u16* w, int ldw, const u16* x, u16* out, int m, int k, int n) {
+    float one = 1.f, zero = 0.f;
+    CB(cublasGemmEx(B.blas, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, ldw, x, CUDA_R_16BF, k, &zero, out,
+                    CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+template <int MT>
+static void launch(Bench& B, const Weights& w, const Shape& s) {
+    constexpr int MP = MT * 16;
+    size_t smem = std::max((size_t)STAGES * (BK * 2 * TN * 2 + MP * BK * 2), (size_t)(THREADS / 32) * MP * 2 * TN * 4);
+    static bool set = false;
+    if (!set) { CK(cudaFuncSetAttribute(gated<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set = true; }
+    gated<MT><<<s.f / TN, THREADS, smem, B.st>>>(B.x, w.g, w.u, B.y, s.m, s.k, s.f);
+}
+
+static void call(Bench& B, Which which, int copy, const Shape& s) {
+    const Weights& w = B.w[copy % B.w.size()];
+    const int ew = (s.m * (s.f / 8) + 255) / 256;
+    if (which == CUBLAS_TWO) {
+        gemm(B, w.g, s.f, B.x, B.gout, s.m, s.k, s.f);
+        gemm(B, w.u, s.f, B.x, B.uout, s.m, s.k, s.f);
+        silu_mul<<<ew, 256, 0, B.st>>>(B.gout, B.uout, s.f, B.y, s.m, s.f);
+    } else if (which == CUBLAS_CAT) {
+        gemm(B, w.cat, 2 * s.f, B.x, B.catout, s.m, s.k, 2 * s.f);
+        silu_mul<<<ew, 256, 0, B.st>>>(B.catout, B.catout + s.f, 2 * s.f, B.y, s.m, s.f);
+    } else if (s.m <= 16) {
+        launch<1>(B, w, s);
+    } else {
+        launch<2>(B, w, s);
+    }
+    CK(cudaGetLastError());
+}
+
+// Median over 15 samples of the microseconds per call (20 calls per graph).
+static double timed(Bench& B, Which which, const Shape& s) {
+    const int CALLS = 20, SAMPLES = 15;
+    cudaGraph_t g;
+    cudaGraphExec_t ex;
+    CK(cudaStreamBeginCapture(B.st, cudaStreamCaptureModeThreadLocal));
+    CK(cudaEventRecordWithFlags(B.e0, B.st, cudaEventRecordExternal));
+    for (int i = 0; i < CALLS; ++i) call(B, which, i, s);
+    CK(cudaEventRecordWithFlags(B.e1, B.st, cudaEventRecordExternal));
+    CK(cudaStreamEndCapture(B.st, &g));
+    CK(cudaGraphInstantiate(&ex, g, 0));
+    CK(cudaGraphDestroy(g));
+    std::vector<double> samples;
+    for (int it = 0; it < SAMPLES + 2; ++it) {
+        CK(cudaGraphLaunch(ex, B.st));
+        CK(cudaStreamSynchronize(B.st));
+        float ms; CK(cudaEventElapsedTime(&ms, B.e0, B.e1));
+        if (it >= 2) samples.push_back(ms * 1000.0 / CALLS);
+    }
+    CK(cudaGraphExecDestroy(ex));
+    std::sort(samples.begin(), samples.end());
+    return samples[samples.size() / 2];
+}
+
+int main() {
+    cudaDeviceProp prop; CK(cudaGetDeviceProperties(&prop, 0));
+    printf("gated_gemm_bench: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    const int MMAX = 32, KMAX = 8192, FMAX = 7168;
+    // Enough copies that none is in L2 when read again (the smallest set, K 4096 x F 3584 x
+    // 2 weights x 2 layouts, is 117 MB).
+    const int COPIES = 4;
+    Bench B;
+    CK(cudaStreamCreateWithFlags(&B.st, cudaStreamNonBlocking));
+    CB(cublasCreate(&B.blas));
+    CB(cublasSetStream(B.blas, B.st));
+    void* blas_ws; CK(cudaMalloc(&blas_ws, 32 << 20));
+    CB(cublasSetWorkspace(B.blas, blas_ws, 32 << 20));
+    CK(cudaMalloc(&B.x, (size_t)MMAX * KMAX * 2));
+    CK(cudaMalloc(&B.y, (size_t)MMAX * FMAX * 2));
+    CK(cudaMalloc(&B.gout, (size_t)MMAX * FMAX * 2));
+    CK(cudaMalloc(&B.uout, (size_t)MMAX * FMAX * 2));
+    CK(cudaMalloc(&B.catout, (size_t)MMAX * 2 * FMAX * 2));
+    CK(cudaMalloc(&B.gref, (size_t)MMAX * FMAX * 4));
+    CK(cudaMalloc(&B.uref, (size_t)MMAX * FMAX * 4));
+    CK(cudaEventCreate(&B.e0)); CK(cudaEventCreate(&B.e1));
+    for (int c = 0; c < COPIES; ++c) {
+        Weights w;
+        CK(cudaMalloc(&w.g, (size_t)KMAX * FMAX * 2));
+        CK(cudaMalloc(&w.u, (size_t)KMAX * FMAX * 2));
+        CK(cudaMalloc(&w.cat, (size_t)KMAX * 2 * FMAX * 2));
+        B.w.push_back(w);
+    }
+    std::vector<Shape> shapes;
+    for (int m : {1, 8, 16, 32}) {
+        shapes.push_back({"8B TP4", m, 4096, 3584});
+        shapes.push_back({"8B TP2", m, 4096, 7168});
+        shapes.push_back({"70B TP8", m, 8192, 3584});
+        shapes.push_back({"70B TP4", m, 8192, 7168});
+    }
+    printf("Microseconds per call (weights cold); GB/s: the weights over the fused kernel's time;\n");
+    printf("err: max |y - f64 silu(g) u| / max |ref| against cuBLAS's f32 GEMMs.\n");
+    printf("| shape | M | K | F | %s | %s | %s | fused / best cuBLAS | GB/s | err fused | err cuBLAS x2 |\n", NAMES[0], NAMES[1], NAMES[2]);
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    bool all_ok = true;
+    for (const Shape& s : shapes) {
+        // Weights of this shape (Wg and Wu, and the same side by side), fresh inputs.
+        for (int c = 0; c < COPIES; ++c) {
+            Weights& w = B.w[c];
+            size_t n = (size_t)s.k * s.f;
+            fill<<<1024, 256, 0, B.st>>>(w.g, n, 1234u + 1000u * c + s.f, 0.05f);
+            fill<<<1024, 256, 0, B.st>>>(w.u, n, 4321u + 1000u * c + s.f, 0.05f);
+            CK(cudaMemcpy2DAsync(w.cat, (size_t)2 * s.f * 2, w.g, (size_t)s.f * 2, (size_t)s.f * 2, s.k, cudaMemcpyDeviceToDevice, B.st));
+            CK(cudaMemcpy2DAsync(w.cat + s.f, (size_t)2 * s.f * 2, w.u, (size_t)s.f * 2, (size_t)s.f * 2, s.k, cudaMemcpyDeviceToDevice, B.st));
+        }
+        fill<<<256, 256, 0, B.st>>>(B.x, (size_t)s.m * s.k, 99u + 7u * s.m + s.k, 1.0f);
+        // Reference: cuBLAS's f32 GEMMs of copy 0, silu(g) * u in f64 on the host.
+        float one = 1.f, zero = 0.f;
+        CB(cublasGemmEx(B.blas, CUBLAS_OP_N, CUBLAS_OP_N, s.f, s.m, s.k, &one, B.w[0].g, CUDA_R_16BF, s.f, B.x, CUDA_R_16BF, s.k,
+                        &zero, B.gref, CUDA_R_32F, s.f, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        CB(cublasGemmEx(B.blas, CUBLAS_OP_N, CUBLAS_OP_N, s.f, s.m, s.k, &one, B.w[0].u, CUDA_R_16BF, s.f, B.x, CUDA_R_16BF, s.k,
+                        &zero, B.uref, CUDA_R_32F, s.f, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        std::vector<float> g((size_t)s.m * s.f), u((size_t)s.m * s.f);
+        CK(cudaMemcpyAsync(g.data(), B.gref, g.size() * 4, cudaMemcpyDeviceToHost, B.st));
+        CK(cudaMemcpyAsync(u.data(), B.uref, u.size() * 4, cudaMemcpyDeviceToHost, B.st));
+        CK(cudaStreamSynchronize(B.st));
+        std::vector<double> want(g.size());
+        double scale = 0;
+        for (size_t i = 0; i < g.size(); ++i) {
+            double gv = g[i];
+            want[i] = gv / (1.0 + std::exp(-gv)) * u[i];
+            scale = std::max(scale, std::fabs(want[i]));
+        }
+        double err[3] = {0, 0, 0};
+        std::vector<u16> yb(g.size());
+        for (int v = 0; v < 3; ++v) {
+            CK(cudaMemsetAsync(B.y, 0xff, yb.size() * 2, B.st));
+            call(B, (Which)v, 0, s);
+            CK(cudaMemcpyAsync(yb.data(), B.y, yb.size() * 2, cudaMemcpyDeviceToHost, B.st));
+            CK(cudaStreamSynchronize(B.st));
+            for (size_t i = 0; i < yb.size(); ++i) err[v] = std::max(err[v], std::fabs(host_bf(yb[i]) - want[i]) / scale);
+            if (!(err[v] <= 1e-2)) { printf("%s wrong: %s M=%d max err %.3g\n", NAMES[v], s.what, s.m, err[v]); all_ok = false; }
+        }
+        double t[3];
+        for (int v = 0; v < 3; ++v) t[v] = timed(B, (Which)v, s);
+        double bytes = 2.0 * s.k * s.f * 2;
+        printf("| %s | %d | %d | %d | %.2f | %.2f | %.2f | %.3f | %.0f | %.2e | %.2e |\n", s.what, s.m, s.k, s.f, t[0], t[1], t[2],
+               t[2] / std::min(t[0], t[1]), bytes / (t[2] * 1e3), err[2], err[0]);
+        fflush(stdout);
+    }
+    printf("check: %s\n", all_ok ? "ok" : "FAILED");
+    return all_ok ? 0 : 1;
+}
