@@ -26,53 +26,13 @@
 //
 // Build: nvcc -O3 -std=c++17 -arch=sm_90 gated_harness.cu -lcublas -o gated_gemm_bench
 // Run:   gated_gemm_bench
-#include <cublas_v2.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
+#include "decode_mma.cuh"
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
-#define CB(x) do { int s_ = (int)(x); if (s_ != 0) { fprintf(stderr, "%s:%d cublas status %d\n", __FILE__, __LINE__, s_); exit(1); } } while (0)
-
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef unsigned short u16;
-
-#define BK 64
-#define STAGES 8
-#define THREADS 128
 #define TN 32  // output columns a tile (TN of Wg and TN of Wu a stage row)
 
-struct alignas(16) V4 { u32 x, y, z, w; };
-
-__device__ __forceinline__ u32 bf2(float a, float b) {
-    u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a)); return r;
-}
-__device__ __forceinline__ float bf_lo(u32 w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// A swizzled 128-byte row: chunk c (16 bytes) of row r at chunk c ^ (r & 7).
-__device__ __forceinline__ u32 swz(u32 base, int r, int c) { return base + r * 128 + ((c ^ (r & 7)) << 4); }
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
 // Y[M, F] = silu(X Wg) * (X Wu). MT: 16-row tiles of X. A block computes tiles blockIdx.x,
@@ -108,42 +68,7 @@ __global__ void __launch_bounds__(THREADS) gated(const u16* __restrict__ X, cons
             }
         };
         float acc[MT][NT][4];
-#pragma unroll
-        for (int a = 0; a < MT; ++a)
-#pragma unroll
-            for (int b = 0; b < NT; ++b)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.f;
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) { if (s < KT) load(s, s); cp_commit(); }
-        for (int kt = 0; kt < KT; ++kt) {
-            cp_wait<STAGES - 2>();
-            __syncthreads();
-            if (kt + STAGES - 1 < KT) load(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
-            cp_commit();
-            const u32 wb = sbase + (kt % STAGES) * STAGE, xb = wb + W_STAGE;
-#pragma unroll
-            for (int sl = wk; sl < BK / 16; sl += WK) {
-                u32 b[NT][2];
-#pragma unroll
-                for (int j = 0; j < NT / 2; ++j) {
-                    u32 r[4];
-                    int krow = sl * 16 + (lane & 15), chunk = 2 * j + (lane >> 4);
-                    ldsm_x4_t(swz(wb, krow, chunk), r);
-                    b[2 * j][0] = r[0]; b[2 * j][1] = r[1]; b[2 * j + 1][0] = r[2]; b[2 * j + 1][1] = r[3];
-                }
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    u32 a[4];
-                    int row = mt * 16 + (lane & 15), chunk = sl * 2 + (lane >> 4);
-                    ldsm_x4(swz(xb, row, chunk), a);
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) mma(acc[mt][j], a, b[j][0], b[j][1]);
-                }
-            }
-        }
-        cp_wait<0>();
-        __syncthreads();
+        stream_k<MT, NT, WK>(acc, KT, sbase, STAGE, W_STAGE, load, wk, lane, 0);
         // The warps' partial sums over their K slices: red[wk][row][col], col < TN gate, else up.
         float* red = (float*)smem;
 #pragma unroll
@@ -193,18 +118,6 @@ __global__ void silu_mul(const u16* g, const u16* u, int ld, u16* y, int M, int 
     }
     *(V4*)(y + (u64)r * F + c) = V4{o[0], o[1], o[2], o[3]};
 }
-
-__global__ void fill(u16* p, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-        float f = ((h & 0xffff) / 32768.0f - 1.0f) * scale;
-        __nv_bfloat16 b = __float2bfloat16(f);
-        p[i] = *(u16*)&b;
-    }
-}
-
-static float host_bf(u16 h) { u32 w = ((u32)h) << 16; float f; memcpy(&f, &w, 4); return f; }
 
 struct Shape { const char* what; int m, k, f; };
 // One copy of the weights: Wg and Wu apart, and side by side ([K, 2F]).
