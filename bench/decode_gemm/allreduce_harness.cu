@@ -106,15 +106,7 @@ __global__ void __launch_bounds__(THREADS) gemm_ar(const u16* __restrict__ X, co
                 int q = tid + i * THREADS, r = q >> 3, c = q & 7;
                 cp_async16(swz(wb, r, c), W + (u64)(k0 + r) * N + n0 + c * 8, true);
             }
-#pragma unroll
-            for (int i = 0; i < (MP * 8 + THREADS - 1) / THREADS; ++i) {
-                int q = tid + i * THREADS;
-                if (q < MP * 8) {
-                    int r = q >> 3, c = q & 7;
-                    bool ok = r < M;
-                    cp_async16(swz(xb, r, c), X + (u64)(ok ? r : 0) * K + k0 + c * 8, ok);
-                }
-            }
+            load_x<MP>(xb, X, M, K, k0, tid);
         };
         float acc[MT][NT][4];
         stream_k<MT, NT, WK>(acc, KT, sbase, STAGE, W_STAGE, load, wk, lane, (wn * (BN / WN)) / 8);

@@ -48,6 +48,21 @@ __device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
 // A swizzled 128-byte row: chunk c (16 bytes) of row r at chunk c ^ (r & 7).
 __device__ __forceinline__ u32 swz(u32 base, int r, int c) { return base + r * 128 + ((c ^ (r & 7)) << 4); }
 
+// Stage rows k0 .. k0 + BK of X's MP rows (of M real ones, the rest zeros) into the stage at
+// `xb`: MP rows of 128 bytes, 16 bytes a thread at a time.
+template <int MP>
+__device__ __forceinline__ void load_x(u32 xb, const u16* __restrict__ X, int M, int K, int k0, int tid) {
+#pragma unroll
+    for (int i = 0; i < (MP * 8 + THREADS - 1) / THREADS; ++i) {
+        int q = tid + i * THREADS;
+        if (q < MP * 8) {
+            int r = q >> 3, c = q & 7;
+            bool ok = r < M;
+            cp_async16(swz(xb, r, c), X + (u64)(ok ? r : 0) * K + k0 + c * 8, ok);
+        }
+    }
+}
+
 // The whole K (KT stages of BK) into `acc`: `load(kt, s)` issues stage kt's cp.async copies
 // into ring slot s (W at sbase + s * stage_bytes, X w_stage bytes after it); warp slice `wk`
 // of WK takes K slices wk, wk + WK, .. of each stage; its NT 8-column subtiles start at
