@@ -12,8 +12,12 @@
 //   two_shot    `peer_allreduce_two_shot`: parts pushed to their owners, sums pushed back;
 //   direct      `peer_allreduce_direct` (`allreduce_direct<U>`): the owner of each part
 //               reads it from every rank's input and stores the sum into every rank's
-//               output, U vectors per thread at a time (the runtime's kernel: U = 2).
-// Columns marked x4 run 4 times the runtime's blocks for that size (at most 128).
+//               output, U vectors per thread at a time (the runtime's kernel: U = 2), on
+//               2, 4 and 8 ranks with every rank's loads in flight at once;
+//   direct_rt   the same with the ranks' loads one rank after another (the kernel before
+//               the world size became a compile-time parameter).
+// Columns marked xN run N times the runtime's blocks for that size (at most 128), /N a
+// N-th of them (at least 1).
 //
 // Build: nvcc -O3 -std=c++17 -arch=sm_90 harness.cu -o peer_allreduce_bench
 // Run:   peer_allreduce_bench [devices]
@@ -25,8 +29,13 @@
 #include <string>
 #include <vector>
 
+// -DPEER_SOURCE='"path"' builds it over another version of the kernels (-DBASELINE: one
+// from before `allreduce_direct` took the world size as a compile-time parameter).
 #define DT_BF16
-#include "../../fusion-runtime/src/backend/cuda/comm/peer_memory/source.cu"
+#ifndef PEER_SOURCE
+#define PEER_SOURCE "../../fusion-runtime/src/backend/cuda/comm/peer_memory/source.cu"
+#endif
+#include PEER_SOURCE
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
     fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
@@ -57,14 +66,23 @@ __global__ void __launch_bounds__(512) direct_u(const E* in, E* out, u64 n, Peer
     allreduce_direct<U>(in, out, n, P, rank, world, c);
 }
 
+template <int U>
+__global__ void __launch_bounds__(512) direct_rt(const E* in, E* out, u64 n, Peers P, int rank, int world, Ctl c) {
+#ifdef BASELINE
+    allreduce_direct<U>(in, out, n, P, rank, world, c);
+#else
+    allreduce_direct<U, false>(in, out, n, P, rank, world, c);
+#endif
+}
+
 static unsigned grid_for(size_t bytes) {
     size_t g = (bytes + (32 << 10) - 1) / (32 << 10);
     return (unsigned)std::min<size_t>(std::max<size_t>(g, 8), 128);
 }
 
 // kind: 0 flagged, 1 one shot, 2 two shots, 3 direct U=1, 4 direct U=2, 5 direct U=4,
-// 6 flagged, every rank's packet at once; 7 flagged two shots;
-// grid: the runtime's blocks times this (at most 128).
+// 6 flagged, every rank's packet at once; 7 flagged two shots; 8 direct, ranks in turn, U=2;
+// grid: the runtime's blocks times this (at most 128), or divided by minus this.
 struct Variant { const char* name; int kind; int grid; };
 
 static bool fits(int kind, size_t bytes, int world) {
@@ -87,6 +105,7 @@ static void launch(Rank& r, const Variant& v, size_t n, Peers P, int rank, int w
     case 5: direct_u<4><<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     case 6: peer_allreduce_ll_at_once<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     case 7: peer_allreduce_ll_two_shot<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
+    case 8: direct_rt<2><<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     }
 }
 
@@ -137,8 +156,13 @@ int main(int argc, char** argv) {
     const Variant variants[] = {{"flagged", 0, 1}, {"flag_x4", 0, 4}, {"at_once", 6, 1}, {"at_once_x4", 6, 4},
                                 {"ll_two", 7, 1}, {"ll_two_x4", 7, 4},
                                 {"one_shot", 1, 1}, {"one_x4", 1, 4},
-                                {"two_shot", 2, 1}, {"direct_u1", 3, 1}, {"direct_u2", 4, 1}, {"direct_u4", 5, 1}};
-    auto grid = [](const Variant& v, size_t bytes) { return std::min(128u, grid_for(bytes) * v.grid); };
+                                {"two_shot", 2, 1}, {"direct_rt", 8, 1},
+                                {"direct_u1", 3, 1}, {"direct_u2", 4, 1}, {"direct_u4", 5, 1},
+                                {"dir_u1_x2", 3, 2}, {"dir_u1_x4", 3, 4}, {"dir_u2_x2", 4, 2},
+                                {"dir_u2_/2", 4, -2}, {"dir_u4_/2", 5, -2}, {"dir_u4_/4", 5, -4}};
+    auto grid = [](const Variant& v, size_t bytes) {
+        return v.grid > 0 ? std::min(128u, grid_for(bytes) * v.grid) : std::max(1u, grid_for(bytes) / (unsigned)-v.grid);
+    };
     const size_t sizes[] = {4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10,
                             1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20};
     // Check: odd and even sizes, every kernel.

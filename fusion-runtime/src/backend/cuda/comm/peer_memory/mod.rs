@@ -92,14 +92,26 @@ const ONE_SHOT_LIMIT: usize = 128 << 10;
 /// against 43.7).
 const LL_TWO_SHOT_LIMIT: usize = 1 << 20;
 
+/// On 4 ranks of one process, the Allreduce straight between the ranks' buffers
+/// (`peer_allreduce_direct`) from 512 KB to 16 MB: on 4 H100s 10.1 / 12.2 / 16.9 / 26.3 /
+/// 89.2 us at 512 KB / 1 / 2 / 4 / 16 MB, where the flagged two-shot kernel took 10.5 /
+/// 15.4 / 24.6 us to 2 MB, the two-shot one through the workspaces 36.5 at 4 MB and 98.1
+/// at 16 MB, and PyTorch's two-shot 14.8 / 30.2 / 93.4 at 1 / 4 / 16 MB; at 256 KB the
+/// flagged two-shot kernel is faster (8.8 against 9.3), at 64 MB the workspaces' (332.5
+/// against 344.2). Other world sizes were not measured with it and keep the workspaces.
+const DIRECT_RANGE: std::ops::RangeInclusive<usize> = (512 << 10)..=(16 << 20);
+
 /// On 2 ranks (measured there, 2x H100): the flagged kernel up to 256 KB, the one-shot
-/// kernel up to 4 MB, each with 4 times [`grid_for`]'s blocks from 64 KB (4.4 against
-/// 4.8 us at 64 KB, 5.8 against 9.2 at 256 KB, 9.5 against 11.2 at 1 MB); larger messages
-/// two-shot, straight between the ranks' buffers where they reach each other's memory
-/// (213 against 253 us at 64 MB).
+/// kernel up to 4 MB (2 MB where the ranks reach each other's buffers), each with 4 times
+/// [`grid_for`]'s blocks from 64 KB (4.4 against 4.8 us at 64 KB, 5.8 against 9.2 at 256
+/// KB, 9.5 against 11.2 at 1 MB); larger messages two-shot, straight between the ranks'
+/// buffers where they reach each other's memory (19.2 against the one-shot kernel's 20.4
+/// us at 4 MB, 57.8 at 16 MB, 210.8 against 240 at 64 MB), else through the workspaces.
 const TWO_RANKS_FLAGGED_LIMIT: usize = 256 << 10;
 /// Largest two-rank Allreduce (bytes) that runs one-shot (see above).
 const TWO_RANKS_ONE_SHOT_LIMIT: usize = 4 << 20;
+/// The same where the ranks reach each other's buffers (see above).
+const TWO_RANKS_ONE_SHOT_LIMIT_DIRECT: usize = 2 << 20;
 
 /// Bytes of a half that the flag-meeting kernels use (the rest is the flagged kernel's).
 const USABLE_BYTES: usize = PEER_MEMORY_REGION_BYTES - PEER_MEMORY_FLAGGED_BYTES;
@@ -132,7 +144,14 @@ pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> A
                     wide
                 },
             )
-        } else if bytes <= TWO_RANKS_ONE_SHOT_LIMIT && one_shot {
+        } else if bytes
+            <= if direct {
+                TWO_RANKS_ONE_SHOT_LIMIT_DIRECT
+            } else {
+                TWO_RANKS_ONE_SHOT_LIMIT
+            }
+            && one_shot
+        {
             plan("peer_allreduce_one_shot", wide)
         } else if direct {
             plan("peer_allreduce_direct", grid_for(bytes))
@@ -154,11 +173,14 @@ pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> A
         )
     } else if bytes <= ONE_SHOT_LIMIT && one_shot {
         plan("peer_allreduce_one_shot", wide)
+    } else if direct && world_size == 4 && DIRECT_RANGE.contains(&bytes) {
+        plan("peer_allreduce_direct", grid_for(bytes))
     } else if bytes <= LL_TWO_SHOT_LIMIT && flagged_two_shot {
         plan("peer_allreduce_ll_two_shot", wide)
     } else {
-        // On 4 H100s the two-shot kernel through the workspaces beat the direct one at
-        // every size up to 16 MB (17.3 against 19.2 us at 1 MB, 98.7 against 104.7 at 16 MB).
+        // Through the workspaces: where the ranks do not reach each other's buffers, above
+        // 16 MB on 4 ranks (see `DIRECT_RANGE`), and on world sizes other than 2 and 4,
+        // where the direct kernel was not measured.
         plan("peer_allreduce_two_shot", grid_for(bytes))
     }
 }
@@ -476,13 +498,22 @@ mod tests {
         assert_eq!(kernel(256 << 10, 4, true), "peer_allreduce_ll_two_shot");
         assert_eq!(kernel(1 << 20, 3, true), "peer_allreduce_ll_two_shot");
         assert_eq!(kernel(1 << 20, 8, false), "peer_allreduce_ll_two_shot");
-        assert_eq!(kernel((1 << 20) + 8, 4, true), "peer_allreduce_two_shot");
-        assert_eq!(kernel(4 << 20, 4, true), "peer_allreduce_two_shot");
-        // Two ranks: flagged to 256 KB, one-shot to 4 MB, then two shots, straight
-        // between the buffers where the ranks reach them.
+        assert_eq!(kernel((1 << 20) + 8, 4, false), "peer_allreduce_two_shot");
+        assert_eq!(kernel(4 << 20, 4, false), "peer_allreduce_two_shot");
+        // Four ranks of one process: straight between the buffers from 512 KB to 16 MB.
+        assert_eq!(kernel(512 << 10, 4, true), "peer_allreduce_direct");
+        assert_eq!(kernel(4 << 20, 4, true), "peer_allreduce_direct");
+        assert_eq!(kernel(16 << 20, 4, true), "peer_allreduce_direct");
+        assert_eq!(kernel(64 << 20, 4, true), "peer_allreduce_two_shot");
+        assert_eq!(kernel(4 << 20, 8, true), "peer_allreduce_two_shot");
+        // Two ranks: flagged to 256 KB, one-shot to 4 MB (2 MB where the ranks reach
+        // each other's buffers), then two shots, straight between the buffers where the
+        // ranks reach them.
         assert_eq!(kernel(256 << 10, 2, false), "peer_allreduce_ll");
         assert_eq!(kernel(512 << 10, 2, false), "peer_allreduce_one_shot");
-        assert_eq!(kernel(4 << 20, 2, true), "peer_allreduce_one_shot");
+        assert_eq!(kernel(2 << 20, 2, true), "peer_allreduce_one_shot");
+        assert_eq!(kernel(4 << 20, 2, false), "peer_allreduce_one_shot");
+        assert_eq!(kernel(4 << 20, 2, true), "peer_allreduce_direct");
         assert_eq!(kernel(16 << 20, 2, true), "peer_allreduce_direct");
         assert_eq!(kernel(16 << 20, 2, false), "peer_allreduce_two_shot");
     }
@@ -495,7 +526,7 @@ mod tests {
         assert_eq!(allreduce_plan(64 << 10, 4, true).grid, 32);
         assert_eq!(allreduce_plan(4 << 10, 4, true).grid, 8);
         assert_eq!(allreduce_plan(32 << 10, 4, true).grid, 32);
-        assert_eq!(allreduce_plan(4 << 20, 4, true).grid, 128);
+        assert_eq!(allreduce_plan(4 << 20, 4, false).grid, 128);
     }
 
     #[test]
@@ -514,6 +545,24 @@ mod tests {
                 "{world} ranks"
             );
         }
+    }
+
+    #[test]
+    fn the_direct_kernels_buffer_packets_fit_before_the_data() {
+        let define = |name: &str| -> usize {
+            let line = SOURCE
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("source.cu defines {name}"));
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        let (at, blocks, ranks) = (define("BUFFERS_AT"), define("GMAX"), define("MAXR"));
+        assert_eq!(blocks, MAX_GRID);
+        assert_eq!(ranks, PEER_MEMORY_MAX_RANKS);
+        // The u32 flags, epoch counters and call counters end before the packets begin.
+        assert!((blocks * ranks + 2 * blocks) * 4 <= at * 8);
+        // Two 16-byte packets per block and sending rank.
+        assert!(at * 8 + 32 * blocks * ranks <= DATA_OFFSET);
     }
 
     #[test]

@@ -21,8 +21,9 @@ typedef unsigned short u16;
 #define GMAX 128
 #define SEQ_AT (GMAX * MAXR)
 #define CALLS_AT (GMAX * MAXR + GMAX)
-// Where a block publishes its call's buffers (the direct Allreduce): u64 offset of
-// `(in, out)` of block b, inside the flags (before `Ctl::data_offset`).
+// Where block b of rank r leaves its call's buffers `(in, out)` at each peer (the direct
+// Allreduce): two 16-byte packets at byte 8 BUFFERS_AT + 32 (b MAXR + r), inside the flags
+// (bytes 8192 to 40960, before `Ctl::data_offset`).
 #define BUFFERS_AT 1024 /* byte 8192: past the u32 flags and counters */
 
 #if defined(DT_F32)
@@ -314,6 +315,17 @@ __device__ __forceinline__ float packet_elem(u32 w0, u32 w1, int k) {
     return ld1((E)((k & 1) ? (w >> 16) : (w & 0xffff)));
 #endif
 }
+// Packet i of `in` (n elements) as its two words: one 8-byte load where the packet is
+// whole and aligned, else element by element (0 past the end).
+__device__ __forceinline__ u32 packet_word(const E* in, u64 n, u64 i, int word);
+__device__ __forceinline__ void load_packet(const E* in, u64 n, u64 i, u32* w0, u32* w1) {
+    if ((i + 1) * PE <= n && (((u64)in) & 7) == 0) {
+        const u64 v = *(const u64*)(in + i * PE);
+        *w0 = (u32)v; *w1 = (u32)(v >> 32);
+    } else {
+        *w0 = packet_word(in, n, i, 0); *w1 = packet_word(in, n, i, 1);
+    }
+}
 // Element k of packet i of `in` (n elements), as the low bits of a word; 0 past the end.
 __device__ __forceinline__ u32 packet_word(const E* in, u64 n, u64 i, int word) {
 #if defined(DT_F32)
@@ -364,7 +376,8 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll_at_once(cons
     const u64 packets = (n + PE - 1) / PE;
     u64 lo, hi; share(packets, &lo, &hi);
     for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        const u32 w0 = packet_word(in, n, i, 0), w1 = packet_word(in, n, i, 1);
+        u32 w0, w1;
+        load_packet(in, n, i, &w0, &w1);
         for (int q = 0; q < world; ++q) st_ll((char*)AT(q) + c.usable_bytes + (rank * packets + i) * 16, w0, w1, flag);
     }
     const char* mine = (const char*)AT(rank) + c.usable_bytes;
@@ -404,8 +417,9 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll_two_shot(con
     u64 lo, hi; share(packets, &lo, &hi);
     for (u64 g = lo + threadIdx.x; g < hi; g += blockDim.x) {
         const u64 q = g / part, j = g % part;
-        st_ll((char*)AT(q) + c.usable_bytes + (rank * part + j) * 16,
-              packet_word(in, n, g, 0), packet_word(in, n, g, 1), flag);
+        u32 w0, w1;
+        load_packet(in, n, g, &w0, &w1);
+        st_ll((char*)AT(q) + c.usable_bytes + (rank * part + j) * 16, w0, w1, flag);
     }
     const char* mine = (const char*)AT(rank) + c.usable_bytes;
     u64 plo, phi; share(part, &plo, &phi);
@@ -435,40 +449,61 @@ extern "C" __global__ void __launch_bounds__(512) peer_allreduce_ll_two_shot(con
 }
 
 // Allreduce straight between the ranks' own buffers, for worlds whose ranks reach each
-// other's memory (one process): nothing goes through the workspaces. Block b publishes its
-// call's `(in, out)` beside its flags and meets; then it sums its share of part `rank` of
+// other's memory (one process): nothing goes through the workspaces. Block b sends its
+// call's `(in, out)` to every peer with the call's epoch beside every word (so a block
+// waits for the peers' buffers in its own workspace, with no fence and no round trip to a
+// peer before the data's); then it sums its share of part `rank` of
 // every rank's input (in rank order: every rank gets the same bits) and stores the sum
 // into every rank's output; and meets again, so no rank returns (and overwrites its input)
-// while a peer still reads it, or before its output is whole. Each thread moves `U`
-// vectors at a time (their loads all in flight before the first sum). An output that
-// overlaps its input is safe: only the owner of a part reads or writes it.
+// while a peer still reads it, or before its output is whole. An output that overlaps its
+// input is safe: only the owner of a part reads or writes it.
+
+// The sum and stores of vectors [lo, hi) of part `first` for a world of W ranks known when
+// compiled (2, 4, 8) and buffers aligned to 16 bytes: each thread issues the loads of U
+// vectors from every rank before its first sum, so W x U peer loads are in flight at
+// once (a loop over the ranks whose count is known only at run time waits for each
+// rank's loads in turn).
+template <int W, int U>
+__device__ __forceinline__ void direct_part_w(const u64* s_in, const u64* s_out, u64 first, u64 lo, u64 hi, u64 n, int rank) {
+    for (u64 i0 = lo + threadIdx.x; i0 < hi; i0 += (u64)U * blockDim.x) {
+        V4 v[W][U];
+#pragma unroll
+        for (int q = 0; q < W; ++q)
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u64 i = i0 + (u64)u * blockDim.x, e = first + i * EPV;
+                if (i < hi && e + EPV <= n) v[q][u] = ld_cg((const E*)s_in[q] + e);
+            }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u64 i = i0 + (u64)u * blockDim.x, e = first + i * EPV;
+            if (i >= hi || e >= n) continue;
+            float acc[EPV], f[EPV];
+#pragma unroll
+            for (int k = 0; k < EPV; ++k) acc[k] = 0.f;
+            if (e + EPV <= n) {
+#pragma unroll
+                for (int q = 0; q < W; ++q) {
+                    unpack(v[q][u], f);
+#pragma unroll
+                    for (int k = 0; k < EPV; ++k) acc[k] += f[k];
+                }
+#pragma unroll
+                for (int w = 0; w < W; ++w) *(V4*)((E*)s_out[(rank + w) % W] + e) = pack(acc);
+            } else {
+                const u64 cnt = n - e;
+                for (int q = 0; q < W; ++q)
+                    for (u64 k = 0; k < cnt; ++k) acc[k] += ld1(ld_cg1((const E*)s_in[q] + e + k));
+                for (int w = 0; w < W; ++w)
+                    for (u64 k = 0; k < cnt; ++k) ((E*)s_out[(rank + w) % W])[e + k] = st1(acc[k]);
+            }
+        }
+    }
+}
+
+// The same for any world and any alignment, U vectors per thread at a time.
 template <int U>
-__device__ void allreduce_direct(const E* in, E* out, u64 n, const Peers& P, int rank, int world, const Ctl& c) {
-    BEGIN(6);
-    (void)half;
-    __shared__ u64 s_in[MAXR], s_out[MAXR];
-    __shared__ int s_aligned;
-    if (threadIdx.x == 0) {
-        volatile u64* mine = (volatile u64*)P.ws[rank] + BUFFERS_AT + 2 * blockIdx.x;
-        mine[0] = (u64)in; mine[1] = (u64)out;
-        __threadfence_system();
-    }
-    MEET();
-    if (threadIdx.x < world) {
-        volatile const u64* theirs = (volatile const u64*)P.ws[threadIdx.x] + BUFFERS_AT + 2 * blockIdx.x;
-        s_in[threadIdx.x] = theirs[0]; s_out[threadIdx.x] = theirs[1];
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int aligned = 1;
-        for (int q = 0; q < world; ++q) if (((s_in[q] | s_out[q]) & 15) != 0) aligned = 0;
-        s_aligned = aligned;
-    }
-    __syncthreads();
-    const bool vec = s_aligned != 0;
-    const u64 part = ((n + world - 1) / world + EPV - 1) / EPV * EPV;
-    const u64 first = (u64)rank * part;
-    u64 lo, hi; share(part / EPV, &lo, &hi);
+__device__ __forceinline__ void direct_part(const u64* s_in, const u64* s_out, u64 first, u64 lo, u64 hi, u64 n, int rank, int world, bool vec) {
     for (u64 i0 = lo + threadIdx.x; i0 < hi; i0 += (u64)U * blockDim.x) {
         float acc[U][EPV];
 #pragma unroll
@@ -509,6 +544,60 @@ __device__ void allreduce_direct(const E* in, E* out, u64 n, const Peers& P, int
             }
         }
     }
+}
+
+// `U`: vectors per thread at a time where the world is 2, 4 or 8 ranks and the buffers are
+// aligned (the rest take `direct_part<2>`); `BY_WORLD` false: every world takes
+// `direct_part<U>` (the benchmark's baseline).
+template <int U, bool BY_WORLD = true>
+__device__ void allreduce_direct(const E* in, E* out, u64 n, const Peers& P, int rank, int world, const Ctl& c) {
+    BEGIN(6);
+    (void)half;
+    __shared__ u64 s_in[MAXR], s_out[MAXR];
+    __shared__ int s_aligned;
+    // Each peer's `(in, out)` arrives as two 16-byte packets with this call's epoch beside
+    // every word (as the flagged kernels' data): no fence on either side, one trip.
+    const u32 epoch = ++seq;
+    if (threadIdx.x < world && threadIdx.x != rank) {
+        char* at_peer = (char*)P.ws[threadIdx.x] + BUFFERS_AT * 8 + 32 * (blockIdx.x * MAXR + rank);
+        st_ll(at_peer, (u32)(u64)in, (u32)((u64)in >> 32), epoch);
+        st_ll(at_peer + 16, (u32)(u64)out, (u32)((u64)out >> 32), epoch);
+    }
+    if (threadIdx.x < world) {
+        if (threadIdx.x == rank) {
+            s_in[rank] = (u64)in; s_out[rank] = (u64)out;
+        } else {
+            const char* left = (const char*)P.ws[rank] + BUFFERS_AT * 8 + 32 * (blockIdx.x * MAXR + threadIdx.x);
+            u32 w[4], f[4];
+            Patience p = {0, 0};
+            for (;;) {
+                ld_ll(left, &w[0], &w[1], &f[0], &f[1]);
+                ld_ll(left + 16, &w[2], &w[3], &f[2], &f[3]);
+                if (f[0] == epoch && f[1] == epoch && f[2] == epoch && f[3] == epoch) break;
+                if (p.tick(c, (u32)threadIdx.x, OP)) { s_failed = 1; break; }
+            }
+            s_in[threadIdx.x] = (u64)w[0] | ((u64)w[1] << 32);
+            s_out[threadIdx.x] = (u64)w[2] | ((u64)w[3] << 32);
+        }
+    }
+    __syncthreads();
+    if (s_failed) { END(); return; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int aligned = 1;
+        for (int q = 0; q < world; ++q) if (((s_in[q] | s_out[q]) & 15) != 0) aligned = 0;
+        s_aligned = aligned;
+    }
+    __syncthreads();
+    const bool vec = s_aligned != 0;
+    const u64 part = ((n + world - 1) / world + EPV - 1) / EPV * EPV;
+    const u64 first = (u64)rank * part;
+    u64 lo, hi; share(part / EPV, &lo, &hi);
+    if (!BY_WORLD) direct_part<U>(s_in, s_out, first, lo, hi, n, rank, world, vec);
+    else if (vec && world == 2) direct_part_w<2, U>(s_in, s_out, first, lo, hi, n, rank);
+    else if (vec && world == 4) direct_part_w<4, U>(s_in, s_out, first, lo, hi, n, rank);
+    else if (vec && world == 8) direct_part_w<8, (U > 2 ? 2 : U)>(s_in, s_out, first, lo, hi, n, rank);
+    else direct_part<2>(s_in, s_out, first, lo, hi, n, rank, world, vec);
     MEET();
     END();
 }
