@@ -17,7 +17,9 @@
 //   direct_rt   the same with the ranks' loads one rank after another (the kernel before
 //               the world size became a compile-time parameter).
 // Columns marked xN run N times the runtime's blocks for that size (at most 128), /N a
-// N-th of them (at least 1).
+// N-th of them (at least 1); tT blocks of T threads (the runtime's: 512). The flagged
+// kernels' loops stride by the block, so any multiple of 32 of at least the world size
+// runs them.
 //
 // Build: nvcc -O3 -std=c++17 -arch=sm_90 harness.cu -o peer_allreduce_bench
 // Run:   peer_allreduce_bench [devices]
@@ -83,7 +85,7 @@ static unsigned grid_for(size_t bytes) {
 // kind: 0 flagged, 1 one shot, 2 two shots, 3 direct U=1, 4 direct U=2, 5 direct U=4,
 // 6 flagged, every rank's packet at once; 7 flagged two shots; 8 direct, ranks in turn, U=2;
 // grid: the runtime's blocks times this (at most 128), or divided by minus this.
-struct Variant { const char* name; int kind; int grid; };
+struct Variant { const char* name; int kind; int grid; int threads = 512; };
 
 static bool fits(int kind, size_t bytes, int world) {
     switch (kind) {
@@ -95,7 +97,7 @@ static bool fits(int kind, size_t bytes, int world) {
 }
 
 static void launch(Rank& r, const Variant& v, size_t n, Peers P, int rank, int world, Ctl c, unsigned grid) {
-    dim3 g(grid), b(512);
+    dim3 g(grid), b(v.threads);
     switch (v.kind) {
     case 0: peer_allreduce_ll<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
     case 1: peer_allreduce_one_shot<<<g, b, 0, r.stream>>>(r.in, r.out, n, P, rank, world, c); break;
@@ -154,6 +156,7 @@ int main(int argc, char** argv) {
         return c;
     };
     const Variant variants[] = {{"flagged", 0, 1}, {"flag_x4", 0, 4}, {"at_once", 6, 1}, {"at_once_x4", 6, 4},
+                                {"at_once_x2", 6, 2}, {"ao_x4_t256", 6, 4, 256}, {"ao_x4_t128", 6, 4, 128},
                                 {"ll_two", 7, 1}, {"ll_two_x4", 7, 4},
                                 {"one_shot", 1, 1}, {"one_x4", 1, 4},
                                 {"two_shot", 2, 1}, {"direct_rt", 8, 1},
