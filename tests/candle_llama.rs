@@ -187,6 +187,25 @@ fn sections_time_every_part_of_each_step_in_order() {
 }
 
 #[test]
+fn call_times_keep_each_calls_copies_and_call_apart_in_call_order() {
+    if in_child() {
+        return;
+    }
+    let mut t = calls::CallTimes::default();
+    assert!(t.is_empty());
+    for (copies, call) in [(3.0, 10.0), (1.0, 30.0), (2.0, 20.0)] {
+        t.add("attention", copies, call);
+        t.add("h_norm", 10.0 * copies, 0.5);
+    }
+    let line = t.describe("decode");
+    assert_eq!(
+        line,
+        "  decode fusion calls' host time, median us: attention copies 2.0 call 20.0 \
+         (3 calls) | h_norm copies 20.0 call 0.5 (3 calls)"
+    );
+}
+
+#[test]
 fn a_recorded_step_keeps_its_marks_for_every_replay() {
     if in_child() {
         return;

@@ -70,7 +70,8 @@ pub struct Args {
     /// attention, each row-parallel projection and its sum, ...), each rank's medians: on
     /// a GPU the time of candle's stream between marks (kernels, and waits for the host to
     /// launch them), and beside it the host's time to issue each part; with `--graph`, the
-    /// replayed graph's time between event nodes recorded at the marks
+    /// replayed graph's time between event nodes recorded at the marks; and each fusion
+    /// call's host time, copying into its slot apart from the call
     #[arg(long)]
     pub sections: bool,
 }

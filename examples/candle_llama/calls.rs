@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::collections::HashMap;
+use std::time::Instant;
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 use fusion::prelude::*;
@@ -72,6 +73,56 @@ impl Replays {
     }
 }
 
+/// Host time of each fusion call of the timed steps (`--sections`), by call (its first
+/// activation's name), in the order the calls first came: copying the activations into
+/// the call's slot, and the call itself, in microseconds. It tells an eager step's host
+/// time in a call apart: candle's copies against the runtime's call.
+#[derive(Clone, Debug, Default)]
+pub struct CallTimes(Vec<(&'static str, Vec<f64>, Vec<f64>)>);
+
+impl CallTimes {
+    /// One call's copies and call, microseconds.
+    pub fn add(&mut self, name: &'static str, copies_us: f64, call_us: f64) {
+        let at = match self.0.iter().position(|(n, ..)| *n == name) {
+            Some(i) => i,
+            None => {
+                self.0.push((name, Vec::new(), Vec::new()));
+                self.0.len() - 1
+            }
+        };
+        self.0[at].1.push(copies_us);
+        self.0[at].2.push(call_us);
+    }
+
+    /// No call was timed.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Each call's median copies and call in one line.
+    pub fn describe(&self, kind: &str) -> String {
+        let median = |v: &[f64]| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+        };
+        let calls: Vec<String> = (self.0.iter())
+            .map(|(name, copies, call)| {
+                format!(
+                    "{name} copies {:.1} call {:.1} ({} calls)",
+                    median(copies),
+                    median(call),
+                    call.len()
+                )
+            })
+            .collect();
+        format!(
+            "  {kind} fusion calls' host time, median us: {}",
+            calls.join(" | ")
+        )
+    }
+}
+
 /// A call's activation inputs and output, kept at one address across the steps of one
 /// shape.
 struct Slot {
@@ -92,6 +143,8 @@ pub struct FusionCalls {
     pub direct: bool,
     /// How the calls ran since the last [`FusionCalls::take`].
     replays: Replays,
+    /// While set, each call's host time (`--sections`).
+    pub times: Option<CallTimes>,
 }
 
 impl FusionCalls {
@@ -104,6 +157,7 @@ impl FusionCalls {
             options: ExecOptions::default(),
             direct: false,
             replays: Replays::default(),
+            times: None,
         }
     }
 
@@ -130,6 +184,7 @@ impl FusionCalls {
         let rank = call.target().rank().clone();
         let name = acts.first().map_or("activation", |a| a.0);
         if self.device.is_cpu() {
+            let start = Instant::now();
             let given = acts
                 .iter()
                 .map(|(n, a)| fusion_candle::input(&rank, n, a))
@@ -137,7 +192,9 @@ impl FusionCalls {
             let out = OutputBuffer::new(&rank, name, self.dtype, out_shape, &self.device)?;
             let mut inputs: Vec<&fusion::Tensor> = given.iter().collect();
             inputs.extend(weights);
+            let copied = Instant::now();
             let report = exec.run_with(call, &inputs, Some(&[&out.tensor()]), &self.options)?;
+            self.note_times(name, start, copied);
             self.replays.count(&report.replay);
             drop(report);
             return out.into_candle();
@@ -155,6 +212,7 @@ impl FusionCalls {
             self.slots.insert(key.clone(), Slot { inputs, out });
         }
         let slot = &self.slots[&key];
+        let start = Instant::now();
         let direct = match self.direct {
             true => acts
                 .iter()
@@ -172,8 +230,20 @@ impl FusionCalls {
             }
         }
         inputs.extend(weights);
+        let copied = Instant::now();
         let report = exec.run_with(call, &inputs, Some(&[&slot.out.tensor()]), &self.options)?;
+        let out = slot.out.shared();
+        self.note_times(name, start, copied);
         self.replays.count(&report.replay);
-        slot.out.shared()
+        out
+    }
+
+    /// Notes a call's host time (while timing): copies from `start` to `copied`, the call
+    /// from `copied` to now.
+    fn note_times(&mut self, name: &'static str, start: Instant, copied: Instant) {
+        if let Some(t) = self.times.as_mut() {
+            let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+            t.add(name, us(copied - start), us(copied.elapsed()));
+        }
     }
 }

@@ -27,7 +27,8 @@
 //! all-reduce per block) and `--candle-only` candle alone, for comparison. Every output is
 //! checked against the same layer run by candle alone on one device in f32; the report
 //! ends with a table of median times and replayed calls. `--sections` also prints, per
-//! rank, where an eager step's time goes part by part (`sections.rs`).
+//! rank, where an eager step's time goes part by part (`sections.rs`), and each fusion
+//! call's host time, its slot copies apart from the call (`calls.rs`).
 //!
 //! ```sh
 //! cargo run --release --features candle --example candle_llama -- --devices 2

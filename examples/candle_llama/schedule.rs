@@ -11,7 +11,7 @@ use fusion::prelude::*;
 
 use crate::app::{Mode, Plan};
 use crate::cache::positions;
-use crate::calls::Replays;
+use crate::calls::{CallTimes, Replays};
 use crate::config::{self, Config};
 use crate::graph::StepGraph;
 use crate::layer::{Form, Part, RankLayer, StepIn};
@@ -170,21 +170,27 @@ pub fn run_rank(rank: &Rank, s: &Setup) -> fusion_candle::Result<RankRun> {
     let mut prefilled = Prefilled::default();
     let sections = |on: bool| on.then(|| Sections::new(&device));
     layer.sections = sections(plan.sections && prefill.is_some());
+    layer.calls.times = plan.sections.then(CallTimes::default);
     if let Some(p) = &prefill {
         prefilled = time_prefill(&mut layer, call, &clock, p, plan.prefill_reps())?;
     }
     let prefill_sections = layer.sections.take();
+    let prefill_calls = layer.calls.times.take();
+    layer.calls.times = plan.sections.then(CallTimes::default);
     layer.sections = match graph {
         Some(_) => recorded_sections,
         None => sections(plan.sections && !decode.is_empty()),
     };
     let decoded = time_decode(&mut layer, call, &clock, &decode, graph.as_ref())?;
-    for (kind, s) in [
-        ("prefill", prefill_sections),
-        ("decode", layer.sections.take()),
+    for (kind, s, calls) in [
+        ("prefill", prefill_sections, prefill_calls),
+        ("decode", layer.sections.take(), layer.calls.times.take()),
     ] {
         if let Some(s) = s {
             println!("rank {}: {}", rank.index(), describe(kind, &s.medians()));
+        }
+        if let Some(c) = calls.filter(|c| !c.is_empty()) {
+            println!("rank {}: {}", rank.index(), c.describe(kind));
         }
     }
     let host_copies = copies() - before;
