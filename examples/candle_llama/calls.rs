@@ -5,7 +5,9 @@
 //! The runtime replays a call's graph only while the call's inputs and outputs sit where
 //! they sat when it was captured. A candle activation is a fresh allocation every step, so
 //! each call copies its activations into its slot's inputs (a few kilobytes when decoding)
-//! and writes its output into the slot's `OutputBuffer`, which candle then reads in place.
+//! and writes its output into the slot's `OutputBuffer`, which candle then reads in place;
+//! an activation that is another call's output (the MLP call's residual `h`, the
+//! attention-output call's) is read in place too, without a copy.
 
 use std::collections::BTreeMap;
 use std::collections::HashMap;
@@ -131,11 +133,18 @@ struct Slot {
     out: OutputBuffer,
 }
 
+/// A slot's key: the call's first activation's name and every activation's shape.
+type SlotKey = (&'static str, Vec<usize>);
+
 /// The fusion calls of one rank's layer and how they ran.
 pub struct FusionCalls {
     dtype: CDType,
     device: Device,
-    slots: HashMap<(&'static str, Vec<usize>), Slot>,
+    slots: HashMap<SlotKey, Slot>,
+    /// Every slot's output by its candle tensor (the one the calls hand back, the same
+    /// tensor every step): a later call given it reads it in place instead of copying it
+    /// into its own slot, since it sits at a fixed address too.
+    outputs: HashMap<candle_core::TensorId, (SlotKey, fusion::Tensor)>,
     pub options: ExecOptions,
     /// Calls pass the activation itself, not a copy in their slot: while a step is being
     /// recorded into a graph of the caller's, whose addresses the capture fixes anyway
@@ -154,6 +163,7 @@ impl FusionCalls {
             dtype,
             device: device.clone(),
             slots: HashMap::new(),
+            outputs: HashMap::new(),
             options: ExecOptions::default(),
             direct: false,
             replays: Replays::default(),
@@ -209,6 +219,7 @@ impl FusionCalls {
                 inputs.push((buffer, view));
             }
             let out = OutputBuffer::new(&rank, name, self.dtype, out_shape, &self.device)?;
+            (self.outputs).insert(out.shared()?.id(), (key.clone(), out.tensor()));
             self.slots.insert(key.clone(), Slot { inputs, out });
         }
         let slot = &self.slots[&key];
@@ -225,8 +236,15 @@ impl FusionCalls {
             inputs.extend(direct.iter());
         } else {
             for ((buffer, view), (_, a)) in slot.inputs.iter().zip(acts) {
-                buffer.slice_set(&a.contiguous()?, 0, 0)?;
-                inputs.push(view);
+                // Another call's output is read where it is (its slot's address is fixed
+                // too); never this call's own, which the call writes.
+                match self.outputs.get(&a.id()) {
+                    Some((from, out)) if *from != key => inputs.push(out),
+                    _ => {
+                        buffer.slice_set(&a.contiguous()?, 0, 0)?;
+                        inputs.push(view);
+                    }
+                }
             }
         }
         inputs.extend(weights);
