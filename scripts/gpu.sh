@@ -364,7 +364,7 @@ task_candle_tp() {
     fi
     if [ "$part" = prefill ] || [ "$part" = all ]; then
         for t in 512 2048; do
-            runs+=("prefill$t-sp:--prefill $t --decode-steps 0"
+            runs+=("prefill$t-sp:--prefill $t --decode-steps 0 --prefill-form sp"
                 "prefill$t-tp:--prefill $t --decode-steps 0 --prefill-form tp"
                 "prefill$t-candle-tp:--prefill $t --decode-steps 0 --candle-tp")
         done

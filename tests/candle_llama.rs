@@ -99,12 +99,33 @@ fn the_layer_matches_candle_alone_on_1_2_and_4_devices() {
     }
     for d in [1, 2, 4] {
         for dtype in ["f32", "bf16"] {
-            // 3 tokens per decode step: padded on 2 and 4 ranks in the sp form.
-            for tokens in ["1", "3"] {
-                run(d, &["--dtype", dtype, "--decode-tokens", tokens]);
-            }
+            // The default forms (a prefill this short runs tensor-parallel), then the
+            // sequence-parallel prefill with 3 tokens per decode step (its rows padded on 2
+            // and 4 ranks).
+            run(d, &["--dtype", dtype, "--decode-tokens", "1"]);
+            let sp_prefill = ["--prefill-form", "sp", "--decode-tokens", "3"];
+            run(d, &[&["--dtype", dtype][..], &sp_prefill[..]].concat());
         }
     }
+}
+
+#[test]
+fn prefills_run_tensor_parallel_up_to_512_tokens_and_sequence_parallel_above() {
+    use layer::Form;
+    assert_eq!(Form::for_prefill(1), Form::Tp);
+    assert_eq!(Form::for_prefill(512), Form::Tp);
+    assert_eq!(Form::for_prefill(513), Form::Sp);
+    assert_eq!(Form::for_prefill(2048), Form::Sp);
+    let plan = |extra: &[&str]| args(Some(2), extra).plan().unwrap();
+    assert_eq!(plan(&["--prefill", "512"]).prefill_form, Form::Tp);
+    assert_eq!(plan(&["--prefill", "2048"]).prefill_form, Form::Sp);
+    let asked = ["--prefill", "64", "--prefill-form", "sp"];
+    assert_eq!(plan(&asked).prefill_form, Form::Sp);
+    // Candle's modes have the tensor-parallel form only, whatever the length.
+    assert_eq!(
+        plan(&["--prefill", "2048", "--candle-tp"]).prefill_form,
+        Form::Tp
+    );
 }
 
 #[test]
@@ -331,6 +352,8 @@ fn child_llama() {
     let dtype = std::env::var("LLAMA_DTYPE").unwrap_or_else(|_| "f32".into());
     let graph = std::env::var("LLAMA_GRAPH").is_ok_and(|g| g == "1");
     let mut extra = vec!["--dtype", dtype.as_str(), "--decode-tokens", "2"];
+    // The sequence-parallel prefill across processes (its AllGather and ReduceScatter).
+    extra.extend(["--prefill-form", "sp"]);
     extra.extend(graph.then_some("--graph"));
     app::run(args(None, &extra)).unwrap();
     println!("LLAMA-OK");

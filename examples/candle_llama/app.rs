@@ -39,7 +39,8 @@ pub struct Args {
     /// or `sp` (sequence-parallel fusions) [default: tp; candle's modes: tp only]
     #[arg(long, value_enum)]
     pub decode_form: Option<Form>,
-    /// Form of the prefill steps [default: sp; candle's modes: tp only]
+    /// Form of the prefill steps [default: tp up to 512 tokens, sp above, the faster as
+    /// measured; candle's modes: tp only]
     #[arg(long, value_enum)]
     pub prefill_form: Option<Form>,
     /// Record the whole decode step as a CUDA graph on candle's stream once, after
@@ -161,7 +162,11 @@ impl Args {
         Ok(Plan {
             mode,
             decode_form: form(self.decode_form, Form::Tp, "decode")?,
-            prefill_form: form(self.prefill_form, Form::Sp, "prefill")?,
+            prefill_form: form(
+                self.prefill_form,
+                Form::for_prefill(self.prefill),
+                "prefill",
+            )?,
             graph: self.graph,
             prefill: self.prefill,
             prefill_reps: self.prefill_reps,

@@ -35,7 +35,25 @@ pub enum Form {
     Sp,
 }
 
+/// The largest prefill (tokens) that runs in the tensor-parallel form by default; longer
+/// ones run sequence-parallel. On 4x H100 (2026-11-27,
+/// `bench/results/2026-11-27-0610-peer-allreduce-direct-candle-h100x4/`), median of 20:
+/// 512 tokens at TP 2 0.538 ms tensor-parallel against 0.596 sequence-parallel, at TP 4
+/// 0.554 against 0.555; 2048 tokens at TP 2 1.924 against 1.534, at TP 4 1.157 against
+/// 1.063.
+pub const TP_PREFILL_TOKENS: usize = 512;
+
 impl Form {
+    /// The fusions' form for a prefill of `tokens` when none is asked for: the faster one
+    /// as measured (see [`TP_PREFILL_TOKENS`]).
+    pub fn for_prefill(tokens: usize) -> Form {
+        if tokens <= TP_PREFILL_TOKENS {
+            Form::Tp
+        } else {
+            Form::Sp
+        }
+    }
+
     /// The form's name on the command line.
     pub fn name(self) -> &'static str {
         match self {
