@@ -214,15 +214,27 @@ fn call_times_keep_each_calls_copies_and_call_apart_in_call_order() {
     }
     let mut t = calls::CallTimes::default();
     assert!(t.is_empty());
+    let time = |copies, call, setup: f64, launch| calls::CallTime {
+        copies,
+        call,
+        setup,
+        launch,
+        phases: fusion::runtime::eval::ReplayPhases {
+            program: (setup * 500.0) as u64,
+            join: 100,
+            ..Default::default()
+        },
+    };
     for (copies, call) in [(3.0, 10.0), (1.0, 30.0), (2.0, 20.0)] {
-        t.add("attention", copies, call);
-        t.add("h_norm", 10.0 * copies, 0.5);
+        t.add("attention", time(copies, call, 0.0, 0.0));
+        t.add("h_norm", time(10.0 * copies, 0.5, call / 10.0, copies));
     }
     let line = t.describe("decode");
     assert_eq!(
         line,
         "  decode fusion calls' host time, median us: attention copies 2.0 call 20.0 \
-         (3 calls) | h_norm copies 20.0 call 0.5 (3 calls)"
+         (3 calls) | h_norm copies 20.0 call 0.5 (setup 2.0: program 1.0 ledger 0.0 plan 0.0 \
+         begin 0.0 slot 0.0 join 0.1; launch 2.0) (3 calls)"
     );
 }
 

@@ -77,23 +77,39 @@ impl Replays {
 
 /// Host time of each fusion call of the timed steps (`--sections`), by call (its first
 /// activation's name), in the order the calls first came: copying the activations into
-/// the call's slot, and the call itself, in microseconds. It tells an eager step's host
-/// time in a call apart: candle's copies against the runtime's call.
+/// the call's slot, and the call itself, in microseconds; of a replayed call also the
+/// runtime's part before its graph launch (finding the program, matching addresses) and
+/// the launch itself. It tells an eager step's host time in a call apart: candle's copies
+/// against the runtime's call, and inside the call the runtime's work against CUDA's.
 #[derive(Clone, Debug, Default)]
-pub struct CallTimes(Vec<(&'static str, Vec<f64>, Vec<f64>)>);
+pub struct CallTimes(Vec<(&'static str, Vec<CallTime>)>);
+
+/// One call's host time, microseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CallTime {
+    /// Copying the activations into the call's slot.
+    pub copies: f64,
+    /// The call, from its start to its return.
+    pub call: f64,
+    /// Of a replayed call: from its start to its graph launch (0 otherwise).
+    pub setup: f64,
+    /// Of a replayed call: the graph launch (0 otherwise).
+    pub launch: f64,
+    /// Of a replayed call: its setup phase by phase, nanoseconds.
+    pub phases: fusion::runtime::eval::ReplayPhases,
+}
 
 impl CallTimes {
-    /// One call's copies and call, microseconds.
-    pub fn add(&mut self, name: &'static str, copies_us: f64, call_us: f64) {
-        let at = match self.0.iter().position(|(n, ..)| *n == name) {
+    /// One call's times.
+    pub fn add(&mut self, name: &'static str, time: CallTime) {
+        let at = match self.0.iter().position(|(n, _)| *n == name) {
             Some(i) => i,
             None => {
-                self.0.push((name, Vec::new(), Vec::new()));
+                self.0.push((name, Vec::new()));
                 self.0.len() - 1
             }
         };
-        self.0[at].1.push(copies_us);
-        self.0[at].2.push(call_us);
+        self.0[at].1.push(time);
     }
 
     /// No call was timed.
@@ -101,20 +117,35 @@ impl CallTimes {
         self.0.is_empty()
     }
 
-    /// Each call's median copies and call in one line.
+    /// Each call's median copies and call (and, where its calls replayed, the call's setup
+    /// and launch) in one line.
     pub fn describe(&self, kind: &str) -> String {
-        let median = |v: &[f64]| {
-            let mut v = v.to_vec();
+        let median = |v: &[CallTime], f: fn(&CallTime) -> f64| {
+            let mut v: Vec<f64> = v.iter().map(f).collect();
             v.sort_by(f64::total_cmp);
             v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
         };
         let calls: Vec<String> = (self.0.iter())
-            .map(|(name, copies, call)| {
+            .map(|(name, t)| {
+                let replayed = match median(t, |t| t.launch) {
+                    l if l > 0.0 => format!(
+                        " (setup {:.1}: program {:.1} ledger {:.1} plan {:.1} begin {:.1} \
+                         slot {:.1} join {:.1}; launch {l:.1})",
+                        median(t, |t| t.setup),
+                        median(t, |c| c.phases.program as f64 / 1e3),
+                        median(t, |c| c.phases.ledger as f64 / 1e3),
+                        median(t, |c| c.phases.plan as f64 / 1e3),
+                        median(t, |c| c.phases.begin as f64 / 1e3),
+                        median(t, |c| c.phases.slot as f64 / 1e3),
+                        median(t, |c| c.phases.join as f64 / 1e3),
+                    ),
+                    _ => String::new(),
+                };
                 format!(
-                    "{name} copies {:.1} call {:.1} ({} calls)",
-                    median(copies),
-                    median(call),
-                    call.len()
+                    "{name} copies {:.1} call {:.1}{replayed} ({} calls)",
+                    median(t, |t| t.copies),
+                    median(t, |t| t.call),
+                    t.len()
                 )
             })
             .collect();
@@ -204,7 +235,7 @@ impl FusionCalls {
             inputs.extend(weights);
             let copied = Instant::now();
             let report = exec.run_with(call, &inputs, Some(&[&out.tensor()]), &self.options)?;
-            self.note_times(name, start, copied);
+            self.note_times(name, start, copied, &report.stats);
             self.replays.count(&report.replay);
             drop(report);
             return out.into_candle();
@@ -251,17 +282,32 @@ impl FusionCalls {
         let copied = Instant::now();
         let report = exec.run_with(call, &inputs, Some(&[&slot.out.tensor()]), &self.options)?;
         let out = slot.out.shared();
-        self.note_times(name, start, copied);
+        self.note_times(name, start, copied, &report.stats);
         self.replays.count(&report.replay);
         out
     }
 
     /// Notes a call's host time (while timing): copies from `start` to `copied`, the call
-    /// from `copied` to now.
-    fn note_times(&mut self, name: &'static str, start: Instant, copied: Instant) {
+    /// from `copied` to now, and the runtime's split of a replayed call (`stats`).
+    fn note_times(
+        &mut self,
+        name: &'static str,
+        start: Instant,
+        copied: Instant,
+        stats: &fusion::runtime::eval::ExecStats,
+    ) {
         if let Some(t) = self.times.as_mut() {
             let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
-            t.add(name, us(copied - start), us(copied.elapsed()));
+            t.add(
+                name,
+                CallTime {
+                    copies: us(copied - start),
+                    call: us(copied.elapsed()),
+                    setup: stats.replay_setup.nanos as f64 / 1e3,
+                    launch: stats.graph_launch.nanos as f64 / 1e3,
+                    phases: stats.replay_phases,
+                },
+            );
         }
     }
 }

@@ -1,10 +1,10 @@
 //! The tensor-parallel parts of a Llama decoder layer as fusions, in the layer's two forms.
 //!
 //! - Tensor-parallel: every rank holds every token (activations replicated). A decode step
-//!   (`row_residual`, `mlp_residual`) makes two calls: the attention output's projection +
-//!   AllReduce + residual, and the whole gated MLP (its gate and up GEMMs of this rank's FFN
-//!   columns, SiLU and product, the down GEMM + AllReduce, the residual); Q, K and V are a
-//!   local GEMM in candle. Steps of many tokens (`row_parallel`) keep the column-parallel
+//!   makes one call after attention (`decode_tail`): the attention output's projection +
+//!   AllReduce + residual, the RMSNorm, and the whole gated MLP (its gate and up GEMMs of
+//!   this rank's FFN columns, SiLU and product, the down GEMM + AllReduce, the residual);
+//!   Q, K and V are a local GEMM in candle. Steps of many tokens (`row_parallel`) keep the column-parallel
 //!   GEMMs in candle and chunk each row-parallel projection (attention output, down) so
 //!   that the AllReduce of one chunk overlaps the next chunk's GEMM.
 //! - Sequence-parallel (`qkv`, `out_proj`, `gated_mlp`): each rank holds `m` rows (tokens)
@@ -36,40 +36,38 @@ fusion! {
         sum(partial, 1)
     }
 
-    /// Row-parallel projection + AllReduce + the residual, one step's tokens unchunked (a
-    /// decode step): a `[d @ DIDx, m, k]` (this rank's block of the contracted dimension),
-    /// res `[m, n]` (the residual stream, the same on every rank), w `[d @ DIDx, k, n]` ->
-    /// `res` plus the sum over ranks of `a w`, on every rank. One call does what the layer
-    /// did with a fusion and candle's add.
-    #[allow(dead_code)] // called through `row_residual::executor()`, with output buffers
-    pub fn row_residual<T: Float, d, m, k, n>(
+    /// A tensor-parallel decode step after attention as one call: the attention output's
+    /// row-parallel projection + AllReduce + residual, the post-attention RMSNorm, and the
+    /// gated MLP + AllReduce + residual. a `[d @ DIDx, m, k]` (this rank's heads), x `[m,
+    /// h]` (the layer's input, the same on every rank), wo `[d @ DIDx, k, h]`, norm `[h]`
+    /// (the norm's weight times `sqrt(h)`, f32), eps `[h]` (the norm's epsilon in every
+    /// element, f32), wg and wu `[d @ DIDx, h, f]`, wd `[d @ DIDx, f, h]` -> the layer's
+    /// output, `[m, h]` on every rank. The norm `y * rsqrt(mean(y^2) + eps) * w` is written
+    /// as `y * rsqrt(sum(y^2 + eps)) * (sqrt(h) w)`, the same value, in f32.
+    #[allow(dead_code)] // called through `decode_tail::executor()`, with output buffers
+    pub fn decode_tail<T: Float, d, m, k, h, f>(
         a: Tensor<T, [d @ DIDx, m, k]>,
-        res: Tensor<T, [m, n]>,
-        w: Tensor<T, [d @ DIDx, k, n]>,
-    ) -> Tensor<T, [m, n]> {
-        let partial: Tensor<T, [d @ DIDx, m, n]> = matmul(a, w);
-        res + sum(partial, 0)
-    }
-
-    /// The SiLU-gated MLP of the tensor-parallel form with its residual, one step's tokens
-    /// unchunked: hn `[d @ DIDx, m, h]` (the normed activation, the same on every rank),
-    /// res `[m, h]`, wg and wu `[d @ DIDx, h, f]` (this rank's FFN columns), wd
-    /// `[d @ DIDx, f, h]` (their rows of Wd^T) -> `res + sum_ranks((silu(hn wg) * (hn wu))
-    /// wd)`. One call does what the layer did with candle's two GEMMs, SiLU, product and
-    /// add and a fusion.
-    #[allow(dead_code)] // called through `mlp_residual::executor()`, with output buffers
-    pub fn mlp_residual<T: Float, d, m, h, f>(
-        hn: Tensor<T, [d @ DIDx, m, h]>,
-        res: Tensor<T, [m, h]>,
+        x: Tensor<T, [m, h]>,
+        wo: Tensor<T, [d @ DIDx, k, h]>,
+        norm: Tensor<f32, [h]>,
+        eps: Tensor<f32, [h]>,
         wg: Tensor<T, [d @ DIDx, h, f]>,
         wu: Tensor<T, [d @ DIDx, h, f]>,
         wd: Tensor<T, [d @ DIDx, f, h]>,
     ) -> Tensor<T, [m, h]> {
-        // Both GEMMs first, so that SiLU and the product run as one elementwise kernel.
-        let gate: Tensor<T, [d @ DIDx, m, f]> = matmul(hn, wg);
-        let up: Tensor<T, [d @ DIDx, m, f]> = matmul(hn, wu);
+        let o: Tensor<T, [d @ DIDx, m, h]> = matmul(a, wo);
+        let y = x + sum(o, 0);
+        let yf = cast(y, f32);
+        let e: Tensor<f32, [1, h]> = broadcast(eps, [true, false]);
+        let squares: Tensor<f32, [m]> = sum(yf * yf + e, 1);
+        // rsqrt after the broadcast, so that it runs in the same kernel as the products.
+        let s: Tensor<f32, [m, 1]> = broadcast(squares, [false, true]);
+        let w: Tensor<f32, [1, h]> = broadcast(norm, [true, false]);
+        let yn: Tensor<T, [1, m, h]> = broadcast(cast(yf * rsqrt(s) * w, T), [true, false, false]);
+        let gate: Tensor<T, [d @ DIDx, m, f]> = matmul(yn, wg);
+        let up: Tensor<T, [d @ DIDx, m, f]> = matmul(yn, wu);
         let partial: Tensor<T, [d @ DIDx, m, h]> = matmul(silu(gate) * up, wd);
-        res + sum(partial, 0)
+        y + sum(partial, 0)
     }
 
     /// Column-parallel QKV projection of the gathered rows: x `[d @ DIDx, m, h]` (this

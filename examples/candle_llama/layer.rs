@@ -17,9 +17,7 @@ use fusion::prelude::*;
 use crate::cache::KvCache;
 use crate::calls::FusionCalls;
 use crate::config::Config;
-use crate::fusions::{
-    gated_mlp, mlp_residual, out_proj, qkv, row_chunks, row_parallel, row_residual,
-};
+use crate::fusions::{decode_tail, gated_mlp, out_proj, qkv, row_chunks, row_parallel};
 use crate::kernels::rms_norm;
 use crate::sections::Sections;
 use crate::tp::AllReduce;
@@ -105,6 +103,10 @@ pub struct FusionWeights {
     gate: fusion::Tensor,
     up: fusion::Tensor,
     down: fusion::Tensor,
+    /// The post-attention norm's weight times `sqrt(hidden)`, f32 (`decode_tail`).
+    norm_post: fusion::Tensor,
+    /// The norm's epsilon in each of `hidden` elements, f32 (`decode_tail`).
+    eps: fusion::Tensor,
 }
 
 /// Which row-parallel projection.
@@ -177,7 +179,7 @@ impl RankLayer {
             norm_post: put(weights["post_attention_layernorm.weight"].clone())?,
         };
         let reduce = match fusions_of {
-            Some(rank) => Reduce::Fusions(Box::new(fusion_weights(rank, &w)?)),
+            Some(rank) => Reduce::Fusions(Box::new(fusion_weights(rank, &w, &cfg)?)),
             None => Reduce::Candle(all_reduce),
         };
         let kv_heads = cfg.kv_heads / part.count;
@@ -247,9 +249,10 @@ impl RankLayer {
     }
 
     /// The rest of a tensor-parallel step after attention when its row-parallel GEMMs are
-    /// not chunked (a decode step, `row_chunks` 1), with fusions: the attention output's
-    /// projection + sum + residual (`row_residual`), candle's RMSNorm, then the whole MLP
-    /// block + sum + residual (`mlp_residual`). `a` is `[tokens, q]`, this rank's heads.
+    /// not chunked (a decode step, `row_chunks` 1), with fusions: one call
+    /// (`decode_tail`) of the attention output's projection + sum + residual, the
+    /// post-attention RMSNorm and the whole MLP block + sum + residual. `a` is `[tokens,
+    /// q]`, this rank's heads.
     fn decode_tail(
         &mut self,
         call: &dyn CallTarget,
@@ -262,17 +265,11 @@ impl RankLayer {
             ));
         };
         let (t, hidden) = (a.dim(0)?, self.cfg.hidden);
-        mark(&mut self.sections, "o_proj+sum+res")?;
+        mark(&mut self.sections, "o_proj+norm+mlp (one call)")?;
         let a = a.unsqueeze(0)?;
-        let exec = row_residual::executor()?;
+        let exec = decode_tail::executor()?;
         let acts = [("attention", &a), ("x", x)];
-        let h = self.calls.call(call, exec, &acts, &[&fw.o], &[t, hidden])?;
-        mark(&mut self.sections, "norm")?;
-        let hn = rms_norm(&h, &self.w.norm_post, self.cfg.eps)?.unsqueeze(0)?;
-        mark(&mut self.sections, "mlp+sum+res")?;
-        let exec = mlp_residual::executor()?;
-        let acts = [("h_norm", &hn), ("h", &h)];
-        let w = [&fw.gate, &fw.up, &fw.down];
+        let w = [&fw.o, &fw.norm_post, &fw.eps, &fw.gate, &fw.up, &fw.down];
         self.calls.call(call, exec, &acts, &w, &[t, hidden])
     }
 
@@ -396,14 +393,19 @@ fn widths(cfg: &Config, parts: usize) -> (usize, usize, usize) {
     )
 }
 
-/// The fusion inputs over the part's candle weights (no copy).
-fn fusion_weights(rank: &Rank, w: &Weights) -> fusion_candle::Result<FusionWeights> {
+/// The fusion inputs over the part's candle weights (no copy), and the decode tail's norm
+/// inputs (f32, made here once).
+fn fusion_weights(rank: &Rank, w: &Weights, cfg: &Config) -> fusion_candle::Result<FusionWeights> {
     let view = |t: &CTensor, name: &str| fusion_candle::input(rank, name, &t.unsqueeze(0)?);
+    let norm_post = (w.norm_post.to_dtype(CDType::F32)? * (cfg.hidden as f64).sqrt())?;
+    let eps = CTensor::full(cfg.eps as f32, cfg.hidden, w.norm_post.device())?;
     Ok(FusionWeights {
         qkv: view(&w.qkv, "w_qkv")?,
         o: view(&w.o, "w_o")?,
         gate: view(&w.gate, "w_gate")?,
         up: view(&w.up, "w_up")?,
         down: view(&w.down, "w_down")?,
+        norm_post: fusion_candle::input(rank, "norm_post", &norm_post)?,
+        eps: fusion_candle::input(rank, "eps", &eps)?,
     })
 }

@@ -5,15 +5,17 @@
 //!
 //! - `tp`, tensor-parallel (the default for decode): every rank holds every token; the Q,
 //!   K, V, gate and up projections are local GEMMs over this rank's heads and FFN columns,
-//!   and the attention-output and down projections are each one fusion, a GEMM followed by
-//!   an AllReduce of the partial sums;
+//!   and the attention-output and down projections each a GEMM followed by an AllReduce of
+//!   the partial sums; a decode step runs everything after attention as one fusion (the
+//!   projections with their AllReduces and residuals, the RMSNorm between them, the MLP),
+//!   a step of many tokens each row-parallel projection as a pipelined fusion;
 //! - `sp`, sequence-parallel (the default for prefills of more than 512 tokens; shorter
 //!   ones run `tp`, the faster there as measured): each rank holds its share of the
 //!   tokens, and the QKV projection (with the all-gather of the tokens), the
 //!   attention-output projection (with the reduce-scatter) and the gated MLP are fusions.
 //!
-//! Everything else is candle, the same code in every mode: RMSNorm (candle's own fused
-//! kernel on CUDA), the rotary embedding of Q and K together (one op), the KV-cache write
+//! Everything else is candle, the same code in every mode: RMSNorm (a fused kernel of
+//! `kernels.rs` on CUDA; the decode fusion has the post-attention one), the rotary embedding of Q and K together (one op), the KV-cache write
 //! (one op: a thread per element on CUDA), and attention grouped by KV head (the query
 //! heads of a KV head are extra rows of one batched GEMM over the cache, read in place,
 //! never repeated; the GEMMs in the layer's dtype, a causal softmax in f32 as one op);
@@ -29,7 +31,8 @@
 //! checked against the same layer run by candle alone on one device in f32; the report
 //! ends with a table of median times and replayed calls. `--sections` also prints, per
 //! rank, where an eager step's time goes part by part (`sections.rs`), and each fusion
-//! call's host time, its slot copies apart from the call (`calls.rs`).
+//! call's host time, its slot copies apart from the call and a replayed call's setup
+//! phase by phase (`calls.rs`).
 //!
 //! ```sh
 //! cargo run --release --features candle --example candle_llama -- --devices 2

@@ -33,6 +33,26 @@ pub struct ExecStats {
     pub graph_launch: HostTime,
     /// A replayed call: the nodes of the graph it launched.
     pub graph_nodes: usize,
+    /// A replayed call: `replay_setup` phase by phase.
+    pub replay_phases: ReplayPhases,
+}
+
+/// Where a replayed call's host time before its graph launch goes, in nanoseconds: what
+/// to shorten when calls are host-bound (e.g. eager decode steps).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplayPhases {
+    /// Finding the call's fusion and lowered program, binding its dimensions.
+    pub program: u64,
+    /// Entering the world's call ledger.
+    pub ledger: u64,
+    /// Finding the plan the call runs.
+    pub plan: u64,
+    /// The program's facts and the communicator's start of the call.
+    pub begin: u64,
+    /// The graph slot, the outputs and matching the call's addresses to a graph.
+    pub slot: u64,
+    /// Ordering the replay after the caller's stream.
+    pub join: u64,
 }
 
 /// Host time spent on one kind of host-IR node during a call.

@@ -25,7 +25,7 @@ mod walk;
 use fusion_compiler::hir::HostProgram;
 
 pub use bind::{bind_dtypes, bind_inputs, check_didx_extents, mesh_devices, SymbolBindings};
-pub use call::{CallContext, ExecStats, Execution, HostSpan, HostTime, TraceEvent};
+pub use call::{CallContext, ExecStats, Execution, HostSpan, HostTime, ReplayPhases, TraceEvent};
 pub use race::{RaceCheck, RaceError};
 pub(crate) use shapes::bound_leaves;
 pub use shapes::{output_layouts, OutputLayout};

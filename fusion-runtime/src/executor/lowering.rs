@@ -92,6 +92,8 @@ pub(super) struct Prepared {
     pub(super) dtypes: Vec<DType>,
     pub(super) symbols: SymbolBindings,
     pub(super) lowered: Lowered,
+    /// Binding exchanged extents with the peers (an input lives on only some ranks).
+    pub(super) exchanged: bool,
 }
 
 /// A fusion (or a dtype-generic one and its instances) plus its cache of lowered programs.
@@ -189,7 +191,7 @@ impl ProgramCache {
             Source::Generic { generic, .. } => bind_dtypes(generic, inputs)?,
         };
         let fusion = self.fusion_for(&dtypes)?;
-        let symbols = self.bind(&fusion, &dtypes, rank, inputs)?;
+        let (symbols, exchanged) = self.bind(&fusion, &dtypes, rank, inputs)?;
         let lowered = self.program_for(
             &fusion,
             name,
@@ -204,6 +206,7 @@ impl ProgramCache {
             dtypes,
             symbols,
             lowered,
+            exchanged,
         })
     }
 
@@ -224,14 +227,14 @@ impl ProgramCache {
     /// Checks the inputs and binds the dimension symbols. When an input lives on only
     /// some devices, ranks without it learn its extents from the others (every rank of
     /// such a fusion takes part in the exchange, so it is deterministic), and the ranks
-    /// check that they bound the same dtypes.
+    /// check that they bound the same dtypes. Also whether it exchanged them.
     fn bind(
         &self,
         fusion: &Fusion,
         dtypes: &[DType],
         rank: &Rank,
         inputs: &[&Tensor],
-    ) -> Result<SymbolBindings> {
+    ) -> Result<(SymbolBindings, bool)> {
         let ws = rank.world_size();
         let mut symbols = bind_inputs(fusion, fusion.inputs(), inputs, rank.index(), ws)?;
         let partial = fusion
@@ -260,7 +263,7 @@ impl ProgramCache {
                 symbols.merge(fusion, r, &entries)?;
             }
         }
-        Ok(symbols)
+        Ok((symbols, partial))
     }
 
     /// The error for ranks whose inputs bind a dtype parameter differently.

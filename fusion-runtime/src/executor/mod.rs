@@ -21,6 +21,7 @@ mod plan_choice;
 mod plan_file;
 mod recording;
 mod replay_driver;
+mod steady_calls;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -39,6 +40,7 @@ use dumps::TraceFiles;
 use lowering::{ProgramCache, Source};
 use plan_choice::PlanChoices;
 use replay_driver::{Call, GraphSlots};
+use steady_calls::{SteadyCall, SteadyCalls};
 
 use crate::comm::CallStart;
 use crate::device::{BackendKind, CallerStream};
@@ -91,6 +93,9 @@ pub struct FusionExecutor {
     facts: Mutex<HashMap<usize, Arc<ProgramFacts>>>,
     /// The plan each (shape, rank) runs, once decided.
     plans: PlanChoices,
+    /// Each rank's recent calls whose program and plan a call of the same signature runs
+    /// again without looking them up.
+    steady: SteadyCalls,
 }
 
 impl FusionExecutor {
@@ -117,6 +122,7 @@ impl FusionExecutor {
             graphs: GraphSlots::default(),
             facts: Mutex::new(HashMap::new()),
             plans: PlanChoices::default(),
+            steady: SteadyCalls::default(),
         }
     }
 
@@ -171,6 +177,13 @@ impl FusionExecutor {
         self.graphs.len()
     }
 
+    /// How many steady calls (a rank's recent call signatures, whose program and plan a
+    /// call of the same signature runs without looking them up) the executor keeps:
+    /// those of finished runs are dropped when a later run keeps its own.
+    pub fn steady_calls(&self) -> usize {
+        self.steady.len()
+    }
+
     /// Runs with default options and returns the outputs.
     pub fn run<T: CallTarget + ?Sized>(&self, rank: &T, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         Ok(self
@@ -223,41 +236,25 @@ impl FusionExecutor {
     ) -> Result<RunReport> {
         let call_start = std::time::Instant::now();
         let scope = crate::observe::CallScope::enter(&self.name, rank.index());
-        // Nothing has moved yet: a failure here refuses the call (the world stays healthy
-        // where the peers can be told so; `Rank::refuse_call`).
-        let prepared = match (self.programs).prepare(&self.name, rank, inputs, options, true) {
-            Ok(p) => p,
-            Err(e) => {
-                let scope = self.programs.refusal_scope(rank, inputs);
-                return Err(rank.refuse_call(e, scope));
+        let (call, marks) = match self.steady.find(rank, inputs, options) {
+            Some(call) => {
+                let found = std::time::Instant::now();
+                rank.enter_ledger(call.fingerprint)?;
+                let ledger_at = std::time::Instant::now();
+                (call, [call_start, found, ledger_at, ledger_at])
             }
+            None => self.prepare_call(rank, on.as_ref(), inputs, options, call_start)?,
         };
-        // Before any data moves: the ranks' calls of this number run the same program.
-        rank.enter_ledger(prepared.lowered.fingerprint)?;
-        let device = rank.device();
-        let recording = (on.as_ref())
-            .zip(device.caller_capture())
-            .is_some_and(|(on, capture)| capture.capturing(on));
-        let symbols = prepared.symbols.clone();
-        let choice = self.plans.choose(plan_choice::PlanCall {
-            exec: self,
-            rank,
-            on: on.as_ref(),
-            recording,
-            prepared,
-            inputs,
-            options,
-        })?;
-        let program = choice.lowered.program.clone();
+        let program = call.lowered.program.clone();
         let (ex, replay, recorded) = self.execute_from(
             rank,
             on,
             &program,
-            &symbols,
+            &call.symbols,
             inputs,
             outputs,
-            &choice.options,
-            call_start,
+            &call.options,
+            marks,
         )?;
         scope.ran(match replay {
             _ if recorded => "recorded",
@@ -265,9 +262,9 @@ impl FusionExecutor {
             ReplayStatus::Captured(_) => "captured",
             ReplayStatus::Eager(_) => "walked",
         });
-        let trace_file = match &choice.options.resolved_trace_dir() {
+        let trace_file = match &call.options.resolved_trace_dir() {
             Some(dir) => {
-                let plan = choice.report.as_deref();
+                let plan = call.report.as_deref();
                 Some((self.traces).write(dir, &self.name, rank, &program, &ex, plan)?)
             }
             None => None,
@@ -280,8 +277,71 @@ impl FusionExecutor {
             trace_file,
             replay,
             race: ex.race,
-            plan: choice.report,
+            plan: call.report.clone(),
         })
+    }
+
+    /// A call whose signature has no steady call kept on `rank`: binds it and finds its
+    /// program (a failure refuses the call: nothing has moved yet), enters the call
+    /// ledger, chooses its plan, and keeps it as a steady call where that is sound
+    /// (`steady_calls`). Also the times it found the program, entered the ledger and
+    /// chose the plan.
+    fn prepare_call(
+        &self,
+        rank: &Rank,
+        on: Option<&CallerStream>,
+        inputs: &[&Tensor],
+        options: &ExecOptions,
+        call_start: std::time::Instant,
+    ) -> Result<(Arc<SteadyCall>, [std::time::Instant; 4])> {
+        // Nothing has moved yet: a failure here refuses the call (the world stays healthy
+        // where the peers can be told so; `Rank::refuse_call`).
+        let prepared = match (self.programs).prepare(&self.name, rank, inputs, options, true) {
+            Ok(p) => p,
+            Err(e) => {
+                let scope = self.programs.refusal_scope(rank, inputs);
+                return Err(rank.refuse_call(e, scope));
+            }
+        };
+        let prepared_at = std::time::Instant::now();
+        // Before any data moves: the ranks' calls of this number run the same program.
+        let fingerprint = prepared.lowered.fingerprint;
+        rank.enter_ledger(fingerprint)?;
+        let ledger_at = std::time::Instant::now();
+        let device = rank.device();
+        let recording = on
+            .zip(device.caller_capture())
+            .is_some_and(|(on, capture)| capture.capturing(on));
+        let (symbols, exchanged) = (prepared.symbols.clone(), prepared.exchanged);
+        let choice = self.plans.choose(plan_choice::PlanCall {
+            exec: self,
+            rank,
+            on,
+            recording,
+            prepared,
+            inputs,
+            options,
+        })?;
+        let settled = choice.settled && !exchanged;
+        let call = Arc::new(SteadyCall::new(
+            inputs,
+            options,
+            fingerprint,
+            symbols,
+            choice.lowered,
+            choice.options,
+            choice.report,
+        ));
+        if settled {
+            self.steady.keep(rank, call.clone());
+        }
+        let marks = [
+            call_start,
+            prepared_at,
+            ledger_at,
+            std::time::Instant::now(),
+        ];
+        Ok((call, marks))
     }
 
     /// Runs `program` on `rank` (held) for a call whose symbols are bound and that started
@@ -298,7 +358,7 @@ impl FusionExecutor {
         inputs: &[&Tensor],
         outputs: Option<&[&Tensor]>,
         options: &ExecOptions,
-        start: std::time::Instant,
+        marks: [std::time::Instant; 4],
     ) -> Result<(crate::eval::Execution, ReplayStatus, bool)> {
         let facts = self.facts(program, rank.backend());
         let trace_dir = options.resolved_trace_dir();
@@ -333,7 +393,13 @@ impl FusionExecutor {
             inputs,
             outputs,
             options,
-            start,
+            marks: [
+                marks[0],
+                marks[1],
+                marks[2],
+                marks[3],
+                std::time::Instant::now(),
+            ],
         };
         let device = rank.device();
         let recording = (call.on.as_ref())

@@ -52,6 +52,9 @@ pub(super) struct Choice {
     pub(super) lowered: Lowered,
     pub(super) options: ExecOptions,
     pub(super) report: Option<Arc<PlanReport>>,
+    /// The plan was known before the call (none left open, or decided earlier): a call
+    /// of the same signature gets the same choice.
+    pub(super) settled: bool,
 }
 
 /// What a decision is kept under: the call's dtypes and symbols, the rank and its world
@@ -129,6 +132,7 @@ impl PlanChoices {
                 lowered: call.prepared.lowered,
                 options: options.clone(),
                 report: None,
+                settled: true,
             });
         };
         let key: DecisionKey = (
@@ -143,6 +147,7 @@ impl PlanChoices {
         let known = (self.decided.lock().unwrap_or_else(|p| p.into_inner()))
             .get(&key)
             .cloned();
+        let settled = known.is_some();
         let (plan, report) = match known {
             Some(k) => k,
             None => {
@@ -160,6 +165,7 @@ impl PlanChoices {
             lowered,
             options,
             report: Some(report),
+            settled,
         })
     }
 

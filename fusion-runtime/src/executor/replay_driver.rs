@@ -32,8 +32,10 @@ pub(super) struct Call<'a> {
     pub(super) inputs: &'a [&'a Tensor],
     pub(super) outputs: Option<&'a [&'a Tensor]>,
     pub(super) options: &'a ExecOptions,
-    /// When the call started (replayed calls report the host time to their launch).
-    pub(super) start: std::time::Instant,
+    /// When the call started, found its program, entered the ledger, found its plan and
+    /// began on the communicator (replayed calls report the host time to their launch,
+    /// phase by phase).
+    pub(super) marks: [std::time::Instant; 5],
 }
 
 /// The graph slots of an executor's calls, per (program, rank, communicator instance), with
@@ -89,8 +91,9 @@ impl GraphSlots {
         match slot.step(&addresses) {
             Step::Eager(reason) => walk_eagerly(call, Some(&outs), reason),
             Step::Launch(i) => {
+                let matched = std::time::Instant::now();
                 let graph = slot.graph(i).expect("a ready graph");
-                launch(call, graph, &owned)
+                launch(call, graph, &owned, matched)
             }
             Step::Capture => {
                 device.begin_walk(on)?;
@@ -266,11 +269,24 @@ fn launch(
     call: &Call<'_>,
     graph: &dyn DeviceGraph,
     owned: &[Tensor],
+    matched: std::time::Instant,
 ) -> Result<(Execution, ReplayStatus)> {
     let device = call.rank.device();
     let on = call.on.as_ref();
     device.begin_replay(on)?;
     let start = std::time::Instant::now();
+    let m = &call.marks;
+    let nanos = |from: std::time::Instant, to: std::time::Instant| {
+        to.duration_since(from).as_nanos() as u64
+    };
+    let replay_phases = crate::eval::ReplayPhases {
+        program: nanos(m[0], m[1]),
+        ledger: nanos(m[1], m[2]),
+        plan: nanos(m[2], m[3]),
+        begin: nanos(m[3], m[4]),
+        slot: nanos(m[4], matched),
+        join: nanos(matched, start),
+    };
     graph.launch(on)?;
     let launch_nanos = start.elapsed().as_nanos() as u64;
     device.end_replay(on)?;
@@ -278,13 +294,14 @@ fn launch(
     let stats = ExecStats {
         replay_setup: crate::eval::HostTime {
             count: 1,
-            nanos: start.duration_since(call.start).as_nanos() as u64,
+            nanos: start.duration_since(call.marks[0]).as_nanos() as u64,
         },
         graph_launch: crate::eval::HostTime {
             count: 1,
             nanos: launch_nanos,
         },
         graph_nodes: graph.nodes(),
+        replay_phases,
         ..ExecStats::default()
     };
     let program = call.program;

@@ -355,7 +355,7 @@ impl<'a> CandidateTimer<'a> {
             c.inputs,
             None,
             &self.options,
-            start,
+            [start; 4],
         )?;
         Ok(execution.outputs)
     }

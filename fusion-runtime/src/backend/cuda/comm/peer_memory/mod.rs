@@ -73,6 +73,16 @@ fn grid_for(bytes: usize) -> u32 {
 /// Threads per block.
 const BLOCK: u32 = 512;
 
+/// Threads per block of the flagged Allreduce on more than 2 ranks up to 32 KB, with 4
+/// times [`grid_for`]'s blocks: on 4 H100s 4.39 / 4.53 / 4.64 / 4.80 us at 4 / 8 / 16 / 32
+/// KB, where 512-thread blocks took 4.66 / 4.93 / 5.11 / 5.31 (one per 32 KB to 16 KB, 4
+/// times that at 32 KB) and 256-thread ones 4.52 / 4.67 / 4.76 / 4.97; at 64 KB 256
+/// threads are fastest (5.93 against 6.26 and 6.54), [`FLAGGED_WIDE_BLOCK`]
+/// (`bench/results/2026-11-27-0805-allreduce-blocks-candle-phases-h100x4/`).
+const FLAGGED_SMALL_BLOCK: u32 = 128;
+/// See [`FLAGGED_SMALL_BLOCK`].
+const FLAGGED_WIDE_BLOCK: u32 = 256;
+
 /// Largest Allreduce (bytes) whose data travels with its flags (`peer_allreduce_ll_at_once`:
 /// no flag round trip, twice the bytes on the links) on more than 2 ranks: on 4 H100s
 /// 4.7-5.5 us up to 32 KB and 6.5 at 64 KB, where the one-shot kernel took 6.6-7.0
@@ -116,11 +126,12 @@ const TWO_RANKS_ONE_SHOT_LIMIT_DIRECT: usize = 2 << 20;
 /// Bytes of a half that the flag-meeting kernels use (the rest is the flagged kernel's).
 const USABLE_BYTES: usize = PEER_MEMORY_REGION_BYTES - PEER_MEMORY_FLAGGED_BYTES;
 
-/// How an Allreduce runs: its kernel and blocks.
+/// How an Allreduce runs: its kernel, its blocks and their threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AllreducePlan {
     pub kernel: &'static str,
     pub grid: u32,
+    pub block: u32,
 }
 
 /// The kernel and blocks of an Allreduce of `bytes` on `world_size` ranks; `direct`: the
@@ -132,7 +143,11 @@ pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> A
     let flagged_two_shot =
         2 * world_size * bytes.div_ceil(8).div_ceil(world_size) * 16 <= PEER_MEMORY_FLAGGED_BYTES;
     let one_shot = world_size * bytes.div_ceil(16) * 16 <= USABLE_BYTES;
-    let plan = |kernel, grid| AllreducePlan { kernel, grid };
+    let plan = |kernel, grid| AllreducePlan {
+        kernel,
+        grid,
+        block: BLOCK,
+    };
     let wide = (grid_for(bytes) * 4).min(MAX_GRID as u32);
     if world_size == 2 {
         return if bytes <= TWO_RANKS_FLAGGED_LIMIT && flagged {
@@ -160,17 +175,16 @@ pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> A
         };
     }
     if bytes <= FLAGGED_LIMIT && flagged {
-        // 4.7 / 5.0 / 5.2 us at 4 / 8 / 16 KB with one block per 32 KB (at least 8), where
-        // 4 times the blocks took 4.9 / 5.1 / 5.3; from 32 KB the wider grid (5.5 against
-        // 5.7 us at 32 KB, 6.5 against 7.0 at 64 KB).
-        plan(
-            "peer_allreduce_ll_at_once",
-            if bytes < 32 << 10 {
-                grid_for(bytes)
+        // Many narrow blocks: each thread's flag round trips run beside more others'.
+        AllreducePlan {
+            kernel: "peer_allreduce_ll_at_once",
+            grid: wide,
+            block: if bytes <= 32 << 10 {
+                FLAGGED_SMALL_BLOCK
             } else {
-                wide
+                FLAGGED_WIDE_BLOCK
             },
-        )
+        }
     } else if bytes <= ONE_SHOT_LIMIT && one_shot {
         plan("peer_allreduce_one_shot", wide)
     } else if direct && world_size == 4 && DIRECT_RANGE.contains(&bytes) {
@@ -339,13 +353,13 @@ impl PeerMemory {
             CommunicationKind::Allgather => call.elements * self.world_size,
             _ => call.elements,
         } * call.dtype.size_bytes();
-        let (name, grid) = match call.kind {
+        let (name, grid, block) = match call.kind {
             CommunicationKind::Allreduce => {
                 let p = allreduce_plan(bytes, self.world_size, self.direct);
-                (p.kernel, p.grid)
+                (p.kernel, p.grid, p.block)
             }
-            CommunicationKind::Allgather => ("peer_allgather", grid_for(bytes)),
-            CommunicationKind::ReduceScatter => ("peer_reduce_scatter", grid_for(bytes)),
+            CommunicationKind::Allgather => ("peer_allgather", grid_for(bytes), BLOCK),
+            CommunicationKind::ReduceScatter => ("peer_reduce_scatter", grid_for(bytes), BLOCK),
             other => {
                 return Err(Error::Communication {
                     rank: self.rank,
@@ -377,7 +391,7 @@ impl PeerMemory {
             device.kernels.launch_source(
                 shared,
                 (source_for(call.dtype), name),
-                (grid, BLOCK),
+                (grid, block),
                 stream,
                 &mut args,
             )
@@ -524,9 +538,20 @@ mod tests {
         assert_eq!(allreduce_plan(64 << 10, 2, true).grid, 32);
         assert_eq!(allreduce_plan(1 << 20, 2, true).grid, 128);
         assert_eq!(allreduce_plan(64 << 10, 4, true).grid, 32);
-        assert_eq!(allreduce_plan(4 << 10, 4, true).grid, 8);
+        assert_eq!(allreduce_plan(4 << 10, 4, true).grid, 32);
         assert_eq!(allreduce_plan(32 << 10, 4, true).grid, 32);
         assert_eq!(allreduce_plan(4 << 20, 4, false).grid, 128);
+    }
+
+    #[test]
+    fn small_flagged_allreduces_on_more_than_two_ranks_take_narrow_blocks() {
+        let block = |bytes, world| allreduce_plan(bytes, world, true).block;
+        assert_eq!(block(4 << 10, 4), 128);
+        assert_eq!(block(32 << 10, 4), 128);
+        assert_eq!(block(64 << 10, 4), 256);
+        assert_eq!(block(128 << 10, 4), 512);
+        assert_eq!(block(32 << 10, 2), 512);
+        assert_eq!(block(4 << 20, 4), 512);
     }
 
     #[test]
