@@ -6,6 +6,7 @@
 //! millions of elements per output on the benchmark's shapes).
 
 use std::ffi::c_void;
+use std::sync::OnceLock;
 
 use cudarc::driver::result;
 use fusion_compiler::DType;
@@ -28,14 +29,16 @@ const MAX_BLOCKS: usize = 1024;
 /// Elements each thread sums at least before another block is added.
 const PER_THREAD: usize = 8;
 
-/// The kernel's source for `dtype` (built at each comparison: a few per plan candidate).
-fn source_for(dtype: DType) -> String {
-    let element = match dtype {
-        DType::F32 => "DT_F32",
-        DType::BF16 => "DT_BF16",
-        DType::F16 => "DT_F16",
-    };
-    format!("#define {element}\n{SOURCE}")
+/// The kernel's source for `dtype` (built once per process).
+fn source_for(dtype: DType) -> &'static str {
+    static SOURCES: OnceLock<[String; 3]> = OnceLock::new();
+    let all = SOURCES
+        .get_or_init(|| ["DT_F32", "DT_BF16", "DT_F16"].map(|d| format!("#define {d}\n{SOURCE}")));
+    match dtype {
+        DType::F32 => &all[0],
+        DType::BF16 => &all[1],
+        DType::F16 => &all[2],
+    }
 }
 
 /// Blocks for `n` elements.
@@ -89,7 +92,7 @@ impl CudaDevice {
         unsafe {
             self.kernels.launch_source(
                 self.shared(),
-                (&source_for(got.dtype()), "fusion_discrepancy"),
+                (source_for(got.dtype()), "fusion_discrepancy"),
                 (blocks as u32, BLOCK),
                 raw,
                 &mut args,

@@ -9,11 +9,12 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::{result, sys};
 use fusion_compiler::ir::ReduceOp;
+use fusion_compiler::DType;
 
 use crate::backend::cuda::libs::driver_err;
 use crate::backend::cuda::memory::device_shared::DeviceShared;
 use crate::backend::cuda::stream::RawStream;
-use crate::device::PointwiseProgram;
+use crate::device::{PointwiseInstr, PointwiseProgram};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use codegen::{pointwise_source, reduce_source, PointwiseSignature, ReduceSignature, MAX_RANK};
@@ -70,10 +71,47 @@ fn arch_option(cc: (i32, i32)) -> Option<&'static str> {
 /// launched before the kernel it follows has finished (compute capability 9.0 and up).
 const GRID_DEPENDENCY_WAIT: &str = "griddepcontrol.wait";
 
-/// Compiled kernels of one device, by source.
+/// What a loaded kernel is found by at each launch, without generating, copying or
+/// hashing its source (a peer-memory kernel's source is ~30 KB: keyed by its text, every
+/// eager launch cost the host ~15-30 us, `bench/results/2026-11-27-0805-...`, run 5).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum FunctionKey {
+    /// Kernel `name` of a source that lives as long as the process, by its address and
+    /// length.
+    Static {
+        source: (usize, usize),
+        name: &'static str,
+        arch: Option<&'static str>,
+    },
+    /// The generated pointwise kernel of a signature ([`PointwiseSignature`], owned).
+    Pointwise {
+        inputs: Vec<DType>,
+        outputs: Vec<(DType, usize)>,
+        instrs: Vec<PointwiseInstr>,
+        rank: usize,
+        wide: bool,
+    },
+    /// Reduction kernel `name` of a signature ([`ReduceSignature`]).
+    Reduce {
+        name: &'static str,
+        src: DType,
+        dst: DType,
+        op: ReduceOp,
+        ranks: (usize, usize),
+        wide: bool,
+    },
+    /// Kernel `name` of any other source, by its text.
+    Text {
+        name: String,
+        arch: Option<&'static str>,
+        source: String,
+    },
+}
+
+/// Compiled kernels of one device, by [`FunctionKey`].
 pub(crate) struct KernelCache {
     ordinal: usize,
-    functions: Mutex<HashMap<String, RawFunction>>,
+    functions: Mutex<HashMap<FunctionKey, RawFunction>>,
     /// The loaded functions (addresses) that wait for the kernels they depend on before
     /// they read anything ([`GRID_DEPENDENCY_WAIT`]), on a device that has the wait.
     waiting: Mutex<HashSet<usize>>,
@@ -98,14 +136,8 @@ impl KernelCache {
             .contains(&(f as usize))
     }
 
-    /// The kernel `name` of `source`, compiled for the device's architecture and loaded on
-    /// first use.
-    fn function(&self, dev: &DeviceShared, source: &str, name: &str) -> Result<RawFunction> {
-        self.function_with(dev, source, name, KernelNeeds::default())
-    }
-
-    /// The kernel `name` of `source` with what it `needs`, compiled and loaded on first
-    /// use (the one place kernels are loaded).
+    /// The kernel `name` of `source` (a source generated at run time, found by its text)
+    /// with what it `needs`, compiled and loaded on first use.
     pub(crate) fn function_with(
         &self,
         dev: &DeviceShared,
@@ -113,7 +145,41 @@ impl KernelCache {
         name: &str,
         needs: KernelNeeds,
     ) -> Result<RawFunction> {
-        let key = format!("{name}\n{:?}\n{source}", needs.arch);
+        let key = FunctionKey::Text {
+            name: name.to_string(),
+            arch: needs.arch,
+            source: source.to_string(),
+        };
+        self.load(dev, key, || source.to_string(), name, needs)
+    }
+
+    /// The kernel `name` of `source`, a source that lives as long as the process (found by
+    /// its address: nothing of it is copied or hashed at a launch), with what it `needs`.
+    pub(crate) fn static_function(
+        &self,
+        dev: &DeviceShared,
+        source: &'static str,
+        name: &'static str,
+        needs: KernelNeeds,
+    ) -> Result<RawFunction> {
+        let key = FunctionKey::Static {
+            source: (source.as_ptr() as usize, source.len()),
+            name,
+            arch: needs.arch,
+        };
+        self.load(dev, key, || source.to_string(), name, needs)
+    }
+
+    /// The function of `key`, or `source()`'s kernel `name` compiled for the device's
+    /// architecture (or `needs.arch`) and loaded (the one place kernels are loaded).
+    fn load(
+        &self,
+        dev: &DeviceShared,
+        key: FunctionKey,
+        source: impl FnOnce() -> String,
+        name: &str,
+        needs: KernelNeeds,
+    ) -> Result<RawFunction> {
         if let Some(f) = self
             .functions
             .lock()
@@ -122,6 +188,8 @@ impl KernelCache {
         {
             return Ok(*f);
         }
+        let source = source();
+        let source = source.as_str();
         let ptx = {
             let mut cache = ptx_cache().lock().unwrap_or_else(PoisonError::into_inner);
             let ptx_key = (needs.arch, source.to_string());
@@ -215,12 +283,12 @@ impl KernelCache {
     pub(crate) unsafe fn launch_source(
         &self,
         dev: &DeviceShared,
-        (source, name): (&str, &str),
+        (source, name): (&'static str, &'static str),
         (grid, block): (u32, u32),
         stream: RawStream,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        let f = self.function(dev, source, name)?;
+        let f = self.static_function(dev, source, name, KernelNeeds::default())?;
         // SAFETY: the caller vouches for the arguments.
         unsafe { self.launch_function(dev, (f, name), (grid, block, 0), stream, args) }
     }
@@ -359,7 +427,15 @@ impl KernelCache {
                 grid as usize * BLOCK as usize,
             ),
         };
-        let f = self.function(dev, &pointwise_source(&sig), "fusion_pointwise")?;
+        let key = FunctionKey::Pointwise {
+            inputs: sig.inputs.clone(),
+            outputs: sig.outputs.clone(),
+            instrs: p.instrs.clone(),
+            rank: sig.rank,
+            wide: sig.wide,
+        };
+        let source = || pointwise_source(&sig);
+        let f = self.load(dev, key, source, "fusion_pointwise", KernelNeeds::default())?;
         let mut params: Vec<i64> = vec![numel as i64];
         params.extend(layout.shape.iter().map(|&x| x as i64));
         for st in &layout.strides {
@@ -447,7 +523,21 @@ impl KernelCache {
             red_rank: red.rank(),
             wide: needs_wide_index(bound, grid as usize * BLOCK as usize),
         };
-        let f = self.function(dev, &reduce_source(&sig), name)?;
+        let key = FunctionKey::Reduce {
+            name,
+            src: sig.src,
+            dst: sig.dst,
+            op: sig.op,
+            ranks: (sig.out_rank, sig.red_rank),
+            wide: sig.wide,
+        };
+        let f = self.load(
+            dev,
+            key,
+            || reduce_source(&sig),
+            name,
+            KernelNeeds::default(),
+        )?;
         let mut params: Vec<i64> = vec![n_out as i64, n_red as i64];
         params.extend(out.shape.iter().map(|&x| x as i64));
         for st in &out.strides {

@@ -434,7 +434,7 @@ impl PeerMemory {
         let (name, tiles) = gemm_kernel_for(call.m, parts, self.world_size);
         let shared_bytes = GEMM_STAGES * (GEMM_STAGE_BYTES + tiles * GEMM_X_STAGE_BYTES_PER_TILE);
         let shared = device.shared();
-        let f = device.kernels.function_with(
+        let f = device.kernels.static_function(
             shared,
             source,
             name,
