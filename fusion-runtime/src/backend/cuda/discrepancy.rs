@@ -32,13 +32,7 @@ const PER_THREAD: usize = 8;
 /// The kernel's source for `dtype` (built once per process).
 fn source_for(dtype: DType) -> &'static str {
     static SOURCES: OnceLock<[String; 3]> = OnceLock::new();
-    let all = SOURCES
-        .get_or_init(|| ["DT_F32", "DT_BF16", "DT_F16"].map(|d| format!("#define {d}\n{SOURCE}")));
-    match dtype {
-        DType::F32 => &all[0],
-        DType::BF16 => &all[1],
-        DType::F16 => &all[2],
-    }
+    crate::backend::cuda::kernels::source_for_dtype(&SOURCES, SOURCE, dtype)
 }
 
 /// Blocks for `n` elements.

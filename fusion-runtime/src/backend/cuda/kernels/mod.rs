@@ -67,6 +67,23 @@ fn arch_option(cc: (i32, i32)) -> Option<&'static str> {
     })
 }
 
+/// `source` for elements of `dtype` (`#define DT_F32`, `DT_BF16` or `DT_F16` before it), made
+/// once per process in `cell`: a hand-written kernel's source that lives as long as the
+/// process, so that [`KernelCache::static_function`] finds its kernels by address.
+pub(crate) fn source_for_dtype(
+    cell: &'static OnceLock<[String; 3]>,
+    source: &str,
+    dtype: DType,
+) -> &'static str {
+    let all = cell
+        .get_or_init(|| ["DT_F32", "DT_BF16", "DT_F16"].map(|d| format!("#define {d}\n{source}")));
+    match dtype {
+        DType::F32 => &all[0],
+        DType::BF16 => &all[1],
+        DType::F16 => &all[2],
+    }
+}
+
 /// What a kernel source writes before it reads anything, where a kernel of it may be
 /// launched before the kernel it follows has finished (compute capability 9.0 and up).
 const GRID_DEPENDENCY_WAIT: &str = "griddepcontrol.wait";
@@ -569,4 +586,34 @@ fn launch(
     // pointers, then a struct of i64s of exactly this length).
     unsafe { result::launch_kernel(f.0, (grid, 1, 1), (BLOCK, 1, 1), 0, stream.0, &mut args) }
         .map_err(|e| driver_err("launching a generated kernel", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dtype_source_is_made_once_and_found_at_one_address() {
+        static CELL: OnceLock<[String; 3]> = OnceLock::new();
+        let bf16 = source_for_dtype(&CELL, "body", DType::BF16);
+        assert_eq!(bf16, "#define DT_BF16\nbody");
+        assert_eq!(
+            source_for_dtype(&CELL, "body", DType::F32),
+            "#define DT_F32\nbody"
+        );
+        assert_eq!(
+            source_for_dtype(&CELL, "body", DType::F16),
+            "#define DT_F16\nbody"
+        );
+        // The same text at the same address at every call: one `FunctionKey::Static`.
+        let again = source_for_dtype(&CELL, "body", DType::BF16);
+        assert_eq!(again.as_ptr(), bf16.as_ptr());
+        let key = |s: &'static str| FunctionKey::Static {
+            source: (s.as_ptr() as usize, s.len()),
+            name: "k",
+            arch: None,
+        };
+        assert_eq!(key(bf16), key(again));
+        assert_ne!(key(bf16), key(source_for_dtype(&CELL, "body", DType::F16)));
+    }
 }

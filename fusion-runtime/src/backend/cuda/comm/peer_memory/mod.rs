@@ -202,13 +202,7 @@ pub(crate) fn allreduce_plan(bytes: usize, world_size: usize, direct: bool) -> A
 /// The kernels' source for `dtype`.
 fn source_for(dtype: DType) -> &'static str {
     static SOURCES: OnceLock<[String; 3]> = OnceLock::new();
-    let all = SOURCES
-        .get_or_init(|| ["DT_F32", "DT_BF16", "DT_F16"].map(|d| format!("#define {d}\n{SOURCE}")));
-    match dtype {
-        DType::F32 => &all[0],
-        DType::BF16 => &all[1],
-        DType::F16 => &all[2],
-    }
+    crate::backend::cuda::kernels::source_for_dtype(&SOURCES, SOURCE, dtype)
 }
 
 /// The parts of K the fused GEMM splits `call` into on `world` ranks (`None`: it does not
