@@ -3,7 +3,9 @@
 //! A run is a maximal sequence of consecutive pointwise compute nodes (local `set`, unary,
 //! binary, cast) in one node list, each reading something an earlier node of the run
 //! wrote. Broadcasts are views (no kernel) and stay outside segments; segment inputs are
-//! broadcast to the iteration shape when the segment runs. Values used only inside the run become segment-internal: a fusing
+//! broadcast to the iteration shape when the segment runs. A broadcast of a value from
+//! before a run does not end the run: it moves before the run's launch (e.g. an RMS norm's
+//! `x * x + broadcast(eps)` after `x = cast(a + b)` is one kernel, not two). Values used only inside the run become segment-internal: a fusing
 //! backend keeps them in registers instead of memory.
 
 use std::collections::HashSet;
@@ -11,7 +13,7 @@ use std::collections::HashSet;
 use super::context::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{for_each_node, for_each_node_mut, HostProgram, Node, Segment, SegmentId};
-use crate::ir::{Expr, TensorId};
+use crate::ir::{Expr, Op, TensorId};
 
 /// The fusion pass.
 pub struct FuseElementwise;
@@ -81,11 +83,19 @@ impl Pass for FuseElementwise {
     }
 }
 
+/// A broadcast that reads nothing `run` writes: it may run before the run.
+fn broadcast_of_earlier(e: &Expr, run: &[Expr]) -> bool {
+    matches!(e.op, Op::Broadcast { .. })
+        && !run.is_empty()
+        && !(e.inputs.iter()).any(|t| run.iter().any(|r| r.output == *t))
+}
+
 fn fuse_list(list: &mut Vec<Node>, segments: &mut Vec<Segment>) {
     let old = std::mem::take(list);
     let mut run: Vec<Expr> = Vec::new();
     for node in old {
         match node {
+            Node::Compute(e) if broadcast_of_earlier(&e, &run) => list.push(Node::Compute(e)),
             Node::Compute(e) if fusible(&e) => {
                 let continues =
                     run.is_empty() || e.inputs.iter().any(|t| run.iter().any(|r| r.output == *t));
