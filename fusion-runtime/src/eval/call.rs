@@ -41,11 +41,12 @@ pub struct ExecStats {
 /// to shorten when calls are host-bound (e.g. eager decode steps).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReplayPhases {
-    /// Finding the call's fusion and lowered program, binding its dimensions.
+    /// Finding the call's fusion and lowered program, binding its dimensions (a steady
+    /// call: matching its signature to a recent call's, which brings program and plan).
     pub program: u64,
     /// Entering the world's call ledger.
     pub ledger: u64,
-    /// Finding the plan the call runs.
+    /// Finding the plan the call runs (0 for a steady call).
     pub plan: u64,
     /// The program's facts and the communicator's start of the call.
     pub begin: u64,

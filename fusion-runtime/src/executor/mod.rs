@@ -13,6 +13,8 @@
 //! the communicator a call begins, then walk the program, capture it or replay its graph
 //! (`replay_driver`), or, on a stream the caller is capturing, record it into the caller's
 //! graph (`recording`), hand the outputs out, and write the call's trace file (`dumps`).
+//! A call with the signature of one of the rank's recent settled calls (`steady_calls`)
+//! takes that call's program and plan instead of finding them again.
 
 mod dumps;
 mod lowering;
@@ -344,8 +346,8 @@ impl FusionExecutor {
         Ok((call, marks))
     }
 
-    /// Runs `program` on `rank` (held) for a call whose symbols are bound and that started
-    /// at `start`: walks it, captures or replays its graph, or records it into the
+    /// Runs `program` on `rank` (held) for a call whose symbols are bound and that started,
+    /// found its program, entered the ledger and found its plan at `marks`: walks it, captures or replays its graph, or records it into the
     /// caller's capture; hands the outputs out on the caller's stream. Says how it ran and
     /// whether it was recorded. (Also how plan tuning times a candidate.)
     #[allow(clippy::too_many_arguments)]
