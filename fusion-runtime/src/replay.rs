@@ -61,6 +61,37 @@ pub(crate) enum GraphSlot {
 /// Where a tensor sits: its address, shape and strides (a graph reads exactly these).
 pub(crate) type Address = (u64, Vec<usize>, Vec<isize>);
 
+/// Something at an [`Address`]: a call's tensor, or an address kept in a slot. A call's
+/// tensors are matched against a slot's addresses as they are, without copying their
+/// shapes and strides (a replayed call's hot path); they are copied only to be kept.
+pub(crate) trait Located {
+    /// The address, shape and strides.
+    fn location(&self) -> (u64, &[usize], &[isize]);
+
+    /// The same as an owned [`Address`], to keep.
+    fn address(&self) -> Address {
+        let (ptr, shape, strides) = self.location();
+        (ptr, shape.to_vec(), strides.to_vec())
+    }
+}
+
+impl Located for Address {
+    fn location(&self) -> (u64, &[usize], &[isize]) {
+        (self.0, &self.1, &self.2)
+    }
+}
+
+impl Located for &crate::tensor::Tensor {
+    fn location(&self) -> (u64, &[usize], &[isize]) {
+        (self.device_ptr().unwrap_or(0), self.shape(), self.strides())
+    }
+}
+
+/// Whether `kept` are the places of `at`, one by one.
+fn same_places<L: Located>(kept: &[Address], at: &[L]) -> bool {
+    kept.len() == at.len() && (kept.iter().zip(at)).all(|(k, a)| k.location() == a.location())
+}
+
 /// What to do with a call, given the slot.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Step {
@@ -74,7 +105,7 @@ pub(crate) enum Step {
 
 impl GraphSlot {
     /// The step for a call at `addresses`.
-    pub(crate) fn step(&mut self, addresses: &[Address]) -> Step {
+    pub(crate) fn step<L: Located>(&mut self, addresses: &[L]) -> Step {
         match self {
             GraphSlot::Fresh => {
                 *self = GraphSlot::Warm;
@@ -83,15 +114,15 @@ impl GraphSlot {
             GraphSlot::Warm => Step::Capture,
             GraphSlot::Never(r) => Step::Eager(r.clone()),
             GraphSlot::Ready { graphs, recent } => {
-                if let Some(i) = graphs.iter().position(|(a, _)| a.as_slice() == addresses) {
+                if let Some(i) = graphs.iter().position(|(a, _)| same_places(a, addresses)) {
                     Step::Launch(i)
-                } else if recent.iter().any(|a| a.as_slice() == addresses) {
+                } else if recent.iter().any(|a| same_places(a, addresses)) {
                     Step::Capture
                 } else {
                     if recent.len() >= RECENT_ADDRESSES {
                         recent.remove(0);
                     }
-                    recent.push(addresses.to_vec());
+                    recent.push(addresses.iter().map(Located::address).collect());
                     Step::Eager(EagerReason::Moved)
                 }
             }
@@ -207,5 +238,36 @@ mod tests {
         for &p in &layers[..GRAPHS_PER_SLOT] {
             assert!(matches!(s.step(&at(p)), Step::Launch(_)), "{p}");
         }
+    }
+
+    #[test]
+    fn a_calls_tensors_match_the_places_a_slot_keeps() {
+        use crate::tensor::Tensor;
+        let tensor = |p| {
+            Tensor::from_device(
+                fusion_compiler::DType::F32,
+                &[2, 3],
+                std::sync::Arc::new(crate::tensor::AddressOnly(p)),
+            )
+        };
+        let (one, two) = (tensor(1), tensor(2));
+        let mut s = GraphSlot::Fresh;
+        assert_eq!(s.step(&[&one]), Step::Eager(EagerReason::FirstCall));
+        assert_eq!(s.step(&[&one]), Step::Capture);
+        // What the executor keeps for a capture: the tensor's place, copied.
+        s.install(vec![(&one).address()], Box::new(FakeGraph));
+        assert_eq!(s.step(&[&one]), Step::Launch(0));
+        assert_eq!(
+            s.step(&at(1)),
+            Step::Launch(0),
+            "(1, [2, 3], [3, 1]) is that place"
+        );
+        assert_eq!(s.step(&[&two]), Step::Eager(EagerReason::Moved));
+        // Another view at the same address, or one tensor more, is another place.
+        let transposed = one.permute(&[1, 0]).unwrap();
+        assert_eq!(s.step(&[&transposed]), Step::Eager(EagerReason::Moved));
+        assert_eq!(s.step(&[&one, &one]), Step::Eager(EagerReason::Moved));
+        // Seen again: captured.
+        assert_eq!(s.step(&[&two]), Step::Capture);
     }
 }

@@ -15,7 +15,7 @@ use crate::device::{CallerStream, DeviceGraph};
 use crate::error::Result;
 use crate::eval::{execute, output_layouts, CallContext, ExecStats, Execution, SymbolBindings};
 use crate::program_facts::{EagerReason, ProgramFacts};
-use crate::replay::{Address, GraphSlot, ReplayStatus, Step, GRAPHS_PER_SLOT};
+use crate::replay::{Address, GraphSlot, Located, ReplayStatus, Step, GRAPHS_PER_SLOT};
 use crate::streams::StreamLayout;
 use crate::tensor::Tensor;
 use crate::world::Rank;
@@ -76,19 +76,12 @@ impl GraphSlots {
         }
         let owned = call_outputs(call, kept)?;
         let outs: Vec<&Tensor> = owned.iter().collect();
-        let addresses: Vec<Address> = (call.inputs.iter().copied())
+        let at: Vec<&Tensor> = (call.inputs.iter().copied())
             .chain(outs.iter().copied())
-            .map(|t| {
-                (
-                    t.device_ptr().unwrap_or(0),
-                    t.shape().to_vec(),
-                    t.strides().to_vec(),
-                )
-            })
             .collect();
         let device = call.rank.device();
         let on = call.on.as_ref();
-        match slot.step(&addresses) {
+        match slot.step(&at) {
             Step::Eager(reason) => walk_eagerly(call, Some(&outs), reason),
             Step::Launch(i) => {
                 let matched = std::time::Instant::now();
@@ -97,6 +90,7 @@ impl GraphSlots {
             }
             Step::Capture => {
                 device.begin_walk(on)?;
+                let addresses = at.iter().map(Located::address).collect();
                 let result = match capture(call, slot, addresses, &outs) {
                     Ok(status) => status,
                     Err(why) => {
@@ -399,28 +393,10 @@ mod tests {
 
     use super::*;
 
-    /// A device buffer that is only an address (nothing reads it here).
-    #[derive(Debug)]
-    struct Address(u64);
-
-    impl crate::tensor::DeviceBuffer for Address {
-        fn ptr(&self) -> u64 {
-            self.0
-        }
-        fn len_bytes(&self) -> usize {
-            64
-        }
-        fn device(&self) -> usize {
-            0
-        }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
-    }
-
     #[test]
     fn kept_outputs_are_written_again_only_when_nobody_else_holds_one() {
-        let device = |a| Tensor::from_device(DType::F32, &[16], Arc::new(Address(a)));
+        let device =
+            |a| Tensor::from_device(DType::F32, &[16], Arc::new(crate::tensor::AddressOnly(a)));
         let kept = vec![device(0x1000), device(0x2000)];
         assert!(reusable_outputs(&[]).is_none(), "nothing kept yet");
         let callers = kept.clone();

@@ -17,4 +17,6 @@ mod views;
 
 pub use host::{read_elem, round_to, write_elem};
 pub use layout::{contiguous_strides, for_each_offset, ShardTag, Tensor};
+#[cfg(test)]
+pub(crate) use storage::AddressOnly;
 pub use storage::{DeviceBuffer, HostBuffer, HostElement, HostMemory, Storage};

@@ -201,3 +201,25 @@ impl Storage {
         }
     }
 }
+
+/// A device buffer that is only an address, for tests of what keys on addresses (graph
+/// slots, kept outputs): nothing reads or writes it.
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct AddressOnly(pub u64);
+
+#[cfg(test)]
+impl DeviceBuffer for AddressOnly {
+    fn ptr(&self) -> u64 {
+        self.0
+    }
+    fn len_bytes(&self) -> usize {
+        64
+    }
+    fn device(&self) -> usize {
+        0
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
