@@ -747,3 +747,79 @@ fn gpus_without_peer_access_fall_back_to_nccl_p2p() {
         with_access.transports()
     );
 }
+
+/// A rank of `a_launched_world_captures_calls_larger_than_an_arena`: a GEMM + Allreduce
+/// whose eager call allocates more than `CAPTURE_ARENA_LIMIT`, so its capture allocates in
+/// the graph, on a device whose current pool is exportable (a world of processes).
+#[test]
+#[ignore = "a rank process of `a_launched_world_captures_calls_larger_than_an_arena`"]
+fn child_large_capture() {
+    if !common::launch::in_child() {
+        // `--ignored` runs every ignored test of this file on GPU machines: this one is
+        // only a rank of the test below.
+        eprintln!("skipping: a rank of a_launched_world_captures_calls_larger_than_an_arena");
+        return;
+    }
+    let world = World::from_env().unwrap();
+    let d = world.size();
+    // [2, d, 2048, 64] @ [d, 64, 4096]: a 64 MB product and a 64 MB sum on each rank.
+    let x = Tensor::randn(&[2, d, 2048, 64], DType::F32, 5);
+    let w = Tensor::randn(&[d, 64, 4096], DType::F32, 6);
+    let with = FusionExecutor::new(cases::matmul_ar());
+    let without = FusionExecutor::new(cases::matmul_ar());
+    let eager = ExecOptions {
+        graphs: false,
+        ..ExecOptions::default()
+    };
+    let statuses = world
+        .run(|rank| {
+            let a = rank.shard(&x, 1)?;
+            let b = rank.shard(&w, 0)?;
+            let want = without.run_with(rank, &[&a, &b], None, &eager)?;
+            let want = rank.to_host(&want.outputs[0])?.to_f32_vec()?;
+            let mut statuses = Vec::new();
+            for _ in 0..4 {
+                let got = with.run_with(rank, &[&a, &b], None, &ExecOptions::default())?;
+                assert_eq!(rank.to_host(&got.outputs[0])?.to_f32_vec()?, want);
+                statuses.push(got.replay);
+            }
+            Ok(statuses)
+        })
+        .unwrap();
+    for s in &statuses {
+        println!("large capture: {s:?}");
+        assert!(matches!(s[1], ReplayStatus::Captured(_)), "{s:?}");
+        assert!(s[2..].iter().all(|x| *x == ReplayStatus::Replayed), "{s:?}");
+    }
+    println!("LARGE-CAPTURE-OK rank {}", world.local_ranks()[0]);
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn a_launched_world_captures_calls_larger_than_an_arena() {
+    // In a world of processes the device's current memory pool is exportable, from which
+    // a CUDA graph cannot allocate: a call too large for a capture arena (its buffers
+    // allocated in the graph) used to fail its capture at every call and run eagerly.
+    if common::launch::in_child() {
+        return;
+    }
+    if fusion::runtime::backend::cuda::device_count() < 2 {
+        eprintln!("skipping: fewer than 2 GPUs visible");
+        return;
+    }
+    let ended = common::launch::launch(
+        2,
+        &[0, 1],
+        &common::launch::child_args("child_large_capture"),
+        &[
+            ("FUSION_BACKEND", "cuda".to_string()),
+            ("FUSION_TIMEOUT", "60".to_string()),
+        ],
+        |_| Vec::new(),
+        std::time::Duration::from_secs(180),
+    );
+    common::launch::expect_success(&ended);
+    for e in &ended {
+        assert!(e.stdout.contains("LARGE-CAPTURE-OK"), "{}", e.log());
+    }
+}

@@ -94,6 +94,7 @@ impl CudaDevice {
             free_list: FreeList::default(),
             closed: std::sync::atomic::AtomicBool::new(false),
             chain: Default::default(),
+            exportable_pool: Default::default(),
         });
         let dev = CudaDevice {
             shared,

@@ -275,7 +275,8 @@ pub(crate) fn reduce_source(sig: &ReduceSignature) -> String {
             "extern \"C\" __global__ void {name}(const {st}* __restrict__ src, {dt}* __restrict__ dst, P p) {{"
         );
         if !short {
-            s.push_str("  __shared__ float buf[256];\n");
+            // One partial per warp of the block (256 threads).
+            s.push_str("  __shared__ float buf[8];\n");
         }
         s.push_str("  const idx n_out = (idx)p.v[0], n_red = (idx)p.v[1];\n");
         let osh = params(&mut s, "osh", 2, ro);
@@ -305,13 +306,15 @@ pub(crate) fn reduce_source(sig: &ReduceSignature) -> String {
         if short {
             let _ = writeln!(s, "    dst[doff] = {};", store(sig.dst, "acc"));
         } else {
+            // Within each warp by shuffles, then the 8 warps' partials by the first warp:
+            // two block barriers instead of a shared-memory tree's eight.
             s.push_str(
-                "    buf[threadIdx.x] = acc;\n    __syncthreads();\n    for (int w = blockDim.x / 2; w > 0; w >>= 1) {\n      if (threadIdx.x < w) buf[threadIdx.x] = combine(buf[threadIdx.x], buf[threadIdx.x + w]);\n      __syncthreads();\n    }\n",
+                "    for (int w = 16; w > 0; w >>= 1) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, w));\n    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = acc;\n    __syncthreads();\n",
             );
             let _ = writeln!(
                 s,
-                "    if (threadIdx.x == 0) dst[doff] = {};\n    __syncthreads();",
-                store(sig.dst, "buf[0]")
+                "    if (threadIdx.x < 32) {{\n      acc = threadIdx.x < (blockDim.x >> 5) ? buf[threadIdx.x] : {init};\n      for (int w = 4; w > 0; w >>= 1) acc = combine(acc, __shfl_xor_sync(0xffffffffu, acc, w));\n      if (threadIdx.x == 0) dst[doff] = {};\n    }}\n    __syncthreads();",
+                store(sig.dst, "acc")
             );
         }
         s.push_str("  }\n}\n");

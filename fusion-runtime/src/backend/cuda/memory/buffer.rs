@@ -49,8 +49,16 @@ impl CudaBuffer {
             });
         }
         shared.bind()?;
-        // SAFETY: the stream belongs to this device's context, which is current.
-        let mut allocated = unsafe { result::malloc_async(stream.0, size) };
+        let graph_pool = graph_pool(shared, stream)?;
+        // SAFETY: the stream belongs to this device's context, which is current; the pool
+        // is the device's.
+        let alloc = || unsafe {
+            match graph_pool {
+                Some(pool) => malloc_from_pool_async(stream.0, size, pool),
+                None => result::malloc_async(stream.0, size),
+            }
+        };
+        let mut allocated = alloc();
         if matches!(&allocated, Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY) {
             // The kept buffers go back to the pool first.
             for (s, p) in shared.free_list.drain() {
@@ -59,8 +67,7 @@ impl CudaBuffer {
                     let _ = result::free_async(p, s.0);
                 }
             }
-            // SAFETY: as above.
-            allocated = unsafe { result::malloc_async(stream.0, size) };
+            allocated = alloc();
         }
         let ptr = allocated.map_err(|e| {
             crate::backend::cuda::libs::driver_err(
@@ -77,6 +84,54 @@ impl CudaBuffer {
             caller: Default::default(),
         })
     }
+}
+
+/// The pool to allocate from on `stream` instead of the current one: the device's default
+/// pool while `stream` is being captured and an exportable pool is current (a CUDA graph
+/// cannot allocate from an exportable pool: `cuMemAllocAsync` fails with
+/// `CUDA_ERROR_NOT_SUPPORTED`). Buffers allocated in a capture belong to the graph, so
+/// no peer process needs to map them.
+fn graph_pool(
+    shared: &DeviceShared,
+    stream: RawStream,
+) -> crate::error::Result<Option<sys::CUmemoryPool>> {
+    use crate::backend::cuda::libs::cu_check as check;
+    if !shared
+        .exportable_pool
+        .load(std::sync::atomic::Ordering::Acquire)
+    {
+        return Ok(None);
+    }
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: querying a stream of this device, whose context is current.
+    check(
+        unsafe { sys::cuStreamIsCapturing(stream.0, &mut status) },
+        "asking whether a stream is being captured",
+    )?;
+    if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        return Ok(None);
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the device of this context; `pool` receives its default pool.
+    check(
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, shared.ctx.cu_device()) },
+        "cuDeviceGetDefaultMemPool",
+    )?;
+    Ok(Some(pool))
+}
+
+/// `cuMemAllocFromPoolAsync` of `size` bytes from `pool` on `stream`.
+///
+/// # Safety
+/// `stream` and `pool` belong to the current context's device.
+unsafe fn malloc_from_pool_async(
+    stream: sys::CUstream,
+    size: usize,
+    pool: sys::CUmemoryPool,
+) -> Result<sys::CUdeviceptr, cudarc::driver::DriverError> {
+    let mut ptr: sys::CUdeviceptr = 0;
+    sys::cuMemAllocFromPoolAsync(&mut ptr, size, pool, stream).result()?;
+    Ok(ptr)
 }
 
 impl Drop for CudaBuffer {

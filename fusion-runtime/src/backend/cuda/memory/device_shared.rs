@@ -27,6 +27,10 @@ pub(crate) struct DeviceShared {
     pub closed: std::sync::atomic::AtomicBool,
     /// The order between the device's streams and the callers' streams its calls ran on.
     pub chain: CallerChain,
+    /// An exportable memory pool is the device's current one (a world of several
+    /// processes): a CUDA graph cannot allocate from it, so buffers allocated on a
+    /// capturing stream come from the default pool ([`super::buffer::CudaBuffer::alloc`]).
+    pub exportable_pool: std::sync::atomic::AtomicBool,
 }
 
 impl DeviceShared {

@@ -48,6 +48,7 @@ impl IpcDevice {
         device.shared().bind()?;
         let ordinal = device.shared().ordinal as i32;
         let pool = exportable_pool(ordinal)?;
+        (device.shared().exportable_pool).store(true, std::sync::atomic::Ordering::Release);
         let mut fd: libc::c_int = -1;
         // SAFETY: `fd` receives the descriptor of a pool created for this handle type.
         check(
