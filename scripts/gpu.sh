@@ -37,6 +37,10 @@ one GPU or more:
                           this build against another's (CANDLE_BASE, default
                           .gpu/bin/candle_llama_base) and candle's TP, [reps] alternating
                           rounds (default 2; TOKENS picks the step sizes), medians
+  candle-kernels [gpus] [tokens | prefill [tokens]]
+                          the candle layer's last step kernel by kernel under ncu (rank 0
+                          profiled, the others free): fusions and candle's TP, a captured
+                          decode step of [tokens] (default 64) or a prefill (default 512)
   decode [gpus]           decode_bench (Allreduce 4 KB-64 MB, GEMM + Allreduce at Llama-70B's
                           and Llama-8B's decode shapes) and PyTorch's Allreduce (NCCL,
                           symm_mem) alike, then
@@ -434,6 +438,51 @@ task_candle_ab() {
         done
     done
     printf '%s\n' "${summary[@]}" | grep -v "rc=0 " || true
+}
+
+# The candle layer's last step kernel by kernel: Nsight Compute (`ncu`, clocks and caches
+# left alone, every kernel of replayed graphs node by node) wraps rank 0 of [gpus]
+# processes under torchrun, the other ranks run free (so no collective deadlocks; rank 0's
+# collectives then show the others' waits, not their own time); fusions, then candle's TP.
+# [tokens] per step (default 64) decoded with the step captured (`--graph`), or `prefill`
+# [tokens] prefills (default 512). Prints each mode's last step (bench/ncu_step_kernels.py).
+task_candle_kernels() {
+    local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)} what=${2:-64} tokens
+    candle_libraries
+    export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=120
+    gpus_info >"$OUT/machine.txt" 2>&1
+    local ncu
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "no ncu on this machine" >&2; return 2; }
+    local args=(--prefill 64 --prefill-reps 1 --decode-steps 3 --decode-tokens "$what" --graph)
+    if [ "$what" = prefill ]; then
+        tokens=${3:-512}
+        args=(--prefill "$tokens" --prefill-reps 2 --decode-steps 0)
+    fi
+    local wrap="$OUT/ncu-rank0.sh" w="$OUT/llama3-8b-layer.safetensors" mode name
+    cat >"$wrap" <<EOW
+#!/bin/bash
+if [ "\${LOCAL_RANK:-0}" = 0 ]; then
+    exec "$ncu" --clock-control none --cache-control none --graph-profiling node --csv \\
+        --metrics gpu__time_duration.sum --log-file "\$NCU_CSV" "\$@"
+fi
+exec "\$@"
+EOW
+    chmod +x "$wrap"
+    for mode in fusions candle-tp; do
+        name="kernels-$mode"
+        local extra=()
+        [ "$mode" = candle-tp ] && extra=(--candle-tp)
+        NCU_CSV="$OUT/$name.csv" step "$name" 300 torchrun --nproc-per-node "$gpus" --no-python \
+            "$wrap" "$BIN/candle_llama" --llama3-8b --weights "$w" --dtype bf16 "${args[@]}" "${extra[@]}"
+    done
+    rm -f "$w"
+    cat "$OUT/machine.txt"
+    for mode in fusions candle-tp; do
+        echo "== $mode, rank 0, us per kernel"
+        python3 bench/ncu_step_kernels.py "$OUT/kernels-$mode.csv" 30 || true
+    done
+    printf '%s\n' "${summary[@]}"
 }
 
 # The gated MLP's first half at decode sizes on one GPU, as one kernel (both weights in each
@@ -990,7 +1039,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | candle-kernels | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2 | every-gpu) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
