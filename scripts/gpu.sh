@@ -395,6 +395,7 @@ task_candle_tp() {
 # ~15 s on 4 H100s), each running every configuration once in turn, so
 # that the host-bound eager steps, which move by up to 30% from run to run, are compared
 # across rounds. Prints each configuration's runs and their median (slowest rank's ms).
+# CANDLE_ARGS adds flags to every run (e.g. `--layers 32`: a model's step of 32 layers).
 task_candle_ab() {
     local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)} reps=${2:-2} tokens=${TOKENS:-1 8 64}
     candle_libraries
@@ -415,7 +416,7 @@ task_candle_ab() {
                     # shellcheck disable=SC2086
                     step "$name" 120 torchrun --nproc-per-node "$gpus" --no-python "$bin" \
                         --llama3-8b --weights "$w" --dtype bf16 --prefill 64 --decode-steps 30 \
-                        --decode-tokens "$t" $extra
+                        --decode-tokens "$t" $extra ${CANDLE_ARGS:-}
                 done
             done
         done

@@ -161,6 +161,31 @@ fn both_forms_serve_prefill_and_decode() {
 }
 
 #[test]
+fn a_step_of_several_layers_matches_candle_alone() {
+    // `--layers 3`: each step runs the layer three times, a KV cache each, and so does
+    // the reference (one cache for every layer, on either side, fails the check).
+    if in_child() {
+        return;
+    }
+    assert_eq!(args(None, &["--layers", "3"]).plan().unwrap().layers, 3);
+    assert!(Args::try_parse_from(["candle_llama", "--layers", "0"]).is_err());
+    for d in [1, 2, 4] {
+        run(d, &["--layers", "3", "--decode-tokens", "2"]);
+    }
+    let sp = [
+        "--decode-form",
+        "sp",
+        "--prefill-form",
+        "sp",
+        "--decode-tokens",
+        "3",
+    ];
+    run(2, &[&["--layers", "2"][..], &sp[..]].concat());
+    run(2, &["--layers", "3", "--graph", "--dtype", "bf16"]);
+    run(2, &["--layers", "2", "--candle-only"]);
+}
+
+#[test]
 fn a_recorded_decode_step_replays_at_every_position() {
     if in_child() {
         return;

@@ -35,6 +35,11 @@ pub struct Args {
     /// Tokens per decode step
     #[arg(long, default_value_t = 1)]
     pub decode_tokens: usize,
+    /// Layers a step runs one after another, as a model's step does (the same weights,
+    /// a KV cache each): in an eager step only the last layer's GPU work is left when the
+    /// host is done issuing the step
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub layers: u16,
     /// Form of the decode steps: `tp` (replicated activations, GEMM + AllReduce fusions)
     /// or `sp` (sequence-parallel fusions) [default: tp; candle's modes: tp only]
     #[arg(long, value_enum)]
@@ -72,7 +77,8 @@ pub struct Args {
     /// a GPU the time of candle's stream between marks (kernels, and waits for the host to
     /// launch them), and beside it the host's time to issue each part; with `--graph`, the
     /// replayed graph's time between event nodes recorded at the marks; and each fusion
-    /// call's host time, copying into its slot apart from the call
+    /// call's host time, copying into its slot apart from the call (with `--layers`, each
+    /// part's median over every layer's)
     #[arg(long)]
     pub sections: bool,
 }
@@ -110,6 +116,7 @@ pub struct Plan {
     pub prefill_reps: usize,
     pub decode_steps: usize,
     pub decode_tokens: usize,
+    pub layers: usize,
     pub sections: bool,
 }
 
@@ -172,6 +179,7 @@ impl Args {
             prefill_reps: self.prefill_reps,
             decode_steps: self.decode_steps,
             decode_tokens: self.decode_tokens,
+            layers: usize::from(self.layers),
             sections: self.sections,
         })
     }

@@ -164,8 +164,9 @@ struct Slot {
     out: OutputBuffer,
 }
 
-/// A slot's key: the call's first activation's name and every activation's shape.
-type SlotKey = (&'static str, Vec<usize>);
+/// A slot's key: the call's first activation's name, the layer, and every activation's
+/// shape.
+type SlotKey = (&'static str, usize, Vec<usize>);
 
 /// The fusion calls of one rank's layer and how they ran.
 pub struct FusionCalls {
@@ -181,6 +182,9 @@ pub struct FusionCalls {
     /// recorded into a graph of the caller's, whose addresses the capture fixes anyway
     /// (`graph.rs`), the copy would be one more node a step for each call.
     pub direct: bool,
+    /// The layer whose calls come next (`--layers`): each layer's calls have slots of
+    /// their own, since a layer reads the previous one's output in place.
+    pub layer: usize,
     /// How the calls ran since the last [`FusionCalls::take`].
     replays: Replays,
     /// While set, each call's host time (`--sections`).
@@ -197,6 +201,7 @@ impl FusionCalls {
             outputs: HashMap::new(),
             options: ExecOptions::default(),
             direct: false,
+            layer: 0,
             replays: Replays::default(),
             times: None,
         }
@@ -210,8 +215,9 @@ impl FusionCalls {
     /// One fusion call: `acts` (this step's activations, each with its name in errors)
     /// and `weights` in, in the fusion's order (activations first), an output of
     /// `out_shape` back as a candle tensor, without copies between the libraries. On a GPU
-    /// the activations and output live in the slot of this call and shape (the first
-    /// activation's name and every activation's shape), and the returned tensor shares the
+    /// the activations and output live in the slot of this call, layer and shape (the first
+    /// activation's name, [`FusionCalls::layer`] and every activation's shape), and the
+    /// returned tensor shares the
     /// slot's output: read it before the next call of the same slot (candle's stream
     /// orders that).
     pub fn call(
@@ -241,7 +247,7 @@ impl FusionCalls {
             return out.into_candle();
         }
         let dims: Vec<usize> = acts.iter().flat_map(|(_, a)| a.dims().to_vec()).collect();
-        let key = (name, dims);
+        let key = (name, self.layer, dims);
         if !self.slots.contains_key(&key) {
             let mut inputs = Vec::new();
             for (n, a) in acts {

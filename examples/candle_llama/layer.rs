@@ -123,12 +123,15 @@ pub struct Part {
     pub count: usize,
 }
 
-/// One part of the layer with its KV cache.
+/// One part of the layer with its KV caches, run as a step's every layer.
 pub struct RankLayer {
     cfg: Config,
     part: Part,
     w: Weights,
-    cache: KvCache,
+    /// A KV cache per layer of the step (`--layers`; the layers share the weights).
+    caches: Vec<KvCache>,
+    /// The layer the step is in.
+    current: usize,
     reduce: Reduce,
     /// The fusion calls and how they ran.
     pub calls: FusionCalls,
@@ -137,9 +140,9 @@ pub struct RankLayer {
 }
 
 impl RankLayer {
-    /// Part `part` of `weights` in `dtype` on `device`, with a KV cache of `capacity`
-    /// positions. With `fusions_of` (the rank), the row-parallel sums are fusions;
-    /// otherwise `all_reduce` sums them.
+    /// Part `part` of `weights` in `dtype` on `device`, run `layers` times a step, each
+    /// time with a KV cache of its own of `capacity` positions. With `fusions_of` (the
+    /// rank), the row-parallel sums are fusions; otherwise `all_reduce` sums them.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: Config,
@@ -148,6 +151,7 @@ impl RankLayer {
         dtype: CDType,
         device: &Device,
         capacity: usize,
+        layers: usize,
         fusions_of: Option<&Rank>,
         all_reduce: AllReduce,
     ) -> fusion_candle::Result<Self> {
@@ -183,19 +187,24 @@ impl RankLayer {
             None => Reduce::Candle(all_reduce),
         };
         let kv_heads = cfg.kv_heads / part.count;
-        let cache = KvCache::new(
-            capacity,
-            kv_heads,
-            cfg.head_dim(),
-            cfg.rope_theta,
-            dtype,
-            device,
-        )?;
+        let caches = (0..layers.max(1))
+            .map(|_| {
+                KvCache::new(
+                    capacity,
+                    kv_heads,
+                    cfg.head_dim(),
+                    cfg.rope_theta,
+                    dtype,
+                    device,
+                )
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(RankLayer {
             cfg,
             part,
             w,
-            cache,
+            caches,
+            current: 0,
             reduce,
             calls: FusionCalls::new(dtype, device),
             sections: None,
@@ -204,22 +213,29 @@ impl RankLayer {
 
     /// How many positions the KV cache holds.
     pub fn capacity(&self) -> usize {
-        self.cache.capacity()
+        self.caches[0].capacity()
     }
 
-    /// The layer's output for `step` in `form` (`[tokens, hidden]` in `Form::Tp`, this
-    /// rank's rows in `Form::Sp`). `call` is the rank, on the candle device's stream for a
-    /// GPU (`rank.on(..)`).
+    /// The output of the step's layers for `step` in `form` (`[tokens, hidden]` in
+    /// `Form::Tp`, this rank's rows in `Form::Sp`), each layer's output the next one's
+    /// input. `call` is the rank, on the candle device's stream for a GPU (`rank.on(..)`).
     pub fn forward(
         &mut self,
         call: &dyn CallTarget,
         form: Form,
         step: &StepIn,
     ) -> fusion_candle::Result<CTensor> {
-        match form {
-            Form::Tp => self.forward_tp(call, step),
-            Form::Sp => self.forward_sp(call, step),
+        let mut x = step.x.clone();
+        for layer in 0..self.caches.len() {
+            self.current = layer;
+            self.calls.layer = layer;
+            let s = StepIn { x: &x, ..*step };
+            x = match form {
+                Form::Tp => self.forward_tp(call, &s),
+                Form::Sp => self.forward_sp(call, &s),
+            }?;
         }
+        Ok(x)
     }
 
     /// Replicated activations: local column-parallel GEMMs, row-parallel GEMM + sum.
@@ -333,14 +349,12 @@ impl RankLayer {
         // [tokens, heads + 2 kv_heads, hd]: Q's heads, K's, V's (a view).
         let all = qkv.reshape((t, heads + 2 * kv_heads, hd))?;
         // Q and K rotated together, then viewed apart.
-        let qk = self
-            .cache
-            .rope(&all.narrow(1, 0, heads + kv_heads)?, s.positions)?;
+        let cache = &self.caches[self.current];
+        let qk = cache.rope(&all.narrow(1, 0, heads + kv_heads)?, s.positions)?;
         let (q, k) = (qk.narrow(1, 0, heads)?, qk.narrow(1, heads, kv_heads)?);
         let v = all.narrow(1, heads + kv_heads, kv_heads)?;
-        self.cache.write(&k, &v, s.positions)?;
-        self.cache
-            .attend(&q, s.positions, s.keys, &mut |part| mark(sections, part))
+        cache.write(&k, &v, s.positions)?;
+        cache.attend(&q, s.positions, s.keys, &mut |part| mark(sections, part))
     }
 
     /// The row-parallel projection `which` of `a` `[tokens, k]` (this part's block of the

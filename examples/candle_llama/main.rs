@@ -23,7 +23,10 @@
 //! and launched on candle's stream. Weights come from a safetensors file through candle's loader (`--weights PATH`;
 //! a random-weight file is written there first if it does not exist). A run warms up, then
 //! times `--prefill-reps` prefills of `--prefill` tokens, each from an empty cache, and
-//! `--decode-steps` decode steps of `--decode-tokens` tokens, on every rank. Each fusion
+//! `--decode-steps` decode steps of `--decode-tokens` tokens, on every rank; `--layers N`
+//! makes each step run the layer N times (the same weights, a KV cache each), as a
+//! model's step runs its layers one after another: an eager step then leaves only the
+//! last layer's GPU work for after the host is done issuing it. Each fusion
 //! call reads and writes buffers kept across steps, so decode calls replay their CUDA
 //! graphs; with `--graph` the whole decode step is recorded as one CUDA graph on candle's
 //! stream and replayed. `--candle-tp` runs candle's own tensor parallelism (a blocking NCCL

@@ -23,16 +23,17 @@ pub struct Reference {
     wd: CTensor,
     norm_in: CTensor,
     norm_post: CTensor,
-    k: Option<CTensor>,
-    v: Option<CTensor>,
+    /// Each layer's cached keys and values (`--layers`: the layers share the weights).
+    caches: Vec<(Option<CTensor>, Option<CTensor>)>,
     pos: usize,
 }
 
 impl Reference {
-    /// The layer of `weights` in `dtype` on `device`.
+    /// The layer of `weights` in `dtype` on `device`, run `layers` times a step.
     pub fn new(
         cfg: Config,
         weights: &HashMap<String, CTensor>,
+        layers: usize,
         dtype: CDType,
         device: &Device,
     ) -> candle_core::Result<Self> {
@@ -52,30 +53,37 @@ impl Reference {
             wd: put("mlp.down_proj.weight")?,
             norm_in: put("input_layernorm.weight")?,
             norm_post: put("post_attention_layernorm.weight")?,
-            k: None,
-            v: None,
+            caches: vec![(None, None); layers.max(1)],
             pos: 0,
         })
     }
 
-    /// The layer's output for the next tokens `x` `[tokens, hidden]`.
+    /// The output of the step's layers for the next tokens `x` `[tokens, hidden]`.
     pub fn forward(&mut self, x: &CTensor) -> candle_core::Result<CTensor> {
+        let mut x = x.to_dtype(self.wq.dtype())?;
+        for layer in 0..self.caches.len() {
+            x = self.layer(layer, &x)?;
+        }
+        self.pos += x.dim(0)?;
+        Ok(x)
+    }
+
+    /// Layer `layer`'s output for `x`, with its cache.
+    fn layer(&mut self, layer: usize, x: &CTensor) -> candle_core::Result<CTensor> {
         let c = self.cfg;
         let (t, hd) = (x.dim(0)?, c.head_dim());
-        let x = x.to_dtype(self.wq.dtype())?;
-        let xn = rms_norm(&x, &self.norm_in, c.eps)?;
+        let xn = rms_norm(x, &self.norm_in, c.eps)?;
         let heads = |w: &CTensor, n: usize| xn.matmul(w)?.reshape((t, n, hd));
         let q = rope(&heads(&self.wq, c.heads)?, self.pos, c.rope_theta)?;
         let k = rope(&heads(&self.wk, c.kv_heads)?, self.pos, c.rope_theta)?;
         let v = heads(&self.wv, c.kv_heads)?;
-        let k = append(self.k.take(), k)?;
-        let v = append(self.v.take(), v)?;
+        let cache = &mut self.caches[layer];
+        let k = append(cache.0.take(), k)?;
+        let v = append(cache.1.take(), v)?;
         let mask = causal_mask(t, k.dim(0)?, self.pos, x.device())?;
         let a = attention(&q, &k, &v, &mask)?;
-        self.k = Some(k);
-        self.v = Some(v);
-        self.pos += t;
-        let h = (&x + a.matmul(&self.wo)?)?;
+        *cache = (Some(k), Some(v));
+        let h = (x + a.matmul(&self.wo)?)?;
         let hn = rms_norm(&h, &self.norm_post, c.eps)?;
         let act = (hn.matmul(&self.wg)?.silu()? * hn.matmul(&self.wu)?)?;
         h + act.matmul(&self.wd)?

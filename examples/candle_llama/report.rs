@@ -44,13 +44,17 @@ pub fn print(world: &World, args: &Args, plan: &Plan, cfg: Config, runs: &[RankR
         args.dtype
     );
     println!(
-        "  hidden {}, {} heads ({} KV) of {}, FFN {}; prefill {} tokens ({} form, {} times \
-         from an empty cache), {} decode steps of {} ({} form{})",
+        "  hidden {}, {} heads ({} KV) of {}, FFN {}; {} a step; prefill {} tokens ({} form, \
+         {} times from an empty cache), {} decode steps of {} ({} form{})",
         cfg.hidden,
         cfg.heads,
         cfg.kv_heads,
         cfg.head_dim(),
         cfg.ffn,
+        match plan.layers {
+            1 => "one layer".to_string(),
+            n => format!("{n} layers (the same weights, a KV cache each)"),
+        },
         plan.prefill,
         plan.prefill_form.name(),
         plan.prefill_reps(),

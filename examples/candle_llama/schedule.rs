@@ -262,7 +262,15 @@ fn make_layer(
     };
     let capacity = s.plan.capacity();
     RankLayer::new(
-        s.cfg, weights, part, s.dtype, device, capacity, fusions_of, all_reduce,
+        s.cfg,
+        weights,
+        part,
+        s.dtype,
+        device,
+        capacity,
+        s.plan.layers,
+        fusions_of,
+        all_reduce,
     )
 }
 
@@ -399,7 +407,7 @@ fn check<'a>(
     outputs: impl Iterator<Item = (CTensor, &'a StepData)>,
 ) -> fusion_candle::Result<Vec<f64>> {
     let mut reference = (rank.index() == 0)
-        .then(|| Reference::new(s.cfg, weights, CDType::F32, device))
+        .then(|| Reference::new(s.cfg, weights, s.plan.layers, CDType::F32, device))
         .transpose()?;
     let mut errors = Vec::new();
     for (y, step) in outputs {

@@ -21,6 +21,11 @@ use codegen::{pointwise_source, reduce_source, PointwiseSignature, ReduceSignatu
 use layout::{needs_wide_index, Layout};
 
 const BLOCK: u32 = 256;
+// `fusion_reduce` keeps one partial per warp of its block in a shared array of 8.
+const _: () = assert!(
+    BLOCK == 256,
+    "fusion_reduce's warp partials are sized for 256 threads"
+);
 /// Reductions of at most this many elements per output run one thread per output.
 const SHORT_REDUCTION: usize = 64;
 const MAX_GRID: usize = 132 * 32;
