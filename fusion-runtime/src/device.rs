@@ -397,6 +397,12 @@ pub trait DeviceGraph: Send + Sync {
     /// Writes the graph's topology to `path` (the driver's dot format), for
     /// `ExecOptions::graph_dot_dir`.
     fn write_dot(&self, path: &std::path::Path) -> Result<()>;
+    /// Device memory the graph keeps for itself while it lives (its capture arena, or the
+    /// buffers its capture allocated as its own), which bounds how many graphs a program
+    /// keeps.
+    fn retained_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// The answer of a backend without streams to a call on a caller's stream.

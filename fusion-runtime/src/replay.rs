@@ -6,9 +6,10 @@
 //! together with the addresses of the call it captured: the inputs and the outputs (which
 //! are allocated before the capture, outside the graph). A call whose inputs or outputs
 //! sit elsewhere never replays that graph: it runs eagerly, and when the same new
-//! addresses come back (among the last 16 sets seen) the graph is captured again for
+//! addresses come back (among the last 128 sets seen) the graph is captured again for
 //! them, so one fusion called from several places with buffers of its own (the layers of
-//! a model) replays at each. Stale pointers are never replayed. Loops that drop their
+//! a model) replays at each (up to 128 graphs a program and rank, keeping up to 1 GiB of
+//! their own memory). Stale pointers are never replayed. Loops that drop their
 //! outputs before the next call get the same addresses back from the allocator and replay
 //! every call.
 //!
@@ -37,10 +38,17 @@ pub enum ReplayStatus {
 
 /// Graphs kept per program and rank (one per place the program is called from with
 /// buffers of its own, e.g. a layer's, or alternating outputs); the oldest goes first.
-pub(crate) const GRAPHS_PER_SLOT: usize = 16;
+/// A model's layers call their fusions in turn, each with its own buffers: with fewer
+/// graphs than layers every call would capture again (Llama-3-70B has 80 layers).
+pub(crate) const GRAPHS_PER_SLOT: usize = 128;
+
+/// Device memory the graphs of one program and rank may keep for themselves (their
+/// capture arenas or allocation nodes, [`DeviceGraph::retained_bytes`]); beyond it the
+/// oldest go first.
+pub(crate) const GRAPH_BYTES_PER_SLOT: usize = 1 << 30;
 
 /// New address sets a slot remembers: one seen again among them is captured.
-pub(crate) const RECENT_ADDRESSES: usize = 16;
+pub(crate) const RECENT_ADDRESSES: usize = GRAPHS_PER_SLOT;
 
 /// Where a program and rank stand with graphs.
 pub(crate) enum GraphSlot {
@@ -129,15 +137,20 @@ impl GraphSlot {
         }
     }
 
-    /// Keeps `graph`, captured at `addresses`.
+    /// Keeps `graph`, captured at `addresses`: the oldest graphs go while more than
+    /// [`GRAPHS_PER_SLOT`] are kept or they keep more than [`GRAPH_BYTES_PER_SLOT`] (never
+    /// the new one).
     pub(crate) fn install(&mut self, addresses: Vec<Address>, graph: Box<dyn DeviceGraph>) {
         match self {
             GraphSlot::Ready { graphs, recent } => {
-                if graphs.len() >= GRAPHS_PER_SLOT {
-                    graphs.remove(0);
-                }
                 recent.retain(|a| *a != addresses);
                 graphs.push((addresses, graph));
+                let mut bytes: usize = graphs.iter().map(|(_, g)| g.retained_bytes()).sum();
+                while graphs.len() > 1
+                    && (graphs.len() > GRAPHS_PER_SLOT || bytes > GRAPH_BYTES_PER_SLOT)
+                {
+                    bytes -= graphs.remove(0).1.retained_bytes();
+                }
             }
             _ => {
                 *self = GraphSlot::Ready {
@@ -171,6 +184,23 @@ mod tests {
         }
         fn write_dot(&self, _path: &std::path::Path) -> crate::Result<()> {
             Ok(())
+        }
+    }
+
+    /// A graph keeping `0` bytes of device memory.
+    struct Keeping(usize);
+    impl DeviceGraph for Keeping {
+        fn launch(&self, _on: Option<&crate::device::CallerStream>) -> crate::Result<()> {
+            Ok(())
+        }
+        fn nodes(&self) -> usize {
+            1
+        }
+        fn write_dot(&self, _path: &std::path::Path) -> crate::Result<()> {
+            Ok(())
+        }
+        fn retained_bytes(&self) -> usize {
+            self.0
         }
     }
 
@@ -215,15 +245,17 @@ mod tests {
 
     #[test]
     fn one_fusion_called_from_several_places_replays_at_each() {
-        // A model's layers call one fusion with buffers of their own, in turn.
-        let layers: Vec<u64> = (100..132).collect();
+        // A model's layers call one fusion with buffers of their own, in turn: Llama-3-70B's
+        // 80 (with 16 graphs a slot, as before 2026-11-27, every call captured again).
+        let layers: Vec<u64> = (100..180).collect();
+        assert!(layers.len() <= GRAPHS_PER_SLOT);
         let mut s = GraphSlot::Fresh;
         assert_eq!(s.step(&at(layers[0])), Step::Eager(EagerReason::FirstCall));
         assert_eq!(s.step(&at(layers[1])), Step::Capture);
         s.install(at(layers[1]), Box::new(FakeGraph));
         let mut captured = 1;
         for step in 0..3 {
-            for &p in &layers[..GRAPHS_PER_SLOT] {
+            for &p in &layers {
                 match s.step(&at(p)) {
                     Step::Capture => {
                         s.install(at(p), Box::new(FakeGraph));
@@ -234,10 +266,35 @@ mod tests {
                 }
             }
         }
-        assert_eq!(captured, GRAPHS_PER_SLOT);
-        for &p in &layers[..GRAPHS_PER_SLOT] {
+        assert_eq!(captured, layers.len());
+        for &p in &layers {
             assert!(matches!(s.step(&at(p)), Step::Launch(_)), "{p}");
         }
+    }
+
+    #[test]
+    fn graphs_that_keep_much_memory_are_fewer() {
+        // Graphs of 300 MB arenas: the fourth pushes the slot over its bytes, the oldest
+        // goes; a graph larger than the budget alone is still kept (the newest).
+        let big = 300 << 20;
+        let mut s = GraphSlot::Fresh;
+        for p in 1..=4 {
+            s.install(at(p), Box::new(Keeping(big)));
+        }
+        assert_eq!(s.step(&at(1)), Step::Eager(EagerReason::Moved));
+        for p in 2..=4 {
+            assert!(matches!(s.step(&at(p)), Step::Launch(_)), "{p}");
+        }
+        s.install(at(9), Box::new(Keeping(GRAPH_BYTES_PER_SLOT + 1)));
+        assert!(matches!(s.step(&at(9)), Step::Launch(0)));
+        assert_eq!(s.step(&at(4)), Step::Eager(EagerReason::Moved));
+        // Graphs without arenas are bounded by their count alone.
+        let mut s = GraphSlot::Fresh;
+        for p in 0..GRAPHS_PER_SLOT as u64 + 1 {
+            s.install(at(p), Box::new(Keeping(0)));
+        }
+        assert_eq!(s.step(&at(0)), Step::Eager(EagerReason::Moved));
+        assert!(matches!(s.step(&at(1)), Step::Launch(0)));
     }
 
     #[test]

@@ -68,6 +68,8 @@ pub struct CudaDevice {
     arena: std::sync::OnceLock<Arc<SharedArena>>,
     /// While a call is captured: the memory its buffers come from (see `capture_arena`).
     pub(crate) capture_arena: Mutex<Option<Arc<CaptureArena>>>,
+    /// What the device had handed out when the capture under way began.
+    capture_began: Mutex<crate::device::HandedOut>,
     /// Every buffer handed out (see `allocation`), for the arenas of recorded calls.
     pub(crate) handed_out: HandedOutMeter,
 }
@@ -110,6 +112,7 @@ impl CudaDevice {
             health,
             arena: std::sync::OnceLock::new(),
             capture_arena: Mutex::new(None),
+            capture_began: Mutex::default(),
             handed_out: HandedOutMeter::default(),
         };
         dev.shared.bind()?;
@@ -730,6 +733,10 @@ impl DeviceLifecycle for CudaDevice {
     }
 
     fn begin_capture(&self, arena_bytes: usize) -> Result<()> {
+        *self
+            .capture_began
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = self.handed_out.total();
         let arena = graph::begin_capture(&self.shared, self.raw_stream(0)?, arena_bytes)?;
         *self
             .capture_arena
@@ -747,12 +754,20 @@ impl DeviceLifecycle for CudaDevice {
         let workers = (1..self.stream_count())
             .map(|s| Ok((s, self.raw_stream(s)?)))
             .collect::<Result<Vec<_>>>()?;
+        // Without an arena, the buffers the capture allocated are the graph's allocation
+        // nodes: what it keeps (at most; CUDA may share their memory between graphs).
+        let began = *self
+            .capture_began
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let allocated = self.handed_out.total().since(began).bytes;
         let graph = graph::end_capture(
             &self.shared,
             self.raw_stream(0)?,
             &workers,
             &|s| self.stream_wait(0, s),
             arena,
+            allocated,
         )?;
         Ok(Box::new(graph))
     }

@@ -126,7 +126,9 @@ pub(crate) struct CudaGraph {
     /// The graph `exec` was instantiated from (destroyed after it).
     captured: CapturedGraph,
     /// The memory of the buffers the captured call allocated, which every launch uses.
-    _arena: Option<Arc<CaptureArena>>,
+    arena: Option<Arc<CaptureArena>>,
+    /// Bytes the captured call allocated as the graph's own allocation nodes (no arena).
+    allocated: usize,
 }
 
 // SAFETY: graph handles are driver handles, usable from any thread with the context
@@ -147,6 +149,10 @@ impl DeviceGraph for CudaGraph {
 
     fn nodes(&self) -> usize {
         self.captured.nodes
+    }
+
+    fn retained_bytes(&self) -> usize {
+        self.arena.as_ref().map_or(self.allocated, |a| a.size())
     }
 
     fn write_dot(&self, path: &std::path::Path) -> Result<()> {
@@ -223,13 +229,15 @@ pub(crate) fn start_capture(shared: &DeviceShared, main: RawStream) -> Result<()
 
 /// Ends the capture started by [`begin_capture`] on `main` and instantiates it. Every
 /// stream of `workers` still capturing is joined into the main stream first (`join(s)`
-/// makes the main stream wait for worker `s`); `arena` is the capture's.
+/// makes the main stream wait for worker `s`); `arena` is the capture's; `allocated` the
+/// bytes the call allocated during it (allocation nodes, where there is no arena).
 pub(crate) fn end_capture(
     shared: &Arc<DeviceShared>,
     main: RawStream,
     workers: &[(StreamHandle, RawStream)],
     join: &dyn Fn(StreamHandle) -> Result<()>,
     arena: Option<Arc<CaptureArena>>,
+    allocated: usize,
 ) -> Result<CudaGraph> {
     let captured = finish_capture(shared, main, workers, join)?;
     let exec = instantiate(captured.graph, main)?;
@@ -237,7 +245,8 @@ pub(crate) fn end_capture(
         exec,
         stream: main.0,
         captured,
-        _arena: arena,
+        arena,
+        allocated,
     })
 }
 
