@@ -174,27 +174,14 @@ impl GraphSlot {
 mod tests {
     use super::*;
 
-    struct FakeGraph;
+    /// A graph of 3 nodes keeping `0` bytes of device memory.
+    struct FakeGraph(usize);
     impl DeviceGraph for FakeGraph {
         fn launch(&self, _on: Option<&crate::device::CallerStream>) -> crate::Result<()> {
             Ok(())
         }
         fn nodes(&self) -> usize {
             3
-        }
-        fn write_dot(&self, _path: &std::path::Path) -> crate::Result<()> {
-            Ok(())
-        }
-    }
-
-    /// A graph keeping `0` bytes of device memory.
-    struct Keeping(usize);
-    impl DeviceGraph for Keeping {
-        fn launch(&self, _on: Option<&crate::device::CallerStream>) -> crate::Result<()> {
-            Ok(())
-        }
-        fn nodes(&self) -> usize {
-            1
         }
         fn write_dot(&self, _path: &std::path::Path) -> crate::Result<()> {
             Ok(())
@@ -213,14 +200,14 @@ mod tests {
         let mut s = GraphSlot::Fresh;
         assert_eq!(s.step(&at(1)), Step::Eager(EagerReason::FirstCall));
         assert_eq!(s.step(&at(1)), Step::Capture);
-        s.install(at(1), Box::new(FakeGraph));
+        s.install(at(1), Box::new(FakeGraph(0)));
         assert_eq!(s.step(&at(1)), Step::Launch(0));
         assert_eq!(s.graph(0).map(|g| g.nodes()), Some(3));
         // Moved inputs never replay the old graph; the same new place twice recaptures.
         assert_eq!(s.step(&at(2)), Step::Eager(EagerReason::Moved));
         assert_eq!(s.step(&at(3)), Step::Eager(EagerReason::Moved));
         assert_eq!(s.step(&at(3)), Step::Capture);
-        s.install(at(3), Box::new(FakeGraph));
+        s.install(at(3), Box::new(FakeGraph(0)));
         assert_eq!(s.step(&at(3)), Step::Launch(1));
         assert_eq!(
             s.step(&at(1)),
@@ -234,7 +221,7 @@ mod tests {
         );
         // At most GRAPHS_PER_SLOT graphs; the oldest goes.
         for p in 10..10 + GRAPHS_PER_SLOT as u64 {
-            s.install(at(p), Box::new(FakeGraph));
+            s.install(at(p), Box::new(FakeGraph(0)));
         }
         assert_eq!(s.step(&at(1)), Step::Eager(EagerReason::Moved));
         assert!(matches!(s.step(&at(10)), Step::Launch(_)));
@@ -252,13 +239,13 @@ mod tests {
         let mut s = GraphSlot::Fresh;
         assert_eq!(s.step(&at(layers[0])), Step::Eager(EagerReason::FirstCall));
         assert_eq!(s.step(&at(layers[1])), Step::Capture);
-        s.install(at(layers[1]), Box::new(FakeGraph));
+        s.install(at(layers[1]), Box::new(FakeGraph(0)));
         let mut captured = 1;
         for step in 0..3 {
             for &p in &layers {
                 match s.step(&at(p)) {
                     Step::Capture => {
-                        s.install(at(p), Box::new(FakeGraph));
+                        s.install(at(p), Box::new(FakeGraph(0)));
                         captured += 1;
                     }
                     Step::Launch(_) => assert!(step > 0 || p == layers[1], "{p}"),
@@ -279,19 +266,19 @@ mod tests {
         let big = 300 << 20;
         let mut s = GraphSlot::Fresh;
         for p in 1..=4 {
-            s.install(at(p), Box::new(Keeping(big)));
+            s.install(at(p), Box::new(FakeGraph(big)));
         }
         assert_eq!(s.step(&at(1)), Step::Eager(EagerReason::Moved));
         for p in 2..=4 {
             assert!(matches!(s.step(&at(p)), Step::Launch(_)), "{p}");
         }
-        s.install(at(9), Box::new(Keeping(GRAPH_BYTES_PER_SLOT + 1)));
+        s.install(at(9), Box::new(FakeGraph(GRAPH_BYTES_PER_SLOT + 1)));
         assert!(matches!(s.step(&at(9)), Step::Launch(0)));
         assert_eq!(s.step(&at(4)), Step::Eager(EagerReason::Moved));
         // Graphs without arenas are bounded by their count alone.
         let mut s = GraphSlot::Fresh;
         for p in 0..GRAPHS_PER_SLOT as u64 + 1 {
-            s.install(at(p), Box::new(Keeping(0)));
+            s.install(at(p), Box::new(FakeGraph(0)));
         }
         assert_eq!(s.step(&at(0)), Step::Eager(EagerReason::Moved));
         assert!(matches!(s.step(&at(1)), Step::Launch(0)));
@@ -312,7 +299,7 @@ mod tests {
         assert_eq!(s.step(&[&one]), Step::Eager(EagerReason::FirstCall));
         assert_eq!(s.step(&[&one]), Step::Capture);
         // What the executor keeps for a capture: the tensor's place, copied.
-        s.install(vec![(&one).address()], Box::new(FakeGraph));
+        s.install(vec![(&one).address()], Box::new(FakeGraph(0)));
         assert_eq!(s.step(&[&one]), Step::Launch(0));
         assert_eq!(
             s.step(&at(1)),
