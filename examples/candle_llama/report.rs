@@ -93,7 +93,7 @@ pub fn print(world: &World, args: &Args, plan: &Plan, cfg: Config, runs: &[RankR
          after)",
         runs.iter().map(|r| r.host_copies).max().unwrap_or(0)
     );
-    check_line(args, first);
+    check_line(args, plan, first);
     table(plan, ranks);
 }
 
@@ -124,15 +124,15 @@ fn step_lines(what: &str, ranks: &[RankTimes], times: fn(&RankTimes) -> &[f64], 
 }
 
 /// The check's verdict.
-fn check_line(args: &Args, first: &RankRun) {
+fn check_line(args: &Args, plan: &Plan, first: &RankRun) {
     if first.errors.is_empty() {
         return;
     }
-    let tolerance = args.dtype.tolerance();
+    let tolerance = crate::app::tolerance(args.dtype, plan.layers);
     let worst = first.errors.iter().copied().fold(0.0f64, f64::max);
     println!(
         "  check: max relative error {worst:.2e} over {} outputs against candle alone in f32, \
-         timed prefills within {:.2e} of the first (tolerance {tolerance:.0e}): {}",
+         timed prefills within {:.2e} of the first (tolerance {tolerance:.1e}): {}",
         first.errors.len(),
         first.rep_spread,
         if worst.max(first.rep_spread) <= tolerance {
