@@ -37,7 +37,8 @@ pub struct Args {
     pub decode_tokens: usize,
     /// Layers a step runs one after another, as a model's step does (the same weights,
     /// a KV cache each): in an eager step only the last layer's GPU work is left when the
-    /// host is done issuing the step
+    /// host is done issuing the step (the check's tolerance grows with the square root of
+    /// the layers)
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub layers: u16,
     /// Form of the decode steps: `tp` (replicated activations, GEMM + AllReduce fusions)
