@@ -133,6 +133,8 @@ task_check() {
     step passes_and_errors 180 $BIN/test-passes_and_errors --test-threads=1 --nocapture
     # Transformer layers (MLP, gated MLP, attention projections) and GEMM epilogues.
     step layers 240 $BIN/test-layers --test-threads=1
+    # Norms and softmax as one row kernel each, against the unfused programs.
+    step row_kernels 120 $BIN/test-row_kernels --test-threads=1
     step epilogues 120 $BIN/test-epilogues --test-threads=1
     step epilogues_gpu 120 $BIN/test-epilogues --ignored --test-threads=1
     step cuda_kernels 120 $BIN/test-cuda_kernels --ignored --test-threads=1

@@ -7,7 +7,9 @@ use fusion::compiler::ir::{BinaryOp, ReduceOp, UnaryOp};
 use fusion::runtime::backend::cpu::CpuDevice;
 use fusion::runtime::backend::cuda::cuda_world;
 use fusion::runtime::backend::cuda::{check_libraries, device_count, driver_present};
-use fusion::runtime::backend::{Device, Kernel, PointwiseInstr, PointwiseProgram};
+use fusion::runtime::backend::{
+    Device, Kernel, PointwiseInstr, PointwiseProgram, RowInstr, RowProgram,
+};
 use fusion::{DType, Error, Rank, Result, Tensor};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -124,6 +126,71 @@ fn every_unary_op_and_derivative_matches_the_cpu_backend() {
                     };
                     dev.execute(0, Kernel::Pointwise(&prog))?;
                     Ok(vec![out])
+                })?;
+            }
+        }
+        Ok(())
+    });
+}
+
+/// `y = x + r` (written), `s = sum(y * y)` (written per row), `y * rsqrt(s) * w` rounded
+/// to `dt`, on rows of `[a, b]` and elements of `n` (a warp walks rows of up to 256
+/// elements, a block longer ones), `x` a transposed view.
+fn add_norm_program(
+    dt: DType,
+    x: &Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    outs: [&Tensor; 3],
+) -> RowProgram {
+    let shape = x.shape().to_vec();
+    let rows = shape[..2].to_vec();
+    RowProgram {
+        rows,
+        row: shape[2..].to_vec(),
+        inputs: vec![x.clone(), r.clone(), w.expand(&shape).unwrap()],
+        instrs: vec![
+            RowInstr::Pointwise(PointwiseInstr::Binary(BinaryOp::Add, 0, 1)), // 3
+            RowInstr::Pointwise(PointwiseInstr::Round(dt, 3)),                // 4: y
+            RowInstr::Pointwise(PointwiseInstr::Binary(BinaryOp::Mul, 4, 4)), // 5
+            RowInstr::Reduce(ReduceOp::Sum, 5, DType::F32),                   // 6: s
+            RowInstr::Pointwise(PointwiseInstr::Unary(UnaryOp::Rsqrt, 6)),    // 7
+            RowInstr::Pointwise(PointwiseInstr::Binary(BinaryOp::Mul, 4, 7)), // 8
+            RowInstr::Pointwise(PointwiseInstr::Binary(BinaryOp::Mul, 8, 2)), // 9
+            RowInstr::Reduce(ReduceOp::Max, 9, dt),                           // 10
+            RowInstr::Pointwise(PointwiseInstr::Binary(BinaryOp::Sub, 9, 10)), // 11
+        ],
+        outputs: vec![(outs[0].clone(), 4), (outs[1].clone(), 11)],
+        row_outputs: vec![(outs[2].clone(), 6)],
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn row_programs_match_the_cpu_backend() {
+    gpu_rank_run(|rank| {
+        for dt in DTYPES {
+            for n in [37, 256, 4096] {
+                let (a, b) = (3, 5);
+                let x = Tensor::randn(&[b, a, n], dt, 5);
+                let r = Tensor::randn(&[a, b, n], dt, 6);
+                let w = Tensor::randn(&[n], DType::F32, 7);
+                compare(rank, "add + rms norm + max rows", dt, &|dev, up| {
+                    let xt = up(&x)?.permute(&[1, 0, 2])?;
+                    let outs = [
+                        dev.allocate(0, dt, &[a, b, n])?,
+                        dev.allocate(0, dt, &[a, b, n])?,
+                        dev.allocate(0, DType::F32, &[a, b])?,
+                    ];
+                    let prog = add_norm_program(
+                        dt,
+                        &xt,
+                        &up(&r)?,
+                        &up(&w)?,
+                        [&outs[0], &outs[1], &outs[2]],
+                    );
+                    dev.execute(0, Kernel::Rows(&prog))?;
+                    Ok(outs.to_vec())
                 })?;
             }
         }

@@ -7,10 +7,11 @@
 //! hold their devices; the evaluator, the worlds and the communicators know devices only
 //! through this trait.
 
-use fusion_compiler::ir::{BinaryOp, EpilogueAux, ReduceOp, UnaryOp};
+use fusion_compiler::ir::{EpilogueAux, ReduceOp, UnaryOp};
 use fusion_compiler::DType;
 
 use crate::error::Result;
+pub use crate::fused_programs::{PointwiseInstr, PointwiseProgram, RowInstr, RowPass, RowProgram};
 pub use crate::streams::StreamHandle;
 use crate::tensor::Tensor;
 
@@ -68,47 +69,6 @@ impl PartialEq for CallerStream {
 
 impl Eq for CallerStream {}
 
-/// One instruction of a [`PointwiseProgram`]. Registers `0..inputs.len()` hold the inputs;
-/// instruction `i` writes register `inputs.len() + i`. Values are f32 in registers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum PointwiseInstr {
-    /// `op(register)`.
-    Unary(UnaryOp, usize),
-    /// `op(register, register)`.
-    Binary(BinaryOp, usize, usize),
-    /// Rounds a register to `DType` (a cast inside a fused chain).
-    Round(DType, usize),
-}
-
-/// A fused elementwise computation over one iteration shape.
-#[derive(Clone, Debug)]
-pub struct PointwiseProgram {
-    /// The iteration shape (every output's shape).
-    pub shape: Vec<usize>,
-    /// Input views, already broadcast to `shape` (stride 0 on broadcast axes).
-    pub inputs: Vec<Tensor>,
-    /// The instructions, in order.
-    pub instrs: Vec<PointwiseInstr>,
-    /// Output views of shape `shape`, each with the register it stores.
-    pub outputs: Vec<(Tensor, usize)>,
-}
-
-impl PointwiseProgram {
-    /// Evaluates the program for one element given its inputs (reference semantics).
-    pub fn eval_element(&self, regs: &mut Vec<f32>) {
-        for ins in &self.instrs {
-            let v = match *ins {
-                PointwiseInstr::Unary(op, a) => op.apply_f64(regs[a] as f64) as f32,
-                PointwiseInstr::Binary(op, a, b) => {
-                    op.apply_f64(regs[a] as f64, regs[b] as f64) as f32
-                }
-                PointwiseInstr::Round(dt, a) => crate::tensor::round_to(dt, regs[a]),
-            };
-            regs.push(v);
-        }
-    }
-}
-
 /// Which engine runs a device's GEMMs ([`Kernel::Gemm`]), chosen per call
 /// (`ExecOptions::gemm`). A choice among CUDA GEMMs: the CPU backend has one and ignores it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -147,6 +107,8 @@ pub enum Kernel<'a> {
     },
     /// A fused elementwise program.
     Pointwise(&'a PointwiseProgram),
+    /// Elementwise ops and reductions over each row of the iteration shape, fused.
+    Rows(&'a RowProgram),
     /// `dst` = `src` reduced over `axes` (dst's shape is src's without those axes).
     Reduce {
         /// Sum or max.

@@ -14,6 +14,7 @@ mod device;
 mod error;
 pub mod eval;
 pub mod executor;
+mod fused_programs;
 mod observe;
 mod program_facts;
 mod ranked;

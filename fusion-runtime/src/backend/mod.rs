@@ -13,7 +13,7 @@ mod default_world;
 pub use crate::device::{
     capture_arena_bytes, BackendKind, CallerCapture, CallerStream, Device, DeviceGraph,
     DeviceLifecycle, DeviceMemory, Discrepancy, GatheredGemmCall, GemmEngine, HandedOut, Kernel,
-    PointwiseInstr, PointwiseProgram, CAPTURE_ARENA_ALIGN,
+    PointwiseInstr, PointwiseProgram, RowInstr, RowPass, RowProgram, CAPTURE_ARENA_ALIGN,
 };
 pub use crate::streams::{StreamHandle, StreamLayout};
 

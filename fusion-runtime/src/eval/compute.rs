@@ -167,10 +167,14 @@ impl Evaluator<'_> {
         if !self.in_mesh[first.index()] {
             return Ok(());
         }
-        let prog = self.pointwise_program(&seg.exprs, outputs)?;
-        self.ctx
-            .device
-            .execute(self.current, Kernel::Pointwise(&prog))?;
+        if (seg.exprs.iter()).any(|e| matches!(e.op, Op::Reduction { .. })) {
+            self.launch_rows(&seg.exprs, outputs)?;
+        } else {
+            let prog = self.pointwise_program(&seg.exprs, outputs)?;
+            self.ctx
+                .device
+                .execute(self.current, Kernel::Pointwise(&prog))?;
+        }
         if self.race.is_some() {
             let produced: Vec<TensorId> = seg.exprs.iter().map(|e| e.output).collect();
             let mut reads: Vec<TensorId> = Vec::new();

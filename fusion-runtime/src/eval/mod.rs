@@ -19,6 +19,7 @@ mod gathered_gemm;
 mod gemm_allreduce;
 mod launched_gemm;
 pub mod race;
+mod rows;
 mod shapes;
 mod walk;
 

@@ -9,6 +9,7 @@ mod elementwise;
 mod gemm_aux;
 mod matmul;
 mod reduce;
+mod rows;
 #[cfg(test)]
 mod testutil;
 pub(crate) mod world;
@@ -145,6 +146,7 @@ impl Device for CpuDevice {
         match kernel {
             Kernel::Copy { src, dst } => elementwise::copy(src, dst),
             Kernel::Pointwise(prog) => elementwise::pointwise(prog),
+            Kernel::Rows(prog) => rows::rows(prog),
             Kernel::Reduce { op, src, dst, axes } => reduce::reduce(op, src, dst, axes),
             gemm => {
                 let Some(o) = gemm.gemm_operands() else {

@@ -562,6 +562,7 @@ impl Device for CudaDevice {
         match kernel {
             Kernel::Copy { src, dst } => self.kernels.copy(&self.shared, raw, src, dst),
             Kernel::Pointwise(p) => self.kernels.pointwise(&self.shared, raw, p),
+            Kernel::Rows(p) => self.kernels.rows(&self.shared, raw, p),
             Kernel::Reduce { op, src, dst, axes } => {
                 self.kernels.reduce(&self.shared, raw, op, src, dst, axes)
             }

@@ -11,21 +11,21 @@ use crate::device::PointwiseInstr;
 /// Largest tensor rank the generated kernels index.
 pub(crate) const MAX_RANK: usize = 8;
 
-const PRELUDE: &str = r#"typedef unsigned short u16;
+pub(super) const PRELUDE: &str = r#"typedef unsigned short u16;
 __device__ __forceinline__ float ld_bf16(u16 h) { return __uint_as_float(((unsigned int)h) << 16); }
 __device__ __forceinline__ u16 st_bf16(float f) { u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
 __device__ __forceinline__ float ld_f16(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ u16 st_f16(float f) { u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
 "#;
 
-fn ctype(dt: DType) -> &'static str {
+pub(super) fn ctype(dt: DType) -> &'static str {
     match dt {
         DType::F32 => "float",
         DType::BF16 | DType::F16 => "u16",
     }
 }
 
-fn load(dt: DType, e: &str) -> String {
+pub(super) fn load(dt: DType, e: &str) -> String {
     match dt {
         DType::F32 => e.to_string(),
         DType::BF16 => format!("ld_bf16({e})"),
@@ -33,7 +33,7 @@ fn load(dt: DType, e: &str) -> String {
     }
 }
 
-fn store(dt: DType, e: &str) -> String {
+pub(super) fn store(dt: DType, e: &str) -> String {
     match dt {
         DType::F32 => e.to_string(),
         DType::BF16 => format!("st_bf16({e})"),
@@ -41,14 +41,14 @@ fn store(dt: DType, e: &str) -> String {
     }
 }
 
-fn round(dt: DType, e: &str) -> String {
+pub(super) fn round(dt: DType, e: &str) -> String {
     match dt {
         DType::F32 => e.to_string(),
         _ => load(dt, &store(dt, e)),
     }
 }
 
-fn unary(op: UnaryOp, x: &str) -> String {
+pub(super) fn unary(op: UnaryOp, x: &str) -> String {
     match op {
         UnaryOp::Neg => format!("(-{x})"),
         UnaryOp::Relu => format!("fmaxf({x}, 0.0f)"),
@@ -88,7 +88,7 @@ fn unary(op: UnaryOp, x: &str) -> String {
     }
 }
 
-fn binary(op: BinaryOp, a: &str, b: &str) -> String {
+pub(super) fn binary(op: BinaryOp, a: &str, b: &str) -> String {
     match op {
         BinaryOp::Add => format!("({a} + {b})"),
         BinaryOp::Sub => format!("({a} - {b})"),
@@ -110,7 +110,7 @@ pub(crate) struct PointwiseSignature<'a> {
     pub wide: bool,
 }
 
-fn index_type(wide: bool) -> &'static str {
+pub(super) fn index_type(wide: bool) -> &'static str {
     if wide {
         "typedef long long idx;\n"
     } else {
@@ -121,7 +121,12 @@ fn index_type(wide: bool) -> &'static str {
 /// Code adding, for linear index `lin` over the extents `shape`, `coordinate * stride` to
 /// each offset variable; the innermost dimension varies fastest, the outermost needs no
 /// division.
-fn decompose(indent: &str, lin: &str, shape: &[String], offsets: &[(&str, Vec<String>)]) -> String {
+pub(super) fn decompose(
+    indent: &str,
+    lin: &str,
+    shape: &[String],
+    offsets: &[(&str, Vec<String>)],
+) -> String {
     let rank = shape.len();
     let mut s = String::new();
     if rank == 1 {
@@ -151,7 +156,7 @@ fn decompose(indent: &str, lin: &str, shape: &[String], offsets: &[(&str, Vec<St
 }
 
 /// Declares `const idx {prefix}{d} = (idx)p.v[first + d]` for `d < n`; returns the names.
-fn params(s: &mut String, prefix: &str, first: usize, n: usize) -> Vec<String> {
+pub(super) fn params(s: &mut String, prefix: &str, first: usize, n: usize) -> Vec<String> {
     (0..n)
         .map(|d| {
             let name = format!("{prefix}{d}");

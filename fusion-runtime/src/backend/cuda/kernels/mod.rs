@@ -2,6 +2,7 @@
 
 mod codegen;
 mod layout;
+mod rows;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_void, CString};
@@ -121,6 +122,16 @@ enum FunctionKey {
         op: ReduceOp,
         ranks: (usize, usize),
         wide: bool,
+    },
+    /// The generated row kernel of a signature (`rows::RowSignature`, owned).
+    Rows {
+        inputs: Vec<DType>,
+        outputs: Vec<(DType, usize)>,
+        row_outputs: Vec<(DType, usize)>,
+        instrs: Vec<crate::fused_programs::RowInstr>,
+        ranks: (usize, usize),
+        wide: bool,
+        team: rows::Team,
     },
     /// Kernel `name` of any other source, by its text.
     Text {
@@ -572,11 +583,24 @@ impl KernelCache {
     }
 }
 
-/// Launches `f` with the device pointers `ptrs` then the parameter block `params`.
+/// Launches `f` on blocks of [`BLOCK`] threads with the device pointers `ptrs` then the
+/// parameter block `params`.
 fn launch(
     dev: &DeviceShared,
     f: RawFunction,
     grid: u32,
+    stream: RawStream,
+    ptrs: &mut [u64],
+    params: &mut [i64],
+) -> Result<()> {
+    launch_blocks(dev, f, (grid, BLOCK), stream, ptrs, params)
+}
+
+/// [`launch`] on `grid` blocks of `block` threads.
+fn launch_blocks(
+    dev: &DeviceShared,
+    f: RawFunction,
+    (grid, block): (u32, u32),
     stream: RawStream,
     ptrs: &mut [u64],
     params: &mut [i64],
@@ -589,7 +613,7 @@ fn launch(
     dev.bind()?;
     // SAFETY: the argument list matches the generated kernel's signature (device
     // pointers, then a struct of i64s of exactly this length).
-    unsafe { result::launch_kernel(f.0, (grid, 1, 1), (BLOCK, 1, 1), 0, stream.0, &mut args) }
+    unsafe { result::launch_kernel(f.0, (grid, 1, 1), (block, 1, 1), 0, stream.0, &mut args) }
         .map_err(|e| driver_err("launching a generated kernel", e))
 }
 
