@@ -5,7 +5,7 @@
 //! the fused program gives exactly the values of the unfused one (on GPUs within rounding) and
 //! matches an f64 reference; the fused norm is one launch and keeps its sum in registers;
 //! segments whose reductions do not fit (not over trailing axes, a broadcast of the sum
-//! read elsewhere) still compute the same values.
+//! read elsewhere) still compute the same values; and what ends a row segment.
 
 // The typed entry points are not called: the tests run each `build()`.
 #![allow(dead_code)]
@@ -15,7 +15,7 @@ mod common;
 use common::{device_counts, run, tolerance_for, Give, Take};
 use fusion::compiler::hir::{for_each_node, HostProgram, Node};
 use fusion::compiler::ir::{Fusion, Op};
-use fusion::compiler::lower::LowerOptions;
+use fusion::compiler::lower::{lower, LowerOptions};
 use fusion::prelude::*;
 use fusion::runtime::tensor::round_to;
 use fusion::ExecOptions;
@@ -63,6 +63,28 @@ fusion! {
     fn scaled_by_gemm<m, n>(x: Tensor<f32, [m, n]>, ones: Tensor<f32, [1, n]>) -> Tensor<f32, [m, n]> {
         let s: Tensor<f32, [m, 1]> = broadcast(sum(x * x, 1), [false, true]);
         matmul(s, ones) + x
+    }
+
+    /// `rsqrt` of the sum itself (not of its broadcast): a new run starts at it.
+    fn rsqrt_of_the_sum<m, n>(x: Tensor<f32, [m, n]>) -> Tensor<f32, [m, n]> {
+        let r: Tensor<f32, [m, 1]> = broadcast(rsqrt(sum(x * x, 1)), [false, true]);
+        x * r
+    }
+
+    /// Five norms in a chain: four reductions a segment at most.
+    fn five_norms<m, n>(x: Tensor<f32, [m, n]>) -> Tensor<f32, [m, n]> {
+        let y1 = x * broadcast(sum(x * x, 1), [false, true]);
+        let y2 = y1 * broadcast(sum(y1 * y1, 1), [false, true]);
+        let y3 = y2 * broadcast(sum(y2 * y2, 1), [false, true]);
+        let y4 = y3 * broadcast(sum(y3 * y3, 1), [false, true]);
+        y4 * broadcast(sum(y4 * y4, 1), [false, true])
+    }
+
+    /// A row sum, then a sum over the last two axes of a value of the same run: other
+    /// rows, so the second runs apart.
+    fn two_row_shapes<b, m, n>(x: Tensor<f32, [b, m, n]>) -> Tensor<f32, [b]> {
+        let y = x * broadcast(sum(x * x, 2), [false, false, true]);
+        sum(y * y, [1, 2])
     }
 
     /// A row's sum of squares: the square and the sum in one kernel, the sum written out.
@@ -274,5 +296,56 @@ fn a_sum_whose_broadcast_a_gemm_reads_runs_op_by_op() {
                 assert!((y[row * n + c] as f64 - want).abs() <= 1e-5 * (want.abs() + 1.0));
             }
         }
+    }
+}
+
+/// Reductions per segment with a reduction, in program order.
+fn reductions_per_segment(f: &Fusion) -> Vec<usize> {
+    let p = lower(f, 1, &LowerOptions::default()).unwrap().program;
+    let mut per = Vec::new();
+    for_each_node(&p.body, &mut |n| {
+        if let Node::Launch { segment, .. } = n {
+            let exprs = &p.segments[segment.index()].exprs;
+            let k = (exprs.iter())
+                .filter(|e| matches!(e.op, Op::Reduction { .. }))
+                .count();
+            if k > 0 {
+                per.push(k);
+            }
+        }
+    });
+    per
+}
+
+#[test]
+fn what_ends_a_row_segment() {
+    // An op reading the sum itself: the square and the sum are one segment, the rest
+    // another run.
+    assert_eq!(
+        reductions_per_segment(&rsqrt_of_the_sum::build().unwrap()),
+        vec![1]
+    );
+    // At most four reductions a segment.
+    assert_eq!(
+        reductions_per_segment(&five_norms::build().unwrap()),
+        vec![4, 1]
+    );
+    // A reduction over other rows does not join: it runs alone.
+    assert_eq!(
+        reductions_per_segment(&two_row_shapes::build().unwrap()),
+        vec![1]
+    );
+    let x = Tensor::randn(&[2, 3, 10], DType::F32, 41);
+    let f = two_row_shapes::build().unwrap();
+    let inputs = |_| vec![(x.clone(), Give::Whole)];
+    same_as_unfused(&f, &inputs, &[Take::Replicated], (1, 1), true);
+    let y = Tensor::randn(&[3, 10], DType::F32, 42);
+    let inputs = |_| vec![(y.clone(), Give::Whole)];
+    for f in [
+        five_norms::build().unwrap(),
+        rsqrt_of_the_sum::build().unwrap(),
+    ] {
+        let n = reductions_per_segment(&f).len();
+        same_as_unfused(&f, &inputs, &[Take::Replicated], (n, 0), true);
     }
 }
