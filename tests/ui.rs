@@ -13,6 +13,8 @@ fn ui() {
 
 #[path = "ui/pass/every_op.rs"]
 mod every_op;
+#[path = "ui/pass/extent_arithmetic.rs"]
+mod extent_arithmetic;
 #[path = "ui/pass/generic_dtype.rs"]
 mod generic_dtype;
 #[path = "ui/pass/hygiene.rs"]
@@ -25,6 +27,11 @@ mod tp_layers;
 #[test]
 fn every_op_compiles_and_runs() -> fusion::Result<()> {
     every_op::main()
+}
+
+#[test]
+fn extent_arithmetic_compiles_and_runs() -> fusion::Result<()> {
+    extent_arithmetic::main()
 }
 
 #[test]

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use super::domain::{IterDomain, IterDomainId, ParallelType};
+use super::linear::{self, Linear};
 use super::mesh::DeviceMesh;
 use super::op::{Expr, ExprId};
 use super::scalar::{NamedScalar, Scalar, ScalarDisplay, ScalarId, ScalarOp};
@@ -32,16 +33,27 @@ impl Fusion {
 
     // ----- scalars -----
 
-    /// Interns a scalar node, folding constant arithmetic and trivial identities.
+    /// Interns a scalar node, folding constant arithmetic and trivial identities, and
+    /// combining like terms where that simplifies it (`2 * f - f` is `f`: [`linear`]).
+    ///
+    /// [`linear`]: super::linear
     pub fn scalar(&mut self, s: Scalar) -> ScalarId {
         let s = match s {
             Scalar::Binary(op, a, b) => match self.fold(op, a, b) {
                 Folded::Value(v) => Scalar::Const(v),
                 Folded::Same(id) => return id,
-                Folded::Keep => Scalar::Binary(op, a, b),
+                Folded::Keep => match linear::simplified(&self.scalars, op, a, b) {
+                    Some(form) => return self.intern_linear(&form),
+                    None => Scalar::Binary(op, a, b),
+                },
             },
             other => other,
         };
+        self.intern(s)
+    }
+
+    /// Interns `s` as it is (no folding).
+    fn intern(&mut self, s: Scalar) -> ScalarId {
         if let Some(&id) = self.scalar_index.get(&s) {
             return id;
         }
@@ -49,6 +61,45 @@ impl Fusion {
         self.scalars.push(s.clone());
         self.scalar_index.insert(s, id);
         id
+    }
+
+    /// A linear form as one expression: its atoms in id order (`k * atom`, added or
+    /// subtracted), then its constant; a form of one atom is the atom itself.
+    fn intern_linear(&mut self, form: &Linear) -> ScalarId {
+        if let Some(atom) = form.single_atom() {
+            return atom;
+        }
+        let mut acc: Option<ScalarId> = None;
+        for (&atom, &k) in &form.terms {
+            let mag = k.abs();
+            let term = if mag == 1 {
+                atom
+            } else {
+                let c = self.intern(Scalar::Const(mag));
+                self.intern(Scalar::Binary(ScalarOp::Mul, c, atom))
+            };
+            acc = Some(match acc {
+                None if k > 0 => term,
+                None => {
+                    let c = self.intern(Scalar::Const(k));
+                    self.intern(Scalar::Binary(ScalarOp::Mul, c, atom))
+                }
+                Some(x) => {
+                    let op = if k > 0 { ScalarOp::Add } else { ScalarOp::Sub };
+                    self.intern(Scalar::Binary(op, x, term))
+                }
+            });
+        }
+        let k = form.constant;
+        match acc {
+            None => self.intern(Scalar::Const(k)),
+            Some(x) if k == 0 => x,
+            Some(x) => {
+                let op = if k > 0 { ScalarOp::Add } else { ScalarOp::Sub };
+                let c = self.intern(Scalar::Const(k.abs()));
+                self.intern(Scalar::Binary(op, x, c))
+            }
+        }
     }
 
     fn fold(&self, op: ScalarOp, a: ScalarId, b: ScalarId) -> Folded {

@@ -4,6 +4,7 @@
 mod axis_map;
 mod domain;
 mod fusion;
+mod linear;
 mod mesh;
 mod op;
 mod scalar;
