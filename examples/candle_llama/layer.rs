@@ -87,6 +87,12 @@ struct Weights {
     qkv: CTensor,
     /// The rows of Wo^T for this part's heads.
     o: CTensor,
+    /// This part's gate and up columns side by side (`[hidden, 2 ffn]`), for the decode
+    /// tail: one GEMM of twice the columns (DECISIONS.md, "The decode tail's gate and up
+    /// projections as one GEMM").
+    gate_up: CTensor,
+    /// The gate and up columns apart (candle's steps of many tokens and the
+    /// sequence-parallel form's fusion).
     gate: CTensor,
     up: CTensor,
     /// The rows of Wd^T for this part's FFN columns.
@@ -100,6 +106,7 @@ struct Weights {
 pub struct FusionWeights {
     qkv: fusion::Tensor,
     o: fusion::Tensor,
+    gate_up: fusion::Tensor,
     gate: fusion::Tensor,
     up: fusion::Tensor,
     down: fusion::Tensor,
@@ -173,11 +180,16 @@ impl RankLayer {
             ],
             1,
         )?;
+        let (gate, up) = (
+            cols("mlp.gate_proj.weight", fr)?,
+            cols("mlp.up_proj.weight", fr)?,
+        );
         let w = Weights {
             qkv: put(qkv)?,
             o: put(rows("self_attn.o_proj.weight", qn)?)?,
-            gate: put(cols("mlp.gate_proj.weight", fr)?)?,
-            up: put(cols("mlp.up_proj.weight", fr)?)?,
+            gate_up: put(CTensor::cat(&[&gate, &up], 1)?)?,
+            gate: put(gate)?,
+            up: put(up)?,
             down: put(rows("mlp.down_proj.weight", fr)?)?,
             norm_in: put(weights["input_layernorm.weight"].clone())?,
             norm_post: put(weights["post_attention_layernorm.weight"].clone())?,
@@ -285,7 +297,7 @@ impl RankLayer {
         let a = a.unsqueeze(0)?;
         let exec = decode_tail::executor()?;
         let acts = [("attention", &a), ("x", x)];
-        let w = [&fw.o, &fw.norm_post, &fw.eps, &fw.gate, &fw.up, &fw.down];
+        let w = [&fw.o, &fw.norm_post, &fw.eps, &fw.gate_up, &fw.down];
         self.calls.call(call, exec, &acts, &w, &[t, hidden])
     }
 
@@ -416,6 +428,7 @@ fn fusion_weights(rank: &Rank, w: &Weights, cfg: &Config) -> fusion_candle::Resu
     Ok(FusionWeights {
         qkv: view(&w.qkv, "w_qkv")?,
         o: view(&w.o, "w_o")?,
+        gate_up: view(&w.gate_up, "w_gate_up")?,
         gate: view(&w.gate, "w_gate")?,
         up: view(&w.up, "w_up")?,
         down: view(&w.down, "w_down")?,

@@ -4,7 +4,8 @@
 //! Two forms of the layer (`--decode-form`, `--prefill-form`):
 //!
 //! - `tp`, tensor-parallel (the default for decode): every rank holds every token; the Q,
-//!   K, V, gate and up projections are local GEMMs over this rank's heads and FFN columns,
+//!   K, V, gate and up projections are local GEMMs over this rank's heads and FFN columns
+//!   (Q, K and V one GEMM; gate and up one GEMM in a decode step's fusion),
 //!   and the attention-output and down projections each a GEMM followed by an AllReduce of
 //!   the partial sums; a decode step runs everything after attention as one fusion (the
 //!   projections with their AllReduces and residuals, the RMSNorm between them, the MLP),
