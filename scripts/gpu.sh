@@ -49,6 +49,8 @@ one GPU or more:
   gated-gemm              one GPU: the gated MLP's silu(X Wg) * (X Wu) at decode sizes as one
                           kernel against cuBLAS's GEMMs + an elementwise kernel
                           (bench/decode_gemm/gated_harness.cu; needs nvcc)
+  rows [args..]           one GPU: row programs (add + RMSNorm, softmax) at prefill sizes
+                          against their reductions apart and against no fusion (row_bench)
   hopper-gemm             the persistent Hopper GEMM against cuBLAS (tests/hopper_gemm.rs),
                           then its standalone check and benchmark where nvcc is found
 two GPUs or more:
@@ -499,6 +501,18 @@ task_gated_gemm() {
     STEP_PATTERN='check:|rror' CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} step gated-gemm 240 "$bench"
     cat "$OUT/machine.txt"
     grep -h '^|\|wrong' "$OUT/gated-gemm.log"
+    printf '%s\n' "${summary[@]}"
+}
+
+# Row programs at prefill sizes on one GPU (row_bench): a norm and a softmax as one row
+# kernel against the same fusions with their reductions ending the row segment and
+# against no pointwise fusion; [args..] go to row_bench (--rows, --norm-widths, ...).
+task_rows() {
+    gpus_info >"$OUT/machine.txt" 2>&1
+    STEP_PATTERN='^\| (add_rms_norm|softmax)|rror' CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} \
+        step rows 400 "$BIN/row_bench" --devices 1 "$@"
+    cat "$OUT/machine.txt"
+    sed -n '/^| fusion/,$p' "$OUT/rows.log"
     printf '%s\n' "${summary[@]}"
 }
 
@@ -1042,7 +1056,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | candle-kernels | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | \
+    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | candle-kernels | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | rows | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2 | every-gpu) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;

@@ -12,6 +12,8 @@ pub mod first_call;
 pub mod fusions;
 pub mod layer_forms;
 pub mod measure;
+#[cfg(feature = "cuda")]
+pub mod stream_timing;
 
 #[path = "../../examples/common/dtype.rs"]
 mod dtype;

@@ -23,16 +23,15 @@
 use clap::Parser;
 use fusion::compiler::builder::{Axis, FusionBuilder};
 use fusion::compiler::ir::{Fusion, ParallelType};
-use fusion::runtime::cudarc::driver::{sys, CudaStream};
 use fusion::{
     DType, ExecOptions, FusionExecutor, PeerMemoryCollectives, Rank, Result, Tensor, World,
 };
 use fusion_bench::cli::{list, seed_or_clock, write_file};
 use fusion_bench::finish::finish;
 use fusion_bench::fusions::axes;
-use fusion_bench::measure::{barrier, median, random};
+use fusion_bench::measure::random;
+use fusion_bench::stream_timing::Timing;
 use fusion_bench::Dt;
-use std::sync::Arc;
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -144,80 +143,17 @@ fn options(variant: &str) -> ExecOptions {
 /// The variants every collective row is timed in.
 const VARIANTS: [&str; 3] = ["ours", "peer", "nccl"];
 
-/// Median microseconds per call of `call` (run `calls` times per sample) in both modes.
+/// Median microseconds per call of `call` in both modes (`fusion_bench::stream_timing`).
 fn time_modes(
     rank: &Rank,
     a: &Args,
     call: &dyn Fn(&fusion::runtime::OnStream<'_>) -> Result<()>,
 ) -> Result<(f64, std::result::Result<f64, String>)> {
-    let ctx = rank.cuda_context()?;
-    let stream: Arc<CudaStream> = ctx.new_stream().map_err(driver)?;
-    let on = rank.on(&stream);
-    for _ in 0..3 {
-        call(&on)?;
-    }
-    let replay = per_call_us(rank, a, &stream, &|| {
-        (0..a.calls).try_for_each(|_| call(&on))
-    })?;
-    let graph = if a.graph {
-        captured(rank, a, &stream, call).map_err(|e| e.to_string())
-    } else {
-        Err("not asked for (--graph)".to_string())
+    let t = Timing {
+        calls: a.calls,
+        iters: a.iters,
     };
-    Ok((replay, graph))
-}
-
-/// Device time per call with `calls` calls recorded into one graph of the caller's.
-fn captured(
-    rank: &Rank,
-    a: &Args,
-    stream: &Arc<CudaStream>,
-    call: &dyn Fn(&fusion::runtime::OnStream<'_>) -> Result<()>,
-) -> Result<f64> {
-    let on = rank.on(stream);
-    stream.synchronize().map_err(driver)?;
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(driver)?;
-    let recorded: Result<()> = (0..a.calls).try_for_each(|_| call(&on));
-    let graph = stream
-        .end_capture(sys::CUgraphInstantiate_flags(0))
-        .map_err(driver);
-    recorded?;
-    let graph =
-        graph?.ok_or_else(|| fusion::Error::World("the capture recorded nothing".into()))?;
-    graph.launch().map_err(driver)?;
-    per_call_us(rank, a, stream, &|| graph.launch().map_err(driver))
-}
-
-/// Median microseconds per call over `iters` samples of `run` (`calls` calls) on `stream`,
-/// every rank starting together, timed with events on the stream.
-fn per_call_us(
-    rank: &Rank,
-    a: &Args,
-    stream: &Arc<CudaStream>,
-    run: &dyn Fn() -> Result<()>,
-) -> Result<f64> {
-    let event = || {
-        stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver)
-    };
-    let mut samples = Vec::new();
-    for _ in 0..a.iters {
-        barrier(rank)?;
-        stream.synchronize().map_err(driver)?;
-        let start = event()?;
-        run()?;
-        let end = event()?;
-        end.synchronize().map_err(driver)?;
-        samples.push(f64::from(start.elapsed_ms(&end).map_err(driver)?) * 1e3 / a.calls as f64);
-    }
-    Ok(median(samples))
-}
-
-fn driver(e: fusion::runtime::cudarc::driver::DriverError) -> fusion::Error {
-    fusion::Error::World(format!("CUDA: {e:?}"))
+    t.both_modes(rank, a.graph, call)
 }
 
 /// Largest |got - want| / max|want| over the output.
