@@ -120,7 +120,8 @@ fn sums_like_the_gemm_and_allreduce_apart(world: &World, d: usize) {
 
 /// The MLP block with its residual in `world` of `d` ranks at 1 and 8 rows (n = 4096: the
 /// kernel's two parts of K): the down projection's Allreduce goes into its GEMM although
-/// its operand is an intermediate the program frees, and the fused program's result is
+/// its operand is an intermediate the program frees, the residual add into the kernel's
+/// last store (`GemmAllreduce::residual`), and the fused program's result is
 /// the same on every rank and matches the unfused one's (bit for bit on the CPU backend,
 /// within bf16's rounding on a GPU).
 fn an_mlp_block_sums_like_the_gemm_and_allreduce_apart(world: &World, d: usize) {
@@ -149,6 +150,8 @@ fn an_mlp_block_sums_like_the_gemm_and_allreduce_apart(world: &World, d: usize) 
         let what = format!("{d} devices, the MLP block at {rows} rows");
         for ((fused, y), (kept, y_apart)) in &out {
             assert!(fused.contains("GemmAllreduce"), "{what}: {fused}");
+            // The residual add is the kernel's last store: no add and no buffer of the sum.
+            assert!(fused.contains("then, in its last store"), "{what}: {fused}");
             assert!(!kept.contains("GemmAllreduce"), "{what}: {kept}");
             assert_eq!(y, &out[0].0 .1, "{what}: every rank gets the same bits");
             if world.backend() == BackendKind::Cpu {

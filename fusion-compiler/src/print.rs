@@ -338,11 +338,21 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
 fn fused_gemm_string(p: &HostProgram, n: &Node, indent: &str) -> String {
     let f = &p.ir;
     match n {
-        Node::GemmAllreduce(g) => format!(
-            "GemmAllreduce: the Allreduce in the epilogue of\n{indent}  {}\n{indent}  {}",
-            expr_string(f, &g.gemm, &format!("{indent}  ")),
-            comm_string(p, &g.comm)
-        ),
+        Node::GemmAllreduce(g) => {
+            let mut s = format!(
+                "GemmAllreduce: the Allreduce in the epilogue of\n{indent}  {}\n{indent}  {}",
+                expr_string(f, &g.gemm, &format!("{indent}  ")),
+                comm_string(p, &g.comm)
+            );
+            if let Some(r) = &g.residual {
+                let inner = format!("{indent}  ");
+                s += &format!(
+                    "\n{inner}then, in its last store,\n{inner}{}",
+                    expr_string(f, r, &inner)
+                );
+            }
+            s
+        }
         Node::GatheredGemmLaunch(g) => format!(
             "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{} )",
             tensor_string(f, g.output),

@@ -6,13 +6,24 @@
 
 use fusion_compiler::builder::{Axis, FusionBuilder};
 use fusion_compiler::hir::{for_each_node, HostProgram, NodeKind};
-use fusion_compiler::ir::{Fusion, ScalarId};
+use fusion_compiler::ir::{Fusion, ScalarId, TensorId};
 use fusion_compiler::lower::{lower_for_shapes, LowerOptions, PeerMemoryCollectives};
 use fusion_compiler::DType;
 
 /// `y [m, n] = sum over d of matmul(x [d @ DIDx, m, k], w [d @ DIDx, k, n])`; with
 /// `keep_partial` the rank's partial product is an output too.
 fn row_parallel(dt: DType, keep_partial: bool) -> (Fusion, [ScalarId; 3]) {
+    let (mut b, [_, m, k, n], p, y) = summed_product(dt);
+    b.output(y).unwrap();
+    if keep_partial {
+        b.output(p).unwrap();
+    }
+    (b.build().unwrap(), [m, k, n])
+}
+
+/// A builder with `x [d @ DIDx, m, k]`, `w [d @ DIDx, k, n]`, their product `p` and its sum
+/// over the ranks `y`; the symbols `[d, m, k, n]`.
+fn summed_product(dt: DType) -> (FusionBuilder, [ScalarId; 4], TensorId, TensorId) {
     let mut b = FusionBuilder::new();
     let (d, m, k, n) = (b.symbol("d"), b.symbol("m"), b.symbol("k"), b.symbol("n"));
     let x = b
@@ -23,11 +34,7 @@ fn row_parallel(dt: DType, keep_partial: bool) -> (Fusion, [ScalarId; 3]) {
         .unwrap();
     let p = b.matmul(x, w).unwrap();
     let y = b.sum(p, &[0]).unwrap();
-    b.output(y).unwrap();
-    if keep_partial {
-        b.output(p).unwrap();
-    }
-    (b.build().unwrap(), [m, k, n])
+    (b, [d, m, k, n], p, y)
 }
 
 fn program(f: &Fusion, [m, k, n]: [(ScalarId, i64); 3], d: usize, o: &LowerOptions) -> HostProgram {
@@ -145,5 +152,56 @@ fn the_plan_space_keeps_them_apart_in_one_candidate() {
         let mut back = apart.lower.clone();
         back.transports.gemm_allreduce = true;
         assert_eq!(back, LowerOptions::default(), "only the fused GEMM differs");
+    }
+}
+
+/// `r + sum over d of matmul(x, w)` with `r [m, n]` the same on every rank; `sharded_r`:
+/// `r [d @ DIDx, m, n]` instead (each rank its own block, which the kernel cannot add);
+/// `row_r`: `r [1, n]` (a broadcast row, not shaped like the sum).
+fn residual(dt: DType, sharded_r: bool, row_r: bool) -> (Fusion, [ScalarId; 3]) {
+    let (mut b, [d, m, k, n], _, y) = summed_product(dt);
+    let one = b.constant(1);
+    let r_axes = if sharded_r {
+        vec![Axis::didx(d), Axis::serial(m), Axis::serial(n)]
+    } else if row_r {
+        vec![Axis::serial(one), Axis::serial(n)]
+    } else {
+        vec![Axis::serial(m), Axis::serial(n)]
+    };
+    let r = b.input("r", dt, &r_axes).unwrap();
+    let out = b.add(r, y).unwrap();
+    b.output(out).unwrap();
+    (b.build().unwrap(), [m, k, n])
+}
+
+#[test]
+fn a_residual_add_of_the_sum_is_the_kernels_last_store() {
+    let (f, [m, k, n]) = residual(DType::BF16, false, false);
+    let shape = [(m, 1), (k, 1024), (n, 4096)];
+    for d in [2, 4, 8] {
+        let p = program(&f, shape, d, &LowerOptions::default());
+        let text = p.to_string();
+        assert!(fused(&p), "{text}");
+        assert!(text.contains("then, in its last store"), "{text}");
+        // Neither an add of its own nor a buffer for the sum: one node, then the output.
+        assert!(!kinds(&p).contains(&NodeKind::Binary), "{text}");
+        assert!(!text.contains("ALLOCATE"), "{text}");
+        if d == 4 {
+            insta::assert_snapshot!(text);
+        }
+    }
+    // A residual each rank holds its own block of, or a row broadcast over the sum, stays
+    // an add after the node.
+    for (sharded, row) in [(true, false), (false, true)] {
+        let (f, [m, k, n]) = residual(DType::BF16, sharded, row);
+        let p = program(
+            &f,
+            [(m, 1), (k, 1024), (n, 4096)],
+            4,
+            &LowerOptions::default(),
+        );
+        let text = p.to_string();
+        assert!(kinds(&p).contains(&NodeKind::GemmAllreduce), "{text}");
+        assert!(!text.contains("then, in its last store"), "{text}");
     }
 }

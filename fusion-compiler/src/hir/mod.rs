@@ -242,6 +242,26 @@ pub struct GemmAllreduce {
     pub gemm: Expr,
     /// The Allreduce of the product over the whole world, on `Transport::PeerMemory`.
     pub comm: Communication,
+    /// A residual add of the sum, `x + comm.output` (either order) with `x` the same on
+    /// every rank and shaped like the sum, done in the kernel's last store: its output is
+    /// the node's result and `comm.output` is never stored (a device without the kernel
+    /// runs the add after the Allreduce, into a buffer of its own for the sum).
+    pub residual: Option<Expr>,
+}
+
+impl GemmAllreduce {
+    /// What the node writes: the residual add's output, else the Allreduce's.
+    pub fn result(&self) -> TensorId {
+        self.residual
+            .as_ref()
+            .map_or(self.comm.output, |r| r.output)
+    }
+
+    /// The tensor the residual add reads besides the sum.
+    pub fn addend(&self) -> Option<TensorId> {
+        let r = self.residual.as_ref()?;
+        r.inputs.iter().copied().find(|&t| t != self.comm.output)
+    }
 }
 
 /// One instruction of a host program.
@@ -463,7 +483,8 @@ impl Node {
                 .inputs
                 .iter()
                 .copied()
-                .chain([g.comm.output])
+                .chain(g.addend())
+                .chain([g.result()])
                 .collect(),
             _ => vec![],
         }

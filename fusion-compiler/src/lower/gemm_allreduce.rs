@@ -13,11 +13,17 @@
 //! names. The runtime lowers with it only where the device runs the kernel; a device
 //! that meets operands it cannot take (not contiguous) runs the GEMM, then the
 //! Allreduce. Each choice is noted under the program.
+//!
+//! A residual add of the sum that follows it, `x + sum` with `x` held alike by every rank
+//! and shaped like the sum (a decoder layer's `y + sum(partial, 0)`), goes into the same
+//! kernel's last store ([`GemmAllreduce::residual`]): one kernel and one buffer less, the
+//! same bits (the sum is rounded to the element type before the add, as the two ops
+//! apart do).
 
 use super::plain_gemm;
 use crate::dtype::DType;
 use crate::hir::{CommunicationKind, GemmAllreduce, HostProgram, Node, Transport};
-use crate::ir::{IterKind, ParallelType, ReduceOp, ScalarId, TensorId};
+use crate::ir::{BinaryOp, IterKind, Op, ParallelType, ReduceOp, ScalarId, TensorId};
 
 /// Output columns of one tile of the kernel.
 pub const GEMM_ALLREDUCE_TILE_COLUMNS: i64 = 64;
@@ -195,7 +201,11 @@ fn rewrite(p: &mut HostProgram, gemm_at: usize, found: Found) {
         }
     }
     let output = comm.output;
-    p.body[comm_at] = Node::GemmAllreduce(GemmAllreduce { gemm, comm });
+    p.body[comm_at] = Node::GemmAllreduce(GemmAllreduce {
+        gemm,
+        comm,
+        residual: None,
+    });
     for (j, node) in freed.into_iter().enumerate() {
         p.body.insert(comm_at + 1 + j, node);
     }
@@ -207,6 +217,99 @@ fn rewrite(p: &mut HostProgram, gemm_at: usize, found: Found) {
         "Allreduce of `{}` in its GEMM's epilogue ({m} x {k} x {n}): one kernel per rank \
          (LowerOptions::transports.gemm_allreduce)",
         p.ir.tensor_name(output),
+    ));
+    let at = p
+        .body
+        .iter()
+        .position(|n| matches!(n, Node::GemmAllreduce(g) if g.comm.output == output));
+    if let Some(add_at) = at.and_then(|at| residual_add(p, at).map(|a| (at, a))) {
+        fold_residual(p, add_at.0, add_at.1);
+    }
+}
+
+/// The position of the add that [`fold_residual`] can take into the node at `at`: the
+/// first top-level node after it that mentions the sum, a plain `x + sum` (either order)
+/// with `x` held alike by every rank (no DIDx axis, on the whole world) and of the sum's
+/// dtype and extents, `x` not mentioned between the node and the add (so it is there
+/// before the node), the sum read nowhere else and neither taken nor returned.
+fn residual_add(p: &HostProgram, at: usize) -> Option<usize> {
+    let Node::GemmAllreduce(g) = &p.body[at] else {
+        return None;
+    };
+    let sum = g.comm.output;
+    let add_at = (at + 1..p.body.len()).find(|&i| p.body[i].tensors().contains(&sum))?;
+    let Node::Compute(e) = &p.body[add_at] else {
+        return None;
+    };
+    if e.op != Op::Binary(BinaryOp::Add) || e.inputs.len() != 2 {
+        return None;
+    }
+    let x = match e.inputs[..] {
+        [x, s] | [s, x] if s == sum && x != sum => x,
+        _ => return None,
+    };
+    let world: Vec<usize> = (0..p.world_size).collect();
+    let extents = |t: TensorId| -> Vec<ScalarId> {
+        let tv = p.ir.tensor(t);
+        tv.axes
+            .iter()
+            .map(|&a| p.ir.iter_domain(a))
+            .filter(|d| d.kind != IterKind::Reduction)
+            .map(|d| d.extent)
+            .collect()
+    };
+    let replicated = |t: TensorId| {
+        let tv = p.ir.tensor(t);
+        tv.mesh.resolve(p.world_size) == world
+            && tv
+                .axes
+                .iter()
+                .all(|&a| p.ir.iter_domain(a).parallel != ParallelType::DIDx)
+    };
+    let dtype = p.ir.tensor(sum).dtype;
+    let alike = [x, e.output]
+        .iter()
+        .all(|&t| p.ir.tensor(t).dtype == dtype && extents(t) == extents(sum) && replicated(t));
+    let between_clear = p.body[at + 1..add_at].iter().all(|n| {
+        let mut mentions = false;
+        crate::hir::for_each_node(std::slice::from_ref(n), &mut |m| {
+            let ts = m.tensors();
+            mentions |=
+                ts.contains(&x) || (ts.contains(&e.output) && !matches!(m, Node::Allocate { .. }));
+        });
+        !mentions
+    });
+    (alike && between_clear && read_only_there(p, sum, at, add_at)).then_some(add_at)
+}
+
+/// Takes the add at `add_at` into the node at `at` as its residual: the add's output is
+/// allocated before the node, and the sum is no longer allocated (the kernel never stores
+/// it; a device without the kernel allocates it for the add).
+fn fold_residual(p: &mut HostProgram, at: usize, add_at: usize) {
+    let Node::Compute(add) = p.body.remove(add_at) else {
+        return;
+    };
+    let out = add.output;
+    let Node::GemmAllreduce(g) = &mut p.body[at] else {
+        return;
+    };
+    let sum = g.comm.output;
+    g.residual = Some(add);
+    let x = g.addend();
+    let allocated =
+        (at + 1..add_at).find(|&i| matches!(p.body[i], Node::Allocate { tensor } if tensor == out));
+    if let Some(i) = allocated {
+        let node = p.body.remove(i);
+        p.body.insert(at, node);
+    }
+    p.body.retain(
+        |n| !matches!(n, Node::Allocate { tensor } | Node::Deallocate { tensor } if *tensor == sum),
+    );
+    p.notes.push(format!(
+        "`{}` = `{}` + the Allreduce's sum in the same kernel's last store (no buffer for \
+         the sum)",
+        p.ir.tensor_name(out),
+        x.map_or_else(String::new, |x| p.ir.tensor_name(x)),
     ));
 }
 

@@ -82,13 +82,15 @@ pub trait Communicator: Send + Sync {
     ) -> Result<()>;
     /// Runs `comm`, an Allreduce of the product `operands[0] @ operands[1]`, as one kernel
     /// whose GEMM's epilogue exchanges the product's tiles (`Node::GemmAllreduce`), writing
-    /// `output`. False when this communicator has no such kernel or the operands do not fit
-    /// it (then the caller runs the GEMM, then [`Communicator::collective`]).
+    /// `output` (plus `residual`, shaped like it, where given: the sum rounded first).
+    /// False when this communicator has no such kernel or the operands do not fit it (then
+    /// the caller runs the GEMM, then [`Communicator::collective`], then the add).
     fn gemm_allreduce(
         &self,
         _stream: StreamHandle,
         _comm: &Communication,
         _operands: [&Tensor; 2],
+        _residual: Option<&Tensor>,
         _output: &Tensor,
     ) -> Result<bool> {
         Ok(false)

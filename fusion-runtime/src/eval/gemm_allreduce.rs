@@ -26,22 +26,25 @@ impl Evaluator<'_> {
             return self.unfused(g);
         };
         let (a_t, b_t) = (self.get(a)?.clone(), self.get(b)?.clone());
-        let output = self.get_or_allocate(c.output)?;
+        let addend = g.addend().map(|x| self.get(x).cloned()).transpose()?;
+        let output = self.get_or_allocate(g.result())?;
         let start = self.mark()?;
         if !self
             .ctx
             .comm
-            .gemm_allreduce(self.current, c, [&a_t, &b_t], &output)?
+            .gemm_allreduce(self.current, c, [&a_t, &b_t], addend.as_ref(), &output)?
         {
             return self.unfused(g);
         }
         self.traced(start, "GEMM + Allreduce", true)?;
-        self.record_access(&[a, b], &[c.output])?;
+        let reads: Vec<_> = [a, b].into_iter().chain(g.addend()).collect();
+        self.record_access(&reads, &[g.result()])?;
         self.comm_streams.insert(c.id, self.current);
         Ok(())
     }
 
-    /// The GEMM into a buffer of its own, the Allreduce of it, the buffer's release.
+    /// The GEMM into a buffer of its own, the Allreduce of it, the buffer's release; then
+    /// the residual add, if any, from a buffer of its own for the sum.
     fn unfused(&mut self, g: &GemmAllreduce) -> Result<()> {
         let start = self.mark()?;
         self.compute(&g.gemm)?;
@@ -49,6 +52,16 @@ impl Evaluator<'_> {
         self.traced(start, &g.gemm.op.name(), false)?;
         self.communication(&g.comm)?;
         self.deallocate(g.gemm.output);
+        if let Some(add) = &g.residual {
+            if let Some(&s) = self.comm_streams.get(&g.comm.id) {
+                self.wait_for(s)?;
+            }
+            let start = self.mark()?;
+            self.compute(add)?;
+            self.record_access(&add.inputs, &[add.output])?;
+            self.traced(start, &add.op.name(), false)?;
+            self.deallocate(g.comm.output);
+        }
         Ok(())
     }
 }

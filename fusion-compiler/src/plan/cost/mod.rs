@@ -283,6 +283,8 @@ impl Model<'_> {
                     self.gemm(&g.gemm.inputs, g.gemm.output),
                     self.collective(&g.comm),
                 );
+                // The residual's add reads its addend in the last store.
+                let gemm = gemm + g.addend().map_or(0.0, |x| self.bytes(x) / p.memory_bytes);
                 Estimate {
                     seconds: gemm + comm,
                     gemm_seconds: gemm,

@@ -112,6 +112,7 @@ impl CudaCommunicator {
         s: StreamHandle,
         comm: &Communication,
         [a, b]: [&Tensor; 2],
+        residual: Option<&Tensor>,
         output: &Tensor,
     ) -> Result<bool> {
         let Some(pm) = self.peer_memory.as_ref() else {
@@ -133,11 +134,20 @@ impl CudaCommunicator {
         };
         let dtype = a.dtype();
         let same = b.dtype() == dtype && output.dtype() == dtype;
+        // The residual as the output is: [m, n], contiguous, of the same dtype.
+        let r = match residual {
+            None => 0,
+            Some(t) => match matrix(t) {
+                Some((rm, rn, ptr)) if (rm, rn) == (m2, n2) && t.dtype() == dtype => ptr,
+                _ => return Ok(false),
+            },
+        };
         let call = GemmCall {
             dtype,
             x,
             w,
             y,
+            r,
             m,
             k,
             n,

@@ -42,9 +42,10 @@ impl Communicator for CudaCommunicator {
         stream: StreamHandle,
         comm: &Communication,
         operands: [&Tensor; 2],
+        residual: Option<&Tensor>,
         output: &Tensor,
     ) -> Result<bool> {
-        self.peer_memory_gemm(stream, comm, operands, output)
+        self.peer_memory_gemm(stream, comm, operands, residual, output)
     }
 
     fn send(

@@ -12,7 +12,9 @@
 // every rank) into Y, each block a share of the tile. Two ways to say a slot is there: data
 // beside the call's flag in every 16-byte store (`_ll`: no fence, twice the bytes; faster
 // below 8 rows), or plain stores and the block's flag meeting (`_flag`, KS = 1 only: the
-// meeting is between the blocks of one index).
+// meeting is between the blocks of one index). With a residual R (not null; [M, N] like Y,
+// the same on every rank), Y = R + the sum, the sum rounded to the element type first: the
+// bits of the Allreduce followed by an elementwise add.
 #if !defined(DT_F32)
 #define GA_BN 64
 #define GA_BK 64
@@ -43,10 +45,16 @@ __device__ __forceinline__ void ga_mma(float* d, const u32* a, u32 b0, u32 b1) {
 // Chunk c (16 bytes) of row r of a 128-byte-row stage, at chunk c ^ (r & 7).
 __device__ __forceinline__ u32 ga_swz(u32 base, int r, int c) { return base + r * 128 + ((c ^ (r & 7)) << 4); }
 
+// The sum `s` as the output element: rounded, then R's element added (where R is given).
+__device__ __forceinline__ E ga_out(float s, const E* R, u64 i) {
+    E v = st1(s);
+    return R ? st1(ld1(v) + ld1(R[i])) : v;
+}
+
 // MT: 16-row tiles of X (M <= 16 MT); LL: data beside its flags, else the flag meeting;
 // KS: the parts of K (blocks per tile).
 template <int MT, bool LL, int KS>
-__device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W, E* __restrict__ Y,
+__device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W, E* Y, const E* R,
                                u64 M_, u64 K_, u64 N_, const Peers& P, int rank, int world, const Ctl& c) {
     BEGIN(8);
     constexpr int NT = GA_BN / 8, MP = MT * 16;
@@ -173,29 +181,37 @@ __device__ void gemm_allreduce(const E* __restrict__ X, const E* __restrict__ W,
             if (!ok) break;
             int row = p / (GA_BN / 4), col = (p % (GA_BN / 4)) * 4;
 #pragma unroll
-            for (int k = 0; k < PE; ++k) Y[(u64)row * N + n0 + col + k] = st1(s[k]);
+            for (int k = 0; k < PE; ++k) {
+                const u64 i = (u64)row * N + n0 + col + k;
+                Y[i] = ga_out(s[k], R, i);
+            }
         }
     } else {
         for (int q = tid; q < M * 8; q += GA_THREADS) {
             int row = q >> 3, cc = q & 7;
             float s[8];
             sum_slots((const E*)mine, (u64)M * GA_BN, (u64)(row * GA_BN + cc * 8), world, s);
-            *(V4*)(Y + (u64)row * N + n0 + cc * 8) = pack(s);
+            const u64 at = (u64)row * N + n0 + cc * 8;
+            if (R) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) s[e] = ld1(ga_out(s[e], R, at + e));
+            }
+            *(V4*)(Y + at) = pack(s);
         }
     }
     END();
 }
 
-extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_ll_m16(const E* X, const E* W, E* Y, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
-    gemm_allreduce<1, true, 1>(X, W, Y, M, K, N, P, rank, world, c);
+extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_ll_m16(const E* X, const E* W, E* Y, const E* R, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
+    gemm_allreduce<1, true, 1>(X, W, Y, R, M, K, N, P, rank, world, c);
 }
-extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_ll_m16_k2(const E* X, const E* W, E* Y, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
-    gemm_allreduce<1, true, 2>(X, W, Y, M, K, N, P, rank, world, c);
+extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_ll_m16_k2(const E* X, const E* W, E* Y, const E* R, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
+    gemm_allreduce<1, true, 2>(X, W, Y, R, M, K, N, P, rank, world, c);
 }
-extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_flag_m16(const E* X, const E* W, E* Y, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
-    gemm_allreduce<1, false, 1>(X, W, Y, M, K, N, P, rank, world, c);
+extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_flag_m16(const E* X, const E* W, E* Y, const E* R, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
+    gemm_allreduce<1, false, 1>(X, W, Y, R, M, K, N, P, rank, world, c);
 }
-extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_flag_m32(const E* X, const E* W, E* Y, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
-    gemm_allreduce<2, false, 1>(X, W, Y, M, K, N, P, rank, world, c);
+extern "C" __global__ void __launch_bounds__(GA_THREADS) peer_gemm_allreduce_flag_m32(const E* X, const E* W, E* Y, const E* R, u64 M, u64 K, u64 N, Peers P, int rank, int world, Ctl c) {
+    gemm_allreduce<2, false, 1>(X, W, Y, R, M, K, N, P, rank, world, c);
 }
 #endif

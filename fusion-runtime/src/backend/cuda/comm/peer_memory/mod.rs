@@ -239,14 +239,16 @@ fn gemm_kernel_for(m: usize, parts: i64, world: usize) -> (&'static str, u32) {
     }
 }
 
-/// One GEMM + Allreduce: `y [m, n] = sum over ranks of x [m, k] @ w [k, n]`, row-major and
-/// contiguous, on this rank's device.
+/// One GEMM + Allreduce: `y [m, n] = r + sum over ranks of x [m, k] @ w [k, n]` (`r` 0:
+/// none), row-major and contiguous, on this rank's device.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GemmCall {
     pub dtype: DType,
     pub x: u64,
     pub w: u64,
     pub y: u64,
+    /// A residual `[m, n]` added to the sum (the same on every rank), or 0.
+    pub r: u64,
     pub m: usize,
     pub k: usize,
     pub n: usize,
@@ -437,16 +439,17 @@ impl PeerMemory {
                 shared_bytes,
             },
         )?;
-        let (mut x, mut w, mut y) = (call.x, call.w, call.y);
+        let (mut x, mut w, mut y, mut r) = (call.x, call.w, call.y, call.r);
         let (mut m, mut k, mut n) = (call.m as u64, call.k as u64, call.n as u64);
         let mut peers = self.peers;
         let mut rank = self.rank as i32;
         let mut world = self.world_size as i32;
         let mut ctl = self.ctl();
-        let mut args: [*mut c_void; 10] = [
+        let mut args: [*mut c_void; 11] = [
             (&mut x as *mut u64).cast(),
             (&mut w as *mut u64).cast(),
             (&mut y as *mut u64).cast(),
+            (&mut r as *mut u64).cast(),
             (&mut m as *mut u64).cast(),
             (&mut k as *mut u64).cast(),
             (&mut n as *mut u64).cast(),
@@ -456,7 +459,7 @@ impl PeerMemory {
             (&mut ctl as *mut Ctl).cast(),
         ];
         let grid = (call.n / 64) as u32 * parts as u32;
-        // SAFETY: the arguments match the kernel's (X, W, Y, M, K, N, Peers, rank, world,
+        // SAFETY: the arguments match the kernel's (X, W, Y, R, M, K, N, Peers, rank, world,
         // Ctl); the buffers belong to the call, which keeps them until its stream passes
         // them; the workspaces and status words live as long as the world.
         unsafe {
