@@ -34,9 +34,8 @@ impl Fusion {
     // ----- scalars -----
 
     /// Interns a scalar node, folding constant arithmetic and trivial identities, and
-    /// combining like terms where that simplifies it (`2 * f - f` is `f`: [`linear`]).
-    ///
-    /// [`linear`]: super::linear
+    /// combining like terms where that simplifies it (`2 * f - f` is `f`, `2 * f / 2` is
+    /// `f`; other extents keep their written form).
     pub fn scalar(&mut self, s: Scalar) -> ScalarId {
         let s = match s {
             Scalar::Binary(op, a, b) => match self.fold(op, a, b) {
