@@ -14,6 +14,9 @@ use super::tensor::{MemoryType, TensorId, TensorView};
 pub struct Fusion {
     scalars: Vec<Scalar>,
     scalar_index: HashMap<Scalar, ScalarId>,
+    /// The first sum, difference, multiple or exact quotient interned with each linear form
+    /// (`m + n` and `n + m` are one extent, printed as first written).
+    linear_index: HashMap<Linear, ScalarId>,
     iter_domains: Vec<IterDomain>,
     tensors: Vec<TensorView>,
     definitions: Vec<Option<ExprId>>,
@@ -48,7 +51,23 @@ impl Fusion {
             },
             other => other,
         };
-        self.intern(s)
+        let linear = matches!(
+            s,
+            Scalar::Binary(
+                ScalarOp::Add | ScalarOp::Sub | ScalarOp::Mul | ScalarOp::Div,
+                ..
+            )
+        );
+        let id = self.intern(s);
+        if !linear {
+            return id;
+        }
+        // An expression of an extent already written another way is that extent.
+        let form = linear::linear_form(&self.scalars, id);
+        if form.single_atom() == Some(id) {
+            return id;
+        }
+        *self.linear_index.entry(form).or_insert(id)
     }
 
     /// Interns `s` as it is (no folding).

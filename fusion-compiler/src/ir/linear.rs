@@ -3,16 +3,18 @@
 //! a difference, a product with a literal or an exact division by one (a symbol, a product
 //! of two symbols, `m / 3`, a loop index).
 //!
-//! [`Fusion::scalar`](super::Fusion::scalar) uses it only where it simplifies (terms
-//! cancel or combine, or a division is exact), so every extent written without like
-//! terms keeps the form it was written in (and prints so in dumps and messages).
+//! [`Fusion::scalar`](super::Fusion::scalar) rewrites an expression only where that
+//! simplifies it (terms cancel or combine, or a division is exact), so every extent
+//! written without like terms keeps the form it was written in (and prints so in dumps
+//! and messages); an expression whose form an earlier one has (`n + m` after `m + n`) is
+//! that earlier extent.
 
 use std::collections::BTreeMap;
 
 use super::scalar::{Scalar, ScalarId, ScalarOp};
 
 /// `constant + sum of terms[atom] * atom`, no zero coefficient kept.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub(super) struct Linear {
     pub constant: i64,
     pub terms: BTreeMap<ScalarId, i64>,
@@ -182,14 +184,19 @@ mod tests {
         let (two, three) = (f.constant(2), f.constant(3));
         let mn = f.binary(ScalarOp::Add, m, n);
         assert_eq!(show(&f, mn), "m + n");
+        // The same extent written the other way round is the first one.
         let nm = f.binary(ScalarOp::Add, n, m);
-        assert_eq!(show(&f, nm), "n + m");
+        assert_eq!(nm, mn);
+        assert_eq!(f.binary(ScalarOp::Add, n, m), mn, "again");
+        let m2 = f.binary(ScalarOp::Mul, m, two);
+        let m2b = f.binary(ScalarOp::Mul, two, m);
+        assert_eq!((m2, show(&f, m2b)), (m2b, "m * 2".to_string()));
         let m3 = f.binary(ScalarOp::Div, m, three);
         assert_eq!(show(&f, m3), "m / 3");
-        // Not exact: (2m) / 3 stays a division.
+        // Not exact: (2m) / 3 stays a division (of `m * 2`, as 2m was first written).
         let two_m = f.binary(ScalarOp::Mul, two, m);
         let d = f.binary(ScalarOp::Div, two_m, three);
-        assert_eq!(show(&f, d), "(2 * m) / 3");
+        assert_eq!(show(&f, d), "(m * 2) / 3");
         let v = f.evaluate(d, &|id| (id == m).then_some(4));
         assert_eq!(v, Some(2));
     }
