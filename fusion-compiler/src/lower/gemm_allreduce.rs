@@ -286,12 +286,15 @@ fn residual_add(p: &HostProgram, at: usize) -> Option<usize> {
 /// allocated before the node, and the sum is no longer allocated (the kernel never stores
 /// it; a device without the kernel allocates it for the add).
 fn fold_residual(p: &mut HostProgram, at: usize, add_at: usize) {
-    let Node::Compute(add) = p.body.remove(add_at) else {
+    let (Node::GemmAllreduce(_), Node::Compute(_)) = (&p.body[at], &p.body[add_at]) else {
         return;
+    };
+    let Node::Compute(add) = p.body.remove(add_at) else {
+        unreachable!("checked above");
     };
     let out = add.output;
     let Node::GemmAllreduce(g) = &mut p.body[at] else {
-        return;
+        unreachable!("checked above");
     };
     let sum = g.comm.output;
     g.residual = Some(add);
