@@ -358,6 +358,8 @@ task_candle_tp() {
     local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)} part=${2:-all}
     candle_libraries
     export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=120
+    # The plans tuning chose for each fusion and shape come back with the logs.
+    export FUSION_PLAN_CACHE=${FUSION_PLAN_CACHE:-$OUT/plans.json}
     gpus_info >"$OUT/machine.txt" 2>&1
     local w="$OUT/llama3-8b-layer.safetensors"
     local runs=() run name
@@ -404,6 +406,8 @@ task_candle_ab() {
     local gpus=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)} reps=${2:-2} tokens=${TOKENS:-1 8 64}
     candle_libraries
     export FUSION_BACKEND=cuda RUST_BACKTRACE=1 FUSION_TIMEOUT=120
+    # The plans tuning chose for each fusion and shape come back with the logs.
+    export FUSION_PLAN_CACHE=${FUSION_PLAN_CACHE:-$OUT/plans.json}
     gpus_info >"$OUT/machine.txt" 2>&1
     local base=${CANDLE_BASE:-$BIN/candle_llama_base}
     [ -x "$base" ] || { echo "no $base: point CANDLE_BASE at another build's candle_llama" >&2; return 2; }
