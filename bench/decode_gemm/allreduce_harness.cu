@@ -23,7 +23,8 @@
 // overlaps it (2026-11-27, `bench/results/2026-11-27-1515-decode-gemm-ar-tiles-groups-h100x4/`;
 // neither won, docs/DECISIONS.md says why): `gemm_ar_tiles` (narrower tiles, several a
 // block, one ring of stages through them) and `gemm_ar_groups` (split-K groups whose tiles
-// finish one phase after another, a fifth warp summing the parts and sending each tile).
+// finish one phase after another, a fifth warp summing the parts and sending each tile;
+// its stages by cp.async or, `tma` variants, by the tensor memory accelerator).
 //
 // Rows: Llama-70B's o_proj and down_proj at TP `devices` (K = 8192 / D and 28672 / D,
 // N = 8192), M = 1, 8, 32, 128; columns: cuBLAS (`cublasGemmEx`, bf16 out) alone, this
@@ -33,9 +34,10 @@
 // calls captured in one CUDA graph per GPU after a barrier kernel (every GPU starts
 // together), events around the calls, slowest GPU's time per call, median of 15 samples.
 //
-// Build: nvcc -O3 -std=c++17 -arch=sm_90 allreduce_harness.cu -lcublas -o gemm_allreduce_bench
+// Build: nvcc -O3 -std=c++17 -arch=sm_90 allreduce_harness.cu -lcublas -lcuda -o gemm_allreduce_bench
 // Run:   gemm_allreduce_bench [devices]
 #include "decode_mma.cuh"
+#include <cuda.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -434,17 +436,42 @@ __device__ __forceinline__ float4 ld_cg_f4(const float* p) {
     float4 v; asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p)); return v;
 }
 
-template <int MT, int WN, int G, int MODE>
+// The tensor memory accelerator (TMA): one thread asks for a whole stage (W's 64 x 64 tile
+// and X's rows, rows past M filled with zeros), landing in the 128-byte swizzle `swz` reads,
+// counted on the stage's memory barrier.
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n .reg .pred p;\n MBAR_WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra MBAR_WAIT_%=;\n}\n"
+                 :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma2d(u32 dst, const CUtensorMap* map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+template <int MT, int WN, int G, int MODE, bool TMA>
 __global__ void __launch_bounds__(THREADS + 32) gemm_ar_groups(const u16* __restrict__ X, const u16* __restrict__ W, u16* __restrict__ Y,
-                                                               float* part, int M, int K, int N, Peers P, int rank, int world) {
+                                                               float* part, int M, int K, int N, Peers P, int rank, int world,
+                                                               const __grid_constant__ CUtensorMap tw, const __grid_constant__ CUtensorMap tx) {
     constexpr int WK = 4 / WN, NT = BN / WN / 8, MP = MT * 16;
     constexpr int W_STAGE = BK * BN * 2, X_STAGE = MP * BK * 2, STAGE = W_STAGE + X_STAGE;
     constexpr int RED = WK * MP * BN * 4;
     constexpr int FIT = (200 * 1024 - 2 * RED) / STAGE;
     constexpr int STG = STAGES < FIT ? STAGES : FIT;
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    // TMA's 128-byte swizzle wants stages on 1024-byte boundaries (1 KB more is asked for).
+    unsigned char* smem = smem_raw + ((1024 - ((u32)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
     const u32 sbase = (u32)__cvta_generic_to_shared(smem);
     float* red = (float*)(smem + (size_t)STG * STAGE);  // two buffers of RED bytes
+    __shared__ __align__(8) unsigned long long full_bars[STG];
+    const u32 full0 = (u32)__cvta_generic_to_shared(full_bars);
+    if (TMA && threadIdx.x == 0) {
+        for (int s = 0; s < STG; ++s) mbar_init(full0 + 8 * s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     // Tile of group g in phase p: p (tiles / G) + g, so that the blocks of a phase read one
     // run of columns of each W row (G runs of 1/G of the row, one per part of K).
@@ -486,6 +513,18 @@ __global__ void __launch_bounds__(THREADS + 32) gemm_ar_groups(const u16* __rest
         // The next stage to load: phase lp, step lk of it, into ring slot ls.
         int lp = 0, lk = 0, ls = 0;
         auto load_next = [&]() {
+            if constexpr (TMA) {
+                if (tid == 0) {
+                    const u32 bar = full0 + 8 * ls, wb = sbase + ls * STAGE;
+                    const int k0 = (j * KT + lk) * BK;
+                    mbar_expect_tx(bar, STAGE);
+                    tma2d(wb, &tw, (lp * TG + g) * BN, k0, bar);
+                    tma2d(wb + W_STAGE, &tx, k0, 0, bar);
+                }
+                if (++lk == KT) { lk = 0; ++lp; }
+                if (++ls == STG) ls = 0;
+                return;
+            }
             const u32 wb = sbase + ls * STAGE + soff, xb = wb + W_STAGE;
             const u16* src = w_thr + (u64)lp * w_phase + ((u64)(j * KT + lk)) * w_stage;
 #pragma unroll
@@ -505,17 +544,20 @@ __global__ void __launch_bounds__(THREADS + 32) gemm_ar_groups(const u16* __rest
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[a][b][i] = 0.f;
         int issued = 0;
+        if (TMA) bar_compute();  // the barriers' initialization seen by every compute warp
 #pragma unroll
-        for (int s = 0; s < STG - 1; ++s) { if (issued < steps) { load_next(); ++issued; } cp_commit(); }
+        for (int s = 0; s < STG - 1; ++s) { if (issued < steps) { load_next(); ++issued; } if (!TMA) cp_commit(); }
         const int c0 = (wn * (BN / WN)) / 8;
         int slot = 0, kl = 0, ph = 0;
+        u32 parity = 0;
         for (int gs = 0; gs < steps; ++gs) {
-            cp_wait<STG - 2>();
-            bar_compute();
+            if (!TMA) cp_wait<STG - 2>();
+            bar_compute();  // every warp is done with the slot the next load fills
             if (issued < steps) { load_next(); ++issued; }
-            cp_commit();
+            if (TMA) mbar_wait(full0 + 8 * slot, parity);
+            else cp_commit();
             const u32 wb = sbase + slot * STAGE, xb = wb + W_STAGE;
-            if (++slot == STG) slot = 0;
+            if (++slot == STG) { slot = 0; parity ^= 1u; }
 #pragma unroll
             for (int sl = wk; sl < BK / 16; sl += WK) {
                 u32 b[NT][2];
@@ -734,27 +776,49 @@ static void launch_tiles(Rank& R, const u16* w, int m, int k, int n, int per, Pe
     if (!set[R.dev]) { CK(cudaFuncSetAttribute(gemm_ar_tiles<MT, WN, BN_, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM)); set[R.dev] = true; }
     gemm_ar_tiles<MT, WN, BN_, MODE><<<(n / BN_ + per - 1) / per, THREADS, C::SMEM, R.st>>>(R.x, w, R.y, m, k, n, P, rank, world);
 }
-template <int MT, int WN, int G, int MODE>
+// A 2-D tensor map over a row-major bf16 [outer, inner] matrix, boxes of box_outer rows of
+// box_inner elements, the 128-byte swizzle.
+static CUtensorMap make_map(const void* base, u64 inner, u64 outer, u32 box_inner, u32 box_outer) {
+    CUtensorMap m;
+    cuuint64_t dims[2] = {inner, outer};
+    cuuint64_t strides[1] = {inner * 2};
+    cuuint32_t box[2] = {box_inner, box_outer};
+    cuuint32_t es[2] = {1, 1};
+    CUresult r = cuTensorMapEncodeTiled(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, es,
+                                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) { fprintf(stderr, "cuTensorMapEncodeTiled: %d\n", (int)r); exit(1); }
+    return m;
+}
+template <int MT, int WN, int G, int MODE, bool TMA>
 static void launch_groups(Rank& R, const u16* w, int m, int k, int n, Peers P, int rank, int world) {
     constexpr int MP = MT * 16, STAGE = BK * BN * 2 + MP * BK * 2, RED = (4 / WN) * MP * BN * 4;
     constexpr int FIT = (200 * 1024 - 2 * RED) / STAGE, STG = STAGES < FIT ? STAGES : FIT;
-    const size_t smem = (size_t)STG * STAGE + 2 * RED;
+    const size_t smem = (size_t)STG * STAGE + 2 * RED + 1024;
     static bool set[8] = {};
-    if (!set[R.dev]) { CK(cudaFuncSetAttribute(gemm_ar_groups<MT, WN, G, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set[R.dev] = true; }
-    gemm_ar_groups<MT, WN, G, MODE><<<n / BN, THREADS + 32, smem, R.st>>>(R.x, w, R.y, R.part, m, k, n, P, rank, world);
+    if (!set[R.dev]) { CK(cudaFuncSetAttribute(gemm_ar_groups<MT, WN, G, MODE, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); set[R.dev] = true; }
+    CUtensorMap tw{}, tx{};
+    if (TMA) { tw = make_map(w, n, k, BN, BK); tx = make_map(R.x, k, m, BK, MP); }
+    gemm_ar_groups<MT, WN, G, MODE, TMA><<<n / BN, THREADS + 32, smem, R.st>>>(R.x, w, R.y, R.part, m, k, n, P, rank, world, tw, tx);
 }
-template <int G, int MODE>
+template <int G, int MODE, bool TMA>
 static void launch_groups_m(Rank& R, const u16* w, int m, int k, int n, Peers P, int rank, int world) {
-    if (m <= 16) launch_groups<1, 1, G, MODE>(R, w, m, k, n, P, rank, world);
-    else if (m <= 32) launch_groups<2, 1, G, MODE>(R, w, m, k, n, P, rank, world);
-    else if (m <= 64) launch_groups<4, 1, G, MODE>(R, w, m, k, n, P, rank, world);
-    else launch_groups<8, 2, G, MODE>(R, w, m, k, n, P, rank, world);
+    if (m <= 16) launch_groups<1, 1, G, MODE, TMA>(R, w, m, k, n, P, rank, world);
+    else if (m <= 32) launch_groups<2, 1, G, MODE, TMA>(R, w, m, k, n, P, rank, world);
+    else if (m <= 64) launch_groups<4, 1, G, MODE, TMA>(R, w, m, k, n, P, rank, world);
+    else launch_groups<8, 2, G, MODE, TMA>(R, w, m, k, n, P, rank, world);
 }
+// `groups` 1, 2, 4: stages by cp.async; 11, 12, 14: the same G, stages by TMA.
 template <int MODE>
 static void launch_groups_g(Rank& R, const u16* w, int groups, int m, int k, int n, Peers P, int rank, int world) {
-    if (groups == 1) launch_groups_m<1, MODE>(R, w, m, k, n, P, rank, world);
-    else if (groups == 2) launch_groups_m<2, MODE>(R, w, m, k, n, P, rank, world);
-    else launch_groups_m<4, MODE>(R, w, m, k, n, P, rank, world);
+    switch (groups) {
+        case 1: launch_groups_m<1, MODE, false>(R, w, m, k, n, P, rank, world); break;
+        case 2: launch_groups_m<2, MODE, false>(R, w, m, k, n, P, rank, world); break;
+        case 4: launch_groups_m<4, MODE, false>(R, w, m, k, n, P, rank, world); break;
+        case 11: launch_groups_m<1, MODE, true>(R, w, m, k, n, P, rank, world); break;
+        case 12: launch_groups_m<2, MODE, true>(R, w, m, k, n, P, rank, world); break;
+        default: launch_groups_m<4, MODE, true>(R, w, m, k, n, P, rank, world); break;
+    }
 }
 template <int BN_, int MODE>
 static void launch_tiles_m(Rank& R, const u16* w, int m, int k, int n, int per, Peers P, int rank, int world) {
@@ -775,10 +839,11 @@ static void launch_tiles_bn(Rank& R, const u16* w, int bn, int m, int k, int n, 
 struct Which { const char* name; bool cublas; int mode; int per; int bn; int groups; int pad_kb = 0; };
 static const Which CUBLAS{"cuBLAS", true, GEMM_ONLY, 1, 0, 0};
 static const Which VARIANTS[] = {
-    {"gemm", false, GEMM_ONLY, 1, 0, 0}, {"gemm t64", false, GEMM_ONLY, 1, 64, 0}, {"gemm32/2", false, GEMM_ONLY, 2, 32, 0},
-    {"gemm g1", false, GEMM_ONLY, 1, 0, 1}, {"gemm g2", false, GEMM_ONLY, 1, 0, 2}, {"gemm g4", false, GEMM_ONLY, 1, 0, 4},
+    {"gemm", false, GEMM_ONLY, 1, 0, 0}, {"gemm32/2", false, GEMM_ONLY, 2, 32, 0},
+    {"gemm g1", false, GEMM_ONLY, 1, 0, 1}, {"gemm g4", false, GEMM_ONLY, 1, 0, 4},
+    {"tma g1", false, GEMM_ONLY, 1, 0, 11}, {"tma g2", false, GEMM_ONLY, 1, 0, 12}, {"tma g4", false, GEMM_ONLY, 1, 0, 14},
     {"flag", false, AR_FLAG, 1, 0, 0}, {"ll", false, AR_LL, 1, 0, 0},
-    {"flag g2", false, AR_FLAG, 1, 0, 2}, {"flag g4", false, AR_FLAG, 1, 0, 4}, {"ll g4", false, AR_LL, 1, 0, 4},
+    {"flag tma g2", false, AR_FLAG, 1, 0, 12}, {"flag tma g4", false, AR_FLAG, 1, 0, 14}, {"ll tma g4", false, AR_LL, 1, 0, 14},
 };
 
 static void call(Rank& R, const Which& which, int copy, const Shape& s, Peers P, int rank, int world) {
