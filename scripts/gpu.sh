@@ -546,7 +546,7 @@ task_decode() {
         # A decode GEMM whose epilogue does the Allreduce, against cuBLAS's GEMM alone
         # (bench/decode_gemm/allreduce_harness.cu).
         local fused=${TMPDIR:-/tmp}/fusion-gemm-allreduce-bench
-        step gemm-allreduce-build 300 nvcc -O3 -std=c++17 -arch=sm_90 bench/decode_gemm/allreduce_harness.cu -lcublas -lcuda -o "$fused"
+        step gemm-allreduce-build 300 nvcc -O3 -std=c++17 -arch=sm_90 bench/decode_gemm/allreduce_harness.cu -lcublas -o "$fused"
         STEP_PATTERN='check:|rror' step "gemm-allreduce-d$gpus" 240 "$fused" "$gpus"
     else
         summary+=("peer-kernels: skipped, no nvcc on the PATH")
