@@ -215,7 +215,7 @@ task_hopper_gemm() {
             local gpus d
             gpus=$(nvidia-smi -L | wc -l)
             for d in $( [ "$gpus" -gt 2 ] && echo "$gpus") $( [ "$gpus" -ge 2 ] && echo 2); do
-                for kind in rs ag; do
+                for kind in rs rs_ce ag; do
                     STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
                         step "harness-$kind-d$d" 600 "$OUT/hopper_gemm/hopper_gemm_${kind}_bench" "$d" "${HARNESS_REPS:-30}"
                     harnesses+=("harness-$kind-d$d")
