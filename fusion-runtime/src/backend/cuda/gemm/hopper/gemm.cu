@@ -181,6 +181,7 @@ struct RsCeArgs {
     u64 timeout_ns;
     int rank, world, rows_per, chunks;
     u32 epoch;
+    int count_at_once; // count a tile when its stores have landed (else when the next is stored)
 };
 
 __device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
@@ -619,7 +620,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                     // A peer's tile into the scratch; the previous one (its stores landed by
                     // now: at most this tile's NP groups still pending) counts in its chunk.
                     store_tile<F16, NP>(d, pieces, &rc->scratch, consumer, p.out_row + consumer * 64, p.col);
-                    if (threadIdx.x % 128 == 0) {
+                    if (threadIdx.x % 128 == 0 && rc->count_at_once) {
+                        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+                        count_chunk_stored(rc, p.owner, p.chunk);
+                    } else if (threadIdx.x % 128 == 0) {
                         if (ce_pending_owner >= 0) {
                             asm volatile("cp.async.bulk.wait_group %0;" :: "n"(BN / 64) : "memory");
                             count_chunk_stored(rc, ce_pending_owner, ce_pending_chunk);
