@@ -147,17 +147,7 @@ int main(int argc, char** argv) {
                 CK(cudaEventRecord(R[r].e1, R[r].s));
             }
         };
-        auto finish = [&]() {
-            float worst = 0;
-            for (int r = 0; r < world; ++r) {
-                CK(cudaSetDevice(r));
-                CK(cudaEventSynchronize(R[r].e1));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, R[r].e0, R[r].e1));
-                worst = std::max(worst, ms);
-            }
-            return worst;
-        };
+        auto finish = [&]() { return slowest_ms(R); };
         // Correctness: each way's first call against cuBLAS on the gathered A (set 0).
         double rel[3] = {0, 0, 0};
         bool ok = true;

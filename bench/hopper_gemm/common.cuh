@@ -46,6 +46,21 @@ static TensorMap make_map(const void* base, u64 inner, u64 outer, u64 ld, u32 bo
 
 static double median(std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
+// The slowest rank's milliseconds between its events `e0` and `e1`, once every rank's `e1`
+// has passed.
+template <class Rank>
+static float slowest_ms(std::vector<Rank>& R) {
+    float worst = 0;
+    for (int r = 0; r < (int)R.size(); ++r) {
+        CK(cudaSetDevice(r));
+        CK(cudaEventSynchronize(R[r].e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, R[r].e0, R[r].e1));
+        worst = std::max(worst, ms);
+    }
+    return worst;
+}
+
 static u32 g_seed = 12345;
 static void fill(u16* p, size_t n, bool f16) { fill_random<<<1024, 256>>>(p, n, g_seed++ * 7919u, f16); CK(cudaGetLastError()); }
 

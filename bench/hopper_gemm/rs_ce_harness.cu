@@ -26,23 +26,7 @@
 #define ALL_VARIANTS
 #include "../../fusion-runtime/src/backend/cuda/gemm/hopper/gemm.cu"
 #include "common.cuh"
-
-__global__ void add_f32(float* dst, const float* src, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        dst[i] += src[i];
-}
-
-// sum (x - r)^2, sum r^2, non-finite count; x in bf16, r in f32
-__global__ void compare_f32(const u16* x, const float* r, size_t n, double* out) {
-    double se = 0, sr = 0, bad = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float a = to_f32(x[i], false), b = r[i];
-        if (!isfinite(a)) { bad += 1; continue; }
-        se += (double)(a - b) * (a - b);
-        sr += (double)b * b;
-    }
-    atomicAdd(&out[0], se); atomicAdd(&out[1], sr); atomicAdd(&out[2], bad);
-}
+#include "rs_common.cuh"
 
 struct Rank {
     u16 *a[2], *b[2], *out, *scratch, *recv;
@@ -172,40 +156,9 @@ int main(int argc, char** argv) {
                 CK(cudaEventRecord(q.e1, q.s));
             }
         };
-        auto finish = [&]() {
-            float worst = 0;
-            for (int r = 0; r < world; ++r) {
-                CK(cudaSetDevice(r));
-                CK(cudaEventSynchronize(R[r].e1));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, R[r].e0, R[r].e1));
-                worst = std::max(worst, ms);
-            }
-            return worst;
-        };
+        auto finish = [&]() { return slowest_ms(R); };
         // The f32 reference: cuBLAS's f32 partials of every rank, summed block by block.
-        std::vector<float*> ref(world);
-        {
-            std::vector<float*> part(world), tmp(world);
-            for (int r = 0; r < world; ++r) {
-                CK(cudaSetDevice(r));
-                CK(cudaMalloc(&part[r], (size_t)sh.m * n * 4));
-                CK(cudaMalloc(&ref[r], nout * 4)); CK(cudaMemset(ref[r], 0, nout * 4));
-                CK(cudaMalloc(&tmp[r], nout * 4));
-                float one = 1.f, zero = 0.f;
-                CB(cublasGemmEx(R[r].h, CUBLAS_OP_N, CUBLAS_OP_N, n, sh.m, kl, &one, R[r].b[0], CUDA_R_16BF, n,
-                                R[r].a[0], CUDA_R_16BF, kl, &zero, part[r], CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-                CK(cudaStreamSynchronize(R[r].s));
-            }
-            for (int j = 0; j < world; ++j)
-                for (int s = 0; s < world; ++s) {
-                    CK(cudaMemcpyPeer(tmp[j], j, part[s] + (size_t)j * rows * n, s, nout * 4));
-                    CK(cudaSetDevice(j));
-                    add_f32<<<264, 256>>>(ref[j], tmp[j], nout);
-                    CK(cudaDeviceSynchronize());
-                }
-            for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaFree(part[r])); CK(cudaFree(tmp[r])); }
-        }
+        std::vector<float*> ref = rs_reference(R, sh.m, kl, n);
         // A way's call on input set 0 against the reference: worst relative error over the
         // ranks, elements left unwritten (the output is poisoned first), wait errors.
         auto check = [&](int mode, double* rel) {
@@ -219,11 +172,10 @@ int main(int argc, char** argv) {
                 CK(cudaSetDevice(j));
                 CK(cudaDeviceSynchronize());
                 u32 e; CK(cudaMemcpy(&e, R[j].error, 4, cudaMemcpyDeviceToHost)); errors |= e;
-                double* d; CK(cudaMalloc(&d, 24)); CK(cudaMemset(d, 0, 24));
-                compare_f32<<<264, 256>>>(R[j].out, ref[j], nout, d);
-                double h[3]; CK(cudaMemcpy(h, d, 24, cudaMemcpyDeviceToHost)); CK(cudaFree(d));
-                *rel = std::max(*rel, sqrt(h[0] / h[1]));
-                unwritten += h[2];
+                double rel_j, unwritten_j;
+                rs_error(R[j].out, ref[j], nout, &rel_j, &unwritten_j);
+                *rel = std::max(*rel, rel_j);
+                unwritten += unwritten_j;
             }
             if (errors) printf("  mode %d: a wait timed out (error word %u)\n", mode, errors);
             if (unwritten) printf("  mode %d: %.0f elements unwritten\n", mode, unwritten);
