@@ -58,3 +58,30 @@ static void rs_error(const u16* out, const float* ref, size_t n, double* rel, do
     *rel = sqrt(h[0] / h[1]);
     *unwritten = h[2];
 }
+
+// One call of `mode` (`launch(mode, 0)`: input set 0) on every rank, its blocks against the
+// reference `ref`: the worst relative error over the ranks in `rel`; true when no wait
+// timed out (every rank's `error` word), nothing was left unwritten (`out` is poisoned
+// first) and the error is under 1e-2.
+template <class Rank, class Launch>
+static bool rs_check(std::vector<Rank>& R, Launch launch, int mode, size_t nout, const std::vector<float*>& ref, double* rel) {
+    int world = (int)R.size();
+    for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaMemset(R[r].out, 0xFF, nout * 2)); CK(cudaDeviceSynchronize()); }
+    launch(mode, 0);
+    slowest_ms(R);
+    u32 errors = 0;
+    double unwritten = 0;
+    *rel = 0;
+    for (int j = 0; j < world; ++j) {
+        CK(cudaSetDevice(j));
+        CK(cudaDeviceSynchronize());
+        u32 e; CK(cudaMemcpy(&e, R[j].error, 4, cudaMemcpyDeviceToHost)); errors |= e;
+        double rel_j, unwritten_j;
+        rs_error(R[j].out, ref[j], nout, &rel_j, &unwritten_j);
+        *rel = std::max(*rel, rel_j);
+        unwritten += unwritten_j;
+    }
+    if (errors) printf("  mode %d: a wait timed out (error word %u)\n", mode, errors);
+    if (unwritten) printf("  mode %d: %.0f elements unwritten\n", mode, unwritten);
+    return errors == 0 && unwritten == 0 && *rel < 1e-2;
+}

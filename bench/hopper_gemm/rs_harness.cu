@@ -110,23 +110,7 @@ int main(int argc, char** argv) {
         std::vector<float*> ref = rs_reference(R, sh.m, kl, n);
         // Each way's first call against it: worst relative error over the ranks, elements
         // left unwritten (the output is poisoned first), wait errors.
-        auto check = [&](int mode, double* rel) {
-            for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaMemset(R[r].out, 0xFF, nout * 2)); CK(cudaDeviceSynchronize()); }
-            launch(mode, 0);
-            finish();
-            u32 errors = 0;
-            double unwritten = 0;
-            *rel = 0;
-            for (int j = 0; j < world; ++j) {
-                CK(cudaSetDevice(j));
-                u32 e; CK(cudaMemcpy(&e, R[j].error, 4, cudaMemcpyDeviceToHost)); errors |= e;
-                double rel_j, unwritten_j;
-                rs_error(R[j].out, ref[j], nout, &rel_j, &unwritten_j);
-                *rel = std::max(*rel, rel_j);
-                unwritten += unwritten_j;
-            }
-            return errors == 0 && unwritten == 0 && *rel < 1e-2;
-        };
+        auto check = [&](int mode, double* rel) { return rs_check(R, launch, mode, nout, ref, rel); };
         double rel;
         bool ok = check(0, &rel);
         for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaFree(ref[r])); }
