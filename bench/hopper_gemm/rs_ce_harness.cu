@@ -135,16 +135,7 @@ int main(int argc, char** argv) {
                         CK(cudaStreamWaitEvent(q.s, q.copied[o], 0));
                     }
                 } else if (mode == 2) {
-                    RsArgs a;
-                    memset(&a, 0, sizeof a);
-                    for (int j = 0; j < world; ++j) {
-                        a.outs[j] = (u64)R[j].out;
-                        a.ready[j] = (u64)R[j].ready;
-                        a.done[j] = (u64)R[j].done;
-                    }
-                    a.error = (u64)q.error;
-                    a.timeout_ns = 10ull * 1000 * 1000 * 1000;
-                    a.rank = r; a.world = world; a.rows_per = rows; a.epoch = rs_epoch;
+                    RsArgs a = storer_rs_args(R, r, rows, rs_epoch);
                     int grid = std::min(per_block * world, sms);
                     hopper_gemm_rs_bf16_nn<<<grid, THREADS, SMEM_FOR(3, 4), q.s>>>(am, bm, cm, rows, n, kl, a);
                 } else {

@@ -59,6 +59,23 @@ static void rs_error(const u16* out, const float* ref, size_t n, double* rel, do
     *unwritten = h[2];
 }
 
+// The storer-warp GEMM+ReduceScatter's arguments (gemm.cu's RsArgs) for rank `r` of `R`
+// (every rank's `out`, `ready`, `done`; its `error`), call `epoch`, a 10 s wait bound.
+template <class Rank>
+static RsArgs storer_rs_args(std::vector<Rank>& R, int r, int rows, u32 epoch) {
+    RsArgs a;
+    memset(&a, 0, sizeof a);
+    for (int j = 0; j < (int)R.size(); ++j) {
+        a.outs[j] = (u64)R[j].out;
+        a.ready[j] = (u64)R[j].ready;
+        a.done[j] = (u64)R[j].done;
+    }
+    a.error = (u64)R[r].error;
+    a.timeout_ns = 10ull * 1000 * 1000 * 1000;
+    a.rank = r; a.world = (int)R.size(); a.rows_per = rows; a.epoch = epoch;
+    return a;
+}
+
 // One call of `mode` (`launch(mode, 0)`: input set 0) on every rank, its blocks against the
 // reference `ref`: the worst relative error over the ranks in `rel`; true when no wait
 // timed out (every rank's `error` word), nothing was left unwritten (`out` is poisoned

@@ -79,16 +79,7 @@ int main(int argc, char** argv) {
                 CK(cudaEventRecord(q.e0, q.s));
                 if (mode < 2) {
                     TensorMap cm = make_map(q.out, n, rows, n, 64, 64, false);
-                    RsArgs a;
-                    memset(&a, 0, sizeof a);
-                    for (int j = 0; j < world; ++j) {
-                        a.outs[j] = (u64)R[j].out;
-                        a.ready[j] = (u64)R[j].ready;
-                        a.done[j] = (u64)R[j].done;
-                    }
-                    a.error = (u64)q.error;
-                    a.timeout_ns = 10ull * 1000 * 1000 * 1000;
-                    a.rank = r; a.world = world; a.rows_per = rows; a.epoch = epoch;
+                    RsArgs a = storer_rs_args(R, r, rows, epoch);
                     int grid = std::min(per_block * world, sms);
                     hopper_gemm_rs_bf16_nn<<<grid, THREADS, SMEM_FOR(3, 4), q.s>>>(am, bm, cm, rows, n, mode == 1 ? 0 : kl, a);
                 } else if (mode == 2) {
