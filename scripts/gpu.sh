@@ -54,6 +54,9 @@ one GPU or more:
   hopper-gemm             the persistent Hopper GEMM against cuBLAS (tests/hopper_gemm.rs),
                           then its standalone check and benchmark where nvcc is found
 two GPUs or more:
+  rs-ce [gpus]            GEMM+ReduceScatter by copy engines against the storer-warp kernel
+                          (bench/hopper_gemm/rs_ce_harness.cu; needs nvcc, no staged binaries):
+                          all GPUs with 2, 4 and 8 chunks, then 2 GPUs
   buffers                 tensors over cudarc buffers (tests, cuda_buffers example)
   launch                  conformance and examples under torchrun and mpirun, failures,
                           the overlap benchmark in both layouts
@@ -505,6 +508,31 @@ task_gated_gemm() {
     STEP_PATTERN='check:|rror' CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} step gated-gemm 240 "$bench"
     cat "$OUT/machine.txt"
     grep -h '^|\|wrong' "$OUT/gated-gemm.log"
+    printf '%s\n' "${summary[@]}"
+}
+
+# GEMM+ReduceScatter by copy engines (gemm.cu's HOPPER_GEMM_RS_CE) against the storer-warp
+# kernel, its communication alone and the GEMM alone, on [gpus] GPUs (default: every GPU)
+# with 2, 4 and 8 chunks a row block, then on 2 GPUs (bench/hopper_gemm/NOTES.md).
+task_rs_ce() {
+    local gpus=${1:-$(nvidia-smi -L | wc -l)}
+    gpus_info >"$OUT/machine.txt" 2>&1
+    command -v nvcc >/dev/null || { echo "rs-ce: no nvcc on the PATH" >&2; return 2; }
+    CUDA_LIB="${CUDA_HOME:-/usr/local/cuda}/lib64" step rs-ce-build 600 \
+        bash bench/hopper_gemm/build.sh "$OUT/hopper_gemm"
+    local chunks
+    for chunks in 4 2 8; do
+        STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
+            step "rs-ce-d$gpus-c$chunks" 300 "$OUT/hopper_gemm/hopper_gemm_rs_ce_bench" "$gpus" "${HARNESS_REPS:-20}" "$chunks"
+    done
+    if [ "$gpus" -gt 2 ]; then
+        STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
+            step rs-ce-d2-c4 300 "$OUT/hopper_gemm/hopper_gemm_rs_ce_bench" 2 "${HARNESS_REPS:-20}" 4
+    fi
+    rm -rf "$OUT/hopper_gemm"
+    cat "$OUT/machine.txt"
+    local f
+    for f in "$OUT"/rs-ce-d*.log; do echo "== $(basename "$f" .log)"; sed -n '/^    M     K     N/,$p' "$f"; done
     printf '%s\n' "${summary[@]}"
 }
 
@@ -1060,7 +1088,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | candle-kernels | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | rows | \
+    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | candle-kernels | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | rows | rs-ce | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2 | every-gpu) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;
