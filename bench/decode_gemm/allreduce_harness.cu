@@ -20,7 +20,7 @@
 //         the links, no fence); the reader polls the data itself.
 // Calls alternate two halves of the workspace, as the runtime's peer-memory kernels do.
 // Kernels that finish some tiles before the GEMM ends (narrower tiles several a block;
-// split-K groups, cp.async- or TMA-fed) were tried here and lost everywhere (commit fc2e5f1,
+// split-K groups, cp.async- or TMA-fed) were tried here and lost where measured (commit fc2e5f1,
 // `bench/results/2026-11-27-1515-decode-gemm-ar-tiles-groups-h100x4/`; docs/DECISIONS.md,
 // "The decode GEMM's tiles all finish at its end").
 //
