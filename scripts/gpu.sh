@@ -54,9 +54,9 @@ one GPU or more:
   hopper-gemm             the persistent Hopper GEMM against cuBLAS (tests/hopper_gemm.rs),
                           then its standalone check and benchmark where nvcc is found
 two GPUs or more:
-  rs-ce [gpus]            GEMM+ReduceScatter by copy engines against the storer-warp kernel
-                          (bench/hopper_gemm/rs_ce_harness.cu; needs nvcc, no staged binaries):
-                          all GPUs with 2, 4 and 8 chunks, then 2 GPUs
+  rs [gpus]               the storer-warp GEMM+ReduceScatter, own block first and owners
+                          interleaved (bench/hopper_gemm/rs_harness.cu; needs nvcc, no staged
+                          binaries): all GPUs, then 2 GPUs
   buffers                 tensors over cudarc buffers (tests, cuda_buffers example)
   launch                  conformance and examples under torchrun and mpirun, failures,
                           the overlap benchmark in both layouts
@@ -218,7 +218,7 @@ task_hopper_gemm() {
             local gpus d
             gpus=$(nvidia-smi -L | wc -l)
             for d in $( [ "$gpus" -gt 2 ] && echo "$gpus") $( [ "$gpus" -ge 2 ] && echo 2); do
-                for kind in rs rs_ce ag; do
+                for kind in rs ag; do
                     STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
                         step "harness-$kind-d$d" 600 "$OUT/hopper_gemm/hopper_gemm_${kind}_bench" "$d" "${HARNESS_REPS:-30}"
                     harnesses+=("harness-$kind-d$d")
@@ -511,28 +511,23 @@ task_gated_gemm() {
     printf '%s\n' "${summary[@]}"
 }
 
-# GEMM+ReduceScatter by copy engines (gemm.cu's HOPPER_GEMM_RS_CE) against the storer-warp
-# kernel, its communication alone and the GEMM alone, on [gpus] GPUs (default: every GPU)
-# with 2, 4 and 8 chunks a row block, then on 2 GPUs (bench/hopper_gemm/NOTES.md).
-task_rs_ce() {
+# The storer-warp GEMM+ReduceScatter (gemm.cu's HOPPER_GEMM_RS) in both walks, its
+# communication alone and the GEMM alone, on [gpus] GPUs (default: every GPU), then on 2.
+task_rs() {
     local gpus=${1:-$(nvidia-smi -L | wc -l)}
     gpus_info >"$OUT/machine.txt" 2>&1
-    command -v nvcc >/dev/null || { echo "rs-ce: no nvcc on the PATH" >&2; return 2; }
-    CUDA_LIB="${CUDA_HOME:-/usr/local/cuda}/lib64" step rs-ce-build 600 \
+    command -v nvcc >/dev/null || { echo "rs: no nvcc on the PATH" >&2; return 2; }
+    CUDA_LIB="${CUDA_HOME:-/usr/local/cuda}/lib64" step rs-build 600 \
         bash bench/hopper_gemm/build.sh "$OUT/hopper_gemm"
-    local chunks
-    for chunks in 4 2 8; do
+    local d
+    for d in "$gpus" $( [ "$gpus" -gt 2 ] && echo 2); do
         STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
-            step "rs-ce-d$gpus-c$chunks" 300 "$OUT/hopper_gemm/hopper_gemm_rs_ce_bench" "$gpus" "${HARNESS_REPS:-20}" "$chunks"
+            step "rs-d$d" 300 "$OUT/hopper_gemm/hopper_gemm_rs_bench" "$d" "${HARNESS_REPS:-20}"
     done
-    if [ "$gpus" -gt 2 ]; then
-        STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
-            step rs-ce-d2-c4 300 "$OUT/hopper_gemm/hopper_gemm_rs_ce_bench" 2 "${HARNESS_REPS:-20}" 4
-    fi
     rm -rf "$OUT/hopper_gemm"
     cat "$OUT/machine.txt"
     local f
-    for f in "$OUT"/rs-ce-d*.log; do echo "== $(basename "$f" .log)"; sed -n '/^    M     K     N/,$p' "$f"; done
+    for f in "$OUT"/rs-d*.log; do echo "== $(basename "$f" .log)"; sed -n '/^    M     K     N/,$p' "$f"; done
     printf '%s\n' "${summary[@]}"
 }
 
@@ -1088,7 +1083,7 @@ task=${1:-help}
 [ $# -gt 0 ] && shift
 case "$task" in
     help | -h | --help) usage; exit 0 ;;
-    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | candle-kernels | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | rows | rs-ce | \
+    check | all | buffers | caller-stream | candle | candle-tp | candle-ab | candle-kernels | decode | gated-gemm | faults | hopper-gemm | host | host-ab | launch | recovery | replay-x2 | rows | rs | \
         ring-x2 | shared-ranks | soak | timeline | token | session | x2 | every-gpu) ;;
     # The benchmarks of bench/ (their own logs and tables under $OUT).
     layers) exec bash bench/run-layers.sh ;;

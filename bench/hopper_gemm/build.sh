@@ -2,7 +2,6 @@
 # Builds the Hopper GEMM's standalone checks and benchmarks (nvcc 12.3+, cuBLAS):
 #   hopper_gemm_bench     one GPU, the GEMM against cuBLAS (harness.cu)
 #   hopper_gemm_rs_bench  D GPUs of one process, GEMM+ReduceScatter in the epilogue
-#   hopper_gemm_rs_ce_bench D GPUs of one process, GEMM+ReduceScatter by copy engines
 #   hopper_gemm_ag_bench  D GPUs of one process, AllGather+GEMM on ready words
 #   hopper_gemm_self_bench one GPU, the communicating entries aimed at the GPU itself
 # Usage: build.sh [output directory]
@@ -14,6 +13,5 @@ LIBS="-lcublas -lcuda"
 [ -n "${CUDA_LIB:-}" ] && LIBS="-L$CUDA_LIB $LIBS"
 nvcc $FLAGS harness.cu $LIBS -o "$OUTDIR/hopper_gemm_bench"
 nvcc $FLAGS rs_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_rs_bench"
-nvcc $FLAGS rs_ce_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_rs_ce_bench"
 nvcc $FLAGS ag_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_ag_bench"
 nvcc $FLAGS self_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_self_bench"

@@ -1,4 +1,4 @@
-// What the GEMM+ReduceScatter checks share (rs_harness.cu, rs_ce_harness.cu): the f32
+// What the GEMM+ReduceScatter checks share (rs_harness.cu): the f32
 // reference and the error of a rank's block against it. Included after common.cuh.
 #pragma once
 
@@ -60,9 +60,10 @@ static void rs_error(const u16* out, const float* ref, size_t n, double* rel, do
 }
 
 // The storer-warp GEMM+ReduceScatter's arguments (gemm.cu's RsArgs) for rank `r` of `R`
-// (every rank's `out`, `ready`, `done`; its `error`), call `epoch`, a 10 s wait bound.
+// (every rank's `out`, `ready`, `done`; its `error`), call `epoch`, a 10 s wait bound;
+// `interleave`: the owners in turn tile by tile (RsArgs::interleave).
 template <class Rank>
-static RsArgs storer_rs_args(std::vector<Rank>& R, int r, int rows, u32 epoch) {
+static RsArgs storer_rs_args(std::vector<Rank>& R, int r, int rows, u32 epoch, bool interleave = false) {
     RsArgs a;
     memset(&a, 0, sizeof a);
     for (int j = 0; j < (int)R.size(); ++j) {
@@ -73,6 +74,7 @@ static RsArgs storer_rs_args(std::vector<Rank>& R, int r, int rows, u32 epoch) {
     a.error = (u64)R[r].error;
     a.timeout_ns = 10ull * 1000 * 1000 * 1000;
     a.rank = r; a.world = (int)R.size(); a.rows_per = rows; a.epoch = epoch;
+    a.interleave = interleave ? 1 : 0;
     return a;
 }
 

@@ -1,9 +1,11 @@
 // Checks and times the Hopper GEMM with the ReduceScatter in its epilogue (gemm.cu's
 // `HOPPER_GEMM_RS`) on D GPUs of one process (peer access between every pair): every rank
 // r multiplies A_r [M, K/D] by B_r [K/D, N]; rows [j M/D, (j+1) M/D) of the sum over ranks
-// land on rank j. Checked against the f32 sum of cuBLAS's f32 partials; timed against the
-// same kernel without communication (the local GEMM alone) and cuBLAS's local GEMM, all
-// ranks launched together, the slowest rank's event time per call, medians.
+// land on rank j. Two walks: the own row block first, then the peers' (RsArgs), and the
+// owners in turn tile by tile (RsArgs::interleave). Checked against the f32 sum of cuBLAS's
+// f32 partials; timed against the same kernel without communication (the local GEMM alone)
+// and cuBLAS's local GEMM, all ranks launched together, the slowest rank's event time per
+// call, medians.
 // Build: bench/hopper_gemm/build.sh        Run: hopper_gemm_rs_bench [D] [reps]
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -68,20 +70,22 @@ int main(int argc, char** argv) {
         u32 epoch = 0; // GEMM+RS calls so far
         // One call of every rank on input set `set`. Modes: 0 GEMM+RS, 1 the same with K = 0
         // (the communication alone), 2 our local GEMM alone, 3 cuBLAS's local GEMM alone
-        // (the last two into a scratch of M x N).
+        // (the last two into a scratch of M x N), 4 and 5: 0 and 1 with the interleaved walk.
+        auto is_rs = [](int mode) { return mode < 2 || mode >= 4; };
         auto launch = [&](int mode, int set) {
-            if (mode < 2) ++epoch;
+            if (is_rs(mode)) ++epoch;
             for (int r = 0; r < world; ++r) {
                 CK(cudaSetDevice(r));
                 Rank& q = R[r];
                 TensorMap am = make_map(q.a[set], kl, sh.m, kl, 64, BM, false);
                 TensorMap bm = make_map(q.b[set], n, kl, n, 64, 64, false);
                 CK(cudaEventRecord(q.e0, q.s));
-                if (mode < 2) {
+                if (is_rs(mode)) {
                     TensorMap cm = make_map(q.out, n, rows, n, 64, 64, false);
-                    RsArgs a = storer_rs_args(R, r, rows, epoch);
+                    RsArgs a = storer_rs_args(R, r, rows, epoch, mode >= 4);
                     int grid = std::min(per_block * world, sms);
-                    hopper_gemm_rs_bf16_nn<<<grid, THREADS, SMEM_FOR(3, 4), q.s>>>(am, bm, cm, rows, n, mode == 1 ? 0 : kl, a);
+                    bool comm_only = mode == 1 || mode == 5;
+                    hopper_gemm_rs_bf16_nn<<<grid, THREADS, SMEM_FOR(3, 4), q.s>>>(am, bm, cm, rows, n, comm_only ? 0 : kl, a);
                 } else if (mode == 2) {
                     TensorMap cm = make_map(q.scratch, n, sh.m, n, 64, 64, false);
                     int tiles = (sh.m / BM) * ((n + BN - 1) / BN);
@@ -102,13 +106,14 @@ int main(int argc, char** argv) {
         // Each way's first call against it: worst relative error over the ranks, elements
         // left unwritten (the output is poisoned first), wait errors.
         auto check = [&](int mode, double* rel) { return rs_check(R, launch, mode, nout, ref, rel); };
-        double rel;
+        double rel, rel_mix;
         bool ok = check(0, &rel);
+        ok &= check(4, &rel_mix);
         for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaFree(ref[r])); }
         u32 errors = 0;
-        std::vector<float> t[4];
+        std::vector<float> t[6];
         for (int i = 0; i < reps + 3; ++i)
-            for (int mode = 0; mode < 4; ++mode) {
+            for (int mode = 0; mode < 6; ++mode) {
                 for (int r = 0; r < world; ++r) { CK(cudaSetDevice(r)); CK(cudaStreamSynchronize(R[r].s)); }
                 launch(mode, i % 2);
                 float ms = finish();
@@ -120,11 +125,14 @@ int main(int argc, char** argv) {
         ok &= errors == 0;
         all_ok &= ok;
         double rs = median(t[0]), comm = median(t[1]), alone = median(t[2]), cub = median(t[3]);
+        double mix = median(t[4]), mix_comm = median(t[5]);
         double bytes = 2.0 * (world - 1) * rows * (double)n; // what each rank sends
-        char line[320];
-        snprintf(line, sizeof line, "%5d %5d %5d | %d | %7.1f | %7.1f %7.1f | %7.1f (%3.0f GB/s) | %5.3f %5.3f | %.1e %s",
-                 sh.m, sh.k, sh.n, world, rs * 1e3, alone * 1e3, cub * 1e3, comm * 1e3, bytes / comm / 1e6,
-                 rs / alone, rs / std::max(alone, comm), rel, ok ? "ok" : (errors ? "WAIT TIMED OUT" : "FAIL"));
+        char line[400];
+        snprintf(line, sizeof line,
+                 "%5d %5d %5d | %d | %7.1f %7.1f | %7.1f %7.1f | %7.1f (%3.0f GB/s) %7.1f (%3.0f GB/s) | %5.3f %5.3f | %5.3f %5.3f | %.1e %.1e %s",
+                 sh.m, sh.k, sh.n, world, rs * 1e3, mix * 1e3, alone * 1e3, cub * 1e3, comm * 1e3, bytes / comm / 1e6,
+                 mix_comm * 1e3, bytes / mix_comm / 1e6, rs / alone, rs / std::max(alone, comm), mix / alone,
+                 mix / std::max(alone, mix_comm), rel, rel_mix, ok ? "ok" : (errors ? "WAIT TIMED OUT" : "FAIL"));
         puts(line); fflush(stdout);
         table.push_back(line);
         for (int r = 0; r < world; ++r) {
@@ -134,7 +142,8 @@ int main(int argc, char** argv) {
             CK(cudaFree(R[r].ready)); CK(cudaFree(R[r].done)); CK(cudaFree(R[r].error));
         }
     }
-    printf("\n    M     K     N | D | GEMM+RS us | GEMM alone: ours, cuBLAS | comm alone (K = 0) | over GEMM alone, over max(GEMM, comm) | rel err vs f32\n");
+    printf("\n    M     K     N | D | GEMM+RS us: own block first, interleaved | GEMM alone: ours, cuBLAS | comm alone (K = 0): own first, interleaved"
+           " | own first over GEMM alone, over max(GEMM, comm) | interleaved, the same | rel err vs f32 (own first, interleaved)\n");
     for (auto& l : table) puts(l.c_str());
     printf("%s\n", all_ok ? "ALL CORRECT" : "SOME FAILED");
     return all_ok ? 0 : 1;

@@ -123,6 +123,12 @@ __device__ __forceinline__ void tile_at(int t, int tiles_m, int tiles_n, int* tm
 // (`done[owner]`, index source) and wait until every source's blocks are done here
 // (every rank runs the same grid), so the output is whole when the kernel ends. The
 // counters only grow; they start at zero with the first call.
+//
+// With `interleave` the owners take turns tile by tile (tile t goes to rank rank + t mod
+// world), so the links carry the peers' tiles over the whole GEMM instead of its last
+// (world - 1) / world; every tile, the own ones too, is staged and added by the storers,
+// into an output the storers zero first (each block a slice) and count in `ready` before
+// any add.
 #define MAXR 8
 struct RsArgs {
     u64 outs[MAXR];  // every rank's output block (elements, row stride n), mapped here
@@ -132,6 +138,7 @@ struct RsArgs {
     u64 timeout_ns;
     int rank, world, rows_per;
     u32 epoch;       // calls so far, this one included (1, 2, ...)
+    int interleave;  // owners in turn tile by tile (see above); 0: own block first
 };
 
 // What an AllGather+GEMM call needs besides its operands: A is the gathered [world *
@@ -158,30 +165,6 @@ struct AgArgs {
     u64 timeout_ns;
     int rank, world, rows_per;
     u32 epoch;
-};
-
-// What a GEMM+ReduceScatter by copy engines needs (`HOPPER_GEMM_RS_CE`; measured in
-// bench/hopper_gemm/rs_ce_harness.cu, not a lowering choice). The walk takes the peers' row
-// blocks first (rank + 1, rank + 2, ...) and this rank's own block last. A peer block's tiles
-// are stored plainly into `scratch` (a map over this rank's whole [M, N] partial, block j at
-// rows j * rows_per); once a consumer's stores of a tile have landed it adds 1 to the count
-// of the tile's chunk (`counters`, u32 [world][chunks] in this rank's memory, index owner *
-// chunks + chunk; `epoch * CONSUMERS * tiles in a chunk` when the chunk is whole), on which
-// the host's copy streams wait (a stream memory operation) before copying the chunk into
-// slot `rank` of its owner's receive buffer and writing the owner's arrival word. The own
-// block, last, adds the peers' slots (`recv`: this rank's [world][rows_per][n] buffer,
-// after `arrive[src * chunks + chunk]` holds the epoch) to its accumulators before the one
-// rounding: nothing is left to sum after the GEMM.
-struct RsCeArgs {
-    TensorMap scratch;
-    u64 counters;
-    u64 recv;
-    u64 arrive;
-    u64 error;       // u32 word set to 1 + the peer when a wait outlasted `timeout_ns`
-    u64 timeout_ns;
-    int rank, world, rows_per, chunks;
-    u32 epoch;
-    int count_at_once; // count a tile when its stores have landed (else when the next is stored)
 };
 
 __device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
@@ -218,7 +201,7 @@ __device__ __forceinline__ bool wait_word(u64 error, u64 timeout_ns, u64 word, i
 #define WALK_PLAIN 0
 #define WALK_RS 1
 #define WALK_AG 2
-#define WALK_RS_CE 3
+#define WALK_RS_INTERLEAVED 3
 struct Walk { int kind, rank, world, rows_per, chunks; };
 
 // Where tile `t` of the walk is: the row of A it starts at, its first column, its owner
@@ -241,15 +224,13 @@ __device__ __forceinline__ TilePlace place_tile(int t, int tiles_m, int tiles_n,
         tile_at(p.local, tiles_m, tiles_n, &tm, &tn);
         p.a_row = p.owner * w.rows_per + tm * BM;
         p.out_row = tm * BM;
-    } else if (w.kind == WALK_RS_CE) {
-        int per_block = tiles_m * tiles_n;
-        int pos = t / per_block;
-        p.local = t - pos * per_block;
-        p.owner = (w.rank + 1 + pos) % w.world;
+    } else if (w.kind == WALK_RS_INTERLEAVED) {
+        int pos = t % w.world;
+        p.local = t / w.world;
+        p.owner = (w.rank + pos) % w.world;
         tile_at(p.local, tiles_m, tiles_n, &tm, &tn);
-        p.chunk = tm / (tiles_m / w.chunks);
         p.a_row = p.owner * w.rows_per + tm * BM;
-        p.out_row = p.owner == w.rank ? tm * BM : p.a_row;
+        p.out_row = tm * BM;
     } else {
         int per_block = tiles_m * tiles_n;
         int pos = t / per_block;
@@ -368,9 +349,22 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
     int s = threadIdx.x - 32; // 0..95
     u32 ready_mask = 0;
     u32 phase = 0;
+    bool interleaved = walk.kind == WALK_RS_INTERLEAVED;
+    if (interleaved) {
+        // Zero this block's slice of the own output, then count it at every rank.
+        u64 vecs = (u64)rs->rows_per * n / 8, per = (vecs + gridDim.x - 1) / gridDim.x;
+        u64 v0 = blockIdx.x * per, v1 = min(vecs, v0 + per);
+        uint4* own_out = (uint4*)rs->outs[rs->rank];
+        for (u64 v = v0 + s; v < v1; v += 96) own_out[v] = make_uint4(0, 0, 0, 0);
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        storer_sync();
+        if (s == 0)
+            for (int peer = 0; peer < rs->world; ++peer)
+                red_release_add(rs->ready[peer] + 4 * (u64)rs->rank, CONSUMERS);
+    }
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
-        if (p.owner == rs->rank) continue; // stored by the consumers
+        if (p.owner == rs->rank && !interleaved) continue; // stored by the consumers
         if (!(ready_mask & (1u << p.owner))) {
             if (s == 0) {
                 u32 target = rs->epoch * gridDim.x * CONSUMERS;
@@ -413,59 +407,6 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
     }
 }
 
-// GEMM+ReduceScatter by copy engines: a consumer's stored peer tile (all its bulk stores
-// landed, the writes ordered before the count at system scope) counts in its chunk.
-__device__ __forceinline__ void count_chunk_stored(const RsCeArgs* rc, int owner, int chunk) {
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
-    red_release_add(rc->counters + 4 * (u64)(owner * rc->chunks + chunk), 1);
-}
-
-// Adds the peers' slots of rows m0.. (this consumer's 64) and columns n0.. (256) to the
-// accumulators, in the thread layout `write_piece` reads (rows (t/32)*16 + (t%32)/4 and +8,
-// per 8 columns j the columns 8j + 2(t%4) and +1), once every peer's chunk has arrived.
-template <bool F16>
-__device__ __forceinline__ void add_peer_slots(float* d, const RsCeArgs* rc, int consumer, int chunk, int m0,
-                                               int n0, int n, const u16* recv) {
-    int t = threadIdx.x % 128;
-    if (t == 0) {
-        for (int src = 0; src < rc->world; ++src) {
-            if (src == rc->rank) continue;
-            u32 epoch = rc->epoch;
-            wait_word(rc->error, rc->timeout_ns, rc->arrive + 4 * (u64)(src * rc->chunks + chunk), src,
-                      [epoch](u32 v) { return (int)(v - epoch) >= 0; });
-        }
-    }
-    consumer_sync(consumer);
-    int row = (t / 32) * 16 + (t % 32) / 4;
-    for (int src = 0; src < rc->world; ++src) {
-        if (src == rc->rank) continue;
-        const u16* slot = recv + (u64)src * rc->rows_per * n;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            int r = m0 + row + 8 * h;
-            if (r >= rc->rows_per) continue;
-            const u16* line = slot + (u64)r * n;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                int c = n0 + 8 * j + 2 * (t % 4);
-                if (c >= n) continue;
-                u32 w;
-                asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(w) : "l"(line + c));
-                float lo, hi;
-                if (F16) {
-                    asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(w));
-                } else {
-                    lo = __uint_as_float(w << 16);
-                    hi = __uint_as_float(w & 0xffff0000u);
-                }
-                d[4 * j + 2 * h] += lo;
-                d[4 * j + 2 * h + 1] += hi;
-            }
-        }
-    }
-}
-
 // A_MN: A is M-contiguous (its map's inner dimension is M); B_K: B is K-contiguous.
 // WALK (see Walk): WALK_RS a GEMM+ReduceScatter (`rs`, see RsArgs), WALK_AG an
 // AllGather+GEMM (`ag`, see AgArgs); the other is null. With either, `m` is the rows of one
@@ -473,7 +414,7 @@ __device__ __forceinline__ void add_peer_slots(float* d, const RsCeArgs* rc, int
 template <bool F16, bool A_MN, bool B_K, int NS, int NP, int WALK>
 __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMap* b_map,
                                           const TensorMap* c_map, int m, int n, int k,
-                                          const RsArgs* rs, const AgArgs* ag, const RsCeArgs* rc = nullptr) {
+                                          const RsArgs* rs, const AgArgs* ag) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~(u64)1023);
     unsigned char* out = smem + NS * STAGE_BYTES;
@@ -484,9 +425,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
     int wg = threadIdx.x / 128;
     int tiles_m = (m + BM - 1) / BM, tiles_n = (n + BN - 1) / BN;
     Walk walk = {WALK, 0, 1, m, 1};
-    if (WALK == WALK_RS) walk = {WALK, rs->rank, rs->world, rs->rows_per, 1};
+    if (WALK == WALK_RS) walk = {rs->interleave ? WALK_RS_INTERLEAVED : WALK_RS, rs->rank, rs->world, rs->rows_per, 1};
     if (WALK == WALK_AG) walk = {WALK, ag->rank, ag->world, ag->rows_per, ag->chunks};
-    if (WALK == WALK_RS_CE) walk = {WALK, rc->rank, rc->world, rc->rows_per, rc->chunks};
     int tiles = tiles_m * tiles_n * walk.world;
     int k_blocks = (k + BK - 1) / BK;
 
@@ -567,14 +507,12 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         u32 phase = 0, tile_phase = 0; // tile_phase: RS, peers' tiles staged so far, mod 2
         (void)tile_phase;
         bool own_stored = false; // RS: this consumer's own tiles stored and counted
-        int ce_pending_owner = -1, ce_pending_chunk = 0; // RS_CE: a stored tile not yet counted
-        (void)ce_pending_chunk;
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
             TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
             bool own = true; // a tile of this rank's output
             if constexpr (WALK == WALK_RS) {
-                own = p.owner == rs->rank;
-                if (!own && !own_stored) {
+                own = p.owner == rs->rank && !rs->interleave; // interleaved: all staged
+                if (!own && !own_stored && !rs->interleave) {
                     count_own_stored(rs, consumer);
                     own_stored = true;
                 }
@@ -615,33 +553,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 for (int i = 0; i < 128; ++i) d[i] = 0.f;
             }
             unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
-            if constexpr (WALK == WALK_RS_CE) {
-                if (p.owner != rc->rank) {
-                    // A peer's tile into the scratch; the previous one (its stores landed by
-                    // now: at most this tile's NP groups still pending) counts in its chunk.
-                    store_tile<F16, NP>(d, pieces, &rc->scratch, consumer, p.out_row + consumer * 64, p.col);
-                    if (threadIdx.x % 128 == 0 && rc->count_at_once) {
-                        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-                        count_chunk_stored(rc, p.owner, p.chunk);
-                    } else if (threadIdx.x % 128 == 0) {
-                        if (ce_pending_owner >= 0) {
-                            asm volatile("cp.async.bulk.wait_group %0;" :: "n"(BN / 64) : "memory");
-                            count_chunk_stored(rc, ce_pending_owner, ce_pending_chunk);
-                        }
-                        ce_pending_owner = p.owner;
-                        ce_pending_chunk = p.chunk;
-                    }
-                } else {
-                    if (threadIdx.x % 128 == 0 && ce_pending_owner >= 0) {
-                        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-                        count_chunk_stored(rc, ce_pending_owner, ce_pending_chunk);
-                        ce_pending_owner = -1;
-                    }
-                    const u16* recv = (const u16*)rc->recv + (u64)(rc->epoch & 1u) * rc->world * rc->rows_per * n;
-                    add_peer_slots<F16>(d, rc, consumer, p.chunk, p.out_row + consumer * 64, p.col, n, recv);
-                    store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col);
-                }
-            } else if (WALK != WALK_RS || own) {
+            if (WALK != WALK_RS || own) {
                 store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col);
             } else if constexpr (WALK == WALK_RS) {
                 // A peer's tile: staged for the storers, one piece at a time.
@@ -656,14 +568,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
             }
         }
         if constexpr (WALK == WALK_RS) {
-            if (!own_stored) count_own_stored(rs, consumer);
-        }
-        if constexpr (WALK == WALK_RS_CE) {
-            // A grid with no own tile for this block still counts its last peer tile.
-            if (threadIdx.x % 128 == 0 && ce_pending_owner >= 0) {
-                asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-                count_chunk_stored(rc, ce_pending_owner, ce_pending_chunk);
-            }
+            if (!own_stored && !rs->interleave) count_own_stored(rs, consumer);
         }
         if (threadIdx.x % 128 == 0) stores_read_wait<0>();
     }
@@ -696,18 +601,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         gemm_body<F16, A_MN, B_K, STAGES, PIECES, WALK_AG>(&a_map, &b_map, &c_map, m, n, k, nullptr, &ag); \
     }
 
-// GEMM+ReduceScatter by copy engines (see RsCeArgs): `c_map` is this rank's output block
-// (rows_per x n), `m` = rows_per.
-#define HOPPER_GEMM_RS_CE(NAME, F16)                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                 \
-    NAME(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,  \
-         const __grid_constant__ TensorMap c_map, int m, int n, int k,                       \
-         const __grid_constant__ RsCeArgs rc) {                                             \
-        gemm_body<F16, false, false, STAGES, PIECES, WALK_RS_CE>(&a_map, &b_map, &c_map, m, n, k, nullptr, nullptr, &rc); \
-    }
-
 #ifdef ALL_VARIANTS
-HOPPER_GEMM_RS_CE(hopper_gemm_rs_ce_bf16_nn, false)
 HOPPER_GEMM(hopper_gemm_bf16_nn, false, false, false)
 HOPPER_GEMM(hopper_gemm_bf16_nt, false, false, true)
 HOPPER_GEMM(hopper_gemm_bf16_tn, false, true, false)
