@@ -189,8 +189,9 @@ task_check() {
 # (every operand layout in bf16 and f16 against cuBLAS at odd and large shapes, fusions with
 # transposed operands and a linear layer, GEMMs it leaves to cuBLAS, replayed calls; fresh
 # inputs, outputs poisoned; on a GPU other than compute capability 9.0 only the fallback to
-# cuBLAS), with two GPUs or more tests/hopper_gathered_gemm.rs (the fused AllGather+GEMM
-# plan against the unpipelined one, eager, captured, replayed), then, where nvcc is on the
+# cuBLAS), with two GPUs or more tests/hopper_gathered_gemm.rs and
+# tests/hopper_scattered_gemm.rs (the fused AllGather+GEMM and GEMM+ReduceScatter plans
+# against the unpipelined ones, eager, captured, replayed), then, where nvcc is on the
 # PATH, the kernel's standalone checks and benchmarks
 # (bench/hopper_gemm/build.sh, sm_90a): the GEMM against cuBLAS and an f64 reference
 # (HARNESS_REPS timed runs per row, default 30), and with two GPUs or more the
@@ -203,6 +204,7 @@ task_hopper_gemm() {
     step hopper_gemm 600 $BIN/test-hopper_gemm --ignored --test-threads=1 --nocapture
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
         step hopper_gathered_gemm 600 $BIN/test-hopper_gathered_gemm --ignored --test-threads=1 --nocapture
+        step hopper_scattered_gemm 600 $BIN/test-hopper_scattered_gemm --ignored --test-threads=1 --nocapture
     fi
     local harnesses=()
     if command -v nvcc >/dev/null; then

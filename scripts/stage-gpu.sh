@@ -22,7 +22,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["bin"]:
         print(m["executable"])' \
   | while read -r exe; do cp "$exe" .gpu/bin/; done
-cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs --test layers --test row_kernels --test epilogues --test faults --test caller_stream --test rank_handles --test job_token --test caller_capture --test peer_memory --test gemm_allreduce --test plan_choice --test ag_row_ranges --test recovery --test call_ledger --test hopper_gemm --test hopper_gathered_gemm 2>/dev/null \
+cargo test --release --no-run --message-format=json --test conformance --test passes_and_errors --test cuda_kernels --test launched --test cuda_buffers --test cuda_graphs --test layers --test row_kernels --test epilogues --test faults --test caller_stream --test rank_handles --test job_token --test caller_capture --test peer_memory --test gemm_allreduce --test plan_choice --test ag_row_ranges --test recovery --test call_ledger --test hopper_gemm --test hopper_gathered_gemm --test hopper_scattered_gemm 2>/dev/null \
   | python3 -c 'import sys, json
 for line in sys.stdin:
     m = json.loads(line)

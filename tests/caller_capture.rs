@@ -194,19 +194,10 @@ impl Weights {
     }
 }
 
-/// A world of `n` GPUs, or `None` (with a message) with fewer.
-fn gpu_world(n: usize) -> Option<World> {
-    if fusion::runtime::backend::visible_gpus() < n {
-        eprintln!("skipping: fewer than {n} CUDA GPU(s)");
-        return None;
-    }
-    Some(fusion::runtime::backend::cuda::cuda_world(Some(n)).expect("a CUDA world"))
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn a_step_with_two_fusion_calls_is_captured_by_the_caller_and_replayed() -> Result<()> {
-    let Some(world) = gpu_world(1) else {
+    let Some(world) = common::gpu_world(1, false) else {
         return Ok(());
     };
     let rank = world.rank()?;
@@ -295,7 +286,7 @@ fn a_step_with_two_fusion_calls_is_captured_by_the_caller_and_replayed() -> Resu
 #[test]
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn a_call_that_cannot_be_recorded_says_why_and_what_to_do() -> Result<()> {
-    let Some(world) = gpu_world(1) else {
+    let Some(world) = common::gpu_world(1, false) else {
         return Ok(());
     };
     let rank = world.rank()?;
@@ -394,7 +385,7 @@ fn a_tensor_parallel_step_is_recorded_on_every_rank() -> Result<()> {
         ("default transports", ExecOptions::default()),
         ("NCCL", nccl),
     ] {
-        let Some(world) = gpu_world(2) else {
+        let Some(world) = common::gpu_world(2, false) else {
             return Ok(());
         };
         let mlp = FusionExecutor::new(common::cases::tp_mlp(DType::F32, UnaryOp::Relu));
@@ -460,7 +451,7 @@ fn an_allreduce_recorded_after_a_kernel_of_yours_sums_what_it_wrote() -> Result<
     // drop memory of an earlier one's devices (the call's executor is shared), which must
     // not leave another device's context current for the next call.
     for d in [2, 4, 2] {
-        let Some(world) = gpu_world(d) else {
+        let Some(world) = common::gpu_world(d, false) else {
             return Ok(());
         };
         // 16 KB and 256 KB: the flagged one-shot and (above 2 ranks) two-shot kernels.

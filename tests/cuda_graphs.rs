@@ -354,18 +354,10 @@ fn this_test_alone(name: &str) -> std::process::Command {
     c
 }
 
-fn gpu_world(n: usize) -> Option<World> {
-    if fusion::runtime::backend::cuda::device_count() < n {
-        eprintln!("skipping: fewer than {n} GPUs visible");
-        return None;
-    }
-    Some(cuda_world(Some(n)).unwrap())
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
 fn replayed_calls_match_eager_calls_on_one_gpu() {
-    let world = gpu_world(1).expect("a GPU");
+    let world = common::gpu_world(1, false).expect("a GPU");
     graphs_match_eager(&world, &always_pipelined());
     // The ring with one row range: fewer iterations than streams, so the first step's
     // stream of "the sum that arrived" is one the loop never forks (a capture refuses
@@ -397,7 +389,7 @@ fn captured_graphs_are_written_as_dot_files_when_asked() {
     let a = Tensor::randn(&[4, 3], DType::F32, 1);
     let b = Tensor::randn(&[3, 2], DType::F32, 2);
     let exec = FusionExecutor::new(cases::matmul_m());
-    let world = gpu_world(1).expect("a GPU");
+    let world = common::gpu_world(1, false).expect("a GPU");
     let statuses = world
         .run(|rank| {
             let (a, b) = (rank.to_device(&a)?, rank.to_device(&b)?);
@@ -428,7 +420,7 @@ fn captured_graphs_are_written_as_dot_files_when_asked() {
     std::fs::remove_dir_all(&dir).unwrap();
     // A directory that does not exist: the capturing call fails and names it.
     let missing = dir.join("missing");
-    let world = gpu_world(1).expect("a GPU");
+    let world = common::gpu_world(1, false).expect("a GPU");
     let err = world
         .run(|rank| {
             let (a, b) = (rank.to_device(&a)?, rank.to_device(&b)?);
@@ -448,7 +440,9 @@ fn captured_graphs_are_written_as_dot_files_when_asked() {
 #[test]
 #[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
 fn replayed_calls_match_eager_calls_over_nccl_on_two_gpus() {
-    let Some(world) = gpu_world(2) else { return };
+    let Some(world) = common::gpu_world(2, false) else {
+        return;
+    };
     let options = ExecOptions {
         lower: LowerOptions {
             transports: fusion::TransportOptions {
@@ -552,7 +546,9 @@ fn copy_engine_pipelines_on_two_ranks_sharing_the_visible_gpus() {
 fn replayed_calls_match_eager_calls_over_copy_engines_on_two_gpus() {
     // The default transport between two GPUs of one process: copy-engine P2P, handed off
     // through device flags, so the pipeline is captured with its transfers.
-    let Some(world) = gpu_world(2) else { return };
+    let Some(world) = common::gpu_world(2, false) else {
+        return;
+    };
     graphs_match_eager(&world, &always_pipelined());
     // The ring with its GEMMs taking turns on two compute streams (4 row ranges).
     let two_compute = ExecOptions {
@@ -588,7 +584,9 @@ fn a_rank_failing_while_its_peer_replays_ends_the_run_without_a_hang() {
     if !in_own_process(name, 2, std::time::Duration::from_secs(90)) {
         return;
     }
-    let Some(world) = gpu_world(2) else { return };
+    let Some(world) = common::gpu_world(2, false) else {
+        return;
+    };
     let world = world.with_timeout(std::time::Duration::from_secs(10));
     let case = cases_for(2)
         .into_iter()
@@ -651,7 +649,9 @@ fn executors_and_outputs_may_outlive_their_world() {
     if !in_own_process(name, 2, std::time::Duration::from_secs(90)) {
         return;
     }
-    let Some(world) = gpu_world(2) else { return };
+    let Some(world) = common::gpu_world(2, false) else {
+        return;
+    };
     let mut held = Vec::new();
     let mut executors = Vec::new();
     for case in cases_for(2) {
@@ -690,7 +690,7 @@ fn graphs_of_finished_runs_are_dropped() {
         let exec = FusionExecutor::new(case.fusion.clone());
         let inputs = (case.inputs)(3, 1);
         for step in 0..5 {
-            let world = gpu_world(1).expect("a GPU");
+            let world = common::gpu_world(1, false).expect("a GPU");
             let statuses = world
                 .run(|rank| {
                     let local = common::distribute(rank, &inputs)?;

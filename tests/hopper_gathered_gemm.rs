@@ -17,22 +17,10 @@ mod common;
 
 use common::cases;
 use fusion::compiler::lower::{LowerOptions, Pipelining};
-use fusion::runtime::backend::cuda::cuda_world;
 use fusion::runtime::backend::Kernel;
 use fusion::runtime::counters::counters;
 use fusion::runtime::replay::{EagerReason, ReplayStatus};
 use fusion::{DType, ExecOptions, FusionExecutor, GemmEngine, Tensor, World};
-
-/// A CUDA world of `n` GPUs with poisoned allocations, or `None` (skipping, saying so).
-fn gpu_world(n: usize) -> Option<World> {
-    if fusion::runtime::backend::cuda::device_count() < n {
-        eprintln!("skipping: fewer than {n} GPUs visible");
-        return None;
-    }
-    let world = cuda_world(Some(n)).expect("a CUDA world");
-    world.poison_allocations(true);
-    Some(world)
-}
 
 /// The fused plan on the persistent engine, with `ranges` row ranges per block.
 fn fused(ranges: Option<usize>) -> ExecOptions {
@@ -131,9 +119,7 @@ fn fused_matches_unpipelined(
             assert!(s.iter().all(walked), "{s:?}");
             continue;
         }
-        assert_eq!(s[0], ReplayStatus::Eager(EagerReason::FirstCall), "{s:?}");
-        assert!(matches!(s[1], ReplayStatus::Captured(_)), "{s:?}");
-        assert!(s[2..].iter().all(|x| *x == ReplayStatus::Replayed), "{s:?}");
+        common::assert_walked_captured_replayed(s);
     }
 }
 
@@ -142,7 +128,9 @@ fn fused_matches_unpipelined(
 const SHAPES: [(usize, usize, usize); 3] = [(256, 512, 384), (1024, 2048, 2048), (200, 136, 296)];
 
 fn on_gpus(n: usize) {
-    let Some(world) = gpu_world(n) else { return };
+    let Some(world) = common::gpu_world(n, true) else {
+        return;
+    };
     for dt in [DType::BF16, DType::F16] {
         for shape in SHAPES {
             for ranges in [None, Some(2), Some(4)] {

@@ -180,6 +180,12 @@ pub struct PipelineOptions {
     /// GPUs with `GemmEngine::Persistent`, and the CPU backend, which computes it at the
     /// join); a loop it does not apply to keeps its pipeline.
     pub gathered_gemm: bool,
+    /// GEMM + ReduceScatter pairs at the top level of the program as one persistent GEMM
+    /// per rank whose epilogue adds each tile into its owner's output
+    /// (`lower::gemm_reduce_scatter`; off by default). The runtime lowers with it only where
+    /// the device runs such a GEMM (Hopper GPUs with every rank in one process); elsewhere
+    /// the node runs as the GEMM, then the ReduceScatter.
+    pub scattered_gemm: bool,
 }
 
 /// Choices that change the lowered program, in four groups; part of the executor's cache

@@ -325,7 +325,8 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
             Node::GatheredGemmLaunch(_)
             | Node::RowsReady { .. }
             | Node::GatheredGemmJoin { .. }
-            | Node::GemmAllreduce(_) => {
+            | Node::GemmAllreduce(_)
+            | Node::GemmReduceScatter(_) => {
                 let _ = writeln!(out, "{indent}{}", fused_gemm_string(p, n, &indent));
             }
         }
@@ -333,8 +334,8 @@ fn write_nodes(p: &HostProgram, nodes: &[Node], depth: usize, out: &mut String) 
 }
 
 /// A gathered GEMM's node (its launch on two lines, the second indented by `indent`), or a
-/// GEMM with the Allreduce of its product in its epilogue (the GEMM, then the Allreduce, on
-/// lines of their own).
+/// GEMM with the Allreduce or ReduceScatter of its product in its epilogue (the GEMM, then
+/// the collective, on lines of their own).
 fn fused_gemm_string(p: &HostProgram, n: &Node, indent: &str) -> String {
     let f = &p.ir;
     match n {
@@ -353,6 +354,11 @@ fn fused_gemm_string(p: &HostProgram, n: &Node, indent: &str) -> String {
             }
             s
         }
+        Node::GemmReduceScatter(g) => format!(
+            "GemmReduceScatter: the ReduceScatter in the epilogue of\n{indent}  {}\n{indent}  {}",
+            expr_string(f, &g.gemm, &format!("{indent}  ")),
+            comm_string(p, &g.comm)
+        ),
         Node::GatheredGemmLaunch(g) => format!(
             "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{} )",
             tensor_string(f, g.output),

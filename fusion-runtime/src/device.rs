@@ -465,6 +465,27 @@ pub trait Device: Send + Sync {
         let _ = (stream, call);
         Ok(false)
     }
+    /// Whether programs for this device may hold fused GEMM + ReduceScatters
+    /// (`LowerOptions::pipelines.scattered_gemm`): where the device runs them as one kernel
+    /// (given a world whose ranks reach each other's memory), or runs the GEMM, then the
+    /// ReduceScatter (the CPU backend, so that every test checks the fused programs). No by
+    /// default.
+    fn runs_scattered_gemm(&self) -> bool {
+        false
+    }
+    /// Launches `call` on `stream` as one kernel that adds each tile of the product into
+    /// its owner's output over `links` (`Ok(true)`); `Ok(false)` where the device has no
+    /// such kernel or the call does not fit it (the evaluator runs the GEMM, then the
+    /// ReduceScatter).
+    fn launch_scattered_gemm(
+        &self,
+        stream: StreamHandle,
+        call: &ScatteredGemmCall<'_>,
+        links: &ScatterLinks,
+    ) -> Result<bool> {
+        let _ = (stream, call, links);
+        Ok(false)
+    }
     /// On `stream`: ready word `word` (`block * pieces + piece`, see
     /// [`GatheredGemmCall::pieces`]) of the gathered GEMM `id` this device launched: those
     /// rows have landed (the kernel may read them from now on).
@@ -498,6 +519,44 @@ pub struct GatheredGemmCall<'a> {
     /// Row ranges per block, each with its own ready word (1: whole blocks).
     pub pieces: usize,
 }
+
+/// A fused GEMM + ReduceScatter (`Node::GemmReduceScatter`) as a device launches it:
+/// rank `rank` of `world` computes its partial product `a @ b` (`[m, k] @ [k, n]`) and the
+/// sum over ranks of rows `[rank m / world, (rank + 1) m / world)` lands in `output`.
+#[derive(Clone, Copy, Debug)]
+pub struct ScatteredGemmCall<'a> {
+    /// `[m, k]`: this rank's columns of A.
+    pub a: &'a Tensor,
+    /// `[k, n]`: this rank's rows of B.
+    pub b: &'a Tensor,
+    /// `[m / world, n]`: this rank's rows of the sum.
+    pub output: &'a Tensor,
+    /// This rank.
+    pub rank: usize,
+    /// The ranks, one row block each.
+    pub world: usize,
+}
+
+/// Where the ranks of a world meet for a fused GEMM + ReduceScatter: device addresses,
+/// as mapped on this rank, of every rank's words in its peer-memory workspace (a world
+/// whose ranks reach each other's memory hands them out:
+/// [`crate::comm::Communicator::scatter_links`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScatterLinks {
+    /// Per rank: its output-address slot (u64 address, u32 epoch).
+    pub slots: [u64; SCATTER_MAX_RANKS],
+    /// Per rank: its u32 `ready` counters, one per source rank.
+    pub ready: [u64; SCATTER_MAX_RANKS],
+    /// Per rank: its u32 `done` counters, one per source rank.
+    pub done: [u64; SCATTER_MAX_RANKS],
+    /// This rank's u32 count of calls so far.
+    pub calls: u64,
+    /// This rank's u32 count of a call's blocks past their last wait.
+    pub arrived: u64,
+}
+
+/// The most ranks a fused GEMM + ReduceScatter spans (`MAXR` of the kernel).
+pub const SCATTER_MAX_RANKS: usize = 8;
 
 /// The call life cycle of a device with streams (CUDA): the thread that drives it, memory
 /// other processes write into, the caller's stream at both ends of a walk or a replay,

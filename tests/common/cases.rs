@@ -317,7 +317,11 @@ pub fn reshard_send_recv(from: &[usize], to: &[usize]) -> Fusion {
 /// GEMM + ReduceScatter as a P2P pipeline: each device's partial product, chunked by
 /// destination along a Stream axis, summed over the DIDx axis into a DIDx-sharded result.
 pub fn matmul_rs_p2p() -> Fusion {
-    let dt = F32();
+    matmul_rs_p2p_in(F32())
+}
+
+/// [`matmul_rs_p2p`] in `dt`.
+pub fn matmul_rs_p2p_in(dt: DType) -> Fusion {
     let mut b = FusionBuilder::new();
     let ta = axes(&mut b, &[("d", Dx), ("d", S), ("m", S), ("k", S)]);
     let tb = axes(&mut b, &[("d", Dx), ("k", S), ("n", S)]);

@@ -478,3 +478,24 @@ pub fn unpipelined() -> ExecOptions {
         ..ExecOptions::default()
     }
 }
+
+/// A CUDA world of `n` GPUs, or `None` (skipping, saying so) where fewer are visible;
+/// `poisoned`: its allocations are filled with NaN first, so outputs left unwritten show.
+pub fn gpu_world(n: usize, poisoned: bool) -> Option<World> {
+    if fusion::runtime::backend::cuda::device_count() < n {
+        eprintln!("skipping: fewer than {n} GPUs visible");
+        return None;
+    }
+    let world = fusion::runtime::backend::cuda::cuda_world(Some(n)).expect("a CUDA world");
+    world.poison_allocations(poisoned);
+    Some(world)
+}
+
+/// The replay statuses of calls 0.. of one program on a rank of one process: the first
+/// walked, the second captured, every later one replayed.
+pub fn assert_walked_captured_replayed(s: &[fusion::runtime::replay::ReplayStatus]) {
+    use fusion::runtime::replay::{EagerReason, ReplayStatus};
+    assert_eq!(s[0], ReplayStatus::Eager(EagerReason::FirstCall), "{s:?}");
+    assert!(matches!(s[1], ReplayStatus::Captured(_)), "{s:?}");
+    assert!(s[2..].iter().all(|x| *x == ReplayStatus::Replayed), "{s:?}");
+}

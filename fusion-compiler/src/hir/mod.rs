@@ -264,6 +264,20 @@ impl GemmAllreduce {
     }
 }
 
+/// `comm.output = ReduceScatter(gemm)` as one kernel per rank: a persistent GEMM whose
+/// epilogue adds each finished tile of its partial product into the rank that owns the
+/// tile's rows (`lower::gemm_reduce_scatter`). The product (`gemm.output`, the
+/// ReduceScatter's input) is never stored whole; a device without the kernel runs the GEMM,
+/// then the ReduceScatter.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GemmReduceScatter {
+    /// A plain product `[m, k] @ [k, n]` (no epilogue, bias or accumulation).
+    pub gemm: Expr,
+    /// The summing ReduceScatter of the product over the whole world, rank j receiving rows
+    /// [j m / D, (j + 1) m / D) of it.
+    pub comm: Communication,
+}
+
 /// One instruction of a host program.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Node {
@@ -340,6 +354,8 @@ pub enum Node {
     },
     /// A GEMM and the Allreduce of its product as one kernel, on the current stream.
     GemmAllreduce(GemmAllreduce),
+    /// A GEMM and the ReduceScatter of its product as one kernel, on the current stream.
+    GemmReduceScatter(GemmReduceScatter),
 }
 
 /// The kind of a node, for structure checks (compute ops are told apart by their op).
@@ -375,11 +391,12 @@ pub enum NodeKind {
     RowsReady,
     GatheredGemmJoin,
     GemmAllreduce,
+    GemmReduceScatter,
 }
 
 impl NodeKind {
     /// Every kind, in declaration order (`kind as usize` indexes it).
-    pub const ALL: [NodeKind; 30] = [
+    pub const ALL: [NodeKind; 31] = [
         NodeKind::Allocate,
         NodeKind::Deallocate,
         NodeKind::ForLoop,
@@ -410,6 +427,7 @@ impl NodeKind {
         NodeKind::RowsReady,
         NodeKind::GatheredGemmJoin,
         NodeKind::GemmAllreduce,
+        NodeKind::GemmReduceScatter,
     ];
 }
 
@@ -436,6 +454,7 @@ impl Node {
             Node::RowsReady { .. } => NodeKind::RowsReady,
             Node::GatheredGemmJoin { .. } => NodeKind::GatheredGemmJoin,
             Node::GemmAllreduce(_) => NodeKind::GemmAllreduce,
+            Node::GemmReduceScatter(_) => NodeKind::GemmReduceScatter,
             Node::Compute(e) => match e.op {
                 Op::Set => NodeKind::Set,
                 Op::Unary(_) => NodeKind::Unary,
@@ -485,6 +504,13 @@ impl Node {
                 .copied()
                 .chain(g.addend())
                 .chain([g.result()])
+                .collect(),
+            Node::GemmReduceScatter(g) => g
+                .gemm
+                .inputs
+                .iter()
+                .copied()
+                .chain([g.comm.output])
                 .collect(),
             _ => vec![],
         }

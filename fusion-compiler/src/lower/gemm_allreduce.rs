@@ -20,10 +20,12 @@
 //! same bits (the sum is rounded to the element type before the add, as the two ops
 //! apart do).
 
-use super::plain_gemm;
+use super::gemm_collective::{
+    fuse, gemm_then_collective, local_extents, read_only_there, rewrite_each, Found,
+};
 use crate::dtype::DType;
 use crate::hir::{CommunicationKind, GemmAllreduce, HostProgram, Node, Transport};
-use crate::ir::{BinaryOp, IterKind, Op, ParallelType, ReduceOp, ScalarId, TensorId};
+use crate::ir::{BinaryOp, IterKind, Op, ParallelType, ScalarId, TensorId};
 
 /// Output columns of one tile of the kernel.
 pub const GEMM_ALLREDUCE_TILE_COLUMNS: i64 = 64;
@@ -77,51 +79,18 @@ pub fn choose_gemm_allreduce(
     enabled: bool,
     extent: &dyn Fn(ScalarId) -> Option<i64>,
 ) {
-    if !enabled {
-        return;
+    if enabled {
+        rewrite_each(program, &|p, at| find(p, at, extent), &rewrite);
     }
-    let mut at = 0;
-    while at < program.body.len() {
-        match find(program, at, extent) {
-            Some(found) => rewrite(program, at, found),
-            None => at += 1,
-        }
-    }
-}
-
-/// A GEMM at the top level and the Allreduce of its product after it.
-struct Found {
-    /// Position of the Allreduce.
-    comm_at: usize,
-    /// Rows, contracted, columns.
-    shape: [i64; 3],
 }
 
 /// The GEMM + Allreduce whose GEMM is at `at`, if the kernel takes it.
 fn find(p: &HostProgram, at: usize, extent: &dyn Fn(ScalarId) -> Option<i64>) -> Option<Found> {
-    let Node::Compute(gemm) = &p.body[at] else {
-        return None;
-    };
-    if !plain_gemm(gemm) {
+    let pair = gemm_then_collective(p, at, CommunicationKind::Allreduce)?;
+    if pair.comm.transport != Transport::PeerMemory {
         return None;
     }
-    let product = gemm.output;
-    let world: Vec<usize> = (0..p.world_size).collect();
-    let comm_at = (at + 1..p.body.len()).find(|&i| p.body[i].tensors().contains(&product))?;
-    let Node::Communication(c) = &p.body[comm_at] else {
-        return None;
-    };
-    let summed = c.kind == CommunicationKind::Allreduce
-        && c.reduce_op == Some(ReduceOp::Sum)
-        && c.transport == Transport::PeerMemory
-        && c.input == product
-        && c.team == world
-        && c.mesh == world
-        && c.root.is_none();
-    if !summed || !read_only_there(p, product, at, comm_at) {
-        return None;
-    }
-    let (a, b) = (gemm.inputs[0], gemm.inputs[1]);
+    let (a, b) = (pair.gemm.inputs[0], pair.gemm.inputs[1]);
     let [m, k] = local_extents(p, a, extent)?[..] else {
         return None;
     };
@@ -129,88 +98,25 @@ fn find(p: &HostProgram, at: usize, extent: &dyn Fn(ScalarId) -> Option<i64>) ->
         return None;
     };
     let dtype = p.ir.tensor(a).dtype;
-    let same = [b, product, c.output]
-        .iter()
-        .all(|&t| p.ir.tensor(t).dtype == dtype);
-    (k == k2 && same && gemm_allreduce_fits(m, k, n, dtype, p.world_size)).then_some(Found {
-        comm_at,
+    (k == k2 && gemm_allreduce_fits(m, k, n, dtype, p.world_size)).then_some(Found {
+        comm_at: pair.comm_at,
         shape: [m, k, n],
     })
 }
 
-/// Whether nothing but the GEMM at `gemm_at`, the Allreduce at `comm_at` and allocations
-/// mention `product`, and the program neither takes nor returns it.
-fn read_only_there(p: &HostProgram, product: TensorId, gemm_at: usize, comm_at: usize) -> bool {
-    let pinned = p.inputs.contains(&product)
-        || p.outputs.contains(&product)
-        || p.aliases.iter().any(|&(o, i)| o == product || i == product);
-    let mut elsewhere = false;
-    for (i, n) in p.body.iter().enumerate() {
-        if i == gemm_at
-            || i == comm_at
-            || matches!(n, Node::Allocate { .. } | Node::Deallocate { .. })
-        {
-            continue;
-        }
-        crate::hir::for_each_node(std::slice::from_ref(n), &mut |m| {
-            elsewhere |= m.tensors().contains(&product);
-        });
-    }
-    !pinned && !elsewhere
-}
-
-/// The extents of the axes a rank holds of `t` (not reduction or DIDx axes) at the call's
-/// extents; `None` when one is unknown.
-fn local_extents(
-    p: &HostProgram,
-    t: TensorId,
-    extent: &dyn Fn(ScalarId) -> Option<i64>,
-) -> Option<Vec<i64>> {
-    p.ir.tensor(t)
-        .axes
-        .iter()
-        .map(|&a| p.ir.iter_domain(a))
-        .filter(|d| d.kind != IterKind::Reduction && d.parallel != ParallelType::DIDx)
-        .map(|d| p.ir.evaluate(d.extent, extent))
-        .collect()
-}
-
-/// Puts one [`Node::GemmAllreduce`] where the Allreduce was, removes the GEMM and every
-/// allocation of the product, moves the deallocations of the GEMM's operands that stood
-/// between the two (an operand the program computed, freed once the GEMM had read it) after
-/// the new node, which now reads them, and notes it.
+/// Puts one [`Node::GemmAllreduce`] where the Allreduce was (see [`fuse`]), notes it, and
+/// takes a residual add of the sum after it into the node where it can.
 fn rewrite(p: &mut HostProgram, gemm_at: usize, found: Found) {
-    let Node::Communication(comm) = p.body[found.comm_at].clone() else {
+    let Node::Communication(comm) = &p.body[found.comm_at] else {
         return;
     };
-    let Node::Compute(gemm) = p.body.remove(gemm_at) else {
-        return;
-    };
-    let product = gemm.output;
-    let mut comm_at = found.comm_at - 1;
-    let operands = gemm.inputs.clone();
-    let mut freed = Vec::new();
-    let mut i = gemm_at;
-    while i < comm_at {
-        match &p.body[i] {
-            Node::Deallocate { tensor } if operands.contains(tensor) => {
-                freed.push(p.body.remove(i));
-                comm_at -= 1;
-            }
-            _ => i += 1,
-        }
-    }
     let output = comm.output;
-    p.body[comm_at] = Node::GemmAllreduce(GemmAllreduce {
-        gemm,
-        comm,
-        residual: None,
-    });
-    for (j, node) in freed.into_iter().enumerate() {
-        p.body.insert(comm_at + 1 + j, node);
-    }
-    p.body.retain(|n| {
-        !matches!(n, Node::Allocate { tensor } | Node::Deallocate { tensor } if *tensor == product)
+    fuse(p, gemm_at, found.comm_at, |gemm, comm| {
+        Node::GemmAllreduce(GemmAllreduce {
+            gemm,
+            comm,
+            residual: None,
+        })
     });
     let [m, k, n] = found.shape;
     p.notes.push(format!(

@@ -11,12 +11,16 @@
 //!    `FuseEpilogue`, `FuseElementwise`, `InsertDeallocations` (each can be disabled by
 //!    name).
 //! 5. Put small collectives of the whole world on peer memory (`peer_memory`), make
-//!    copy-engine AllGather + GEMM loops one persistent GEMM where asked (`gathered_gemm`),
-//!    and keep the copy-stream choice in a program with copy-engine transfers.
+//!    decode GEMM + Allreduce pairs one kernel (`gemm_allreduce`), GEMM + ReduceScatter
+//!    pairs one persistent GEMM (`gemm_reduce_scatter`) and copy-engine AllGather + GEMM
+//!    loops one persistent GEMM (`gathered_gemm`) where asked, and keep the copy-stream
+//!    choice in a program with copy-engine transfers.
 //! 6. Verify that nothing left in the program still needs a communication.
 
 mod gathered_gemm;
 mod gemm_allreduce;
+mod gemm_collective;
+mod gemm_reduce_scatter;
 mod insert_reshardings;
 mod peer_memory;
 mod permutes;
@@ -39,6 +43,7 @@ pub use gemm_allreduce::{
     choose_gemm_allreduce, gemm_allreduce_fits, gemm_allreduce_flag_beside_rows,
     gemm_allreduce_parts, GEMM_ALLREDUCE_TILE_COLUMNS,
 };
+pub use gemm_reduce_scatter::{choose_gemm_reduce_scatter, gemm_reduce_scatter_fits};
 use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};
 pub use peer_memory::{
@@ -49,7 +54,7 @@ pub use pipelining::PipelineDecision;
 
 /// A lowered program and the dumps recorded while lowering it.
 /// Whether `e` is a plain product of two operands (no epilogue, bias or accumulation): what
-/// the fused GEMMs of `gathered_gemm` and `gemm_allreduce` compute.
+/// the fused GEMMs of `gathered_gemm`, `gemm_allreduce` and `gemm_reduce_scatter` compute.
 fn plain_gemm(e: &crate::ir::Expr) -> bool {
     let plain = match &e.op {
         Op::Matmul => true,
@@ -112,6 +117,7 @@ pub fn lower_for_shapes(
     let dumps = manager.run(&mut program, &pctx)?;
     choose_peer_memory(&mut program, pctx.options.transports.peer_memory, extent);
     choose_gemm_allreduce(&mut program, pctx.options.transports.gemm_allreduce, extent);
+    choose_gemm_reduce_scatter(&mut program, pctx.options.pipelines.scattered_gemm, extent);
     choose_gathered_gemm(
         &mut program,
         pctx.options.pipelines.gathered_gemm,

@@ -215,6 +215,7 @@ mod tests {
         crate::hir::for_each_node(&p.body, &mut |n| match n {
             Node::Communication(c) => out.push(c.transport),
             Node::GemmAllreduce(g) => out.push(g.comm.transport),
+            Node::GemmReduceScatter(g) => out.push(g.comm.transport),
             _ => {}
         });
         out

@@ -13,7 +13,8 @@ mod default_world;
 pub use crate::device::{
     capture_arena_bytes, BackendKind, CallerCapture, CallerStream, Device, DeviceGraph,
     DeviceLifecycle, DeviceMemory, Discrepancy, GatheredGemmCall, GemmEngine, HandedOut, Kernel,
-    PointwiseInstr, PointwiseProgram, RowInstr, RowPass, RowProgram, CAPTURE_ARENA_ALIGN,
+    PointwiseInstr, PointwiseProgram, RowInstr, RowPass, RowProgram, ScatterLinks,
+    ScatteredGemmCall, CAPTURE_ARENA_ALIGN, SCATTER_MAX_RANKS,
 };
 pub use crate::streams::{StreamHandle, StreamLayout};
 

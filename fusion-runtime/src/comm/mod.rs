@@ -30,7 +30,7 @@ pub use capabilities::{is_peer_copy, Capabilities, KeptReceives, PeerCopies};
 
 use fusion_compiler::hir::{Communication, CopyStreams, Transport};
 
-use crate::device::StreamHandle;
+use crate::device::{ScatterLinks, StreamHandle};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -94,6 +94,12 @@ pub trait Communicator: Send + Sync {
         _output: &Tensor,
     ) -> Result<bool> {
         Ok(false)
+    }
+    /// Where this rank meets its peers for a fused GEMM + ReduceScatter
+    /// ([`crate::device::Device::launch_scattered_gemm`]): `Some` only in a world whose
+    /// ranks all run in this process, with peer access to each other's memory.
+    fn scatter_links(&self) -> Option<ScatterLinks> {
+        None
     }
     /// Sends `buf` to `peer` over `transport`, the one the program names (lowered onto
     /// what the world has, [`Capabilities::lowering`]; a communicator carries it out and

@@ -9,7 +9,8 @@
 //!
 //! [`Communicator::gemm_allreduce`]: crate::comm::Communicator::gemm_allreduce
 
-use fusion_compiler::hir::GemmAllreduce;
+use fusion_compiler::hir::{Communication, GemmAllreduce};
+use fusion_compiler::ir::Expr;
 
 use super::evaluator::Evaluator;
 use crate::error::Result;
@@ -46,12 +47,7 @@ impl Evaluator<'_> {
     /// The GEMM into a buffer of its own, the Allreduce of it, the buffer's release; then
     /// the residual add, if any, from a buffer of its own for the sum.
     fn unfused(&mut self, g: &GemmAllreduce) -> Result<()> {
-        let start = self.mark()?;
-        self.compute(&g.gemm)?;
-        self.record_access(&g.gemm.inputs, &[g.gemm.output])?;
-        self.traced(start, &g.gemm.op.name(), false)?;
-        self.communication(&g.comm)?;
-        self.deallocate(g.gemm.output);
+        self.gemm_then_collective(&g.gemm, &g.comm)?;
         if let Some(add) = &g.residual {
             if let Some(&s) = self.comm_streams.get(&g.comm.id) {
                 self.wait_for(s)?;
@@ -62,6 +58,18 @@ impl Evaluator<'_> {
             self.traced(start, &add.op.name(), false)?;
             self.deallocate(g.comm.output);
         }
+        Ok(())
+    }
+
+    /// What a fused GEMM + collective node replaced, where no kernel runs it: the GEMM into
+    /// a buffer of its own, the collective of it, the buffer's release.
+    pub(super) fn gemm_then_collective(&mut self, gemm: &Expr, comm: &Communication) -> Result<()> {
+        let start = self.mark()?;
+        self.compute(gemm)?;
+        self.record_access(&gemm.inputs, &[gemm.output])?;
+        self.traced(start, &gemm.op.name(), false)?;
+        self.communication(comm)?;
+        self.deallocate(gemm.output);
         Ok(())
     }
 }

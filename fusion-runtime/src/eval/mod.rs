@@ -17,6 +17,7 @@ mod compute;
 mod evaluator;
 mod gathered_gemm;
 mod gemm_allreduce;
+mod gemm_reduce_scatter;
 mod launched_gemm;
 pub mod race;
 mod rows;

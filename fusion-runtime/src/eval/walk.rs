@@ -186,6 +186,7 @@ impl<'a> Evaluator<'a> {
             Node::RowsReady { id, block, piece } => self.rows_ready(*id, *block, *piece)?,
             Node::GatheredGemmJoin { id } => self.gathered_gemm_join(*id)?,
             Node::GemmAllreduce(g) => self.gemm_allreduce(g)?,
+            Node::GemmReduceScatter(g) => self.gemm_reduce_scatter(g)?,
         }
         Ok(())
     }

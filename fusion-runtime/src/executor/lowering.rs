@@ -68,7 +68,10 @@ impl Lowered {
         for_each_node(&program.body, &mut |n| {
             communicates |= matches!(
                 n,
-                Node::Communication(_) | Node::P2P(_) | Node::GemmAllreduce(_)
+                Node::Communication(_)
+                    | Node::P2P(_)
+                    | Node::GemmAllreduce(_)
+                    | Node::GemmReduceScatter(_)
             );
         });
         let fingerprint = communicates.then(|| {
@@ -306,8 +309,15 @@ impl ProgramCache {
         // The fused AllGather + GEMM where the device runs its kernel (in one process, and
         // in a world of several, where the peers push the blocks into receive buffers
         // they reach through CUDA IPC).
-        let runs = rank.device().runs_gathered_gemm(options.gemm);
-        let lower = gathered_gemm_where_run(lower, runs);
+        // The fused GEMM + ReduceScatter where the device runs it: the CPU backend always
+        // (the GEMM, then the ReduceScatter), a GPU in a world whose ranks reach each
+        // other's memory.
+        let runs = FusedGemms {
+            gathered: rank.device().runs_gathered_gemm(options.gemm),
+            scattered: rank.device().runs_scattered_gemm()
+                && (rank.backend() == BackendKind::Cpu || communicator.scatter_links().is_some()),
+        };
+        let lower = fused_gemms_where_run(lower, runs);
         let key = CacheKey {
             dtypes,
             symbols: symbols.entries(),
@@ -353,17 +363,31 @@ impl ProgramCache {
     }
 }
 
-/// `lower` without fused AllGather+GEMMs where the rank's device does not run them with the
-/// call's GEMM engine (`runs`: [`Device::runs_gathered_gemm`]), so that the program says what
-/// runs; a plan candidate that asks for them then lowers to the program without them.
+/// Which fused GEMMs a rank's device runs for a call: AllGather + GEMM
+/// ([`Device::runs_gathered_gemm`] with the call's GEMM engine) and GEMM + ReduceScatter
+/// ([`Device::runs_scattered_gemm`], in a world that links its ranks).
 ///
 /// [`Device::runs_gathered_gemm`]: crate::device::Device::runs_gathered_gemm
-fn gathered_gemm_where_run(lower: Cow<'_, LowerOptions>, runs: bool) -> Cow<'_, LowerOptions> {
-    if !lower.pipelines.gathered_gemm || runs {
+/// [`Device::runs_scattered_gemm`]: crate::device::Device::runs_scattered_gemm
+#[derive(Clone, Copy, Debug)]
+struct FusedGemms {
+    gathered: bool,
+    scattered: bool,
+}
+
+/// `lower` without the fused GEMMs the rank's device does not run (`runs`), so that the
+/// program says what runs; a plan candidate that asks for them then lowers to the program
+/// without them.
+fn fused_gemms_where_run(lower: Cow<'_, LowerOptions>, runs: FusedGemms) -> Cow<'_, LowerOptions> {
+    let p = &lower.pipelines;
+    let drop_gathered = p.gathered_gemm && !runs.gathered;
+    let drop_scattered = p.scattered_gemm && !runs.scattered;
+    if !drop_gathered && !drop_scattered {
         return lower;
     }
     let mut o = lower.into_owned();
-    o.pipelines.gathered_gemm = false;
+    o.pipelines.gathered_gemm &= !drop_gathered;
+    o.pipelines.scattered_gemm &= !drop_scattered;
     Cow::Owned(o)
 }
 
@@ -382,18 +406,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn gathered_gemms_are_lowered_only_where_the_device_runs_them() {
+    fn fused_gemms_are_lowered_only_where_the_device_runs_them() {
+        let runs = |gathered, scattered| FusedGemms {
+            gathered,
+            scattered,
+        };
         let mut asked = LowerOptions::default();
         asked.pipelines.gathered_gemm = true;
+        asked.pipelines.scattered_gemm = true;
         assert!(matches!(
-            gathered_gemm_where_run(Cow::Borrowed(&asked), true),
-            Cow::Borrowed(o) if o.pipelines.gathered_gemm
+            fused_gemms_where_run(Cow::Borrowed(&asked), runs(true, true)),
+            Cow::Borrowed(o) if o.pipelines.gathered_gemm && o.pipelines.scattered_gemm
         ));
-        let dropped = gathered_gemm_where_run(Cow::Borrowed(&asked), false);
+        let dropped = fused_gemms_where_run(Cow::Borrowed(&asked), runs(false, false));
         assert_eq!(*dropped, LowerOptions::default());
+        let only_scattered = fused_gemms_where_run(Cow::Borrowed(&asked), runs(false, true));
+        assert!(!only_scattered.pipelines.gathered_gemm && only_scattered.pipelines.scattered_gemm);
+        let only_gathered = fused_gemms_where_run(Cow::Borrowed(&asked), runs(true, false));
+        assert!(only_gathered.pipelines.gathered_gemm && !only_gathered.pipelines.scattered_gemm);
         let plain = LowerOptions::default();
         assert!(matches!(
-            gathered_gemm_where_run(Cow::Borrowed(&plain), false),
+            fused_gemms_where_run(Cow::Borrowed(&plain), runs(false, false)),
             Cow::Borrowed(_)
         ));
     }

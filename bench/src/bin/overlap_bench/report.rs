@@ -114,6 +114,7 @@ pub fn is_option_of_the_fusion(variant: &str) -> bool {
         || variant == "default_call"
         || variant.starts_with("p2p_")
         || variant.starts_with("gathered_gemm_persistent")
+        || variant == "scattered_gemm_persistent"
 }
 
 /// Rank 0's timeline of a traced call: each communication and kernel with its stream,

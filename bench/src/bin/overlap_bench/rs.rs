@@ -3,7 +3,7 @@
 //! P2P pipelines (direct and ring, with row ranges), over NCCL or the copy engines.
 
 use fusion::compiler::hir::Transport;
-use fusion::compiler::lower::ReduceScatterPipeline;
+use fusion::compiler::lower::{Pipelining, ReduceScatterPipeline};
 use fusion::runtime::backend::Kernel;
 use fusion::{Rank, Result, Tensor};
 use fusion_bench::cli::list;
@@ -142,6 +142,15 @@ pub fn run_rs(
     let o = opts(d, Transport::Nccl, true, true);
     let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
     out.push((format!("p2p_nccl_n{d}"), s));
+    // The fused GEMM + ReduceScatter (the plan candidate `scattered_gemm`): one persistent
+    // Hopper GEMM per rank whose storer warps add each tile into its owner's output (where
+    // the device runs that kernel in a world of one process; elsewhere this is the
+    // sequential program).
+    let mut o = seq_o.clone();
+    o.lower = o.lower.with_pipelining(Pipelining::Never);
+    o.lower.pipelines.scattered_gemm = true;
+    let (s, _) = variant(rank, a, &e.rs_p2p, &[&a4, &b_local], &o, check)?;
+    out.push(("scattered_gemm_persistent".into(), s));
     let _ = k;
     Ok(out)
 }

@@ -344,3 +344,30 @@ fn seed_rows() {
         }
     }
 }
+
+/// The seed rows' GEMM + ReduceScatter as one persistent GEMM (`scattered_gemm`): the
+/// same GEMM and ReduceScatter as the unpipelined program's, overlapped.
+#[test]
+fn a_scattered_gemm_overlaps_its_reduce_scatter() {
+    let whole = LowerOptions::default().with_pipelining(Pipelining::Never);
+    let mut scattered = whole.clone();
+    scattered.pipelines.scattered_gemm = true;
+    for d in [2, 4] {
+        for shape in SEEDS {
+            let case = gemm_rs(d, shape);
+            let program = lowered(&case, &scattered);
+            assert!(
+                (program.top_level_kinds()).contains(&crate::hir::NodeKind::GemmReduceScatter),
+                "{program}"
+            );
+            let (fused, apart) = (estimate_of(&case, &program), with(&case, &whole));
+            let what = format!("{shape:?} on {d}: {fused:?} vs {apart:?}");
+            assert!(close(fused.gemm_seconds, apart.gemm_seconds), "{what}");
+            assert!(close(fused.comm_seconds, apart.comm_seconds), "{what}");
+            let (g, c) = (fused.gemm_seconds, fused.comm_seconds);
+            let want = g.max(c) + SCATTERED_GEMM_OVERLAP_LOSS * g.min(c);
+            assert!(close(fused.seconds, want), "{what}");
+            assert!(fused.seconds < apart.seconds, "{what}");
+        }
+    }
+}

@@ -84,6 +84,11 @@ impl Device for CpuDevice {
         true
     }
 
+    /// The GEMM, then the ReduceScatter: every test checks programs with the fused node.
+    fn runs_scattered_gemm(&self) -> bool {
+        true
+    }
+
     /// The CPU's memory is the process's: nothing of its own to report.
     fn memory(&self) -> Result<Option<crate::device::DeviceMemory>> {
         Ok(None)

@@ -22,7 +22,7 @@ use super::stream::RawStream;
 use super::{graph, health::WorldHealth};
 use crate::device::{
     BackendKind, CallerStream, Device, DeviceLifecycle, DeviceMemory, GatheredGemmCall, GemmEngine,
-    Kernel, StreamHandle,
+    Kernel, ScatterLinks, ScatteredGemmCall, StreamHandle,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -644,6 +644,19 @@ impl Device for CudaDevice {
 
     fn gathered_rows_ready(&self, s: StreamHandle, id: usize, word: usize) -> Result<()> {
         gemm::gathered_rows_ready(self, s, id, word)
+    }
+
+    fn runs_scattered_gemm(&self) -> bool {
+        gemm::runs_scattered(self)
+    }
+
+    fn launch_scattered_gemm(
+        &self,
+        s: StreamHandle,
+        call: &ScatteredGemmCall<'_>,
+        links: &ScatterLinks,
+    ) -> Result<bool> {
+        gemm::launch_scattered(self, s, call, links)
     }
 
     fn set_gemm_engine(&self, engine: GemmEngine) {

@@ -19,7 +19,10 @@ mod stream_blas;
 mod word_hash;
 
 pub(crate) use args::{gemm_kernel, GemmArgs};
-pub(crate) use hopper::{gathered_rows_ready, launch_gathered, runs_gathered, HopperGemms};
+pub(crate) use hopper::{
+    gathered_rows_ready, launch_gathered, launch_scattered, runs_gathered, runs_scattered,
+    HopperGemms,
+};
 pub(crate) use stream_blas::StreamBlas;
 
 use std::ffi::c_void;

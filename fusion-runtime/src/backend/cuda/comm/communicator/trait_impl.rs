@@ -9,7 +9,7 @@ use fusion_compiler::hir::{Communication, Transport};
 
 use super::{Collective, CudaCommunicator, Group};
 use crate::comm::{CallStart, Capabilities, CommLifecycle, Communicator};
-use crate::device::StreamHandle;
+use crate::device::{ScatterLinks, StreamHandle};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -35,6 +35,10 @@ impl Communicator for CudaCommunicator {
             input,
             output,
         })
+    }
+
+    fn scatter_links(&self) -> Option<ScatterLinks> {
+        self.peer_memory.as_ref()?.scatter_links()
     }
 
     fn gemm_allreduce(

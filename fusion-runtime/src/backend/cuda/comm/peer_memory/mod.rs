@@ -45,6 +45,7 @@ use fusion_compiler::DType;
 use crate::backend::cuda::device::CudaDevice;
 use crate::backend::cuda::health::WorldHealth;
 use crate::backend::cuda::stream::RawStream;
+use crate::device::{ScatterLinks, SCATTER_MAX_RANKS};
 use crate::error::{Error, Result};
 pub(crate) use status::WaitStatus;
 pub(crate) use workspace::{MappedWorkspace, Workspace, DATA_OFFSET};
@@ -60,6 +61,13 @@ const GEMM_SOURCE: &str = include_str!("gemm_allreduce.cu");
 const GEMM_STAGE_BYTES: u32 = 64 * 64 * 2;
 const GEMM_X_STAGE_BYTES_PER_TILE: u32 = 16 * 64 * 2;
 const GEMM_STAGES: u32 = 8;
+
+/// Byte of a workspace where the fused GEMM + ReduceScatter's words start (past the
+/// flags, counters and buffer packets of `source.cu`, which end at byte 40960; zeroed with
+/// them by `Workspace::reset_flags`): the output-address slot (16 bytes), at 64 the u32
+/// `ready` counters and at 128 the `done` counters (one per source rank), at 192 the
+/// count of calls and at 196 of a call's blocks done.
+const SCATTER_AT: u64 = 40960;
 
 /// The most blocks of a peer-memory kernel (`GMAX` of `source.cu`).
 const MAX_GRID: usize = 128;
@@ -326,6 +334,26 @@ impl PeerMemory {
         })
     }
 
+    /// Where the ranks meet for a fused GEMM + ReduceScatter (`gemm.cu`'s `RsArgs`): their
+    /// words at [`SCATTER_AT`] of each workspace. Only in a world of one process, where
+    /// the kernel reaches every rank's output.
+    pub(crate) fn scatter_links(&self) -> Option<ScatterLinks> {
+        if !self.direct || self.world_size > SCATTER_MAX_RANKS {
+            return None;
+        }
+        let mut links = ScatterLinks::default();
+        for (q, &ws) in self.peers.0.iter().enumerate().take(self.world_size) {
+            let at = ws + SCATTER_AT;
+            links.slots[q] = at;
+            links.ready[q] = at + 64;
+            links.done[q] = at + 128;
+        }
+        let mine = self.peers.0[self.rank] + SCATTER_AT;
+        links.calls = mine + 192;
+        links.arrived = mine + 196;
+        Some(links)
+    }
+
     /// The kernels' control words: the wait status, the world's timeout, the layout.
     fn ctl(&self) -> Ctl {
         Ctl {
@@ -585,6 +613,9 @@ mod tests {
         assert!((blocks * ranks + 2 * blocks) * 4 <= at * 8);
         // Two 16-byte packets per block and sending rank.
         assert!(at * 8 + 32 * blocks * ranks <= DATA_OFFSET);
+        // The fused GEMM + ReduceScatter's words come after them, before the data.
+        assert!(at * 8 + 32 * blocks * ranks <= SCATTER_AT as usize);
+        assert!(SCATTER_AT as usize + 200 <= DATA_OFFSET);
     }
 
     #[test]

@@ -85,14 +85,17 @@ impl Drop for GatheredState {
     }
 }
 
-/// The status word of a device's gathered GEMMs: the kernel's `error` (1 + the block a wait
-/// gave up on), in pinned host memory the host reads and writes without a driver call.
+/// The status word of a device's gathered (or scattered) GEMMs: the kernel's `error` (1 +
+/// the block or rank a wait gave up on), in pinned host memory the host reads and writes
+/// without a driver call.
 #[derive(Debug)]
 pub(crate) struct AgStatus {
     rank: usize,
     host: *mut u32,
-    device: u64,
+    pub(super) device: u64,
     timeout_s: f64,
+    /// What a wait of rank `v - 1` was for, said in a timeout.
+    waited_for: fn(u32) -> String,
 }
 
 // SAFETY: one pinned word read and written with volatile accesses by the host and the
@@ -118,12 +121,7 @@ impl SelfTimedWaits for AgStatus {
         if v == 0 || v == RELEASED {
             return None;
         }
-        let what = format!(
-            "the gathered GEMM waiting for rank {}'s rows (device-side; the copy of that \
-             block never landed: the peer failed, hangs, or runs another program)",
-            v - 1
-        );
-        Some((self.rank, what, self.timeout_s))
+        Some((self.rank, (self.waited_for)(v - 1), self.timeout_s))
     }
 
     fn release(&self, on: bool) {
@@ -275,7 +273,7 @@ fn plan_of(call: &GatheredGemmCall<'_>) -> Option<(Plan, MapView)> {
 
 /// The rules' request for `a @ b` into `dst`, each given as (shape, strides, address), of
 /// `like`'s dtype, with no extras.
-fn request<'a>(
+pub(super) fn request<'a>(
     like: &Tensor,
     a: (&'a [usize], &'a [isize], u64),
     b: (&'a [usize], &'a [isize], u64),
@@ -347,19 +345,35 @@ fn words_of(dev: &dyn GemmDevice, id: usize, stream: RawStream) -> Result<Option
 
 /// The device's status word, made (and watched by the world's health) at its first use.
 fn status_of(dev: &dyn GemmDevice) -> Result<Arc<AgStatus>> {
-    let state = &dev.hopper().gathered;
-    if let Some(s) = state.status.get() {
+    let waited_for = |peer| {
+        format!(
+            "the gathered GEMM waiting for rank {peer}'s rows (device-side; the copy of that \
+             block never landed: the peer failed, hangs, or runs another program)"
+        )
+    };
+    status_in(dev, &dev.hopper().gathered.status, waited_for)
+}
+
+/// The status word kept in `slot`, made (and watched by the world's health) at its first
+/// use; `waited_for` says what a wait that timed out waited for.
+pub(super) fn status_in(
+    dev: &dyn GemmDevice,
+    slot: &OnceLock<Arc<AgStatus>>,
+    waited_for: fn(u32) -> String,
+) -> Result<Arc<AgStatus>> {
+    if let Some(s) = slot.get() {
         return Ok(s.clone());
     }
-    let (host, device) = mapped_host(4, "gathered GEMM status")?;
+    let (host, device) = mapped_host(4, "fused GEMM status")?;
     let status = Arc::new(AgStatus {
         rank: dev.rank(),
         host,
         device,
         timeout_s: dev.health().timeout().as_secs_f64(),
+        waited_for,
     });
-    if state.status.set(status.clone()).is_ok() {
+    if slot.set(status.clone()).is_ok() {
         dev.health().watch(status.clone());
     }
-    Ok(state.status.get().cloned().unwrap_or(status))
+    Ok(slot.get().cloned().unwrap_or(status))
 }

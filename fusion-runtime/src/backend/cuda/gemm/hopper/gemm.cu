@@ -114,7 +114,8 @@ __device__ __forceinline__ void tile_at(int t, int tiles_m, int tiles_n, int* tm
 // stored as a plain GEMM stores it (the copy engine, from shared memory): the output needs
 // no zeroing and the own partial no read-modify-write. Once a block's consumers have
 // stored all their own tiles, each raises the count of its rank at every rank
-// (`ready[peer]`, index rank; `epoch * grid * CONSUMERS` once every block of the call has).
+// (`ready[peer]`, index rank; `epoch * RS_SHARES * CONSUMERS` once every block of the call
+// has, see `block_share`).
 // A peer's tile is added, in the operands' type, into its owner's output (`outs[owner]`)
 // after that count: the consumers stage it in shared memory and three storer warps (the
 // loader's idle warps) read it back and add it with 16-byte reductions over NVLink, so
@@ -129,6 +130,14 @@ __device__ __forceinline__ void tile_at(int t, int tiles_m, int tiles_n, int* tm
 // (world - 1) / world; every tile, the own ones too, is staged and added by the storers,
 // into an output the storers zero first (each block a slice) and count in `ready` before
 // any add.
+//
+// The runtime's calls (`epoch` 0) learn the rest on the device, so that a graph may replay
+// them: the epoch is this rank's `calls` word plus one (the grid's last block, counted in
+// `arrived`, adds one and zeroes `arrived`), and a peer's output address (`outs[j]` 0) is
+// read from rank j's `slots[j]` (a u64 address, then a u32 epoch at byte 8), where block 0
+// of rank j publishes its own `outs[j]` first. A rank's next call cannot overwrite a slot
+// a peer still reads: it starts after this call's `done` wait, which every peer's storers
+// pass only after reading the slots.
 #define MAXR 8
 struct RsArgs {
     u64 outs[MAXR];  // every rank's output block (elements, row stride n), mapped here
@@ -137,8 +146,11 @@ struct RsArgs {
     u64 error;       // u32 word set to 1 + the peer when a wait outlasted `timeout_ns`
     u64 timeout_ns;
     int rank, world, rows_per;
-    u32 epoch;       // calls so far, this one included (1, 2, ...)
+    u32 epoch;       // calls so far, this one included (1, 2, ...); 0: from `calls`
     int interleave;  // owners in turn tile by tile (see above); 0: own block first
+    u64 slots[MAXR]; // each rank's output-address slot, mapped here (with `outs[j]` 0)
+    u64 calls;       // u32: this rank's calls so far (with `epoch` 0)
+    u64 arrived;     // u32: blocks of this call past their last wait (with `epoch` 0)
 };
 
 // What an AllGather+GEMM call needs besides its operands: A is the gathered [world *
@@ -170,6 +182,10 @@ struct AgArgs {
 __device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ u32 ld_acquire(u64 p) {
     u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+
+__device__ __forceinline__ void st_release(u64 p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void red_release_add(u64 p, u32 v) {
@@ -323,6 +339,13 @@ __device__ __forceinline__ void red_add_v4(u64 p, uint4 v, bool f16) {
                      :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// What a call's blocks add to each `ready` (per consumer) and `done` counter together,
+// whatever the grid (at most RS_SHARES blocks): block 0 adds RS_SHARES - (grid - 1), the
+// others 1 each, so a counter holds epoch * RS_SHARES once a call's blocks all counted,
+// and calls with different grids (other shapes) share the counters.
+#define RS_SHARES 1024u
+__device__ __forceinline__ u32 block_share() { return blockIdx.x == 0 ? RS_SHARES - (gridDim.x - 1) : 1u; }
+
 // A GEMM+ReduceScatter consumer's own tiles are stored (its copy-engine stores complete,
 // then ordered before everything after at system scope): it counts itself at every rank,
 // so peers may add into those tiles. Its pieces are free for staging again after this.
@@ -332,7 +355,7 @@ __device__ __forceinline__ void count_own_stored(const RsArgs* rs, int consumer)
         asm volatile("fence.proxy.async.global;" ::: "memory");
         asm volatile("fence.acq_rel.sys;" ::: "memory");
         for (int peer = 0; peer < rs->world; ++peer)
-            red_release_add(rs->ready[peer] + 4 * (u64)rs->rank, 1);
+            red_release_add(rs->ready[peer] + 4 * (u64)rs->rank, block_share());
     }
     consumer_sync(consumer);
 }
@@ -350,31 +373,52 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
     u32 ready_mask = 0;
     u32 phase = 0;
     bool interleaved = walk.kind == WALK_RS_INTERLEAVED;
+    __shared__ u64 s_outs[MAXR];
+    __shared__ u32 s_epoch;
+    if (s == 0) {
+        u32 epoch = rs->epoch;
+        if (epoch == 0) epoch = ld_acquire(rs->calls) + 1;
+        s_epoch = epoch;
+        if (blockIdx.x == 0 && rs->outs[rs->rank] != 0 && rs->slots[rs->rank] != 0) {
+            *(volatile u64*)rs->slots[rs->rank] = rs->outs[rs->rank];
+            st_release(rs->slots[rs->rank] + 8, epoch);
+        }
+        for (int j = 0; j < rs->world; ++j) {
+            u64 out_j = rs->outs[j];
+            if (out_j == 0) {
+                wait_word(rs->error, rs->timeout_ns, rs->slots[j] + 8, j, [epoch](u32 v) { return v == epoch; });
+                out_j = *(volatile u64*)rs->slots[j];
+            }
+            s_outs[j] = out_j;
+        }
+    }
+    storer_sync();
+    const u32 epoch = s_epoch;
     if (interleaved) {
         // Zero this block's slice of the own output, then count it at every rank.
         u64 vecs = (u64)rs->rows_per * n / 8, per = (vecs + gridDim.x - 1) / gridDim.x;
         u64 v0 = blockIdx.x * per, v1 = min(vecs, v0 + per);
-        uint4* own_out = (uint4*)rs->outs[rs->rank];
+        uint4* own_out = (uint4*)s_outs[rs->rank];
         for (u64 v = v0 + s; v < v1; v += 96) own_out[v] = make_uint4(0, 0, 0, 0);
         asm volatile("fence.acq_rel.sys;" ::: "memory");
         storer_sync();
         if (s == 0)
             for (int peer = 0; peer < rs->world; ++peer)
-                red_release_add(rs->ready[peer] + 4 * (u64)rs->rank, CONSUMERS);
+                red_release_add(rs->ready[peer] + 4 * (u64)rs->rank, CONSUMERS * block_share());
     }
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
         if (p.owner == rs->rank && !interleaved) continue; // stored by the consumers
         if (!(ready_mask & (1u << p.owner))) {
             if (s == 0) {
-                u32 target = rs->epoch * gridDim.x * CONSUMERS;
+                u32 target = epoch * RS_SHARES * CONSUMERS;
                 wait_word(rs->error, rs->timeout_ns, rs->ready[rs->rank] + 4 * (u64)p.owner, p.owner,
                           [target](u32 v) { return (int)(v - target) >= 0; });
             }
             storer_sync();
             ready_mask |= 1u << p.owner;
         }
-        const u16* dst = (const u16*)rs->outs[p.owner];
+        const u16* dst = (const u16*)s_outs[p.owner];
         for (int c = 0; c < CONSUMERS; ++c) {
 #pragma unroll
             for (int q = 0; q < NP; ++q) {
@@ -399,11 +443,17 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
     storer_sync();
     if (s == 0) {
         for (int owner = 0; owner < rs->world; ++owner)
-            red_release_add(rs->done[owner] + 4 * (u64)rs->rank, 1);
-        u32 target = rs->epoch * gridDim.x;
+            red_release_add(rs->done[owner] + 4 * (u64)rs->rank, block_share());
+        u32 target = epoch * RS_SHARES;
         for (int src = 0; src < rs->world; ++src)
             wait_word(rs->error, rs->timeout_ns, rs->done[rs->rank] + 4 * (u64)src, src,
                       [target](u32 v) { return (int)(v - target) >= 0; });
+        // The runtime's calls: the grid's last block counts the call.
+        if (rs->epoch == 0 && atomicAdd((u32*)rs->arrived, 1u) == gridDim.x - 1) {
+            *(volatile u32*)rs->arrived = 0;
+            *(volatile u32*)rs->calls = epoch;
+            __threadfence_system();
+        }
     }
 }
 

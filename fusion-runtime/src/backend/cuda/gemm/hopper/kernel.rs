@@ -56,7 +56,16 @@ pub(crate) enum Entry {
     Plain,
     /// `HOPPER_GEMM_AG`: a GEMM whose A is gathered while it runs (`AgArgs`).
     AllGather,
+    /// `HOPPER_GEMM_RS`: a GEMM whose tiles are added into their owners' outputs
+    /// (`RsArgs`), with [`RS_STAGES`] stages and [`RS_PIECES`] pieces.
+    ReduceScatter,
 }
+
+/// Operand stages of the ReduceScatter entry: its consumers stage whole tiles for the
+/// storer warps, which leaves room for three.
+const RS_STAGES: u32 = 3;
+/// Output pieces per consumer of the ReduceScatter entry: a whole 128 x 256 tile.
+const RS_PIECES: u32 = 4;
 
 impl Entry {
     /// The macro that instantiates it, and the prefix of its names.
@@ -64,6 +73,15 @@ impl Entry {
         match self {
             Entry::Plain => ("HOPPER_GEMM", "hopper_gemm"),
             Entry::AllGather => ("HOPPER_GEMM_AG", "hopper_gemm_ag"),
+            Entry::ReduceScatter => ("HOPPER_GEMM_RS", "hopper_gemm_rs"),
+        }
+    }
+
+    /// The instantiating macro's arguments after the layout ones.
+    fn extra_arguments(self) -> String {
+        match self {
+            Entry::ReduceScatter => format!(", {RS_STAGES}, {RS_PIECES}"),
+            Entry::Plain | Entry::AllGather => String::new(),
         }
     }
 }
@@ -93,12 +111,13 @@ impl Variant {
     pub(crate) fn entry_source(self, entry: Entry) -> String {
         let body = GEMM_CU.replacen(INCLUDE_LINE, WGMMA_INC, 1);
         format!(
-            "{body}\n{}({}, {}, {}, {})\n",
+            "{body}\n{}({}, {}, {}, {}{})\n",
             entry.spelled().0,
             self.entry_name(entry),
             self.f16,
             self.a_mn,
-            self.b_k
+            self.b_k,
+            entry.extra_arguments()
         )
     }
 }
@@ -164,6 +183,26 @@ mod tests {
             .ends_with("HOPPER_GEMM(hopper_gemm_bf16_tn, false, true, false)"));
     }
 
+    #[test]
+    fn the_reduce_scatter_entry_fits_the_plain_entrys_shared_memory() {
+        let v = Variant {
+            f16: false,
+            a_mn: false,
+            b_k: false,
+        };
+        let src = v.entry_source(Entry::ReduceScatter);
+        assert!(src
+            .trim_end()
+            .ends_with("HOPPER_GEMM_RS(hopper_gemm_rs_bf16_nn, false, false, false, 3, 4)"));
+        // Launched with the plain entry's shared memory (SMEM_FOR(STAGES, PIECES)), which
+        // must hold its own SMEM_FOR(RS_STAGES, RS_PIECES).
+        let rs = RS_STAGES * STAGE_BYTES
+            + CONSUMERS * RS_PIECES * 64 * 64 * 2
+            + 1024
+            + 2 * (RS_STAGES + CONSUMERS * RS_PIECES) * 8;
+        assert!(rs <= SMEM_BYTES, "{rs} > {SMEM_BYTES}");
+    }
+
     /// NVRTC compiles every variant for `compute_90a` (no GPU needed; skipped, saying so,
     /// where NVRTC cannot be loaded).
     #[test]
@@ -182,7 +221,7 @@ mod tests {
                 arch: Some(ARCH),
                 ..Default::default()
             };
-            for entry in [Entry::Plain, Entry::AllGather] {
+            for entry in [Entry::Plain, Entry::AllGather, Entry::ReduceScatter] {
                 let name = v.entry_name(entry);
                 let ptx = cudarc::nvrtc::compile_ptx_with_opts(v.entry_source(entry), opts.clone())
                     .unwrap_or_else(|e| panic!("{name}: {e:?}"));

@@ -181,6 +181,79 @@ impl AgParams {
     }
 }
 
+/// What the ReduceScatter entry (`HOPPER_GEMM_RS`) takes besides the plain entry's
+/// parameters, laid out as `gemm.cu`'s `RsArgs` (a unit test checks the offsets). The
+/// runtime's calls leave `outs` of the peers, and `epoch`, zero: the kernel reads them from
+/// the world's links (`slots`, `calls`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct RsArgs {
+    outs: [u64; MAXR],
+    ready: [u64; MAXR],
+    done: [u64; MAXR],
+    error: u64,
+    timeout_ns: u64,
+    rank: i32,
+    world: i32,
+    rows_per: i32,
+    epoch: u32,
+    interleave: i32,
+    slots: [u64; MAXR],
+    calls: u64,
+    arrived: u64,
+}
+
+/// The kernel's most ranks (`MAXR`).
+const MAXR: usize = crate::device::SCATTER_MAX_RANKS;
+
+/// The ReduceScatter entry's parameters: the plain entry's (with `m` one block's rows and C
+/// this rank's block), then its [`RsArgs`].
+pub(crate) struct RsParams {
+    plain: Params,
+    rs: RsArgs,
+}
+
+impl RsParams {
+    /// The parameters of `plan` (A all rows of this rank's partial, B, C this rank's block
+    /// of rows) for rank `rank` of `world`, writing `out` (this rank's block), meeting the
+    /// peers over `links`, its waits bounded by `timeout_ns` and reported in `error`; the
+    /// owners interleaved tile by tile.
+    pub(crate) fn new(
+        plan: &Plan,
+        (rank, world, out): (usize, usize, u64),
+        links: &crate::device::ScatterLinks,
+        (error, timeout_ns): (u64, u64),
+    ) -> Result<RsParams> {
+        let mut plain = Params::new(plan)?;
+        let rows_per = plain.m / world as i32;
+        plain.m = rows_per;
+        let mut outs = [0; MAXR];
+        outs[rank] = out;
+        let rs = RsArgs {
+            outs,
+            ready: links.ready,
+            done: links.done,
+            error,
+            timeout_ns,
+            rank: rank as i32,
+            world: world as i32,
+            rows_per,
+            epoch: 0,
+            interleave: 1,
+            slots: links.slots,
+            calls: links.calls,
+            arrived: links.arrived,
+        };
+        Ok(RsParams { plain, rs })
+    }
+
+    /// A pointer to each parameter, in the entry's order (valid while `self` is borrowed).
+    pub(crate) fn pointers(&mut self) -> [*mut c_void; 7] {
+        let [a, b, c, m, n, k] = self.plain.pointers();
+        [a, b, c, m, n, k, (&mut self.rs as *mut RsArgs).cast()]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,5 +287,32 @@ mod tests {
         assert_eq!(offsets, [0, 128, 136, 144, 152, 160, 168, 172, 176, 180]);
         assert_eq!(std::mem::size_of::<AgArgs>(), 192);
         assert_eq!(std::mem::align_of::<AgArgs>(), 64);
+    }
+
+    #[test]
+    fn rs_args_are_laid_out_like_the_kernels() {
+        use std::mem::offset_of;
+        // gemm.cu's RsArgs: u64 x 8 three times, u64 x 2, int x 3, u32, int, (4 bytes of
+        // padding), u64 x 8, u64 x 2.
+        let offsets = [
+            offset_of!(RsArgs, outs),
+            offset_of!(RsArgs, ready),
+            offset_of!(RsArgs, done),
+            offset_of!(RsArgs, error),
+            offset_of!(RsArgs, timeout_ns),
+            offset_of!(RsArgs, rank),
+            offset_of!(RsArgs, world),
+            offset_of!(RsArgs, rows_per),
+            offset_of!(RsArgs, epoch),
+            offset_of!(RsArgs, interleave),
+            offset_of!(RsArgs, slots),
+            offset_of!(RsArgs, calls),
+            offset_of!(RsArgs, arrived),
+        ];
+        assert_eq!(
+            offsets,
+            [0, 64, 128, 192, 200, 208, 212, 216, 220, 224, 232, 296, 304]
+        );
+        assert_eq!(std::mem::size_of::<RsArgs>(), 312);
     }
 }

@@ -9,12 +9,14 @@
 //! assembles its source) and loaded once per device, with its shared-memory limit raised;
 //! each launch encodes three tensor maps (`launch`) and runs `min(tiles, SMs)` blocks.
 //! `gathered` runs the AllGather entry as the backend's gathered GEMM (a program's
-//! `GatheredGemmLaunch`, its ready blocks and its status word).
+//! `GatheredGemmLaunch`, its ready blocks and its status word); `scattered` the
+//! ReduceScatter entry as its scattered GEMM (`GemmReduceScatter`).
 
 mod eligibility;
 mod gathered;
 mod kernel;
 mod launch;
+mod scattered;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock, PoisonError};
@@ -33,6 +35,7 @@ pub(crate) use gathered::{
     launch as launch_gathered, rows_ready as gathered_rows_ready, runs as runs_gathered,
 };
 use kernel::{Entry, Variant, ARCH, SMEM_BYTES, THREADS};
+pub(crate) use scattered::{launch as launch_scattered, runs as runs_scattered};
 
 /// A device's state of the kernel: whether it runs there, and its loaded variants.
 #[derive(Default)]
@@ -43,6 +46,8 @@ pub(crate) struct HopperGemms {
     functions: Mutex<HashMap<(Variant, Entry), RawFunction>>,
     /// The gathered GEMMs' words and status on the device.
     gathered: gathered::GatheredState,
+    /// The scattered GEMMs' status on the device.
+    scattered: scattered::ScatteredState,
 }
 
 impl HopperGemms {

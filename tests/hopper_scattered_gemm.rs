@@ -1,0 +1,120 @@
+//! The scattered GEMM on the persistent kernel's ReduceScatter entry
+//! (`LowerOptions::pipelines.scattered_gemm`, `Node::GemmReduceScatter`) on 2 and 4 GPUs of
+//! one process: the fused program against the unpipelined one (a GEMM, then NCCL's
+//! ReduceScatter), in bf16 and f16, on rows per block that fill whole tiles and rows that
+//! end inside one, each call walked, then captured, then replayed (the ranks meet through
+//! words the kernel keeps in the peer-memory workspaces, so a replay meets like a walk),
+//! fresh inputs copied in before every call and every output poisoned first; the kernel
+//! runs (`persistent_gemms` counts it) wherever the program holds the node.
+//!
+//! GPU-only (`#[ignore]`d): run with `--ignored`. Without enough GPUs each test skips,
+//! saying so; on GPUs other than compute capability 9.0 the program keeps the GEMM and the
+//! ReduceScatter apart (the device does not run the fused GEMM), which is checked too.
+
+mod common;
+
+use common::cases;
+use fusion::compiler::lower::{LowerOptions, Pipelining};
+use fusion::runtime::backend::Kernel;
+use fusion::runtime::counters::counters;
+use fusion::runtime::replay::ReplayStatus;
+use fusion::{DType, ExecOptions, FusionExecutor, Tensor, World};
+
+/// The fused plan: unpipelined, the GEMM + ReduceScatter as one kernel.
+fn fused() -> ExecOptions {
+    let mut lower = LowerOptions::default().with_pipelining(Pipelining::Never);
+    lower.pipelines.scattered_gemm = true;
+    ExecOptions {
+        lower,
+        ..ExecOptions::default()
+    }
+}
+
+fn unpipelined() -> ExecOptions {
+    ExecOptions {
+        lower: LowerOptions::default().with_pipelining(Pipelining::Never),
+        graphs: false,
+        ..ExecOptions::default()
+    }
+}
+
+/// `sum(matmul(a, b), 0)` reduce-scattered, A `[d, d, m, k]` and B `[d, k, n]` sharded over
+/// the ranks: calls 0..4 of the fused plan against the unpipelined plan's eager call; the
+/// first walks, the second is captured, the others replay.
+fn fused_matches_unpipelined(world: &World, dt: DType, (m, k, n): (usize, usize, usize)) {
+    let d = world.size();
+    let f = cases::matmul_rs_p2p_in(dt);
+    let (with, without) = (FusionExecutor::new(f.clone()), FusionExecutor::new(f));
+    let before_all = counters().persistent_gemms;
+    let runs = world
+        .run(|rank| {
+            let hopper = rank.cuda_context()?.compute_capability()? == (9, 0);
+            let place = |seed: u64| -> fusion::Result<Vec<Tensor>> {
+                let a = Tensor::randn(&[d, d, m, k], dt, seed);
+                let b = Tensor::randn(&[d, k, n], dt, seed + 1);
+                Ok(vec![rank.shard(&a, 0)?, rank.shard(&b, 0)?])
+            };
+            let buffers = place(1)?;
+            let refs: Vec<&Tensor> = buffers.iter().collect();
+            let mut statuses = Vec::new();
+            let mut expected_runs = 0;
+            for call in 0..5u64 {
+                for (dst, src) in buffers.iter().zip(place(20 + call)?) {
+                    rank.device().execute(0, Kernel::Copy { src: &src, dst })?;
+                }
+                let g = with.run_with(rank, &refs, None, &fused())?;
+                let e = without.run_with(rank, &refs, None, &unpipelined())?;
+                let (x, y) = (rank.to_host(&g.outputs[0])?, rank.to_host(&e.outputs[0])?);
+                let what = format!("{dt} {m}x{k}x{n} on {d} GPUs, call {call} ({:?})", g.replay);
+                let err = x.rel_error(&y)?;
+                assert!(
+                    err < common::tolerance_for(dt),
+                    "{what}: relative error {err:.3e}"
+                );
+                let program = with.program(rank, &refs, &fused())?.to_string();
+                assert_eq!(program.contains("GemmReduceScatter"), hopper, "{what}");
+                // The kernel runs when walked or captured (a replay counts nothing).
+                let walked = !matches!(g.replay, ReplayStatus::Replayed);
+                expected_runs += u64::from(hopper && walked);
+                statuses.push(g.replay);
+            }
+            Ok((statuses, expected_runs))
+        })
+        .unwrap();
+    let ran = counters().persistent_gemms - before_all;
+    let expected: u64 = runs.iter().map(|(_, e)| e).sum();
+    assert_eq!(
+        ran, expected,
+        "{dt} {m}x{k}x{n} on {d} GPUs: persistent kernel runs"
+    );
+    for (s, _) in &runs {
+        common::assert_walked_captured_replayed(s);
+    }
+}
+
+/// (M rows per block, K per rank, N): whole tiles, a large one, and rows that end inside a
+/// tile.
+const SHAPES: [(usize, usize, usize); 3] = [(256, 512, 384), (1024, 2048, 2048), (200, 136, 296)];
+
+fn on_gpus(n: usize) {
+    let Some(world) = common::gpu_world(n, true) else {
+        return;
+    };
+    for dt in [DType::BF16, DType::F16] {
+        for shape in SHAPES {
+            fused_matches_unpipelined(&world, dt, shape);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn the_scattered_gemm_matches_the_unpipelined_plan_on_two_gpus() {
+    on_gpus(2);
+}
+
+#[test]
+#[ignore = "needs four CUDA GPUs; run with --ignored on a GPU machine"]
+fn the_scattered_gemm_matches_the_unpipelined_plan_on_four_gpus() {
+    on_gpus(4);
+}

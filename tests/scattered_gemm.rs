@@ -1,0 +1,116 @@
+//! The GEMM + ReduceScatter pair as one scattered GEMM (`LowerOptions::pipelines.scattered_gemm`,
+//! `Node::GemmReduceScatter`) on 1, 2, 3, 4 and 8 simulated devices, under the race
+//! checker: the CPU backend runs the GEMM, then the ReduceScatter, and every result equals
+//! the unpipelined program's, for the seed GEMM + ReduceScatter in bf16 and f16 (rows per
+//! block that fill the kernel's tiles and rows that do not); f32 keeps the separate GEMM
+//! and ReduceScatter. The plan candidate `scattered_gemm` lowers to the fused program here
+//! (the CPU backend runs it).
+
+mod common;
+
+use common::cases;
+use common::unpipelined;
+use common::*;
+use fusion::compiler::hir::NodeKind;
+use fusion::compiler::plan;
+use fusion::{DType, ExecOptions, FusionExecutor, Tensor};
+
+/// Unpipelined options with the scattered GEMM.
+fn fused() -> ExecOptions {
+    let mut o = unpipelined();
+    o.lower.pipelines.scattered_gemm = true;
+    o
+}
+
+/// How many scattered GEMMs `r`'s program runs.
+fn fused_nodes(r: &Run) -> usize {
+    let mut n = 0;
+    fusion::compiler::hir::for_each_node(&r.program.body, &mut |node| {
+        n += usize::from(node.kind() == NodeKind::GemmReduceScatter);
+    });
+    n
+}
+
+/// The seed GEMM + ReduceScatter's inputs: A `[d, d, m, k]` sharded on axis 0 (each rank
+/// its columns of every block), B `[d, k, n]` sharded on axis 0.
+fn seed_inputs(
+    d: usize,
+    (m, k, n): (usize, usize, usize),
+    dt: DType,
+    seed: u64,
+) -> Vec<(Tensor, Give)> {
+    vec![
+        (Tensor::randn(&[d, d, m, k], dt, seed), Give::Shard(0)),
+        (Tensor::randn(&[d, k, n], dt, seed + 1), Give::Shard(0)),
+    ]
+}
+
+#[test]
+fn the_seed_matmul_rs_computes_the_unpipelined_result() {
+    for dt in [DType::BF16, DType::F16] {
+        let f = cases::matmul_rs_p2p_in(dt);
+        let (k, n) = (24, 40);
+        for d in device_counts() {
+            for m in [8, 5] {
+                let what = format!("{dt} on {d} devices, m = {m}");
+                let inputs = seed_inputs(d, (m, k, n), dt, 7000 + (d * 10 + m) as u64);
+                let take = [Take::Sharded(0)];
+                let whole = run(&f, d, &inputs, &take, &unpipelined());
+                let r = run(&f, d, &inputs, &take, &fused());
+                assert_eq!(
+                    fused_nodes(&r),
+                    usize::from(d > 1),
+                    "{what}:\n{}",
+                    r.program
+                );
+                let want = RefArray::from_tensor(&whole.outputs[0]);
+                assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn f32_keeps_the_gemm_and_the_reduce_scatter_apart() {
+    let dt = DType::F32;
+    let f = cases::matmul_rs_p2p_in(dt);
+    for d in device_counts() {
+        let inputs = seed_inputs(d, (4, 8, 8), dt, 7500);
+        let take = [Take::Sharded(0)];
+        let whole = run(&f, d, &inputs, &take, &unpipelined());
+        let r = run(&f, d, &inputs, &take, &fused());
+        assert_eq!(fused_nodes(&r), 0, "{}", r.program);
+        let want = RefArray::from_tensor(&whole.outputs[0]);
+        assert_close(&want, &r.outputs[0], tolerance_for(dt), "f32");
+    }
+}
+
+#[test]
+fn the_plan_candidate_lowers_to_the_fused_program_on_the_cpu_backend() {
+    let dt = DType::BF16;
+    let f = cases::matmul_rs_p2p_in(dt);
+    let d = 4;
+    let exec = FusionExecutor::new(f);
+    let world = world(d);
+    let texts = world
+        .run(|rank| {
+            let inputs = [
+                rank.shard(&Tensor::randn(&[d, d, 8, 16], dt, 7600), 0)?,
+                rank.shard(&Tensor::randn(&[d, 16, 8], dt, 7601), 0)?,
+            ];
+            let refs: Vec<&Tensor> = inputs.iter().collect();
+            let program = |name: &str| {
+                let c = plan::find(d, name).expect("a candidate");
+                let o = ExecOptions {
+                    lower: c.lower,
+                    ..ExecOptions::default()
+                };
+                exec.program(rank, &refs, &o).map(|p| p.to_string())
+            };
+            Ok((program("unpipelined")?, program("scattered_gemm")?))
+        })
+        .unwrap();
+    let (apart, fused) = &texts[0];
+    assert!(!apart.contains("GemmReduceScatter"), "{apart}");
+    assert!(fused.contains("GemmReduceScatter"), "{fused}");
+}
