@@ -1,5 +1,5 @@
 // One GPU: what the communicating entries of the Hopper GEMM cost when everything they wait
-// for and store to is on the GPU itself. The same local GEMMs as harness.cu, four ways:
+// for and store to is on the GPU itself. The same local GEMMs as harness.cu, five ways:
 //   plain   the GEMM alone (`hopper_gemm_*`);
 //   ag      the AllGather entry (`hopper_gemm_ag_*`) told it is rank 1 of a world of 1, so
 //           every tile's rows are a "peer's" block: the loader waits for each of its 4 pieces'
@@ -8,6 +8,8 @@
 //   rs      the ReduceScatter entry (`hopper_gemm_rs_*`) in a world of 1: every tile is the
 //           rank's own, stored as the plain GEMM stores it and counted at the owner
 //           (itself), with the owner's done counter;
+//   rs-il   the ReduceScatter entry with the runtime's interleaved walk in a world of 1:
+//           the storers zero the output, then add every staged tile into it;
 //   cuBLAS  for scale.
 // Each is checked against `plain` (bit-identical: one partial, the same accumulation order)
 // and timed by events, fresh random inputs alternating between two sets, medians.
@@ -71,20 +73,20 @@ int main(int argc, char** argv) {
         CK(cudaMemset(done, 0, MAXR * 4));
         CK(cudaMemset(ready + 16, 0, MAXR * 4));
         size_t na = (size_t)p.m * p.k, nb = (size_t)p.k * p.n, nc = (size_t)p.m * p.n;
-        u16 *a[2], *b[2], *c[4];
+        u16 *a[2], *b[2], *c[5];
         for (int i = 0; i < 2; ++i) {
             CK(cudaMalloc(&a[i], na * 2)); fill(a[i], na, false);
             CK(cudaMalloc(&b[i], nb * 2)); fill(b[i], nb, false);
         }
-        for (int i = 0; i < 4; ++i) CK(cudaMalloc(&c[i], nc * 2));
+        for (int i = 0; i < 5; ++i) CK(cudaMalloc(&c[i], nc * 2));
         int tiles = (p.m / BM) * ((p.n + BN - 1) / BN);
-        // Way 0 plain, 1 ag, 2 rs, 3 cuBLAS; into c[way].
+        // Way 0 plain, 1 ag, 2 rs, 3 cuBLAS, 4 rs interleaved; into c[way].
         auto launch = [&](int way, int set) {
             TensorMap am = make_map(a[set], p.k, p.m, p.k, 64, BM, false);
             TensorMap bm = make_map(b[set], p.n, p.k, p.n, 64, 64, false);
             TensorMap cm = make_map(c[way], p.n, p.m, p.n, 64, 64, false);
             if (way == 1) ++epoch;
-            if (way == 2) ++rs_epoch;
+            if (way == 2 || way == 4) ++rs_epoch;
             if (way == 1) // every piece of the one block arrived, as a copy stream says it
                 for (int w = 0; w < chunks; ++w)
                     CD(cuStreamWriteValue32((CUstream)s, (CUdeviceptr)(ready + w), epoch, 0));
@@ -100,10 +102,11 @@ int main(int argc, char** argv) {
                 g.timeout_ns = 10ull * 1000 * 1000 * 1000;
                 g.rank = 1; g.world = 1; g.rows_per = p.m; g.epoch = epoch;
                 hopper_gemm_ag_bf16_nn<<<std::min(tiles, sms), THREADS, SMEM_BYTES, s>>>(am, bm, cm, p.m, p.n, p.k, g);
-            } else if (way == 2) {
+            } else if (way == 2 || way == 4) {
                 RsArgs r;
                 memset(&r, 0, sizeof r);
-                r.outs[0] = (u64)c[2]; r.ready[0] = (u64)(ready + 16); r.done[0] = (u64)done;
+                r.outs[0] = (u64)c[way]; r.ready[0] = (u64)(ready + 16); r.done[0] = (u64)done;
+                r.interleave = way == 4;
                 r.error = (u64)error;
                 r.timeout_ns = 10ull * 1000 * 1000 * 1000;
                 r.rank = 0; r.world = 1; r.rows_per = p.m; r.epoch = rs_epoch;
@@ -123,21 +126,21 @@ int main(int argc, char** argv) {
         };
         // Correctness: each way's output (poisoned first) against plain's, bit for bit.
         bool ok = true;
-        unsigned long long diff[4] = {0, 0, 0, 0};
-        for (int way = 0; way < 4; ++way) {
+        unsigned long long diff[5] = {0, 0, 0, 0, 0};
+        for (int way = 0; way < 5; ++way) {
             CK(cudaMemset(c[way], 0xFF, nc * 2));
             launch(way, 0);
             elapsed();
         }
-        for (int way = 1; way < 4; ++way) {
+        for (int way = 1; way < 5; ++way) {
             unsigned long long* d; CK(cudaMalloc(&d, 8)); CK(cudaMemset(d, 0, 8));
             count_diff<<<264, 256>>>(c[way], c[0], nc, d);
             CK(cudaMemcpy(&diff[way], d, 8, cudaMemcpyDeviceToHost)); CK(cudaFree(d));
         }
-        ok &= diff[1] == 0 && diff[2] == 0;
-        std::vector<float> t[4];
+        ok &= diff[1] == 0 && diff[2] == 0 && diff[4] == 0;
+        std::vector<float> t[5];
         for (int i = 0; i < reps + 3; ++i)
-            for (int way = 0; way < 4; ++way) {
+            for (int way = 0; way < 5; ++way) {
                 CK(cudaStreamSynchronize(s));
                 launch(way, i % 2);
                 float ms = elapsed();
@@ -146,17 +149,18 @@ int main(int argc, char** argv) {
         u32 e; CK(cudaMemcpy(&e, error, 4, cudaMemcpyDeviceToHost));
         ok &= e == 0;
         all_ok &= ok;
-        double plain = median(t[0]), ag = median(t[1]), rs = median(t[2]), cub = median(t[3]);
-        char line[320];
-        snprintf(line, sizeof line, "%5d %5d %5d | %7.1f %7.1f %7.1f %7.1f | %5.3f %5.3f %5.3f | %llu %llu %llu %s",
-                 p.m, p.n, p.k, plain * 1e3, ag * 1e3, rs * 1e3, cub * 1e3, ag / plain, rs / plain, plain / cub,
-                 diff[1], diff[2], diff[3], ok ? "ok" : (e ? "WAIT TIMED OUT" : "FAIL"));
+        double plain = median(t[0]), ag = median(t[1]), rs = median(t[2]), cub = median(t[3]), il = median(t[4]);
+        char line[360];
+        snprintf(line, sizeof line, "%5d %5d %5d | %7.1f %7.1f %7.1f %7.1f %7.1f | %5.3f %5.3f %5.3f %5.3f | %llu %llu %llu %llu %s",
+                 p.m, p.n, p.k, plain * 1e3, ag * 1e3, rs * 1e3, il * 1e3, cub * 1e3, ag / plain, rs / plain, il / plain,
+                 plain / cub, diff[1], diff[2], diff[4], diff[3], ok ? "ok" : (e ? "WAIT TIMED OUT" : "FAIL"));
         puts(line); fflush(stdout);
         table.push_back(line);
         for (int i = 0; i < 2; ++i) { CK(cudaFree(a[i])); CK(cudaFree(b[i])); }
-        for (int i = 0; i < 4; ++i) CK(cudaFree(c[i]));
+        for (int i = 0; i < 5; ++i) CK(cudaFree(c[i]));
     }
-    printf("\n    M     N     K | us: plain, AG aimed at itself, RS aimed at itself, cuBLAS | AG / plain, RS / plain, plain / cuBLAS | elements unlike plain: AG, RS, cuBLAS\n");
+    printf("\n    M     N     K | us: plain, AG aimed at itself, RS aimed at itself (own first, interleaved), cuBLAS"
+           " | AG / plain, RS / plain (own first, interleaved), plain / cuBLAS | elements unlike plain: AG, RS, RS interleaved, cuBLAS\n");
     for (auto& l : table) puts(l.c_str());
     printf("%s\n", all_ok ? "ALL CORRECT" : "SOME FAILED");
     return all_ok ? 0 : 1;

@@ -4,8 +4,9 @@
 //! persistent GEMM per rank ([`Node::GemmReduceScatter`]) whose epilogue adds each finished
 //! tile of the partial product into the output of the rank that owns the tile's rows,
 //! instead of a GEMM followed by a ReduceScatter. The product is never stored whole, and the
-//! first tiles travel while the last are computed (on 4 H100s 1.04-1.07x of the GEMM alone
-//! at D = 2, 1.18-1.35x at D = 4: docs/DECISIONS.md, "GEMM+ReduceScatter inside the GEMM").
+//! first tiles travel while the last are computed (on 4 H100s 1.04-1.09x of the GEMM alone
+//! at D = 2, 1.15-1.43x at D = 4, where the tiles alone take as long as the GEMM:
+//! docs/DECISIONS.md, "The storer warps take the owners in turn").
 //!
 //! It applies at the top level of a program (a pipelined GEMM + ReduceScatter is a stream
 //! loop, left alone) to a plain product `[m, k] @ [k, n]` (no epilogue, bias or

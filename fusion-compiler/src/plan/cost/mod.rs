@@ -26,9 +26,9 @@ use crate::ir::{IterKind, Op, ParallelType, ScalarId, TensorId};
 
 /// The share of the shorter of its GEMM and its ReduceScatter that a GEMM with the
 /// ReduceScatter in its epilogue ([`Node::GemmReduceScatter`]) adds to the longer: on 4
-/// H100s it took 1.18-1.35x of the GEMM alone at D = 4, where the tiles alone take as long
-/// as the GEMM, and 1.04-1.07x at D = 2 (docs/DECISIONS.md, "GEMM+ReduceScatter inside the
-/// GEMM").
+/// H100s it took 1.15-1.43x of the GEMM alone at D = 4, where the tiles alone take as long
+/// as the GEMM, and 1.04-1.09x at D = 2 (docs/DECISIONS.md, "The storer warps take the
+/// owners in turn").
 pub const SCATTERED_GEMM_OVERLAP_LOSS: f64 = 0.25;
 
 /// The rates the model charges, per device.

@@ -385,10 +385,11 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
         }
         for (int j = 0; j < rs->world; ++j) {
             u64 out_j = rs->outs[j];
-            if (out_j == 0) {
-                wait_word(rs->error, rs->timeout_ns, rs->slots[j] + 8, j, [epoch](u32 v) { return v == epoch; });
+            // A wait that gave up (the peer failed, or the world let every wait through)
+            // leaves no address: nothing is added there.
+            if (out_j == 0 && wait_word(rs->error, rs->timeout_ns, rs->slots[j] + 8, j,
+                                        [epoch](u32 v) { return v == epoch; }))
                 out_j = *(volatile u64*)rs->slots[j];
-            }
             s_outs[j] = out_j;
         }
     }
@@ -430,7 +431,8 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
                     int r = i / 8, j = i % 8;
                     int row = row0 + r, col = col0 + 8 * j;
                     uint4 v = *(const uint4*)(piece + r * 128 + ((j ^ (r % 8)) * 16));
-                    if (row < rs->rows_per && col < n) red_add_v4((u64)(dst + (u64)row * n + col), v, F16);
+                    if (dst != nullptr && row < rs->rows_per && col < n)
+                        red_add_v4((u64)(dst + (u64)row * n + col), v, F16);
                 }
                 storer_sync();
                 if (s == 0) bar_arrive(&freed[c * NP + q]);
