@@ -5,7 +5,9 @@
 //! end inside one, each call walked, then captured, then replayed (the ranks meet through
 //! words the kernel keeps in the peer-memory workspaces, so a replay meets like a walk),
 //! fresh inputs copied in before every call and every output poisoned first; the kernel
-//! runs (`persistent_gemms` counts it) wherever the program holds the node.
+//! runs (`persistent_gemms` counts it) wherever the program holds the node. Then the MLP
+//! block pipelined with the option (its AllGather loop kept, the second GEMM and the
+//! ReduceScatter one kernel) against the unpipelined block, walked, captured and replayed.
 //!
 //! GPU-only (`#[ignore]`d): run with `--ignored`. Without enough GPUs each test skips,
 //! saying so; on GPUs other than compute capability 9.0 the program keeps the GEMM and the
@@ -96,6 +98,62 @@ fn fused_matches_unpipelined(world: &World, dt: DType, (m, k, n): (usize, usize,
 /// tile.
 const SHAPES: [(usize, usize, usize); 3] = [(256, 512, 384), (1024, 2048, 2048), (200, 136, 296)];
 
+/// The MLP block `ReduceScatter(gelu(AllGather(x) W1) W2)` pipelined with the scattered
+/// GEMM against the unpipelined block: x `[d, m, h]`, W1 `[d, h, f]`, W2 `[d, f, h]`
+/// sharded on axis 0, calls 0..4.
+fn mlp_block_matches_unpipelined(world: &World, dt: DType, (m, h, f): (usize, usize, usize)) {
+    let d = world.size();
+    let block = cases::tp_mlp(dt, fusion::compiler::ir::UnaryOp::Gelu);
+    let (with, without) = (
+        FusionExecutor::new(block.clone()),
+        FusionExecutor::new(block),
+    );
+    let mut piped = fused();
+    piped.lower.pipelines.pipelining = Pipelining::Always;
+    let statuses = world
+        .run(|rank| {
+            let hopper = rank.cuda_context()?.compute_capability()? == (9, 0);
+            let place = |seed: u64| -> fusion::Result<Vec<Tensor>> {
+                let x = Tensor::randn(&[d, m, h], dt, seed);
+                let w1 = Tensor::randn(&[d, h, f], dt, seed + 1);
+                let w2 = Tensor::randn(&[d, f, h], dt, seed + 2);
+                Ok(vec![
+                    rank.shard(&x, 0)?,
+                    rank.shard(&w1, 0)?,
+                    rank.shard(&w2, 0)?,
+                ])
+            };
+            let buffers = place(40)?;
+            let refs: Vec<&Tensor> = buffers.iter().collect();
+            let mut statuses = Vec::new();
+            for call in 0..5u64 {
+                for (dst, src) in buffers.iter().zip(place(50 + 3 * call)?) {
+                    rank.device().execute(0, Kernel::Copy { src: &src, dst })?;
+                }
+                let g = with.run_with(rank, &refs, None, &piped)?;
+                let e = without.run_with(rank, &refs, None, &unpipelined())?;
+                let (x, y) = (rank.to_host(&g.outputs[0])?, rank.to_host(&e.outputs[0])?);
+                let what = format!(
+                    "MLP {dt} {m}x{h}x{f} on {d} GPUs, call {call} ({:?})",
+                    g.replay
+                );
+                let err = x.rel_error(&y)?;
+                assert!(
+                    err < common::tolerance_for(dt),
+                    "{what}: relative error {err:.3e}"
+                );
+                let program = with.program(rank, &refs, &piped)?.to_string();
+                assert_eq!(program.contains("GemmReduceScatter"), hopper, "{what}");
+                statuses.push(g.replay);
+            }
+            Ok(statuses)
+        })
+        .unwrap();
+    for s in &statuses {
+        common::assert_walked_captured_replayed(s);
+    }
+}
+
 fn on_gpus(n: usize) {
     let Some(world) = common::gpu_world(n, true) else {
         return;
@@ -104,6 +162,7 @@ fn on_gpus(n: usize) {
         for shape in SHAPES {
             fused_matches_unpipelined(&world, dt, shape);
         }
+        mlp_block_matches_unpipelined(&world, dt, (512, 1024, 2048));
     }
 }
 

@@ -2,9 +2,10 @@
 //! `Node::GemmReduceScatter`) on 1, 2, 3, 4 and 8 simulated devices, under the race
 //! checker: the CPU backend runs the GEMM, then the ReduceScatter, and every result equals
 //! the unpipelined program's, for the seed GEMM + ReduceScatter in bf16 and f16 (rows per
-//! block that fill the kernel's tiles and rows that do not); f32 keeps the separate GEMM
-//! and ReduceScatter. The plan candidate `scattered_gemm` lowers to the fused program here
-//! (the CPU backend runs it).
+//! block that fill the kernel's tiles and rows that do not), and for the MLP and gated MLP
+//! blocks pipelined (their AllGather loop kept, the second GEMM and its ReduceScatter one
+//! node); f32 keeps the separate GEMM and ReduceScatter. The plan candidate
+//! `scattered_gemm` lowers to the fused program here (the CPU backend runs it).
 
 mod common;
 
@@ -12,6 +13,7 @@ use common::cases;
 use common::unpipelined;
 use common::*;
 use fusion::compiler::hir::NodeKind;
+use fusion::compiler::ir::UnaryOp;
 use fusion::compiler::plan;
 use fusion::{DType, ExecOptions, FusionExecutor, Tensor};
 
@@ -71,6 +73,44 @@ fn the_seed_matmul_rs_computes_the_unpipelined_result() {
 }
 
 #[test]
+fn the_mlp_blocks_keep_their_allgather_loop_and_fuse_the_reduce_scatter() {
+    let (m, k, h) = (4, 8, 8);
+    for dt in [DType::BF16, DType::F16] {
+        for (name, f) in [
+            ("MLP", cases::tp_mlp(dt, UnaryOp::Gelu)),
+            ("gated MLP", cases::tp_gated_mlp(dt)),
+        ] {
+            for d in device_counts() {
+                let what = format!("{name} {dt} on {d} devices");
+                let seed = 7300 + d as u64;
+                let mut inputs = mlp_block_inputs(d, (m, k, h), dt, seed);
+                if name == "gated MLP" {
+                    // x, wg, wu [d, k, h], wd [d, h, k].
+                    let wu = (Tensor::randn(&[d, k, h], dt, seed + 3), Give::Shard(0));
+                    inputs.insert(2, wu);
+                }
+                let take = [Take::Sharded(0)];
+                let whole = run(&f, d, &inputs, &take, &unpipelined());
+                let o = common::pipelined(true, |l| l.pipelines.scattered_gemm = true);
+                let r = run(&f, d, &inputs, &take, &o);
+                assert_eq!(
+                    fused_nodes(&r),
+                    usize::from(d > 1),
+                    "{what}:\n{}",
+                    r.program
+                );
+                if d > 1 {
+                    let kinds = r.program.top_level_kinds();
+                    assert!(kinds.contains(&NodeKind::ForLoop), "{what}:\n{}", r.program);
+                }
+                let want = RefArray::from_tensor(&whole.outputs[0]);
+                assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);
+            }
+        }
+    }
+}
+
+#[test]
 fn f32_keeps_the_gemm_and_the_reduce_scatter_apart() {
     let dt = DType::F32;
     let f = cases::matmul_rs_p2p_in(dt);
@@ -107,7 +147,7 @@ fn the_plan_candidate_lowers_to_the_fused_program_on_the_cpu_backend() {
                 };
                 exec.program(rank, &refs, &o).map(|p| p.to_string())
             };
-            Ok((program("unpipelined")?, program("scattered_gemm")?))
+            Ok((program("default")?, program("scattered_gemm")?))
         })
         .unwrap();
     let (apart, fused) = &texts[0];

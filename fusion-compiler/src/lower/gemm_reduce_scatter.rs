@@ -18,9 +18,10 @@
 //! as the GEMM, then the ReduceScatter. Each choice is noted under the program.
 
 use super::gemm_collective::{fuse, gemm_then_collective, local_extents, rewrite_each, Found};
+use super::plain_gemm;
 use crate::dtype::DType;
 use crate::hir::{Communication, CommunicationKind, GemmReduceScatter, HostProgram, Node};
-use crate::ir::{ParallelType, ScalarId};
+use crate::ir::{Fusion, Op, ParallelType, ReduceOp, ScalarId};
 
 /// Whether the kernel takes a product of `m` rows, `k` contracted and `n` output columns
 /// in `dtype` on a world of `world` ranks: bf16 or f16, 2 to 8 ranks (the most whose
@@ -47,6 +48,48 @@ pub fn choose_gemm_reduce_scatter(
     if enabled {
         rewrite_each(program, &|p, at| find(p, at, extent), &rewrite);
     }
+}
+
+/// Keeps whole the products the scattered GEMM will reduce-scatter, before the stream
+/// pipelines are made: a plain bf16 or f16 GEMM's product that is not an output and that
+/// nothing but a summing reduction over its DIDx axis reads (a row-parallel GEMM's partial)
+/// loses its Stream annotation, so the pipeline pass leaves the GEMM and its ReduceScatter
+/// at the top level for [`choose_gemm_reduce_scatter`], while the loops that feed the GEMM
+/// (an AllGather + GEMM before it, as in the MLP block) stay pipelined. Returns whether
+/// anything changed. A pair the kernel does not take after all (shapes, devices) then runs
+/// unpipelined: plan tuning keeps such a candidate only where it measures faster.
+pub fn keep_scattered_products_whole(f: &mut Fusion) -> bool {
+    let mut whole = Vec::new();
+    for e in f.exprs() {
+        let product = e.output;
+        let t = f.tensor(product);
+        let half = matches!(t.dtype, DType::BF16 | DType::F16);
+        let streamed: Vec<_> = (t.axes.iter().copied())
+            .filter(|&d| f.iter_domain(d).parallel == ParallelType::Stream)
+            .collect();
+        if !plain_gemm(e) || !half || streamed.is_empty() || f.is_output(product) {
+            continue;
+        }
+        // The reduction lists visible axes.
+        let didx = f
+            .find_parallel_axis(product, ParallelType::DIDx)
+            .and_then(|at| f.visible_axes(product).iter().position(|&v| v == at));
+        let uses = f.uses(product);
+        let summed_over_didx = match (&uses[..], didx) {
+            ([r], Some(axis)) => matches!(
+                &f.expr(*r).op,
+                Op::Reduction { op: ReduceOp::Sum, axes } if axes.contains(&axis)
+            ),
+            _ => false,
+        };
+        if summed_over_didx {
+            whole.extend(streamed);
+        }
+    }
+    for d in &whole {
+        f.iter_domain_mut(*d).parallel = ParallelType::Serial;
+    }
+    !whole.is_empty()
 }
 
 /// The GEMM + ReduceScatter whose GEMM is at `at`, if the kernel takes it.

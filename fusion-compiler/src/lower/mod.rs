@@ -43,6 +43,7 @@ pub use gemm_allreduce::{
     choose_gemm_allreduce, gemm_allreduce_fits, gemm_allreduce_flag_beside_rows,
     gemm_allreduce_parts, GEMM_ALLREDUCE_TILE_COLUMNS,
 };
+use gemm_reduce_scatter::keep_scattered_products_whole;
 pub use gemm_reduce_scatter::{choose_gemm_reduce_scatter, gemm_reduce_scatter_fits};
 use insert_reshardings::live_exprs;
 pub use insert_reshardings::{check, insert_reshardings};
@@ -94,6 +95,7 @@ pub fn lower_for_shapes(
     check_meshes(fusion, world_size)?;
     let mut f = fusion.clone();
     f.resolve_meshes(world_size);
+    let kept_whole = options.pipelines.scattered_gemm && keep_scattered_products_whole(&mut f);
     let mut order = live_exprs(&f);
     let ctx = MeshContext {
         world_size: Some(world_size),
@@ -113,6 +115,13 @@ pub fn lower_for_shapes(
         options.passes.disabled.insert("StreamParallelType".into());
     }
     program.notes.extend(decision.note);
+    if kept_whole {
+        program.notes.push(
+            "row-parallel GEMM products kept whole, not streamed: their ReduceScatter runs in \
+             the GEMM (LowerOptions::pipelines.scattered_gemm)"
+                .into(),
+        );
+    }
     let pctx = PassContext::new(world_size, options);
     let dumps = manager.run(&mut program, &pctx)?;
     choose_peer_memory(&mut program, pctx.options.transports.peer_memory, extent);

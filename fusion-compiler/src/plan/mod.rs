@@ -10,8 +10,8 @@
 //! transfers, whether pointwise ops fold into GEMM epilogues, and whether a decode GEMM's
 //! Allreduce runs in its epilogue; and, not measured yet,
 //! the AllGather + GEMM pipeline in row ranges and as one persistent GEMM fed by the
-//! loop's copies (`gathered_gemm`), and the unpipelined GEMM + ReduceScatter as one
-//! persistent GEMM that adds each tile into its owner's output (`scattered_gemm`); the
+//! loop's copies (`gathered_gemm`), and the GEMM + ReduceScatter as one persistent GEMM
+//! that adds each tile into its owner's output (`scattered_gemm`); the
 //! runtime lowers these two only where the device runs such a GEMM. Most candidates change
 //! nothing for a given fusion (a fusion without a reduce-scatter has no reduce-scatter
 //! pipeline); the runtime lowers them all and keeps one candidate per distinct program.
@@ -31,7 +31,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
 /// older build are not trusted.
-pub const PLAN_SPACE_REVISION: u32 = 7;
+pub const PLAN_SPACE_REVISION: u32 = 8;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -185,11 +185,12 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
         }),
         DEFAULT_STREAMS,
     ));
-    // GEMM + ReduceScatter unpipelined, as one persistent GEMM whose epilogue adds each
-    // tile into its owner's output (only an unpipelined pair is at the top level, where
-    // `lower::gemm_reduce_scatter` applies). The runtime lowers it only where the device
-    // runs such a GEMM (elsewhere it is the `unpipelined` program).
-    let mut scattered = base.clone().with_pipelining(Pipelining::Never);
+    // GEMM + ReduceScatter as one persistent GEMM whose epilogue adds each tile into its
+    // owner's output: its product is kept whole (not streamed), so the pair stays at the
+    // top level where `lower::gemm_reduce_scatter` applies, while the loops feeding the GEMM
+    // (an AllGather + GEMM) keep their pipelines. The runtime lowers it only where the
+    // device runs such a GEMM (elsewhere it is the default program).
+    let mut scattered = base.clone();
     scattered.pipelines.scattered_gemm = true;
     out.push(Plan::new("scattered_gemm", scattered, DEFAULT_STREAMS));
     out
