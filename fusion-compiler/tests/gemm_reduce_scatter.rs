@@ -4,8 +4,9 @@
 //! ReduceScatter unpipelined, bf16 and f16, 2 to 8 devices) and where the program keeps its
 //! GEMM and ReduceScatter (the option off, f32, a product read elsewhere, a ReduceScatter of
 //! another axis than the rows, a pipelined loop without the option); with the option a
-//! pipelined program keeps the product whole (the seed has no loop left; the MLP block keeps
-//! its AllGather loop and fuses the second GEMM with the ReduceScatter); its plan candidate.
+//! pipelined program keeps the product whole (the seed has no loop left; the MLP blocks,
+//! which keep their AllGather loop, are checked in the workspace's `tests/scattered_gemm.rs`);
+//! its plan candidate.
 
 use fusion_compiler::builder::{Axis, FusionBuilder};
 use fusion_compiler::hir::{HostProgram, NodeKind};
@@ -185,92 +186,6 @@ fn pipelined_with_the_option_the_product_is_kept_whole() {
             .iter()
             .any(|s| s.starts_with("row-parallel GEMM products kept whole")));
     }
-}
-
-/// The sequence-parallel MLP block `ReduceScatter(gelu(AllGather(x) W1) W2)` (x
-/// `[d @ DIDx, m, h]`, W1 `[d @ DIDx, h, f]`, W2 `[d @ DIDx, f, h]`, the activation and the
-/// partial declared on a Stream axis as the benchmark writes them). The symbols
-/// `[d, m, h, f]`.
-fn mlp_block(dt: DType) -> (Fusion, [ScalarId; 4]) {
-    let mut b = FusionBuilder::new();
-    let (d, m, h, f) = (b.symbol("d"), b.symbol("m"), b.symbol("h"), b.symbol("f"));
-    let x = b
-        .input("x", dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(h)])
-        .unwrap();
-    let w1 = b
-        .input("w1", dt, &[Axis::didx(d), Axis::serial(h), Axis::serial(f)])
-        .unwrap();
-    let w2 = b
-        .input("w2", dt, &[Axis::didx(d), Axis::serial(f), Axis::serial(h)])
-        .unwrap();
-    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
-    let a = b.matmul(rows, w1).unwrap();
-    let a = b.unary(fusion_compiler::ir::UnaryOp::Gelu, a).unwrap();
-    let ta = [
-        Axis::stream(d),
-        Axis::didx(d),
-        Axis::serial(m),
-        Axis::serial(f),
-    ];
-    let a = b.declare(a, dt, &ta).unwrap();
-    let p = b.matmul(a, w2).unwrap();
-    let tp = [
-        Axis::stream(d),
-        Axis::didx(d),
-        Axis::serial(m),
-        Axis::serial(h),
-    ];
-    let p = b.declare(p, dt, &tp).unwrap();
-    let y = b.sum(p, &[1]).unwrap();
-    let y = b
-        .declare(y, dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(h)])
-        .unwrap();
-    b.output(y).unwrap();
-    (b.build().unwrap(), [d, m, h, f])
-}
-
-#[test]
-fn the_mlp_block_keeps_its_allgather_loop_and_fuses_its_reduce_scatter() {
-    let mut piped = options(true);
-    piped.pipelines.pipelining = Pipelining::Always;
-    for d in [2, 4, 8] {
-        let (f, [ds, m, h, ff]) = mlp_block(DType::BF16);
-        let values = [(ds, d as i64), (m, 1024), (h, 4096), (ff, 14336 / d as i64)];
-        let extent = |s: ScalarId| values.iter().find(|(id, _)| *id == s).map(|(_, v)| *v);
-        let p = lower_for_shapes(&f, d, &piped, &extent).unwrap().program;
-        let k = p.top_level_kinds();
-        assert!(k.contains(&NodeKind::ForLoop), "{d} devices: {p}");
-        assert_eq!(
-            k.iter()
-                .filter(|&&k| k == NodeKind::GemmReduceScatter)
-                .count(),
-            1,
-            "{p}"
-        );
-        // Without the option: one gather-scatter loop, nothing fused.
-        let p = lower_for_shapes(
-            &f,
-            d,
-            &options(false).with_pipelining(Pipelining::Always),
-            &extent,
-        )
-        .unwrap()
-        .program;
-        assert!(!p.to_string().contains("GemmReduceScatter"), "{p}");
-    }
-}
-
-/// `[m, d @ DIDx, n]` = the sum over `d` of `[d @ DIDx, m, d, n]`: the ReduceScatter
-/// scatters the product's second axis, so a rank's rows are not one contiguous block.
-#[test]
-fn a_reduce_scatter_of_another_axis_than_the_rows_stays_apart() {
-    let p = program(
-        &gemm_rs(DType::BF16, false, false),
-        4,
-        SHAPE,
-        &options(true),
-    );
-    assert!(apart(&p), "{p}");
 }
 
 #[test]
