@@ -7,7 +7,9 @@
 //! fresh inputs copied in before every call and every output poisoned first; the kernel
 //! runs (`persistent_gemms` counts it) wherever the program holds the node. Then the MLP
 //! block pipelined with the option (its AllGather loop kept, the second GEMM and the
-//! ReduceScatter one kernel) against the unpipelined block, walked, captured and replayed.
+//! ReduceScatter one kernel), and with the gathered GEMM too (the first GEMM fed by the
+//! loop's copies, its bias and activation in its epilogue), against the unpipelined block,
+//! walked, captured and replayed.
 //!
 //! GPU-only (`#[ignore]`d): run with `--ignored`. Without enough GPUs each test skips,
 //! saying so; on GPUs other than compute capability 9.0 the program keeps the GEMM and the
@@ -16,6 +18,7 @@
 mod common;
 
 use common::cases;
+use fusion::compiler::ir::UnaryOp;
 use fusion::compiler::lower::{LowerOptions, Pipelining};
 use fusion::runtime::backend::Kernel;
 use fusion::runtime::counters::counters;
@@ -98,43 +101,57 @@ fn fused_matches_unpipelined(world: &World, dt: DType, (m, k, n): (usize, usize,
 /// tile.
 const SHAPES: [(usize, usize, usize); 3] = [(256, 512, 384), (1024, 2048, 2048), (200, 136, 296)];
 
-/// The MLP block `ReduceScatter(gelu(AllGather(x) W1) W2)` pipelined with the scattered
-/// GEMM against the unpipelined block: x `[d, m, h]`, W1 `[d, h, f]`, W2 `[d, f, h]`
-/// sharded on axis 0, calls 0..4.
-fn mlp_block_matches_unpipelined(world: &World, dt: DType, (m, h, f): (usize, usize, usize)) {
+/// The MLP block `ReduceScatter(act(AllGather(x) W1 [+ b1]) W2)` pipelined with the
+/// scattered GEMM (and with `gathered`, its first GEMM fed by the AllGather loop, the bias
+/// and activation in that GEMM's epilogue) against the unpipelined block: x `[d, m, h]`,
+/// W1 `[d, h, f]`, b1 `[d, f]`, W2 `[d, f, h]` sharded on axis 0, calls 0..4.
+fn mlp_block_matches_unpipelined(
+    world: &World,
+    dt: DType,
+    (m, h, f): (usize, usize, usize),
+    (act, bias, gathered): (UnaryOp, bool, bool),
+) {
     let d = world.size();
-    let block = cases::tp_mlp(dt, fusion::compiler::ir::UnaryOp::Gelu);
+    let block = match bias {
+        true => cases::tp_mlp_bias(dt, act),
+        false => cases::tp_mlp(dt, act),
+    };
     let (with, without) = (
         FusionExecutor::new(block.clone()),
         FusionExecutor::new(block),
     );
     let mut piped = fused();
     piped.lower.pipelines.pipelining = Pipelining::Always;
-    let statuses = world
+    piped.lower.pipelines.gathered_gemm = gathered;
+    let before_all = counters().persistent_gemms;
+    let runs = world
         .run(|rank| {
             let hopper = rank.cuda_context()?.compute_capability()? == (9, 0);
             let place = |seed: u64| -> fusion::Result<Vec<Tensor>> {
                 let x = Tensor::randn(&[d, m, h], dt, seed);
                 let w1 = Tensor::randn(&[d, h, f], dt, seed + 1);
                 let w2 = Tensor::randn(&[d, f, h], dt, seed + 2);
-                Ok(vec![
-                    rank.shard(&x, 0)?,
-                    rank.shard(&w1, 0)?,
-                    rank.shard(&w2, 0)?,
-                ])
+                let mut placed = vec![rank.shard(&x, 0)?, rank.shard(&w1, 0)?];
+                if bias {
+                    placed.push(rank.shard(&Tensor::randn(&[d, f], dt, seed + 4), 0)?);
+                }
+                placed.push(rank.shard(&w2, 0)?);
+                Ok(placed)
             };
             let buffers = place(40)?;
             let refs: Vec<&Tensor> = buffers.iter().collect();
             let mut statuses = Vec::new();
+            let mut expected_runs = 0;
             for call in 0..5u64 {
-                for (dst, src) in buffers.iter().zip(place(50 + 3 * call)?) {
+                for (dst, src) in buffers.iter().zip(place(50 + 5 * call)?) {
                     rank.device().execute(0, Kernel::Copy { src: &src, dst })?;
                 }
                 let g = with.run_with(rank, &refs, None, &piped)?;
                 let e = without.run_with(rank, &refs, None, &unpipelined())?;
                 let (x, y) = (rank.to_host(&g.outputs[0])?, rank.to_host(&e.outputs[0])?);
                 let what = format!(
-                    "MLP {dt} {m}x{h}x{f} on {d} GPUs, call {call} ({:?})",
+                    "MLP ({act:?}, bias {bias}, gathered {gathered}) {dt} {m}x{h}x{f} on {d} \
+                     GPUs, call {call} ({:?})",
                     g.replay
                 );
                 let err = x.rel_error(&y)?;
@@ -144,12 +161,21 @@ fn mlp_block_matches_unpipelined(world: &World, dt: DType, (m, h, f): (usize, us
                 );
                 let program = with.program(rank, &refs, &piped)?.to_string();
                 assert_eq!(program.contains("GemmReduceScatter"), hopper, "{what}");
+                let launched = program.contains("GatheredGemm 0 launch");
+                assert_eq!(launched, hopper && gathered, "{what}:\n{program}");
+                // Each fused kernel runs when walked or captured (a replay counts nothing).
+                let walked = !matches!(g.replay, ReplayStatus::Replayed);
+                expected_runs += u64::from(hopper && walked) * (1 + u64::from(gathered));
                 statuses.push(g.replay);
             }
-            Ok(statuses)
+            Ok((statuses, expected_runs))
         })
         .unwrap();
-    for s in &statuses {
+    let ran = counters().persistent_gemms - before_all;
+    let expected: u64 = runs.iter().map(|(_, e)| e).sum();
+    let what = format!("MLP ({act:?}, bias {bias}, gathered {gathered}) {dt} on {d} GPUs");
+    assert_eq!(ran, expected, "{what}: persistent kernel runs");
+    for (s, _) in &runs {
         common::assert_walked_captured_replayed(s);
     }
 }
@@ -162,7 +188,11 @@ fn on_gpus(n: usize) {
         for shape in SHAPES {
             fused_matches_unpipelined(&world, dt, shape);
         }
-        mlp_block_matches_unpipelined(&world, dt, (512, 1024, 2048));
+        let shape = (512, 1024, 2048);
+        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Gelu, false, false));
+        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Gelu, false, true));
+        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::GeluTanh, true, true));
+        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Silu, true, true));
     }
 }
 

@@ -154,3 +154,56 @@ fn the_plan_candidate_lowers_to_the_fused_program_on_the_cpu_backend() {
     assert!(!apart.contains("GemmReduceScatter"), "{apart}");
     assert!(fused.contains("GemmReduceScatter"), "{fused}");
 }
+
+/// How many gathered GEMMs `r`'s program launches.
+fn gathered_launches(r: &Run) -> usize {
+    let mut n = 0;
+    fusion::compiler::hir::for_each_node(&r.program.body, &mut |node| {
+        n += usize::from(node.kind() == NodeKind::GatheredGemmLaunch);
+    });
+    n
+}
+
+#[test]
+fn the_mlp_blocks_gather_into_one_gemm_and_scatter_from_another() {
+    // With both options the block is two persistent GEMMs: the first fed by the AllGather
+    // loop's copies, its bias and activation in its epilogue; the second adding its tiles
+    // into their owners' outputs.
+    let (m, k, h) = (4, 8, 8);
+    for dt in [DType::BF16, DType::F16] {
+        for (name, act, bias) in [
+            ("MLP", UnaryOp::Gelu, false),
+            ("MLP with a bias", UnaryOp::GeluTanh, true),
+            ("MLP with a bias", UnaryOp::Silu, true),
+        ] {
+            let f = match bias {
+                true => cases::tp_mlp_bias(dt, act),
+                false => cases::tp_mlp(dt, act),
+            };
+            for d in device_counts() {
+                let what = format!("{name}, {act:?}, {dt} on {d} devices");
+                let seed = 7600 + d as u64;
+                let mut inputs = mlp_block_inputs(d, (m, k, h), dt, seed);
+                if bias {
+                    let b1 = (Tensor::randn(&[d, h], dt, seed + 5), Give::Shard(0));
+                    inputs.insert(2, b1);
+                }
+                let take = [Take::Sharded(0)];
+                let whole = run(&f, d, &inputs, &take, &unpipelined());
+                for buffers in [false, true] {
+                    let o = common::pipelined(buffers, |l| {
+                        l.pipelines.scattered_gemm = true;
+                        l.pipelines.gathered_gemm = true;
+                    });
+                    let r = run(&f, d, &inputs, &take, &o);
+                    let fused = usize::from(d > 1);
+                    let program = &r.program;
+                    assert_eq!(gathered_launches(&r), fused, "{what}:\n{program}");
+                    assert_eq!(fused_nodes(&r), fused, "{what}:\n{program}");
+                    let want = RefArray::from_tensor(&whole.outputs[0]);
+                    assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);
+                }
+            }
+        }
+    }
+}

@@ -11,7 +11,7 @@
 use std::fmt::{self, Write};
 
 use crate::hir::{Communication, HostProgram, Node, P2PDirection, StreamDef, StreamId, P2P};
-use crate::ir::{Expr, Fusion, IterKind, MemoryType, Op, ParallelType, TensorId};
+use crate::ir::{Epilogue, Expr, Fusion, IterKind, MemoryType, Op, ParallelType, TensorId};
 
 /// `T3_g_float[iS0{i0}, ideviceIdx.x1{d}] (DeviceMesh{0 1 2 3})`.
 pub fn tensor_string(f: &Fusion, t: TensorId) -> String {
@@ -360,12 +360,20 @@ fn fused_gemm_string(p: &HostProgram, n: &Node, indent: &str) -> String {
             comm_string(p, &g.comm)
         ),
         Node::GatheredGemmLaunch(g) => format!(
-            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{} )",
+            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{}{}{} )",
             tensor_string(f, g.output),
             g.id.index(),
             tensor_string(f, g.gathered),
             tensor_string(f, g.own),
             tensor_string(f, g.b),
+            match g.bias {
+                Some(b) => format!(", bias = {}", tensor_string(f, b)),
+                None => String::new(),
+            },
+            match g.epilogue == Epilogue::default() {
+                true => String::new(),
+                false => format!(", epilogue( {} )", g.epilogue.describe()),
+            },
             match g.pieces {
                 1 => String::new(),
                 n => format!(", pieces = {n}"),

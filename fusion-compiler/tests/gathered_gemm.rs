@@ -163,14 +163,34 @@ fn loops_it_does_not_fit_keep_their_pipeline() {
     );
     let nccl = options(true).with_transport(Transport::Nccl);
     unchanged(&bf16, 4, &nccl, "NCCL transfers");
-    let gelu = ag_matmul(DType::BF16, Some(UnaryOp::Gelu), false);
-    unchanged(&gelu, 4, &options(true), "a GEMM epilogue");
+    let exp = ag_matmul(DType::BF16, Some(UnaryOp::Exp), false);
+    unchanged(&exp, 4, &options(true), "an activation the kernel lacks");
     let kept = ag_matmul(DType::BF16, None, true);
     unchanged(&kept, 4, &options(true), "gathered rows read elsewhere");
     // Without the option nothing changes, and nothing is noted.
     let off = program(&bf16, 4, &options(false));
     assert_eq!(fused_shape(&off).0, [0, 0, 0]);
     assert!(off.notes.iter().all(|n| !n.contains("GatheredGemm")));
+}
+
+#[test]
+fn an_activation_goes_into_the_kernels_epilogue() {
+    for act in [
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Silu,
+        UnaryOp::Relu,
+    ] {
+        let p = program(&ag_matmul(DType::BF16, Some(act), false), 4, &options(true));
+        assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{act:?}:\n{p}");
+        let launch = p.body.iter().find_map(|n| match n {
+            Node::GatheredGemmLaunch(g) => Some(g),
+            _ => None,
+        });
+        let g = launch.unwrap();
+        assert_eq!(g.epilogue.activations, vec![act], "{p}");
+        assert!(!g.epilogue.bias && g.bias.is_none(), "{p}");
+    }
 }
 
 #[test]
@@ -213,16 +233,26 @@ fn two_loops_get_two_gemms() {
 
 #[test]
 fn the_plan_space_has_the_candidates() {
-    assert_eq!(PLAN_SPACE_REVISION, 8);
-    let names = ["gathered_gemm", "gathered_gemm_rows2"];
+    assert_eq!(PLAN_SPACE_REVISION, 9);
+    let names = [
+        "gathered_gemm",
+        "gathered_gemm_rows2",
+        "gathered_scattered_gemm",
+    ];
     for d in [2, 3, 4, 8] {
-        for (name, rows) in names.into_iter().zip([None, Some(2)]) {
+        for (name, rows, scattered) in [(None, false), (Some(2), false), (None, true)]
+            .into_iter()
+            .zip(names)
+            .map(|((r, s), n)| (n, r, s))
+        {
             let p = find(d, name).unwrap();
             assert!(p.lower.pipelines.gathered_gemm);
             assert_eq!(p.lower.pipelines.allgather_subchunks, rows, "{name}");
+            assert_eq!(p.lower.pipelines.scattered_gemm, scattered, "{name}");
             let mut back = p.lower.clone();
             back.pipelines.gathered_gemm = false;
             back.pipelines.allgather_subchunks = None;
+            back.pipelines.scattered_gemm = false;
             assert_eq!(back, LowerOptions::default());
         }
         let others = candidates(d)

@@ -198,9 +198,11 @@ fn the_plan_space_has_the_candidate() {
         back.pipelines.scattered_gemm = false;
         assert_eq!(back, find(d, "default").unwrap().lower);
         assert!(fused(&program(&case, d, shape(d), &p.lower)));
+        let both = find(d, "gathered_scattered_gemm").unwrap();
+        assert!(both.lower.pipelines.scattered_gemm && both.lower.pipelines.gathered_gemm);
         let others = candidates(d)
             .into_iter()
-            .filter(|c| c.name != "scattered_gemm");
+            .filter(|c| !["scattered_gemm", "gathered_scattered_gemm"].contains(&c.name.as_str()));
         assert!(others
             .into_iter()
             .all(|c| !c.lower.pipelines.scattered_gemm));

@@ -518,6 +518,10 @@ pub struct GatheredGemmCall<'a> {
     pub world: usize,
     /// Row ranges per block, each with its own ready word (1: whole blocks).
     pub pieces: usize,
+    /// `[N]`: added to every row of the product, in f32 before the activation.
+    pub bias: Option<&'a Tensor>,
+    /// Applied after the bias, in f32, before the product's one rounding.
+    pub activation: Option<UnaryOp>,
 }
 
 /// A fused GEMM + ReduceScatter (`Node::GemmReduceScatter`) as a device launches it:

@@ -393,6 +393,28 @@ pub fn tp_mlp(dt: DType, act: UnaryOp) -> Fusion {
     reduce_scatter_block(b, dt, a, w2)
 }
 
+/// The MLP block with a bias: `ReduceScatter(act(AllGather(x) W1 + b1) W2)`, b1 `[d@DIDx,
+/// f]` (W1's column block's bias, broadcast over the rows: the form the first GEMM's
+/// epilogue takes).
+pub fn tp_mlp_bias(dt: DType, act: UnaryOp) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let t1 = axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
+    let tb = axes(&mut b, &[("d", Dx), ("f", S)]);
+    let t2 = axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let w1 = b.input("w1", dt, &t1).unwrap();
+    let b1 = b.input("b1", dt, &tb).unwrap();
+    let w2 = b.input("w2", dt, &t2).unwrap();
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    let h = b.matmul(rows, w1).unwrap();
+    let bias = b.broadcast(b1, &[false, true, false]).unwrap();
+    let h = b.add(h, bias).unwrap();
+    let a = b.unary(act, h).unwrap();
+    let a = stream_activation(&mut b, dt, a);
+    reduce_scatter_block(b, dt, a, w2)
+}
+
 /// The gated MLP block `ReduceScatter((silu(AG(x) Wg) * (AG(x) Wu)) Wd)`; the two
 /// projections share one gather of the rows.
 pub fn tp_gated_mlp(dt: DType) -> Fusion {

@@ -79,6 +79,14 @@ struct Args {
     /// Skip the `plan_<name>` variants (every distinct plan candidate set by hand).
     #[arg(long)]
     no_candidates: bool,
+    /// Only these plan candidates as `plan_<name>` rows (names, comma-separated).
+    #[arg(long)]
+    plans: Option<String>,
+    /// After timing each `plan_<name>` row, one more call of it traced into
+    /// `<dir>/plan_<name>` (`ExecOptions::trace_dir`: every node's host span and the
+    /// device intervals of its kernels and transfers, per rank).
+    #[arg(long)]
+    trace_dir: Option<PathBuf>,
     /// Write every measurement as JSON lines here.
     #[arg(long)]
     json: Option<String>,
@@ -357,14 +365,24 @@ fn hand_set_variants(
     if a.no_candidates {
         return Ok(());
     }
+    let picked =
+        |name: &str| (a.plans.as_deref()).is_none_or(|p| p.split(',').any(|n| n.trim() == name));
     for c in distinct_candidates(rank, e, ins)? {
-        let o = ExecOptions {
+        if !picked(&c.name) {
+            continue;
+        }
+        let mut o = ExecOptions {
             lower: c.lower,
             number_of_streams: c.number_of_streams,
             plan: PlanMode::Default, // the "default" candidate too: nothing chosen
             ..ExecOptions::default()
         };
-        one(format!("plan_{}", c.name), &o)?;
+        let name = format!("plan_{}", c.name);
+        one(name.clone(), &o)?;
+        if let Some(dir) = &a.trace_dir {
+            o.trace_dir = Some(dir.join(&name));
+            e.block.run_with(rank, ins, None, &o)?;
+        }
     }
     Ok(())
 }

@@ -7,7 +7,7 @@
 //! already bound, e.g. to a slice, is a no-op, as in nvFuser).
 
 use crate::error::Result;
-use crate::ir::{DeviceMesh, Expr, Fusion, IterDomainId, ReduceOp, ScalarId, TensorId};
+use crate::ir::{DeviceMesh, Epilogue, Expr, Fusion, IterDomainId, ReduceOp, ScalarId, TensorId};
 
 /// Index of a stream value of a host program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -230,6 +230,11 @@ pub struct GatheredGemm {
     /// the GEMM starts on a block's first rows while its last are still arriving; 1: whole
     /// blocks.
     pub pieces: usize,
+    /// What the GEMM applies to each block's product before storing it: a bias `[N]`
+    /// (`bias`) and at most one activation, no auxiliary matrix.
+    pub epilogue: Epilogue,
+    /// The epilogue's bias vector, when it has one.
+    pub bias: Option<TensorId>,
 }
 
 /// `comm.output = Allreduce(gemm)` as one kernel per rank: a GEMM whose epilogue sends
@@ -496,7 +501,10 @@ impl Node {
             Node::Launch {
                 inputs, outputs, ..
             } => inputs.iter().chain(outputs).copied().collect(),
-            Node::GatheredGemmLaunch(g) => vec![g.gathered, g.own, g.b, g.output],
+            Node::GatheredGemmLaunch(g) => [g.gathered, g.own, g.b, g.output]
+                .into_iter()
+                .chain(g.bias)
+                .collect(),
             Node::GemmAllreduce(g) => g
                 .gemm
                 .inputs

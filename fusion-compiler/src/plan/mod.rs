@@ -11,8 +11,9 @@
 //! Allreduce runs in its epilogue; and, not measured yet,
 //! the AllGather + GEMM pipeline in row ranges and as one persistent GEMM fed by the
 //! loop's copies (`gathered_gemm`), and the GEMM + ReduceScatter as one persistent GEMM
-//! that adds each tile into its owner's output (`scattered_gemm`); the
-//! runtime lowers these two only where the device runs such a GEMM. Most candidates change
+//! that adds each tile into its owner's output (`scattered_gemm`), both at once
+//! (`gathered_scattered_gemm`); the
+//! runtime lowers these only where the device runs such a GEMM. Most candidates change
 //! nothing for a given fusion (a fusion without a reduce-scatter has no reduce-scatter
 //! pipeline); the runtime lowers them all and keeps one candidate per distinct program.
 //! Which one a call runs is decided per shape by the runtime, from the cost model or by
@@ -31,7 +32,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
 /// older build are not trusted.
-pub const PLAN_SPACE_REVISION: u32 = 8;
+pub const PLAN_SPACE_REVISION: u32 = 9;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -167,6 +168,18 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
             DEFAULT_STREAMS,
         ));
     }
+    out.extend(persistent_gemm_candidates(&base));
+    out
+}
+
+/// The candidates that run a collective inside the persistent GEMM, `base` plus each option.
+fn persistent_gemm_candidates(base: &LowerOptions) -> Vec<Plan> {
+    let with = |set: &dyn Fn(&mut LowerOptions)| {
+        let mut o = base.clone();
+        set(&mut o);
+        o
+    };
+    let mut out = Vec::new();
     // AllGather + GEMM as one persistent GEMM beside the loop's copies. The runtime lowers
     // it only where the device runs such a GEMM (elsewhere, and for a fusion without such
     // a loop, it lowers to the default program).
@@ -192,7 +205,16 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
     // device runs such a GEMM (elsewhere it is the default program).
     let mut scattered = base.clone();
     scattered.pipelines.scattered_gemm = true;
-    out.push(Plan::new("scattered_gemm", scattered, DEFAULT_STREAMS));
+    out.push(Plan::new(
+        "scattered_gemm",
+        scattered.clone(),
+        DEFAULT_STREAMS,
+    ));
+    // Both: a block that gathers into one GEMM and scatters from another (the MLP block)
+    // runs as two persistent GEMMs, the first's bias and activation in its epilogue.
+    let mut both = scattered;
+    both.pipelines.gathered_gemm = true;
+    out.push(Plan::new("gathered_scattered_gemm", both, DEFAULT_STREAMS));
     out
 }
 

@@ -390,7 +390,7 @@ impl Evaluator<'_> {
 
     /// A bias operand as the vector `[N]` a GEMM takes: its leading axes must be of extent 1
     /// or broadcast (stride 0).
-    fn row_vector(&self, e: &Expr, t: TensorId) -> Result<Tensor> {
+    pub(super) fn row_vector(&self, e: &Expr, t: TensorId) -> Result<Tensor> {
         let mut v = self.get(t)?.clone();
         while v.rank() > 1 {
             if v.shape()[0] != 1 && v.strides()[0] != 0 {

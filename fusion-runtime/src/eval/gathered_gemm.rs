@@ -6,7 +6,7 @@
 //! CPU backend) gets nothing until the join, where every block's GEMM runs on the joining
 //! stream: this rank's block from `own`, every other from its landed rows. Either way the
 //! walk checks that each peer's block was said ready once, before the join, and the race
-//! checker sees the GEMM read `own` and `b` and write the output from the launch on, read
+//! checker sees the GEMM read `own`, `b` (and the epilogue's bias) and write the output from the launch on, read
 //! each block where it is said ready, and read and write everything at the join.
 //!
 //! [`Device::launch_gathered_gemm`]: crate::device::Device::launch_gathered_gemm
@@ -31,6 +31,27 @@ impl Evaluator<'_> {
         let gathered = self.get_or_allocate(g.gathered)?;
         let output = self.get_or_allocate(g.output)?;
         let (own, b) = (self.get(g.own)?.clone(), self.get(g.b)?.clone());
+        let bias = match g.bias {
+            Some(t) => {
+                let e = Expr {
+                    op: Op::Matmul,
+                    inputs: vec![g.gathered, g.b, t],
+                    output: g.output,
+                };
+                Some(self.row_vector(&e, t)?)
+            }
+            None => None,
+        };
+        let activation = match g.epilogue.activations.as_slice() {
+            [] => None,
+            [a] => Some(*a),
+            more => {
+                return Err(self.gathered_error(
+                    g.id,
+                    format!("its epilogue has {} activations (at most one)", more.len()),
+                ))
+            }
+        };
         let (rank, world) = (self.ctx.rank, self.p.world_size);
         for (what, t) in [("gathered rows", &gathered), ("output", &output)] {
             if t.shape().first() != Some(&world) {
@@ -50,11 +71,15 @@ impl Evaluator<'_> {
             rank,
             world,
             pieces,
+            bias: bias.as_ref(),
+            activation,
         };
         let start = self.mark()?;
         let on_device = self.ctx.device.launch_gathered_gemm(self.current, &call)?;
         self.traced(start, "gathered GEMM launch", false)?;
-        self.record_access(&[g.own, g.b], &[g.output])?;
+        let mut reads = vec![g.own, g.b];
+        reads.extend(g.bias);
+        self.record_access(&reads, &[g.output])?;
         let mut ready = vec![false; world * pieces];
         ready[rank * pieces..(rank + 1) * pieces].fill(true);
         self.gathered.insert(
@@ -67,6 +92,7 @@ impl Evaluator<'_> {
                 own,
                 b,
                 output,
+                bias,
                 ready,
             },
         );
@@ -160,12 +186,20 @@ impl Evaluator<'_> {
             };
             for (j, a) in blocks.iter().enumerate() {
                 let dst = l.output.select(0, j)?;
-                self.product(&e, (a, &l.b), dst, GemmExtras::default())?;
+                let extras = GemmExtras {
+                    bias: l.bias.as_ref(),
+                    epilogue: &g.epilogue.activations,
+                    ..GemmExtras::default()
+                };
+                self.product(&e, (a, &l.b), dst, extras)?;
             }
             self.traced(start, "gathered GEMM", false)?;
         }
         if let Some(rc) = self.race.as_mut() {
             let mut reads: Vec<(TensorId, &Tensor)> = vec![(g.own, &l.own), (g.b, &l.b)];
+            if let (Some(id), Some(t)) = (g.bias, l.bias.as_ref()) {
+                reads.push((id, t));
+            }
             for (j, rows) in blocks.iter().enumerate() {
                 if j != self.ctx.rank {
                     reads.push((g.gathered, rows));

@@ -6,7 +6,7 @@ use crate::dtype::DType;
 use crate::hir::{
     for_each_node, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport,
 };
-use crate::ir::{Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId};
+use crate::ir::{Epilogue, Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId, UnaryOp};
 use crate::lower::plain_gemm;
 
 /// The loop at top-level position `at`, when the fused form applies to it.
@@ -36,9 +36,10 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
     else {
         return None;
     };
-    if !plain_gemm(gemm) || gemm.output != *out_view {
+    if gemm.output != *out_view {
         return None;
     }
+    let (epilogue, bias) = kernel_epilogue(p, l, gemm)?;
     let (rows, b) = (gemm.inputs[0], gemm.inputs[1]);
     if *cond != rank_test(p, *block)? {
         return None;
@@ -93,6 +94,8 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
         block: *block,
         out_rows: *out_view,
         caller,
+        epilogue,
+        bias,
     })
 }
 
@@ -142,9 +145,10 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
     if out_slice.inputs != [*out_block] || gemm.output != out_slice.output {
         return None;
     }
-    if !plain_gemm(gemm) || *cond != rank_test(p, *block)? {
+    if *cond != rank_test(p, *block)? {
         return None;
     }
+    let (epilogue, bias) = kernel_epilogue(p, l, gemm)?;
     let (rows, b) = (gemm.inputs[0], gemm.inputs[1]);
     let received = exchange(else_body, *block)?;
     let before = &else_body[..else_body.len() - 5];
@@ -182,7 +186,58 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
         block: *block,
         out_rows: gemm.output,
         caller,
+        epilogue,
+        bias,
     })
+}
+
+/// The activations the kernel's epilogue has (`gemm.cu`'s `activate`).
+const KERNEL_ACTIVATIONS: [UnaryOp; 6] = [
+    UnaryOp::Relu,
+    UnaryOp::Gelu,
+    UnaryOp::GeluTanh,
+    UnaryOp::Silu,
+    UnaryOp::Sigmoid,
+    UnaryOp::Tanh,
+];
+
+/// What the kernel applies to loop `l`'s GEMM after the product, and the bias it reads: a
+/// plain product, or a matmul with its bias `[N]` and at most one activation folded in (no
+/// auxiliary matrix), the bias made before the loop (the launch that reads it moves there)
+/// and of the output's dtype.
+fn kernel_epilogue(
+    p: &HostProgram,
+    l: &ForLoop,
+    gemm: &Expr,
+) -> Option<(Epilogue, Option<TensorId>)> {
+    if plain_gemm(gemm) {
+        return Some((Epilogue::default(), None));
+    }
+    let Op::Gemm {
+        linear: false,
+        epilogue,
+    } = &gemm.op
+    else {
+        return None;
+    };
+    let activations = epilogue.activations.len() <= 1
+        && (epilogue.activations.iter()).all(|a| KERNEL_ACTIVATIONS.contains(a));
+    if epilogue.aux.is_some() || !activations || gemm.inputs.len() != 2 + usize::from(epilogue.bias)
+    {
+        return None;
+    }
+    let bias = epilogue.bias.then(|| gemm.inputs[2]);
+    if let Some(b) = bias {
+        let mut users = 0;
+        for_each_node(&l.body, &mut |n| {
+            users += usize::from(n.tensors().contains(&b))
+        });
+        let vector = p.ir.tensor(b).dtype == p.ir.tensor(gemm.output).dtype;
+        if users != 1 || !vector {
+            return None;
+        }
+    }
+    Some((epilogue.clone(), bias))
 }
 
 /// Where a row-range loop lands its rows (see [`find_rows`]): the head before its branch

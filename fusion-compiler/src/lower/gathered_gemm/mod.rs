@@ -12,8 +12,9 @@
 //!
 //! It applies to a top-level loop that is exactly the allgather step and the GEMM of each
 //! block: both of its transfers on the copy engines (NCCL's sends and receives are kernels
-//! that need the SMs the GEMM holds), bf16 or f16 operands, a plain `[.., rows, K] x [K, N]`
-//! product per block (no epilogue, bias or accumulation), the gathered rows read by
+//! that need the SMs the GEMM holds), bf16 or f16 operands, a `[.., rows, K] x [K, N]`
+//! product per block, plain or with a bias `[N]` made before the loop and at most one
+//! activation folded in (no accumulation or auxiliary matrix), the gathered rows read by
 //! nothing else, one block per iteration or one row range of a block per iteration (the
 //! row-range loop of `LowerOptions::pipelines.allgather_subchunks`: each range is said
 //! ready on its own, so the GEMM starts on a block's first rows while its last still
@@ -32,7 +33,7 @@ mod find_loops;
 mod rewrite;
 
 use crate::hir::{GatheredGemmId, HostProgram, StreamId};
-use crate::ir::{ScalarId, TensorId};
+use crate::ir::{Epilogue, ScalarId, TensorId};
 use find_loops::{find, find_rows};
 use rewrite::rewrite;
 
@@ -69,6 +70,10 @@ struct Found {
     out_rows: TensorId,
     /// The caller's stream.
     caller: StreamId,
+    /// What the GEMM applies to the product (see `find_loops::kernel_epilogue`), and its
+    /// bias.
+    epilogue: Epilogue,
+    bias: Option<TensorId>,
 }
 
 /// Rewrites every AllGather + GEMM loop of `program` it applies to (see the module

@@ -92,6 +92,8 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
             b: found.b,
             output: found.output,
             pieces: found.pieces,
+            epilogue: found.epilogue.clone(),
+            bias: found.bias,
         }),
     ];
     let at = found.at + launch.len();

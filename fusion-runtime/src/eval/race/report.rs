@@ -74,12 +74,14 @@ fn node_label(p: &HostProgram, node: &Node) -> String {
         Node::Wait { comm } => format!("Wait Communication {}", comm.index()),
         Node::Synchronize { stream } => format!("Synchronize Stream {}", stream.index()),
         Node::GatheredGemmLaunch(g) => format!(
-            "{} = GatheredGemm {} launch({}, own {}, {})",
+            "{} = GatheredGemm {} launch({}, own {}, {}{})",
             name(g.output),
             g.id.index(),
             name(g.gathered),
             name(g.own),
-            name(g.b)
+            name(g.b),
+            g.bias
+                .map_or(String::new(), |b| format!(", bias {}", name(b)))
         ),
         Node::RowsReady { id, block, piece } => format!(
             "RowsReady GatheredGemm {}, block {}{}",

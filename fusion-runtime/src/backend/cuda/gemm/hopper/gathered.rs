@@ -24,10 +24,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
+use fusion_compiler::ir::UnaryOp;
 
 use super::eligibility::{self, MapView, Plan, Request, View};
 use super::kernel::{Entry, BM};
-use super::launch::{AgParams, AgWords};
+use super::launch::{AgEpilogue, AgParams, AgWords};
 use crate::backend::cuda::comm::signals::SignalBoard;
 use crate::backend::cuda::gemm::GemmDevice;
 use crate::backend::cuda::health::SelfTimedWaits;
@@ -159,7 +160,15 @@ pub(crate) fn launch(
     let Some(sms) = dev.hopper().sms(dev.shared())? else {
         return Ok(false);
     };
-    let Some((plan, own)) = plan_of(call) else {
+    let (Some((plan, own)), Some(epilogue)) = (plan_of(call), epilogue_of(call)) else {
+        tracing::debug!(
+            "gathered GEMM {} runs at its join: the kernel does not take its operands \
+             (gathered {:?}, B {:?}, output {:?}) or its epilogue",
+            call.id,
+            call.gathered.shape(),
+            call.b.shape(),
+            call.output.shape()
+        );
         return Ok(false);
     };
     let raw = dev.raw_stream(stream)?;
@@ -175,7 +184,13 @@ pub(crate) fn launch(
         error: status.device,
         timeout_ns: dev.health().timeout().as_nanos().min(u64::MAX as u128) as u64,
     };
-    let mut params = AgParams::new(&plan, &own, (call.rank, call.world, call.pieces), ag)?;
+    let mut params = AgParams::new(
+        &plan,
+        &own,
+        (call.rank, call.world, call.pieces),
+        ag,
+        epilogue,
+    )?;
     let grid = plan.tiles().min(u64::from(sms.saturating_sub(2)).max(1)) as u32;
     // SAFETY: the parameters are the AllGather entry's (maps of the gathered rows, B and
     // the output, the extents, then `AgArgs`); the maps describe `call`'s tensors, which
@@ -202,6 +217,39 @@ pub(crate) fn rows_ready(
         )));
     };
     SignalBoard::write(dev.raw_stream(stream)?, words.ready(block), 1)
+}
+
+/// `call`'s epilogue as the kernel takes it, where it can: a contiguous bias `[N]` of the
+/// operands' type, and an activation the kernel has (`gemm.cu`'s `activate`).
+fn epilogue_of(call: &GatheredGemmCall<'_>) -> Option<AgEpilogue> {
+    let act = match call.activation {
+        None => 0,
+        Some(op) => activation_code(op)?,
+    };
+    let bias = match call.bias {
+        None => 0,
+        Some(b) => {
+            let n = *call.output.shape().last()?;
+            let fits = b.dtype() == call.output.dtype()
+                && b.numel() == n
+                && b.strides().last().is_none_or(|&s| s == 1 || n == 1);
+            fits.then(|| b.device_ptr())??
+        }
+    };
+    Some(AgEpilogue { bias, act })
+}
+
+/// `gemm.cu`'s code of activation `op` (`ACT_*`), where the kernel has it.
+fn activation_code(op: UnaryOp) -> Option<i32> {
+    Some(match op {
+        UnaryOp::Relu => 1,
+        UnaryOp::Gelu => 2,
+        UnaryOp::GeluTanh => 3,
+        UnaryOp::Silu => 4,
+        UnaryOp::Sigmoid => 5,
+        UnaryOp::Tanh => 6,
+        _ => return None,
+    })
 }
 
 /// The kernel's plan of `call` and the map of this rank's rows, where it applies: bf16 or

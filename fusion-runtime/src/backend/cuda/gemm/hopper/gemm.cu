@@ -177,7 +177,73 @@ struct AgArgs {
     u64 timeout_ns;
     int rank, world, rows_per;
     u32 epoch;
+    u64 bias;        // 0, or a vector [n] of the operands' type added to every row
+    int act;         // applied after the bias (ACT_*)
 };
+
+// The activations an AllGather+GEMM's epilogue applies in f32 before its one rounding.
+// tanh is the hardware's approximation (`tanh.approx.f32`, relative error below 2^-10.9,
+// under a bf16 or f16 rounding), sigmoid is 0.5 + 0.5 tanh(x / 2); gelu uses erff.
+#define ACT_NONE 0
+#define ACT_RELU 1
+#define ACT_GELU 2
+#define ACT_GELU_TANH 3
+#define ACT_SILU 4
+#define ACT_SIGMOID 5
+#define ACT_TANH 6
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <int ACT> __device__ __forceinline__ float activate(float x) {
+    if (ACT == ACT_RELU) return fmaxf(x, 0.0f);
+    if (ACT == ACT_GELU) return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    if (ACT == ACT_GELU_TANH) return 0.5f * x * (1.0f + tanh_approx(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    if (ACT == ACT_SILU) return x * (0.5f + 0.5f * tanh_approx(0.5f * x));
+    if (ACT == ACT_SIGMOID) return 0.5f + 0.5f * tanh_approx(0.5f * x);
+    if (ACT == ACT_TANH) return tanh_approx(x);
+    return x;
+}
+
+__device__ __forceinline__ float half_to_float(u16 v, bool f16) {
+    if (!f16) return __uint_as_float((u32)v << 16);
+    float f;
+    asm("{.reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "h"(v));
+    return f;
+}
+
+// Adds the bias (columns col0.. of a consumer's 64 x 256 accumulators, see `write_piece`
+// for the layout; columns past n get none) and applies activation ACT, in place. Straight
+// code for one activation: the kernel runs the one its call asks for (`apply_epilogue`).
+template <bool F16, int ACT>
+__device__ __forceinline__ void apply_epilogue_of(float* d, u64 bias, int col0, int n) {
+    int t = threadIdx.x % 128;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            int col = col0 + 8 * j + 2 * (t % 4) + e;
+            float b = (bias != 0 && col < n) ? half_to_float(((const u16*)bias)[col], F16) : 0.0f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) d[4 * j + 2 * h + e] = activate<ACT>(d[4 * j + 2 * h + e] + b);
+        }
+    }
+}
+
+template <bool F16>
+__device__ __forceinline__ void apply_epilogue(float* d, u64 bias, int act, int col0, int n) {
+    switch (act) {
+    case ACT_RELU: apply_epilogue_of<F16, ACT_RELU>(d, bias, col0, n); break;
+    case ACT_GELU: apply_epilogue_of<F16, ACT_GELU>(d, bias, col0, n); break;
+    case ACT_GELU_TANH: apply_epilogue_of<F16, ACT_GELU_TANH>(d, bias, col0, n); break;
+    case ACT_SILU: apply_epilogue_of<F16, ACT_SILU>(d, bias, col0, n); break;
+    case ACT_SIGMOID: apply_epilogue_of<F16, ACT_SIGMOID>(d, bias, col0, n); break;
+    case ACT_TANH: apply_epilogue_of<F16, ACT_TANH>(d, bias, col0, n); break;
+    default: apply_epilogue_of<F16, ACT_NONE>(d, bias, col0, n); break;
+    }
+}
 
 __device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ u32 ld_acquire(u64 p) {
@@ -603,6 +669,9 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
             if (k_blocks == 0) {
 #pragma unroll
                 for (int i = 0; i < 128; ++i) d[i] = 0.f;
+            }
+            if constexpr (WALK == WALK_AG) {
+                if (ag->bias != 0 || ag->act != ACT_NONE) apply_epilogue<F16>(d, ag->bias, ag->act, p.col, n);
             }
             unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
             if (WALK != WALK_RS || own) {

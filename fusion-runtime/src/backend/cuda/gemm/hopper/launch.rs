@@ -128,6 +128,10 @@ pub(crate) struct AgArgs {
     rows_per: i32,
     /// The value a ready word holds once its piece landed.
     epoch: u32,
+    /// 0, or the address of a bias vector `[N]` (the operands' type) added to every row.
+    bias: u64,
+    /// The activation applied after the bias (`gemm.cu`'s `ACT_*`; 0: none).
+    act: i32,
 }
 
 /// Where an AllGather GEMM's words are and how it waits for them.
@@ -137,6 +141,14 @@ pub(crate) struct AgWords {
     pub ready: u64,
     pub error: u64,
     pub timeout_ns: u64,
+}
+
+/// The AllGather entry's epilogue: a bias vector's address (0: none) and an activation
+/// code (`gemm.cu`'s `ACT_*`, see `kernel::activation_code`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct AgEpilogue {
+    pub bias: u64,
+    pub act: i32,
 }
 
 /// The AllGather entry's parameters: the plain entry's (with `m` one block's rows), then
@@ -155,6 +167,7 @@ impl AgParams {
         own: &MapView,
         (rank, world, pieces): (usize, usize, usize),
         words: AgWords,
+        epilogue: AgEpilogue,
     ) -> Result<AgParams> {
         let mut plain = Params::new(plan)?;
         let rows_per = plain.m / world as i32;
@@ -170,6 +183,8 @@ impl AgParams {
             world: world as i32,
             rows_per,
             epoch: 1,
+            bias: epilogue.bias,
+            act: epilogue.act,
         };
         Ok(AgParams { plain, ag })
     }
@@ -271,7 +286,8 @@ mod tests {
     #[test]
     fn ag_args_are_laid_out_like_the_kernels() {
         use std::mem::offset_of;
-        // gemm.cu's AgArgs: the map (128 bytes), then u64, int, u64 x 3, int x 3, u32.
+        // gemm.cu's AgArgs: the map (128 bytes), then u64, int, u64 x 3, int x 3, u32, u64,
+        // int.
         let offsets = [
             offset_of!(AgArgs, own),
             offset_of!(AgArgs, arrived),
@@ -283,9 +299,14 @@ mod tests {
             offset_of!(AgArgs, world),
             offset_of!(AgArgs, rows_per),
             offset_of!(AgArgs, epoch),
+            offset_of!(AgArgs, bias),
+            offset_of!(AgArgs, act),
         ];
-        assert_eq!(offsets, [0, 128, 136, 144, 152, 160, 168, 172, 176, 180]);
-        assert_eq!(std::mem::size_of::<AgArgs>(), 192);
+        assert_eq!(
+            offsets,
+            [0, 128, 136, 144, 152, 160, 168, 172, 176, 180, 184, 192]
+        );
+        assert_eq!(std::mem::size_of::<AgArgs>(), 256);
         assert_eq!(std::mem::align_of::<AgArgs>(), 64);
     }
 
