@@ -4,7 +4,8 @@
 //! the unpipelined program's, for the seed GEMM + ReduceScatter in bf16 and f16 (rows per
 //! block that fill the kernel's tiles and rows that do not), and for the MLP and gated MLP
 //! blocks pipelined (their AllGather loop kept, the second GEMM and its ReduceScatter one
-//! node); f32 keeps the separate GEMM and ReduceScatter. The plan candidate
+//! node), and for the MLP block with the gathered GEMM too (its first GEMM fed by the loop,
+//! bias and activation in that GEMM's epilogue); f32 keeps the separate GEMM and ReduceScatter. The plan candidate
 //! `scattered_gemm` lowers to the fused program here (the CPU backend runs it).
 
 mod common;
