@@ -101,7 +101,8 @@ fn fused_matches_unpipelined(world: &World, dt: DType, (m, k, n): (usize, usize,
 /// tile.
 const SHAPES: [(usize, usize, usize); 3] = [(256, 512, 384), (1024, 2048, 2048), (200, 136, 296)];
 
-/// The MLP block `ReduceScatter(act(AllGather(x) W1 [+ b1]) W2)` pipelined with the
+/// The MLP block `ReduceScatter(act(AllGather(x) W1 [+ b1]) W2)` (with silu and no bias:
+/// the gated block, `silu(AG(x) W1) * (AG(x) Wu)`) pipelined with the
 /// scattered GEMM (and with `gathered`, its first GEMM fed by the AllGather loop, the bias
 /// and activation in that GEMM's epilogue) against the unpipelined block: x `[d, m, h]`,
 /// W1 `[d, h, f]`, b1 `[d, f]`, W2 `[d, f, h]` sharded on axis 0, calls 0..4.
@@ -112,9 +113,12 @@ fn mlp_block_matches_unpipelined(
     (act, bias, gathered): (UnaryOp, bool, bool),
 ) {
     let d = world.size();
-    let block = match bias {
-        true => cases::tp_mlp_bias(dt, act),
-        false => cases::tp_mlp(dt, act),
+    // The gated block (`act` silu, no bias): `RS((silu(AG(x) Wg) * (AG(x) Wu)) Wd)`.
+    let gated = act == UnaryOp::Silu && !bias;
+    let block = match (gated, bias) {
+        (true, _) => cases::tp_gated_mlp(dt),
+        (false, true) => cases::tp_mlp_bias(dt, act),
+        (false, false) => cases::tp_mlp(dt, act),
     };
     let (with, without) = (
         FusionExecutor::new(block.clone()),
@@ -127,13 +131,25 @@ fn mlp_block_matches_unpipelined(
     let runs = world
         .run(|rank| {
             let hopper = rank.cuda_context()?.compute_capability()? == (9, 0);
+            // Weights scaled by 1 / sqrt(fan-in), as a layer's initialization: in f16 the
+            // gated block's sums overflow otherwise (the reference's too).
+            let scaled = |shape: &[usize], seed: u64, by: f32| -> fusion::Result<Tensor> {
+                let v: Vec<f32> = (Tensor::randn(shape, dt, seed).to_f32_vec()?.iter())
+                    .map(|x| x * by)
+                    .collect();
+                Tensor::from_f32(shape, &v, dt)
+            };
             let place = |seed: u64| -> fusion::Result<Vec<Tensor>> {
+                let (up, down) = (1.0 / (h as f32).sqrt(), 1.0 / ((d * f) as f32).sqrt());
                 let x = Tensor::randn(&[d, m, h], dt, seed);
-                let w1 = Tensor::randn(&[d, h, f], dt, seed + 1);
-                let w2 = Tensor::randn(&[d, f, h], dt, seed + 2);
+                let w1 = scaled(&[d, h, f], seed + 1, up)?;
+                let w2 = scaled(&[d, f, h], seed + 2, down)?;
                 let mut placed = vec![rank.shard(&x, 0)?, rank.shard(&w1, 0)?];
                 if bias {
                     placed.push(rank.shard(&Tensor::randn(&[d, f], dt, seed + 4), 0)?);
+                }
+                if gated {
+                    placed.push(rank.shard(&scaled(&[d, h, f], seed + 4, up)?, 0)?);
                 }
                 placed.push(rank.shard(&w2, 0)?);
                 Ok(placed)
@@ -193,6 +209,8 @@ fn on_gpus(n: usize) {
         mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Gelu, false, true));
         mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::GeluTanh, true, true));
         mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Silu, true, true));
+        // Silu without a bias: the gated MLP, its gate and up products one gathered GEMM.
+        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Silu, false, true));
     }
 }
 

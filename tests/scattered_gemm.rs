@@ -176,18 +176,21 @@ fn the_mlp_blocks_gather_into_one_gemm_and_scatter_from_another() {
             ("MLP", UnaryOp::Gelu, false),
             ("MLP with a bias", UnaryOp::GeluTanh, true),
             ("MLP with a bias", UnaryOp::Silu, true),
+            ("gated MLP", UnaryOp::Silu, false),
         ] {
-            let f = match bias {
-                true => cases::tp_mlp_bias(dt, act),
-                false => cases::tp_mlp(dt, act),
+            let f = match (name, bias) {
+                ("gated MLP", _) => cases::tp_gated_mlp(dt),
+                (_, true) => cases::tp_mlp_bias(dt, act),
+                (_, false) => cases::tp_mlp(dt, act),
             };
             for d in device_counts() {
                 let what = format!("{name}, {act:?}, {dt} on {d} devices");
                 let seed = 7600 + d as u64;
                 let mut inputs = mlp_block_inputs(d, (m, k, h), dt, seed);
-                if bias {
-                    let b1 = (Tensor::randn(&[d, h], dt, seed + 5), Give::Shard(0));
-                    inputs.insert(2, b1);
+                if bias || name == "gated MLP" {
+                    // b1 [d, f], or the gated block's up weights wu [d, k, f].
+                    let shape: &[usize] = if bias { &[d, h] } else { &[d, k, h] };
+                    inputs.insert(2, (Tensor::randn(shape, dt, seed + 5), Give::Shard(0)));
                 }
                 let take = [Take::Sharded(0)];
                 let whole = run(&f, d, &inputs, &take, &unpipelined());

@@ -360,12 +360,16 @@ fn fused_gemm_string(p: &HostProgram, n: &Node, indent: &str) -> String {
             comm_string(p, &g.comm)
         ),
         Node::GatheredGemmLaunch(g) => format!(
-            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{}{}{} )",
+            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{}{}{}{} )",
             tensor_string(f, g.output),
             g.id.index(),
             tensor_string(f, g.gathered),
             tensor_string(f, g.own),
             tensor_string(f, g.b),
+            match g.up {
+                Some(u) => format!(", gated by up = {}", tensor_string(f, u)),
+                None => String::new(),
+            },
             match g.bias {
                 Some(b) => format!(", bias = {}", tensor_string(f, b)),
                 None => String::new(),

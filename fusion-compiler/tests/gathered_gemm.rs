@@ -1,7 +1,8 @@
 //! The AllGather + GEMM loop as one persistent GEMM (`LowerOptions::pipelines.gathered_gemm`,
 //! `lower::gathered_gemm`): the fused program's shape (an insta snapshot at 4 devices),
 //! where the rewrite applies (bf16 and f16, stream buffers on and off, either chunk order,
-//! the column-parallel form with a DIDx weight, row ranges said ready one by one) and where
+//! the column-parallel form with a DIDx weight, row ranges said ready one by one, the gated
+//! MLP's gate and up products as one gated GEMM) and where
 //! it leaves the program as it was (f32, NCCL transfers, an epilogue, gathered rows read
 //! elsewhere, the option off), and the plan candidates that ask for it. (The MLP block, whose loop also
 //! reduce-scatters, is checked in the workspace's `tests/gathered_gemm.rs`.)
@@ -61,6 +62,35 @@ fn column_parallel(dt: DType) -> Fusion {
         .unwrap();
     let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
     let y = b.matmul(rows, w).unwrap();
+    let out = [
+        Axis::stream(d),
+        Axis::didx(d),
+        Axis::serial(m),
+        Axis::serial(f),
+    ];
+    let y = b.declare(y, dt, &out).unwrap();
+    b.output(y).unwrap();
+    b.build().unwrap()
+}
+
+/// The gated MLP's column-parallel half: `silu(AG(x) Wg) * (AG(x) Wu)`, every row of this
+/// device's column block `[d@Stream, d@DIDx, m, f]`.
+fn gated_half(dt: DType) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let (d, m, h, f) = (b.symbol("d"), b.symbol("m"), b.symbol("h"), b.symbol("f"));
+    let x = b
+        .input("x", dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(h)])
+        .unwrap();
+    let w = [Axis::didx(d), Axis::serial(h), Axis::serial(f)];
+    let (wg, wu) = (
+        b.input("wg", dt, &w).unwrap(),
+        b.input("wu", dt, &w).unwrap(),
+    );
+    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
+    let gate = b.matmul(rows, wg).unwrap();
+    let gate = b.unary(UnaryOp::Silu, gate).unwrap();
+    let up = b.matmul(rows, wu).unwrap();
+    let y = b.mul(gate, up).unwrap();
     let out = [
         Axis::stream(d),
         Axis::didx(d),
@@ -191,6 +221,34 @@ fn an_activation_goes_into_the_kernels_epilogue() {
         assert_eq!(g.epilogue.activations, vec![act], "{p}");
         assert!(!g.epilogue.bias && g.bias.is_none(), "{p}");
     }
+}
+
+#[test]
+fn the_gated_products_become_one_gated_gemm() {
+    for buffers in [true, false] {
+        for world in [2, 3, 4, 8] {
+            let mut o = options(true);
+            o.streams.buffers = buffers;
+            let p = program(&gated_half(DType::BF16), world, &o);
+            let what = format!("buffers {buffers}, {world} devices:\n{p}");
+            assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{what}");
+            let g = (p.body.iter())
+                .find_map(|n| match n {
+                    Node::GatheredGemmLaunch(g) => Some(g),
+                    _ => None,
+                })
+                .unwrap();
+            assert!(g.up.is_some() && g.bias.is_none(), "{what}");
+            assert_eq!(g.epilogue.activations, vec![UnaryOp::Silu], "{what}");
+            // The gate, its activation and the up product are never made.
+            let mut pointwise = 0;
+            for_each_node(&p.body, &mut |n| {
+                pointwise += usize::from(matches!(n.kind(), NodeKind::Unary | NodeKind::Binary));
+            });
+            assert_eq!(pointwise, 0, "{what}");
+        }
+    }
+    unchanged(&gated_half(DType::F32), 4, &options(true), "f32 gated");
 }
 
 #[test]

@@ -522,6 +522,9 @@ pub struct GatheredGemmCall<'a> {
     pub bias: Option<&'a Tensor>,
     /// Applied after the bias, in f32, before the product's one rounding.
     pub activation: Option<UnaryOp>,
+    /// `[.., K, N]` like `b`: the product is gated, `activation(rows @ b) * (rows @ up)`
+    /// (the gated MLP's gate and up weights; no bias).
+    pub up: Option<&'a Tensor>,
 }
 
 /// A fused GEMM + ReduceScatter (`Node::GemmReduceScatter`) as a device launches it:

@@ -235,6 +235,9 @@ pub struct GatheredGemm {
     pub epilogue: Epilogue,
     /// The epilogue's bias vector, when it has one.
     pub bias: Option<TensorId>,
+    /// A gated product: `output = act(rows @ b) * (rows @ up)`, `up` shaped like `b` (the
+    /// gated MLP's gate and up weights), `act` the epilogue's activation (no bias).
+    pub up: Option<TensorId>,
 }
 
 /// `comm.output = Allreduce(gemm)` as one kernel per rank: a GEMM whose epilogue sends
@@ -504,6 +507,7 @@ impl Node {
             Node::GatheredGemmLaunch(g) => [g.gathered, g.own, g.b, g.output]
                 .into_iter()
                 .chain(g.bias)
+                .chain(g.up)
                 .collect(),
             Node::GemmAllreduce(g) => g
                 .gemm

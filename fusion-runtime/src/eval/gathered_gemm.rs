@@ -12,13 +12,15 @@
 //! [`Device::launch_gathered_gemm`]: crate::device::Device::launch_gathered_gemm
 
 use fusion_compiler::hir::{GatheredGemm, GatheredGemmId};
-use fusion_compiler::ir::{Expr, Op, ScalarId, TensorId};
+use fusion_compiler::ir::{BinaryOp, Expr, Op, ScalarId, TensorId, UnaryOp};
+use fusion_compiler::DType;
 
 use super::compute::GemmExtras;
 use super::evaluator::Evaluator;
 use super::launched_gemm::Launched;
-use crate::device::GatheredGemmCall;
+use crate::device::{GatheredGemmCall, Kernel};
 use crate::error::{Error, Result};
+use crate::fused_programs::{PointwiseInstr, PointwiseProgram};
 use crate::tensor::Tensor;
 
 impl Evaluator<'_> {
@@ -42,6 +44,7 @@ impl Evaluator<'_> {
             }
             None => None,
         };
+        let up = g.up.map(|t| self.get(t).cloned()).transpose()?;
         let activation = match g.epilogue.activations.as_slice() {
             [] => None,
             [a] => Some(*a),
@@ -73,12 +76,14 @@ impl Evaluator<'_> {
             pieces,
             bias: bias.as_ref(),
             activation,
+            up: up.as_ref(),
         };
         let start = self.mark()?;
         let on_device = self.ctx.device.launch_gathered_gemm(self.current, &call)?;
         self.traced(start, "gathered GEMM launch", false)?;
         let mut reads = vec![g.own, g.b];
         reads.extend(g.bias);
+        reads.extend(g.up);
         self.record_access(&reads, &[g.output])?;
         let mut ready = vec![false; world * pieces];
         ready[rank * pieces..(rank + 1) * pieces].fill(true);
@@ -93,6 +98,7 @@ impl Evaluator<'_> {
                 b,
                 output,
                 bias,
+                up,
                 ready,
             },
         );
@@ -186,18 +192,28 @@ impl Evaluator<'_> {
             };
             for (j, a) in blocks.iter().enumerate() {
                 let dst = l.output.select(0, j)?;
-                let extras = GemmExtras {
-                    bias: l.bias.as_ref(),
-                    epilogue: &g.epilogue.activations,
-                    ..GemmExtras::default()
-                };
-                self.product(&e, (a, &l.b), dst, extras)?;
+                match &l.up {
+                    Some(up) => {
+                        self.gated_product(&e, a, (&l.b, up), &g.epilogue.activations, dst)?
+                    }
+                    None => {
+                        let extras = GemmExtras {
+                            bias: l.bias.as_ref(),
+                            epilogue: &g.epilogue.activations,
+                            ..GemmExtras::default()
+                        };
+                        self.product(&e, (a, &l.b), dst, extras)?;
+                    }
+                }
             }
             self.traced(start, "gathered GEMM", false)?;
         }
         if let Some(rc) = self.race.as_mut() {
             let mut reads: Vec<(TensorId, &Tensor)> = vec![(g.own, &l.own), (g.b, &l.b)];
             if let (Some(id), Some(t)) = (g.bias, l.bias.as_ref()) {
+                reads.push((id, t));
+            }
+            if let (Some(id), Some(t)) = (g.up, l.up.as_ref()) {
                 reads.push((id, t));
             }
             for (j, rows) in blocks.iter().enumerate() {
@@ -208,6 +224,46 @@ impl Evaluator<'_> {
             rc.access(self.current, &reads, &[(g.output, &l.output)]);
         }
         Ok(())
+    }
+
+    /// `dst = act(a @ b) * (a @ up)` where no kernel runs the gated product: both products
+    /// in f32, then one pointwise pass rounding once to `dst`'s dtype.
+    fn gated_product(
+        &mut self,
+        e: &Expr,
+        a: &Tensor,
+        (b, up): (&Tensor, &Tensor),
+        activations: &[UnaryOp],
+        dst: Tensor,
+    ) -> Result<()> {
+        let gate = self
+            .ctx
+            .device
+            .allocate(self.current, DType::F32, dst.shape())?;
+        let value = self
+            .ctx
+            .device
+            .allocate(self.current, DType::F32, dst.shape())?;
+        self.product(e, (a, b), gate.clone(), GemmExtras::default())?;
+        self.product(e, (a, up), value.clone(), GemmExtras::default())?;
+        let mut instrs: Vec<PointwiseInstr> = Vec::new();
+        let mut reg = 0;
+        for &op in activations {
+            instrs.push(PointwiseInstr::Unary(op, reg));
+            reg = 1 + instrs.len();
+        }
+        instrs.push(PointwiseInstr::Binary(BinaryOp::Mul, reg, 1));
+        instrs.push(PointwiseInstr::Round(dst.dtype(), 1 + instrs.len()));
+        let out = 1 + instrs.len();
+        let prog = PointwiseProgram {
+            shape: dst.shape().to_vec(),
+            inputs: vec![gate, value],
+            instrs,
+            outputs: vec![(dst, out)],
+        };
+        self.ctx
+            .device
+            .execute(self.current, Kernel::Pointwise(&prog))
     }
 
     /// An error of gathered GEMM `id` on this rank: a program that breaks the fused form's

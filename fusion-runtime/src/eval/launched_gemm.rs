@@ -19,6 +19,8 @@ pub(crate) struct Launched {
     pub(super) output: Tensor,
     /// The epilogue's bias `[N]`, where it has one.
     pub(super) bias: Option<Tensor>,
+    /// A gated product's second weight.
+    pub(super) up: Option<Tensor>,
     /// Per block and row range (`block * pieces + piece`): said ready (this rank's own
     /// block counts as ready).
     pub(super) ready: Vec<bool>,

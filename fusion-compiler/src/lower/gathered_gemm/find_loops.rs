@@ -6,7 +6,9 @@ use crate::dtype::DType;
 use crate::hir::{
     for_each_node, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport,
 };
-use crate::ir::{Epilogue, Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId, UnaryOp};
+use crate::ir::{
+    BinaryOp, Epilogue, Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId, UnaryOp,
+};
 use crate::lower::plain_gemm;
 
 /// The loop at top-level position `at`, when the fused form applies to it.
@@ -22,25 +24,43 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
         }, rest @ ..] => (Some((*input, *output, *index)), rest),
         _ => (None, middle),
     };
-    let (
-        Branch {
-            cond,
-            then_body,
-            else_body,
-            output,
-            out_block: out_view,
-            block,
-        },
-        [Node::Compute(gemm)],
-    ) = branch_then_output(rest)?
-    else {
-        return None;
+    let (branch, product) = match branch_then_output(rest) {
+        Some((branch, [Node::Compute(gemm)])) if gemm.output == *branch.out_block => {
+            let (epilogue, bias) = kernel_epilogue(p, l, gemm)?;
+            let (rows, b) = (gemm.inputs[0], gemm.inputs[1]);
+            (
+                branch,
+                Product {
+                    rows,
+                    b,
+                    epilogue,
+                    bias,
+                    up: None,
+                    parts: Vec::new(),
+                },
+            )
+        }
+        _ => gated_branch(p, at, rest)?,
     };
-    if gemm.output != *out_view {
+    let Branch {
+        cond,
+        then_body,
+        else_body,
+        output,
+        out_block: out_view,
+        block,
+    } = branch;
+    let Product {
+        rows,
+        b,
+        epilogue,
+        bias,
+        up,
+        parts,
+    } = product;
+    if up.is_some_and(|u| u == rows || p.ir.tensor(u).dtype != p.ir.tensor(b).dtype) {
         return None;
     }
-    let (epilogue, bias) = kernel_epilogue(p, l, gemm)?;
-    let (rows, b) = (gemm.inputs[0], gemm.inputs[1]);
     if *cond != rank_test(p, *block)? {
         return None;
     }
@@ -96,7 +116,99 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
         caller,
         epilogue,
         bias,
+        up,
+        parts,
     })
+}
+
+/// What a loop's iteration computes from its block of rows: `rows @ b` with the kernel's
+/// epilogue, or with `up` the gated product `act(rows @ b) * (rows @ up)`, whose three
+/// intermediates (`parts`: each slot buffer and the view the loop binds of it) the fused
+/// form drops.
+struct Product {
+    rows: TensorId,
+    b: TensorId,
+    epilogue: Epilogue,
+    bias: Option<TensorId>,
+    up: Option<TensorId>,
+    parts: Vec<(TensorId, TensorId)>,
+}
+
+/// `[IF .., gate = rows @ wg, s = act(gate), up = rows @ wu, out_block = select(output, 0,
+/// block), out_block = s * up]` (each product and `s` bound first to a view of a buffer
+/// made outside the loop): the gated MLP's iteration.
+fn gated_branch<'a>(
+    p: &HostProgram,
+    at: usize,
+    nodes: &'a [Node],
+) -> Option<(Branch<'a>, Product)> {
+    let [Node::IfThenElse {
+        cond,
+        then_body,
+        else_body,
+    }, Node::AliasSelect {
+        input: gate_slot,
+        output: gate,
+        axis: 0,
+        ..
+    }, Node::Compute(gate_gemm), Node::AliasSelect {
+        input: act_slot,
+        output: act,
+        axis: 0,
+        ..
+    }, Node::Compute(activation), Node::AliasSelect {
+        input: up_slot,
+        output: up,
+        axis: 0,
+        ..
+    }, Node::Compute(up_gemm), Node::AliasSelect {
+        input: output,
+        output: out_block,
+        axis: 0,
+        index: block,
+    }, Node::Compute(product)] = nodes
+    else {
+        return None;
+    };
+    let Op::Unary(op) = activation.op else {
+        return None;
+    };
+    let products = plain_gemm(gate_gemm)
+        && plain_gemm(up_gemm)
+        && gate_gemm.output == *gate
+        && up_gemm.output == *up
+        && gate_gemm.inputs[0] == up_gemm.inputs[0];
+    let gated = KERNEL_ACTIVATIONS.contains(&op)
+        && activation.inputs == [*gate]
+        && activation.output == *act
+        && product.op == Op::Binary(BinaryOp::Mul)
+        && product.output == *out_block
+        && (product.inputs == [*act, *up] || product.inputs == [*up, *act]);
+    let parts = vec![(*gate_slot, *gate), (*act_slot, *act), (*up_slot, *up)];
+    let apart = (parts.iter()).all(|&(slot, _)| only_allocated_outside(p, at, slot));
+    if !(products && gated && apart) {
+        return None;
+    }
+    let branch = Branch {
+        cond,
+        then_body,
+        else_body,
+        output,
+        out_block,
+        block,
+    };
+    let product = Product {
+        rows: gate_gemm.inputs[0],
+        b: gate_gemm.inputs[1],
+        epilogue: Epilogue {
+            activations: vec![op],
+            ..Epilogue::default()
+        },
+        bias: None,
+        up: Some(up_gemm.inputs[1]),
+        parts,
+    };
+    Some((branch, product))
 }
 
 /// The loop at top-level position `at` in its row-range form (`pieces` ranges per block,
@@ -188,6 +300,8 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
         caller,
         epilogue,
         bias,
+        up: None,
+        parts: Vec::new(),
     })
 }
 

@@ -74,6 +74,10 @@ struct Found {
     /// bias.
     epilogue: Epilogue,
     bias: Option<TensorId>,
+    /// A gated product's second weight (see `find_loops::gated_branch`), and the
+    /// intermediates the fused form drops: each slot buffer and the view bound of it.
+    up: Option<TensorId>,
+    parts: Vec<(TensorId, TensorId)>,
 }
 
 /// Rewrites every AllGather + GEMM loop of `program` it applies to (see the module

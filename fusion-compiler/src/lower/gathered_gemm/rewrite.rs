@@ -74,6 +74,19 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
     if let Node::ForLoop(l) = &mut p.body[found.at] {
         rewrite_body(l, &found, (gathered, block_view), (id, piece));
     }
+    // A gated product's intermediates are never made.
+    let mut at = found.at;
+    for (i, n) in std::mem::take(&mut p.body).into_iter().enumerate() {
+        let dropped = matches!(&n, Node::Allocate { tensor } | Node::Deallocate { tensor }
+            if found.parts.iter().any(|&(slot, _)| slot == *tensor));
+        if dropped && i < found.at {
+            at -= 1;
+        }
+        if !dropped {
+            p.body.push(n);
+        }
+    }
+    let found = Found { at, ..found };
     let (x, axis, index) = found.shard;
     let launch = [
         Node::AliasSelect {
@@ -94,6 +107,7 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
             pieces: found.pieces,
             epilogue: found.epilogue.clone(),
             bias: found.bias,
+            up: found.up,
         }),
     ];
     let at = found.at + launch.len();
@@ -128,9 +142,12 @@ fn rewrite_body(
     let mut body = Vec::with_capacity(l.body.len());
     for n in std::mem::take(&mut l.body) {
         match n {
-            // The output's view and the GEMM (the launched GEMM writes every block).
+            // The output's view and the GEMM (the launched GEMM writes every block), and a
+            // gated product's intermediates.
             Node::AliasSelect { input, .. } if input == found.output => {}
             Node::Compute(e) if e.output == found.out_rows => {}
+            Node::AliasSelect { input, output, .. } if found.parts.contains(&(input, output)) => {}
+            Node::Compute(e) if found.parts.iter().any(|&(_, view)| view == e.output) => {}
             Node::IfThenElse {
                 cond, else_body, ..
             } => {

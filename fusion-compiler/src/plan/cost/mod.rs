@@ -155,7 +155,9 @@ impl Model<'_> {
         for node in nodes {
             match node {
                 Node::GatheredGemmLaunch(g) => {
-                    let s = self.gemm(&[g.gathered, g.b], g.output);
+                    // A gated product runs two GEMMs' work.
+                    let gates = 1.0 + f64::from(u8::from(g.up.is_some()));
+                    let s = gates * self.gemm(&[g.gathered, g.b], g.output);
                     launched.push((g.id, s, self.blocks(g.output), total.seconds));
                 }
                 Node::GatheredGemmJoin { id } => {

@@ -74,12 +74,13 @@ fn node_label(p: &HostProgram, node: &Node) -> String {
         Node::Wait { comm } => format!("Wait Communication {}", comm.index()),
         Node::Synchronize { stream } => format!("Synchronize Stream {}", stream.index()),
         Node::GatheredGemmLaunch(g) => format!(
-            "{} = GatheredGemm {} launch({}, own {}, {}{})",
+            "{} = GatheredGemm {} launch({}, own {}, {}{}{})",
             name(g.output),
             g.id.index(),
             name(g.gathered),
             name(g.own),
             name(g.b),
+            g.up.map_or(String::new(), |u| format!(", gated by {}", name(u))),
             g.bias
                 .map_or(String::new(), |b| format!(", bias {}", name(b)))
         ),

@@ -27,7 +27,7 @@ use cudarc::driver::sys;
 use fusion_compiler::ir::UnaryOp;
 
 use super::eligibility::{self, MapView, Plan, Request, View};
-use super::kernel::{Entry, BM};
+use super::kernel::{Entry, BM, BN};
 use super::launch::{AgEpilogue, AgParams, AgWords};
 use crate::backend::cuda::comm::signals::SignalBoard;
 use crate::backend::cuda::gemm::GemmDevice;
@@ -160,7 +160,9 @@ pub(crate) fn launch(
     let Some(sms) = dev.hopper().sms(dev.shared())? else {
         return Ok(false);
     };
-    let (Some((plan, own)), Some(epilogue)) = (plan_of(call), epilogue_of(call)) else {
+    let plan = plan_of(call);
+    let epilogue = plan.as_ref().and_then(|(p, _)| epilogue_of(call, p));
+    let (Some((plan, own)), Some(epilogue)) = (plan, epilogue) else {
         tracing::debug!(
             "gathered GEMM {} runs at its join: the kernel does not take its operands \
              (gathered {:?}, B {:?}, output {:?}) or its epilogue",
@@ -191,7 +193,12 @@ pub(crate) fn launch(
         ag,
         epilogue,
     )?;
-    let grid = plan.tiles().min(u64::from(sms.saturating_sub(2)).max(1)) as u32;
+    // A gated product's tiles are half as wide (their B stage holds both weights).
+    let tiles = match epilogue.up {
+        Some(_) => (plan.m as u64).div_ceil(BM as u64) * (plan.n as u64).div_ceil(BN as u64 / 2),
+        None => plan.tiles(),
+    };
+    let grid = tiles.min(u64::from(sms.saturating_sub(2)).max(1)) as u32;
     // SAFETY: the parameters are the AllGather entry's (maps of the gathered rows, B and
     // the output, the extents, then `AgArgs`); the maps describe `call`'s tensors, which
     // the program keeps until its join, and the words are this launch id's.
@@ -220,11 +227,27 @@ pub(crate) fn rows_ready(
 }
 
 /// `call`'s epilogue as the kernel takes it, where it can: a contiguous bias `[N]` of the
-/// operands' type, and an activation the kernel has (`gemm.cu`'s `activate`).
-fn epilogue_of(call: &GatheredGemmCall<'_>) -> Option<AgEpilogue> {
+/// operands' type, and an activation the kernel has (`gemm.cu`'s `activate`); for a gated
+/// product, `up` laid out as B is in `plan` (no bias).
+fn epilogue_of(call: &GatheredGemmCall<'_>, plan: &Plan) -> Option<AgEpilogue> {
     let act = match call.activation {
         None => 0,
         Some(op) => activation_code(op)?,
+    };
+    let up = match call.up {
+        None => None,
+        Some(up) => {
+            let alike = up.dtype() == call.b.dtype()
+                && up.shape() == call.b.shape()
+                && up.strides() == call.b.strides();
+            if !alike || call.bias.is_some() || plan.variant.b_k {
+                return None;
+            }
+            Some(MapView {
+                addr: up.device_ptr()?,
+                ..plan.b
+            })
+        }
     };
     let bias = match call.bias {
         None => 0,
@@ -236,7 +259,7 @@ fn epilogue_of(call: &GatheredGemmCall<'_>) -> Option<AgEpilogue> {
             fits.then(|| b.device_ptr())??
         }
     };
-    Some(AgEpilogue { bias, act })
+    Some(AgEpilogue { bias, act, up })
 }
 
 /// `gemm.cu`'s code of activation `op` (`ACT_*`), where the kernel has it.

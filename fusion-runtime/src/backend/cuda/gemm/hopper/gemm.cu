@@ -179,6 +179,12 @@ struct AgArgs {
     u32 epoch;
     u64 bias;        // 0, or a vector [n] of the operands' type added to every row
     int act;         // applied after the bias (ACT_*)
+    // With `glu`, a gated product: C = act(A B) * (A up), B and `up` [K, n] alike (the
+    // gated MLP's gate and up weights). A tile is 128 output columns: its B stage holds
+    // those columns of B (boxes 0-1) and of `up` (boxes 2-3), so a thread holds a gate
+    // value in accumulator group j and its up value in group j + 16 (no bias).
+    TensorMap up;
+    int glu;
 };
 
 // The activations an AllGather+GEMM's epilogue applies in f32 before its one rounding.
@@ -229,6 +235,25 @@ __device__ __forceinline__ void apply_epilogue_of(float* d, u64 bias, int col0, 
 #pragma unroll
             for (int h = 0; h < 2; ++h) d[4 * j + 2 * h + e] = activate<ACT>(d[4 * j + 2 * h + e] + b);
         }
+    }
+}
+
+// A gated product's epilogue: accumulator groups j < 16 hold the gate, j + 16 the up
+// values of the same columns; the result act(gate) * up goes to groups j < 16.
+template <int ACT> __device__ __forceinline__ void apply_gate_of(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = activate<ACT>(d[i]) * d[i + 64];
+}
+
+__device__ __forceinline__ void apply_gate(float* d, int act) {
+    switch (act) {
+    case ACT_RELU: apply_gate_of<ACT_RELU>(d); break;
+    case ACT_GELU: apply_gate_of<ACT_GELU>(d); break;
+    case ACT_GELU_TANH: apply_gate_of<ACT_GELU_TANH>(d); break;
+    case ACT_SILU: apply_gate_of<ACT_SILU>(d); break;
+    case ACT_SIGMOID: apply_gate_of<ACT_SIGMOID>(d); break;
+    case ACT_TANH: apply_gate_of<ACT_TANH>(d); break;
+    default: apply_gate_of<ACT_NONE>(d); break;
     }
 }
 
@@ -284,7 +309,7 @@ __device__ __forceinline__ bool wait_word(u64 error, u64 timeout_ns, u64 word, i
 #define WALK_RS 1
 #define WALK_AG 2
 #define WALK_RS_INTERLEAVED 3
-struct Walk { int kind, rank, world, rows_per, chunks; };
+struct Walk { int kind, rank, world, rows_per, chunks, bn; }; // bn: a tile's columns
 
 // Where tile `t` of the walk is: the row of A it starts at, its first column, its owner
 // (its row block; -1 in a plain walk), its index in the owner's block, and its first row
@@ -323,7 +348,7 @@ __device__ __forceinline__ TilePlace place_tile(int t, int tiles_m, int tiles_n,
         p.a_row = p.owner * w.rows_per + tm * BM;
         p.out_row = p.a_row;
     }
-    p.col = tn * BN;
+    p.col = tn * w.bn;
     return p;
 }
 
@@ -373,14 +398,16 @@ __device__ __forceinline__ void write_piece(const float* d, unsigned char* piece
     }
 }
 
-// Stores a consumer's 64 x 256 accumulators at rows m0.., columns n0.. of C through its NP
-// shared-memory pieces, 64 columns at a time, each stored by the copy engine.
+// Stores a consumer's 64 x 256 accumulators (their first 64 qn columns) at rows m0..,
+// columns n0.. of C through its NP shared-memory pieces, 64 columns at a time, each stored
+// by the copy engine.
 template <bool F16, int NP>
 __device__ __forceinline__ void store_tile(const float* d, unsigned char* out, const TensorMap* c_map,
-                                           int consumer, int m0, int n0) {
+                                           int consumer, int m0, int n0, int qn = BN / 64) {
     int t = threadIdx.x % 128;
 #pragma unroll
     for (int q = 0; q < BN / 64; ++q) {
+        if (q >= qn) break;
         unsigned char* piece = out + (q % NP) * OUT_PIECE_BYTES;
         if (t == 0) stores_read_wait<NP - 1>();
         consumer_sync(consumer);
@@ -541,10 +568,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
     u64* staged = empty + NS;             // [CONSUMERS][NP], with `rs`
     u64* freed = staged + CONSUMERS * NP; // [CONSUMERS][NP], with `rs`
     int wg = threadIdx.x / 128;
-    int tiles_m = (m + BM - 1) / BM, tiles_n = (n + BN - 1) / BN;
-    Walk walk = {WALK, 0, 1, m, 1};
-    if (WALK == WALK_RS) walk = {rs->interleave ? WALK_RS_INTERLEAVED : WALK_RS, rs->rank, rs->world, rs->rows_per, 1};
-    if (WALK == WALK_AG) walk = {WALK, ag->rank, ag->world, ag->rows_per, ag->chunks};
+    Walk walk = {WALK, 0, 1, m, 1, BN};
+    if (WALK == WALK_RS) walk = {rs->interleave ? WALK_RS_INTERLEAVED : WALK_RS, rs->rank, rs->world, rs->rows_per, 1, BN};
+    if (WALK == WALK_AG) walk = {WALK, ag->rank, ag->world, ag->rows_per, ag->chunks, ag->glu ? BN / 2 : BN};
+    int tiles_m = (m + BM - 1) / BM, tiles_n = (n + walk.bn - 1) / walk.bn;
     int tiles = tiles_m * tiles_n * walk.world;
     int k_blocks = (k + BK - 1) / BK;
 
@@ -599,8 +626,12 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                         load_box(sb, b_map, kb * BK, p.col, &full[stage]);
                     } else {
                         // Boxes of 64 (n) x 64 (k): four per tile.
-                        for (int i = 0; i < BN / 64; ++i)
-                            load_box(sb + i * 64 * BK * 2, b_map, p.col + 64 * i, kb * BK, &full[stage]);
+                        for (int i = 0; i < BN / 64; ++i) {
+                            // A gated product's tile: its columns of B, then of `up`.
+                            bool up = WALK == WALK_AG && ag->glu && i >= 2;
+                            int col = WALK == WALK_AG && ag->glu ? p.col + 64 * (i % 2) : p.col + 64 * i;
+                            load_box(sb + i * 64 * BK * 2, up ? &ag->up : b_map, col, kb * BK, &full[stage]);
+                        }
                     }
                     if (++stage == NS) { stage = 0; phase ^= 1; }
                 }
@@ -670,12 +701,18 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
 #pragma unroll
                 for (int i = 0; i < 128; ++i) d[i] = 0.f;
             }
+            int qn = BN / 64; // output pieces of the tile
             if constexpr (WALK == WALK_AG) {
-                if (ag->bias != 0 || ag->act != ACT_NONE) apply_epilogue<F16>(d, ag->bias, ag->act, p.col, n);
+                if (ag->glu) {
+                    apply_gate(d, ag->act);
+                    qn = BN / 128;
+                } else if (ag->bias != 0 || ag->act != ACT_NONE) {
+                    apply_epilogue<F16>(d, ag->bias, ag->act, p.col, n);
+                }
             }
             unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
             if (WALK != WALK_RS || own) {
-                store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col);
+                store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col, qn);
             } else if constexpr (WALK == WALK_RS) {
                 // A peer's tile: staged for the storers, one piece at a time.
 #pragma unroll

@@ -16,7 +16,7 @@ use crate::error::Result;
 /// A tensor map as the kernel takes it by value (`TensorMap` in `gemm.cu`): the driver's
 /// 128 opaque bytes, 64-byte aligned.
 #[repr(C, align(64))]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub(crate) struct TensorMap([u64; 16]);
 
 /// Encodes `view` of bf16 (or, with `f16`, f16) elements as a 2-D tensor map.
@@ -132,6 +132,9 @@ pub(crate) struct AgArgs {
     bias: u64,
     /// The activation applied after the bias (`gemm.cu`'s `ACT_*`; 0: none).
     act: i32,
+    /// With `glu`, the second weight of a gated product `act(A B) * (A up)`.
+    up: TensorMap,
+    glu: i32,
 }
 
 /// Where an AllGather GEMM's words are and how it waits for them.
@@ -143,12 +146,13 @@ pub(crate) struct AgWords {
     pub timeout_ns: u64,
 }
 
-/// The AllGather entry's epilogue: a bias vector's address (0: none) and an activation
-/// code (`gemm.cu`'s `ACT_*`, see `kernel::activation_code`).
+/// The AllGather entry's epilogue: a bias vector's address (0: none), an activation code
+/// (`gemm.cu`'s `ACT_*`), and for a gated product `act(A B) * (A up)` the map of `up`.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct AgEpilogue {
     pub bias: u64,
     pub act: i32,
+    pub up: Option<MapView>,
 }
 
 /// The AllGather entry's parameters: the plain entry's (with `m` one block's rows), then
@@ -185,6 +189,11 @@ impl AgParams {
             epoch: 1,
             bias: epilogue.bias,
             act: epilogue.act,
+            up: match &epilogue.up {
+                Some(up) => encode(up, plan.variant.f16)?,
+                None => TensorMap::default(),
+            },
+            glu: i32::from(epilogue.up.is_some()),
         };
         Ok(AgParams { plain, ag })
     }
@@ -287,7 +296,7 @@ mod tests {
     fn ag_args_are_laid_out_like_the_kernels() {
         use std::mem::offset_of;
         // gemm.cu's AgArgs: the map (128 bytes), then u64, int, u64 x 3, int x 3, u32, u64,
-        // int.
+        // int, a map (64-aligned), int.
         let offsets = [
             offset_of!(AgArgs, own),
             offset_of!(AgArgs, arrived),
@@ -301,12 +310,14 @@ mod tests {
             offset_of!(AgArgs, epoch),
             offset_of!(AgArgs, bias),
             offset_of!(AgArgs, act),
+            offset_of!(AgArgs, up),
+            offset_of!(AgArgs, glu),
         ];
         assert_eq!(
             offsets,
-            [0, 128, 136, 144, 152, 160, 168, 172, 176, 180, 184, 192]
+            [0, 128, 136, 144, 152, 160, 168, 172, 176, 180, 184, 192, 256, 384]
         );
-        assert_eq!(std::mem::size_of::<AgArgs>(), 256);
+        assert_eq!(std::mem::size_of::<AgArgs>(), 448);
         assert_eq!(std::mem::align_of::<AgArgs>(), 64);
     }
 
