@@ -25,11 +25,7 @@ fn options(fused: bool, buffers: bool) -> ExecOptions {
 
 /// How many gathered GEMMs `r`'s program launches.
 fn launches(r: &Run) -> usize {
-    let mut n = 0;
-    fusion::compiler::hir::for_each_node(&r.program.body, &mut |node| {
-        n += usize::from(node.kind() == NodeKind::GatheredGemmLaunch);
-    });
-    n
+    count_nodes(r, NodeKind::GatheredGemmLaunch)
 }
 
 #[test]

@@ -27,11 +27,7 @@ fn fused() -> ExecOptions {
 
 /// How many scattered GEMMs `r`'s program runs.
 fn fused_nodes(r: &Run) -> usize {
-    let mut n = 0;
-    fusion::compiler::hir::for_each_node(&r.program.body, &mut |node| {
-        n += usize::from(node.kind() == NodeKind::GemmReduceScatter);
-    });
-    n
+    count_nodes(r, NodeKind::GemmReduceScatter)
 }
 
 /// The seed GEMM + ReduceScatter's inputs: A `[d, d, m, k]` sharded on axis 0 (each rank
@@ -156,15 +152,6 @@ fn the_plan_candidate_lowers_to_the_fused_program_on_the_cpu_backend() {
     assert!(fused.contains("GemmReduceScatter"), "{fused}");
 }
 
-/// How many gathered GEMMs `r`'s program launches.
-fn gathered_launches(r: &Run) -> usize {
-    let mut n = 0;
-    fusion::compiler::hir::for_each_node(&r.program.body, &mut |node| {
-        n += usize::from(node.kind() == NodeKind::GatheredGemmLaunch);
-    });
-    n
-}
-
 #[test]
 fn the_mlp_blocks_gather_into_one_gemm_and_scatter_from_another() {
     // With both options the block is two persistent GEMMs: the first fed by the AllGather
@@ -202,7 +189,11 @@ fn the_mlp_blocks_gather_into_one_gemm_and_scatter_from_another() {
                     let r = run(&f, d, &inputs, &take, &o);
                     let fused = usize::from(d > 1);
                     let program = &r.program;
-                    assert_eq!(gathered_launches(&r), fused, "{what}:\n{program}");
+                    assert_eq!(
+                        count_nodes(&r, NodeKind::GatheredGemmLaunch),
+                        fused,
+                        "{what}:\n{program}"
+                    );
                     assert_eq!(fused_nodes(&r), fused, "{what}:\n{program}");
                     let want = RefArray::from_tensor(&whole.outputs[0]);
                     assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);

@@ -459,6 +459,15 @@ pub fn mlp_block_inputs(
     ]
 }
 
+/// How many nodes of `kind` `r`'s program holds, nested ones included.
+pub fn count_nodes(r: &Run, kind: fusion::compiler::hir::NodeKind) -> usize {
+    let mut n = 0;
+    fusion::compiler::hir::for_each_node(&r.program.body, &mut |node| {
+        n += usize::from(node.kind() == kind);
+    });
+    n
+}
+
 /// Options that pipeline at any size, with stream buffers on or off, after `set` adjusts
 /// the lowering (e.g. a pipeline option under test).
 pub fn pipelined(buffers: bool, set: impl FnOnce(&mut LowerOptions)) -> ExecOptions {
