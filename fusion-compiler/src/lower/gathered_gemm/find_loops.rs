@@ -1,15 +1,14 @@
 //! Finding the AllGather + GEMM loops the fused form applies to (see the module above):
-//! whole blocks per iteration ([`find`]) or row ranges of them ([`find_rows`]).
+//! whole blocks per iteration ([`find`]) or row ranges of them ([`find_rows`]); what an
+//! iteration computes is read by `product`.
 
+use super::product::{gated_branch, kernel_epilogue, Product};
 use super::{Found, Landing};
 use crate::dtype::DType;
 use crate::hir::{
     for_each_node, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport,
 };
-use crate::ir::{
-    BinaryOp, Epilogue, Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId, UnaryOp,
-};
-use crate::lower::plain_gemm;
+use crate::ir::{Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId};
 
 /// The loop at top-level position `at`, when the fused form applies to it.
 pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
@@ -121,96 +120,6 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
     })
 }
 
-/// What a loop's iteration computes from its block of rows: `rows @ b` with the kernel's
-/// epilogue, or with `up` the gated product `act(rows @ b) * (rows @ up)`, whose three
-/// intermediates (`parts`: each slot buffer and the view the loop binds of it) the fused
-/// form drops.
-struct Product {
-    rows: TensorId,
-    b: TensorId,
-    epilogue: Epilogue,
-    bias: Option<TensorId>,
-    up: Option<TensorId>,
-    parts: Vec<(TensorId, TensorId)>,
-}
-
-/// `[IF .., gate = rows @ wg, s = act(gate), up = rows @ wu, out_block = select(output, 0,
-/// block), out_block = s * up]` (each product and `s` bound first to a view of a buffer
-/// made outside the loop): the gated MLP's iteration.
-fn gated_branch<'a>(
-    p: &HostProgram,
-    at: usize,
-    nodes: &'a [Node],
-) -> Option<(Branch<'a>, Product)> {
-    let [Node::IfThenElse {
-        cond,
-        then_body,
-        else_body,
-    }, Node::AliasSelect {
-        input: gate_slot,
-        output: gate,
-        axis: 0,
-        ..
-    }, Node::Compute(gate_gemm), Node::AliasSelect {
-        input: act_slot,
-        output: act,
-        axis: 0,
-        ..
-    }, Node::Compute(activation), Node::AliasSelect {
-        input: up_slot,
-        output: up,
-        axis: 0,
-        ..
-    }, Node::Compute(up_gemm), Node::AliasSelect {
-        input: output,
-        output: out_block,
-        axis: 0,
-        index: block,
-    }, Node::Compute(product)] = nodes
-    else {
-        return None;
-    };
-    let Op::Unary(op) = activation.op else {
-        return None;
-    };
-    let products = plain_gemm(gate_gemm)
-        && plain_gemm(up_gemm)
-        && gate_gemm.output == *gate
-        && up_gemm.output == *up
-        && gate_gemm.inputs[0] == up_gemm.inputs[0];
-    let gated = KERNEL_ACTIVATIONS.contains(&op)
-        && activation.inputs == [*gate]
-        && activation.output == *act
-        && product.op == Op::Binary(BinaryOp::Mul)
-        && product.output == *out_block
-        && (product.inputs == [*act, *up] || product.inputs == [*up, *act]);
-    let parts = vec![(*gate_slot, *gate), (*act_slot, *act), (*up_slot, *up)];
-    let apart = (parts.iter()).all(|&(slot, _)| only_allocated_outside(p, at, slot));
-    if !(products && gated && apart) {
-        return None;
-    }
-    let branch = Branch {
-        cond,
-        then_body,
-        else_body,
-        output,
-        out_block,
-        block,
-    };
-    let product = Product {
-        rows: gate_gemm.inputs[0],
-        b: gate_gemm.inputs[1],
-        epilogue: Epilogue {
-            activations: vec![op],
-            ..Epilogue::default()
-        },
-        bias: None,
-        up: Some(up_gemm.inputs[1]),
-        parts,
-    };
-    Some((branch, product))
-}
-
 /// The loop at top-level position `at` in its row-range form (`pieces` ranges per block,
 /// iteration `i` the range `i % pieces` of block `(rank - i / pieces) % d`), when the fused
 /// form applies to it. Without slots the loop binds the range of the gathered block
@@ -305,55 +214,6 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
     })
 }
 
-/// The activations the kernel's epilogue has (`gemm.cu`'s `activate`).
-const KERNEL_ACTIVATIONS: [UnaryOp; 6] = [
-    UnaryOp::Relu,
-    UnaryOp::Gelu,
-    UnaryOp::GeluTanh,
-    UnaryOp::Silu,
-    UnaryOp::Sigmoid,
-    UnaryOp::Tanh,
-];
-
-/// What the kernel applies to loop `l`'s GEMM after the product, and the bias it reads: a
-/// plain product, or a matmul with its bias `[N]` and at most one activation folded in (no
-/// auxiliary matrix), the bias made before the loop (the launch that reads it moves there)
-/// and of the output's dtype.
-fn kernel_epilogue(
-    p: &HostProgram,
-    l: &ForLoop,
-    gemm: &Expr,
-) -> Option<(Epilogue, Option<TensorId>)> {
-    if plain_gemm(gemm) {
-        return Some((Epilogue::default(), None));
-    }
-    let Op::Gemm {
-        linear: false,
-        epilogue,
-    } = &gemm.op
-    else {
-        return None;
-    };
-    let activations = epilogue.activations.len() <= 1
-        && (epilogue.activations.iter()).all(|a| KERNEL_ACTIVATIONS.contains(a));
-    if epilogue.aux.is_some() || !activations || gemm.inputs.len() != 2 + usize::from(epilogue.bias)
-    {
-        return None;
-    }
-    let bias = epilogue.bias.then(|| gemm.inputs[2]);
-    if let Some(b) = bias {
-        let mut users = 0;
-        for_each_node(&l.body, &mut |n| {
-            users += usize::from(n.tensors().contains(&b))
-        });
-        let vector = p.ir.tensor(b).dtype == p.ir.tensor(gemm.output).dtype;
-        if users != 1 || !vector {
-            return None;
-        }
-    }
-    Some((epilogue.clone(), bias))
-}
-
 /// Where a row-range loop lands its rows (see [`find_rows`]): the head before its branch
 /// (`[select, slice]` of the gathered block, without slots), the receiving branch's nodes
 /// before its send (a slot and its first rows, with slots), and the own branch; with the
@@ -430,13 +290,13 @@ fn rows_landing(
 }
 
 /// A loop body's own-or-receive branch and the output block's view after it.
-struct Branch<'a> {
-    cond: &'a ScalarId,
-    then_body: &'a [Node],
-    else_body: &'a [Node],
-    output: &'a TensorId,
-    out_block: &'a TensorId,
-    block: &'a ScalarId,
+pub(super) struct Branch<'a> {
+    pub(super) cond: &'a ScalarId,
+    pub(super) then_body: &'a [Node],
+    pub(super) else_body: &'a [Node],
+    pub(super) output: &'a TensorId,
+    pub(super) out_block: &'a TensorId,
+    pub(super) block: &'a ScalarId,
 }
 
 /// `[IF .. ELSE .., out_block = select(output, 0, block), rest..]`: the branch and the
@@ -575,7 +435,7 @@ fn own_copy(branch: &[Node], view: TensorId) -> Option<((TensorId, usize, Scalar
 
 /// Whether nothing outside the loop at `at` touches `t` but its allocation and release,
 /// and it is no input or output of the program.
-fn only_allocated_outside(p: &HostProgram, at: usize, t: TensorId) -> bool {
+pub(super) fn only_allocated_outside(p: &HostProgram, at: usize, t: TensorId) -> bool {
     let pinned = p.inputs.contains(&t)
         || p.outputs.contains(&t)
         || p.aliases.iter().any(|&(o, i)| o == t || i == t);

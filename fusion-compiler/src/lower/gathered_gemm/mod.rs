@@ -30,6 +30,7 @@
 //! [`GatheredGemmJoin`]: crate::hir::Node::GatheredGemmJoin
 
 mod find_loops;
+mod product;
 mod rewrite;
 
 use crate::hir::{GatheredGemmId, HostProgram, StreamId};
