@@ -2,12 +2,11 @@
 //! whole blocks per iteration ([`find`]) or row ranges of them ([`find_rows`]); what an
 //! iteration computes is read by `product`.
 
+use super::body::{only_allocated_outside, Branch};
 use super::product::{gated_branch, kernel_epilogue, Product};
 use super::{Found, Landing};
 use crate::dtype::DType;
-use crate::hir::{
-    for_each_node, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport,
-};
+use crate::hir::{ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport};
 use crate::ir::{Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId};
 
 /// The loop at top-level position `at`, when the fused form applies to it.
@@ -289,16 +288,6 @@ fn rows_landing(
     }
 }
 
-/// A loop body's own-or-receive branch and the output block's view after it.
-pub(super) struct Branch<'a> {
-    pub(super) cond: &'a ScalarId,
-    pub(super) then_body: &'a [Node],
-    pub(super) else_body: &'a [Node],
-    pub(super) output: &'a TensorId,
-    pub(super) out_block: &'a TensorId,
-    pub(super) block: &'a ScalarId,
-}
-
 /// `[IF .. ELSE .., out_block = select(output, 0, block), rest..]`: the branch and the
 /// output's view, and the nodes after them.
 fn branch_then_output(nodes: &[Node]) -> Option<(Branch<'_>, &[Node])> {
@@ -431,22 +420,4 @@ fn own_copy(branch: &[Node], view: TensorId) -> Option<((TensorId, usize, Scalar
     };
     let copies = copy.op == Op::Set && copy.inputs == [*output] && copy.output == view;
     copies.then_some(((*input, *axis, *index), *output))
-}
-
-/// Whether nothing outside the loop at `at` touches `t` but its allocation and release,
-/// and it is no input or output of the program.
-pub(super) fn only_allocated_outside(p: &HostProgram, at: usize, t: TensorId) -> bool {
-    let pinned = p.inputs.contains(&t)
-        || p.outputs.contains(&t)
-        || p.aliases.iter().any(|&(o, i)| o == t || i == t);
-    let mut used = false;
-    for (i, n) in p.body.iter().enumerate() {
-        if i == at || matches!(n, Node::Allocate { .. } | Node::Deallocate { .. }) {
-            continue;
-        }
-        for_each_node(std::slice::from_ref(n), &mut |m| {
-            used |= m.tensors().contains(&t);
-        });
-    }
-    !pinned && !used
 }

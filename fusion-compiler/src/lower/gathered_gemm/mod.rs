@@ -29,6 +29,7 @@
 //! [`RowsReady`]: crate::hir::Node::RowsReady
 //! [`GatheredGemmJoin`]: crate::hir::Node::GatheredGemmJoin
 
+mod body;
 mod find_loops;
 mod product;
 mod rewrite;

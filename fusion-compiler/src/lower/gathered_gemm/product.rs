@@ -2,7 +2,7 @@
 //! kernel takes it: a product with its bias and activation folded in
 //! ([`kernel_epilogue`]), or the gated MLP's gated product ([`gated_branch`]).
 
-use super::find_loops::{only_allocated_outside, Branch};
+use super::body::{only_allocated_outside, Branch};
 use crate::hir::{for_each_node, ForLoop, HostProgram, Node};
 use crate::ir::{BinaryOp, Epilogue, Expr, Op, TensorId, UnaryOp};
 use crate::lower::plain_gemm;
