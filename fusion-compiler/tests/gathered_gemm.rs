@@ -224,6 +224,12 @@ fn an_activation_goes_into_the_kernels_epilogue() {
 }
 
 #[test]
+fn the_gated_program_at_four_devices() {
+    let p = program(&gated_half(DType::BF16), 4, &options(true));
+    insta::assert_snapshot!(p.to_string());
+}
+
+#[test]
 fn the_gated_products_become_one_gated_gemm() {
     for buffers in [true, false] {
         for world in [2, 3, 4, 8] {

@@ -113,10 +113,13 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
     let at = found.at + launch.len();
     p.body.splice(found.at..found.at, launch);
     p.body.insert(at + 1, Node::GatheredGemmJoin { id });
-    let ranges = match found.pieces {
+    let mut ranges = match found.pieces {
         1 => String::new(),
         n => format!(", each block in {n} row ranges said ready one by one"),
     };
+    if found.up.is_some() {
+        ranges.push_str(", the gate and up products in one (act(gate) * up in its epilogue)");
+    }
     p.notes.push(format!(
         "GatheredGemm {} of `{}`: the AllGather+GEMM loop as one persistent GEMM that reads \
          each peer's rows once they landed and this rank's in place{ranges} \
