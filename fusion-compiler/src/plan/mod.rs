@@ -32,7 +32,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
 /// older build are not trusted.
-pub const PLAN_SPACE_REVISION: u32 = 9;
+pub const PLAN_SPACE_REVISION: u32 = 10;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
