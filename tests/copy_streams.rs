@@ -1,4 +1,5 @@
-//! One copy stream for every peer ([`CopyStreams::One`], a plan candidate): the pipelined
+//! One copy stream for every peer ([`CopyStreams::One`], a plan candidate), also with the
+//! receives ordered by the senders ([`CopyStreams::OneInSendOrder`]): the pipelined
 //! AllGather + GEMM over the copy engines on 2 and 4 simulated devices computes what a copy
 //! stream per peer computes, and its program carries the choice (a note and
 //! `HostProgram::copy_streams`); over NCCL the choice leaves the program as it was. The
@@ -61,6 +62,19 @@ fn one_copy_stream_computes_what_a_stream_per_peer_computes() {
         assert!(notes_one(&one), "{one}");
         assert_eq!(per_peer.copy_streams, CopyStreams::PerPeer);
         assert!(!notes_one(&per_peer), "{per_peer}");
+        let (sent, in_order) = ag_matmul(d, CopyStreams::OneInSendOrder, Transport::CopyEngine);
+        assert_eq!(
+            sent.to_f32_vec().unwrap(),
+            want.to_f32_vec().unwrap(),
+            "{d} devices, in the senders' order"
+        );
+        assert_eq!(in_order.copy_streams, CopyStreams::OneInSendOrder);
+        assert!(
+            in_order.to_string().contains(
+                "// copy streams: one shared by all peers, receives ordered by the senders"
+            ),
+            "{in_order}"
+        );
     }
 }
 

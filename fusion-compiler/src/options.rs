@@ -80,8 +80,9 @@ pub struct TransportOptions {
     pub peer_memory: PeerMemoryCollectives,
     /// Which copy streams a rank's copy-engine transfers run on: a stream per peer by
     /// default, or one for all ([`CopyStreams::One`]), which measured faster on some
-    /// shapes; a plan candidate, so tuning picks it per shape. Programs without
-    /// copy-engine transfers ignore it.
+    /// shapes, also with the receives ordered by the senders
+    /// ([`CopyStreams::OneInSendOrder`]); plan candidates, so tuning picks them per shape.
+    /// Programs without copy-engine transfers ignore it.
     pub copy_streams: CopyStreams,
     /// Whether a peer-memory Allreduce of a decode-size GEMM's product runs inside the GEMM
     /// (`lower::gemm_allreduce`: one kernel per rank whose epilogue exchanges the product's

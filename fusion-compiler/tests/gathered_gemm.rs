@@ -8,7 +8,7 @@
 //! reduce-scatters, is checked in the workspace's `tests/gathered_gemm.rs`.)
 
 use fusion_compiler::builder::{Axis, FusionBuilder};
-use fusion_compiler::hir::{for_each_node, HostProgram, Node, NodeKind, Transport};
+use fusion_compiler::hir::{for_each_node, CopyStreams, HostProgram, Node, NodeKind, Transport};
 use fusion_compiler::ir::{Fusion, UnaryOp};
 use fusion_compiler::lower::{lower, LowerOptions, P2pSchedule, Pipelining};
 use fusion_compiler::plan::{candidates, find, PLAN_SPACE_REVISION};
@@ -297,31 +297,36 @@ fn two_loops_get_two_gemms() {
 
 #[test]
 fn the_plan_space_has_the_candidates() {
-    assert_eq!(PLAN_SPACE_REVISION, 10);
-    let names = [
-        "gathered_gemm",
-        "gathered_gemm_rows2",
-        "gathered_scattered_gemm",
+    assert_eq!(PLAN_SPACE_REVISION, 11);
+    // (name, row ranges, scattered too, copies in the senders' order)
+    let fused = [
+        ("gathered_gemm", None, false, false),
+        ("gathered_gemm_rows2", Some(2), false, false),
+        ("gathered_gemm_send_order_rows4", Some(4), false, true),
+        ("gathered_scattered_gemm", None, true, false),
     ];
     for d in [2, 3, 4, 8] {
-        for (name, rows, scattered) in [(None, false), (Some(2), false), (None, true)]
-            .into_iter()
-            .zip(names)
-            .map(|((r, s), n)| (n, r, s))
-        {
+        for (name, rows, scattered, send_order) in fused {
             let p = find(d, name).unwrap();
             assert!(p.lower.pipelines.gathered_gemm);
             assert_eq!(p.lower.pipelines.allgather_subchunks, rows, "{name}");
             assert_eq!(p.lower.pipelines.scattered_gemm, scattered, "{name}");
+            let order = if send_order {
+                CopyStreams::OneInSendOrder
+            } else {
+                CopyStreams::PerPeer
+            };
+            assert_eq!(p.lower.transports.copy_streams, order, "{name}");
             let mut back = p.lower.clone();
             back.pipelines.gathered_gemm = false;
             back.pipelines.allgather_subchunks = None;
             back.pipelines.scattered_gemm = false;
+            back.transports.copy_streams = CopyStreams::PerPeer;
             assert_eq!(back, LowerOptions::default());
         }
         let others = candidates(d)
             .into_iter()
-            .filter(|c| !names.contains(&c.name.as_str()));
+            .filter(|c| !fused.iter().any(|f| f.0 == c.name));
         assert!(others.into_iter().all(|c| !c.lower.pipelines.gathered_gemm));
     }
     assert!(find(1, "gathered_gemm").is_none());

@@ -119,6 +119,19 @@ pub enum CopyStreams {
     /// Every copy-engine transfer of the rank on one copy stream, one after another (it
     /// measured faster for AllGather+GEMM at 8192^3 on 4 devices).
     One,
+    /// One copy stream, as [`CopyStreams::One`], and a rank's single receives no longer
+    /// wait for the previous one to land: the senders' order keeps one inbound copy per
+    /// rank at a time (each step of a P2P pipeline pairs the ranks), so the row ranges of a
+    /// block land one after another at the link's rate, with no hand-off round trip
+    /// between them.
+    OneInSendOrder,
+}
+
+impl CopyStreams {
+    /// Whether every copy of the rank runs on one copy stream.
+    pub fn one(self) -> bool {
+        matches!(self, CopyStreams::One | CopyStreams::OneInSendOrder)
+    }
 }
 
 /// A collective between the devices of `team`.

@@ -153,9 +153,13 @@ fn choose_copy_streams(program: &mut HostProgram, copy_streams: CopyStreams) {
     });
     if copies {
         program.copy_streams = copy_streams;
-        program.notes.push(
-            "copy streams: one shared by all peers (LowerOptions::transports.copy_streams)".into(),
-        );
+        program.notes.push(match copy_streams {
+            CopyStreams::OneInSendOrder => "copy streams: one shared by all peers, receives \
+                 ordered by the senders (LowerOptions::transports.copy_streams)"
+                .into(),
+            _ => "copy streams: one shared by all peers (LowerOptions::transports.copy_streams)"
+                .into(),
+        });
     }
 }
 

@@ -2,7 +2,7 @@
 //! sequential program, the collective pipelines and the P2P pipelines, over NCCL or the
 //! copy engines, and the fused AllGather + GEMM on the persistent Hopper kernel.
 
-use fusion::compiler::hir::Transport;
+use fusion::compiler::hir::{CopyStreams, Transport};
 use fusion::{ExecOptions, GemmEngine, Rank, Result, Tensor};
 use fusion_bench::cli::list;
 
@@ -117,13 +117,19 @@ pub fn run_ag(
     // Hopper GEMM whose loader waits for each block's ready word behind the copy engines
     // (where the device runs that kernel; elsewhere this is the copy-engine pipeline).
     // With `rows` row ranges per block, each said ready on its own (the plan candidates).
-    for rows in [None, Some(2)] {
+    // And in four ranges landing in the senders' order (`CopyStreams::OneInSendOrder`, the
+    // candidate `gathered_gemm_send_order_rows4`).
+    for (rows, send_order) in [(None, false), (Some(2), false), (Some(4), true)] {
         let mut o = opts(d, Transport::CopyEngine, true, true);
         o.lower.pipelines.gathered_gemm = true;
         o.lower.pipelines.allgather_subchunks = rows;
+        if send_order {
+            o.lower.transports.copy_streams = CopyStreams::OneInSendOrder;
+        }
         let (s, _) = variant(rank, a, &e.ag_p2p, &[&a_local, &b], &o, check)?;
         let tag = rows.map_or(String::new(), |r| format!("_rows{r}"));
-        out.push((format!("gathered_gemm_persistent{tag}"), s));
+        let order = if send_order { "_send_order" } else { "" };
+        out.push((format!("gathered_gemm_persistent{order}{tag}"), s));
     }
     Ok(out)
 }

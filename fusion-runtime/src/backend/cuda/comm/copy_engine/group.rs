@@ -17,6 +17,7 @@ use super::registry::{Slot, Transfer};
 use crate::backend::cuda::comm::ipc::{IpcDevice, IpcPeer, IpcState};
 use crate::backend::cuda::comm::signals::{Flag, SLOTS};
 use crate::error::Result;
+use fusion_compiler::hir::CopyStreams;
 
 /// A group of transfers as it runs: each with its route, the call's identity, and whether
 /// its one receive lands after the previous group's.
@@ -47,18 +48,19 @@ impl CopyEngine {
             .ipc
             .as_ref()
             .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
-        let identity = self
-            .call
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .identity;
+        let (identity, copy_streams) = {
+            let call = self.call.lock().unwrap_or_else(PoisonError::into_inner);
+            (call.identity, call.copy_streams)
+        };
         let routes = self.routes(group, ipc.as_deref())?;
         let run = GroupRun {
             group,
             routes: &routes,
             identity,
-            // One receive (a P2P pipeline's step): it waits for the previous one to land.
-            in_order: group.iter().filter(|t| !t.sending).count() == 1,
+            // One receive (a P2P pipeline's step): it waits for the previous one to land,
+            // unless the senders order the copies (`CopyStreams::OneInSendOrder`).
+            in_order: copy_streams != CopyStreams::OneInSendOrder
+                && group.iter().filter(|t| !t.sending).count() == 1,
         };
         self.post_group(&run, ipc.as_deref_mut())?;
         self.copy_group(&run, ipc.as_deref_mut())?;

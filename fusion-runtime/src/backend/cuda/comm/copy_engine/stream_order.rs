@@ -9,7 +9,6 @@
 use std::sync::PoisonError;
 
 use cudarc::driver::{result, sys};
-use fusion_compiler::hir::CopyStreams;
 
 use super::engine::CopyEngine;
 use super::registry::{Event, Transfer};
@@ -85,7 +84,7 @@ impl CopyEngine {
 
     /// The stream a copy with `peer` runs on, after the work `own` (the iteration's
     /// stream) has queued so far: that peer's copy stream, or the one copy stream of every
-    /// peer when the call's program asks for it ([`CopyStreams::One`]). (A copy stream per
+    /// peer when the call's program asks for it ([`fusion_compiler::hir::CopyStreams::One`]). (A copy stream per
     /// peer lets the blocks of one collective run on several copy engines at once, one for
     /// all measured faster on some shapes; copying on the iteration's stream was measured
     /// up to 39% slower, `docs/DECISIONS.md`, "One copy stream per peer".)
@@ -100,9 +99,10 @@ impl CopyEngine {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .copy_streams;
-        let key = match copy_streams {
-            CopyStreams::PerPeer => peer,
-            CopyStreams::One => ONE_COPY_STREAM,
+        let key = if copy_streams.one() {
+            ONE_COPY_STREAM
+        } else {
+            peer
         };
         let cs = self.device.copy_stream(key)?;
         debug_assert!(cs != own, "a copy stream is never a pool stream");
