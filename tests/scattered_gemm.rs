@@ -5,7 +5,8 @@
 //! block that fill the kernel's tiles and rows that do not), and for the MLP and gated MLP
 //! blocks pipelined (their AllGather loop kept, the second GEMM and its ReduceScatter one
 //! node), and for the MLP block with the gathered GEMM too (its first GEMM fed by the loop,
-//! bias and activation in that GEMM's epilogue); f32 keeps the separate GEMM and ReduceScatter. The plan candidate
+//! bias and activation in that GEMM's epilogue; also with the weights broadcast instead of
+//! x, the output's block axis after its DIDx axis); f32 keeps the separate GEMM and ReduceScatter. The plan candidate
 //! `scattered_gemm` lowers to the fused program here (the CPU backend runs it).
 
 mod common;
@@ -164,9 +165,11 @@ fn the_mlp_blocks_gather_into_one_gemm_and_scatter_from_another() {
             ("MLP with a bias", UnaryOp::GeluTanh, true),
             ("MLP with a bias", UnaryOp::Silu, true),
             ("gated MLP", UnaryOp::Silu, false),
+            ("MLP, weights broadcast", UnaryOp::GeluTanh, false),
         ] {
             let f = match (name, bias) {
                 ("gated MLP", _) => cases::tp_gated_mlp(dt),
+                ("MLP, weights broadcast", _) => cases::tp_mlp_bcast_w(dt, act),
                 (_, true) => cases::tp_mlp_bias(dt, act),
                 (_, false) => cases::tp_mlp(dt, act),
             };

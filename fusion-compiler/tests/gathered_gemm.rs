@@ -9,7 +9,7 @@
 
 use fusion_compiler::builder::{Axis, FusionBuilder};
 use fusion_compiler::hir::{for_each_node, CopyStreams, HostProgram, Node, NodeKind, Transport};
-use fusion_compiler::ir::{Fusion, UnaryOp};
+use fusion_compiler::ir::{Fusion, Op, UnaryOp};
 use fusion_compiler::lower::{lower, LowerOptions, P2pSchedule, Pipelining};
 use fusion_compiler::plan::{candidates, find, PLAN_SPACE_REVISION};
 use fusion_compiler::DType;
@@ -182,6 +182,67 @@ fn the_column_parallel_projection_is_fused() {
     }
 }
 
+/// The same projection with W1 broadcast instead of x: `matmul(x, broadcast(w1))` into
+/// `[d@DIDx, d@Stream, m, f]` (the Stream axis second).
+fn column_parallel_weights_broadcast(dt: DType) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let (d, m, h, f) = (b.symbol("d"), b.symbol("m"), b.symbol("h"), b.symbol("f"));
+    let x = b
+        .input("x", dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(h)])
+        .unwrap();
+    let w = b
+        .input("w1", dt, &[Axis::didx(d), Axis::serial(h), Axis::serial(f)])
+        .unwrap();
+    let wb = b.broadcast(w, &[false, true, false, false]).unwrap();
+    let c = b.matmul(x, wb).unwrap();
+    let out = [
+        Axis::didx(d),
+        Axis::stream(d),
+        Axis::serial(m),
+        Axis::serial(f),
+    ];
+    let c = b.declare(c, dt, &out).unwrap();
+    b.output(c).unwrap();
+    b.build().unwrap()
+}
+
+#[test]
+fn the_projection_with_its_weights_broadcast_is_fused_reading_the_weights() {
+    // The loop binds W1's broadcast view and writes the output's blocks on its second
+    // axis: the kernel reads W1 itself, and the view is gone from the loop.
+    let p = program(
+        &column_parallel_weights_broadcast(DType::BF16),
+        4,
+        &options(true),
+    );
+    assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{p}");
+    let mut b = None;
+    for_each_node(&p.body, &mut |n| {
+        if let Node::GatheredGemmLaunch(g) = n {
+            b = Some(g.b);
+        }
+    });
+    assert_eq!(b, Some(p.inputs[1]), "{p}");
+    // No view of the broadcast weights is bound any more (the unfused loop binds one).
+    let views_of_broadcast = |p: &HostProgram| {
+        let mut broadcast = None;
+        let mut views = 0;
+        for_each_node(&p.body, &mut |n| match n {
+            Node::Compute(e) if matches!(e.op, Op::Broadcast { .. }) => broadcast = Some(e.output),
+            Node::AliasSelect { input, .. } if Some(*input) == broadcast => views += 1,
+            _ => {}
+        });
+        views
+    };
+    let unfused = program(
+        &column_parallel_weights_broadcast(DType::BF16),
+        4,
+        &options(false),
+    );
+    assert_eq!(views_of_broadcast(&unfused), 1, "{unfused}");
+    assert_eq!(views_of_broadcast(&p), 0, "{p}");
+}
+
 #[test]
 fn loops_it_does_not_fit_keep_their_pipeline() {
     let bf16 = ag_matmul(DType::BF16, None, false);
@@ -297,7 +358,7 @@ fn two_loops_get_two_gemms() {
 
 #[test]
 fn the_plan_space_has_the_candidates() {
-    assert_eq!(PLAN_SPACE_REVISION, 11);
+    assert_eq!(PLAN_SPACE_REVISION, 12);
     // (name, row ranges, scattered too, copies in the senders' order)
     let fused = [
         ("gathered_gemm", None, false, false),

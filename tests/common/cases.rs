@@ -393,6 +393,36 @@ pub fn tp_mlp(dt: DType, act: UnaryOp) -> Fusion {
     reduce_scatter_block(b, dt, a, w2)
 }
 
+/// The MLP block with the weights broadcast instead of x (the layer benchmark's form
+/// `bcast_w`): x's row blocks become the Stream axis at position 1, the weights' blocks
+/// stay DIDx at position 0, and the partial sums reduce axis 0.
+pub fn tp_mlp_bcast_w(dt: DType, act: UnaryOp) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let t1 = axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
+    let t2 = axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let w1 = b.input("w1", dt, &t1).unwrap();
+    let w2 = b.input("w2", dt, &t2).unwrap();
+    let w1 = b.broadcast(w1, &[false, true, false, false]).unwrap();
+    let h = b.matmul(x, w1).unwrap();
+    let a = b.unary(act, h).unwrap();
+    let ta = axes(&mut b, &[("d", Dx), ("d", St), ("m", S), ("f", S)]);
+    let a = b.declare(a, dt, &ta).unwrap();
+    b.name(a, "act");
+    let w2 = b.broadcast(w2, &[false, true, false, false]).unwrap();
+    let p = b.matmul(a, w2).unwrap();
+    let tp = axes(&mut b, &[("d", Dx), ("d", St), ("m", S), ("h", S)]);
+    let p = b.declare(p, dt, &tp).unwrap();
+    b.name(p, "partial");
+    let y = b.sum(p, &[0]).unwrap();
+    let ty = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let y = b.declare(y, dt, &ty).unwrap();
+    let y = b.output(y).unwrap();
+    b.name(y, "output");
+    b.build().unwrap()
+}
+
 /// The MLP block with a bias: `ReduceScatter(act(AllGather(x) W1 + b1) W2)`, b1 `[d@DIDx,
 /// f]` (W1's column block's bias, broadcast over the rows: the form the first GEMM's
 /// epilogue takes).

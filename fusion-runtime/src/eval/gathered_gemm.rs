@@ -31,7 +31,7 @@ impl Evaluator<'_> {
             return Ok(());
         }
         let gathered = self.get_or_allocate(g.gathered)?;
-        let output = self.get_or_allocate(g.output)?;
+        let output = blocks_first(self.get_or_allocate(g.output)?, self.p.world_size)?;
         let (own, b) = (self.get(g.own)?.clone(), self.get(g.b)?.clone());
         let bias = match g.bias {
             Some(t) => {
@@ -190,11 +190,19 @@ impl Evaluator<'_> {
                 inputs: vec![g.gathered, g.b],
                 output: g.output,
             };
+            // The weights with no more axes than a block's rows (a broadcast operand's
+            // base keeps its DIDx axis, stored with extent 1).
+            let rank = blocks.first().map_or(2, Tensor::rank);
+            let b = unit_axes_dropped(l.b.clone(), rank)?;
+            let up =
+                l.up.clone()
+                    .map(|u| unit_axes_dropped(u, rank))
+                    .transpose()?;
             for (j, a) in blocks.iter().enumerate() {
                 let dst = l.output.select(0, j)?;
-                match &l.up {
+                match &up {
                     Some(up) => {
-                        self.gated_product(&e, a, (&l.b, up), &g.epilogue.activations, dst)?
+                        self.gated_product(&e, a, (&b, up), &g.epilogue.activations, dst)?
                     }
                     None => {
                         let extras = GemmExtras {
@@ -202,7 +210,7 @@ impl Evaluator<'_> {
                             epilogue: &g.epilogue.activations,
                             ..GemmExtras::default()
                         };
-                        self.product(&e, (a, &l.b), dst, extras)?;
+                        self.product(&e, (a, &b), dst, extras)?;
                     }
                 }
             }
@@ -287,4 +295,22 @@ fn piece_rows(block: &Tensor, piece: usize, pieces: usize) -> Result<Tensor> {
     let rows = block.shape()[axis];
     let (start, stop) = (piece * rows / pieces, (piece + 1) * rows / pieces);
     block.narrow(axis, start, stop - start)
+}
+
+/// `t` without its leading extent-1 axes: an output that keeps DIDx axes before its block
+/// axis (`[d @ DIDx, d @ Stream, m, n]`, the lowering's `out_axis`) stores them with extent
+/// 1, so its blocks follow them. (In a world of one nothing is stripped.)
+fn blocks_first(mut t: Tensor, world: usize) -> Result<Tensor> {
+    while world > 1 && t.shape().len() > 1 && t.shape()[0] == 1 {
+        t = t.squeeze(0)?;
+    }
+    Ok(t)
+}
+
+/// `t` without leading extent-1 axes beyond `rank` axes.
+fn unit_axes_dropped(mut t: Tensor, rank: usize) -> Result<Tensor> {
+    while t.rank() > rank && t.shape()[0] == 1 {
+        t = t.squeeze(0)?;
+    }
+    Ok(t)
 }

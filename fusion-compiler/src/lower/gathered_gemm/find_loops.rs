@@ -7,7 +7,7 @@ use super::product::{gated_branch, kernel_epilogue, Product};
 use super::{Found, Landing};
 use crate::dtype::DType;
 use crate::hir::{ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport};
-use crate::ir::{Expr, NamedScalar, Op, Scalar, ScalarId, ScalarOp, TensorId};
+use crate::ir::{Expr, NamedScalar, Op, ParallelType, Scalar, ScalarId, ScalarOp, TensorId};
 
 /// The loop at top-level position `at`, when the fused form applies to it.
 pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
@@ -22,23 +22,27 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
         }, rest @ ..] => (Some((*input, *output, *index)), rest),
         _ => (None, middle),
     };
-    let (branch, product) = match branch_then_output(rest) {
-        Some((branch, [Node::Compute(gemm)])) if gemm.output == *branch.out_block => {
+    let (branch, product, b_view, out_axis) = match branch_then_output(p, rest) {
+        Some((branch, views, out_axis, [Node::Compute(gemm)]))
+            if gemm.output == *branch.out_block =>
+        {
             let (epilogue, bias) = kernel_epilogue(p, l, gemm)?;
-            let (rows, b) = (gemm.inputs[0], gemm.inputs[1]);
-            (
-                branch,
-                Product {
-                    rows,
-                    b,
-                    epilogue,
-                    bias,
-                    up: None,
-                    parts: Vec::new(),
-                },
-            )
+            let rows = gemm.inputs[0];
+            let (b, b_view) = operand_behind(&views, gemm.inputs[1])?;
+            let product = Product {
+                rows,
+                b,
+                epilogue,
+                bias,
+                up: None,
+                parts: Vec::new(),
+            };
+            (branch, product, b_view, out_axis)
         }
-        _ => gated_branch(p, at, rest)?,
+        _ => {
+            let (branch, product) = gated_branch(p, at, rest)?;
+            (branch, product, None, 0)
+        }
     };
     let Branch {
         cond,
@@ -108,7 +112,9 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
         shard,
         own_view,
         b,
+        b_view,
         output: *output,
+        out_axis,
         block: *block,
         out_rows: *out_view,
         caller,
@@ -149,8 +155,10 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
             out_block,
             block,
         },
+        views,
+        out_axis,
         [Node::Compute(out_slice), Node::Compute(gemm)],
-    ) = branch_then_output(rest)?
+    ) = branch_then_output(p, rest)?
     else {
         return None;
     };
@@ -169,7 +177,8 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
         return None;
     }
     let (epilogue, bias) = kernel_epilogue(p, l, gemm)?;
-    let (rows, b) = (gemm.inputs[0], gemm.inputs[1]);
+    let rows = gemm.inputs[0];
+    let (b, b_view) = operand_behind(&views, gemm.inputs[1])?;
     let received = exchange(else_body, *block)?;
     let before = &else_body[..else_body.len() - 5];
     // The receiving branch's send: the same range of the local shard.
@@ -202,7 +211,9 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
         shard,
         own_view,
         b,
+        b_view,
         output: *output,
+        out_axis,
         block: *block,
         out_rows: gemm.output,
         caller,
@@ -288,22 +299,56 @@ fn rows_landing(
     }
 }
 
-/// `[IF .. ELSE .., out_block = select(output, 0, block), rest..]`: the branch and the
-/// output's view, and the nodes after them.
-fn branch_then_output(nodes: &[Node]) -> Option<(Branch<'_>, &[Node])> {
+/// `[IF .. ELSE .., views.., out_block = select(output, axis, block), rest..]`: the branch,
+/// the operand views, the output's block axis, and the nodes after them. A view selects
+/// index 0 of the axis a broadcast made before the loop inserted into an operand (an
+/// operand broadcast against the loop's Stream axis, e.g. the weights of
+/// `matmul(x, broadcast(w1, ..))`): its base operand is read instead. The output's axes
+/// before its block axis are DIDx (one index of them per rank, stored with extent 1), so
+/// its blocks lie one after another as with the block axis first.
+fn branch_then_output<'a>(
+    p: &HostProgram,
+    nodes: &'a [Node],
+) -> Option<(Branch<'a>, Vec<OperandView>, usize, &'a [Node])> {
     let [Node::IfThenElse {
         cond,
         then_body,
         else_body,
-    }, Node::AliasSelect {
-        input: output,
-        output: out_block,
-        axis: 0,
-        index: block,
     }, rest @ ..] = nodes
     else {
         return None;
     };
+    let mut views = Vec::new();
+    let mut rest = rest;
+    while let [Node::AliasSelect {
+        input,
+        output,
+        axis,
+        index,
+    }, more @ ..] = rest
+    {
+        match broadcast_base(p, *input, *axis, *index) {
+            Some(base) => views.push(OperandView {
+                view: *output,
+                base,
+            }),
+            None => break,
+        }
+        rest = more;
+    }
+    let [Node::AliasSelect {
+        input: output,
+        output: out_block,
+        axis,
+        index: block,
+    }, rest @ ..] = rest
+    else {
+        return None;
+    };
+    let per_rank = (0..*axis).all(|a| p.ir.axis(*output, a).parallel == ParallelType::DIDx);
+    if !per_rank {
+        return None;
+    }
     let branch = Branch {
         cond,
         then_body,
@@ -312,7 +357,49 @@ fn branch_then_output(nodes: &[Node]) -> Option<(Branch<'_>, &[Node])> {
         out_block,
         block,
     };
-    Some((branch, rest))
+    Some((branch, views, *axis, rest))
+}
+
+/// An operand's view bound in the loop ([`branch_then_output`]) and the tensor made before
+/// the loop that it reads.
+struct OperandView {
+    view: TensorId,
+    base: TensorId,
+}
+
+/// The tensor `select(input, axis, index)` reads when `input` is a top-level broadcast
+/// whose one inserted axis is `axis` and `index` is 0: the broadcast's input.
+fn broadcast_base(
+    p: &HostProgram,
+    input: TensorId,
+    axis: usize,
+    index: ScalarId,
+) -> Option<TensorId> {
+    if p.ir.const_value(index) != Some(0) {
+        return None;
+    }
+    p.body.iter().find_map(|n| match n {
+        Node::Compute(e) if e.output == input => match &e.op {
+            Op::Broadcast { flags }
+                if flags.get(axis) == Some(&true) && flags.iter().filter(|&&f| f).count() == 1 =>
+            {
+                e.inputs.first().copied()
+            }
+            _ => None,
+        },
+        _ => None,
+    })
+}
+
+/// The GEMM's B operand `b` as the kernel reads it: the base of its view when the loop
+/// bound it as one (and the view, which the fused form drops), else `b` itself. None when
+/// a view is bound that the GEMM does not read.
+fn operand_behind(views: &[OperandView], b: TensorId) -> Option<(TensorId, Option<TensorId>)> {
+    match views {
+        [] => Some((b, None)),
+        [v] if v.view == b => Some((v.base, Some(v.view))),
+        _ => None,
+    }
 }
 
 /// The loop at top-level position `at` when it runs on a pool stream that waited for the

@@ -65,7 +65,12 @@ struct Found {
     /// The view the own branch bound (the shape of one block's rows).
     own_view: TensorId,
     b: TensorId,
+    /// The loop's view of `b` when it bound one (a broadcast operand's, dropped by the
+    /// fused form).
+    b_view: Option<TensorId>,
     output: TensorId,
+    /// The output's block axis (after its DIDx axes, if any).
+    out_axis: usize,
     /// The block an iteration receives (also the chunk of the output it computes).
     block: ScalarId,
     /// What the loop's GEMM writes (the output's block, or its row range).

@@ -39,7 +39,7 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
     let gathered = match found.landing {
         Landing::Whole(t) => t,
         Landing::Slots(slots) => {
-            let blocks = p.ir.axis(found.output, 0).extent;
+            let blocks = p.ir.axis(found.output, found.out_axis).extent;
             // A slot holds one row range; a block holds every row of the own block.
             let rows = p.ir.axis(found.own_view, 0).extent;
             let mut extents = vec![(0, blocks)];
@@ -148,6 +148,7 @@ fn rewrite_body(
             // The output's view and the GEMM (the launched GEMM writes every block), and a
             // gated product's intermediates.
             Node::AliasSelect { input, .. } if input == found.output => {}
+            Node::AliasSelect { output, .. } if Some(output) == found.b_view => {}
             Node::Compute(e) if e.output == found.out_rows => {}
             Node::AliasSelect { input, output, .. } if found.parts.contains(&(input, output)) => {}
             Node::Compute(e) if found.parts.iter().any(|&(_, view)| view == e.output) => {}
