@@ -8,8 +8,9 @@
 //! runs (`persistent_gemms` counts it) wherever the program holds the node. Then the MLP
 //! block pipelined with the option (its AllGather loop kept, the second GEMM and the
 //! ReduceScatter one kernel), and with the gathered GEMM too (the first GEMM fed by the
-//! loop's copies, its bias and activation in its epilogue), against the unpipelined block,
-//! walked, captured and replayed.
+//! loop's copies, its bias and activation in its epilogue; also the block written with its
+//! weights broadcast instead of x), against the unpipelined block, walked, captured and
+//! replayed.
 //!
 //! GPU-only (`#[ignore]`d): run with `--ignored`. Without enough GPUs each test skips,
 //! saying so; on GPUs other than compute capability 9.0 the program keeps the GEMM and the
@@ -105,12 +106,13 @@ const SHAPES: [(usize, usize, usize); 3] = [(256, 512, 384), (1024, 2048, 2048),
 /// the gated block, `silu(AG(x) W1) * (AG(x) Wu)`) pipelined with the
 /// scattered GEMM (and with `gathered`, its first GEMM fed by the AllGather loop, the bias
 /// and activation in that GEMM's epilogue) against the unpipelined block: x `[d, m, h]`,
-/// W1 `[d, h, f]`, b1 `[d, f]`, W2 `[d, f, h]` sharded on axis 0, calls 0..4.
+/// W1 `[d, h, f]`, b1 `[d, f]`, W2 `[d, f, h]` sharded on axis 0, calls 0..4. With
+/// `bcast_w` the block written with its weights broadcast instead of x.
 fn mlp_block_matches_unpipelined(
     world: &World,
     dt: DType,
     (m, h, f): (usize, usize, usize),
-    (act, bias, gathered): (UnaryOp, bool, bool),
+    (act, bias, gathered, bcast_w): (UnaryOp, bool, bool, bool),
 ) {
     let d = world.size();
     // The gated block (`act` silu, no bias): `RS((silu(AG(x) Wg) * (AG(x) Wu)) Wd)`.
@@ -118,6 +120,7 @@ fn mlp_block_matches_unpipelined(
     let block = match (gated, bias) {
         (true, _) => cases::tp_gated_mlp(dt),
         (false, true) => cases::tp_mlp_bias(dt, act),
+        (false, false) if bcast_w => cases::tp_mlp_bcast_w(dt, act),
         (false, false) => cases::tp_mlp(dt, act),
     };
     let (with, without) = (
@@ -166,8 +169,8 @@ fn mlp_block_matches_unpipelined(
                 let e = without.run_with(rank, &refs, None, &unpipelined())?;
                 let (x, y) = (rank.to_host(&g.outputs[0])?, rank.to_host(&e.outputs[0])?);
                 let what = format!(
-                    "MLP ({act:?}, bias {bias}, gathered {gathered}) {dt} {m}x{h}x{f} on {d} \
-                     GPUs, call {call} ({:?})",
+                    "MLP ({act:?}, bias {bias}, gathered {gathered}, weights broadcast \
+                     {bcast_w}) {dt} {m}x{h}x{f} on {d} GPUs, call {call} ({:?})",
                     g.replay
                 );
                 let err = x.rel_error(&y)?;
@@ -189,7 +192,10 @@ fn mlp_block_matches_unpipelined(
         .unwrap();
     let ran = counters().persistent_gemms - before_all;
     let expected: u64 = runs.iter().map(|(_, e)| e).sum();
-    let what = format!("MLP ({act:?}, bias {bias}, gathered {gathered}) {dt} on {d} GPUs");
+    let what = format!(
+        "MLP ({act:?}, bias {bias}, gathered {gathered}, weights broadcast {bcast_w}) {dt} on \
+         {d} GPUs"
+    );
     assert_eq!(ran, expected, "{what}: persistent kernel runs");
     for (s, _) in &runs {
         common::assert_walked_captured_replayed(s);
@@ -205,12 +211,15 @@ fn on_gpus(n: usize) {
             fused_matches_unpipelined(&world, dt, shape);
         }
         let shape = (512, 1024, 2048);
-        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Gelu, false, false));
-        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Gelu, false, true));
-        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::GeluTanh, true, true));
-        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Silu, true, true));
+        let mlp = |form| mlp_block_matches_unpipelined(&world, dt, shape, form);
+        mlp((UnaryOp::Gelu, false, false, false));
+        mlp((UnaryOp::Gelu, false, true, false));
+        mlp((UnaryOp::GeluTanh, true, true, false));
+        mlp((UnaryOp::Silu, true, true, false));
         // Silu without a bias: the gated MLP, its gate and up products one gathered GEMM.
-        mlp_block_matches_unpipelined(&world, dt, shape, (UnaryOp::Silu, false, true));
+        mlp((UnaryOp::Silu, false, true, false));
+        // The weights broadcast instead of x: the gathered GEMM reads W1 itself.
+        mlp((UnaryOp::GeluTanh, false, true, true));
     }
 }
 
