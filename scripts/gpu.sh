@@ -55,9 +55,9 @@ one GPU or more:
                           then its standalone check and benchmark where nvcc is found
 two GPUs or more:
   rs [gpus]               the storer-warp GEMM+ReduceScatter, own block first and owners
-                          interleaved (bench/hopper_gemm/rs_harness.cu; needs nvcc, no staged
-                          binaries), and interleaved with the consumers' bulk reductions
-                          (RS_TMA_ADD): all GPUs, then 2 GPUs
+                          interleaved (bench/hopper_gemm/rs_harness.cu; staged with
+                          STAGE_HARNESSES=1, else built here with nvcc), and interleaved
+                          with the consumers' bulk reductions (RS_TMA_ADD): all GPUs, then 2
   buffers                 tensors over cudarc buffers (tests, cuda_buffers example)
   launch                  conformance and examples under torchrun and mpirun, failures,
                           the overlap benchmark in both layouts
@@ -519,16 +519,22 @@ task_gated_gemm() {
 task_rs() {
     local gpus=${1:-$(nvidia-smi -L | wc -l)}
     gpus_info >"$OUT/machine.txt" 2>&1
-    command -v nvcc >/dev/null || { echo "rs: no nvcc on the PATH" >&2; return 2; }
-    CUDA_LIB="${CUDA_HOME:-/usr/local/cuda}/lib64" step rs-build 600 \
-        bash bench/hopper_gemm/build.sh "$OUT/hopper_gemm"
+    # The harnesses staged with the binaries (STAGE_HARNESSES=1 scripts/stage-gpu.sh), else
+    # built here.
+    local hg="$BIN"
+    if [ ! -x "$hg/hopper_gemm_rs_bench" ]; then
+        command -v nvcc >/dev/null || { echo "rs: no staged harnesses and no nvcc on the PATH" >&2; return 2; }
+        hg="$OUT/hopper_gemm"
+        CUDA_LIB="${CUDA_HOME:-/usr/local/cuda}/lib64" step rs-build 600 \
+            bash bench/hopper_gemm/build.sh "$hg"
+    fi
     local d
     for d in "$gpus" $( [ "$gpus" -gt 2 ] && echo 2); do
         STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
-            step "rs-d$d" 300 "$OUT/hopper_gemm/hopper_gemm_rs_bench" "$d" "${HARNESS_REPS:-20}"
+            step "rs-d$d" 300 "$hg/hopper_gemm_rs_bench" "$d" "${HARNESS_REPS:-20}"
         # The interleaved ways with the consumers' bulk reductions (RS_TMA_ADD, NOTES.md).
         STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
-            step "rs-bulk-d$d" 300 "$OUT/hopper_gemm/hopper_gemm_rs_bulk_bench" "$d" "${HARNESS_REPS:-20}"
+            step "rs-bulk-d$d" 300 "$hg/hopper_gemm_rs_bulk_bench" "$d" "${HARNESS_REPS:-20}"
     done
     rm -rf "$OUT/hopper_gemm"
     cat "$OUT/machine.txt"

@@ -38,6 +38,12 @@ if command -v nvcc >/dev/null; then
 else
     echo "stage-gpu: no nvcc, so no candle_llama (the candle tasks need it)" >&2
 fi
+# The Hopper GEMM's standalone harnesses (bench/hopper_gemm/build.sh, `gpu.sh rs` and
+# `hopper-gemm` use them instead of building them there) with STAGE_HARNESSES=1 and nvcc:
+# a few minutes here instead of device time there.
+if [ -n "${STAGE_HARNESSES:-}" ] && command -v nvcc >/dev/null; then
+    CUDA_LIB="${CUDA_HOME:-/usr/local/cuda}/lib64" bash bench/hopper_gemm/build.sh .gpu/bin
+fi
 # The runtime's own unit tests (the GPU ones are #[ignore]d: copy-engine flag hand-offs).
 cargo test --release --no-run --message-format=json -p fusion-runtime --lib 2>/dev/null \
   | python3 -c 'import sys, json
