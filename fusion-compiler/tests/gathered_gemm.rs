@@ -50,8 +50,10 @@ fn ag_matmul(dt: DType, act: Option<UnaryOp>, keep_rows: bool) -> Fusion {
 }
 
 /// The column-parallel projection of the MLP block's first half: `AG(x) W1`, W1 split by
-/// columns, every row of this device's column block `[d@Stream, d@DIDx, m, f]`.
-fn column_parallel(dt: DType) -> Fusion {
+/// columns, every row of this device's column block `[d@Stream, d@DIDx, m, f]`; with
+/// `weights_broadcast`, W1 broadcast instead of x, `matmul(x, broadcast(w1))` into
+/// `[d@DIDx, d@Stream, m, f]` (the Stream axis second).
+fn column_parallel_as(dt: DType, weights_broadcast: bool) -> Fusion {
     let mut b = FusionBuilder::new();
     let (d, m, h, f) = (b.symbol("d"), b.symbol("m"), b.symbol("h"), b.symbol("f"));
     let x = b
@@ -60,17 +62,22 @@ fn column_parallel(dt: DType) -> Fusion {
     let w = b
         .input("w1", dt, &[Axis::didx(d), Axis::serial(h), Axis::serial(f)])
         .unwrap();
-    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
-    let y = b.matmul(rows, w).unwrap();
-    let out = [
-        Axis::stream(d),
-        Axis::didx(d),
-        Axis::serial(m),
-        Axis::serial(f),
-    ];
+    let flags = [false, true, false, false];
+    let (y, blocks) = if weights_broadcast {
+        let wb = b.broadcast(w, &flags).unwrap();
+        (b.matmul(x, wb).unwrap(), [Axis::didx(d), Axis::stream(d)])
+    } else {
+        let rows = b.broadcast(x, &flags).unwrap();
+        (b.matmul(rows, w).unwrap(), [Axis::stream(d), Axis::didx(d)])
+    };
+    let out = [blocks[0], blocks[1], Axis::serial(m), Axis::serial(f)];
     let y = b.declare(y, dt, &out).unwrap();
     b.output(y).unwrap();
     b.build().unwrap()
+}
+
+fn column_parallel(dt: DType) -> Fusion {
+    column_parallel_as(dt, false)
 }
 
 /// The gated MLP's column-parallel half: `silu(AG(x) Wg) * (AG(x) Wu)`, every row of this
@@ -182,39 +189,11 @@ fn the_column_parallel_projection_is_fused() {
     }
 }
 
-/// The same projection with W1 broadcast instead of x: `matmul(x, broadcast(w1))` into
-/// `[d@DIDx, d@Stream, m, f]` (the Stream axis second).
-fn column_parallel_weights_broadcast(dt: DType) -> Fusion {
-    let mut b = FusionBuilder::new();
-    let (d, m, h, f) = (b.symbol("d"), b.symbol("m"), b.symbol("h"), b.symbol("f"));
-    let x = b
-        .input("x", dt, &[Axis::didx(d), Axis::serial(m), Axis::serial(h)])
-        .unwrap();
-    let w = b
-        .input("w1", dt, &[Axis::didx(d), Axis::serial(h), Axis::serial(f)])
-        .unwrap();
-    let wb = b.broadcast(w, &[false, true, false, false]).unwrap();
-    let c = b.matmul(x, wb).unwrap();
-    let out = [
-        Axis::didx(d),
-        Axis::stream(d),
-        Axis::serial(m),
-        Axis::serial(f),
-    ];
-    let c = b.declare(c, dt, &out).unwrap();
-    b.output(c).unwrap();
-    b.build().unwrap()
-}
-
 #[test]
 fn the_projection_with_its_weights_broadcast_is_fused_reading_the_weights() {
     // The loop binds W1's broadcast view and writes the output's blocks on its second
     // axis: the kernel reads W1 itself, and the view is gone from the loop.
-    let p = program(
-        &column_parallel_weights_broadcast(DType::BF16),
-        4,
-        &options(true),
-    );
+    let p = program(&column_parallel_as(DType::BF16, true), 4, &options(true));
     assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{p}");
     let mut b = None;
     for_each_node(&p.body, &mut |n| {
@@ -234,11 +213,7 @@ fn the_projection_with_its_weights_broadcast_is_fused_reading_the_weights() {
         });
         views
     };
-    let unfused = program(
-        &column_parallel_weights_broadcast(DType::BF16),
-        4,
-        &options(false),
-    );
+    let unfused = program(&column_parallel_as(DType::BF16, true), 4, &options(false));
     assert_eq!(views_of_broadcast(&unfused), 1, "{unfused}");
     assert_eq!(views_of_broadcast(&p), 0, "{p}");
 }

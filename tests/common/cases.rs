@@ -374,18 +374,24 @@ fn stream_activation(
     a
 }
 
+/// The MLP block's inputs: x `[d@DIDx, m, h]`, W1 `[d@DIDx, h, f]`, W2 `[d@DIDx, f, h]`.
+fn mlp_inputs(b: &mut FusionBuilder, dt: DType) -> [fusion::compiler::ir::TensorId; 3] {
+    let tx = axes(b, &[("d", Dx), ("m", S), ("h", S)]);
+    let t1 = axes(b, &[("d", Dx), ("h", S), ("f", S)]);
+    let t2 = axes(b, &[("d", Dx), ("f", S), ("h", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let w1 = b.input("w1", dt, &t1).unwrap();
+    let w2 = b.input("w2", dt, &t2).unwrap();
+    [x, w1, w2]
+}
+
 /// The sequence-parallel MLP block `ReduceScatter(act(AllGather(x) W1) W2)`: x `[d@DIDx, m,
 /// h]` (rows), W1 `[d@DIDx, h, f]` (column blocks), W2 `[d@DIDx, f, h]` (row blocks). The
 /// gathered rows' DIDx axis becomes the Stream axis of the first matmul, W1's stays DIDx
 /// (the `fusion!` form: `let act: [d @ Stream, d @ DIDx, m, f] = act(matmul(broadcast(x), w1))`).
 pub fn tp_mlp(dt: DType, act: UnaryOp) -> Fusion {
     let mut b = FusionBuilder::new();
-    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
-    let t1 = axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
-    let t2 = axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
-    let x = b.input("x", dt, &tx).unwrap();
-    let w1 = b.input("w1", dt, &t1).unwrap();
-    let w2 = b.input("w2", dt, &t2).unwrap();
+    let [x, w1, w2] = mlp_inputs(&mut b, dt);
     let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
     let h = b.matmul(rows, w1).unwrap();
     let a = b.unary(act, h).unwrap();
@@ -398,12 +404,7 @@ pub fn tp_mlp(dt: DType, act: UnaryOp) -> Fusion {
 /// stay DIDx at position 0, and the partial sums reduce axis 0.
 pub fn tp_mlp_bcast_w(dt: DType, act: UnaryOp) -> Fusion {
     let mut b = FusionBuilder::new();
-    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
-    let t1 = axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
-    let t2 = axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
-    let x = b.input("x", dt, &tx).unwrap();
-    let w1 = b.input("w1", dt, &t1).unwrap();
-    let w2 = b.input("w2", dt, &t2).unwrap();
+    let [x, w1, w2] = mlp_inputs(&mut b, dt);
     let w1 = b.broadcast(w1, &[false, true, false, false]).unwrap();
     let h = b.matmul(x, w1).unwrap();
     let a = b.unary(act, h).unwrap();
