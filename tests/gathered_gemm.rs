@@ -2,7 +2,8 @@
 //! on 1, 2, 3, 4 and 8 simulated devices, under the race checker: the CPU backend computes
 //! the GEMM at its join, and every result equals the unpipelined program's, for the seed
 //! AllGather + GEMM (stream buffers on and off, whole blocks and 2 or 4 row ranges per
-//! block said ready one by one) and the MLP block's column-parallel side,
+//! block said ready one by one) and the MLP block's column-parallel side (also written with
+//! its weights broadcast instead of the rows),
 //! in bf16 and f16; f32 and the whole MLP block (a gather-scatter loop) keep their
 //! pipelines. The plan candidate lowers to the fused program
 //! here (the CPU backend runs it), and to the default where a device does not.
@@ -78,6 +79,39 @@ fn the_mlp_blocks_column_parallel_side_computes_the_unpipelined_result() {
             assert_eq!(launches(&r), usize::from(d > 1), "{what}:\n{}", r.program);
             let want = RefArray::from_tensor(&whole.outputs[0]);
             assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);
+        }
+    }
+}
+
+#[test]
+fn the_projection_with_its_weights_broadcast_computes_the_unpipelined_result() {
+    // The loop binds the weights' broadcast view and the output's blocks follow its DIDx
+    // axis: the fused GEMM reads the weights themselves, in whole blocks or row ranges.
+    let (m, h, q) = (6, 16, 12);
+    for dt in [DType::BF16, DType::F16] {
+        let f = cases::tp_qkv_bcast_w(dt);
+        for d in device_counts() {
+            let seed = 4200 + d as u64;
+            let inputs = vec![
+                (Tensor::randn(&[d, m, h], dt, seed), Give::Shard(0)),
+                (Tensor::randn(&[d, h, q], dt, seed + 1), Give::Shard(0)),
+            ];
+            let take = [Take::Sharded(0)];
+            let whole = run(&f, d, &inputs, &take, &unpipelined());
+            for (buffers, ranges) in [
+                (true, None),
+                (false, None),
+                (true, Some(2)),
+                (false, Some(2)),
+            ] {
+                let mut o = options(true, buffers);
+                o.lower.pipelines.allgather_subchunks = ranges;
+                let r = run(&f, d, &inputs, &take, &o);
+                let what = format!("{dt} on {d} devices, buffers {buffers}, ranges {ranges:?}");
+                assert_eq!(launches(&r), usize::from(d > 1), "{what}:\n{}", r.program);
+                let want = RefArray::from_tensor(&whole.outputs[0]);
+                assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);
+            }
         }
     }
 }

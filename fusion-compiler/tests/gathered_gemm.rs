@@ -216,6 +216,20 @@ fn the_projection_with_its_weights_broadcast_is_fused_reading_the_weights() {
     let unfused = program(&column_parallel_as(DType::BF16, true), 4, &options(false));
     assert_eq!(views_of_broadcast(&unfused), 1, "{unfused}");
     assert_eq!(views_of_broadcast(&p), 0, "{p}");
+    // In row ranges too, with and without stream buffers.
+    for buffers in [true, false] {
+        let mut o = options(true);
+        o.streams.buffers = buffers;
+        o.pipelines.allgather_subchunks = Some(2);
+        let p = program(&column_parallel_as(DType::BF16, true), 4, &o);
+        assert_eq!(
+            fused_shape(&p),
+            ([1, 1, 1], false),
+            "buffers {buffers}:\n{p}"
+        );
+        assert!(p.to_string().contains("pieces = 2"), "{p}");
+        assert_eq!(views_of_broadcast(&p), 0, "{p}");
+    }
 }
 
 #[test]

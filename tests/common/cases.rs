@@ -484,6 +484,23 @@ pub fn tp_qkv(dt: DType) -> Fusion {
     b.build().unwrap()
 }
 
+/// [`tp_qkv`] with the weights broadcast instead of the rows: `matmul(x, broadcast(w))`
+/// into `[d@DIDx, d@Stream, m, q]` (the Stream axis second).
+pub fn tp_qkv_bcast_w(dt: DType) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
+    let tw = axes(&mut b, &[("d", Dx), ("h", S), ("q", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let w = b.input("w", dt, &tw).unwrap();
+    let w = b.broadcast(w, &[false, true, false, false]).unwrap();
+    let y = b.matmul(x, w).unwrap();
+    let ty = axes(&mut b, &[("d", Dx), ("d", St), ("m", S), ("q", S)]);
+    let y = b.declare(y, dt, &ty).unwrap();
+    let y = b.output(y).unwrap();
+    b.name(y, "output");
+    b.build().unwrap()
+}
+
 /// The row-parallel output projection + ReduceScatter: `RS(a Wo)`, a `[d, d@DIDx, m, f]`
 /// (every row, a column block), Wo `[d@DIDx, f, h]` (the matching row block).
 pub fn tp_out_proj(dt: DType) -> Fusion {

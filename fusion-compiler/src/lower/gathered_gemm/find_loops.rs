@@ -162,15 +162,11 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
     else {
         return None;
     };
-    let Op::Slice {
-        axis: 0,
-        start,
-        stop,
-    } = out_slice.op
-    else {
+    // The range of the output's block: its rows follow the DIDx axes the view keeps.
+    let Op::Slice { axis, start, stop } = out_slice.op else {
         return None;
     };
-    if out_slice.inputs != [*out_block] || gemm.output != out_slice.output {
+    if axis != out_axis || out_slice.inputs != [*out_block] || gemm.output != out_slice.output {
         return None;
     }
     if *cond != rank_test(p, *block)? {
