@@ -759,6 +759,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                         u32 target = tma_epoch * RS_SHARES * CONSUMERS;
                         wait_word(rs->error, rs->timeout_ns, rs->ready[rs->rank] + 4 * (u64)p.owner, p.owner,
                                   [target](u32 v) { return (int)(v - target) >= 0; });
+                        // The zeroing seen (generic proxy) before the bulk adds (async proxy).
+                        asm volatile("fence.proxy.async.global;" ::: "memory");
                     }
                     tma_ready_mask |= 1u << p.owner;
                 }
