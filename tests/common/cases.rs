@@ -470,31 +470,32 @@ pub fn tp_gated_mlp(dt: DType) -> Fusion {
 /// The column-parallel QKV projection from gathered rows: `AG(x) Wqkv`, Wqkv split by
 /// columns; each device keeps every row of its column block `[d@Stream, d@DIDx, m, q]`.
 pub fn tp_qkv(dt: DType) -> Fusion {
-    let mut b = FusionBuilder::new();
-    let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
-    let tw = axes(&mut b, &[("d", Dx), ("h", S), ("q", S)]);
-    let x = b.input("x", dt, &tx).unwrap();
-    let w = b.input("w", dt, &tw).unwrap();
-    let rows = b.broadcast(x, &[false, true, false, false]).unwrap();
-    let y = b.matmul(rows, w).unwrap();
-    let ty = axes(&mut b, &[("d", St), ("d", Dx), ("m", S), ("q", S)]);
-    let y = b.declare(y, dt, &ty).unwrap();
-    let y = b.output(y).unwrap();
-    b.name(y, "output");
-    b.build().unwrap()
+    qkv_as(dt, false)
 }
 
 /// [`tp_qkv`] with the weights broadcast instead of the rows: `matmul(x, broadcast(w))`
 /// into `[d@DIDx, d@Stream, m, q]` (the Stream axis second).
 pub fn tp_qkv_bcast_w(dt: DType) -> Fusion {
+    qkv_as(dt, true)
+}
+
+/// The QKV projection with the rows broadcast against W's blocks, or (`weights_broadcast`)
+/// the weights against x's.
+fn qkv_as(dt: DType, weights_broadcast: bool) -> Fusion {
     let mut b = FusionBuilder::new();
     let tx = axes(&mut b, &[("d", Dx), ("m", S), ("h", S)]);
     let tw = axes(&mut b, &[("d", Dx), ("h", S), ("q", S)]);
     let x = b.input("x", dt, &tx).unwrap();
     let w = b.input("w", dt, &tw).unwrap();
-    let w = b.broadcast(w, &[false, true, false, false]).unwrap();
-    let y = b.matmul(x, w).unwrap();
-    let ty = axes(&mut b, &[("d", Dx), ("d", St), ("m", S), ("q", S)]);
+    let flags = [false, true, false, false];
+    let (y, blocks) = if weights_broadcast {
+        let w = b.broadcast(w, &flags).unwrap();
+        (b.matmul(x, w).unwrap(), [("d", Dx), ("d", St)])
+    } else {
+        let rows = b.broadcast(x, &flags).unwrap();
+        (b.matmul(rows, w).unwrap(), [("d", St), ("d", Dx)])
+    };
+    let ty = axes(&mut b, &[blocks[0], blocks[1], ("m", S), ("q", S)]);
     let y = b.declare(y, dt, &ty).unwrap();
     let y = b.output(y).unwrap();
     b.name(y, "output");

@@ -14,6 +14,24 @@ pub(super) struct Branch<'a> {
     pub(super) block: &'a ScalarId,
 }
 
+impl<'a> Branch<'a> {
+    /// The branch of `[IF cond THEN then_body ELSE else_body, out_block = select(output, ..,
+    /// block), ..]`.
+    pub(super) fn new(
+        (cond, then_body, else_body): (&'a ScalarId, &'a [Node], &'a [Node]),
+        (output, out_block, block): (&'a TensorId, &'a TensorId, &'a ScalarId),
+    ) -> Self {
+        Branch {
+            cond,
+            then_body,
+            else_body,
+            output,
+            out_block,
+            block,
+        }
+    }
+}
+
 /// Whether nothing outside the loop at `at` touches `t` but its allocation and release,
 /// and it is no input or output of the program.
 pub(super) fn only_allocated_outside(p: &HostProgram, at: usize, t: TensorId) -> bool {

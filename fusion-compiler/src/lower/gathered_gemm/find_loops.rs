@@ -345,14 +345,7 @@ fn branch_then_output<'a>(
     if !per_rank {
         return None;
     }
-    let branch = Branch {
-        cond,
-        then_body,
-        else_body,
-        output,
-        out_block,
-        block,
-    };
+    let branch = Branch::new((cond, then_body, else_body), (output, out_block, block));
     Some((branch, views, *axis, rest))
 }
 

@@ -75,14 +75,7 @@ pub(super) fn gated_branch<'a>(
     if !(products && gated && apart) {
         return None;
     }
-    let branch = Branch {
-        cond,
-        then_body,
-        else_body,
-        output,
-        out_block,
-        block,
-    };
+    let branch = Branch::new((cond, then_body, else_body), (output, out_block, block));
     let product = Product {
         rows: gate_gemm.inputs[0],
         b: gate_gemm.inputs[1],
