@@ -9,8 +9,9 @@
 #                         reductions instead of the storer warps' (an experiment, NOTES.md)
 # Usage: build.sh [output directory]
 set -eu
+# The output directory is taken relative to the caller's directory, then the sources' own.
+OUTDIR=$(mkdir -p "${1:-$(dirname "$0")}" && cd "${1:-$(dirname "$0")}" && pwd)
 cd "$(dirname "$0")"
-OUTDIR=$(mkdir -p "${1:-.}" && cd "${1:-.}" && pwd)
 FLAGS="-std=c++17 -O3 -cudart shared -cudadevrt none -gencode=arch=compute_90a,code=sm_90a"
 LIBS="-lcublas -lcuda"
 [ -n "${CUDA_LIB:-}" ] && LIBS="-L$CUDA_LIB $LIBS"
