@@ -56,8 +56,7 @@ one GPU or more:
 two GPUs or more:
   rs [gpus]               the storer-warp GEMM+ReduceScatter, own block first and owners
                           interleaved (bench/hopper_gemm/rs_harness.cu; staged with
-                          STAGE_HARNESSES=1, else built here with nvcc), and interleaved
-                          with the consumers' bulk reductions (RS_TMA_ADD): all GPUs, then 2
+                          STAGE_HARNESSES=1, else built here with nvcc): all GPUs, then 2
   buffers                 tensors over cudarc buffers (tests, cuda_buffers example)
   launch                  conformance and examples under torchrun and mpirun, failures,
                           the overlap benchmark in both layouts
@@ -532,14 +531,11 @@ task_rs() {
     for d in "$gpus" $( [ "$gpus" -gt 2 ] && echo 2); do
         STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
             step "rs-d$d" 300 "$hg/hopper_gemm_rs_bench" "$d" "${HARNESS_REPS:-20}"
-        # The interleaved ways with the consumers' bulk reductions (RS_TMA_ADD, NOTES.md).
-        STEP_PATTERN='ALL CORRECT|SOME FAILED|rror' \
-            step "rs-bulk-d$d" 300 "$hg/hopper_gemm_rs_bulk_bench" "$d" "${HARNESS_REPS:-20}"
     done
     rm -rf "$OUT/hopper_gemm"
     cat "$OUT/machine.txt"
     local f
-    for f in "$OUT"/rs-d*.log "$OUT"/rs-bulk-d*.log; do echo "== $(basename "$f" .log)"; sed -n '/^    M     K     N/,$p' "$f"; done
+    for f in "$OUT"/rs-d*.log; do echo "== $(basename "$f" .log)"; sed -n '/^    M     K     N/,$p' "$f"; done
     printf '%s\n' "${summary[@]}"
 }
 

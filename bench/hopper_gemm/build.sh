@@ -4,9 +4,6 @@
 #   hopper_gemm_rs_bench  D GPUs of one process, GEMM+ReduceScatter in the epilogue
 #   hopper_gemm_ag_bench  D GPUs of one process, AllGather+GEMM on ready words
 #   hopper_gemm_self_bench one GPU, the communicating entries aimed at the GPU itself
-#   hopper_gemm_rs_bulk_bench, hopper_gemm_self_bulk_bench  the same two with -DRS_TMA_ADD:
-#                         the interleaved ReduceScatter's tiles added by the consumers' bulk
-#                         reductions instead of the storer warps' (an experiment, NOTES.md)
 # Usage: build.sh [output directory]
 set -eu
 # The output directory is taken relative to the caller's directory, then the sources' own.
@@ -19,5 +16,3 @@ nvcc $FLAGS harness.cu $LIBS -o "$OUTDIR/hopper_gemm_bench"
 nvcc $FLAGS rs_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_rs_bench"
 nvcc $FLAGS ag_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_ag_bench"
 nvcc $FLAGS self_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_self_bench"
-nvcc $FLAGS -DRS_TMA_ADD rs_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_rs_bulk_bench"
-nvcc $FLAGS -DRS_TMA_ADD self_harness.cu $LIBS -o "$OUTDIR/hopper_gemm_self_bulk_bench"

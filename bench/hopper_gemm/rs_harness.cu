@@ -6,9 +6,8 @@
 // f32 partials; timed against the same kernel without communication (the local GEMM alone)
 // and cuBLAS's local GEMM, all ranks launched together, the slowest rank's event time per
 // call, medians.
-// Built with -DRS_TMA_ADD, the interleaved ways add every tile by the consumers' bulk
-// reductions (cp.reduce.async.bulk.tensor .add) into the owners' outputs instead of the
-// storer warps' 16-byte reductions.
+// Built with one of gemm.cu's timing-only probes (-DRS_PROBE_NO_WAITS, -DRS_PROBE_STORES,
+// ...), its sums are wrong by design: read only its times.
 // Build: bench/hopper_gemm/build.sh        Run: hopper_gemm_rs_bench [D] [reps]
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -92,11 +91,6 @@ int main(int argc, char** argv) {
                     if (mode == 6)
                         for (int j = 0; j < world; ++j)
                             if (j != r) a.outs[j] = (u64)(q.scratch + (size_t)j * nout);
-#ifdef RS_TMA_ADD
-                    // The consumers' bulk adds go through a map of each owner's output.
-                    for (int j = 0; j < world; ++j)
-                        a.out_maps[j] = make_map((u16*)a.outs[j], n, rows, n, 64, 64, false);
-#endif
                     int grid = std::min(per_block * world, sms);
                     bool comm_only = mode == 1 || mode == 5;
                     hopper_gemm_rs_bf16_nn<<<grid, THREADS, SMEM_FOR(3, 4), q.s>>>(am, bm, cm, rows, n, comm_only ? 0 : kl, a);

@@ -139,9 +139,6 @@ int main(int argc, char** argv) {
                 r.error = (u64)error;
                 r.timeout_ns = 10ull * 1000 * 1000 * 1000;
                 r.rank = 0; r.world = 1; r.rows_per = p.m; r.epoch = rs_epoch;
-#ifdef RS_TMA_ADD // the consumers' bulk adds (see gemm.cu's RsArgs)
-                r.out_maps[0] = make_map(c[way], p.n, p.m, p.n, 64, 64, false);
-#endif
                 hopper_gemm_rs_bf16_nn<<<std::min(tiles, sms), THREADS, SMEM_FOR(3, 4), s>>>(am, bm, cm, p.m, p.n, p.k, r);
             } else if (way == 5) {
                 RsArgs r;
@@ -155,9 +152,6 @@ int main(int argc, char** argv) {
                 r.error = (u64)error;
                 r.timeout_ns = 10ull * 1000 * 1000 * 1000;
                 r.rank = 0; r.world = 4; r.rows_per = p.m / 4; r.epoch = rs4_epoch;
-#ifdef RS_TMA_ADD
-                for (int j = 0; j < 4; ++j) r.out_maps[j] = make_map(c[5], p.n, p.m / 4, p.n, 64, 64, false);
-#endif
                 hopper_gemm_rs_bf16_nn<<<std::min(tiles, sms), THREADS, SMEM_FOR(3, 4), s>>>(am, bm, cm, p.m / 4, p.n, p.k, r);
             } else {
                 float one_f = 1.f, zero = 0.f;

@@ -31,9 +31,10 @@ use crate::options::{
 pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
-/// older build are not trusted (12: the gathered GEMM also takes weights broadcast against
-/// the Stream axis; 11: `CopyStreams::OneInSendOrder`).
-pub const PLAN_SPACE_REVISION: u32 = 12;
+/// older build are not trusted (13: a GEMM batched over a shared weight runs as one GEMM,
+/// so the unpipelined candidates' times changed; 12: the gathered GEMM also takes weights
+/// broadcast against the Stream axis; 11: `CopyStreams::OneInSendOrder`).
+pub const PLAN_SPACE_REVISION: u32 = 13;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.

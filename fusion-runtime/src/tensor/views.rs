@@ -1,5 +1,5 @@
 //! Views of a tensor that share its storage: select, narrow, split, unsqueeze, squeeze,
-//! expand, permute, reshape and shard, each checked against the tensor's shape.
+//! expand, permute, reshape, shard and rows merged, each checked against the tensor's shape.
 
 use super::layout::{contiguous_strides, ShardTag, Tensor};
 use crate::error::{Error, Result};
@@ -166,6 +166,32 @@ impl Tensor {
         Ok(self.view(shape.to_vec(), contiguous_strides(shape), self.offset))
     }
 
+    /// Every axis but the last as one row axis (a `[rows, cols]` view), where the axes of
+    /// extent above 1 nest (each one's stride is the next one's extent times its stride), so
+    /// that one stride steps through every row; `None` otherwise.
+    pub fn merge_leading(&self) -> Option<Tensor> {
+        let r = self.rank();
+        if r < 2 {
+            return None;
+        }
+        let kept: Vec<usize> = (0..r - 1).filter(|&d| self.shape[d] != 1).collect();
+        let nested = kept
+            .windows(2)
+            .all(|p| self.strides[p[0]] == self.shape[p[1]] as isize * self.strides[p[1]]);
+        if !nested {
+            return None;
+        }
+        let rows = self.shape[..r - 1].iter().product();
+        let row_stride = kept
+            .last()
+            .map_or(self.strides[r - 2], |&d| self.strides[d]);
+        Some(self.view(
+            vec![rows, self.shape[r - 1]],
+            vec![row_stride, self.strides[r - 1]],
+            self.offset,
+        ))
+    }
+
     /// Shard `index` of `count` along `axis`, whose extent must be `count` (nvFuser's
     /// convention: a DIDx axis spans the mesh; each device keeps a size-1 slice).
     pub fn shard(&self, axis: usize, index: usize, count: usize) -> Result<Tensor> {
@@ -240,5 +266,40 @@ mod tests {
         );
         assert!(t.shard(0, 0, 3).is_err());
         assert!(t.split_axis(0, 3).is_err());
+    }
+
+    #[test]
+    fn leading_axes_merge_into_rows_where_they_nest() {
+        let data: Vec<f32> = (0..24).map(|x| x as f32).collect();
+        let t = Tensor::from_f32(&[2, 3, 4], &data, DType::F32).unwrap();
+        let rows = t.merge_leading().unwrap();
+        assert_eq!((rows.shape(), rows.strides()), (&[6, 4][..], &[4, 1][..]));
+        assert_eq!(rows.to_f32_vec().unwrap(), data);
+        // Axes of extent 1 take no part, whatever their stride.
+        let u = t.unsqueeze(1).unwrap().unsqueeze(0).unwrap();
+        assert_eq!(u.merge_leading().unwrap().shape(), &[6, 4]);
+        // A narrowed row axis: the batch stride is no longer rows x row stride.
+        assert!(t.narrow(1, 0, 2).unwrap().merge_leading().is_none());
+        // A broadcast batch axis repeats rows: no single stride.
+        let b = t
+            .select(0, 0)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap()
+            .expand(&[2, 3, 4])
+            .unwrap();
+        assert!(b.merge_leading().is_none());
+        // A transposed matrix's rows are not rows of memory.
+        let tt = t.permute(&[0, 2, 1]).unwrap();
+        assert!(tt.merge_leading().is_none());
+        assert_eq!(
+            t.select(0, 1)
+                .unwrap()
+                .merge_leading()
+                .unwrap()
+                .to_f32_vec()
+                .unwrap(),
+            data[12..].to_vec()
+        );
     }
 }

@@ -7,14 +7,17 @@
 //! unit column stride is, to cuBLAS, its transpose with leading dimension = row stride;
 //! one with a unit row stride is itself with leading dimension = column stride. When the
 //! output has unit column stride we compute `Cᵀ = Bᵀ Aᵀ`, otherwise `C = A B`. Operands
-//! with neither stride 1 are first copied to contiguous buffers. The last batch axis goes
-//! to cuBLAS as the strided batch; outer batch axes are looped on the host.
+//! with neither stride 1 are first copied to contiguous buffers. Batch axes along which B
+//! does not change (a weight broadcast) merge into the rows of one GEMM
+//! (`shared_weight`); otherwise the last batch axis goes to cuBLAS as the strided batch
+//! and outer batch axes are looped on the host.
 
 mod args;
 mod epilogue;
 mod hopper;
 pub(crate) mod launch_graphs;
 pub(crate) mod lt;
+mod shared_weight;
 mod stream_blas;
 mod word_hash;
 
@@ -142,6 +145,9 @@ pub(crate) fn gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: GemmArgs) -> R
     args::validate(&g)?;
     if g.dst.numel() == 0 {
         return Ok(());
+    }
+    if let Some(merged) = shared_weight::MergedRows::of(&g) {
+        return gemm(dev, stream, merged.args(&g));
     }
     let persistent = dev.gemm_engine() == GemmEngine::Persistent && g.aux.is_none();
     if persistent && hopper::try_gemm(dev, stream, &g)? {

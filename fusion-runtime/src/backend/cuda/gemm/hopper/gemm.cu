@@ -151,12 +151,6 @@ struct RsArgs {
     u64 slots[MAXR]; // each rank's output-address slot, mapped here (with `outs[j]` 0)
     u64 calls;       // u32: this rank's calls so far (with `epoch` 0)
     u64 arrived;     // u32: blocks of this call past their last wait (with `epoch` 0)
-#ifdef RS_TMA_ADD
-    // Harness builds only (bench/hopper_gemm/rs_harness.cu built with RS_TMA_ADD): with the
-    // interleaved walk the consumers add every tile into its owner's output themselves, by
-    // the copy engine's bulk reductions through these maps (64 x 64 boxes), no storers.
-    TensorMap out_maps[MAXR];
-#endif
 };
 
 // What an AllGather+GEMM call needs besides its operands: A is the gathered [world *
@@ -459,11 +453,6 @@ __device__ __forceinline__ void count_own_stored(const RsArgs* rs, int consumer)
     consumer_sync(consumer);
 }
 
-#ifdef RS_TMA_ADD
-// Consumers of this block whose bulk adds have all completed (harness builds, RS_TMA_ADD).
-__shared__ u32 rs_tma_consumers_done;
-#endif
-
 // The storers' side of a GEMM+ReduceScatter (see RsArgs): for every peer's tile of the
 // walk and every consumer's piece, wait until it is staged, add it into the owner's
 // output, free it. `staged` / `freed`: per consumer and piece, barriers the consumers and
@@ -515,18 +504,17 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
             for (int peer = 0; peer < rs->world; ++peer)
                 red_release_add(rs->ready[peer] + 4 * (u64)rs->rank, CONSUMERS * block_share());
     }
-#ifdef RS_TMA_ADD
-    if (interleaved) tiles = 0; // the consumers add every tile themselves
-#endif
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
         if (p.owner == rs->rank && !interleaved) continue; // stored by the consumers
         if (!(ready_mask & (1u << p.owner))) {
+#ifndef RS_PROBE_NO_WAITS // harness probe (timing only): no rank waits for another
             if (s == 0) {
                 u32 target = epoch * RS_SHARES * CONSUMERS;
                 wait_word(rs->error, rs->timeout_ns, rs->ready[rs->rank] + 4 * (u64)p.owner, p.owner,
                           [target](u32 v) { return (int)(v - target) >= 0; });
             }
+#endif
             storer_sync();
             ready_mask |= 1u << p.owner;
         }
@@ -558,10 +546,6 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
         }
         phase ^= 1;
     }
-#ifdef RS_TMA_ADD
-    if (interleaved && s == 0) // until both consumers' bulk adds have completed
-        while (*(volatile u32*)&rs_tma_consumers_done < CONSUMERS) __nanosleep(64);
-#endif
     // Done here: every add of this block is ordered before the count at every owner.
     asm volatile("fence.acq_rel.sys;" ::: "memory");
     storer_sync();
@@ -569,9 +553,13 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
         for (int owner = 0; owner < rs->world; ++owner)
             red_release_add(rs->done[owner] + 4 * (u64)rs->rank, block_share());
         u32 target = epoch * RS_SHARES;
+#ifndef RS_PROBE_NO_WAITS
         for (int src = 0; src < rs->world; ++src)
             wait_word(rs->error, rs->timeout_ns, rs->done[rs->rank] + 4 * (u64)src, src,
                       [target](u32 v) { return (int)(v - target) >= 0; });
+#else
+        (void)target;
+#endif
         // The runtime's calls: the grid's last block counts the call.
         if (rs->epoch == 0 && atomicAdd((u32*)rs->arrived, 1u) == gridDim.x - 1) {
             *(volatile u32*)rs->arrived = 0;
@@ -615,9 +603,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 bar_init(&freed[i], 1);
             }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#ifdef RS_TMA_ADD
-        rs_tma_consumers_done = 0;
-#endif
     }
     __syncthreads();
 
@@ -688,10 +673,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         u32 phase = 0, tile_phase = 0; // tile_phase: RS, peers' tiles staged so far, mod 2
         (void)tile_phase;
         bool own_stored = false; // RS: this consumer's own tiles stored and counted
-#ifdef RS_TMA_ADD
-        u32 tma_ready_mask = 0, tma_epoch = 0;
-        if constexpr (WALK == WALK_RS) tma_epoch = rs->epoch; // the harness passes it (never 0)
-#endif
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
             TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
             bool own = true; // a tile of this rank's output
@@ -750,39 +731,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
             if (WALK != WALK_RS || own) {
                 store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col, qn);
             } else if constexpr (WALK == WALK_RS) {
-#ifdef RS_TMA_ADD
-              if (rs->interleave) {
-                // Every tile added into its owner's output by the copy engine's bulk
-                // reductions, once the owner's zeroing is counted.
-                if (!(tma_ready_mask & (1u << p.owner))) {
-                    if (threadIdx.x % 128 == 0) {
-                        u32 target = tma_epoch * RS_SHARES * CONSUMERS;
-                        wait_word(rs->error, rs->timeout_ns, rs->ready[rs->rank] + 4 * (u64)p.owner, p.owner,
-                                  [target](u32 v) { return (int)(v - target) >= 0; });
-                        // The zeroing seen (generic proxy) before the bulk adds (async proxy).
-                        asm volatile("fence.proxy.async.global;" ::: "memory");
-                    }
-                    tma_ready_mask |= 1u << p.owner;
-                }
-                int t = threadIdx.x % 128;
-#pragma unroll
-                for (int q = 0; q < NP; ++q) {
-                    unsigned char* piece = pieces + q * OUT_PIECE_BYTES;
-                    if (t == 0) stores_read_wait<NP - 1>();
-                    consumer_sync(consumer);
-                    write_piece<F16>(d, piece, q);
-                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                    consumer_sync(consumer);
-                    if (t == 0) {
-                        asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];"
-                                     :: "l"((u64)&rs->out_maps[p.owner]), "r"(p.col + 64 * q), "r"(p.out_row + consumer * 64),
-                                        "r"(smem_u32(piece)) : "memory");
-                        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-                    }
-                }
-                continue;
-              }
-#endif
                 // A peer's tile: staged for the storers, one piece at a time.
 #pragma unroll
                 for (int q = 0; q < NP; ++q) {
@@ -798,14 +746,6 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         }
         if constexpr (WALK == WALK_RS) {
             if (!own_stored && !rs->interleave) count_own_stored(rs, consumer);
-#ifdef RS_TMA_ADD
-            if (rs->interleave && threadIdx.x % 128 == 0) {
-                asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-                asm volatile("fence.proxy.async.global;" ::: "memory");
-                asm volatile("fence.acq_rel.sys;" ::: "memory");
-                atomicAdd(&rs_tma_consumers_done, 1u);
-            }
-#endif
         }
         if (threadIdx.x % 128 == 0) stores_read_wait<0>();
     }
