@@ -215,7 +215,8 @@ fn tuning_gives_every_rank_one_plan_and_keeps_it() {
 
 /// The report says where the tuning's time went: every phase of a tuned decision took
 /// time, the timed phases make up the tuning time, and the text prints them; candidates
-/// were timed in the first rounds at least, and the chosen one in all.
+/// were timed in the first rounds at least, and the chosen one in all (and in the tie
+/// rounds where it was tied).
 fn phases_add_up(report: &PlanReport) {
     let p = &report.phases;
     let timed = [
@@ -247,7 +248,8 @@ fn phases_add_up(report: &PlanReport) {
     let chosen = (report.candidates.iter())
         .find(|c| c.name == report.plan)
         .expect("the chosen candidate");
-    assert_eq!(chosen.rounds, 7, "{report}");
+    // Every round, and 6 more where another candidate's median was within 3% of its own.
+    assert!([7, 13].contains(&chosen.rounds), "{report}");
 }
 
 /// Each candidate is lowered once per process (the ranks share the executor's programs),

@@ -59,6 +59,11 @@ struct Args {
     iters: usize,
     #[arg(long, default_value_t = 5)]
     warmup: usize,
+    /// Rounds of every alternating measurement (the default call against the best option,
+    /// each form against its baseline): each round times both sides for half `--iters`
+    /// calls; the medians over the rounds are compared.
+    #[arg(long, default_value_t = 9)]
+    ab_rounds: usize,
     /// Row ranges per chunk to try besides the default (2).
     #[arg(long, default_value = "1,4")]
     row_ranges: String,
@@ -111,7 +116,10 @@ struct Sample {
     baseline: Option<String>,
     /// For `ab_best`: the variant set by hand that was fastest.
     best_variant: Option<String>,
-    /// For a form: its time over its baseline's, both timed in alternation.
+    /// For a form: its time and its baseline's on this rank, timed in alternation.
+    ab_times: Option<(f64, f64)>,
+    /// For a form over the ranks: the slowest rank's alternating time over the slowest
+    /// rank's alternating time of its baseline.
     ab_ratio: Option<f64>,
 }
 
@@ -125,6 +133,7 @@ impl Sample {
             plan: None,
             baseline: None,
             best_variant: None,
+            ab_times: None,
             ab_ratio: None,
         }
     }
@@ -155,6 +164,11 @@ impl Row {
         let mut s = per_rank[0][i].clone();
         s.ms = worst(&|s| s.ms);
         s.relerr = worst(&|s| s.relerr);
+        if s.ab_times.is_some() {
+            let x = worst(&|s| s.ab_times.map_or(0.0, |t| t.0));
+            let y = worst(&|s| s.ab_times.map_or(0.0, |t| t.1));
+            s.ab_ratio = Some(x / y);
+        }
         if let Some(p) = &mut s.plan {
             p.tuning_ms = worst(&|s| s.plan.as_ref().map_or(0.0, |p| p.tuning_ms));
             p.first_call_ms = worst(&|s| s.plan.as_ref().map_or(0.0, |p| p.first_call_ms));
@@ -387,9 +401,6 @@ fn hand_set_variants(
     Ok(())
 }
 
-/// Rounds of the alternating measurement in [`interleaved`].
-const ROUNDS: usize = 5;
-
 /// The default call and the fastest variant set by hand (by the slowest rank, agreed over
 /// the ranks), timed again in alternation, so that drift between measurements taken
 /// minutes apart does not decide a difference of a few percent: rows `ab_default` and
@@ -429,12 +440,12 @@ fn interleaved(
 /// A call to time: the executor, its inputs and options.
 type Call<'a> = (&'a FusionExecutor, &'a [&'a Tensor], &'a ExecOptions);
 
-/// `x` and `y` timed in turn for [`ROUNDS`] rounds of half the iterations: the median of
+/// `x` and `y` timed in turn for `--ab-rounds` rounds of half the iterations: the median of
 /// each one's round medians, ms.
 fn alternating(rank: &Rank, a: &Args, x: Call<'_>, y: Call<'_>) -> Result<(f64, f64)> {
     let iters = (a.iters / 2).max(3);
     let (mut xs, mut ys) = (Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
+    for _ in 0..a.ab_rounds.max(1) {
         for ((exec, ins, o), v) in [(x, &mut xs), (y, &mut ys)] {
             v.push(device_ms(rank, iters, 1, || {
                 exec.run_with(rank, ins, None, o).map(|_| ())
@@ -517,7 +528,7 @@ fn form_variants(
         if base.0 != name {
             let base_refs: Vec<&Tensor> = base.3.iter().collect();
             let (x, y) = alternating(rank, a, (exec, &refs, &o), (base.2, &base_refs, &o))?;
-            s.ab_ratio = Some(x / y);
+            s.ab_times = Some((x, y));
         }
         s.baseline = Some(base.0.clone());
         out.push(s);

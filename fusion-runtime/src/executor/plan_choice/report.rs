@@ -29,8 +29,9 @@ pub struct CandidateReport {
     pub model_ms: f64,
     /// Its tuned time (the slowest rank's median), ms, when it was timed.
     pub tuned_ms: Option<f64>,
-    /// How many rounds timed it: all of them, or only the first ones for a candidate that
-    /// was not close to the fastest then (0 when it was not timed).
+    /// How many rounds timed it: all of them, only the first ones for a candidate that was
+    /// not close to the fastest then, or more for one tied with the fastest at the end (0
+    /// when it was not timed).
     pub rounds: usize,
 }
 
@@ -69,7 +70,7 @@ impl std::fmt::Display for PlanReport {
         write!(f, "plan: {} ({why}", self.plan)?;
         if self.tuning_ms > 0.0 {
             let clock = if self.device_timed {
-                "device-timed, back to back"
+                "device-timed, each call on its own"
             } else {
                 "host-timed"
             };
@@ -83,7 +84,7 @@ impl std::fmt::Display for PlanReport {
             write!(f, "//   {:<20} model {:>9.3} ms", c.name, c.model_ms)?;
             if let Some(t) = c.tuned_ms {
                 write!(f, "  timed {t:>9.3} ms")?;
-                if c.rounds < SAMPLES {
+                if c.rounds != SAMPLES {
                     write!(f, " ({} rounds)", c.rounds)?;
                 }
             }

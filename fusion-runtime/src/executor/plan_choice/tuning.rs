@@ -13,18 +13,23 @@
 //! the host), not downloaded: on the backward benchmark's shapes the host comparison of
 //! tens of millions of elements per output took seconds per candidate.
 //!
-//! A batch is timed the way the benchmarks time calls: back to back, by device markers
-//! (CUDA events) recorded on the stream the calls end on, around the batch; the host waits
-//! once per round, after every candidate's batch is queued. Host timing with a device
-//! synchronization around each batch adds the device's idle gap and launch ramp to every
-//! sample and ranked candidates of the gated MLP 2-4% differently from the benchmark
-//! (`docs/DECISIONS.md`, "Plans"). Traced calls (`FUSION_TRACE`) read and clear the
-//! device's markers themselves, so while tracing, batches are timed by the host as before.
+//! Calls are timed the way the benchmarks time them: each call on its own, this rank's
+//! device idle and the ranks met on the host first, by device markers (CUDA events)
+//! recorded on the stream the call ends on; a sample is the median of a batch of such
+//! calls. Batches timed back to back ranked the MLP block's plans up to 5% differently
+//! from the benchmarks' calls (a plan whose tail overlaps the next call's head looks
+//! faster back to back), and host timing with a device synchronization around each batch
+//! 2-4% differently (`docs/DECISIONS.md`, "Plans"). Traced calls (`FUSION_TRACE`) read and
+//! clear the device's markers themselves, so while tracing, batches are timed by the host
+//! as before.
 //!
 //! Every candidate is timed in the first [`FIRST_ROUNDS`] rounds; only those within
 //! [`CLOSE`] of the fastest then (the slowest rank's faster sample) are timed in the
 //! remaining rounds and can be chosen (`docs/DECISIONS.md`, "Plans": to be confirmed on
-//! GPUs).
+//! GPUs). Where others' medians end within [`TIE`] of the fastest's, those few are timed
+//! [`TIE_ROUNDS`] rounds more and decided on all their samples: single samples at D = 4
+//! spread by several percent, and the candidates closest to each other are the ones a
+//! spread flips.
 
 use std::time::{Duration, Instant};
 
@@ -38,12 +43,18 @@ use crate::executor::options::ExecOptions;
 use crate::tensor::Tensor;
 
 /// Bumped whenever how candidates are timed changes (part of the plan file's key, so that
-/// plans tuned the old way are tuned again): 3, every candidate timed in the first rounds
-/// and only those close to the fastest in the rest; 2, device markers around back-to-back
-/// calls (1 was the host's clock around synchronized batches).
-pub(super) const TUNING_REVISION: u32 = 3;
+/// plans tuned the old way are tuned again): 4, each call timed on its own after the ranks
+/// meet (was: batches back to back), and ties timed longer; 3, every candidate timed
+/// in the first rounds and only those close to the fastest in the rest; 2, device markers
+/// around back-to-back calls (1 was the host's clock around synchronized batches).
+pub(super) const TUNING_REVISION: u32 = 4;
 /// Samples per candidate timed to the end (the median counts).
 pub(super) const SAMPLES: usize = 7;
+/// How close to the fastest median (the slowest rank's) a candidate's must be for the two
+/// to count as tied and be timed [`TIE_ROUNDS`] rounds more.
+const TIE: f64 = 1.03;
+/// Rounds more for the tied candidates.
+const TIE_ROUNDS: usize = 6;
 /// Rounds that time every candidate.
 const FIRST_ROUNDS: usize = 2;
 /// How much slower than the fastest candidate (each one's faster sample of the first
@@ -72,11 +83,14 @@ pub(super) struct Tuned {
 
 impl Tuned {
     /// The position in `order` (the distinct candidates timed, as [`tune`] got them) of
-    /// the candidate to run: the fastest of those timed in every round, the first
-    /// distinct candidate among equals.
+    /// the candidate to run: the fastest of those timed in every round (where some were
+    /// tied and timed longer, of those: the others were 3% slower before, and their
+    /// earlier samples do not share the tie rounds' moment of the machine's drift), the
+    /// first distinct candidate among equals.
     pub(super) fn best(&self, order: &[usize]) -> usize {
+        let most = self.rounds.iter().copied().max().unwrap_or(0).max(SAMPLES);
         (0..self.slowest.len())
-            .filter(|&j| self.rounds[j] == SAMPLES)
+            .filter(|&j| self.rounds[j] == most)
             .min_by_key(|&j| (self.slowest[j], order[j]))
             .unwrap_or(0)
     }
@@ -143,16 +157,23 @@ pub(super) fn tune(
         phases.time(Phase::Sizing, t.name, rank, || t.size_batch(clock))?;
     }
     let live_timers: Vec<&CandidateTimer<'_>> = live.iter().map(|&j| &timers[j]).collect();
-    let samples = time_rounds(call, &live_timers, clock, phases)?;
+    let mut samples = time_rounds(call, &live_timers, clock, phases)?;
+    let mut live_slowest = slowest_of(call, &medians(&samples))?;
+    let tied = tied_with_fastest(&live_slowest, &samples);
+    if tied.len() > 1 {
+        for round in 0..TIE_ROUNDS {
+            let k = tied.len();
+            let turn: Vec<usize> = (0..k).map(|j| tied[(round + j) % k]).collect();
+            let times = phases.time(Phase::Round, "all", rank, || {
+                time_round(&live_timers, &turn, clock)
+            })?;
+            for (&j, t) in turn.iter().zip(times) {
+                samples[j].push(t);
+            }
+        }
+        live_slowest = slowest_of(call, &medians(&samples))?;
+    }
     let rounds: Vec<usize> = samples.iter().map(Vec::len).collect();
-    let medians: Vec<i64> = samples
-        .into_iter()
-        .map(|mut s| {
-            s.sort_by(f64::total_cmp);
-            (s[s.len() / 2] as i64).max(1)
-        })
-        .collect();
-    let live_slowest = slowest_of(call, &medians)?;
     let mut tuned = Tuned {
         slowest: vec![i64::MAX; timers.len()],
         rounds: vec![0; timers.len()],
@@ -259,13 +280,37 @@ fn time_rounds(
         let k = among.len();
         let turn: Vec<usize> = (0..k).map(|j| among[(round + j) % k]).collect();
         let times = phases.time(Phase::Round, "all", rank, || {
-            time_round(call, timers, &turn, clock)
+            time_round(timers, &turn, clock)
         })?;
         for (&j, t) in turn.iter().zip(times) {
             samples[j].push(t);
         }
     }
     Ok(samples)
+}
+
+/// Each candidate's median sample (ns, at least 1).
+fn medians(samples: &[Vec<f64>]) -> Vec<i64> {
+    (samples.iter())
+        .map(|s| {
+            let mut s = s.clone();
+            s.sort_by(f64::total_cmp);
+            (s[s.len() / 2] as i64).max(1)
+        })
+        .collect()
+}
+
+/// The candidates timed in every round whose median (`slowest`: the slowest rank's) is
+/// within [`TIE`] of the fastest such median; the same on every rank.
+fn tied_with_fastest(slowest: &[i64], samples: &[Vec<f64>]) -> Vec<usize> {
+    let full = |j: &usize| samples[*j].len() == SAMPLES;
+    let Some(fastest) = (0..slowest.len()).filter(full).map(|j| slowest[j]).min() else {
+        return Vec::new();
+    };
+    (0..slowest.len())
+        .filter(full)
+        .filter(|&j| slowest[j] as f64 <= TIE * fastest as f64)
+        .collect()
 }
 
 /// The candidates whose faster sample so far (the slowest rank's) is within [`CLOSE`] of
@@ -282,37 +327,16 @@ fn close_to_fastest(call: &PlanCall<'_>, samples: &[Vec<f64>]) -> Result<Vec<usi
 }
 
 /// One round: a batch of each timer of `turn`, in that order; the time per call of each,
-/// ns. With the device clock the ranks start together, one untimed call of the first
-/// candidate leads in (so that the first batch does not carry the ranks' start skew), the
-/// batches are queued back to back between markers and the host waits once, at the end.
-fn time_round(
-    call: &PlanCall<'_>,
-    timers: &[&CandidateTimer<'_>],
-    turn: &[usize],
-    clock: Clock,
-) -> Result<Vec<f64>> {
+/// ns. With the device clock each call runs on its own as the benchmarks time it (this
+/// rank's device idle, the ranks met on the host, markers around the call) and a timer's
+/// sample is the median of its batch's calls.
+fn time_round(timers: &[&CandidateTimer<'_>], turn: &[usize], clock: Clock) -> Result<Vec<f64>> {
     if clock == Clock::Host {
         return (turn.iter()).map(|&j| timers[j].host_sample()).collect();
     }
-    let device = call.rank.device();
-    call.rank.communicator().exchange(&[])?;
-    if let Some(&first) = turn.first() {
-        timers[first].run()?;
-    }
-    let mut marks = Vec::with_capacity(turn.len());
-    for &j in turn {
-        let start = device.record_call_marker(call.on)?;
-        timers[j].run_batch()?;
-        marks.push((start, device.record_call_marker(call.on)?));
-    }
-    let times = (turn.iter().zip(&marks))
-        .map(|(&j, &(a, b))| {
-            let ms = device.marker_elapsed_ms(a, b)?;
-            Ok(ms * 1e6 / f64::from(timers[j].batch))
-        })
-        .collect::<Result<Vec<f64>>>();
-    device.clear_markers();
-    times
+    (turn.iter())
+        .map(|&j| timers[j].isolated_sample())
+        .collect()
 }
 
 /// One candidate being timed on this rank: its name, options and the batch of calls a
@@ -402,6 +426,28 @@ impl<'a> CandidateTimer<'a> {
         Ok(ms? * 1e6 / f64::from(self.batch))
     }
 
+    /// The median device time of the batch's calls, ns, each call on its own: this rank's
+    /// device idle and every rank met on the host before it, markers around it.
+    fn isolated_sample(&self) -> Result<f64> {
+        let (device, on) = (self.call.rank.device(), self.call.on);
+        let mut marks = Vec::with_capacity(self.batch as usize);
+        for _ in 0..self.batch {
+            device.synchronize()?;
+            self.call.rank.communicator().exchange(&[])?;
+            let start = device.record_call_marker(on)?;
+            self.run()?;
+            marks.push((start, device.record_call_marker(on)?));
+        }
+        device.synchronize()?;
+        let times = (marks.iter())
+            .map(|&(a, b)| device.marker_elapsed_ms(a, b).map(|ms| ms * 1e6))
+            .collect::<Result<Vec<f64>>>();
+        device.clear_markers();
+        let mut times = times?;
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+
     /// The host time per call of one batch, ns, between device synchronizations.
     fn host_sample(&self) -> Result<f64> {
         let device = self.call.rank.device();
@@ -421,6 +467,40 @@ mod tests {
 
     fn f32s(shape: &[usize], v: &[f32]) -> Tensor {
         Tensor::from_f32(shape, v, DType::F32).unwrap()
+    }
+
+    /// Candidates timed to the end within 3% of the fastest median are tied; one dropped
+    /// after the first rounds is not, however fast its samples; a lone fastest ties with
+    /// nothing.
+    #[test]
+    fn ties_are_the_full_candidates_within_three_percent_of_the_fastest() {
+        let full = vec![1.0; SAMPLES];
+        let early = vec![1.0; FIRST_ROUNDS];
+        let samples = vec![full.clone(), full.clone(), early, full.clone(), full];
+        let slowest = [1000, 1029, 900, 1031, 1010];
+        assert_eq!(tied_with_fastest(&slowest, &samples), vec![0, 1, 4]);
+        assert_eq!(tied_with_fastest(&[1000, 1100], &samples[..2]), vec![0]);
+        assert_eq!(medians(&[vec![3.0, 1.0, 2.0], vec![0.2]]), vec![2, 1]);
+    }
+
+    /// After tie rounds only the tied candidates are chosen from, even where an untied
+    /// one's earlier median came out lower; without ties, every candidate timed in all 7.
+    #[test]
+    fn the_choice_after_tie_rounds_is_among_the_tied() {
+        let tuned = |slowest: Vec<i64>, rounds: Vec<usize>| Tuned {
+            slowest,
+            rounds,
+            device_timed: true,
+            warnings: Vec::new(),
+        };
+        let tied = SAMPLES + TIE_ROUNDS;
+        let t = tuned(
+            vec![1641, 1639, 1673, 1500],
+            vec![tied, SAMPLES, tied, FIRST_ROUNDS],
+        );
+        assert_eq!(t.best(&[0, 1, 2, 3]), 0);
+        let t = tuned(vec![1641, 1639, 1500], vec![SAMPLES, SAMPLES, FIRST_ROUNDS]);
+        assert_eq!(t.best(&[0, 1, 2]), 1);
     }
 
     /// The comparison on the device (here the CPU backend's) flags what the host
