@@ -166,10 +166,12 @@ fn the_mlp_blocks_gather_into_one_gemm_and_scatter_from_another() {
             ("MLP with a bias", UnaryOp::Silu, true),
             ("gated MLP", UnaryOp::Silu, false),
             ("MLP, weights broadcast", UnaryOp::GeluTanh, false),
+            ("MLP, x with a unit axis", UnaryOp::GeluTanh, false),
         ] {
             let f = match (name, bias) {
                 ("gated MLP", _) => cases::tp_gated_mlp(dt),
                 ("MLP, weights broadcast", _) => cases::tp_mlp_bcast_w(dt, act),
+                ("MLP, x with a unit axis", _) => cases::tp_mlp_x4(dt, act),
                 (_, true) => cases::tp_mlp_bias(dt, act),
                 (_, false) => cases::tp_mlp(dt, act),
             };
@@ -177,6 +179,9 @@ fn the_mlp_blocks_gather_into_one_gemm_and_scatter_from_another() {
                 let what = format!("{name}, {act:?}, {dt} on {d} devices");
                 let seed = 7600 + d as u64;
                 let mut inputs = mlp_block_inputs(d, (m, k, h), dt, seed);
+                if name == "MLP, x with a unit axis" {
+                    inputs[0].0 = inputs[0].0.unsqueeze(1).unwrap();
+                }
                 if bias || name == "gated MLP" {
                     // b1 [d, f], or the gated block's up weights wu [d, k, f].
                     let shape: &[usize] = if bias { &[d, h] } else { &[d, k, h] };

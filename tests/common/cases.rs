@@ -424,6 +424,25 @@ pub fn tp_mlp_bcast_w(dt: DType, act: UnaryOp) -> Fusion {
     b.build().unwrap()
 }
 
+/// The MLP block with x given with an extent-1 axis (`[d@DIDx, 1, m, h]`) that W1's blocks
+/// broadcast against, no `broadcast` op (the layer benchmark's form `x4`); its output's
+/// first matmul axes are [d@Stream, d@DIDx, m, f].
+pub fn tp_mlp_x4(dt: DType, act: UnaryOp) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let one = b.constant(1);
+    let mut tx = axes(&mut b, &[("d", Dx), ("m", S), ("m", S), ("h", S)]);
+    tx[1].extent = one;
+    let t1 = axes(&mut b, &[("d", Dx), ("h", S), ("f", S)]);
+    let t2 = axes(&mut b, &[("d", Dx), ("f", S), ("h", S)]);
+    let x = b.input("x", dt, &tx).unwrap();
+    let w1 = b.input("w1", dt, &t1).unwrap();
+    let w2 = b.input("w2", dt, &t2).unwrap();
+    let h = b.matmul(x, w1).unwrap();
+    let a = b.unary(act, h).unwrap();
+    let a = stream_activation(&mut b, dt, a);
+    reduce_scatter_block(b, dt, a, w2)
+}
+
 /// The MLP block with a bias: `ReduceScatter(act(AllGather(x) W1 + b1) W2)`, b1 `[d@DIDx,
 /// f]` (W1's column block's bias, broadcast over the rows: the form the first GEMM's
 /// epilogue takes).
