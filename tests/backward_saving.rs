@@ -15,10 +15,13 @@ mod common;
 use std::collections::BTreeMap;
 
 use backward_support::layers::{
-    arr, assert_lean, cases, give, nodes_of, plans, random_inputs, take,
+    arr, assert_lean, cases, give, nodes_of, plans, random_inputs, shape, take,
 };
 use backward_support::{distance, eval, Arr};
-use common::{device_counts, run, Give};
+use common::{
+    assert_close, count_nodes, device_counts, pipelined, run, tolerance_for, unpipelined, Give,
+    RefArray,
+};
 use fusion::compiler::autodiff::{backward, saving, BackwardInput, GradSpec};
 use fusion::compiler::hir::{HostProgram, Node, NodeKind, P2PDirection};
 use fusion::compiler::ir::{Fusion, Op, TensorId, UnaryOp};
@@ -251,4 +254,51 @@ fn mlp_block_saving_backward_program_snapshot() {
     common::snapshots_here().bind(|| {
         insta::assert_snapshot!("mlp_block_saving_backward_4_devices", p.to_string());
     });
+}
+
+#[test]
+fn the_gathered_gemm_stores_the_pre_activation_of_the_saving_forward() {
+    // bf16: the saving forward of the MLP block with the gathered and scattered GEMMs (plan
+    // `gathered_scattered_gemm`) runs its first GEMM as one gathered GEMM that also stores
+    // H, the pre-activation, in its epilogue; every output (y, H, the activation) equals
+    // the unpipelined program's.
+    for dt in [DType::BF16, DType::F16] {
+        let f = common::cases::tp_mlp(dt, UnaryOp::GeluTanh);
+        let s = saving(&f, &GradSpec::all(&f)).unwrap();
+        let fw = &s.forward;
+        for d in device_counts() {
+            let inputs: Vec<(Tensor, Give)> = (fw.inputs().iter().enumerate())
+                .map(|(i, &t)| {
+                    let x = Tensor::randn(&shape(fw, t, d), dt, 7000 + (10 * d + i) as u64);
+                    (x, give(fw, t))
+                })
+                .collect();
+            let takes: Vec<_> = fw.outputs().iter().map(|&t| take(fw, t)).collect();
+            let whole = run(fw, d, &inputs, &takes, &unpipelined());
+            let options = pipelined(true, |l| {
+                l.pipelines.gathered_gemm = true;
+                l.pipelines.scattered_gemm = true;
+            });
+            let r = run(fw, d, &inputs, &takes, &options);
+            let what = format!("{dt} on {d} devices");
+            let program = r.program.to_string();
+            assert_eq!(
+                count_nodes(&r, NodeKind::GatheredGemmLaunch),
+                usize::from(d > 1),
+                "{what}:\n{program}"
+            );
+            if d > 1 {
+                assert!(program.contains("aux = "), "{what}:\n{program}");
+            }
+            for (o, got) in r.outputs.iter().enumerate() {
+                let want = RefArray::from_tensor(&whole.outputs[o]);
+                assert_close(
+                    &want,
+                    got,
+                    tolerance_for(dt),
+                    &format!("{what}, output {o}"),
+                );
+            }
+        }
+    }
 }

@@ -9,6 +9,9 @@
 //! The same in a launched world (one process per GPU, under torchrun: `gpu.sh launch`),
 //! where the peers push the blocks into receive buffers they reach through CUDA IPC.
 //!
+//! The MLP block's saving forward on 2 and 4 GPUs, its gathered GEMM storing the
+//! pre-activation from its epilogue, against the unpipelined plan.
+//!
 //! GPU-only (`#[ignore]`d): run with `--ignored`. Without enough GPUs each test skips,
 //! saying so; on GPUs other than compute capability 9.0 the program keeps its pipeline
 //! (the device does not run the fused GEMM), which is checked too.
@@ -150,6 +153,79 @@ fn the_gathered_gemm_matches_the_unpipelined_plan_on_two_gpus() {
 #[ignore = "needs four CUDA GPUs; run with --ignored on a GPU machine"]
 fn the_gathered_gemm_matches_the_unpipelined_plan_on_four_gpus() {
     on_gpus(4);
+}
+
+/// The saving forward of the MLP block (bf16, gelu_tanh; x `[d, m, h]`, W1 `[d, h, f]`, W2
+/// `[d, f, h]` sharded) with the gathered and scattered GEMMs on the persistent engine: the
+/// gathered GEMM also stores H, the pre-activation, from its epilogue; each output (y, H,
+/// the activation) of calls walked, captured and replayed against the unpipelined plan's.
+fn saving_forward_matches_unpipelined(world: &World, (m, h, f): (usize, usize, usize)) {
+    use fusion::compiler::autodiff::{saving, GradSpec};
+    use fusion::compiler::ir::UnaryOp;
+    let (d, dt) = (world.size(), DType::BF16);
+    let mlp = cases::tp_mlp(dt, UnaryOp::GeluTanh);
+    let forward = saving(&mlp, &GradSpec::all(&mlp)).unwrap().forward;
+    let (with, without) = (
+        FusionExecutor::new(forward.clone()),
+        FusionExecutor::new(forward),
+    );
+    let mut options = fused(None);
+    options.lower.pipelines.scattered_gemm = true;
+    world
+        .run(|rank| {
+            let hopper = rank.cuda_context()?.compute_capability()? == (9, 0);
+            let place = |seed: u64| -> fusion::Result<Vec<Tensor>> {
+                let whole = [
+                    Tensor::randn(&[d, m, h], dt, seed),
+                    Tensor::randn(&[d, h, f], dt, seed + 1),
+                    Tensor::randn(&[d, f, h], dt, seed + 2),
+                ];
+                whole.iter().map(|t| rank.shard(t, 0)).collect()
+            };
+            let buffers = place(1)?;
+            let refs: Vec<&Tensor> = buffers.iter().collect();
+            let mut statuses = Vec::new();
+            for call in 0..4u64 {
+                // Fresh inputs in the same buffers, so that later calls replay.
+                for (dst, src) in buffers.iter().zip(place(10 * (call + 1))?) {
+                    rank.device().execute(0, Kernel::Copy { src: &src, dst })?;
+                }
+                let g = with.run_with(rank, &refs, None, &options)?;
+                let e = without.run_with(rank, &refs, None, &unpipelined())?;
+                let what = format!("{m}x{h}x{f} on {d} GPUs, call {call} ({:?})", g.replay);
+                for (o, (a, b)) in g.outputs.iter().zip(&e.outputs).enumerate() {
+                    let err = rank.to_host(a)?.rel_error(&rank.to_host(b)?)?;
+                    assert!(
+                        err < common::tolerance_for(dt),
+                        "{what}: output {o}, relative error {err:.3e}"
+                    );
+                }
+                let program = with.program(rank, &refs, &options)?.to_string();
+                let saves = program.contains("GatheredGemm 0 launch") && program.contains("aux = ");
+                assert_eq!(saves, hopper, "{what}:\n{program}");
+                statuses.push(g.replay);
+            }
+            Ok(statuses)
+        })
+        .unwrap()
+        .iter()
+        .for_each(|s| common::assert_walked_captured_replayed(s));
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs; run with --ignored on a GPU machine"]
+fn the_saving_forward_stores_its_pre_activation_on_two_gpus() {
+    if let Some(world) = common::gpu_world(2, true) {
+        saving_forward_matches_unpipelined(&world, (256, 512, 384));
+    }
+}
+
+#[test]
+#[ignore = "needs four CUDA GPUs; run with --ignored on a GPU machine"]
+fn the_saving_forward_stores_its_pre_activation_on_four_gpus() {
+    if let Some(world) = common::gpu_world(4, true) {
+        saving_forward_matches_unpipelined(&world, (256, 512, 384));
+    }
 }
 
 /// One process per GPU (started by torchrun or another launcher, `FUSION_BACKEND=cuda`):

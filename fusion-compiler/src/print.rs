@@ -360,7 +360,7 @@ fn fused_gemm_string(p: &HostProgram, n: &Node, indent: &str) -> String {
             comm_string(p, &g.comm)
         ),
         Node::GatheredGemmLaunch(g) => format!(
-            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{}{}{}{} )",
+            "{}\n{indent}   = GatheredGemm {} launch( gathered = {}, own = {}, b = {}{}{}{}{}{} )",
             tensor_string(f, g.output),
             g.id.index(),
             tensor_string(f, g.gathered),
@@ -372,6 +372,10 @@ fn fused_gemm_string(p: &HostProgram, n: &Node, indent: &str) -> String {
             },
             match g.bias {
                 Some(b) => format!(", bias = {}", tensor_string(f, b)),
+                None => String::new(),
+            },
+            match g.aux {
+                Some(x) => format!(", aux = {}", tensor_string(f, x)),
                 None => String::new(),
             },
             match g.epilogue == Epilogue::default() {

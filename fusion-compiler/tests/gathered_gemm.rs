@@ -2,7 +2,7 @@
 //! `lower::gathered_gemm`): the fused program's shape (an insta snapshot at 4 devices),
 //! where the rewrite applies (bf16 and f16, stream buffers on and off, either chunk order,
 //! the column-parallel form with a DIDx weight, row ranges said ready one by one, the gated
-//! MLP's gate and up products as one gated GEMM) and where
+//! MLP's gate and up products as one gated GEMM, a saved pre-activation) and where
 //! it leaves the program as it was (f32, NCCL transfers, an epilogue, gathered rows read
 //! elsewhere, the option off), and the plan candidates that ask for it. (The MLP block, whose loop also
 //! reduce-scatters, is checked in the workspace's `tests/gathered_gemm.rs`.)
@@ -52,8 +52,8 @@ fn ag_matmul(dt: DType, act: Option<UnaryOp>, keep_rows: bool) -> Fusion {
 /// The column-parallel projection of the MLP block's first half: `AG(x) W1`, W1 split by
 /// columns, every row of this device's column block `[d@Stream, d@DIDx, m, f]`; with
 /// `weights_broadcast`, W1 broadcast instead of x, `matmul(x, broadcast(w1))` into
-/// `[d@DIDx, d@Stream, m, f]` (the Stream axis second).
-fn column_parallel_as(dt: DType, weights_broadcast: bool) -> Fusion {
+/// `[d@DIDx, d@Stream, m, f]` (the Stream axis second); `act` applied to the product.
+fn column_parallel_as(dt: DType, weights_broadcast: bool, act: Option<UnaryOp>) -> Fusion {
     let mut b = FusionBuilder::new();
     let (d, m, h, f) = (b.symbol("d"), b.symbol("m"), b.symbol("h"), b.symbol("f"));
     let x = b
@@ -70,6 +70,10 @@ fn column_parallel_as(dt: DType, weights_broadcast: bool) -> Fusion {
         let rows = b.broadcast(x, &flags).unwrap();
         (b.matmul(rows, w).unwrap(), [Axis::stream(d), Axis::didx(d)])
     };
+    let y = match act {
+        Some(act) => b.unary(act, y).unwrap(),
+        None => y,
+    };
     let out = [blocks[0], blocks[1], Axis::serial(m), Axis::serial(f)];
     let y = b.declare(y, dt, &out).unwrap();
     b.output(y).unwrap();
@@ -77,7 +81,7 @@ fn column_parallel_as(dt: DType, weights_broadcast: bool) -> Fusion {
 }
 
 fn column_parallel(dt: DType) -> Fusion {
-    column_parallel_as(dt, false)
+    column_parallel_as(dt, false, None)
 }
 
 /// The gated MLP's column-parallel half: `silu(AG(x) Wg) * (AG(x) Wu)`, every row of this
@@ -193,7 +197,11 @@ fn the_column_parallel_projection_is_fused() {
 fn the_projection_with_its_weights_broadcast_is_fused_reading_the_weights() {
     // The loop binds W1's broadcast view and writes the output's blocks on its second
     // axis: the kernel reads W1 itself, and the view is gone from the loop.
-    let p = program(&column_parallel_as(DType::BF16, true), 4, &options(true));
+    let p = program(
+        &column_parallel_as(DType::BF16, true, None),
+        4,
+        &options(true),
+    );
     assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{p}");
     let mut b = None;
     for_each_node(&p.body, &mut |n| {
@@ -213,7 +221,11 @@ fn the_projection_with_its_weights_broadcast_is_fused_reading_the_weights() {
         });
         views
     };
-    let unfused = program(&column_parallel_as(DType::BF16, true), 4, &options(false));
+    let unfused = program(
+        &column_parallel_as(DType::BF16, true, None),
+        4,
+        &options(false),
+    );
     assert_eq!(views_of_broadcast(&unfused), 1, "{unfused}");
     assert_eq!(views_of_broadcast(&p), 0, "{p}");
     // In row ranges too, with and without stream buffers.
@@ -221,7 +233,7 @@ fn the_projection_with_its_weights_broadcast_is_fused_reading_the_weights() {
         let mut o = options(true);
         o.streams.buffers = buffers;
         o.pipelines.allgather_subchunks = Some(2);
-        let p = program(&column_parallel_as(DType::BF16, true), 4, &o);
+        let p = program(&column_parallel_as(DType::BF16, true, None), 4, &o);
         assert_eq!(
             fused_shape(&p),
             ([1, 1, 1], false),
@@ -271,6 +283,35 @@ fn an_activation_goes_into_the_kernels_epilogue() {
         assert_eq!(g.epilogue.activations, vec![act], "{p}");
         assert!(!g.epilogue.bias && g.bias.is_none(), "{p}");
     }
+}
+
+#[test]
+fn a_saved_pre_activation_goes_into_the_kernels_epilogue_with_whole_blocks() {
+    // The saving forward of `gelu_tanh(AG(x) W1)` keeps H for its backward: the GEMM's
+    // epilogue stores it (an auxiliary matrix), and the gathered GEMM takes that too;
+    // told of row ranges it leaves the loop as it was.
+    use fusion_compiler::autodiff::{saving, GradSpec};
+    use fusion_compiler::ir::EpilogueAux;
+    let f = column_parallel_as(DType::BF16, false, Some(UnaryOp::GeluTanh));
+    let forward = saving(&f, &GradSpec::all(&f)).unwrap().forward;
+    let p = program(&forward, 4, &options(true));
+    assert_eq!(fused_shape(&p), ([1, 1, 1], false), "{p}");
+    let g = (p.body.iter())
+        .find_map(|n| match n {
+            Node::GatheredGemmLaunch(g) => Some(g),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(g.epilogue.aux, Some(EpilogueAux::PreActivation), "{p}");
+    assert_eq!(g.epilogue.activations, vec![UnaryOp::GeluTanh], "{p}");
+    let aux = g.aux.expect("the launch names its auxiliary matrix");
+    assert!(
+        forward.outputs().contains(&aux),
+        "H is the saved output:\n{p}"
+    );
+    let mut ranges = options(true);
+    ranges.pipelines.allgather_subchunks = Some(2);
+    unchanged(&forward, 4, &ranges, "row ranges with an auxiliary matrix");
 }
 
 #[test]
@@ -347,7 +388,7 @@ fn two_loops_get_two_gemms() {
 
 #[test]
 fn the_plan_space_has_the_candidates() {
-    assert_eq!(PLAN_SPACE_REVISION, 13);
+    assert_eq!(PLAN_SPACE_REVISION, 14);
     // (name, row ranges, scattered too, copies in the senders' order)
     let fused = [
         ("gathered_gemm", None, false, false),

@@ -525,6 +525,10 @@ pub struct GatheredGemmCall<'a> {
     /// `[.., K, N]` like `b`: the product is gated, `activation(rows @ b) * (rows @ up)`
     /// (the gated MLP's gate and up weights; no bias).
     pub up: Option<&'a Tensor>,
+    /// `[world, .., rows, N]` like `output`: the epilogue's auxiliary matrix, written with
+    /// the pre-activation ([`EpilogueAux::PreActivation`]) or read for a derivative that
+    /// multiplies the result ([`EpilogueAux::Derivative`]). Not with `up`.
+    pub aux: Option<(&'a Tensor, EpilogueAux)>,
 }
 
 /// A fused GEMM + ReduceScatter (`Node::GemmReduceScatter`) as a device launches it:

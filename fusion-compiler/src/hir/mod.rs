@@ -244,13 +244,17 @@ pub struct GatheredGemm {
     /// blocks.
     pub pieces: usize,
     /// What the GEMM applies to each block's product before storing it: a bias `[N]`
-    /// (`bias`) and at most one activation, no auxiliary matrix.
+    /// (`bias`), at most one activation, and what it does with `aux`.
     pub epilogue: Epilogue,
     /// The epilogue's bias vector, when it has one.
     pub bias: Option<TensorId>,
     /// A gated product: `output = act(rows @ b) * (rows @ up)`, `up` shaped like `b` (the
     /// gated MLP's gate and up weights), `act` the epilogue's activation (no bias).
     pub up: Option<TensorId>,
+    /// The epilogue's auxiliary matrix, one block per rank along axis 0 like `output`:
+    /// written with the pre-activation, or read by a derivative that multiplies the
+    /// product (`epilogue.aux` says which). Never with `up`.
+    pub aux: Option<TensorId>,
 }
 
 /// `comm.output = Allreduce(gemm)` as one kernel per rank: a GEMM whose epilogue sends
@@ -521,6 +525,7 @@ impl Node {
                 .into_iter()
                 .chain(g.bias)
                 .chain(g.up)
+                .chain(g.aux)
                 .collect(),
             Node::GemmAllreduce(g) => g
                 .gemm

@@ -6,13 +6,14 @@
 //! CPU backend) gets nothing until the join, where every block's GEMM runs on the joining
 //! stream: this rank's block from `own`, every other from its landed rows. Either way the
 //! walk checks that each peer's block was said ready once, before the join, and the race
-//! checker sees the GEMM read `own`, `b` (and the epilogue's bias) and write the output from the launch on, read
+//! checker sees the GEMM read `own`, `b` (and the epilogue's bias, or an auxiliary matrix
+//! it reads) and write the output (and an auxiliary matrix it writes) from the launch on, read
 //! each block where it is said ready, and read and write everything at the join.
 //!
 //! [`Device::launch_gathered_gemm`]: crate::device::Device::launch_gathered_gemm
 
 use fusion_compiler::hir::{GatheredGemm, GatheredGemmId};
-use fusion_compiler::ir::{BinaryOp, Expr, Op, ScalarId, TensorId, UnaryOp};
+use fusion_compiler::ir::{BinaryOp, EpilogueAux, Expr, Op, ScalarId, TensorId, UnaryOp};
 use fusion_compiler::DType;
 
 use super::compute::GemmExtras;
@@ -45,6 +46,19 @@ impl Evaluator<'_> {
             None => None,
         };
         let up = g.up.map(|t| self.get(t).cloned()).transpose()?;
+        let aux = match (g.aux, g.epilogue.aux) {
+            (Some(t), Some(mode)) => Some((
+                blocks_first(self.get_or_allocate(t)?, self.p.world_size)?,
+                mode,
+            )),
+            (None, None) => None,
+            _ => {
+                return Err(self.gathered_error(
+                    g.id,
+                    "its auxiliary matrix and its epilogue's mode do not come together".into(),
+                ))
+            }
+        };
         let activation = match g.epilogue.activations.as_slice() {
             [] => None,
             [a] => Some(*a),
@@ -56,6 +70,18 @@ impl Evaluator<'_> {
             }
         };
         let (rank, world) = (self.ctx.rank, self.p.world_size);
+        if let Some((x, _)) = &aux {
+            if x.shape() != output.shape() {
+                return Err(self.gathered_error(
+                    g.id,
+                    format!(
+                        "its auxiliary matrix {:?} is not shaped like its output {:?}",
+                        x.shape(),
+                        output.shape()
+                    ),
+                ));
+            }
+        }
         for (what, t) in [("gathered rows", &gathered), ("output", &output)] {
             if t.shape().first() != Some(&world) {
                 return Err(self.gathered_error(
@@ -77,6 +103,7 @@ impl Evaluator<'_> {
             bias: bias.as_ref(),
             activation,
             up: up.as_ref(),
+            aux: aux.as_ref().map(|(x, mode)| (x, *mode)),
         };
         let start = self.mark()?;
         let on_device = self.ctx.device.launch_gathered_gemm(self.current, &call)?;
@@ -84,7 +111,13 @@ impl Evaluator<'_> {
         let mut reads = vec![g.own, g.b];
         reads.extend(g.bias);
         reads.extend(g.up);
-        self.record_access(&reads, &[g.output])?;
+        let mut writes = vec![g.output];
+        match g.epilogue.aux {
+            Some(EpilogueAux::PreActivation) => writes.extend(g.aux),
+            Some(EpilogueAux::Derivative(_)) => reads.extend(g.aux),
+            None => {}
+        }
+        self.record_access(&reads, &writes)?;
         let mut ready = vec![false; world * pieces];
         ready[rank * pieces..(rank + 1) * pieces].fill(true);
         self.gathered.insert(
@@ -99,6 +132,7 @@ impl Evaluator<'_> {
                 output,
                 bias,
                 up,
+                aux,
                 ready,
             },
         );
@@ -205,9 +239,14 @@ impl Evaluator<'_> {
                         self.gated_product(&e, a, (&b, up), &g.epilogue.activations, dst)?
                     }
                     None => {
+                        let aux = match &l.aux {
+                            Some((x, mode)) => Some((x.select(0, j)?, *mode)),
+                            None => None,
+                        };
                         let extras = GemmExtras {
                             bias: l.bias.as_ref(),
                             epilogue: &g.epilogue.activations,
+                            aux,
                             ..GemmExtras::default()
                         };
                         self.product(&e, (a, &b), dst, extras)?;
@@ -229,7 +268,14 @@ impl Evaluator<'_> {
                     reads.push((g.gathered, rows));
                 }
             }
-            rc.access(self.current, &reads, &[(g.output, &l.output)]);
+            let mut writes: Vec<(TensorId, &Tensor)> = vec![(g.output, &l.output)];
+            if let (Some(id), Some((x, mode))) = (g.aux, l.aux.as_ref()) {
+                match mode {
+                    EpilogueAux::PreActivation => writes.push((id, x)),
+                    EpilogueAux::Derivative(_) => reads.push((id, x)),
+                }
+            }
+            rc.access(self.current, &reads, &writes);
         }
         Ok(())
     }

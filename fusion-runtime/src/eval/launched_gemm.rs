@@ -2,6 +2,7 @@
 //! evaluator keeps per GEMM (`gathered_gemm` runs the nodes).
 
 use fusion_compiler::hir::GatheredGemm;
+use fusion_compiler::ir::EpilogueAux;
 
 use crate::streams::StreamHandle;
 use crate::tensor::Tensor;
@@ -21,6 +22,8 @@ pub(crate) struct Launched {
     pub(super) bias: Option<Tensor>,
     /// A gated product's second weight.
     pub(super) up: Option<Tensor>,
+    /// The epilogue's auxiliary matrix, laid out as `output`, and what it does with it.
+    pub(super) aux: Option<(Tensor, EpilogueAux)>,
     /// Per block and row range (`block * pieces + piece`): said ready (this rank's own
     /// block counts as ready).
     pub(super) ready: Vec<bool>,

@@ -32,6 +32,17 @@ impl<'a> Branch<'a> {
     }
 }
 
+impl<'a> Branch<'a> {
+    /// The same branch with another output and its block's view.
+    pub(super) fn with_output(self, output: &'a TensorId, out_block: &'a TensorId) -> Self {
+        Branch {
+            output,
+            out_block,
+            ..self
+        }
+    }
+}
+
 /// Whether nothing outside the loop at `at` touches `t` but its allocation and release,
 /// and it is no input or output of the program.
 pub(super) fn only_allocated_outside(p: &HostProgram, at: usize, t: TensorId) -> bool {

@@ -6,7 +6,9 @@ use super::body::{only_allocated_outside, Branch};
 use super::product::{gated_branch, kernel_epilogue, Product};
 use super::{Found, Landing};
 use crate::dtype::DType;
-use crate::hir::{ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport};
+use crate::hir::{
+    for_each_node, ForLoop, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport,
+};
 use crate::ir::{Expr, NamedScalar, Op, ParallelType, Scalar, ScalarId, ScalarOp, TensorId};
 
 /// The loop at top-level position `at`, when the fused form applies to it.
@@ -22,26 +24,16 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
         }, rest @ ..] => (Some((*input, *output, *index)), rest),
         _ => (None, middle),
     };
-    let (branch, product, b_view, out_axis) = match branch_then_output(p, rest) {
-        Some((branch, views, out_axis, [Node::Compute(gemm)]))
-            if gemm.output == *branch.out_block =>
-        {
-            let (epilogue, bias) = kernel_epilogue(p, l, gemm)?;
-            let rows = gemm.inputs[0];
-            let (b, b_view) = operand_behind(&views, gemm.inputs[1])?;
-            let product = Product {
-                rows,
-                b,
-                epilogue,
-                bias,
-                up: None,
-                parts: Vec::new(),
+    let (branch, product, b_view, out_axis, aux) = match branch_then_output(p, rest) {
+        Some(after) if matches!(after.rest, [Node::Compute(_)]) => {
+            let [Node::Compute(gemm)] = after.rest else {
+                return None;
             };
-            (branch, product, b_view, out_axis)
+            one_product(p, l, after, gemm)?
         }
         _ => {
             let (branch, product) = gated_branch(p, at, rest)?;
-            (branch, product, None, 0)
+            (branch, product, None, 0, None)
         }
     };
     let Branch {
@@ -103,6 +95,9 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
     if received.send != shard.0 || !operands_fit(p, at, (rows, b, *output, *out_view), landing) {
         return None;
     }
+    if aux.is_some_and(|x| !aux_fits(p, l, x, (rows, b, *output))) {
+        return None;
+    }
     Some(Found {
         pieces: 1,
         range: None,
@@ -122,8 +117,62 @@ pub(super) fn find(p: &HostProgram, at: usize) -> Option<Found> {
         bias,
         up,
         parts,
+        aux,
     })
 }
+
+/// What a whole-block loop's iteration computes with its one GEMM `gemm` after the branch
+/// (`after`): the branch (its output the GEMM's), the product, the view of B the loop bound,
+/// the output's block axis and the auxiliary matrix made outside the loop. With an
+/// auxiliary matrix the loop binds two block views, the output's and the auxiliary
+/// matrix's, in either order.
+fn one_product<'a>(
+    p: &HostProgram,
+    l: &ForLoop,
+    after: AfterBranch<'a>,
+    gemm: &Expr,
+) -> Option<OneProduct<'a>> {
+    let AfterBranch {
+        branch,
+        views,
+        out_axis,
+        other,
+        ..
+    } = after;
+    let (epilogue, bias, aux_view) = kernel_epilogue(p, l, gemm)?;
+    let (branch, aux) = match (other, aux_view) {
+        (None, None) => (branch, None),
+        (Some(o), Some(view)) if *o.output == gemm.output && *branch.out_block == view => {
+            let aux = *branch.output;
+            (branch.with_output(o.input, o.output), Some(aux))
+        }
+        (Some(o), Some(view)) if *o.output == view => (branch, Some(*o.input)),
+        _ => return None,
+    };
+    if gemm.output != *branch.out_block {
+        return None;
+    }
+    let (b, b_view) = operand_behind(&views, gemm.inputs[1])?;
+    let product = Product {
+        rows: gemm.inputs[0],
+        b,
+        epilogue,
+        bias,
+        up: None,
+        parts: Vec::new(),
+    };
+    Some((branch, product, b_view, out_axis, aux))
+}
+
+/// What [`one_product`] finds: the branch, the product, the view of B the loop bound, the
+/// output's block axis and the auxiliary matrix.
+type OneProduct<'a> = (
+    Branch<'a>,
+    Product,
+    Option<TensorId>,
+    usize,
+    Option<TensorId>,
+);
 
 /// The loop at top-level position `at` in its row-range form (`pieces` ranges per block,
 /// iteration `i` the range `i % pieces` of block `(rank - i / pieces) % d`), when the fused
@@ -146,19 +195,21 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
         [a @ Node::AliasSelect { .. }, b @ Node::Compute(_), rest @ ..] => (Some((a, b)), rest),
         _ => (None, middle),
     };
-    let (
-        Branch {
-            cond,
-            then_body,
-            else_body,
-            output,
-            out_block,
-            block,
-        },
+    let AfterBranch {
+        branch:
+            Branch {
+                cond,
+                then_body,
+                else_body,
+                output,
+                out_block,
+                block,
+            },
         views,
         out_axis,
-        [Node::Compute(out_slice), Node::Compute(gemm)],
-    ) = branch_then_output(p, rest)?
+        other: None,
+        rest: [Node::Compute(out_slice), Node::Compute(gemm)],
+    } = branch_then_output(p, rest)?
     else {
         return None;
     };
@@ -172,7 +223,10 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
     if *cond != rank_test(p, *block)? {
         return None;
     }
-    let (epilogue, bias) = kernel_epilogue(p, l, gemm)?;
+    // An auxiliary matrix is taken with whole blocks only.
+    let (epilogue, bias, None) = kernel_epilogue(p, l, gemm)? else {
+        return None;
+    };
     let rows = gemm.inputs[0];
     let (b, b_view) = operand_behind(&views, gemm.inputs[1])?;
     let received = exchange(else_body, *block)?;
@@ -217,6 +271,7 @@ pub(super) fn find_rows(p: &HostProgram, at: usize, pieces: usize) -> Option<Fou
         bias,
         up: None,
         parts: Vec::new(),
+        aux: None,
     })
 }
 
@@ -296,16 +351,15 @@ fn rows_landing(
 }
 
 /// `[IF .. ELSE .., views.., out_block = select(output, axis, block), rest..]`: the branch,
-/// the operand views, the output's block axis, and the nodes after them. A view selects
+/// the operand views, the output's block axis (`out_axis`), another view of the same block (`select(t,
+/// axis, block)` right before the output's: an auxiliary matrix's, or the output's when the
+/// auxiliary matrix's comes second), and the nodes after them. A view selects
 /// index 0 of the axis a broadcast made before the loop inserted into an operand (an
 /// operand broadcast against the loop's Stream axis, e.g. the weights of
 /// `matmul(x, broadcast(w1, ..))`): its base operand is read instead. The output's axes
 /// before its block axis are DIDx (one index of them per rank, stored with extent 1), so
 /// its blocks lie one after another as with the block axis first.
-fn branch_then_output<'a>(
-    p: &HostProgram,
-    nodes: &'a [Node],
-) -> Option<(Branch<'a>, Vec<OperandView>, usize, &'a [Node])> {
+fn branch_then_output<'a>(p: &HostProgram, nodes: &'a [Node]) -> Option<AfterBranch<'a>> {
     let [Node::IfThenElse {
         cond,
         then_body,
@@ -333,20 +387,77 @@ fn branch_then_output<'a>(
         rest = more;
     }
     let [Node::AliasSelect {
-        input: output,
-        output: out_block,
+        input: first,
+        output: first_view,
         axis,
         index: block,
     }, rest @ ..] = rest
     else {
         return None;
     };
-    let per_rank = (0..*axis).all(|a| p.ir.axis(*output, a).parallel == ParallelType::DIDx);
-    if !per_rank {
+    let (other, (output, out_block), rest) = match rest {
+        [Node::AliasSelect {
+            input,
+            output,
+            axis: a,
+            index,
+        }, more @ ..]
+            if a == axis && index == block =>
+        {
+            let other = BlockView {
+                input: first,
+                output: first_view,
+            };
+            (Some(other), (input, output), more)
+        }
+        _ => (None, (first, first_view), rest),
+    };
+    let per_rank = |t: TensorId| (0..*axis).all(|a| p.ir.axis(t, a).parallel == ParallelType::DIDx);
+    if !per_rank(*output) || other.is_some_and(|o| !per_rank(*o.input)) {
         return None;
     }
     let branch = Branch::new((cond, then_body, else_body), (output, out_block, block));
-    Some((branch, views, *axis, rest))
+    Some(AfterBranch {
+        branch,
+        views,
+        out_axis: *axis,
+        other,
+        rest,
+    })
+}
+
+/// What [`branch_then_output`] reads of a loop body.
+struct AfterBranch<'a> {
+    branch: Branch<'a>,
+    views: Vec<OperandView>,
+    out_axis: usize,
+    other: Option<BlockView<'a>>,
+    rest: &'a [Node],
+}
+
+/// A view of one block of a tensor made outside the loop, bound beside the output's.
+#[derive(Clone, Copy)]
+struct BlockView<'a> {
+    input: &'a TensorId,
+    output: &'a TensorId,
+}
+
+/// Whether the kernel takes `aux` (made outside loop `l`) as the auxiliary matrix of the GEMM
+/// `rows @ b -> output`: of the output's dtype, none of the operands, and bound in the loop
+/// by its block view alone.
+fn aux_fits(
+    p: &HostProgram,
+    l: &ForLoop,
+    aux: TensorId,
+    (rows, b, output): (TensorId, TensorId, TensorId),
+) -> bool {
+    let mut uses = 0;
+    for_each_node(&l.body, &mut |n| {
+        uses += usize::from(n.tensors().contains(&aux))
+    });
+    uses == 1
+        && ![rows, b, output].contains(&aux)
+        && p.ir.tensor(aux).dtype == p.ir.tensor(output).dtype
 }
 
 /// An operand's view bound in the loop ([`branch_then_output`]) and the tensor made before

@@ -13,8 +13,9 @@
 //! It applies to a top-level loop that is exactly the allgather step and the GEMM of each
 //! block: both of its transfers on the copy engines (NCCL's sends and receives are kernels
 //! that need the SMs the GEMM holds), bf16 or f16 operands, a `[.., rows, K] x [K, N]`
-//! product per block, plain or with a bias `[N]` made before the loop and at most one
-//! activation folded in (no accumulation or auxiliary matrix), the gathered rows read by
+//! product per block, plain or with a bias `[N]` made before the loop, at most one
+//! activation and (whole blocks only) an auxiliary matrix made outside the loop folded in
+//! (no accumulation), the gathered rows read by
 //! nothing else, one block per iteration or one row range of a block per iteration (the
 //! row-range loop of `LowerOptions::pipelines.allgather_subchunks`: each range is said
 //! ready on its own, so the GEMM starts on a block's first rows while its last still
@@ -85,6 +86,9 @@ struct Found {
     /// intermediates the fused form drops: each slot buffer and the view bound of it.
     up: Option<TensorId>,
     parts: Vec<(TensorId, TensorId)>,
+    /// The epilogue's auxiliary matrix, made outside the loop (one block per iteration,
+    /// bound beside the output's; the fused form drops that view).
+    aux: Option<TensorId>,
 }
 
 /// Rewrites every AllGather + GEMM loop of `program` it applies to (see the module

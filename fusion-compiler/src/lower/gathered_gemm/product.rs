@@ -1,10 +1,10 @@
 //! What an AllGather + GEMM loop's iteration computes from its block of rows, as the
-//! kernel takes it: a product with its bias and activation folded in
+//! kernel takes it: a product with its bias, activation and auxiliary matrix folded in
 //! ([`kernel_epilogue`]), or the gated MLP's gated product ([`gated_branch`]).
 
 use super::body::{only_allocated_outside, Branch};
 use crate::hir::{for_each_node, ForLoop, HostProgram, Node};
-use crate::ir::{BinaryOp, Epilogue, Expr, Op, TensorId, UnaryOp};
+use crate::ir::{BinaryOp, Epilogue, EpilogueAux, Expr, Op, TensorId, UnaryOp};
 use crate::lower::plain_gemm;
 
 /// What a loop's iteration computes from its block of rows: `rows @ b` with the kernel's
@@ -100,17 +100,14 @@ const KERNEL_ACTIVATIONS: [UnaryOp; 6] = [
     UnaryOp::Tanh,
 ];
 
-/// What the kernel applies to loop `l`'s GEMM after the product, and the bias it reads: a
-/// plain product, or a matmul with its bias `[N]` and at most one activation folded in (no
-/// auxiliary matrix), the bias made before the loop (the launch that reads it moves there)
-/// and of the output's dtype.
-pub(super) fn kernel_epilogue(
-    p: &HostProgram,
-    l: &ForLoop,
-    gemm: &Expr,
-) -> Option<(Epilogue, Option<TensorId>)> {
+/// What the kernel applies to loop `l`'s GEMM after the product, the bias it reads and the
+/// loop's view of its auxiliary matrix: a plain product, or a matmul with its bias `[N]`,
+/// at most one activation and an auxiliary matrix of the output's dtype that takes the
+/// pre-activation folded in, the bias made before the loop (the launch that reads it
+/// moves there) and of the output's dtype.
+pub(super) fn kernel_epilogue(p: &HostProgram, l: &ForLoop, gemm: &Expr) -> Option<KernelEpilogue> {
     if plain_gemm(gemm) {
-        return Some((Epilogue::default(), None));
+        return Some((Epilogue::default(), None, None));
     }
     let Op::Gemm {
         linear: false,
@@ -121,8 +118,14 @@ pub(super) fn kernel_epilogue(
     };
     let activations = epilogue.activations.len() <= 1
         && (epilogue.activations.iter()).all(|a| KERNEL_ACTIVATIONS.contains(a));
-    if epilogue.aux.is_some() || !activations || gemm.inputs.len() != 2 + usize::from(epilogue.bias)
-    {
+    // The kernel writes a pre-activation; it does not read a derivative's input.
+    let aux_mode = matches!(epilogue.aux, None | Some(EpilogueAux::PreActivation));
+    let inputs = 2 + usize::from(epilogue.bias) + usize::from(epilogue.aux.is_some());
+    if !aux_mode || !activations || gemm.inputs.len() != inputs {
+        return None;
+    }
+    let aux = epilogue.aux.and_then(|_| gemm.inputs.last().copied());
+    if aux.is_some_and(|x| p.ir.tensor(x).dtype != p.ir.tensor(gemm.output).dtype) {
         return None;
     }
     let bias = epilogue.bias.then(|| gemm.inputs[2]);
@@ -136,5 +139,9 @@ pub(super) fn kernel_epilogue(
             return None;
         }
     }
-    Some((epilogue.clone(), bias))
+    Some((epilogue.clone(), bias, aux))
 }
+
+/// What [`kernel_epilogue`] finds: the epilogue, its bias, and the loop's view of its
+/// auxiliary matrix.
+pub(super) type KernelEpilogue = (Epilogue, Option<TensorId>, Option<TensorId>);

@@ -108,6 +108,7 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
             epilogue: found.epilogue.clone(),
             bias: found.bias,
             up: found.up,
+            aux: found.aux,
         }),
     ];
     let at = found.at + launch.len();
@@ -119,6 +120,13 @@ pub(super) fn rewrite(p: &mut HostProgram, found: Found, id: GatheredGemmId) -> 
     };
     if found.up.is_some() {
         ranges.push_str(", the gate and up products in one (act(gate) * up in its epilogue)");
+    }
+    if let Some(x) = found.aux {
+        ranges.push_str(&format!(
+            ", `{}` its auxiliary matrix ({})",
+            p.ir.tensor_name(x),
+            found.epilogue.describe()
+        ));
     }
     p.notes.push(format!(
         "GatheredGemm {} of `{}`: the AllGather+GEMM loop as one persistent GEMM that reads \
@@ -149,6 +157,7 @@ fn rewrite_body(
             // gated product's intermediates.
             Node::AliasSelect { input, .. } if input == found.output => {}
             Node::AliasSelect { output, .. } if Some(output) == found.b_view => {}
+            Node::AliasSelect { input, .. } if Some(input) == found.aux => {}
             Node::Compute(e) if e.output == found.out_rows => {}
             Node::AliasSelect { input, output, .. } if found.parts.contains(&(input, output)) => {}
             Node::Compute(e) if found.parts.iter().any(|&(_, view)| view == e.output) => {}

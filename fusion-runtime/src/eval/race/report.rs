@@ -74,7 +74,7 @@ fn node_label(p: &HostProgram, node: &Node) -> String {
         Node::Wait { comm } => format!("Wait Communication {}", comm.index()),
         Node::Synchronize { stream } => format!("Synchronize Stream {}", stream.index()),
         Node::GatheredGemmLaunch(g) => format!(
-            "{} = GatheredGemm {} launch({}, own {}, {}{}{})",
+            "{} = GatheredGemm {} launch({}, own {}, {}{}{}{})",
             name(g.output),
             g.id.index(),
             name(g.gathered),
@@ -82,7 +82,9 @@ fn node_label(p: &HostProgram, node: &Node) -> String {
             name(g.b),
             g.up.map_or(String::new(), |u| format!(", gated by {}", name(u))),
             g.bias
-                .map_or(String::new(), |b| format!(", bias {}", name(b)))
+                .map_or(String::new(), |b| format!(", bias {}", name(b))),
+            g.aux
+                .map_or(String::new(), |x| format!(", aux {}", name(x)))
         ),
         Node::RowsReady { id, block, piece } => format!(
             "RowsReady GatheredGemm {}, block {}{}",

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
-use fusion_compiler::ir::UnaryOp;
+use fusion_compiler::ir::{EpilogueAux, UnaryOp};
 
 use super::eligibility::{self, MapView, Plan, Request, View};
 use super::kernel::{Entry, BM, BN};
@@ -228,7 +228,8 @@ pub(crate) fn rows_ready(
 
 /// `call`'s epilogue as the kernel takes it, where it can: a contiguous bias `[N]` of the
 /// operands' type, and an activation the kernel has (`gemm.cu`'s `activate`); for a gated
-/// product, `up` laid out as B is in `plan` (no bias).
+/// product, `up` laid out as B is in `plan` (no bias); an auxiliary matrix laid out as the
+/// output that takes the pre-activation.
 fn epilogue_of(call: &GatheredGemmCall<'_>, plan: &Plan) -> Option<AgEpilogue> {
     let act = match call.activation {
         None => 0,
@@ -259,7 +260,29 @@ fn epilogue_of(call: &GatheredGemmCall<'_>, plan: &Plan) -> Option<AgEpilogue> {
             fits.then(|| b.device_ptr())??
         }
     };
-    Some(AgEpilogue { bias, act, up })
+    let pre_activation = match call.aux {
+        None => None,
+        Some((x, EpilogueAux::PreActivation)) => {
+            let out = call.output;
+            let alike = x.dtype() == out.dtype()
+                && x.shape() == out.shape()
+                && x.strides() == out.strides();
+            if !alike || up.is_some() {
+                return None;
+            }
+            Some(MapView {
+                addr: x.device_ptr()?,
+                ..plan.c
+            })
+        }
+        Some((_, EpilogueAux::Derivative(_))) => return None,
+    };
+    Some(AgEpilogue {
+        bias,
+        act,
+        up,
+        pre_activation,
+    })
 }
 
 /// `gemm.cu`'s code of activation `op` (`ACT_*`), where the kernel has it.

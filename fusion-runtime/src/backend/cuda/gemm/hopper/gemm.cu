@@ -185,6 +185,11 @@ struct AgArgs {
     // value in accumulator group j and its up value in group j + 16 (no bias).
     TensorMap up;
     int glu;
+    // With `aux_save` (no glu), the f32 result after the bias and before the activation is
+    // also stored through `aux_map`, the output's map at another address: a training
+    // forward keeps the pre-activation its backward reads.
+    int aux_save;
+    TensorMap aux_map;
 };
 
 // The activations an AllGather+GEMM's epilogue applies in f32 before its one rounding.
@@ -719,15 +724,20 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 for (int i = 0; i < 128; ++i) d[i] = 0.f;
             }
             int qn = BN / 64; // output pieces of the tile
+            unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
             if constexpr (WALK == WALK_AG) {
+                int row0 = p.out_row + consumer * 64;
                 if (ag->glu) {
                     apply_gate(d, ag->act);
                     qn = BN / 128;
+                } else if (ag->aux_save) {
+                    if (ag->bias != 0) apply_epilogue<F16>(d, ag->bias, ACT_NONE, p.col, n);
+                    store_tile<F16, NP>(d, pieces, &ag->aux_map, consumer, row0, p.col, qn);
+                    if (ag->act != ACT_NONE) apply_epilogue<F16>(d, 0, ag->act, p.col, n);
                 } else if (ag->bias != 0 || ag->act != ACT_NONE) {
                     apply_epilogue<F16>(d, ag->bias, ag->act, p.col, n);
                 }
             }
-            unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
             if (WALK != WALK_RS || own) {
                 store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col, qn);
             } else if constexpr (WALK == WALK_RS) {

@@ -135,6 +135,10 @@ pub(crate) struct AgArgs {
     /// With `glu`, the second weight of a gated product `act(A B) * (A up)`.
     up: TensorMap,
     glu: i32,
+    /// 1: the result before the activation is also stored through `aux_map`.
+    aux_save: i32,
+    /// The auxiliary matrix's map (C's at another address).
+    aux_map: TensorMap,
 }
 
 /// Where an AllGather GEMM's words are and how it waits for them.
@@ -147,12 +151,14 @@ pub(crate) struct AgWords {
 }
 
 /// The AllGather entry's epilogue: a bias vector's address (0: none), an activation code
-/// (`gemm.cu`'s `ACT_*`), and for a gated product `act(A B) * (A up)` the map of `up`.
+/// (`gemm.cu`'s `ACT_*`), for a gated product `act(A B) * (A up)` the map of `up`, and the
+/// map of an auxiliary matrix laid out as C that takes the pre-activation.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct AgEpilogue {
     pub bias: u64,
     pub act: i32,
     pub up: Option<MapView>,
+    pub pre_activation: Option<MapView>,
 }
 
 /// The AllGather entry's parameters: the plain entry's (with `m` one block's rows), then
@@ -194,6 +200,11 @@ impl AgParams {
                 None => TensorMap::default(),
             },
             glu: i32::from(epilogue.up.is_some()),
+            aux_save: i32::from(epilogue.pre_activation.is_some()),
+            aux_map: match &epilogue.pre_activation {
+                Some(map) => encode(map, plan.variant.f16)?,
+                None => TensorMap::default(),
+            },
         };
         Ok(AgParams { plain, ag })
     }
@@ -296,7 +307,7 @@ mod tests {
     fn ag_args_are_laid_out_like_the_kernels() {
         use std::mem::offset_of;
         // gemm.cu's AgArgs: the map (128 bytes), then u64, int, u64 x 3, int x 3, u32, u64,
-        // int, a map (64-aligned), int.
+        // int, a map (64-aligned), int x 2, a map (64-aligned).
         let offsets = [
             offset_of!(AgArgs, own),
             offset_of!(AgArgs, arrived),
@@ -312,12 +323,14 @@ mod tests {
             offset_of!(AgArgs, act),
             offset_of!(AgArgs, up),
             offset_of!(AgArgs, glu),
+            offset_of!(AgArgs, aux_save),
+            offset_of!(AgArgs, aux_map),
         ];
         assert_eq!(
             offsets,
-            [0, 128, 136, 144, 152, 160, 168, 172, 176, 180, 184, 192, 256, 384]
+            [0, 128, 136, 144, 152, 160, 168, 172, 176, 180, 184, 192, 256, 384, 388, 448]
         );
-        assert_eq!(std::mem::size_of::<AgArgs>(), 448);
+        assert_eq!(std::mem::size_of::<AgArgs>(), 576);
         assert_eq!(std::mem::align_of::<AgArgs>(), 64);
     }
 
