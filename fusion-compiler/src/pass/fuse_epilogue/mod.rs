@@ -19,7 +19,7 @@
 //! - the pre-activation saved: a GEMM result that is also an output (or a chunk of one:
 //!   the saving forward's `h`) and that one `gelu_tanh` reads becomes one GEMM writing
 //!   `gelu_tanh(h)` and `h` (`h` its last input, written; the persistent AllGather+GEMM
-//!   of `pipelines.gathered_gemm` then leaves it alone: it takes a plain product only);
+//!   of `pipelines.gathered_gemm` takes it too, storing `h` from its epilogue);
 //! - the derivative applied: the backward's `mul(d_act, gelu_tanh_grad(h))` (either operand
 //!   order), with `d_act` a GEMM's result and the derivative computed between the GEMM and
 //!   the `mul`, each read by the `mul` only, becomes one GEMM reading `h` and multiplying
