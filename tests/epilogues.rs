@@ -13,7 +13,7 @@ use common::*;
 use fusion::compiler::builder::FusionBuilder;
 use fusion::compiler::hir::{for_each_node, HostProgram, Node};
 use fusion::compiler::ir::{BinaryOp, EpilogueAux, Fusion, Op, ParallelType, TensorId, UnaryOp};
-use fusion::compiler::lower::{lower, LowerOptions};
+use fusion::compiler::lower::{lower, LowerOptions, Pipelining};
 use fusion::{DType, ExecOptions, FusionExecutor, Rank, Tensor};
 
 use ParallelType::{DIDx as Dx, Serial as S, Stream as St};
@@ -576,4 +576,59 @@ fn the_auxiliary_matrix_kernels_match_the_cpu_backend_at_any_leading_dimension()
         }
         Ok(())
     });
+}
+
+/// `sum over s of a[s] @ w[s]` with a `[s, c, m, k]`, w `[s, c, k, n]` and the product's
+/// `s` a Stream axis (the blocks of a gathered operand, as in a weight gradient).
+fn summed_over_blocks(dt: DType) -> Fusion {
+    let mut b = FusionBuilder::new();
+    let ta = axes(&mut b, &[("s", S), ("c", S), ("m", S), ("k", S)]);
+    let tw = axes(&mut b, &[("s", S), ("c", S), ("k", S), ("n", S)]);
+    let a = b.input("a", dt, &ta).unwrap();
+    let w = b.input("w", dt, &tw).unwrap();
+    let p = b.matmul(a, w).unwrap();
+    let tp = axes(&mut b, &[("s", St), ("c", S), ("m", S), ("n", S)]);
+    let p = b.declare(p, dt, &tp).unwrap();
+    let y = b.sum(p, &[0]).unwrap();
+    b.output(y).unwrap();
+    b.build().unwrap()
+}
+
+#[test]
+fn a_product_summed_over_its_blocks_is_one_gemm() {
+    // Unpipelined, the matmul and its sum over the Stream axis become one GEMM summed over
+    // that axis: with one inner batch index (c = 1) its K runs over every block; with two
+    // the blocks do not step over whole runs of K, and the GEMM adds block after block.
+    // Pipelined, the loop accumulates as before. Every way against the f64 reference.
+    for dt in [DType::F32, DType::BF16] {
+        let f = summed_over_blocks(dt);
+        for c in [1, 2] {
+            let (s, m, k, n) = (3, 4, 5, 6);
+            let a = Tensor::randn(&[s, c, m, k], dt, 9100 + c as u64);
+            let w = Tensor::randn(&[s, c, k, n], dt, 9200 + c as u64);
+            let ra = RefArray::from_tensor(&a);
+            let rw = RefArray::from_tensor(&w);
+            let want = ra.matmul(&rw).sum(0);
+            let inputs = [(a, Give::Whole), (w, Give::Whole)];
+            for d in device_counts().into_iter().filter(|&d| d <= 2) {
+                for pipelining in [Pipelining::Never, Pipelining::Always] {
+                    let o = ExecOptions {
+                        lower: LowerOptions::default().with_pipelining(pipelining),
+                        ..ExecOptions::default()
+                    };
+                    let r = run(&f, d, &inputs, &[Take::Replicated], &o);
+                    let what = format!("{dt}, c = {c}, {d} devices, {pipelining:?}");
+                    let summed = fused(&r.program)
+                        .contains(&(false, "sums its first batch axis".to_string()));
+                    assert_eq!(
+                        summed,
+                        pipelining == Pipelining::Never,
+                        "{what}:\n{}",
+                        r.program
+                    );
+                    assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);
+                }
+            }
+        }
+    }
 }

@@ -142,13 +142,18 @@ fn column_parallel_weight_gradient_accumulates_in_the_gather_loop() {
         ..Shape::default()
     };
     assert_eq!(shape_of(&piped), want, "{piped}");
-    // Unpipelined: one Allgather of x (not of a copy of its transpose), a batched GEMM
-    // over the gathered view and its sum, and the ReduceScatter of dX.
+    // Unpipelined: one Allgather of x (not of a copy of its transpose), one GEMM over the
+    // gathered view summed over its blocks (no batched product and separate sum), and
+    // the ReduceScatter of dX.
     let plain = lowered_backward(Pipelining::Never);
     let want = Shape {
         collectives: 2,
-        reductions: 1,
+        reductions: 0,
         ..Shape::default()
     };
     assert_eq!(shape_of(&plain), want, "{plain}");
+    let summed = plain.body.iter().any(|n| {
+        matches!(n, Node::Compute(e) if matches!(&e.op, Op::Gemm { epilogue, .. } if epilogue.sums_batch))
+    });
+    assert!(summed, "{plain}");
 }

@@ -417,6 +417,11 @@ pub struct Epilogue {
     pub activations: Vec<UnaryOp>,
     /// The auxiliary matrix (the expression's last input) and what the GEMM does with it.
     pub aux: Option<EpilogueAux>,
+    /// The products of every index of the operands' first axis (a batch axis of both) are
+    /// summed, in f32, before anything else: the output lacks that axis. A weight
+    /// gradient summed over the gathered blocks is then one GEMM whose K runs over every
+    /// block (`FuseEpilogue` makes it of a matmul and the sum that reads it).
+    pub sums_batch: bool,
 }
 
 /// What a GEMM does with its auxiliary matrix (cuBLASLt's `GELU_AUX` and `DGELU`
@@ -437,6 +442,9 @@ impl Epilogue {
     /// `saves pre-activation` or `times gelu_tanh'(aux)` for the auxiliary matrix.
     pub fn describe(&self) -> String {
         let mut parts: Vec<String> = Vec::new();
+        if self.sums_batch {
+            parts.push("sums its first batch axis".into());
+        }
         if self.bias {
             parts.push("bias".into());
         }
@@ -515,6 +523,7 @@ mod tests {
             bias: true,
             activations: vec![UnaryOp::GeluTanh],
             aux: Some(EpilogueAux::PreActivation),
+            sums_batch: false,
         };
         assert_eq!(save.describe(), "bias, gelu_tanh, saves pre-activation");
         assert!(save.writes_aux());
@@ -525,6 +534,11 @@ mod tests {
         assert_eq!(slope.describe(), "times gelu_tanh'(aux)");
         assert!(!slope.writes_aux());
         assert_eq!(Epilogue::default().describe(), "none");
+        let summed = Epilogue {
+            sums_batch: true,
+            ..Epilogue::default()
+        };
+        assert_eq!(summed.describe(), "sums its first batch axis");
     }
 
     #[test]

@@ -104,6 +104,10 @@ impl Evaluator<'_> {
             Op::Gemm {
                 linear: false,
                 epilogue,
+            } if epilogue.sums_batch => self.summed_matmul(e, epilogue),
+            Op::Gemm {
+                linear: false,
+                epilogue,
             } => {
                 let aux = self.gemm_aux(e, epilogue)?;
                 self.matmul(e, epilogue.bias, &epilogue.activations, aux)
@@ -313,6 +317,46 @@ impl Evaluator<'_> {
             aux,
         };
         self.product(e, (a0, b0), dst0, extras)
+    }
+
+    /// `out = sum_i a[i] @ b[i]` over the operands' first axis (`Epilogue::sums_batch`): one
+    /// GEMM whose K runs over every index where that axis steps over whole runs of K in
+    /// both operands (a weight gradient over gathered blocks), else one GEMM per index
+    /// adding onto the output.
+    fn summed_matmul(&mut self, e: &Expr, epilogue: &Epilogue) -> Result<()> {
+        let plain = !epilogue.bias && epilogue.activations.is_empty() && epilogue.aux.is_none();
+        let a = self.get(e.inputs[0])?.clone();
+        let b = self.get(e.inputs[1])?.clone();
+        let dst = self.get_or_allocate(e.output)?;
+        let (ra, rb) = (a.rank(), b.rank());
+        let batch = a.shape().first().copied();
+        let fits =
+            ra == rb && ra == dst.rank() + 1 && ra >= 3 && batch == b.shape().first().copied();
+        if !plain || e.inputs.len() != 2 || !fits {
+            return Err(self.op_error(
+                e,
+                format!(
+                    "a GEMM summed over its first batch axis takes two operands of one more                      axis than its output and nothing else in its epilogue (operands {:?} and                      {:?}, output {:?})",
+                    a.shape(),
+                    b.shape(),
+                    dst.shape()
+                ),
+            ));
+        }
+        if let (Some(a1), Some(b1)) = (
+            a.fold_first_axis_into(ra - 1),
+            b.fold_first_axis_into(rb - 2),
+        ) {
+            return self.product(e, (&a1, &b1), dst, GemmExtras::default());
+        }
+        for i in 0..batch.unwrap_or(0) {
+            let extras = GemmExtras {
+                accumulate: i > 0,
+                ..GemmExtras::default()
+            };
+            self.product(e, (&a.select(0, i)?, &b.select(0, i)?), dst.clone(), extras)?;
+        }
+        Ok(())
     }
 
     /// `dst0 = a0 @ b0` (with `extras`) by torch.matmul's rules on vectors and batch axes,

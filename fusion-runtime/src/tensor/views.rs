@@ -192,6 +192,26 @@ impl Tensor {
         ))
     }
 
+    /// Axis 0 folded into axis `axis` (its extent multiplied by axis 0's, its stride kept;
+    /// the result lacks axis 0), where axis 0 steps over whole runs of `axis` (its stride
+    /// is `axis`'s extent times its stride), so that one stride walks both; `None`
+    /// otherwise. A batch of products summed is then one product whose K runs over the
+    /// batch.
+    pub fn fold_first_axis_into(&self, axis: usize) -> Option<Tensor> {
+        let r = self.rank();
+        if axis == 0 || axis >= r {
+            return None;
+        }
+        let runs = self.strides[0] == self.shape[axis] as isize * self.strides[axis];
+        if !runs && self.shape[0] != 1 {
+            return None;
+        }
+        let mut shape = self.shape[1..].to_vec();
+        let strides = self.strides[1..].to_vec();
+        shape[axis - 1] *= self.shape[0];
+        Some(self.view(shape, strides, self.offset))
+    }
+
     /// Shard `index` of `count` along `axis`, whose extent must be `count` (nvFuser's
     /// convention: a DIDx axis spans the mesh; each device keeps a size-1 slice).
     pub fn shard(&self, axis: usize, index: usize, count: usize) -> Result<Tensor> {
@@ -266,6 +286,34 @@ mod tests {
         );
         assert!(t.shard(0, 0, 3).is_err());
         assert!(t.split_axis(0, 3).is_err());
+    }
+
+    #[test]
+    fn the_first_axis_folds_into_k_where_it_steps_over_whole_runs() {
+        let data: Vec<f32> = (0..24).map(|x| x as f32).collect();
+        // Blocks of rows [2, 3, 4]: the block axis folds into the row axis (K of a B
+        // operand): 6 rows of 4, the same memory.
+        let t = Tensor::from_f32(&[2, 3, 4], &data, DType::F32).unwrap();
+        let b = t.fold_first_axis_into(1).unwrap();
+        assert_eq!((b.shape(), b.strides()), (&[6, 4][..], &[4, 1][..]));
+        assert_eq!(b.to_f32_vec().unwrap(), data);
+        // The same blocks transposed ([2, 4, 3], an A operand read as x^T): K is the last
+        // axis (stride 4) and a block steps over 3 of its runs.
+        let a = t
+            .permute(&[0, 2, 1])
+            .unwrap()
+            .fold_first_axis_into(2)
+            .unwrap();
+        assert_eq!((a.shape(), a.strides()), (&[4, 6][..], &[1, 4][..]));
+        let want: Vec<f32> = (0..4)
+            .flat_map(|c| (0..6).map(move |r| (r * 4 + c) as f32))
+            .collect();
+        assert_eq!(a.to_f32_vec().unwrap(), want);
+        // The block axis into the columns: a block is 12 elements, a column run is 4.
+        assert!(t.fold_first_axis_into(2).is_none());
+        // Narrowed rows: a block no longer steps over whole runs.
+        assert!(t.narrow(1, 0, 2).unwrap().fold_first_axis_into(1).is_none());
+        assert!(t.fold_first_axis_into(0).is_none() && t.fold_first_axis_into(3).is_none());
     }
 
     #[test]

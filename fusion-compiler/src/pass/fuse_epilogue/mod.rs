@@ -26,7 +26,15 @@
 //!   its product by `gelu_tanh'(h)`. Only a plain product takes it (no bias or activation
 //!   before; cuBLASLt's `DGELU` has none), and nothing folds after it.
 //!
-//! Between the GEMM and its reader there may be only view bindings (the stream loop's
+//! A matmul whose only reader sums it over its first axis, a Stream axis left whole (the
+//! gathered blocks of an unpipelined weight gradient, `dW = sum_b x_b^T dy_b`) that both
+//! operands step along, becomes one GEMM summed over that axis
+//! ([`Epilogue::sums_batch`]): the runtime runs it as one GEMM whose K runs over every
+//! block where the blocks lie one after another along K, so no batch of products is
+//! stored and summed. It moves to the sum's place past anything that leaves its operands
+//! alone.
+//!
+//! Otherwise, between the GEMM and its reader there may be only view bindings (the stream loop's
 //! slot views); the GEMM moves to its reader's place. The views, slot buffers and
 //! allocations that only served the folded product are removed.
 
@@ -38,7 +46,8 @@ use super::context::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{for_each_node, for_each_node_mut, HostProgram, Node};
 use crate::ir::{
-    BinaryOp, Epilogue, EpilogueAux, Expr, Fusion, IterKind, Op, ParallelType, TensorId, UnaryOp,
+    BinaryOp, Epilogue, EpilogueAux, Expr, Fusion, IterKind, Op, ParallelType, ReduceOp, TensorId,
+    UnaryOp,
 };
 use readers::{readers, Readers};
 
@@ -133,10 +142,15 @@ fn fold_one(
             _ => None,
         };
         let between = |n: usize| slope.is_none_or(|(k, _)| n != k);
-        if !(i + 1..j)
-            .filter(|&n| between(n))
-            .all(|n| binds_only(&list[n], &inputs))
-        {
+        // A sum over the product's first batch axis: the GEMM moves past anything that
+        // leaves its operands alone.
+        let summed =
+            !linear && epilogue == Epilogue::default() && !kept && sums_first_batch(f, g, reader);
+        let movable = |n: usize| match summed {
+            true => !writes_any(&list[n], &inputs),
+            false => binds_only(&list[n], &inputs),
+        };
+        if !(i + 1..j).filter(|&n| between(n)).all(movable) {
             continue;
         }
         let mut dead = vec![t];
@@ -155,6 +169,7 @@ fn fold_one(
                 dead.clear();
             }
             _ if kept => continue,
+            Op::Reduction { .. } if summed => epilogue.sums_batch = true,
             Op::Unary(u) => {
                 if u.is_derivative() || feeds_binary(readers, reader.output) {
                     continue;
@@ -243,6 +258,54 @@ fn slope_of(
     let h_stays = (k + 1..j).all(|n| binds_only(&list[n], &[h]));
     (d.op == Op::Unary(UnaryOp::GeluTanhGrad) && same_axes && only && h_stays)
         .then_some((k, (s, h)))
+}
+
+/// Whether `sum` adds the GEMM `g`'s product over its first visible axis, a Stream axis
+/// left whole (the blocks of a gathered operand: a weight gradient of an unpipelined
+/// program) that both operands step along (neither broadcasts it), into the product's
+/// dtype.
+fn sums_first_batch(f: &Fusion, g: &Expr, sum: &Expr) -> bool {
+    let Op::Reduction {
+        op: ReduceOp::Sum,
+        axes,
+    } = &sum.op
+    else {
+        return false;
+    };
+    let out = f.visible_axes(g.output);
+    let rank = out.len();
+    let blocks = out
+        .first()
+        .is_some_and(|&q| f.axis(g.output, q).parallel == ParallelType::Stream);
+    let batch_of = |t: TensorId| {
+        let vis = f.visible_axes(t);
+        vis.len() == rank && f.axis(t, vis[0]).kind == IterKind::Iteration
+    };
+    axes[..] == [0]
+        && blocks
+        && rank >= 3
+        && g.inputs.len() == 2
+        && g.inputs.iter().all(|&t| batch_of(t))
+        && f.tensor(sum.output).dtype == f.tensor(g.output).dtype
+}
+
+/// True for a node that writes none of `inputs` (conservatively: a node other than a
+/// computation, a collective or a view binding that mentions one of them counts as
+/// writing it).
+fn writes_any(n: &Node, inputs: &[TensorId]) -> bool {
+    match n {
+        Node::Compute(e) => inputs.contains(&e.output),
+        Node::Communication(c) => inputs.contains(&c.output),
+        Node::AliasSelect { output, .. } => inputs.contains(output),
+        Node::Wait { .. } | Node::Synchronize { .. } | Node::SetCurrentStream { .. } => false,
+        other => {
+            let mut hit = false;
+            for_each_node(std::slice::from_ref(other), &mut |m| {
+                hit |= m.tensors().iter().any(|t| inputs.contains(t));
+            });
+            hit
+        }
+    }
 }
 
 /// True for a binding node (a view, an allocation, a branch of them) that binds none of

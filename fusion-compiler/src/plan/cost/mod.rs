@@ -157,7 +157,7 @@ impl Model<'_> {
                 Node::GatheredGemmLaunch(g) => {
                     // A gated product runs two GEMMs' work.
                     let gates = 1.0 + f64::from(u8::from(g.up.is_some()));
-                    let s = gates * self.gemm(&[g.gathered, g.b], g.output);
+                    let s = gates * self.gemm(&[g.gathered, g.b], g.output, false);
                     launched.push((g.id, s, self.blocks(g.output), total.seconds));
                 }
                 Node::GatheredGemmJoin { id } => {
@@ -231,19 +231,24 @@ impl Model<'_> {
         self.elements(t).0 * size
     }
 
-    fn gemm(&self, inputs: &[TensorId], output: TensorId) -> f64 {
+    fn gemm(&self, inputs: &[TensorId], output: TensorId, summed: bool) -> f64 {
         let (out, reduced) = self.elements(output);
-        // K: the output's reduction axis, or (a GEMM whose epilogue output has none) the
-        // left operand's last axis.
-        let k = match inputs.first() {
-            Some(&a) if reduced <= 1.0 => {
-                let f = &self.program.ir;
+        let f = &self.program.ir;
+        let last_of_a = || {
+            inputs.first().map_or(1.0, |&a| {
                 (f.visible_axes(a).last())
                     .and_then(|&pos| self.value(f.axis(a, pos).extent))
                     .unwrap_or(1)
                     .max(1) as f64
-            }
-            _ => reduced,
+            })
+        };
+        // K: the output's reduction axis, or (a GEMM whose epilogue output has none) the
+        // left operand's last axis; a GEMM summed over a batch axis (the output's reduction
+        // axis then) runs K over every index of it.
+        let k = match summed {
+            true => reduced.max(1.0) * last_of_a(),
+            false if reduced <= 1.0 => last_of_a(),
+            false => reduced,
         };
         let flops = 2.0 * out * k;
         let moved: f64 = inputs.iter().map(|&t| self.bytes(t)).sum::<f64>() + self.bytes(output);
@@ -255,7 +260,8 @@ impl Model<'_> {
         let p = self.profile;
         match node {
             Node::Compute(e) if matches!(e.op, Op::Matmul | Op::Linear | Op::Gemm { .. }) => {
-                let s = self.gemm(&e.inputs, e.output);
+                let summed = matches!(&e.op, Op::Gemm { epilogue, .. } if epilogue.sums_batch);
+                let s = self.gemm(&e.inputs, e.output, summed);
                 Estimate {
                     seconds: s,
                     gemm_seconds: s,
@@ -290,7 +296,7 @@ impl Model<'_> {
             // adds most of an Allreduce; less below).
             Node::GemmAllreduce(g) => {
                 let (gemm, comm) = (
-                    self.gemm(&g.gemm.inputs, g.gemm.output),
+                    self.gemm(&g.gemm.inputs, g.gemm.output, false),
                     self.collective(&g.comm),
                 );
                 // The residual's add reads its addend in the last store.
@@ -306,7 +312,7 @@ impl Model<'_> {
             // the shorter ([`SCATTERED_GEMM_OVERLAP_LOSS`]).
             Node::GemmReduceScatter(g) => {
                 let (gemm, comm) = (
-                    self.gemm(&g.gemm.inputs, g.gemm.output),
+                    self.gemm(&g.gemm.inputs, g.gemm.output, false),
                     self.collective(&g.comm),
                 );
                 Estimate {
