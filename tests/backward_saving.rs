@@ -191,9 +191,10 @@ fn mlp_block_saving_backward_program_snapshot() {
     // activation gelu_tanh(H) (the second GEMM's operand) saved: four GEMMs (dW2, dAct,
     // dW1, dX), where the recomputing form has five. They work chunk by chunk of the same
     // Stream axis, so they share one loop, the gather-scatter pipeline: each step gathers
-    // the rows of dY and of x, runs dW2's GEMM adding onto dW2, dAct's GEMM with dH = dAct
-    // gelu'(H) in its epilogue (H its auxiliary matrix) and dW1's GEMM adding onto dW1,
-    // and dX's GEMM adds onto the running sum of its reduce-scatter.
+    // the rows of dY and of x, runs dAct's GEMM with dH = dAct gelu'(H) in its epilogue
+    // (H its auxiliary matrix), dX's GEMM adding onto the running sum of its
+    // reduce-scatter (sent on), then dW2's and dW1's GEMMs adding onto dW2 and dW1 while
+    // the sum crosses the link.
     let f = common::cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
     let spec = GradSpec::all(&f);
     let s = saving(&f, &spec).unwrap();

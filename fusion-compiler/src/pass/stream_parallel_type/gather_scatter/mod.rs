@@ -14,7 +14,9 @@
 //! finishes it into this device's block of the output (`out = sum + a @ b`); every sum
 //! lands in a buffer of the program's own. So every transfer hides behind a GEMM: the
 //! rows of step `j + 1` behind step `j`'s GEMMs, a running sum behind the first GEMM of the
-//! step that adds onto it. The local chunk's inputs of the last GEMM live in buffers of
+//! step that adds onto it. Expressions the last one does not read (a backward's weight
+//! gradients, accumulating block by block) run after the step's ring send, so the sum
+//! crosses the link behind them too, the last step's included. The local chunk's inputs of the last GEMM live in buffers of
 //! their own; the other chunks' intermediates share one slot, since every GEMM runs in
 //! order on the caller's stream, and gathered rows use two slots, since the next unit's
 //! rows land while the current one computes. With `c` row ranges per chunk
@@ -34,6 +36,7 @@
 //!             sum = last(...) (+ acc[j - 1] rows when j > 1)
 //!             IF j < D: on Stream(i % n), after S: send sum to r + 1, receive the next
 //!                       step's sum (acc[j] rows) from r - 1
+//!   IF j < D: the expressions the last one does not read (e.g. dW += x^T dH)
 //! FOR i: Synchronize Stream(i % n)
 //! ```
 //!
@@ -201,10 +204,13 @@ pub(super) fn emit(
         views: g.views.clone(),
         accumulate: Accumulations::new(p, &g.accumulate, u.index),
     };
-    pipe.emit_compute(p, &bufs, &mut slicer, streams.worker, &mut body)?;
+    let later = pipe.emit_compute(p, &bufs, &mut slicer, streams.worker, &mut body)?;
     // Views bound in step 2's branch are not bound at step D: bind this step's anew.
     slicer.cache.clear();
     pipe.emit_reduce(p, &bufs, &mut slicer, &streams, &mut body)?;
+    if matches!(&later, Node::IfThenElse { else_body, .. } if !else_body.is_empty()) {
+        body.push(later);
+    }
     nodes.push(Node::ForLoop(ForLoop {
         index: u.index,
         axis: u.loop_axis,

@@ -13,6 +13,7 @@ use crate::ir::{axis_map, Expr, ScalarId, TensorId};
 use crate::pass::stream_parallel_type::exchange::coalesced_exchange;
 use crate::pass::stream_parallel_type::group::{Gather, LoopGroup, ReduceScatterFold};
 use crate::pass::stream_parallel_type::iteration::emit_body_expr;
+use crate::pass::stream_parallel_type::permute_views::source;
 use crate::pass::stream_parallel_type::ring::{
     allocate_running_sums, drop_didx, RingStep, RunningSums,
 };
@@ -191,7 +192,11 @@ impl GatherScatter<'_> {
 
     /// Step 2 (steps 0..D-1): every expression but the last, on the unit's rows: the
     /// gathered rows (local at step 0, else the slot they arrived in), then each result's
-    /// view, then the expressions.
+    /// view, then the expressions the last one reads (directly or through others). The
+    /// rest (a weight gradient accumulating block by block: nothing of this step reads
+    /// it) come back as a branch for after step 3, so that the running sum step 3 sends
+    /// crosses the link while they run; at the last step the sum has then arrived before
+    /// the last GEMM needs it.
     pub(super) fn emit_compute(
         &self,
         p: &mut HostProgram,
@@ -199,7 +204,7 @@ impl GatherScatter<'_> {
         slicer: &mut Slicer,
         worker: StreamId,
         body: &mut Vec<Node>,
-    ) -> Result<()> {
+    ) -> Result<Node> {
         let u = &self.u;
         let sched = Schedule {
             chunk: u.chunk,
@@ -233,15 +238,42 @@ impl GatherScatter<'_> {
                 slicer.cache.insert((t, *s), view);
             }
         }
+        let needed = self.read_by_last(&computed);
+        let mut later = Vec::new();
         for (e, s) in &computed {
-            emit_body_expr(p, slicer, &sched, e, *s, self.transport, &mut compute)?;
+            let into = match needed.contains(&e.output) {
+                true => &mut compute,
+                false => &mut later,
+            };
+            emit_body_expr(p, slicer, &sched, e, *s, self.transport, into)?;
         }
         body.push(Node::IfThenElse {
             cond: u.is_final,
             then_body: Vec::new(),
             else_body: compute,
         });
-        Ok(())
+        Ok(Node::IfThenElse {
+            cond: u.is_final,
+            then_body: Vec::new(),
+            else_body: later,
+        })
+    }
+
+    /// The results of `computed` that the last expression reads, directly or through
+    /// other results of it (a permute view's read is a read of what it views).
+    fn read_by_last(&self, computed: &[(Expr, usize)]) -> HashSet<TensorId> {
+        let views = &self.g.views;
+        let mut wanted: HashSet<TensorId> = (self.last.inputs.iter())
+            .flat_map(|&t| [t, source(views, t)])
+            .collect();
+        let mut needed = HashSet::new();
+        for (e, _) in computed.iter().rev() {
+            if wanted.contains(&e.output) {
+                needed.insert(e.output);
+                wanted.extend(e.inputs.iter().flat_map(|&t| [t, source(views, t)]));
+            }
+        }
+        needed
     }
 
     /// Binds the unit's rows of one gather: the local shard's rows at step 0, else (after
