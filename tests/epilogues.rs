@@ -579,8 +579,9 @@ fn the_auxiliary_matrix_kernels_match_the_cpu_backend_at_any_leading_dimension()
 }
 
 /// `sum over s of a[s] @ w[s]` with a `[s, c, m, k]`, w `[s, c, k, n]` and the product's
-/// `s` a Stream axis (the blocks of a gathered operand, as in a weight gradient).
-fn summed_over_blocks(dt: DType) -> Fusion {
+/// `s` a Stream axis (the blocks of a gathered operand, as in a weight gradient); with
+/// `relu`, the sum's relu.
+fn summed_over_blocks(dt: DType, relu: bool) -> Fusion {
     let mut b = FusionBuilder::new();
     let ta = axes(&mut b, &[("s", S), ("c", S), ("m", S), ("k", S)]);
     let tw = axes(&mut b, &[("s", S), ("c", S), ("k", S), ("n", S)]);
@@ -589,7 +590,10 @@ fn summed_over_blocks(dt: DType) -> Fusion {
     let p = b.matmul(a, w).unwrap();
     let tp = axes(&mut b, &[("s", St), ("c", S), ("m", S), ("n", S)]);
     let p = b.declare(p, dt, &tp).unwrap();
-    let y = b.sum(p, &[0]).unwrap();
+    let mut y = b.sum(p, &[0]).unwrap();
+    if relu {
+        y = b.unary(UnaryOp::Relu, y).unwrap();
+    }
     b.output(y).unwrap();
     b.build().unwrap()
 }
@@ -599,16 +603,25 @@ fn a_product_summed_over_its_blocks_is_one_gemm() {
     // Unpipelined, the matmul and its sum over the Stream axis become one GEMM summed over
     // that axis: with one inner batch index (c = 1) its K runs over every block; with two
     // the blocks do not step over whole runs of K, and the GEMM adds block after block.
-    // Pipelined, the loop accumulates as before. Every way against the f64 reference.
-    for dt in [DType::F32, DType::BF16] {
-        let f = summed_over_blocks(dt);
+    // Pipelined, the loop accumulates as before. An activation of the sum stays a kernel
+    // of its own. Every way against the f64 reference.
+    for (dt, relu) in [
+        (DType::F32, false),
+        (DType::BF16, false),
+        (DType::F32, true),
+    ] {
+        let f = summed_over_blocks(dt, relu);
         for c in [1, 2] {
             let (s, m, k, n) = (3, 4, 5, 6);
             let a = Tensor::randn(&[s, c, m, k], dt, 9100 + c as u64);
             let w = Tensor::randn(&[s, c, k, n], dt, 9200 + c as u64);
             let ra = RefArray::from_tensor(&a);
             let rw = RefArray::from_tensor(&w);
-            let want = ra.matmul(&rw).sum(0);
+            let summed = ra.matmul(&rw).sum(0);
+            let want = match relu {
+                true => summed.map(|x| x.max(0.0)),
+                false => summed,
+            };
             let inputs = [(a, Give::Whole), (w, Give::Whole)];
             for d in device_counts().into_iter().filter(|&d| d <= 2) {
                 for pipelining in [Pipelining::Never, Pipelining::Always] {
@@ -626,6 +639,9 @@ fn a_product_summed_over_its_blocks_is_one_gemm() {
                         "{what}:\n{}",
                         r.program
                     );
+                    if relu && summed {
+                        assert!(unary_nodes(&r.program) > 0, "{what}:\n{}", r.program);
+                    }
                     assert_close(&want, &r.outputs[0], tolerance_for(dt), &what);
                 }
             }

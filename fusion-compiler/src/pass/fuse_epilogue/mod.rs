@@ -86,7 +86,7 @@ impl Pass for FuseEpilogue {
 
 /// A GEMM node's parts: `(linear, epilogue, inputs)`, for the ops that can take more
 /// epilogue (not accumulating, not already storing in another dtype, not already
-/// multiplying by a derivative).
+/// multiplying by a derivative, not summed over a batch axis).
 fn gemm_parts(f: &Fusion, e: &Expr) -> Option<(bool, Epilogue, Vec<TensorId>)> {
     match &e.op {
         Op::Matmul if e.inputs.len() == 2 => Some((false, Epilogue::default(), e.inputs.clone())),
@@ -99,6 +99,7 @@ fn gemm_parts(f: &Fusion, e: &Expr) -> Option<(bool, Epilogue, Vec<TensorId>)> {
         }
         Op::Gemm { linear, epilogue }
             if f.tensor(e.output).dtype == f.tensor(e.inputs[0]).dtype
+                && !epilogue.sums_batch
                 && !matches!(epilogue.aux, Some(EpilogueAux::Derivative(_))) =>
         {
             Some((*linear, epilogue.clone(), e.inputs.clone()))
