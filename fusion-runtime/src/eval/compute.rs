@@ -336,7 +336,9 @@ impl Evaluator<'_> {
             return Err(self.op_error(
                 e,
                 format!(
-                    "a GEMM summed over its first batch axis takes two operands of one more                      axis than its output and nothing else in its epilogue (operands {:?} and                      {:?}, output {:?})",
+                    "a GEMM summed over its first batch axis takes two operands of one more \
+                     axis than its output and nothing else in its epilogue (operands {:?} and \
+                     {:?}, output {:?})",
                     a.shape(),
                     b.shape(),
                     dst.shape()

@@ -194,8 +194,8 @@ impl Tensor {
 
     /// Axis 0 folded into axis `axis` (its extent multiplied by axis 0's, its stride kept;
     /// the result lacks axis 0), where axis 0 steps over whole runs of `axis` (its stride
-    /// is `axis`'s extent times its stride), so that one stride walks both; `None`
-    /// otherwise. A batch of products summed is then one product whose K runs over the
+    /// is `axis`'s extent times its stride; any stride with at most one index), so that one
+    /// stride walks both; `None` otherwise. A batch of products summed is then one product whose K runs over the
     /// batch.
     pub fn fold_first_axis_into(&self, axis: usize) -> Option<Tensor> {
         let r = self.rank();
@@ -203,7 +203,7 @@ impl Tensor {
             return None;
         }
         let runs = self.strides[0] == self.shape[axis] as isize * self.strides[axis];
-        if !runs && self.shape[0] != 1 {
+        if !runs && self.shape[0] > 1 {
             return None;
         }
         let mut shape = self.shape[1..].to_vec();
