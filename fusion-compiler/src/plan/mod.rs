@@ -31,15 +31,14 @@ use crate::options::{
 pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
-/// older build are not trusted (17: a gather-scatter loop's weight gradients are one GEMM
-/// each after it; 16: a gather-scatter loop runs what its last GEMM does not
+/// older build are not trusted (16: a gather-scatter loop runs what its last GEMM does not
 /// read after the ring send; 15: an unpipelined weight gradient summed over gathered
 /// blocks is one GEMM; 14: the gathered GEMM also takes a saved pre-activation,
 /// so the gathered candidates of a training step's forward changed; 13: a GEMM batched
 /// over a shared weight runs as one GEMM,
 /// so the unpipelined candidates' times changed; 12: the gathered GEMM also takes weights
 /// broadcast against the Stream axis; 11: `CopyStreams::OneInSendOrder`).
-pub const PLAN_SPACE_REVISION: u32 = 17;
+pub const PLAN_SPACE_REVISION: u32 = 16;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.

@@ -53,14 +53,14 @@ mod unit;
 use std::collections::{HashMap, HashSet};
 
 use super::exchange::require_world_mesh;
-use super::group::{Gather, LoopGroup};
+use super::group::LoopGroup;
 use super::iteration::{fork_loop, join_loop};
 use super::ring;
 use super::subchunk::SubChunkPlan;
 use super::views::{Accumulations, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
-use crate::ir::{Expr, TensorId};
+use crate::ir::TensorId;
 use crate::pass::context::PassContext;
 use crate::resharding::{classify, MeshContext, Resharding};
 use scalars::{UnitScalars, UnitStreams};
@@ -161,10 +161,6 @@ pub(super) fn emit(
             p.ir.tensor_name(rs.expr.output)
         );
     }
-    let after = match plan {
-        None => after_loop(p, &g, &last, &gathers),
-        Some(_) => Vec::new(),
-    };
     let u = UnitScalars::new(p, &g, plan.as_ref().map_or(1, |pl| pl.count));
     let pipe = GatherScatter {
         g: &g,
@@ -175,7 +171,6 @@ pub(super) fn emit(
         plan,
         u,
         transport: ctx.options.transports.p2p,
-        after,
     };
     let mut nodes = Vec::new();
     let bufs = pipe.allocate(p, internal, &mut nodes);
@@ -230,55 +225,5 @@ pub(super) fn emit(
         u.stop,
         streams.worker,
     ));
-    pipe.emit_after_loop(&mut nodes);
     Ok(nodes)
-}
-
-/// The expressions of loop `g` that run once after it, over every block, instead of block
-/// by block: those the last expression `last` does not read (directly or through others),
-/// when every one of them is a GEMM the loop accumulates over its Stream axis (a weight
-/// gradient) whose operands the loop slices along their first axis, or a permute view
-/// such a GEMM reads. Each then runs as one GEMM summed over the blocks, reading the
-/// gathered rows from a buffer of every block, without reading and writing its sum once
-/// per block. Empty when any is another kind of expression.
-fn after_loop(
-    p: &HostProgram,
-    g: &LoopGroup,
-    last: &Expr,
-    gathers: &[Gather],
-) -> Vec<(Expr, usize)> {
-    use crate::ir::{axis_map, Op};
-    use crate::pass::stream_parallel_type::permute_views::source;
-    let gathered: HashSet<TensorId> = gathers.iter().map(|gth| gth.out).collect();
-    let body = &g.exprs[..g.exprs.len() - 1];
-    let views = &g.views;
-    let mut wanted: HashSet<TensorId> = (last.inputs.iter())
-        .flat_map(|&t| [t, source(views, t)])
-        .collect();
-    let mut later = Vec::new();
-    for (e, s) in body.iter().rev() {
-        if gathered.contains(&e.output) {
-            continue;
-        }
-        if wanted.contains(&e.output) {
-            wanted.extend(e.inputs.iter().flat_map(|&t| [t, source(views, t)]));
-        } else {
-            later.push((e.clone(), *s));
-        }
-    }
-    later.reverse();
-    let fits = |(e, s): &(Expr, usize)| match &e.op {
-        Op::Permute { .. } => true,
-        Op::Matmul if e.inputs.len() == 2 => {
-            let accumulated = g.accumulate.iter().any(|a| a.inputs[0] == e.output);
-            let map = axis_map(&p.ir, e);
-            let first = (0..2).all(|i| map.producer_axis(i, *s) == Some(0));
-            accumulated && first && *s == 0
-        }
-        _ => false,
-    };
-    if later.is_empty() || !later.iter().all(fits) {
-        return Vec::new();
-    }
-    later
 }
