@@ -13,7 +13,7 @@ mod common;
 
 use backward_support::layers::{assert_lean, cases, give, nodes_of, plans, random_inputs, take};
 use backward_support::{distance, eval, finite_difference, Arr};
-use common::{device_counts, run, Give, Take};
+use common::{device_counts, Give, Take};
 use fusion::compiler::autodiff::{backward, BackwardInput, GradSpec};
 use fusion::compiler::hir::{Node, P2PDirection};
 use fusion::compiler::ir::{Fusion, Op, TensorId, UnaryOp};
@@ -49,7 +49,8 @@ fn check_case(name: &str, forward: &Fusion, d: usize, seed: u64) {
     }
     // Pipelining forced, and every plan a call's tuning may pick.
     for (plan, options) in plans(d) {
-        let got = run(bf, d, &given, &takes, &options);
+        let got = common::try_run(bf, d, &given, &takes, &options)
+            .unwrap_or_else(|e| panic!("{name} on {d} devices (plan {plan}): {e}"));
         for (k, t) in got.outputs.iter().enumerate() {
             let v = t.to_f32_vec().unwrap().into_iter().map(f64::from).collect();
             let e = distance(&Arr::new(t.shape(), v), &exact[k]);

@@ -177,9 +177,21 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
         0..4usize,
         1..4usize,
         any::<bool>(),
+        any::<bool>(),
     )
         .prop_map(
-            |(buffers, first, p2p_nccl, coll_ce, mesh_order, pipeline, chunks, compute, peer)| {
+            |(
+                buffers,
+                first,
+                p2p_nccl,
+                coll_ce,
+                mesh_order,
+                pipeline,
+                chunks,
+                compute,
+                peer,
+                aside,
+            )| {
                 LowerOptions {
                     transports: fusion::TransportOptions {
                         p2p: if p2p_nccl {
@@ -203,6 +215,7 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
                         buffers,
                         compute_first: first,
                         ring_compute_streams: compute,
+                        collectives_aside: aside,
                     },
                     pipelines: fusion::PipelineOptions {
                         p2p_schedule: if mesh_order {
