@@ -177,21 +177,9 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
         0..4usize,
         1..4usize,
         any::<bool>(),
-        any::<bool>(),
     )
         .prop_map(
-            |(
-                buffers,
-                first,
-                p2p_nccl,
-                coll_ce,
-                mesh_order,
-                pipeline,
-                chunks,
-                compute,
-                peer,
-                aside,
-            )| {
+            |(buffers, first, p2p_nccl, coll_ce, mesh_order, pipeline, chunks, compute, peer)| {
                 LowerOptions {
                     transports: fusion::TransportOptions {
                         p2p: if p2p_nccl {
@@ -215,7 +203,6 @@ fn lower_options() -> impl Strategy<Value = LowerOptions> {
                         buffers,
                         compute_first: first,
                         ring_compute_streams: compute,
-                        collectives_aside: aside,
                     },
                     pipelines: fusion::PipelineOptions {
                         p2p_schedule: if mesh_order {

@@ -135,11 +135,6 @@ pub struct StreamOptions {
     /// that the tail of one GEMM overlaps the start of the next. Values are clamped to
     /// `1..=COMPUTE_STREAMS`; a ring whose loop computes more than its GEMM uses one.
     pub ring_compute_streams: usize,
-    /// Run every collective a stream loop does not carry (all of an unpipelined program's)
-    /// on a stream of its own, issued as early as its input allows and waited for where its
-    /// result is first needed, so that independent compute overlaps it
-    /// (`lower::choose_collectives_aside`).
-    pub collectives_aside: bool,
 }
 
 impl Default for StreamOptions {
@@ -148,7 +143,6 @@ impl Default for StreamOptions {
             buffers: true,
             compute_first: true,
             ring_compute_streams: 1,
-            collectives_aside: false,
         }
     }
 }
@@ -193,12 +187,6 @@ pub struct PipelineOptions {
     /// the device runs such a GEMM (Hopper GPUs with every rank in one process); elsewhere
     /// the node runs as the GEMM, then the ReduceScatter.
     pub scattered_gemm: bool,
-    /// Keep whole the streamed products that are only summed over their Stream axis (a
-    /// backward's weight gradients) or over their DIDx axis (a ReduceScatter's partials):
-    /// they run as one GEMM each after the stream loops, their collectives whole
-    /// (`lower::keep_summed_products_whole`), while the loops keep the rest (a backward's
-    /// first GEMM, fed by the gather of dY). Off by default.
-    pub summed_products_whole: bool,
 }
 
 /// Choices that change the lowered program, in four groups; part of the executor's cache

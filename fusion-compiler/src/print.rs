@@ -169,8 +169,6 @@ fn stream_string(p: &HostProgram, s: StreamId) -> String {
         StreamDef::Captured => format!("Stream {}", s.index()),
         StreamDef::Pool(i) => format!("Stream {}", p.ir.display_scalar(*i)),
         StreamDef::Compute(i) => format!("ComputeStream {}", p.ir.display_scalar(*i)),
-        StreamDef::Collectives => "CollectivesStream".to_string(),
-        StreamDef::CollectiveMark(k) => format!("MarkStream {k}"),
     }
 }
 

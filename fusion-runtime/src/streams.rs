@@ -2,7 +2,7 @@
 //! main stream, which are the worker pool and which the compute streams, so that the
 //! evaluator, the race checker and the backends agree without repeating the arithmetic.
 
-use fusion_compiler::hir::{COLLECTIVE_MARKS, COMPUTE_STREAMS};
+use fusion_compiler::hir::COMPUTE_STREAMS;
 
 /// A stream of a device, as a call numbers them ([`StreamLayout`]): 0 is the stream current
 /// when a call starts (the device's main stream, joined to the caller's stream when the
@@ -10,10 +10,8 @@ use fusion_compiler::hir::{COLLECTIVE_MARKS, COMPUTE_STREAMS};
 pub type StreamHandle = usize;
 
 /// The streams of a call with `pool` worker streams: handle 0 is the main stream, `1..=pool`
-/// the pool (`StreamDef::Pool(i)` of a host program is handle `1 + i`), the
-/// [`COMPUTE_STREAMS`] compute streams follow (`StreamDef::Compute(i)` is `1 + pool + i`),
-/// then the collectives stream (`StreamDef::Collectives`) and its [`COLLECTIVE_MARKS`] mark
-/// streams (`StreamDef::CollectiveMark(k)`).
+/// the pool (`StreamDef::Pool(i)` of a host program is handle `1 + i`), and the
+/// [`COMPUTE_STREAMS`] compute streams follow (`StreamDef::Compute(i)` is `1 + pool + i`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StreamLayout {
     pool: usize,
@@ -43,20 +41,9 @@ impl StreamLayout {
         (index < COMPUTE_STREAMS).then_some(1 + self.pool + index)
     }
 
-    /// The handle of the stream whole collectives run on beside compute.
-    pub fn collectives(self) -> StreamHandle {
-        1 + self.pool + COMPUTE_STREAMS
-    }
-
-    /// The handle of mark stream `index` of the collectives stream, or `None` past the
-    /// [`COLLECTIVE_MARKS`].
-    pub fn collective_mark(self, index: usize) -> Option<StreamHandle> {
-        (index < COLLECTIVE_MARKS).then_some(2 + self.pool + COMPUTE_STREAMS + index)
-    }
-
     /// Every stream of the call, the main one included: handles are `0..count()`.
     pub fn count(self) -> usize {
-        2 + self.pool + COMPUTE_STREAMS + COLLECTIVE_MARKS
+        1 + self.pool + COMPUTE_STREAMS
     }
 
     /// The streams besides the main one (what `Device::ensure_streams` is asked for).
@@ -70,23 +57,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn handles_follow_main_pool_compute_then_collectives_streams() {
+    fn handles_follow_main_pool_then_compute_streams() {
         let l = StreamLayout::new(4);
         assert_eq!(StreamLayout::MAIN, 0);
         assert_eq!((l.pool(0), l.pool(3), l.pool(4)), (Some(1), Some(4), None));
         assert_eq!(l.compute(0), Some(5));
         assert_eq!(l.compute(COMPUTE_STREAMS - 1), Some(4 + COMPUTE_STREAMS));
         assert_eq!(l.compute(COMPUTE_STREAMS), None);
-        assert_eq!(l.collectives(), 5 + COMPUTE_STREAMS);
-        assert_eq!(l.collective_mark(0), Some(6 + COMPUTE_STREAMS));
-        assert_eq!(l.collective_mark(COLLECTIVE_MARKS), None);
-        assert_eq!(l.count(), 6 + COMPUTE_STREAMS + COLLECTIVE_MARKS);
-        assert_eq!(l.workers(), 5 + COMPUTE_STREAMS + COLLECTIVE_MARKS);
+        assert_eq!(l.count(), 5 + COMPUTE_STREAMS);
+        assert_eq!(l.workers(), 4 + COMPUTE_STREAMS);
         let every: Vec<StreamHandle> = std::iter::once(StreamLayout::MAIN)
             .chain((0..4).filter_map(|i| l.pool(i)))
             .chain((0..COMPUTE_STREAMS).filter_map(|i| l.compute(i)))
-            .chain([l.collectives()])
-            .chain((0..COLLECTIVE_MARKS).filter_map(|k| l.collective_mark(k)))
             .collect();
         assert_eq!(
             every,

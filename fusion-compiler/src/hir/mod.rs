@@ -31,18 +31,7 @@ pub enum StreamDef {
     /// GEMMs that take turns so that one's tail overlaps the next one's start without ever
     /// queueing behind a pool stream's transfers.
     Compute(ScalarId),
-    /// The stream of whole collectives run beside the compute that does not need them
-    /// (`lower::choose_collectives_aside`): one per device, apart from the pool and the
-    /// compute streams, so that nothing else queues behind them.
-    Collectives,
-    /// Mark stream `index` (below [`COLLECTIVE_MARKS`]): a stream given nothing but a wait
-    /// for the collectives stream right after one collective, so that a later wait for
-    /// that mark waits for that collective and not for the ones issued after it.
-    CollectiveMark(usize),
 }
-
-/// How many mark streams ([`StreamDef::CollectiveMark`]) a device has.
-pub const COLLECTIVE_MARKS: usize = 4;
 
 /// How many compute streams ([`StreamDef::Compute`]) a device has beside its pool.
 pub const COMPUTE_STREAMS: usize = 2;

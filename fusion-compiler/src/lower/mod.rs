@@ -13,12 +13,10 @@
 //! 5. Put small collectives of the whole world on peer memory (`peer_memory`), make
 //!    decode GEMM + Allreduce pairs one kernel (`gemm_allreduce`), GEMM + ReduceScatter
 //!    pairs one persistent GEMM (`gemm_reduce_scatter`) and copy-engine AllGather + GEMM
-//!    loops one persistent GEMM (`gathered_gemm`) where asked, run the collectives no
-//!    loop carries on a stream of their own where asked (`collectives_aside`), and keep
-//!    the copy-stream choice in a program with copy-engine transfers.
+//!    loops one persistent GEMM (`gathered_gemm`) where asked, and keep the copy-stream
+//!    choice in a program with copy-engine transfers.
 //! 6. Verify that nothing left in the program still needs a communication.
 
-mod collectives_aside;
 mod gathered_gemm;
 mod gemm_allreduce;
 mod gemm_collective;
@@ -27,7 +25,6 @@ mod insert_reshardings;
 mod peer_memory;
 mod permutes;
 pub mod pipelining;
-mod summed_products;
 
 use std::collections::HashSet;
 
@@ -41,7 +38,6 @@ pub use crate::options::{
     Pipelining, ReduceScatterPipeline, StreamOptions, TransportOptions, AUTO_MIN_CHUNK_ROWS,
 };
 pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
-pub use collectives_aside::choose_collectives_aside;
 pub use gathered_gemm::choose_gathered_gemm;
 pub use gemm_allreduce::{
     choose_gemm_allreduce, gemm_allreduce_fits, gemm_allreduce_flag_beside_rows,
@@ -56,7 +52,6 @@ pub use peer_memory::{
     PEER_MEMORY_MAX_RANKS, PEER_MEMORY_REGION_BYTES,
 };
 pub use pipelining::PipelineDecision;
-pub use summed_products::keep_summed_products_whole;
 
 /// A lowered program and the dumps recorded while lowering it.
 /// Whether `e` is a plain product of two operands (no epilogue, bias or accumulation): what
@@ -101,8 +96,6 @@ pub fn lower_for_shapes(
     let mut f = fusion.clone();
     f.resolve_meshes(world_size);
     let kept_whole = options.pipelines.scattered_gemm && keep_scattered_products_whole(&mut f);
-    let summed_whole =
-        options.pipelines.summed_products_whole && keep_summed_products_whole(&mut f);
     let mut order = live_exprs(&f);
     let ctx = MeshContext {
         world_size: Some(world_size),
@@ -122,13 +115,6 @@ pub fn lower_for_shapes(
         options.passes.disabled.insert("StreamParallelType".into());
     }
     program.notes.extend(decision.note);
-    if summed_whole {
-        program.notes.push(
-            "products only summed over their blocks or ranks kept whole, not streamed \
-             (LowerOptions::pipelines.summed_products_whole)"
-                .into(),
-        );
-    }
     if kept_whole {
         program.notes.push(
             "row-parallel GEMM products kept whole, not streamed: their ReduceScatter runs in \
@@ -146,7 +132,6 @@ pub fn lower_for_shapes(
         pctx.options.pipelines.gathered_gemm,
         pctx.options.pipelines.allgather_subchunks,
     );
-    choose_collectives_aside(&mut program, pctx.options.streams.collectives_aside);
     choose_copy_streams(&mut program, pctx.options.transports.copy_streams);
     verify(&program)?;
     Ok(Lowered { program, dumps })

@@ -8,8 +8,7 @@
 //! row ranges, compute-first streams, the ring's compute streams, the pool size, which
 //! collectives run over peer memory, one copy stream or one per peer for copy-engine
 //! transfers, whether pointwise ops fold into GEMM epilogues, and whether a decode GEMM's
-//! Allreduce runs in its epilogue; whether whole collectives run on a stream of their own
-//! beside the compute that does not read them (`collectives_aside`); and, not measured yet,
+//! Allreduce runs in its epilogue; and, not measured yet,
 //! the AllGather + GEMM pipeline in row ranges and as one persistent GEMM fed by the
 //! loop's copies (`gathered_gemm`), and the GEMM + ReduceScatter as one persistent GEMM
 //! that adds each tile into its owner's output (`scattered_gemm`), both at once
@@ -32,15 +31,14 @@ use crate::options::{
 pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
-/// older build are not trusted (17: whole collectives aside, `collectives_aside`,
-/// `unpipelined_aside`, `unpipelined_aside_ce`, `summed_whole_aside`; 16: a gather-scatter loop runs what its last GEMM does not
+/// older build are not trusted (16: a gather-scatter loop runs what its last GEMM does not
 /// read after the ring send; 15: an unpipelined weight gradient summed over gathered
 /// blocks is one GEMM; 14: the gathered GEMM also takes a saved pre-activation,
 /// so the gathered candidates of a training step's forward changed; 13: a GEMM batched
 /// over a shared weight runs as one GEMM,
 /// so the unpipelined candidates' times changed; 12: the gathered GEMM also takes weights
 /// broadcast against the Stream axis; 11: `CopyStreams::OneInSendOrder`).
-pub const PLAN_SPACE_REVISION: u32 = 17;
+pub const PLAN_SPACE_REVISION: u32 = 16;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -89,7 +87,6 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
         base.clone().with_pipelining(Pipelining::Always),
         DEFAULT_STREAMS,
     ));
-    out.extend(aside_candidates(&base));
     out.push(Plan::new(
         "p2p_nccl",
         with(&|o| o.transports.p2p = Transport::Nccl),
@@ -178,45 +175,6 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
         ));
     }
     out.extend(persistent_gemm_candidates(&base));
-    out
-}
-
-/// The candidates that run whole collectives on the collectives stream (`base` plus it).
-fn aside_candidates(base: &LowerOptions) -> Vec<Plan> {
-    // Whole collectives on a stream of their own beside the compute that does not need
-    // them (a training backward's weight gradients), unpipelined and beside the default's
-    // loops; unpipelined with the collectives on the copy engines too, which take no SMs
-    // from the GEMMs they overlap.
-    let aside = |o: &mut LowerOptions| o.streams.collectives_aside = true;
-    let mut on = base.clone();
-    aside(&mut on);
-    let mut out = vec![Plan::new("collectives_aside", on, DEFAULT_STREAMS)];
-    let unpipelined = base.clone().with_pipelining(Pipelining::Never);
-    let mut unpipelined_aside = unpipelined.clone();
-    aside(&mut unpipelined_aside);
-    out.push(Plan::new(
-        "unpipelined_aside",
-        unpipelined_aside.clone(),
-        DEFAULT_STREAMS,
-    ));
-    // Products only summed (weight gradients, a ReduceScatter's partials) as whole GEMMs
-    // with their collectives aside, the loops keeping the rest.
-    out.push(Plan::new(
-        "summed_whole_aside",
-        {
-            let mut o = base.clone();
-            aside(&mut o);
-            o.pipelines.summed_products_whole = true;
-            o
-        },
-        DEFAULT_STREAMS,
-    ));
-    unpipelined_aside.transports.collectives = Transport::CopyEngine;
-    out.push(Plan::new(
-        "unpipelined_aside_ce",
-        unpipelined_aside,
-        DEFAULT_STREAMS,
-    ));
     out
 }
 

@@ -259,12 +259,6 @@ impl<'a> Evaluator<'a> {
                         ))
                     })
             }
-            StreamDef::Collectives => Ok(self.ctx.streams().collectives()),
-            StreamDef::CollectiveMark(k) => {
-                self.ctx.streams().collective_mark(*k).ok_or_else(|| {
-                    Error::Internal(format!("collective mark stream {k} outside the marks"))
-                })
-            }
             StreamDef::Compute(i) => {
                 let v = self.eval(*i)?;
                 usize::try_from(v)

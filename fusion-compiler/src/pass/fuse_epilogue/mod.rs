@@ -262,8 +262,8 @@ fn slope_of(
 }
 
 /// Whether `sum` adds the GEMM `g`'s product over its first visible axis, a Stream axis
-/// left whole or a serial one (the blocks of a gathered operand: a weight gradient of an
-/// unpipelined program, or one kept whole) that both operands step along (neither broadcasts it), into the product's
+/// left whole (the blocks of a gathered operand: a weight gradient of an unpipelined
+/// program) that both operands step along (neither broadcasts it), into the product's
 /// dtype.
 fn sums_first_batch(f: &Fusion, g: &Expr, sum: &Expr) -> bool {
     let Op::Reduction {
@@ -275,12 +275,9 @@ fn sums_first_batch(f: &Fusion, g: &Expr, sum: &Expr) -> bool {
     };
     let out = f.visible_axes(g.output);
     let rank = out.len();
-    let blocks = out.first().is_some_and(|&q| {
-        matches!(
-            f.axis(g.output, q).parallel,
-            ParallelType::Stream | ParallelType::Serial
-        )
-    });
+    let blocks = out
+        .first()
+        .is_some_and(|&q| f.axis(g.output, q).parallel == ParallelType::Stream);
     let batch_of = |t: TensorId| {
         let vis = f.visible_axes(t);
         vis.len() == rank && f.axis(t, vis[0]).kind == IterKind::Iteration

@@ -13,9 +13,6 @@
 //! A stream loop is estimated iteration by iteration (its index bound, so that the
 //! iteration that keeps its own chunk receives nothing) and its iterations flow through
 //! two stages, compute and communication, in the order its body uses them (`pipeline`).
-//! A top-level collective issued on the collectives stream (`collectives_aside`) runs
-//! beside the nodes after it until the wait for its mark stream, which adds only what is
-//! left of it.
 //! A gathered GEMM (launched before its loop, joined after it) runs beside the loop's
 //! transfers: its join adds what is left of the GEMM after them, at least one block's
 //! share (the last block's rows arrive last). A GEMM with the ReduceScatter in its
@@ -24,7 +21,7 @@
 mod pipeline;
 mod transfers;
 
-use crate::hir::{CommId, HostProgram, Node, P2PDirection, StreamDef, StreamId, Transport};
+use crate::hir::{HostProgram, Node, P2PDirection, Transport};
 use crate::ir::{IterKind, Op, ParallelType, ScalarId, TensorId};
 
 /// The share of the shorter of its GEMM and its ReduceScatter that a GEMM with the
@@ -136,7 +133,7 @@ pub fn estimate(
         profile,
         indices: Default::default(),
     };
-    model.top_level(&program.body)
+    model.nodes(&program.body)
 }
 
 struct Model<'a> {
@@ -149,61 +146,6 @@ struct Model<'a> {
 }
 
 impl Model<'_> {
-    /// The program's top-level `nodes`: as [`Model::nodes`], except that a collective
-    /// issued on the collectives stream (`collectives_aside`) runs beside the nodes after
-    /// it, after the collectives issued before it, and the main stream's wait for its mark
-    /// stream adds only what is left of it.
-    fn top_level(&self, nodes: &[Node]) -> Estimate {
-        let mut total = Estimate::default();
-        let mut current = None::<StreamId>;
-        // When the collectives stream is free; when each collective ends; which collective
-        // each mark stream stands for.
-        let mut free_at = 0.0_f64;
-        let mut ends: Vec<(CommId, f64)> = Vec::new();
-        let mut marks: Vec<(StreamId, CommId)> = Vec::new();
-        let mut run = 0;
-        let def = |s: StreamId| &self.program.streams[s.index()];
-        for (i, node) in nodes.iter().enumerate() {
-            match node {
-                Node::SetCurrentStream { stream } => current = Some(*stream),
-                Node::Communication(c)
-                    if current.is_some_and(|s| *def(s) == StreamDef::Collectives) =>
-                {
-                    total += self.nodes(&nodes[run..i]);
-                    run = i + 1;
-                    let s = self.collective(c);
-                    // The fork's event record and wait.
-                    total.seconds += self.profile.launch;
-                    let start = total.seconds.max(free_at);
-                    free_at = start + s;
-                    ends.push((c.id, free_at));
-                    total.comm_seconds += s;
-                }
-                Node::Synchronize { stream } => match (current.map(def), def(*stream)) {
-                    (Some(StreamDef::CollectiveMark(_)), StreamDef::Collectives) => {
-                        if let (Some(m), Some(&(id, _))) = (current, ends.last()) {
-                            marks.retain(|x| x.0 != m);
-                            marks.push((m, id));
-                        }
-                    }
-                    (_, StreamDef::CollectiveMark(_)) => {
-                        let id = marks.iter().find(|x| x.0 == *stream).map(|x| x.1);
-                        if let Some(&(_, end)) = ends.iter().find(|e| Some(e.0) == id) {
-                            total += self.nodes(&nodes[run..i]);
-                            run = i + 1;
-                            total.seconds = total.seconds.max(end);
-                        }
-                    }
-                    _ => {}
-                },
-                _ => {}
-            }
-        }
-        total += self.nodes(&nodes[run..]);
-        total.seconds = total.seconds.max(free_at);
-        total
-    }
-
     /// `nodes` one after another; the receives of a coalesced group together.
     fn nodes(&self, nodes: &[Node]) -> Estimate {
         let mut total = Estimate::default();
