@@ -191,10 +191,11 @@ fn mlp_block_saving_backward_program_snapshot() {
     // activation gelu_tanh(H) (the second GEMM's operand) saved: four GEMMs (dW2, dAct,
     // dW1, dX), where the recomputing form has five. They work chunk by chunk of the same
     // Stream axis, so they share one loop, the gather-scatter pipeline: each step gathers
-    // the rows of dY and of x, runs dAct's GEMM with dH = dAct gelu'(H) in its epilogue
-    // (H its auxiliary matrix), dX's GEMM adding onto the running sum of its
-    // reduce-scatter (sent on), then dW2's and dW1's GEMMs adding onto dW2 and dW1 while
-    // the sum crosses the link.
+    // the rows of dY (into a buffer of every block) and of x, runs dAct's GEMM with dH =
+    // dAct gelu'(H) in its epilogue (H its auxiliary matrix), dX's GEMM adding onto the
+    // running sum of its reduce-scatter (sent on), then dW1's GEMM adding onto dW1 while
+    // the sum crosses the link; after the loop dW2 (which reads no result of the loop) is
+    // one GEMM summed over every block.
     let f = common::cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
     let spec = GradSpec::all(&f);
     let s = saving(&f, &spec).unwrap();
@@ -203,7 +204,8 @@ fn mlp_block_saving_backward_program_snapshot() {
         [1, 2],
         "H, the first GEMM's result, and the activation are saved"
     );
-    let lowered = |bw: &Fusion| lower(bw, 4, &LowerOptions::default()).unwrap().program;
+    let lowered_with = |bw: &Fusion, o: &LowerOptions| lower(bw, 4, o).unwrap().program;
+    let lowered = |bw: &Fusion| lowered_with(bw, &LowerOptions::default());
     // The saving forward stores H beside the activation in the first GEMM's epilogue.
     let forward = lowered(&s.forward).to_string();
     assert!(forward.contains("saves pre-activation"), "{forward}");
@@ -251,7 +253,30 @@ fn mlp_block_saving_backward_program_snapshot() {
                 && e.inputs.get(2) == Some(&e.output) && p.outputs.contains(&e.output))
         })
         .count();
-    assert_eq!(accumulating, 2, "dW1 and dW2 accumulate in the loop: {p}");
+    assert_eq!(accumulating, 1, "dW1 accumulates in the loop: {p}");
+    // dW2 after the loop, one GEMM summed over every gathered block.
+    let summed = (p.body.iter())
+        .filter(|n| {
+            matches!(n, Node::Compute(e) if matches!(&e.op, Op::Gemm { epilogue, .. }
+                if epilogue.sums_batch) && p.outputs.contains(&e.output))
+        })
+        .count();
+    assert_eq!(summed, 1, "dW2 as one GEMM over every block: {p}");
+    // With `weight_gradients_in_loop` (the candidate `gradients_in_loop`) both stay in
+    // the loop, accumulating block by block.
+    let mut o = LowerOptions::default();
+    o.pipelines.weight_gradients_in_loop = true;
+    let in_loop = lowered_with(&s.backward.fusion, &o);
+    let accumulating = (nodes_of(&in_loop).iter())
+        .filter(|(looped, n)| {
+            matches!(n, Node::Compute(e) if *looped && e.op == Op::Matmul
+                && e.inputs.get(2) == Some(&e.output) && in_loop.outputs.contains(&e.output))
+        })
+        .count();
+    assert_eq!(
+        accumulating, 2,
+        "dW1 and dW2 accumulate in the loop: {in_loop}"
+    );
     common::snapshots_here().bind(|| {
         insta::assert_snapshot!("mlp_block_saving_backward_4_devices", p.to_string());
     });

@@ -128,20 +128,29 @@ fn shape_of(p: &HostProgram) -> Shape {
     s
 }
 
+/// Whether `p` has, at its top level, a GEMM summed over the blocks of its first axis.
+fn sums_over_blocks(p: &HostProgram) -> bool {
+    p.body.iter().any(|n| {
+        matches!(n, Node::Compute(e) if matches!(&e.op, Op::Gemm { epilogue, .. } if epilogue.sums_batch))
+    })
+}
+
 #[test]
-fn column_parallel_weight_gradient_accumulates_in_the_gather_loop() {
+fn column_parallel_weight_gradient_is_one_gemm_over_the_gathered_blocks() {
     let piped = lowered_backward(Pipelining::Always);
     // One loop, the gather-scatter pipeline (x's row blocks and dX's partials work on the
-    // same chunks): it gathers x's row blocks (a receive), and each block's GEMM, reading
-    // it transposed, adds onto dW; dX's GEMM adds onto the running sum of its
-    // reduce-scatter that arrived (the other receive), so no reduction is left.
+    // same chunks): it gathers x's row blocks (a receive) into a buffer of every block,
+    // and dX's GEMM adds onto the running sum of its reduce-scatter that arrived (the
+    // other receive); after it dW is one GEMM over every block, reading them transposed,
+    // so no reduction is left.
     let want = Shape {
         receives: 2,
-        accumulating_in_loops: 2,
+        accumulating_in_loops: 1,
         reductions: 0,
         ..Shape::default()
     };
     assert_eq!(shape_of(&piped), want, "{piped}");
+    assert!(sums_over_blocks(&piped), "{piped}");
     // Unpipelined: one Allgather of x (not of a copy of its transpose), one GEMM over the
     // gathered view summed over its blocks (no batched product and separate sum), and
     // the ReduceScatter of dX.
@@ -152,8 +161,5 @@ fn column_parallel_weight_gradient_accumulates_in_the_gather_loop() {
         ..Shape::default()
     };
     assert_eq!(shape_of(&plain), want, "{plain}");
-    let summed = plain.body.iter().any(|n| {
-        matches!(n, Node::Compute(e) if matches!(&e.op, Op::Gemm { epilogue, .. } if epilogue.sums_batch))
-    });
-    assert!(summed, "{plain}");
+    assert!(sums_over_blocks(&plain), "{plain}");
 }

@@ -8,7 +8,8 @@
 //! row ranges, compute-first streams, the ring's compute streams, the pool size, which
 //! collectives run over peer memory, one copy stream or one per peer for copy-engine
 //! transfers, whether pointwise ops fold into GEMM epilogues, and whether a decode GEMM's
-//! Allreduce runs in its epilogue; and, not measured yet,
+//! Allreduce runs in its epilogue, whether a backward's weight gradients all stay in its
+//! gather-scatter loop (`gradients_in_loop`); and, not measured yet,
 //! the AllGather + GEMM pipeline in row ranges and as one persistent GEMM fed by the
 //! loop's copies (`gathered_gemm`), and the GEMM + ReduceScatter as one persistent GEMM
 //! that adds each tile into its owner's output (`scattered_gemm`), both at once
@@ -31,14 +32,15 @@ use crate::options::{
 pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
-/// older build are not trusted (16: a gather-scatter loop runs what its last GEMM does not
+/// older build are not trusted (17: a gather-scatter loop's weight gradients that read no
+/// result of the loop run once after it, summed over every gathered block; 16: a gather-scatter loop runs what its last GEMM does not
 /// read after the ring send; 15: an unpipelined weight gradient summed over gathered
 /// blocks is one GEMM; 14: the gathered GEMM also takes a saved pre-activation,
 /// so the gathered candidates of a training step's forward changed; 13: a GEMM batched
 /// over a shared weight runs as one GEMM,
 /// so the unpipelined candidates' times changed; 12: the gathered GEMM also takes weights
 /// broadcast against the Stream axis; 11: `CopyStreams::OneInSendOrder`).
-pub const PLAN_SPACE_REVISION: u32 = 16;
+pub const PLAN_SPACE_REVISION: u32 = 17;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -154,6 +156,12 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
             }
         }
     }
+    // A backward's weight gradients block by block in its gather-scatter loop, all of them.
+    out.push(Plan::new(
+        "gradients_in_loop",
+        with(&|o| o.pipelines.weight_gradients_in_loop = true),
+        DEFAULT_STREAMS,
+    ));
     out.push(Plan::new(
         "one_stream",
         with(&|o| o.streams.compute_first = false),

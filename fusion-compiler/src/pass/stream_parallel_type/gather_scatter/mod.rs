@@ -16,7 +16,12 @@
 //! rows of step `j + 1` behind step `j`'s GEMMs, a running sum behind the first GEMM of the
 //! step that adds onto it. Expressions the last one does not read (a backward's weight
 //! gradients, accumulating block by block) run after the step's ring send, so the sum
-//! crosses the link behind them too, the last step's included. The local chunk's inputs of the last GEMM live in buffers of
+//! crosses the link behind them too, the last step's included; those of them that read no
+//! result of the loop, only its gathered rows and its inputs (the saving backward's dW2 =
+//! act^T dY, not dW1 = x^T dH), run once after the loop instead, one GEMM summed over every
+//! block: their gathered rows land in a buffer of every block (the own block copied in at
+//! step 0), and the weight gradient is read and written once, not once per block
+//! (`LowerOptions::pipelines.weight_gradients_in_loop` keeps them in the loop). The local chunk's inputs of the last GEMM live in buffers of
 //! their own; the other chunks' intermediates share one slot, since every GEMM runs in
 //! order on the caller's stream, and gathered rows use two slots, since the next unit's
 //! rows land while the current one computes. With `c` row ranges per chunk
@@ -38,6 +43,7 @@
 //!                       step's sum (acc[j] rows) from r - 1
 //!   IF j < D: the expressions the last one does not read (e.g. dW += x^T dH)
 //! FOR i: Synchronize Stream(i % n)
+//! the weight gradients that read no loop result, each summed over every block
 //! ```
 //!
 //! Files, from the bottom up: `scalars` (the loop's scalars and streams), `unit` (the
@@ -53,14 +59,14 @@ mod unit;
 use std::collections::{HashMap, HashSet};
 
 use super::exchange::require_world_mesh;
-use super::group::LoopGroup;
+use super::group::{Gather, LoopGroup};
 use super::iteration::{fork_loop, join_loop};
 use super::ring;
 use super::subchunk::SubChunkPlan;
 use super::views::{Accumulations, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
-use crate::ir::TensorId;
+use crate::ir::{Expr, TensorId};
 use crate::pass::context::PassContext;
 use crate::resharding::{classify, MeshContext, Resharding};
 use scalars::{UnitScalars, UnitStreams};
@@ -161,6 +167,10 @@ pub(super) fn emit(
             p.ir.tensor_name(rs.expr.output)
         );
     }
+    let after = match (&plan, ctx.options.pipelines.weight_gradients_in_loop) {
+        (None, false) => after_loop(p, &g, &last, &gathers),
+        _ => Vec::new(),
+    };
     let u = UnitScalars::new(p, &g, plan.as_ref().map_or(1, |pl| pl.count));
     let pipe = GatherScatter {
         g: &g,
@@ -171,6 +181,7 @@ pub(super) fn emit(
         plan,
         u,
         transport: ctx.options.transports.p2p,
+        after,
     };
     let mut nodes = Vec::new();
     let bufs = pipe.allocate(p, internal, &mut nodes);
@@ -225,5 +236,58 @@ pub(super) fn emit(
         u.stop,
         streams.worker,
     ));
+    pipe.emit_after_loop(&mut nodes);
     Ok(nodes)
+}
+
+/// The expressions of loop `g` that run once after it, over every block, instead of block
+/// by block: the GEMMs the last expression `last` does not read (directly or through
+/// others) that the loop accumulates over its Stream axis (a weight gradient), whose
+/// operands the loop slices along their first axis and are its gathered rows, its inputs
+/// or permute views of them, never another result of the loop (keeping such a result for
+/// every block would cost a buffer of every block: that weight gradient stays block by
+/// block). Each then runs as one GEMM summed over the blocks, reading the gathered rows
+/// from a buffer of every block, without reading and writing its sum once per block.
+fn after_loop(
+    p: &HostProgram,
+    g: &LoopGroup,
+    last: &Expr,
+    gathers: &[Gather],
+) -> Vec<(Expr, usize)> {
+    use crate::ir::{axis_map, Op};
+    use crate::pass::stream_parallel_type::permute_views::source;
+    let gathered: HashSet<TensorId> = gathers.iter().map(|gth| gth.out).collect();
+    let body = &g.exprs[..g.exprs.len() - 1];
+    let views = &g.views;
+    let mut wanted: HashSet<TensorId> = (last.inputs.iter())
+        .flat_map(|&t| [t, source(views, t)])
+        .collect();
+    let mut later = Vec::new();
+    for (e, s) in body.iter().rev() {
+        if gathered.contains(&e.output) {
+            continue;
+        }
+        if wanted.contains(&e.output) {
+            wanted.extend(e.inputs.iter().flat_map(|&t| [t, source(views, t)]));
+        } else {
+            later.push((e.clone(), *s));
+        }
+    }
+    later.reverse();
+    // A loop result other than the gathered rows (a permute view counts as what it views).
+    let computed = |t: TensorId| {
+        let t = source(views, t);
+        !gathered.contains(&t) && body.iter().any(|(e, _)| e.output == t)
+    };
+    let fits = |(e, s): &(Expr, usize)| match &e.op {
+        Op::Matmul if e.inputs.len() == 2 => {
+            let accumulated = g.accumulate.iter().any(|a| a.inputs[0] == e.output);
+            let map = axis_map(&p.ir, e);
+            let first = (0..2).all(|i| map.producer_axis(i, *s) == Some(0));
+            let reads_results = e.inputs.iter().any(|&t| computed(t));
+            accumulated && first && *s == 0 && !reads_results
+        }
+        _ => false,
+    };
+    later.into_iter().filter(fits).collect()
 }

@@ -9,7 +9,7 @@ use super::sink::sink_elementwise;
 use super::unit::Unit;
 use crate::error::Result;
 use crate::hir::{HostProgram, Node, StreamId, Transport};
-use crate::ir::{axis_map, Expr, ScalarId, TensorId};
+use crate::ir::{axis_map, Epilogue, Expr, Op, ScalarId, TensorId};
 use crate::pass::stream_parallel_type::exchange::coalesced_exchange;
 use crate::pass::stream_parallel_type::group::{Gather, LoopGroup, ReduceScatterFold};
 use crate::pass::stream_parallel_type::iteration::emit_body_expr;
@@ -32,6 +32,8 @@ pub(super) struct Buffers {
     own: HashMap<TensorId, TensorId>,
     /// The running sums.
     acc: TensorId,
+    /// Gathered tensors landing whole (the weight gradients after the loop read them).
+    whole: HashSet<TensorId>,
 }
 
 /// One gather-scatter loop being emitted: its group, gathers, last expression (the matmul
@@ -45,6 +47,9 @@ pub(super) struct GatherScatter<'a> {
     pub(super) plan: Option<SubChunkPlan>,
     pub(super) u: UnitScalars,
     pub(super) transport: Transport,
+    /// The expressions run once after the loop over every block instead of block by
+    /// block (see [`GatherScatter::after_loop`]); empty: none.
+    pub(super) after: Vec<(Expr, usize)>,
 }
 
 impl GatherScatter<'_> {
@@ -83,7 +88,15 @@ impl GatherScatter<'_> {
         let (one, two) = (self.u.one, self.u.two);
         let rows = self.rows_of(self.u.sub);
         let mut received: HashMap<TensorId, TensorId> = HashMap::new();
+        let read_after = self.read_after_loop();
+        let mut whole = HashSet::new();
         for gth in &self.gathers {
+            if read_after.contains(&gth.out) {
+                nodes.push(Node::Allocate { tensor: gth.out });
+                received.insert(gth.out, gth.out);
+                whole.insert(gth.out);
+                continue;
+            }
             let mut resized = vec![(gth.s, two)];
             if let (Some(r), Some((q, extent))) = (&rows, self.row_axis(p, gth.out)) {
                 resized.push((q, r.slot_extent(&mut p.ir, extent)));
@@ -105,7 +118,7 @@ impl GatherScatter<'_> {
                 nodes.push(Node::Allocate { tensor: sum.output });
                 continue;
             }
-            if !internal.contains(&t) {
+            if !internal.contains(&t) || read_after.contains(&t) {
                 nodes.push(Node::Allocate { tensor: t });
                 continue;
             }
@@ -132,6 +145,44 @@ impl GatherScatter<'_> {
             shared,
             own,
             acc,
+            whole,
+        }
+    }
+
+    /// The tensors the expressions after the loop read (a permute view's read is a read
+    /// of what it views).
+    fn read_after_loop(&self) -> HashSet<TensorId> {
+        let views = &self.g.views;
+        (self.after.iter())
+            .flat_map(|(e, _)| e.inputs.iter().flat_map(|&t| [t, source(views, t)]))
+            .collect()
+    }
+
+    /// After the loop (its receives joined): the expressions of [`Self::after`] over every
+    /// block, each accumulated GEMM as one GEMM summed over the blocks into its sum.
+    pub(super) fn emit_after_loop(&self, nodes: &mut Vec<Node>) {
+        let mut viewed = HashSet::new();
+        for (e, _) in &self.after {
+            // A permute view a GEMM reads is made whole right before it.
+            for t in &e.inputs {
+                if let Some(v) = self.g.views.get(t).filter(|_| viewed.insert(*t)) {
+                    nodes.push(Node::Compute(v.clone()));
+                }
+            }
+            match self.g.accumulate.iter().find(|a| a.inputs[0] == e.output) {
+                Some(sum) => nodes.push(Node::Compute(Expr {
+                    op: Op::Gemm {
+                        linear: false,
+                        epilogue: Epilogue {
+                            sums_batch: true,
+                            ..Epilogue::default()
+                        },
+                    },
+                    inputs: e.inputs.clone(),
+                    output: sum.output,
+                })),
+                None => nodes.push(Node::Compute(e.clone())),
+            }
         }
     }
 
@@ -163,7 +214,11 @@ impl GatherScatter<'_> {
         for gth in &self.gathers {
             let unit = self.unit(p, next_rows.as_ref(), gth.out);
             let slots = bufs.received[&gth.out];
-            let recv = unit.bind(p, slots, gth.s, u.next_slot, true, None, &mut prefetch);
+            let at = match bufs.whole.contains(&gth.out) {
+                true => u.next_chunk,
+                false => u.next_slot,
+            };
+            let recv = unit.bind(p, slots, gth.s, at, true, None, &mut prefetch);
             let unit = self.unit(p, next_rows.as_ref(), gth.input);
             let send = unit.bind(
                 p,
@@ -241,6 +296,9 @@ impl GatherScatter<'_> {
         let needed = self.read_by_last(&computed);
         let mut later = Vec::new();
         for (e, s) in &computed {
+            if self.after.iter().any(|(a, _)| a.output == e.output) {
+                continue;
+            }
             let into = match needed.contains(&e.output) {
                 true => &mut compute,
                 false => &mut later,
@@ -302,17 +360,21 @@ impl GatherScatter<'_> {
             Some(view),
             &mut then_body,
         );
-        let mut else_body = vec![Node::Synchronize { stream: worker }];
         let slots = bufs.received[&gth.out];
-        unit.bind(
-            p,
-            slots,
-            gth.s,
-            u.slot_index,
-            true,
-            Some(view),
-            &mut else_body,
-        );
+        let whole = bufs.whole.contains(&gth.out);
+        if whole {
+            // The own block lands in the whole buffer too (the weight gradients after
+            // the loop read every block from it).
+            let own = unit.bind(p, slots, gth.s, u.chunk, false, None, &mut then_body);
+            then_body.push(Node::Compute(Expr {
+                op: Op::Set,
+                inputs: vec![view],
+                output: own,
+            }));
+        }
+        let mut else_body = vec![Node::Synchronize { stream: worker }];
+        let at = if whole { u.chunk } else { u.slot_index };
+        unit.bind(p, slots, gth.s, at, true, Some(view), &mut else_body);
         compute.push(Node::IfThenElse {
             cond: u.is_own,
             then_body,
