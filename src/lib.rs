@@ -53,7 +53,7 @@ pub use fusion_compiler::builder::Axis;
 pub use fusion_compiler::ir::ParallelType;
 pub use fusion_compiler::lower::{
     CopyStreams, LowerOptions, PassOptions, PeerMemoryCollectives, PipelineOptions, Pipelining,
-    StreamOptions, TransportOptions,
+    StreamOptions, TransportOptions, WeightGradients,
 };
 pub use fusion_compiler::DType;
 pub use fusion_runtime::{

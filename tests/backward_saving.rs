@@ -25,7 +25,7 @@ use common::{
 use fusion::compiler::autodiff::{backward, saving, BackwardInput, GradSpec};
 use fusion::compiler::hir::{HostProgram, Node, NodeKind, P2PDirection};
 use fusion::compiler::ir::{Fusion, Op, TensorId, UnaryOp};
-use fusion::compiler::lower::{lower, LowerOptions};
+use fusion::compiler::lower::{lower, LowerOptions, WeightGradients};
 use fusion::{DType, Tensor};
 
 /// How far the saving form's f32 gradients may be from the recomputing form's: the same
@@ -262,10 +262,10 @@ fn mlp_block_saving_backward_program_snapshot() {
         })
         .count();
     assert_eq!(summed, 1, "dW2 as one GEMM over every block: {p}");
-    // With `weight_gradients_in_loop` (the candidate `gradients_in_loop`) both stay in
+    // With `WeightGradients::InLoop` (the candidate `gradients_in_loop`) both stay in
     // the loop, accumulating block by block.
     let mut o = LowerOptions::default();
-    o.pipelines.weight_gradients_in_loop = true;
+    o.pipelines.weight_gradients = WeightGradients::InLoop;
     let in_loop = lowered_with(&s.backward.fusion, &o);
     let accumulating = (nodes_of(&in_loop).iter())
         .filter(|(looped, n)| {
@@ -327,4 +327,30 @@ fn the_gathered_gemm_stores_the_pre_activation_of_the_saving_forward() {
             }
         }
     }
+}
+
+#[test]
+fn with_every_weight_gradient_after_the_loop_none_accumulates_in_it() {
+    // `WeightGradients::AfterLoop` (the candidate `gradients_after_loop`): dW1 and dW2
+    // each one GEMM summed over every block after the gather-scatter loop, dH kept for
+    // every block; nothing accumulates block by block.
+    let f = common::cases::tp_mlp(DType::BF16, UnaryOp::GeluTanh);
+    let s = saving(&f, &GradSpec::all(&f)).unwrap();
+    let mut o = LowerOptions::default();
+    o.pipelines.weight_gradients = WeightGradients::AfterLoop;
+    let p = lower(&s.backward.fusion, 4, &o).unwrap().program;
+    let accumulating = (nodes_of(&p).iter())
+        .filter(|(looped, n)| {
+            matches!(n, Node::Compute(e) if *looped && e.op == Op::Matmul
+                && e.inputs.get(2) == Some(&e.output) && p.outputs.contains(&e.output))
+        })
+        .count();
+    assert_eq!(accumulating, 0, "{p}");
+    let summed = (p.body.iter())
+        .filter(|n| {
+            matches!(n, Node::Compute(e) if matches!(&e.op, Op::Gemm { epilogue, .. }
+                if epilogue.sums_batch) && p.outputs.contains(&e.output))
+        })
+        .count();
+    assert_eq!(summed, 2, "{p}");
 }

@@ -22,6 +22,24 @@ pub enum P2pSchedule {
     MeshOrder,
 }
 
+/// Where a gather-scatter loop (a backward) runs its weight gradients: the GEMMs its last
+/// GEMM does not read that the loop accumulates over its blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum WeightGradients {
+    /// Block by block in the loop, after each step's ring send.
+    InLoop,
+    /// Those that read no result of the loop (only its gathered rows and inputs: the MLP
+    /// block's dW2) once after it, one GEMM summed over every block (their rows land in a
+    /// buffer of every block); the others in the loop. On 4 H200s 1-6% faster than
+    /// [`WeightGradients::InLoop`] on every row, on 2 level (docs/DECISIONS.md).
+    #[default]
+    AfterLoopFromInputs,
+    /// All of them once after the loop, the loop's results they read kept for every block:
+    /// on 4 H100s faster at the largest MLP shape, slower at the others (its GEMMs no
+    /// longer cover the loop's transfers; docs/DECISIONS.md).
+    AfterLoop,
+}
+
 /// How a P2P reduce-scatter pipeline (a sum over DIDx folded into a stream loop) reduces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum ReduceScatterPipeline {
@@ -187,11 +205,9 @@ pub struct PipelineOptions {
     /// the device runs such a GEMM (Hopper GPUs with every rank in one process); elsewhere
     /// the node runs as the GEMM, then the ReduceScatter.
     pub scattered_gemm: bool,
-    /// Keep every weight gradient of a gather-scatter loop (a backward) block by block in
-    /// the loop. By default (false) those that read no result of the loop, only its
-    /// gathered rows and inputs, run once after it as one GEMM summed over every block (on
-    /// 4 GPUs 1-6% faster, on 2 level: docs/DECISIONS.md).
-    pub weight_gradients_in_loop: bool,
+    /// Where a gather-scatter loop (a backward) runs its weight gradients
+    /// ([`WeightGradients`]).
+    pub weight_gradients: WeightGradients,
 }
 
 /// Choices that change the lowered program, in four groups; part of the executor's cache

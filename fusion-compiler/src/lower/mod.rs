@@ -35,7 +35,8 @@ use crate::pass::{PassContext, PassDump, PassManager};
 
 pub use crate::options::{
     CopyStreams, LowerOptions, P2pSchedule, PassOptions, PeerMemoryCollectives, PipelineOptions,
-    Pipelining, ReduceScatterPipeline, StreamOptions, TransportOptions, AUTO_MIN_CHUNK_ROWS,
+    Pipelining, ReduceScatterPipeline, StreamOptions, TransportOptions, WeightGradients,
+    AUTO_MIN_CHUNK_ROWS,
 };
 pub use crate::resharding::{self, classify, CommSpec, MeshContext, Resharding};
 pub use gathered_gemm::choose_gathered_gemm;

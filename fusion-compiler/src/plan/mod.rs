@@ -9,7 +9,8 @@
 //! collectives run over peer memory, one copy stream or one per peer for copy-engine
 //! transfers, whether pointwise ops fold into GEMM epilogues, and whether a decode GEMM's
 //! Allreduce runs in its epilogue, whether a backward's weight gradients all stay in its
-//! gather-scatter loop (`gradients_in_loop`); and, not measured yet,
+//! gather-scatter loop (`gradients_in_loop`) or all run after it (`gradients_after_loop`);
+//! and, not measured yet,
 //! the AllGather + GEMM pipeline in row ranges and as one persistent GEMM fed by the
 //! loop's copies (`gathered_gemm`), and the GEMM + ReduceScatter as one persistent GEMM
 //! that adds each tile into its owner's output (`scattered_gemm`), both at once
@@ -25,6 +26,7 @@ pub mod cost;
 use crate::hir::Transport;
 use crate::options::{
     CopyStreams, LowerOptions, PeerMemoryCollectives, Pipelining, ReduceScatterPipeline,
+    WeightGradients,
 };
 
 /// The worker stream pool a call gets by default (`ExecOptions::number_of_streams`): one
@@ -32,7 +34,7 @@ use crate::options::{
 pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
-/// older build are not trusted (17: a gather-scatter loop's weight gradients that read no
+/// older build are not trusted (18: `gradients_after_loop`; 17: a gather-scatter loop's weight gradients that read no
 /// result of the loop run once after it, summed over every gathered block; 16: a gather-scatter loop runs what its last GEMM does not
 /// read after the ring send; 15: an unpipelined weight gradient summed over gathered
 /// blocks is one GEMM; 14: the gathered GEMM also takes a saved pre-activation,
@@ -40,7 +42,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 /// over a shared weight runs as one GEMM,
 /// so the unpipelined candidates' times changed; 12: the gathered GEMM also takes weights
 /// broadcast against the Stream axis; 11: `CopyStreams::OneInSendOrder`).
-pub const PLAN_SPACE_REVISION: u32 = 17;
+pub const PLAN_SPACE_REVISION: u32 = 18;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.
@@ -156,12 +158,18 @@ pub fn candidates(world_size: usize) -> Vec<Plan> {
             }
         }
     }
-    // A backward's weight gradients block by block in its gather-scatter loop, all of them.
-    out.push(Plan::new(
-        "gradients_in_loop",
-        with(&|o| o.pipelines.weight_gradients_in_loop = true),
-        DEFAULT_STREAMS,
-    ));
+    // A backward's weight gradients all block by block in its gather-scatter loop, or all
+    // once after it.
+    for (name, placement) in [
+        ("gradients_in_loop", WeightGradients::InLoop),
+        ("gradients_after_loop", WeightGradients::AfterLoop),
+    ] {
+        out.push(Plan::new(
+            name,
+            with(&|o| o.pipelines.weight_gradients = placement),
+            DEFAULT_STREAMS,
+        ));
+    }
     out.push(Plan::new(
         "one_stream",
         with(&|o| o.streams.compute_first = false),

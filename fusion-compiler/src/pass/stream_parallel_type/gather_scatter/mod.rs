@@ -21,7 +21,8 @@
 //! act^T dY, not dW1 = x^T dH), run once after the loop instead, one GEMM summed over every
 //! block: their gathered rows land in a buffer of every block (the own block copied in at
 //! step 0), and the weight gradient is read and written once, not once per block
-//! (`LowerOptions::pipelines.weight_gradients_in_loop` keeps them in the loop). The local chunk's inputs of the last GEMM live in buffers of
+//! (`LowerOptions::pipelines.weight_gradients`: all in the loop, or all after it, the loop's
+//! results they read then kept for every block). The local chunk's inputs of the last GEMM live in buffers of
 //! their own; the other chunks' intermediates share one slot, since every GEMM runs in
 //! order on the caller's stream, and gathered rows use two slots, since the next unit's
 //! rows land while the current one computes. With `c` row ranges per chunk
@@ -67,6 +68,7 @@ use super::views::{Accumulations, Slicer};
 use crate::error::Result;
 use crate::hir::{ForLoop, HostProgram, Node, StreamDef};
 use crate::ir::{Expr, TensorId};
+use crate::options::WeightGradients;
 use crate::pass::context::PassContext;
 use crate::resharding::{classify, MeshContext, Resharding};
 use scalars::{UnitScalars, UnitStreams};
@@ -167,8 +169,9 @@ pub(super) fn emit(
             p.ir.tensor_name(rs.expr.output)
         );
     }
-    let after = match (&plan, ctx.options.pipelines.weight_gradients_in_loop) {
-        (None, false) => after_loop(p, &g, &last, &gathers),
+    let after = match (&plan, ctx.options.pipelines.weight_gradients) {
+        (None, WeightGradients::AfterLoopFromInputs) => after_loop(p, &g, &last, &gathers, false),
+        (None, WeightGradients::AfterLoop) => after_loop(p, &g, &last, &gathers, true),
         _ => Vec::new(),
     };
     let u = UnitScalars::new(p, &g, plan.as_ref().map_or(1, |pl| pl.count));
@@ -244,15 +247,16 @@ pub(super) fn emit(
 /// by block: the GEMMs the last expression `last` does not read (directly or through
 /// others) that the loop accumulates over its Stream axis (a weight gradient), whose
 /// operands the loop slices along their first axis and are its gathered rows, its inputs
-/// or permute views of them, never another result of the loop (keeping such a result for
-/// every block would cost a buffer of every block: that weight gradient stays block by
-/// block). Each then runs as one GEMM summed over the blocks, reading the gathered rows
+/// or permute views of them, or with `all` also other results of the loop (kept for every
+/// block then: a buffer of every block; without `all` such a weight gradient stays block
+/// by block). With `all`, none unless every such GEMM fits. Each then runs as one GEMM summed over the blocks, reading the gathered rows
 /// from a buffer of every block, without reading and writing its sum once per block.
 fn after_loop(
     p: &HostProgram,
     g: &LoopGroup,
     last: &Expr,
     gathers: &[Gather],
+    all: bool,
 ) -> Vec<(Expr, usize)> {
     use crate::ir::{axis_map, Op};
     use crate::pass::stream_parallel_type::permute_views::source;
@@ -285,9 +289,17 @@ fn after_loop(
             let map = axis_map(&p.ir, e);
             let first = (0..2).all(|i| map.producer_axis(i, *s) == Some(0));
             let reads_results = e.inputs.iter().any(|&t| computed(t));
-            accumulated && first && *s == 0 && !reads_results
+            accumulated && first && *s == 0 && (all || !reads_results)
         }
+        // A permute view such a GEMM reads, made over every block after the loop too.
+        Op::Permute { .. } => all,
         _ => false,
     };
+    if all {
+        return match later.iter().all(fits) {
+            true => later,
+            false => Vec::new(),
+        };
+    }
     later.into_iter().filter(fits).collect()
 }
