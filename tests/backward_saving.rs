@@ -247,34 +247,18 @@ fn mlp_block_saving_backward_program_snapshot() {
             .any(|(_, n)| matches!(n, Node::Communication(_))),
         "{p}"
     );
-    let accumulating = (nodes.iter())
-        .filter(|(looped, n)| {
-            matches!(n, Node::Compute(e) if *looped && e.op == Op::Matmul
-                && e.inputs.get(2) == Some(&e.output) && p.outputs.contains(&e.output))
-        })
-        .count();
+    let (accumulating, summed) = weight_gradient_gemms(&p);
     assert_eq!(accumulating, 1, "dW1 accumulates in the loop: {p}");
     // dW2 after the loop, one GEMM summed over every gathered block.
-    let summed = (p.body.iter())
-        .filter(|n| {
-            matches!(n, Node::Compute(e) if matches!(&e.op, Op::Gemm { epilogue, .. }
-                if epilogue.sums_batch) && p.outputs.contains(&e.output))
-        })
-        .count();
     assert_eq!(summed, 1, "dW2 as one GEMM over every block: {p}");
     // With `WeightGradients::InLoop` (the candidate `gradients_in_loop`) both stay in
     // the loop, accumulating block by block.
     let mut o = LowerOptions::default();
     o.pipelines.weight_gradients = WeightGradients::InLoop;
     let in_loop = lowered_with(&s.backward.fusion, &o);
-    let accumulating = (nodes_of(&in_loop).iter())
-        .filter(|(looped, n)| {
-            matches!(n, Node::Compute(e) if *looped && e.op == Op::Matmul
-                && e.inputs.get(2) == Some(&e.output) && in_loop.outputs.contains(&e.output))
-        })
-        .count();
     assert_eq!(
-        accumulating, 2,
+        weight_gradient_gemms(&in_loop),
+        (2, 0),
         "dW1 and dW2 accumulate in the loop: {in_loop}"
     );
     common::snapshots_here().bind(|| {
@@ -339,18 +323,23 @@ fn with_every_weight_gradient_after_the_loop_none_accumulates_in_it() {
     let mut o = LowerOptions::default();
     o.pipelines.weight_gradients = WeightGradients::AfterLoop;
     let p = lower(&s.backward.fusion, 4, &o).unwrap().program;
-    let accumulating = (nodes_of(&p).iter())
+    assert_eq!(weight_gradient_gemms(&p), (0, 2), "{p}");
+}
+
+/// The program's GEMMs into its outputs (weight gradients): those accumulating block by
+/// block in a loop, and those at the top level summed over every block.
+fn weight_gradient_gemms(p: &HostProgram) -> (usize, usize) {
+    let accumulating = (nodes_of(p).iter())
         .filter(|(looped, n)| {
             matches!(n, Node::Compute(e) if *looped && e.op == Op::Matmul
                 && e.inputs.get(2) == Some(&e.output) && p.outputs.contains(&e.output))
         })
         .count();
-    assert_eq!(accumulating, 0, "{p}");
     let summed = (p.body.iter())
         .filter(|n| {
             matches!(n, Node::Compute(e) if matches!(&e.op, Op::Gemm { epilogue, .. }
                 if epilogue.sums_batch) && p.outputs.contains(&e.output))
         })
         .count();
-    assert_eq!(summed, 2, "{p}");
+    (accumulating, summed)
 }
