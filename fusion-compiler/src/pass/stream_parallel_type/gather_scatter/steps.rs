@@ -48,7 +48,7 @@ pub(super) struct GatherScatter<'a> {
     pub(super) u: UnitScalars,
     pub(super) transport: Transport,
     /// The expressions run once after the loop over every block instead of block by
-    /// block (see [`GatherScatter::after_loop`]); empty: none.
+    /// block (chosen by `after_loop` in `gather_scatter/mod.rs`); empty: none.
     pub(super) after: Vec<(Expr, usize)>,
 }
 
