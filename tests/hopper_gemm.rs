@@ -3,8 +3,9 @@
 //! first so an element the kernel misses fails: bf16 and f16, shapes that are no multiple
 //! of the 128 x 256 tile and a large one, every operand layout (row-major and transposed
 //! views), fusions with `transpose` and `linear` (a batch folded into the rows), GEMMs the
-//! kernel does not take (which cuBLAS runs), replayed calls and a switch of engines.
-//! `persistent_gemms` (the runtime's counter) tells which engine ran.
+//! kernel does not take (which cuBLAS runs), replayed calls and a switch of engines; and
+//! its slope entry (a product times an activation's derivative, which it runs with either
+//! engine) against the CPU backend. `persistent_gemms` (the runtime's counter) tells which engine ran.
 //!
 //! GPU-only (`#[ignore]`d): run with `--ignored`. Without a CUDA GPU each test skips,
 //! saying so; on a GPU other than compute capability 9.0 each checks only that the
@@ -69,8 +70,9 @@ fn persistent_runs() -> u64 {
     counters().persistent_gemms
 }
 
-/// Checks `got` (the persistent engine's output) against `want` (cuBLAS's): every element
-/// written and finite, and the relative error within a rounding of the output dtype.
+/// Checks `got` (the persistent engine's output) against `want` (cuBLAS's, or the CPU
+/// backend's): every element written and finite, and the relative error within a rounding
+/// of the output dtype.
 /// Prints how many elements are bit-identical.
 fn check(got: &Tensor, want: &Tensor, what: &str) {
     let g = got.to_f32_vec().unwrap();
@@ -79,7 +81,7 @@ fn check(got: &Tensor, want: &Tensor, what: &str) {
     let err = got.rel_error(want).unwrap();
     assert!(
         err < common::tolerance_for(got.dtype()) / 2.0,
-        "{what}: relative error {err:.3e} against cuBLAS"
+        "{what}: relative error {err:.3e} against the reference"
     );
     let w = want.to_f32_vec().unwrap();
     let same = g
@@ -392,6 +394,129 @@ fn replayed_calls_keep_their_engine() {
                 "call {i} on {engine:?}, {replay:?}"
             );
         }
+        Ok(())
+    });
+}
+
+/// `a @ b` times `op(aux)` elementwise (`op` an activation's derivative), one
+/// `Kernel::GemmAux` on `dev`, the auxiliary matrix a `[m, n]` view of the `[m, ld]`
+/// buffer `held`; its output on the host.
+fn product_times_slope(
+    rank: &Rank,
+    dev: &dyn fusion::runtime::backend::Device,
+    upload: &dyn Fn(&Tensor) -> Result<Tensor>,
+    (a, ta): (&Tensor, bool),
+    (b, tb): (&Tensor, bool),
+    (held, op): (&Tensor, fusion::compiler::ir::UnaryOp),
+) -> Result<Tensor> {
+    let on_device = |t: &Tensor, transposed: bool| -> Result<Tensor> {
+        let t = upload(t)?;
+        if transposed {
+            t.permute(&[1, 0])
+        } else {
+            Ok(t)
+        }
+    };
+    let (a, b) = (on_device(a, ta)?, on_device(b, tb)?);
+    let (m, n) = (a.shape()[0], b.shape()[1]);
+    let aux = upload(held)?.narrow(1, 0, n)?;
+    let dst = dev.allocate(0, a.dtype(), &[m, n])?;
+    dev.execute(
+        0,
+        Kernel::GemmAux {
+            a: &a,
+            b: &b,
+            bias: None,
+            epilogue: &[],
+            aux: &aux,
+            mode: fusion::compiler::ir::EpilogueAux::Derivative(op),
+            dst: &dst,
+        },
+    )?;
+    rank.to_host(&dst)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn products_times_a_derivative_run_on_the_slope_entry_and_match_the_cpu_backend() {
+    use fusion::compiler::ir::UnaryOp::*;
+    use fusion::runtime::backend::cpu::CpuDevice;
+    on_gpu(|rank, hopper| {
+        let cpu = CpuDevice::new(0);
+        let mut case = 400;
+        // The backward's dH = dY W^T * act'(H) is the (false, true) layout.
+        for (dt, op) in [
+            (DType::BF16, GeluTanhGrad),
+            (DType::BF16, GeluGrad),
+            (DType::BF16, SiluGrad),
+            (DType::BF16, SigmoidGrad),
+            (DType::BF16, TanhGrad),
+            (DType::BF16, ReluGrad),
+            (DType::F16, GeluTanhGrad),
+        ] {
+            for shape in SHAPES {
+                for layout in [(false, true), (false, false), (true, false)] {
+                    case += 1;
+                    let (a, b) = operands(dt, shape, layout, case);
+                    // Rows of the auxiliary matrix 8 elements longer than the output's.
+                    let held = Tensor::randn(&[shape.0, shape.1 + 8], dt, seed(case, 2));
+                    let what = format!("{dt} {op:?} {shape:?} transposed (A, B) {layout:?}");
+                    let want = product_times_slope(
+                        rank,
+                        &cpu,
+                        &|t| Ok(t.clone()),
+                        (&a, layout.0),
+                        (&b, layout.1),
+                        (&held, op),
+                    )?;
+                    let before = persistent_runs();
+                    let got = product_times_slope(
+                        rank,
+                        rank.device(),
+                        &|t| rank.to_device(t),
+                        (&a, layout.0),
+                        (&b, layout.1),
+                        (&held, op),
+                    )?;
+                    assert_eq!(
+                        persistent_runs() - before,
+                        u64::from(hopper),
+                        "{what}: persistent kernel runs"
+                    );
+                    check(&got, &want, &what);
+                }
+            }
+        }
+        // Auxiliary rows 98 elements apart (196 bytes, no 16-byte multiple): the copy
+        // engine cannot load them, so cuBLAS and a generated kernel run the product.
+        let (a, b) = operands(DType::BF16, (64, 96, 72), (false, true), 500);
+        let held = Tensor::randn(&[64, 98], DType::BF16, seed(500, 2));
+        let cpu = CpuDevice::new(0);
+        let on_host = |t: &Tensor| Ok(t.clone());
+        let want = product_times_slope(
+            rank,
+            &cpu,
+            &on_host,
+            (&a, false),
+            (&b, true),
+            (&held, GeluTanhGrad),
+        )?;
+        let before = persistent_runs();
+        let on_gpu = |t: &Tensor| rank.to_device(t);
+        let got = product_times_slope(
+            rank,
+            rank.device(),
+            &on_gpu,
+            (&a, false),
+            (&b, true),
+            (&held, GeluTanhGrad),
+        )?;
+        assert_eq!(
+            persistent_runs() - before,
+            0,
+            "rows 98 apart: persistent kernel runs"
+        );
+        check(&got, &want, "rows 98 apart");
         Ok(())
     });
 }

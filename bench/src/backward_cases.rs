@@ -78,6 +78,16 @@ fusion! {
         matmul(transpose(a, 0, 1), b)
     }
 
+    /// `dY W^T` times the activation's derivative at `h`: the backward's first GEMM with
+    /// the derivative in its epilogue, as the derived backward runs it.
+    pub fn gemm_nt_slope<T: Float, m, k, n>(
+        a: Tensor<T, [m, n]>,
+        b: Tensor<T, [k, n]>,
+        h: Tensor<T, [m, k]>,
+    ) -> Tensor<T, [m, k]> {
+        matmul(a, transpose(b, 0, 1)) * gelu_tanh_grad(h)
+    }
+
     /// The MLP's activation alone.
     pub fn act<T: Float, m, f>(h: Tensor<T, [m, f]>) -> Tensor<T, [m, f]> {
         gelu_tanh(h)
@@ -114,6 +124,9 @@ pub enum Kind {
     Comm,
     /// An elementwise op (the activation or its adjoint).
     Elementwise,
+    /// A GEMM with an elementwise op in its epilogue (timed beside the two apart; not
+    /// counted among the GEMMs).
+    Fused,
 }
 
 /// Runs one step of a reference computation (the benchmark also times it).
@@ -137,6 +150,7 @@ pub struct Kernels {
     tn: FusionExecutor,
     act: FusionExecutor,
     act_grad: FusionExecutor,
+    nt_slope: FusionExecutor,
 }
 
 impl Kernels {
@@ -150,6 +164,7 @@ impl Kernels {
             tn: exec(gemm_tn::build(DTYPE))?,
             act: exec(act::build(DTYPE))?,
             act_grad: exec(act_grad::build(DTYPE))?,
+            nt_slope: exec(gemm_nt_slope::build(DTYPE))?,
         })
     }
 }
@@ -416,6 +431,13 @@ impl Op {
                 let dact = s.step("gemm_dact", grad, &k.nt, &[&dyg, &w2])?;
                 let dw2 = s.step("gemm_dw2", grad, &k.tn, &[&act, &dyg])?;
                 let dh = s.step("act_grad", Kind::Elementwise, &k.act_grad, &[&h, &dact])?;
+                // Timed only: the same dH as one GEMM with the derivative in its epilogue.
+                s.step(
+                    "gemm_dact_slope",
+                    Kind::Fused,
+                    &k.nt_slope,
+                    &[&dyg, &w2, &h],
+                )?;
                 let dw1 = s.step("gemm_dw1", grad, &k.tn, &[&xg, &dh])?;
                 let dxg = s.step("gemm_dx", grad, &k.nt, &[&dh, &w1])?;
                 let dx = scatter(k, s, "rs_dx", &dxg, d)?;

@@ -71,6 +71,9 @@ impl Eq for CallerStream {}
 
 /// Which engine runs a device's GEMMs ([`Kernel::Gemm`]), chosen per call
 /// (`ExecOptions::gemm`). A choice among CUDA GEMMs: the CPU backend has one and ignores it.
+/// With either engine, a product multiplied by an activation's derivative at an auxiliary
+/// matrix ([`Kernel::GemmAux`], a backward's `dY W^T * act'(H)`) runs on the persistent
+/// kernel where it applies (Hopper, bf16/f16): faster than cuBLASLt's fused form.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum GemmEngine {
     /// cuBLASLt from cached plans, else cuBLAS (the default).
@@ -78,7 +81,8 @@ pub enum GemmEngine {
     Cublas,
     /// The runtime's persistent GEMM for Hopper GPUs (compute capability 9.0) where it
     /// applies: bf16 or f16 operands and output of one dtype, row-major or transposed
-    /// operands, no bias, epilogue or accumulation; cuBLAS(Lt) for every other GEMM.
+    /// operands, no bias, accumulation or epilogue other than an activation's derivative;
+    /// cuBLAS(Lt) for every other GEMM.
     Persistent,
 }
 

@@ -18,7 +18,8 @@
 //! (`forward_saving`, then `backward_saved`) and `step_recompute` (`forward`, then
 //! `backward`); and each step of the reference alone (`gemm_<name>_alone`, the backward's
 //! GEMMs at their whole shapes, `recompute` for the one only the recomputing form runs;
-//! `ag_*_alone`, `rs_*_alone`, `act*_alone`). Times are device-event medians of `--iters`
+//! `ag_*_alone`, `rs_*_alone`, `act*_alone`, and `gemm_dact_slope_alone`, the first GEMM
+//! with the derivative in its epilogue). Times are device-event medians of `--iters`
 //! calls after `--warmup`, all ranks released together, the slowest rank's median; inputs
 //! are fresh uniform random values each run (the seed is printed). A gradient off by more
 //! than a bf16 tolerance fails the run after the rows are written.
@@ -127,6 +128,7 @@ impl Steps for Timed<'_> {
             Kind::Gemm { recompute } => ("gemm", Some(recompute)),
             Kind::Comm => ("comm", None),
             Kind::Elementwise => ("elementwise", None),
+            Kind::Fused => ("fused", None),
         };
         self.out.push(Sample {
             case: format!("{name}_alone"),

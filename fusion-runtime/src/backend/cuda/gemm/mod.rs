@@ -1,7 +1,9 @@
 //! Batched GEMM: cuBLASLt from cached plans with the epilogue in the GEMM (`lt`) where
 //! it applies, else cuBLAS (`cublasGemmStridedBatchedEx`, f32 accumulation) and a
 //! generated kernel for the epilogue. With [`GemmEngine::Persistent`], the runtime's own
-//! persistent kernel for Hopper GPUs (`hopper`) runs the GEMMs it applies to first.
+//! persistent kernel for Hopper GPUs (`hopper`) runs the GEMMs it applies to first; with
+//! any engine it runs the products multiplied by an activation's derivative (a backward's
+//! `dH = (dY W^T) * act'(H)`) where it applies.
 //!
 //! Tensors are row-major strided views; cuBLAS is column-major. A row-major matrix with a
 //! unit column stride is, to cuBLAS, its transpose with leading dimension = row stride;
@@ -31,6 +33,7 @@ pub(crate) use stream_blas::StreamBlas;
 use std::ffi::c_void;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use fusion_compiler::ir::EpilogueAux;
 use fusion_compiler::DType;
 
 use crate::backend::cuda::health::WorldHealth;
@@ -135,8 +138,8 @@ fn direct_output(input: DType, output: DType) -> bool {
 
 /// `dst = epilogue(a @ b (+ bias))`, or `dst += a @ b` with `accumulate`; see
 /// [`Kernel::Gemm`] (and [`Kernel::GemmAux`] for `g.aux`). The persistent Hopper kernel
-/// first where the device's engine asks for it and it applies (never with an auxiliary
-/// matrix);
+/// first where the device's engine asks for it, or the product is multiplied by an
+/// activation's derivative, and it applies;
 /// cuBLASLt from a cached plan with the epilogue in the GEMM where it can; else cuBLAS,
 /// and for an epilogue (or output dtype) cuBLAS cannot store, the product in f32 and one
 /// generated kernel for the rest (the same f32 semantics as cuBLASLt's epilogue and the
@@ -149,7 +152,11 @@ pub(crate) fn gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: GemmArgs) -> R
     if let Some(merged) = shared_weight::MergedRows::of(&g) {
         return gemm(dev, stream, merged.args(&g));
     }
-    let persistent = dev.gemm_engine() == GemmEngine::Persistent && g.aux.is_none();
+    // A product times an activation's derivative runs on the persistent kernel's slope
+    // entry whatever the engine (where it applies: Hopper, bf16/f16); cuBLASLt's DGELU
+    // and a separate kernel were slower (docs/DECISIONS.md).
+    let slope = matches!(g.aux, Some((_, EpilogueAux::Derivative(_))));
+    let persistent = slope || (dev.gemm_engine() == GemmEngine::Persistent && g.aux.is_none());
     if persistent && hopper::try_gemm(dev, stream, &g)? {
         return Ok(());
     }

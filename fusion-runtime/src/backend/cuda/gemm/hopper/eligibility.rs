@@ -28,6 +28,8 @@ pub(crate) struct Request<'a> {
     pub bias: bool,
     pub epilogue: bool,
     pub accumulate: bool,
+    /// An auxiliary matrix shaped as `dst` that the epilogue reads (the slope entry's).
+    pub aux: Option<View<'a>>,
 }
 
 /// One 2-D tensor map's view of an operand: `inner` contiguous elements per line, `outer`
@@ -52,6 +54,8 @@ pub(crate) struct Plan {
     pub a: MapView,
     pub b: MapView,
     pub c: MapView,
+    /// The map of the auxiliary matrix the epilogue reads (laid out as C's).
+    pub aux: Option<MapView>,
 }
 
 impl Plan {
@@ -173,6 +177,10 @@ pub(crate) fn plan(req: &Request) -> Result<Plan, Refusal> {
             return Err(Refusal::Alignment(what));
         }
     }
+    let aux = req
+        .aux
+        .map(|x| aux_map(&x, dst.dtype, (m, n)))
+        .transpose()?;
     let map = |addr, inner: usize, outer: usize, ld, boxed| MapView {
         addr,
         inner: inner as u64,
@@ -202,6 +210,31 @@ pub(crate) fn plan(req: &Request) -> Result<Plan, Refusal> {
         a: a_map,
         b: b_map,
         c: map(dst.addr, n, m, ldc, (64, 64)),
+        aux,
+    })
+}
+
+/// The map of an auxiliary matrix `x` shaped as C (`m x n`), which the copy engine loads
+/// as it stores C: rows unit-stride, a multiple of 8 elements apart, 16-byte aligned.
+fn aux_map(x: &View, dtype: DType, (m, n): (usize, usize)) -> Result<MapView, Refusal> {
+    const WHAT: &str = "the auxiliary matrix";
+    if x.dtype != dtype {
+        return Err(Refusal::DType(x.dtype, dtype, dtype));
+    }
+    let r = x.shape.len();
+    let (_, rs) = fold_rows(x.shape, x.strides).ok_or(Refusal::Batch)?;
+    let Some(Lines::Rows { ld }) = lines(m, n, rs, x.strides[r - 1]) else {
+        return Err(Refusal::Layout(WHAT));
+    };
+    if x.addr % 16 != 0 {
+        return Err(Refusal::Alignment(WHAT));
+    }
+    Ok(MapView {
+        addr: x.addr,
+        inner: n as u64,
+        outer: m as u64,
+        ld,
+        boxed: (64, 64),
     })
 }
 
@@ -250,12 +283,19 @@ mod tests {
         }
 
         fn plan(&self) -> Result<Plan, Refusal> {
+            self.plan_with_aux(None)
+        }
+
+        /// The plan with an auxiliary matrix of `dtype` and row stride `ld` at `addr`,
+        /// shaped as C.
+        fn plan_with_aux(&self, aux: Option<(DType, isize, u64)>) -> Result<Plan, Refusal> {
             let view = |i: usize| View {
                 dtype: self.dtypes[i],
                 shape: &self.shapes[i],
                 strides: &self.strides[i],
                 addr: self.addrs[i],
             };
+            let aux_strides = aux.map(|(_, ld, _)| vec![ld, 1]);
             plan(&Request {
                 a: view(0),
                 b: view(1),
@@ -263,6 +303,14 @@ mod tests {
                 bias: self.bias,
                 epilogue: self.epilogue,
                 accumulate: self.accumulate,
+                aux: aux
+                    .zip(aux_strides.as_deref())
+                    .map(|((dtype, _, addr), strides)| View {
+                        dtype,
+                        shape: &self.shapes[2],
+                        strides,
+                        addr,
+                    }),
             })
         }
     }
@@ -316,7 +364,10 @@ mod tests {
                 b_k: true
             }
         );
-        assert_eq!(p.variant.name(), "hopper_gemm_f16_tt");
+        assert_eq!(
+            p.variant.entry_name(super::super::kernel::Entry::Plain),
+            "hopper_gemm_f16_tt"
+        );
         assert_eq!(
             (p.a.inner, p.a.outer, p.a.ld, p.a.boxed),
             (384, 1000, 384, (64, 64))
@@ -345,6 +396,36 @@ mod tests {
             }
             assert_eq!(g.plan(), Err(Refusal::Extra(what)));
         }
+    }
+
+    #[test]
+    fn an_auxiliary_matrix_reads_as_c_does() {
+        let g = Gemm::new(200, 296, 136);
+        let bf16 = DType::BF16;
+        // Rows 304 elements apart (a padded buffer): a map of 296 x 200 lines of 304.
+        let p = g.plan_with_aux(Some((bf16, 304, 0x40000))).unwrap();
+        let aux = p.aux.expect("the auxiliary matrix's map");
+        assert_eq!(
+            (aux.addr, aux.inner, aux.outer, aux.ld),
+            (0x40000, 296, 200, 304)
+        );
+        assert_eq!(aux.boxed, (64, 64));
+        assert_eq!(g.plan().unwrap().aux, None);
+        let what = "the auxiliary matrix";
+        // Rows 300 elements apart (600 bytes, no 16-byte multiple), an odd address, another
+        // dtype: cuBLAS(Lt) runs these.
+        assert_eq!(
+            g.plan_with_aux(Some((bf16, 300, 0x40000))),
+            Err(Refusal::Layout(what))
+        );
+        assert_eq!(
+            g.plan_with_aux(Some((bf16, 304, 0x40008))),
+            Err(Refusal::Alignment(what))
+        );
+        assert!(matches!(
+            g.plan_with_aux(Some((DType::F16, 304, 0x40000))),
+            Err(Refusal::DType(..))
+        ));
     }
 
     #[test]

@@ -24,10 +24,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
-use fusion_compiler::ir::{EpilogueAux, UnaryOp};
+use fusion_compiler::ir::EpilogueAux;
 
 use super::eligibility::{self, MapView, Plan, Request, View};
-use super::kernel::{Entry, BM, BN};
+use super::kernel::{activation_code, Entry, BM, BN};
 use super::launch::{AgEpilogue, AgParams, AgWords};
 use crate::backend::cuda::comm::signals::SignalBoard;
 use crate::backend::cuda::gemm::GemmDevice;
@@ -285,19 +285,6 @@ fn epilogue_of(call: &GatheredGemmCall<'_>, plan: &Plan) -> Option<AgEpilogue> {
     })
 }
 
-/// `gemm.cu`'s code of activation `op` (`ACT_*`), where the kernel has it.
-fn activation_code(op: UnaryOp) -> Option<i32> {
-    Some(match op {
-        UnaryOp::Relu => 1,
-        UnaryOp::Gelu => 2,
-        UnaryOp::GeluTanh => 3,
-        UnaryOp::Silu => 4,
-        UnaryOp::Sigmoid => 5,
-        UnaryOp::Tanh => 6,
-        _ => return None,
-    })
-}
-
 /// The kernel's plan of `call` and the map of this rank's rows, where it applies: bf16 or
 /// f16, one block of rows per rank whose row ranges (`pieces` per block) fill whole tiles
 /// (a range's last tile must not reach into the next), the gathered rows row-major, B one
@@ -386,6 +373,7 @@ pub(super) fn request<'a>(
         bias: false,
         epilogue: false,
         accumulate: false,
+        aux: None,
     }
 }
 

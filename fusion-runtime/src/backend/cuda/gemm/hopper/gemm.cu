@@ -275,6 +275,65 @@ __device__ __forceinline__ void apply_epilogue(float* d, u64 bias, int act, int 
     }
 }
 
+// What the slope entry (HOPPER_GEMM_SLOPE) multiplies the product by before its one
+// rounding: the derivative of its activation (ACT_*, a template argument) at an auxiliary
+// matrix shaped as C, of the operands' type, read through `aux_map` (C's map at another
+// address): a backward's dH = (dY W^T) * act'(H) in one kernel. A consumer's 64 x 256
+// block of it is loaded by the copy engine into the consumer's four output pieces when
+// its tile starts (the entry runs with 3 stages and 4 pieces, as the ReduceScatter entry
+// does), so the epilogue reads it from shared memory.
+struct SlopeArgs {
+    TensorMap aux_map;
+};
+
+// The derivative of activation ACT at x, in f32; tanh and the sigmoid as `activate` takes
+// them (the hardware's tanh approximation), erf and exp in full precision.
+template <int ACT> __device__ __forceinline__ float slope(float x) {
+    if (ACT == ACT_RELU) return x > 0.0f ? 1.0f : 0.0f;
+    if (ACT == ACT_GELU)
+        return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * expf(-0.5f * x * x);
+    if (ACT == ACT_GELU_TANH) {
+        float t = tanh_approx(0.7978845608028654f * (x + 0.044715f * x * x * x));
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * x * x);
+    }
+    if (ACT == ACT_SILU) {
+        float s = 0.5f + 0.5f * tanh_approx(0.5f * x);
+        return s * (1.0f + x * (1.0f - s));
+    }
+    if (ACT == ACT_SIGMOID) {
+        float s = 0.5f + 0.5f * tanh_approx(0.5f * x);
+        return s * (1.0f - s);
+    }
+    if (ACT == ACT_TANH) {
+        float t = tanh_approx(x);
+        return 1.0f - t * t;
+    }
+    return 1.0f;
+}
+
+// Multiplies a consumer's 64 x 256 accumulators (the layout of `write_piece`) by
+// slope<ACT> of the auxiliary block the copy engine loaded into its four pieces (64 x 64
+// each, in the swizzle `write_piece` writes), read a pair of columns (one word) at a time.
+template <bool F16, int ACT>
+__device__ __forceinline__ void apply_slope(float* d, const unsigned char* pieces) {
+    int t = threadIdx.x % 128;
+    int row = (t / 32) * 16 + (t % 32) / 4;
+#pragma unroll
+    for (int q = 0; q < BN / 64; ++q) {
+        const unsigned char* piece = pieces + q * OUT_PIECE_BYTES;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                int r = row + 8 * h, i = 4 * (8 * q + jj) + 2 * h;
+                u32 x = *(const u32*)(piece + r * 128 + ((jj ^ (r % 8)) * 16) + 4 * (t % 4));
+                d[i] *= slope<ACT>(half_to_float((u16)(x & 0xffff), F16));
+                d[i + 1] *= slope<ACT>(half_to_float((u16)(x >> 16), F16));
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ u64 now_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ u32 ld_acquire(u64 p) {
     u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
@@ -578,10 +637,13 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
 // WALK (see Walk): WALK_RS a GEMM+ReduceScatter (`rs`, see RsArgs), WALK_AG an
 // AllGather+GEMM (`ag`, see AgArgs); the other is null. With either, `m` is the rows of one
 // row block.
-template <bool F16, bool A_MN, bool B_K, int NS, int NP, int WALK>
+// SLOPE (a plain walk only): the product times slope<SLOPE>(aux) (`sl`, see SlopeArgs);
+// ACT_NONE: none.
+template <bool F16, bool A_MN, bool B_K, int NS, int NP, int WALK, int SLOPE = ACT_NONE>
 __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMap* b_map,
                                           const TensorMap* c_map, int m, int n, int k,
-                                          const RsArgs* rs, const AgArgs* ag) {
+                                          const RsArgs* rs, const AgArgs* ag,
+                                          const SlopeArgs* sl = nullptr) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~(u64)1023);
     unsigned char* out = smem + NS * STAGE_BYTES;
@@ -589,6 +651,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
     u64* empty = full + NS;
     u64* staged = empty + NS;             // [CONSUMERS][NP], with `rs`
     u64* freed = staged + CONSUMERS * NP; // [CONSUMERS][NP], with `rs`
+    u64* aux_loaded = staged;             // [CONSUMERS], with SLOPE (no `rs`)
     int wg = threadIdx.x / 128;
     Walk walk = {WALK, 0, 1, m, 1, BN};
     if (WALK == WALK_RS) walk = {rs->interleave ? WALK_RS_INTERLEAVED : WALK_RS, rs->rank, rs->world, rs->rows_per, 1, BN};
@@ -607,6 +670,8 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 bar_init(&staged[i], 1);
                 bar_init(&freed[i], 1);
             }
+        if (SLOPE != ACT_NONE)
+            for (int c = 0; c < CONSUMERS; ++c) bar_init(&aux_loaded[c], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -675,9 +740,23 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         int consumer = wg - 1;
         float d[128];
         int stage = 0;
-        u32 phase = 0, tile_phase = 0; // tile_phase: RS, peers' tiles staged so far, mod 2
-        (void)tile_phase;
+        u32 phase = 0, tile_phase = 0; // tile_phase: RS, peers' tiles staged so far, mod 2;
+        (void)tile_phase;              // SLOPE, auxiliary blocks loaded so far, mod 2
         bool own_stored = false; // RS: this consumer's own tiles stored and counted
+        unsigned char* my_pieces = out + consumer * NP * OUT_PIECE_BYTES;
+        // SLOPE: the tile's auxiliary block into this consumer's pieces, once the last
+        // tile's stores have read them (an async-proxy write after the generic writes that
+        // `store_tile` fenced); issued after the first k-block, so the wait finds the
+        // stores done.
+        auto load_aux_block = [&](const TilePlace& p) {
+            if (threadIdx.x % 128 != 0) return;
+            stores_read_wait<0>();
+            bar_expect_bytes(&aux_loaded[consumer], NP * OUT_PIECE_BYTES);
+            for (int q = 0; q < NP; ++q)
+                load_box(my_pieces + q * OUT_PIECE_BYTES, &sl->aux_map, p.col + 64 * q,
+                         p.out_row + consumer * 64, &aux_loaded[consumer]);
+        };
+        (void)load_aux_block;
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
             TilePlace p = place_tile(t, tiles_m, tiles_n, walk);
             bool own = true; // a tile of this rank's output
@@ -714,6 +793,9 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 // so its stage goes back to the loader.
                 wgmma_wait<1>();
                 if (prev >= 0 && threadIdx.x % 32 == 0) bar_arrive(&empty[prev]);
+                if constexpr (SLOPE != ACT_NONE) {
+                    if (kb == 0) load_aux_block(p);
+                }
                 prev = stage;
                 if (++stage == NS) { stage = 0; phase ^= 1; }
             }
@@ -722,6 +804,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
             if (k_blocks == 0) {
 #pragma unroll
                 for (int i = 0; i < 128; ++i) d[i] = 0.f;
+                if constexpr (SLOPE != ACT_NONE) load_aux_block(p);
             }
             int qn = BN / 64; // output pieces of the tile
             unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
@@ -737,6 +820,12 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 } else if (ag->bias != 0 || ag->act != ACT_NONE) {
                     apply_epilogue<F16>(d, ag->bias, ag->act, p.col, n);
                 }
+            }
+            if constexpr (SLOPE != ACT_NONE) {
+                static_assert(NP == BN / 64, "the auxiliary block fills the pieces");
+                bar_wait(&aux_loaded[consumer], tile_phase);
+                tile_phase ^= 1;
+                apply_slope<F16, SLOPE>(d, my_pieces);
             }
             if (WALK != WALK_RS || own) {
                 store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col, qn);
@@ -788,6 +877,17 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         gemm_body<F16, A_MN, B_K, STAGES, PIECES, WALK_AG>(&a_map, &b_map, &c_map, m, n, k, nullptr, &ag); \
     }
 
+// A GEMM whose product is multiplied by the derivative of activation ACT (ACT_*) at an
+// auxiliary matrix (see SlopeArgs); 3 stages and 4 pieces a consumer (shared memory:
+// SMEM_FOR(3, 4), within the plain entry's).
+#define HOPPER_GEMM_SLOPE(NAME, F16, A_MN, B_K, ACT)                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                 \
+    NAME(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,  \
+         const __grid_constant__ TensorMap c_map, int m, int n, int k,                       \
+         const __grid_constant__ SlopeArgs sl) {                                            \
+        gemm_body<F16, A_MN, B_K, 3, 4, WALK_PLAIN, ACT>(&a_map, &b_map, &c_map, m, n, k, nullptr, nullptr, &sl); \
+    }
+
 #ifdef ALL_VARIANTS
 HOPPER_GEMM(hopper_gemm_bf16_nn, false, false, false)
 HOPPER_GEMM(hopper_gemm_bf16_nt, false, false, true)
@@ -800,4 +900,5 @@ HOPPER_GEMM_RS(hopper_gemm_rs_bf16_nn, false, false, false, 3, 4)
 HOPPER_GEMM_RS(hopper_gemm_rs_f16_nn, true, false, false, 3, 4)
 HOPPER_GEMM_AG(hopper_gemm_ag_bf16_nn, false, false, false)
 HOPPER_GEMM_AG(hopper_gemm_ag_f16_nn, true, false, false)
+HOPPER_GEMM_SLOPE(hopper_gemm_slope3_bf16_nt, false, false, true, ACT_GELU_TANH)
 #endif

@@ -4,6 +4,8 @@
 //! instantiates the variant. The geometry must match `gemm.cu`'s `#define`s (a unit test
 //! reads them).
 
+use fusion_compiler::ir::UnaryOp;
+
 /// The kernel's source, as the repository holds it.
 const GEMM_CU: &str = include_str!("gemm.cu");
 /// The file `gemm.cu` includes: the wgmma instructions.
@@ -38,6 +40,34 @@ pub(crate) const SMEM_BYTES: u32 =
 /// copies are instructions of sm_90a only.
 pub(crate) const ARCH: &str = "compute_90a";
 
+/// `gemm.cu`'s code of activation `op` (`ACT_*`), where the kernel has it.
+pub(crate) fn activation_code(op: UnaryOp) -> Option<i32> {
+    Some(match op {
+        UnaryOp::Relu => 1,
+        UnaryOp::Gelu => 2,
+        UnaryOp::GeluTanh => 3,
+        UnaryOp::Silu => 4,
+        UnaryOp::Sigmoid => 5,
+        UnaryOp::Tanh => 6,
+        _ => return None,
+    })
+}
+
+/// The code (`ACT_*`) of the activation whose derivative `op` is, where the kernel's
+/// `slope` has it: what [`Entry::Slope`] multiplies by.
+pub(crate) fn slope_code(op: UnaryOp) -> Option<u8> {
+    let act = match op {
+        UnaryOp::ReluGrad => UnaryOp::Relu,
+        UnaryOp::GeluGrad => UnaryOp::Gelu,
+        UnaryOp::GeluTanhGrad => UnaryOp::GeluTanh,
+        UnaryOp::SiluGrad => UnaryOp::Silu,
+        UnaryOp::SigmoidGrad => UnaryOp::Sigmoid,
+        UnaryOp::TanhGrad => UnaryOp::Tanh,
+        _ => return None,
+    };
+    activation_code(act).map(|c| c as u8)
+}
+
 /// One instantiation of the kernel: the operands' dtype and how each is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Variant {
@@ -59,6 +89,9 @@ pub(crate) enum Entry {
     /// `HOPPER_GEMM_RS`: a GEMM whose tiles are added into their owners' outputs
     /// (`RsArgs`), with [`RS_STAGES`] stages and [`RS_PIECES`] pieces.
     ReduceScatter,
+    /// `HOPPER_GEMM_SLOPE`: a GEMM whose product is multiplied by the derivative of the
+    /// activation `gemm.cu` codes as this `ACT_*` at an auxiliary matrix (`SlopeArgs`).
+    Slope(u8),
 }
 
 /// Operand stages of the ReduceScatter entry: its consumers stage whole tiles for the
@@ -68,12 +101,14 @@ const RS_STAGES: u32 = 3;
 const RS_PIECES: u32 = 4;
 
 impl Entry {
-    /// The macro that instantiates it, and the prefix of its names.
-    fn spelled(self) -> (&'static str, &'static str) {
+    /// The macro that instantiates it, and the prefix of its names (a slope entry's names
+    /// carry its activation's code: `hopper_gemm_slope3`).
+    fn spelled(self) -> (&'static str, String) {
         match self {
-            Entry::Plain => ("HOPPER_GEMM", "hopper_gemm"),
-            Entry::AllGather => ("HOPPER_GEMM_AG", "hopper_gemm_ag"),
-            Entry::ReduceScatter => ("HOPPER_GEMM_RS", "hopper_gemm_rs"),
+            Entry::Plain => ("HOPPER_GEMM", "hopper_gemm".into()),
+            Entry::AllGather => ("HOPPER_GEMM_AG", "hopper_gemm_ag".into()),
+            Entry::ReduceScatter => ("HOPPER_GEMM_RS", "hopper_gemm_rs".into()),
+            Entry::Slope(act) => ("HOPPER_GEMM_SLOPE", format!("hopper_gemm_slope{act}")),
         }
     }
 
@@ -81,20 +116,16 @@ impl Entry {
     fn extra_arguments(self) -> String {
         match self {
             Entry::ReduceScatter => format!(", {RS_STAGES}, {RS_PIECES}"),
+            Entry::Slope(act) => format!(", {act}"),
             Entry::Plain | Entry::AllGather => String::new(),
         }
     }
 }
 
 impl Variant {
-    /// The kernel's entry name: `hopper_gemm_<dtype>_<a><b>`, `n` for a row-major operand
-    /// and `t` for a transposed one (the harness's names).
-    pub(crate) fn name(self) -> String {
-        self.entry_name(Entry::Plain)
-    }
-
-    /// The name of `entry` for this variant (`hopper_gemm_ag_bf16_nn` for the AllGather
-    /// entry).
+    /// The name of `entry` for this variant: `hopper_gemm_<dtype>_<a><b>` for the plain
+    /// entry, `n` for a row-major operand and `t` for a transposed one (the harness's
+    /// names); `hopper_gemm_ag_bf16_nn` for the AllGather entry.
     pub(crate) fn entry_name(self, entry: Entry) -> String {
         let t = |transposed: bool| if transposed { 't' } else { 'n' };
         format!(
@@ -170,7 +201,7 @@ mod tests {
             a_mn: true,
             b_k: false,
         };
-        assert_eq!(v.name(), "hopper_gemm_bf16_tn");
+        assert_eq!(v.entry_name(Entry::Plain), "hopper_gemm_bf16_tn");
         let src = v.entry_source(Entry::Plain);
         assert!(!src.contains("#include"), "NVRTC cannot open includes");
         assert!(src.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.\" #TY"));
@@ -184,7 +215,7 @@ mod tests {
     }
 
     #[test]
-    fn the_reduce_scatter_entry_fits_the_plain_entrys_shared_memory() {
+    fn the_reduce_scatter_and_slope_entries_fit_the_plain_entrys_shared_memory() {
         let v = Variant {
             f16: false,
             a_mn: false,
@@ -201,6 +232,11 @@ mod tests {
             + 1024
             + 2 * (RS_STAGES + CONSUMERS * RS_PIECES) * 8;
         assert!(rs <= SMEM_BYTES, "{rs} > {SMEM_BYTES}");
+        // The slope entry runs with the same stages and pieces.
+        assert!(v
+            .entry_source(Entry::Slope(3))
+            .contains("gemm_body<F16, A_MN, B_K, 3, 4, WALK_PLAIN, ACT>"));
+        assert_eq!((RS_STAGES, RS_PIECES), (3, 4));
     }
 
     /// NVRTC compiles every variant for `compute_90a` (no GPU needed; skipped, saying so,
@@ -221,7 +257,12 @@ mod tests {
                 arch: Some(ARCH),
                 ..Default::default()
             };
-            for entry in [Entry::Plain, Entry::AllGather, Entry::ReduceScatter] {
+            for entry in [
+                Entry::Plain,
+                Entry::AllGather,
+                Entry::ReduceScatter,
+                Entry::Slope(3),
+            ] {
                 let name = v.entry_name(entry);
                 let ptx = cudarc::nvrtc::compile_ptx_with_opts(v.entry_source(entry), opts.clone())
                     .unwrap_or_else(|e| panic!("{name}: {e:?}"));
@@ -241,7 +282,7 @@ mod tests {
                 a_mn: bits & 2 != 0,
                 b_k: bits & 4 != 0,
             };
-            assert!(names.insert(v.name()));
+            assert!(names.insert(v.entry_name(Entry::Plain)));
         }
         assert!(names.contains("hopper_gemm_f16_nt"));
         let v = Variant {
@@ -254,5 +295,10 @@ mod tests {
             .entry_source(Entry::AllGather)
             .trim_end()
             .ends_with("HOPPER_GEMM_AG(hopper_gemm_ag_bf16_nt, false, false, true)"));
+        assert_eq!(v.entry_name(Entry::Slope(3)), "hopper_gemm_slope3_bf16_nt");
+        assert!(v
+            .entry_source(Entry::Slope(3))
+            .trim_end()
+            .ends_with("HOPPER_GEMM_SLOPE(hopper_gemm_slope3_bf16_nt, false, false, true, 3)"));
     }
 }

@@ -107,6 +107,41 @@ impl Params {
     }
 }
 
+/// What the slope entry (`HOPPER_GEMM_SLOPE`) takes besides the plain entry's parameters,
+/// laid out as `gemm.cu`'s `SlopeArgs`: the auxiliary matrix's map.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct SlopeArgs {
+    aux_map: TensorMap,
+}
+
+/// The slope entry's parameters: the plain entry's, then its [`SlopeArgs`].
+pub(crate) struct SlopeParams {
+    plain: Params,
+    slope: SlopeArgs,
+}
+
+impl SlopeParams {
+    /// The parameters of `plan`, which reads an auxiliary matrix (`None` when it reads none).
+    pub(crate) fn new(plan: &Plan) -> Result<Option<SlopeParams>> {
+        let Some(aux) = &plan.aux else {
+            return Ok(None);
+        };
+        Ok(Some(SlopeParams {
+            plain: Params::new(plan)?,
+            slope: SlopeArgs {
+                aux_map: encode(aux, plan.variant.f16)?,
+            },
+        }))
+    }
+
+    /// A pointer to each parameter, in the entry's order (valid while `self` is borrowed).
+    pub(crate) fn pointers(&mut self) -> [*mut c_void; 7] {
+        let [a, b, c, m, n, k] = self.plain.pointers();
+        [a, b, c, m, n, k, (&mut self.slope as *mut SlopeArgs).cast()]
+    }
+}
+
 /// What the AllGather entry (`HOPPER_GEMM_AG`) takes besides the plain entry's parameters,
 /// laid out as `gemm.cu`'s `AgArgs` (a unit test checks the offsets).
 #[repr(C, align(64))]
@@ -332,6 +367,14 @@ mod tests {
         );
         assert_eq!(std::mem::size_of::<AgArgs>(), 576);
         assert_eq!(std::mem::align_of::<AgArgs>(), 64);
+    }
+
+    #[test]
+    fn slope_args_are_laid_out_like_the_kernels() {
+        // gemm.cu's SlopeArgs: one map (128 bytes, 64-aligned).
+        assert_eq!(std::mem::offset_of!(SlopeArgs, aux_map), 0);
+        assert_eq!(std::mem::size_of::<SlopeArgs>(), 128);
+        assert_eq!(std::mem::align_of::<SlopeArgs>(), 64);
     }
 
     #[test]

@@ -4,10 +4,13 @@
 //! [`try_gemm`] runs a GEMM on it where it applies and answers `false` where it does not,
 //! for cuBLAS(Lt) to run it: the device must have compute capability 9.0 (and the shared
 //! memory a block needs), and the GEMM must meet `eligibility`'s rules (bf16/f16, no
-//! extras, layouts and alignment the tensor maps read, batch axes that fold into the rows).
-//! The kernel is compiled by NVRTC for `compute_90a` once per variant and process (`kernel`
-//! assembles its source) and loaded once per device, with its shared-memory limit raised;
-//! each launch encodes three tensor maps (`launch`) and runs `min(tiles, SMs)` blocks.
+//! extras but an activation's derivative at an auxiliary matrix, layouts and alignment the
+//! tensor maps read, batch axes that fold into the rows). A product times a derivative
+//! runs on the slope entry (whatever the engine: the caller decides), any other on the
+//! plain one. The kernel is compiled by NVRTC for `compute_90a` once per variant, entry and
+//! process (`kernel` assembles its source) and loaded once per device, with its
+//! shared-memory limit raised; each launch encodes three tensor maps (four with the
+//! auxiliary matrix; `launch`) and runs `min(tiles, SMs)` blocks.
 //! `gathered` runs the AllGather entry as the backend's gathered GEMM (a program's
 //! `GatheredGemmLaunch`, its ready blocks and its status word); `scattered` the
 //! ReduceScatter entry as its scattered GEMM (`GemmReduceScatter`).
@@ -31,10 +34,11 @@ use crate::device::StreamHandle;
 use crate::error::Result;
 use crate::tensor::Tensor;
 use eligibility::{Request, View};
+use fusion_compiler::ir::EpilogueAux;
 pub(crate) use gathered::{
     launch as launch_gathered, rows_ready as gathered_rows_ready, runs as runs_gathered,
 };
-use kernel::{Entry, Variant, ARCH, SMEM_BYTES, THREADS};
+use kernel::{slope_code, Entry, Variant, ARCH, SMEM_BYTES, THREADS};
 pub(crate) use scattered::{launch as launch_scattered, runs as runs_scattered};
 
 /// A device's state of the kernel: whether it runs there, and its loaded variants.
@@ -108,6 +112,16 @@ pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs)
     let (Some(a), Some(b), Some(dst)) = (view(g.a), view(g.b), view(g.dst)) else {
         return Ok(false);
     };
+    // The slope entry takes a product times an activation's derivative at an auxiliary
+    // matrix; no other auxiliary-matrix epilogue.
+    let (aux, entry) = match g.aux {
+        None => (None, Entry::Plain),
+        Some((x, EpilogueAux::Derivative(op))) => match (view(x), slope_code(op)) {
+            (Some(x), Some(code)) => (Some(x), Entry::Slope(code)),
+            _ => return Ok(false),
+        },
+        Some((_, EpilogueAux::PreActivation)) => return Ok(false),
+    };
     let request = Request {
         a,
         b,
@@ -115,6 +129,7 @@ pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs)
         bias: g.bias.is_some(),
         epilogue: !g.epilogue.is_empty(),
         accumulate: g.accumulate,
+        aux,
     };
     let plan = match eligibility::plan(&request) {
         Ok(plan) => plan,
@@ -123,15 +138,27 @@ pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs)
             return Ok(false);
         }
     };
-    let name = plan.variant.name();
-    let f = dev.hopper().function(dev, plan.variant, Entry::Plain)?;
+    let name = plan.variant.entry_name(entry);
+    let f = dev.hopper().function(dev, plan.variant, entry)?;
     let grid = plan.tiles().min(u64::from(sms)) as u32;
-    let mut params = launch::Params::new(&plan)?;
     let raw = dev.raw_stream(stream)?;
-    // SAFETY: the parameters are the entry's (maps of A, B, C, then M, N, K), the maps
-    // describe views of `g`'s tensors, which the caller keeps until the stream has run
-    // the kernel.
-    unsafe { launch_entry(dev, (f, &name), grid, raw, &mut params.pointers()) }?;
+    // SAFETY: the parameters are the entry's (maps of A, B, C, then M, N, K, and the
+    // slope entry's auxiliary matrix), the maps and the address describe views of `g`'s
+    // tensors, which the caller keeps until the stream has run the kernel.
+    match launch::SlopeParams::new(&plan)? {
+        Some(mut params) => {
+            unsafe { launch_entry(dev, (f, &name), grid, raw, &mut params.pointers()) }?
+        }
+        None => unsafe {
+            launch_entry(
+                dev,
+                (f, &name),
+                grid,
+                raw,
+                &mut launch::Params::new(&plan)?.pointers(),
+            )
+        }?,
+    }
     Ok(true)
 }
 
