@@ -137,3 +137,55 @@ fn mlp_block_backward_program_snapshot() {
         insta::assert_snapshot!("mlp_block_backward_4_devices", p.to_string());
     });
 }
+
+/// The row-parallel layer's backward (`dA = AG(dY) W^T`, `dW = A^T AG(dY)`): by default its
+/// weight gradient accumulates block by block in the AllGather loop; with
+/// `WeightGradients::AfterLoop` (the candidate `gradients_after_loop`) it runs once after
+/// the loop over every gathered block, which lands whole. Both equal the unpipelined
+/// program on every device count, under the race checker.
+#[test]
+fn the_row_parallel_backwards_weight_gradient_runs_after_its_allgather_loop_when_asked() {
+    use backward_support::layers::shape;
+    use common::{assert_outputs_close, pipelined, tolerance_for, try_run};
+    use fusion::compiler::lower::WeightGradients;
+    let dt = DType::BF16;
+    let forward = common::cases::tp_out_proj(dt);
+    let bw = backward(&forward, &GradSpec::all(&forward)).unwrap();
+    let bf = &bw.fusion;
+    // GEMMs inside a loop, and (after it) at the top level.
+    let gemms = |p: &fusion::compiler::hir::HostProgram| {
+        let mut counts = (0, 0);
+        for (looped, n) in nodes_of(p) {
+            if let Node::Compute(e) = n {
+                if matches!(e.op, Op::Matmul | Op::Gemm { .. }) {
+                    *(if looped { &mut counts.0 } else { &mut counts.1 }) += 1;
+                }
+            }
+        }
+        counts
+    };
+    for d in device_counts() {
+        let given: Vec<(Tensor, Give)> = (bf.inputs().iter().enumerate())
+            .map(|(i, &t)| {
+                let x = Tensor::randn(&shape(bf, t, d), dt, 7000 + 10 * d as u64 + i as u64);
+                (x, give(bf, t))
+            })
+            .collect();
+        let takes: Vec<Take> = bf.outputs().iter().map(|&t| take(bf, t)).collect();
+        let whole = try_run(bf, d, &given, &takes, &common::unpipelined()).unwrap();
+        // (placement, GEMMs in the loop (dW's first block and the others, dA), after it)
+        for (placement, want) in [
+            (WeightGradients::AfterLoopFromInputs, (3, 0)),
+            (WeightGradients::InLoop, (3, 0)),
+            (WeightGradients::AfterLoop, (1, 1)),
+        ] {
+            let o = pipelined(true, |l| l.pipelines.weight_gradients = placement);
+            let r = try_run(bf, d, &given, &takes, &o).unwrap();
+            let what = format!("{d} devices, {placement:?}");
+            assert_outputs_close(&whole, &r, tolerance_for(dt), &what);
+            if d > 1 {
+                assert_eq!(gemms(&r.program), want, "{what}: {}", r.program);
+            }
+        }
+    }
+}

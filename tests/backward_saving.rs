@@ -19,8 +19,8 @@ use backward_support::layers::{
 };
 use backward_support::{distance, eval, Arr};
 use common::{
-    assert_close, count_nodes, device_counts, pipelined, run, tolerance_for, unpipelined, Give,
-    RefArray,
+    assert_outputs_close, count_nodes, device_counts, pipelined, run, tolerance_for, unpipelined,
+    Give,
 };
 use fusion::compiler::autodiff::{backward, saving, BackwardInput, GradSpec};
 use fusion::compiler::hir::{HostProgram, Node, NodeKind, P2PDirection};
@@ -300,15 +300,7 @@ fn the_gathered_gemm_stores_the_pre_activation_of_the_saving_forward() {
             if d > 1 {
                 assert!(program.contains("aux = "), "{what}:\n{program}");
             }
-            for (o, got) in r.outputs.iter().enumerate() {
-                let want = RefArray::from_tensor(&whole.outputs[o]);
-                assert_close(
-                    &want,
-                    got,
-                    tolerance_for(dt),
-                    &format!("{what}, output {o}"),
-                );
-            }
+            assert_outputs_close(&whole, &r, tolerance_for(dt), &what);
         }
     }
 }

@@ -22,8 +22,11 @@ pub enum P2pSchedule {
     MeshOrder,
 }
 
-/// Where a gather-scatter loop (a backward) runs its weight gradients: the GEMMs its last
-/// GEMM does not read that the loop accumulates over its blocks.
+/// Where a backward's loops run their weight gradients: the GEMMs a loop accumulates over
+/// its blocks (that a gather-scatter loop's last GEMM does not read). A loop that only
+/// gathers (the row-parallel layer's backward: `dW = A^T AG(dY)`) keeps them in the loop
+/// but with [`WeightGradients::AfterLoop`], which runs those that read only its gathered
+/// rows and inputs after it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum WeightGradients {
     /// Block by block in the loop, after each step's ring send.
@@ -36,7 +39,8 @@ pub enum WeightGradients {
     AfterLoopFromInputs,
     /// All of them once after the loop, the loop's results they read kept for every block:
     /// on 4 H100s faster at the largest MLP shape, slower at the others (its GEMMs no
-    /// longer cover the loop's transfers; docs/DECISIONS.md).
+    /// longer cover the loop's transfers; docs/DECISIONS.md). Also an AllGather loop's
+    /// (faster only at the row-parallel backward's 16384,8192,8192 at D = 4 on 4 H200s).
     AfterLoop,
 }
 
@@ -205,8 +209,7 @@ pub struct PipelineOptions {
     /// the device runs such a GEMM (Hopper GPUs with every rank in one process); elsewhere
     /// the node runs as the GEMM, then the ReduceScatter.
     pub scattered_gemm: bool,
-    /// Where a gather-scatter loop (a backward) runs its weight gradients
-    /// ([`WeightGradients`]).
+    /// Where a backward's loops run their weight gradients ([`WeightGradients`]).
     pub weight_gradients: WeightGradients,
 }
 

@@ -401,6 +401,19 @@ pub fn local_chunk_branch(p: &HostProgram) -> Vec<NodeKind> {
         .expect("the main loop branches on the local chunk")
 }
 
+/// Asserts every output of run `got` is within `tol` of the same output of run `want`
+/// ([`assert_close`], each named `what, output k`).
+pub fn assert_outputs_close(want: &Run, got: &Run, tol: f64, what: &str) {
+    for (k, (w, g)) in want.outputs.iter().zip(&got.outputs).enumerate() {
+        assert_close(
+            &RefArray::from_tensor(w),
+            g,
+            tol,
+            &format!("{what}, output {k}"),
+        );
+    }
+}
+
 /// Asserts `got` is within `tol` relative Frobenius error of `expected`. With
 /// `FUSION_RESULTS=path`, also appends a JSON line (case, devices, dtype, backend, error).
 pub fn assert_close(expected: &RefArray, got: &Tensor, tol: f64, what: &str) {

@@ -34,7 +34,8 @@ use crate::options::{
 pub const DEFAULT_STREAMS: usize = 4;
 
 /// Bumped whenever the candidates or their meaning change, so that plans tuned by an
-/// older build are not trusted (18: `gradients_after_loop`; 17: a gather-scatter loop's weight gradients that read no
+/// older build are not trusted (19: `gradients_after_loop` also runs an AllGather loop's
+/// weight gradients that read only its gathered rows and inputs once after it; 18: `gradients_after_loop`; 17: a gather-scatter loop's weight gradients that read no
 /// result of the loop run once after it, summed over every gathered block; 16: a gather-scatter loop runs what its last GEMM does not
 /// read after the ring send; 15: an unpipelined weight gradient summed over gathered
 /// blocks is one GEMM; 14: the gathered GEMM also takes a saved pre-activation,
@@ -42,7 +43,7 @@ pub const DEFAULT_STREAMS: usize = 4;
 /// over a shared weight runs as one GEMM,
 /// so the unpipelined candidates' times changed; 12: the gathered GEMM also takes weights
 /// broadcast against the Stream axis; 11: `CopyStreams::OneInSendOrder`).
-pub const PLAN_SPACE_REVISION: u32 = 18;
+pub const PLAN_SPACE_REVISION: u32 = 19;
 
 /// One candidate: a name (stable across builds of the same revision, used in caches and
 /// dumps), the lowering options and the stream pool size.

@@ -68,12 +68,14 @@
 //! `exchange` (the coalesced send/receive and the allgather step), `iteration` (one
 //! expression per iteration, fork and join loops), `direct` and `ring` (the two
 //! reduce-scatter pipelines), `stream_loop` (the standard loop), `gather_scatter` (a loop
-//! that gathers and reduce-scatters), `choice` (which of these a loop lowers to), and for
+//! that gathers and reduce-scatters), `after_loop` (a loop's weight gradients run once
+//! after it), `choice` (which of these a loop lowers to), and for
 //! the grouping `permute_views` and `accumulate` (which permutes are views, which sums
 //! fold), `internal` (the results only their loop reads) and `merge` (adjacent
 //! independent loops into one).
 
 mod accumulate;
+mod after_loop;
 mod choice;
 mod direct;
 mod exchange;
@@ -100,7 +102,7 @@ use super::context::{Pass, PassContext};
 use crate::error::Result;
 use crate::hir::{HostProgram, Node};
 use crate::ir::{axis_map, Expr, Op, ParallelType, TensorId};
-use crate::options::ReduceScatterPipeline;
+use crate::options::{ReduceScatterPipeline, WeightGradients};
 
 /// The stream-lowering pass.
 pub struct StreamParallelType;
@@ -326,6 +328,31 @@ fn emit_loop(
             }
         }
         Pipeline::Direct | Pipeline::Standard => {}
+    }
+    // With `WeightGradients::AfterLoop`, an AllGather loop's weight gradients that read
+    // only its gathered rows and inputs run after it, over every block (`after_loop`).
+    if choice.has_allgather
+        && g.reduce_scatter.is_none()
+        && ctx.options.pipelines.weight_gradients == WeightGradients::AfterLoop
+    {
+        let gathered: HashSet<TensorId> = g.gathers(p)?.iter().map(|gth| gth.out).collect();
+        if let Some((rest, after)) = after_loop::split_off(p, &g, &gathered) {
+            // The gathered rows they read land in a buffer of every block.
+            let read_after = after_loop::read_by(&g, &after);
+            let internal: HashSet<TensorId> = internal.difference(&read_after).copied().collect();
+            let subchunks = match rest.whole_chunks() {
+                true => 1,
+                false => ctx.options.allgather_row_ranges(),
+            };
+            let mut nodes = stream_loop::emit(rest, p, ctx, &internal, true, subchunks)?;
+            for (e, _) in &after {
+                if let Some(sum) = g.accumulate.iter().find(|a| a.inputs[0] == e.output) {
+                    nodes.push(Node::Allocate { tensor: sum.output });
+                }
+            }
+            after_loop::emit(&g, &after, &mut nodes);
+            return Ok(nodes);
+        }
     }
     // Without a reduce-scatter, the row ranges are the allgather's (the AllGather + GEMM
     // pipeline); a loop that gathers and reduce-scatters took the gather-scatter path above.

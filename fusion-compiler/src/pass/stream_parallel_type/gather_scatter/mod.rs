@@ -59,6 +59,7 @@ mod unit;
 
 use std::collections::{HashMap, HashSet};
 
+use super::after_loop;
 use super::exchange::require_world_mesh;
 use super::group::{Gather, LoopGroup};
 use super::iteration::{fork_loop, join_loop};
@@ -239,7 +240,7 @@ pub(super) fn emit(
         u.stop,
         streams.worker,
     ));
-    pipe.emit_after_loop(&mut nodes);
+    after_loop::emit(&g, &pipe.after, &mut nodes);
     Ok(nodes)
 }
 
@@ -258,7 +259,7 @@ fn after_loop(
     gathers: &[Gather],
     all: bool,
 ) -> Vec<(Expr, usize)> {
-    use crate::ir::{axis_map, Op};
+    use crate::ir::Op;
     use crate::pass::stream_parallel_type::permute_views::source;
     let gathered: HashSet<TensorId> = gathers.iter().map(|gth| gth.out).collect();
     let body = &g.exprs[..g.exprs.len() - 1];
@@ -278,22 +279,10 @@ fn after_loop(
         }
     }
     later.reverse();
-    // A loop result other than the gathered rows (a permute view counts as what it views).
-    let computed = |t: TensorId| {
-        let t = source(views, t);
-        !gathered.contains(&t) && body.iter().any(|(e, _)| e.output == t)
-    };
-    let fits = |(e, s): &(Expr, usize)| match &e.op {
-        Op::Matmul if e.inputs.len() == 2 => {
-            let accumulated = g.accumulate.iter().any(|a| a.inputs[0] == e.output);
-            let map = axis_map(&p.ir, e);
-            let first = (0..2).all(|i| map.producer_axis(i, *s) == Some(0));
-            let reads_results = e.inputs.iter().any(|&t| computed(t));
-            accumulated && first && *s == 0 && (all || !reads_results)
-        }
+    let fits = |x: &(Expr, usize)| match &x.0.op {
         // A permute view such a GEMM reads, made over every block after the loop too.
         Op::Permute { .. } => all,
-        _ => false,
+        _ => after_loop::fits(p, g, &gathered, all, x),
     };
     if all {
         return match later.iter().all(fits) {

@@ -4,12 +4,13 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::super::after_loop;
 use super::scalars::{UnitScalars, UnitStreams};
 use super::sink::sink_elementwise;
 use super::unit::Unit;
 use crate::error::Result;
 use crate::hir::{HostProgram, Node, StreamId, Transport};
-use crate::ir::{axis_map, Epilogue, Expr, Op, ScalarId, TensorId};
+use crate::ir::{axis_map, Expr, Op, ScalarId, TensorId};
 use crate::pass::stream_parallel_type::exchange::coalesced_exchange;
 use crate::pass::stream_parallel_type::group::{Gather, LoopGroup, ReduceScatterFold};
 use crate::pass::stream_parallel_type::iteration::emit_body_expr;
@@ -88,7 +89,7 @@ impl GatherScatter<'_> {
         let (one, two) = (self.u.one, self.u.two);
         let rows = self.rows_of(self.u.sub);
         let mut received: HashMap<TensorId, TensorId> = HashMap::new();
-        let read_after = self.read_after_loop();
+        let read_after = after_loop::read_by(self.g, &self.after);
         let mut whole = HashSet::new();
         for gth in &self.gathers {
             if read_after.contains(&gth.out) {
@@ -146,43 +147,6 @@ impl GatherScatter<'_> {
             own,
             acc,
             whole,
-        }
-    }
-
-    /// The tensors the expressions after the loop read (a permute view's read is a read
-    /// of what it views).
-    fn read_after_loop(&self) -> HashSet<TensorId> {
-        let views = &self.g.views;
-        (self.after.iter())
-            .flat_map(|(e, _)| e.inputs.iter().flat_map(|&t| [t, source(views, t)]))
-            .collect()
-    }
-
-    /// After the loop (its receives joined): the expressions of [`Self::after`] over every
-    /// block, each accumulated GEMM as one GEMM summed over the blocks into its sum.
-    pub(super) fn emit_after_loop(&self, nodes: &mut Vec<Node>) {
-        let mut viewed = HashSet::new();
-        for (e, _) in &self.after {
-            // A permute view a GEMM reads is made whole right before it.
-            for t in &e.inputs {
-                if let Some(v) = self.g.views.get(t).filter(|_| viewed.insert(*t)) {
-                    nodes.push(Node::Compute(v.clone()));
-                }
-            }
-            match self.g.accumulate.iter().find(|a| a.inputs[0] == e.output) {
-                Some(sum) => nodes.push(Node::Compute(Expr {
-                    op: Op::Gemm {
-                        linear: false,
-                        epilogue: Epilogue {
-                            sums_batch: true,
-                            ..Epilogue::default()
-                        },
-                    },
-                    inputs: e.inputs.clone(),
-                    output: sum.output,
-                })),
-                None => nodes.push(Node::Compute(e.clone())),
-            }
         }
     }
 
