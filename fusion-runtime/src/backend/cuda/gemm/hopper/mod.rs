@@ -142,9 +142,10 @@ pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs)
     let f = dev.hopper().function(dev, plan.variant, entry)?;
     let grid = plan.tiles().min(u64::from(sms)) as u32;
     let raw = dev.raw_stream(stream)?;
-    // SAFETY: the parameters are the entry's (maps of A, B, C, then M, N, K, and the
-    // slope entry's auxiliary matrix), the maps and the address describe views of `g`'s
-    // tensors, which the caller keeps until the stream has run the kernel.
+    // SAFETY: the parameters are the entry's (maps of A, B, C, then M, N, K, and for the
+    // slope entry the auxiliary matrix's map); the maps describe views of `g`'s tensors,
+    // which the caller keeps until the stream has run the kernel. The driver copies the
+    // parameters at the launch.
     match launch::SlopeParams::new(&plan)? {
         Some(mut params) => {
             unsafe { launch_entry(dev, (f, &name), grid, raw, &mut params.pointers()) }?
