@@ -3,9 +3,10 @@
 //! first so an element the kernel misses fails: bf16 and f16, shapes that are no multiple
 //! of the 128 x 256 tile and a large one, every operand layout (row-major and transposed
 //! views), fusions with `transpose` and `linear` (a batch folded into the rows), GEMMs the
-//! kernel does not take (which cuBLAS runs), replayed calls and a switch of engines; and
-//! its slope entry (a product times an activation's derivative, which it runs with either
-//! engine) against the CPU backend. `persistent_gemms` (the runtime's counter) tells which engine ran.
+//! kernel does not take (which cuBLAS runs), replayed calls and a switch of engines; its
+//! add entry (accumulating GEMMs, in place and from an addend); and its slope entry (a
+//! product times an activation's derivative, which it runs with either engine) against
+//! the CPU backend. `persistent_gemms` (the runtime's counter) tells which engine ran.
 //!
 //! GPU-only (`#[ignore]`d): run with `--ignored`. Without a CUDA GPU each test skips,
 //! saying so; on a GPU other than compute capability 9.0 each checks only that the
@@ -517,6 +518,77 @@ fn products_times_a_derivative_run_on_the_slope_entry_and_match_the_cpu_backend(
             "rows 98 apart: persistent kernel runs"
         );
         check(&got, &want, "rows 98 apart");
+        Ok(())
+    });
+}
+
+/// `c0 + a @ b` on the device with `engine`, one accumulating `Kernel::Gemm`: in place
+/// (the output holds `c0` first) or, with `addend`, from `c0` as the addend into a
+/// poisoned output; `a` and `b` as stored (see [`product`]).
+fn accumulated(
+    rank: &Rank,
+    engine: GemmEngine,
+    (a, ta): (&Tensor, bool),
+    (b, tb): (&Tensor, bool),
+    (c0, addend): (&Tensor, bool),
+) -> Result<Tensor> {
+    let on_device = |t: &Tensor, transposed: bool| -> Result<Tensor> {
+        let t = rank.to_device(t)?;
+        if transposed {
+            t.permute(&[1, 0])
+        } else {
+            Ok(t)
+        }
+    };
+    let (a, b) = (on_device(a, ta)?, on_device(b, tb)?);
+    let dev = rank.device();
+    let c = rank.to_device(c0)?;
+    let dst = match addend {
+        true => dev.allocate(0, a.dtype(), c0.shape())?,
+        false => c.clone(),
+    };
+    dev.set_gemm_engine(engine);
+    let ran = dev.execute(
+        0,
+        Kernel::Gemm {
+            a: &a,
+            b: &b,
+            bias: None,
+            accumulate: true,
+            addend: addend.then_some(&c),
+            epilogue: &[],
+            dst: &dst,
+        },
+    );
+    dev.set_gemm_engine(GemmEngine::Cublas);
+    ran?;
+    rank.to_host(&dst)
+}
+
+/// From an addend the add entry matches cuBLASLt bit for bit; in place it differs from
+/// cuBLAS's `beta = 1` by up to about one rounding (2.9e-3 in bf16 on one H200,
+/// 2026-11-28), within [`check`]'s tolerance.
+#[test]
+#[ignore = "needs a CUDA GPU; run with --ignored on a GPU machine"]
+fn accumulating_gemms_run_on_the_add_entry_and_match_cublas() {
+    on_gpu(|rank, hopper| {
+        let mut case = 600;
+        for dt in [DType::BF16, DType::F16] {
+            for shape in SHAPES {
+                for layout in [(false, false), (true, false), (false, true)] {
+                    for addend in [false, true] {
+                        case += 1;
+                        let (a, b) = operands(dt, shape, layout, case);
+                        let c0 = Tensor::randn(&[shape.0, shape.1], dt, seed(case, 2));
+                        let what =
+                            format!("{dt} {shape:?} transposed (A, B) {layout:?}, addend {addend}");
+                        against_cublas(&what, u64::from(hopper), |engine| {
+                            accumulated(rank, engine, (&a, layout.0), (&b, layout.1), (&c0, addend))
+                        })?;
+                    }
+                }
+            }
+        }
         Ok(())
     });
 }

@@ -81,8 +81,8 @@ pub enum GemmEngine {
     Cublas,
     /// The runtime's persistent GEMM for Hopper GPUs (compute capability 9.0) where it
     /// applies: bf16 or f16 operands and output of one dtype, row-major or transposed
-    /// operands, no bias, accumulation or epilogue other than an activation's derivative;
-    /// cuBLAS(Lt) for every other GEMM.
+    /// operands, no bias or epilogue other than an activation's derivative, accumulation
+    /// in place or from an addend; cuBLAS(Lt) for every other GEMM.
     Persistent,
 }
 

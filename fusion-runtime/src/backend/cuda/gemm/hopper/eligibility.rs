@@ -27,8 +27,10 @@ pub(crate) struct Request<'a> {
     pub dst: View<'a>,
     pub bias: bool,
     pub epilogue: bool,
+    /// The product is added to `aux` (C itself, or an addend): the add entry's.
     pub accumulate: bool,
-    /// An auxiliary matrix shaped as `dst` that the epilogue reads (the slope entry's).
+    /// An auxiliary matrix shaped as `dst` that the epilogue reads (the slope and add
+    /// entries').
     pub aux: Option<View<'a>>,
 }
 
@@ -146,7 +148,7 @@ pub(crate) fn plan(req: &Request) -> Result<Plan, Refusal> {
     for (asked, what) in [
         (req.bias, "bias"),
         (req.epilogue, "epilogue"),
-        (req.accumulate, "accumulation"),
+        (req.accumulate && req.aux.is_none(), "accumulation"),
     ] {
         if asked {
             return Err(Refusal::Extra(what));
@@ -426,6 +428,11 @@ mod tests {
             g.plan_with_aux(Some((DType::F16, 304, 0x40000))),
             Err(Refusal::DType(..))
         ));
+        // Accumulation takes its C (or addend) as the auxiliary matrix.
+        let mut acc = Gemm::new(200, 296, 136);
+        acc.accumulate = true;
+        assert_eq!(acc.plan(), Err(Refusal::Extra("accumulation")));
+        assert!(acc.plan_with_aux(Some((bf16, 296, 0x300000))).is_ok());
     }
 
     #[test]

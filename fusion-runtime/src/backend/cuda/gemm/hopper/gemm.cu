@@ -275,16 +275,21 @@ __device__ __forceinline__ void apply_epilogue(float* d, u64 bias, int act, int 
     }
 }
 
-// What the slope entry (HOPPER_GEMM_SLOPE) multiplies the product by before its one
-// rounding: the derivative of its activation (ACT_*, a template argument) at an auxiliary
-// matrix shaped as C, of the operands' type, read through `aux_map` (C's map at another
-// address): a backward's dH = (dY W^T) * act'(H) in one kernel. A consumer's 64 x 256
-// block of it is loaded by the copy engine into the consumer's four output pieces when
-// its tile starts (the entry runs with 3 stages and 4 pieces, as the ReduceScatter entry
-// does), so the epilogue reads it from shared memory.
-struct SlopeArgs {
+// What the auxiliary-matrix entries (HOPPER_GEMM_SLOPE, HOPPER_GEMM_ADD) combine the
+// product with before its one rounding: an auxiliary matrix shaped as C, of the operands'
+// type, read through `aux_map` (C's map at another address, or C's own). The slope entry
+// multiplies by the derivative of its activation (ACT_*, a template argument) at it: a
+// backward's dH = (dY W^T) * act'(H) in one kernel. The add entry adds it: C += A B (in
+// place) or C = A B + X, as cuBLAS's beta = 1. A consumer's 64 x 256 block of it is loaded
+// by the copy engine into the consumer's four output pieces after the tile's first k-block
+// (the entries run with 3 stages and 4 pieces, as the ReduceScatter entry does), so the
+// epilogue reads it from shared memory.
+struct AuxArgs {
     TensorMap aux_map;
 };
+
+// The auxiliary-matrix mode of the add entry (the slope entries' is their ACT_* code).
+#define AUX_ADD 100
 
 // The derivative of activation ACT at x, in f32; tanh and the sigmoid as `activate` takes
 // them (the hardware's tanh approximation), erf and exp in full precision.
@@ -311,11 +316,17 @@ template <int ACT> __device__ __forceinline__ float slope(float x) {
     return 1.0f;
 }
 
-// Multiplies a consumer's 64 x 256 accumulators (the layout of `write_piece`) by
-// slope<ACT> of the auxiliary block the copy engine loaded into its four pieces (64 x 64
-// each, in the swizzle `write_piece` writes), read a pair of columns (one word) at a time.
-template <bool F16, int ACT>
-__device__ __forceinline__ void apply_slope(float* d, const unsigned char* pieces) {
+// Combines a consumer's 64 x 256 accumulators (the layout of `write_piece`) with the
+// auxiliary block the copy engine loaded into its four pieces (64 x 64 each, in the swizzle
+// `write_piece` writes), read a pair of columns (one word) at a time: adds it (AUX_ADD) or
+// multiplies by slope<AUX> of it.
+template <int AUX> __device__ __forceinline__ float combine(float d, float x) {
+    if (AUX == AUX_ADD) return d + x;
+    return d * slope<AUX>(x);
+}
+
+template <bool F16, int AUX>
+__device__ __forceinline__ void apply_aux(float* d, const unsigned char* pieces) {
     int t = threadIdx.x % 128;
     int row = (t / 32) * 16 + (t % 32) / 4;
 #pragma unroll
@@ -327,8 +338,8 @@ __device__ __forceinline__ void apply_slope(float* d, const unsigned char* piece
             for (int h = 0; h < 2; ++h) {
                 int r = row + 8 * h, i = 4 * (8 * q + jj) + 2 * h;
                 u32 x = *(const u32*)(piece + r * 128 + ((jj ^ (r % 8)) * 16) + 4 * (t % 4));
-                d[i] *= slope<ACT>(half_to_float((u16)(x & 0xffff), F16));
-                d[i + 1] *= slope<ACT>(half_to_float((u16)(x >> 16), F16));
+                d[i] = combine<AUX>(d[i], half_to_float((u16)(x & 0xffff), F16));
+                d[i + 1] = combine<AUX>(d[i + 1], half_to_float((u16)(x >> 16), F16));
             }
         }
     }
@@ -637,13 +648,13 @@ __device__ __forceinline__ void store_tiles_to_owners(const RsArgs* rs, const Wa
 // WALK (see Walk): WALK_RS a GEMM+ReduceScatter (`rs`, see RsArgs), WALK_AG an
 // AllGather+GEMM (`ag`, see AgArgs); the other is null. With either, `m` is the rows of one
 // row block.
-// SLOPE (a plain walk only): the product times slope<SLOPE>(aux) (`sl`, see SlopeArgs);
-// ACT_NONE: none.
-template <bool F16, bool A_MN, bool B_K, int NS, int NP, int WALK, int SLOPE = ACT_NONE>
+// AUX (a plain walk only): the product combined with an auxiliary matrix (`ax`, see
+// AuxArgs): times slope<AUX>(aux) for an ACT_* code, plus aux for AUX_ADD; ACT_NONE: none.
+template <bool F16, bool A_MN, bool B_K, int NS, int NP, int WALK, int AUX = ACT_NONE>
 __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMap* b_map,
                                           const TensorMap* c_map, int m, int n, int k,
                                           const RsArgs* rs, const AgArgs* ag,
-                                          const SlopeArgs* sl = nullptr) {
+                                          const AuxArgs* ax = nullptr) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~(u64)1023);
     unsigned char* out = smem + NS * STAGE_BYTES;
@@ -651,7 +662,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
     u64* empty = full + NS;
     u64* staged = empty + NS;             // [CONSUMERS][NP], with `rs`
     u64* freed = staged + CONSUMERS * NP; // [CONSUMERS][NP], with `rs`
-    u64* aux_loaded = staged;             // [CONSUMERS], with SLOPE (no `rs`)
+    u64* aux_loaded = staged;             // [CONSUMERS], with AUX (no `rs`)
     int wg = threadIdx.x / 128;
     Walk walk = {WALK, 0, 1, m, 1, BN};
     if (WALK == WALK_RS) walk = {rs->interleave ? WALK_RS_INTERLEAVED : WALK_RS, rs->rank, rs->world, rs->rows_per, 1, BN};
@@ -670,7 +681,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 bar_init(&staged[i], 1);
                 bar_init(&freed[i], 1);
             }
-        if (SLOPE != ACT_NONE)
+        if (AUX != ACT_NONE)
             for (int c = 0; c < CONSUMERS; ++c) bar_init(&aux_loaded[c], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -741,10 +752,10 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         float d[128];
         int stage = 0;
         u32 phase = 0, tile_phase = 0; // tile_phase: RS, peers' tiles staged so far, mod 2;
-        (void)tile_phase;              // SLOPE, auxiliary blocks loaded so far, mod 2
+        (void)tile_phase;              // AUX, auxiliary blocks loaded so far, mod 2
         bool own_stored = false; // RS: this consumer's own tiles stored and counted
         unsigned char* my_pieces = out + consumer * NP * OUT_PIECE_BYTES;
-        // SLOPE: the tile's auxiliary block into this consumer's pieces, once the last
+        // AUX: the tile's auxiliary block into this consumer's pieces, once the last
         // tile's stores have read them (an async-proxy write after the generic writes that
         // `store_tile` fenced); issued after the first k-block, so the wait finds the
         // stores done.
@@ -753,7 +764,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
             stores_read_wait<0>();
             bar_expect_bytes(&aux_loaded[consumer], NP * OUT_PIECE_BYTES);
             for (int q = 0; q < NP; ++q)
-                load_box(my_pieces + q * OUT_PIECE_BYTES, &sl->aux_map, p.col + 64 * q,
+                load_box(my_pieces + q * OUT_PIECE_BYTES, &ax->aux_map, p.col + 64 * q,
                          p.out_row + consumer * 64, &aux_loaded[consumer]);
         };
         (void)load_aux_block;
@@ -793,7 +804,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                 // so its stage goes back to the loader.
                 wgmma_wait<1>();
                 if (prev >= 0 && threadIdx.x % 32 == 0) bar_arrive(&empty[prev]);
-                if constexpr (SLOPE != ACT_NONE) {
+                if constexpr (AUX != ACT_NONE) {
                     if (kb == 0) load_aux_block(p);
                 }
                 prev = stage;
@@ -804,7 +815,7 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
             if (k_blocks == 0) {
 #pragma unroll
                 for (int i = 0; i < 128; ++i) d[i] = 0.f;
-                if constexpr (SLOPE != ACT_NONE) load_aux_block(p);
+                if constexpr (AUX != ACT_NONE) load_aux_block(p);
             }
             int qn = BN / 64; // output pieces of the tile
             unsigned char* pieces = out + consumer * NP * OUT_PIECE_BYTES;
@@ -821,11 +832,11 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
                     apply_epilogue<F16>(d, ag->bias, ag->act, p.col, n);
                 }
             }
-            if constexpr (SLOPE != ACT_NONE) {
+            if constexpr (AUX != ACT_NONE) {
                 static_assert(NP == BN / 64, "the auxiliary block fills the pieces");
                 bar_wait(&aux_loaded[consumer], tile_phase);
                 tile_phase ^= 1;
-                apply_slope<F16, SLOPE>(d, my_pieces);
+                apply_aux<F16, AUX>(d, my_pieces);
             }
             if (WALK != WALK_RS || own) {
                 store_tile<F16, NP>(d, pieces, c_map, consumer, p.out_row + consumer * 64, p.col, qn);
@@ -877,16 +888,18 @@ __device__ __forceinline__ void gemm_body(const TensorMap* a_map, const TensorMa
         gemm_body<F16, A_MN, B_K, STAGES, PIECES, WALK_AG>(&a_map, &b_map, &c_map, m, n, k, nullptr, &ag); \
     }
 
-// A GEMM whose product is multiplied by the derivative of activation ACT (ACT_*) at an
-// auxiliary matrix (see SlopeArgs); 3 stages and 4 pieces a consumer (shared memory:
-// SMEM_FOR(3, 4), within the plain entry's).
-#define HOPPER_GEMM_SLOPE(NAME, F16, A_MN, B_K, ACT)                                          \
+// A GEMM whose product is combined with an auxiliary matrix (see AuxArgs) in mode AUX;
+// 3 stages and 4 pieces a consumer (shared memory: SMEM_FOR(3, 4), within the plain
+// entry's). The slope entries (AUX an ACT_* code) and the add entry (AUX_ADD).
+#define HOPPER_GEMM_AUX(NAME, F16, A_MN, B_K, AUX)                                            \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                 \
     NAME(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,  \
          const __grid_constant__ TensorMap c_map, int m, int n, int k,                       \
-         const __grid_constant__ SlopeArgs sl) {                                            \
-        gemm_body<F16, A_MN, B_K, 3, 4, WALK_PLAIN, ACT>(&a_map, &b_map, &c_map, m, n, k, nullptr, nullptr, &sl); \
+         const __grid_constant__ AuxArgs ax) {                                              \
+        gemm_body<F16, A_MN, B_K, 3, 4, WALK_PLAIN, AUX>(&a_map, &b_map, &c_map, m, n, k, nullptr, nullptr, &ax); \
     }
+#define HOPPER_GEMM_SLOPE(NAME, F16, A_MN, B_K, ACT) HOPPER_GEMM_AUX(NAME, F16, A_MN, B_K, ACT)
+#define HOPPER_GEMM_ADD(NAME, F16, A_MN, B_K) HOPPER_GEMM_AUX(NAME, F16, A_MN, B_K, AUX_ADD)
 
 #ifdef ALL_VARIANTS
 HOPPER_GEMM(hopper_gemm_bf16_nn, false, false, false)
@@ -901,4 +914,5 @@ HOPPER_GEMM_RS(hopper_gemm_rs_f16_nn, true, false, false, 3, 4)
 HOPPER_GEMM_AG(hopper_gemm_ag_bf16_nn, false, false, false)
 HOPPER_GEMM_AG(hopper_gemm_ag_f16_nn, true, false, false)
 HOPPER_GEMM_SLOPE(hopper_gemm_slope3_bf16_nt, false, false, true, ACT_GELU_TANH)
+HOPPER_GEMM_ADD(hopper_gemm_add_bf16_nn, false, false, false)
 #endif

@@ -90,8 +90,11 @@ pub(crate) enum Entry {
     /// (`RsArgs`), with [`RS_STAGES`] stages and [`RS_PIECES`] pieces.
     ReduceScatter,
     /// `HOPPER_GEMM_SLOPE`: a GEMM whose product is multiplied by the derivative of the
-    /// activation `gemm.cu` codes as this `ACT_*` at an auxiliary matrix (`SlopeArgs`).
+    /// activation `gemm.cu` codes as this `ACT_*` at an auxiliary matrix (`AuxArgs`).
     Slope(u8),
+    /// `HOPPER_GEMM_ADD`: a GEMM whose product is added to an auxiliary matrix (`AuxArgs`):
+    /// an accumulating GEMM, in place or from an addend.
+    Add,
 }
 
 /// Operand stages of the ReduceScatter entry: its consumers stage whole tiles for the
@@ -109,6 +112,7 @@ impl Entry {
             Entry::AllGather => ("HOPPER_GEMM_AG", "hopper_gemm_ag".into()),
             Entry::ReduceScatter => ("HOPPER_GEMM_RS", "hopper_gemm_rs".into()),
             Entry::Slope(act) => ("HOPPER_GEMM_SLOPE", format!("hopper_gemm_slope{act}")),
+            Entry::Add => ("HOPPER_GEMM_ADD", "hopper_gemm_add".into()),
         }
     }
 
@@ -117,7 +121,7 @@ impl Entry {
         match self {
             Entry::ReduceScatter => format!(", {RS_STAGES}, {RS_PIECES}"),
             Entry::Slope(act) => format!(", {act}"),
-            Entry::Plain | Entry::AllGather => String::new(),
+            Entry::Plain | Entry::AllGather | Entry::Add => String::new(),
         }
     }
 }
@@ -232,10 +236,14 @@ mod tests {
             + 1024
             + 2 * (RS_STAGES + CONSUMERS * RS_PIECES) * 8;
         assert!(rs <= SMEM_BYTES, "{rs} > {SMEM_BYTES}");
-        // The slope entry runs with the same stages and pieces.
+        // The auxiliary-matrix entries run with the same stages and pieces.
         assert!(v
             .entry_source(Entry::Slope(3))
-            .contains("gemm_body<F16, A_MN, B_K, 3, 4, WALK_PLAIN, ACT>"));
+            .contains("gemm_body<F16, A_MN, B_K, 3, 4, WALK_PLAIN, AUX>"));
+        assert!(v
+            .entry_source(Entry::Add)
+            .trim_end()
+            .ends_with("HOPPER_GEMM_ADD(hopper_gemm_add_bf16_nn, false, false, false)"));
         assert_eq!((RS_STAGES, RS_PIECES), (3, 4));
     }
 
@@ -262,6 +270,7 @@ mod tests {
                 Entry::AllGather,
                 Entry::ReduceScatter,
                 Entry::Slope(3),
+                Entry::Add,
             ] {
                 let name = v.entry_name(entry);
                 let ptx = cudarc::nvrtc::compile_ptx_with_opts(v.entry_source(entry), opts.clone())

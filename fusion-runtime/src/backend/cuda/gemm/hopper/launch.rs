@@ -107,29 +107,30 @@ impl Params {
     }
 }
 
-/// What the slope entry (`HOPPER_GEMM_SLOPE`) takes besides the plain entry's parameters,
-/// laid out as `gemm.cu`'s `SlopeArgs`: the auxiliary matrix's map.
+/// What the auxiliary-matrix entries (`HOPPER_GEMM_SLOPE`, `HOPPER_GEMM_ADD`) take besides
+/// the plain entry's parameters, laid out as `gemm.cu`'s `AuxArgs`: the auxiliary matrix's
+/// map.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
-pub(crate) struct SlopeArgs {
+pub(crate) struct AuxArgs {
     aux_map: TensorMap,
 }
 
-/// The slope entry's parameters: the plain entry's, then its [`SlopeArgs`].
-pub(crate) struct SlopeParams {
+/// An auxiliary-matrix entry's parameters: the plain entry's, then its [`AuxArgs`].
+pub(crate) struct AuxParams {
     plain: Params,
-    slope: SlopeArgs,
+    aux: AuxArgs,
 }
 
-impl SlopeParams {
+impl AuxParams {
     /// The parameters of `plan`, which reads an auxiliary matrix (`None` when it reads none).
-    pub(crate) fn new(plan: &Plan) -> Result<Option<SlopeParams>> {
+    pub(crate) fn new(plan: &Plan) -> Result<Option<AuxParams>> {
         let Some(aux) = &plan.aux else {
             return Ok(None);
         };
-        Ok(Some(SlopeParams {
+        Ok(Some(AuxParams {
             plain: Params::new(plan)?,
-            slope: SlopeArgs {
+            aux: AuxArgs {
                 aux_map: encode(aux, plan.variant.f16)?,
             },
         }))
@@ -138,7 +139,7 @@ impl SlopeParams {
     /// A pointer to each parameter, in the entry's order (valid while `self` is borrowed).
     pub(crate) fn pointers(&mut self) -> [*mut c_void; 7] {
         let [a, b, c, m, n, k] = self.plain.pointers();
-        [a, b, c, m, n, k, (&mut self.slope as *mut SlopeArgs).cast()]
+        [a, b, c, m, n, k, (&mut self.aux as *mut AuxArgs).cast()]
     }
 }
 
@@ -370,11 +371,11 @@ mod tests {
     }
 
     #[test]
-    fn slope_args_are_laid_out_like_the_kernels() {
-        // gemm.cu's SlopeArgs: one map (128 bytes, 64-aligned).
-        assert_eq!(std::mem::offset_of!(SlopeArgs, aux_map), 0);
-        assert_eq!(std::mem::size_of::<SlopeArgs>(), 128);
-        assert_eq!(std::mem::align_of::<SlopeArgs>(), 64);
+    fn aux_args_are_laid_out_like_the_kernels() {
+        // gemm.cu's AuxArgs: one map (128 bytes, 64-aligned).
+        assert_eq!(std::mem::offset_of!(AuxArgs, aux_map), 0);
+        assert_eq!(std::mem::size_of::<AuxArgs>(), 128);
+        assert_eq!(std::mem::align_of::<AuxArgs>(), 64);
     }
 
     #[test]

@@ -4,10 +4,10 @@
 //! [`try_gemm`] runs a GEMM on it where it applies and answers `false` where it does not,
 //! for cuBLAS(Lt) to run it: the device must have compute capability 9.0 (and the shared
 //! memory a block needs), and the GEMM must meet `eligibility`'s rules (bf16/f16, no
-//! extras but an activation's derivative at an auxiliary matrix, layouts and alignment the
+//! extras but an activation's derivative at an auxiliary matrix or accumulation, layouts and alignment the
 //! tensor maps read, batch axes that fold into the rows). A product times a derivative
-//! runs on the slope entry (whatever the engine: the caller decides), any other on the
-//! plain one. The kernel is compiled by NVRTC for `compute_90a` once per variant, entry and
+//! runs on the slope entry (whatever the engine: the caller decides), an accumulating one
+//! (`C += A B`, or an addend's) on the add entry, any other on the plain one. The kernel is compiled by NVRTC for `compute_90a` once per variant, entry and
 //! process (`kernel` assembles its source) and loaded once per device, with its
 //! shared-memory limit raised; each launch encodes three tensor maps (four with the
 //! auxiliary matrix; `launch`) and runs `min(tiles, SMs)` blocks.
@@ -113,14 +113,19 @@ pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs)
         return Ok(false);
     };
     // The slope entry takes a product times an activation's derivative at an auxiliary
-    // matrix; no other auxiliary-matrix epilogue.
-    let (aux, entry) = match g.aux {
-        None => (None, Entry::Plain),
-        Some((x, EpilogueAux::Derivative(op))) => match (view(x), slope_code(op)) {
+    // matrix (no other auxiliary-matrix epilogue); the add entry an accumulating GEMM,
+    // whose auxiliary matrix is the addend, or C itself.
+    let (aux, entry) = match (g.aux, g.accumulate) {
+        (None, false) => (None, Entry::Plain),
+        (None, true) => match view(g.addend.unwrap_or(g.dst)) {
+            Some(c) => (Some(c), Entry::Add),
+            None => return Ok(false),
+        },
+        (Some((x, EpilogueAux::Derivative(op))), _) => match (view(x), slope_code(op)) {
             (Some(x), Some(code)) => (Some(x), Entry::Slope(code)),
             _ => return Ok(false),
         },
-        Some((_, EpilogueAux::PreActivation)) => return Ok(false),
+        (Some((_, EpilogueAux::PreActivation)), _) => return Ok(false),
     };
     let request = Request {
         a,
@@ -143,10 +148,10 @@ pub(crate) fn try_gemm(dev: &dyn GemmDevice, stream: StreamHandle, g: &GemmArgs)
     let grid = plan.tiles().min(u64::from(sms)) as u32;
     let raw = dev.raw_stream(stream)?;
     // SAFETY: the parameters are the entry's (maps of A, B, C, then M, N, K, and for the
-    // slope entry the auxiliary matrix's map); the maps describe views of `g`'s tensors,
+    // slope and add entries the auxiliary matrix's map); the maps describe views of `g`'s tensors,
     // which the caller keeps until the stream has run the kernel. The driver copies the
     // parameters at the launch.
-    match launch::SlopeParams::new(&plan)? {
+    match launch::AuxParams::new(&plan)? {
         Some(mut params) => {
             unsafe { launch_entry(dev, (f, &name), grid, raw, &mut params.pointers()) }?
         }
