@@ -111,41 +111,30 @@ fn against_cublas(what: &str, runs: u64, run: impl Fn(GemmEngine) -> Result<Tens
     Ok(())
 }
 
+/// `t` through `upload`, as the GEMM reads it: a transposed operand (given as stored)
+/// as the permuted view of its stored matrix.
+fn stored(
+    upload: &dyn Fn(&Tensor) -> Result<Tensor>,
+    t: &Tensor,
+    transposed: bool,
+) -> Result<Tensor> {
+    let t = upload(t)?;
+    if transposed {
+        t.permute(&[1, 0])
+    } else {
+        Ok(t)
+    }
+}
+
 /// `a @ b` on the device with `engine`, one `Kernel::Gemm` into a poisoned output; `a` and
 /// `b` are given as stored (transposed operands as their `[K, M]` and `[N, K]` matrices).
 fn product(
     rank: &Rank,
     engine: GemmEngine,
-    (a, ta): (&Tensor, bool),
-    (b, tb): (&Tensor, bool),
+    a: (&Tensor, bool),
+    b: (&Tensor, bool),
 ) -> Result<Tensor> {
-    let on_device = |t: &Tensor, transposed: bool| -> Result<Tensor> {
-        let t = rank.to_device(t)?;
-        if transposed {
-            t.permute(&[1, 0])
-        } else {
-            Ok(t)
-        }
-    };
-    let (a, b) = (on_device(a, ta)?, on_device(b, tb)?);
-    let dev = rank.device();
-    let dst = dev.allocate(0, a.dtype(), &[a.shape()[0], b.shape()[1]])?;
-    dev.set_gemm_engine(engine);
-    let ran = dev.execute(
-        0,
-        Kernel::Gemm {
-            a: &a,
-            b: &b,
-            bias: None,
-            accumulate: false,
-            addend: None,
-            epilogue: &[],
-            dst: &dst,
-        },
-    );
-    dev.set_gemm_engine(GemmEngine::Cublas);
-    ran?;
-    rank.to_host(&dst)
+    accumulated(rank, engine, a, b, None)
 }
 
 /// Random stored operands of an `m x n x k` GEMM in `dt`, transposed ones as stored.
@@ -410,15 +399,7 @@ fn product_times_slope(
     (b, tb): (&Tensor, bool),
     (held, op): (&Tensor, fusion::compiler::ir::UnaryOp),
 ) -> Result<Tensor> {
-    let on_device = |t: &Tensor, transposed: bool| -> Result<Tensor> {
-        let t = upload(t)?;
-        if transposed {
-            t.permute(&[1, 0])
-        } else {
-            Ok(t)
-        }
-    };
-    let (a, b) = (on_device(a, ta)?, on_device(b, tb)?);
+    let (a, b) = (stored(upload, a, ta)?, stored(upload, b, tb)?);
     let (m, n) = (a.shape()[0], b.shape()[1]);
     let aux = upload(held)?.narrow(1, 0, n)?;
     let dst = dev.allocate(0, a.dtype(), &[m, n])?;
@@ -522,30 +503,26 @@ fn products_times_a_derivative_run_on_the_slope_entry_and_match_the_cpu_backend(
     });
 }
 
-/// `c0 + a @ b` on the device with `engine`, one accumulating `Kernel::Gemm`: in place
-/// (the output holds `c0` first) or, with `addend`, from `c0` as the addend into a
-/// poisoned output; `a` and `b` as stored (see [`product`]).
+/// `a @ b` on the device with `engine`, one `Kernel::Gemm`; with `acc = (c0, addend)`
+/// accumulating: `c0 + a @ b` in place (the output holds `c0` first) or, with `addend`, from
+/// `c0` as the addend; the output poisoned first where it holds nothing. `a` and `b` as
+/// stored (see [`product`]).
 fn accumulated(
     rank: &Rank,
     engine: GemmEngine,
     (a, ta): (&Tensor, bool),
     (b, tb): (&Tensor, bool),
-    (c0, addend): (&Tensor, bool),
+    acc: Option<(&Tensor, bool)>,
 ) -> Result<Tensor> {
-    let on_device = |t: &Tensor, transposed: bool| -> Result<Tensor> {
-        let t = rank.to_device(t)?;
-        if transposed {
-            t.permute(&[1, 0])
-        } else {
-            Ok(t)
-        }
-    };
-    let (a, b) = (on_device(a, ta)?, on_device(b, tb)?);
+    let upload = |t: &Tensor| rank.to_device(t);
+    let (a, b) = (stored(&upload, a, ta)?, stored(&upload, b, tb)?);
     let dev = rank.device();
-    let c = rank.to_device(c0)?;
-    let dst = match addend {
-        true => dev.allocate(0, a.dtype(), c0.shape())?,
-        false => c.clone(),
+    let c = acc.map(|(c0, _)| rank.to_device(c0)).transpose()?;
+    let shape = [a.shape()[0], b.shape()[1]];
+    let (dst, addend) = match (acc, &c) {
+        (Some((_, false)), Some(c)) => (c.clone(), None),
+        (Some((_, true)), Some(c)) => (dev.allocate(0, a.dtype(), &shape)?, Some(c)),
+        _ => (dev.allocate(0, a.dtype(), &shape)?, None),
     };
     dev.set_gemm_engine(engine);
     let ran = dev.execute(
@@ -554,8 +531,8 @@ fn accumulated(
             a: &a,
             b: &b,
             bias: None,
-            accumulate: true,
-            addend: addend.then_some(&c),
+            accumulate: acc.is_some(),
+            addend,
             epilogue: &[],
             dst: &dst,
         },
@@ -583,7 +560,13 @@ fn accumulating_gemms_run_on_the_add_entry_and_match_cublas() {
                         let what =
                             format!("{dt} {shape:?} transposed (A, B) {layout:?}, addend {addend}");
                         against_cublas(&what, u64::from(hopper), |engine| {
-                            accumulated(rank, engine, (&a, layout.0), (&b, layout.1), (&c0, addend))
+                            accumulated(
+                                rank,
+                                engine,
+                                (&a, layout.0),
+                                (&b, layout.1),
+                                Some((&c0, addend)),
+                            )
                         })?;
                     }
                 }
